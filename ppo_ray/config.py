@@ -1,0 +1,373 @@
+"""PPOConfig: one config tree for a PPO run.
+
+The first block of fields is the seeds' PPOConfig, with the seeds' names and defaults
+(../shared/seeds: model_name ... top_p). Everything after it is what PPO needs and the
+seeds leave out; each field has a one-line doc (the attribute docstring under it).
+
+A config is built three ways, all validated the same way (in ``__post_init__``):
+
+    PPOConfig(kl_coef=0.05)                      # Python
+    PPOConfig.from_yaml("configs/tiny.yaml")     # a YAML file
+    PPOConfig.from_args(["--config", "configs/tiny.yaml", "--kl_coef", "0.05"])  # the CLI
+
+Invalid values and unknown keys raise ``ConfigError`` naming the field (and, for an
+unknown key, the closest valid name). This module imports nothing of ours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import yaml
+
+# The LoRA targets of a Qwen3/Llama-style decoder: every attention and MLP projection.
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# Stand-in for the embedded tiny model (built on first use by ppo_ray.tiny_model).
+TINY_MODEL = "embedded:tiny"
+
+
+class ConfigError(ValueError):
+    """A config value, key or file that cannot be used. The message names it."""
+
+
+@dataclass
+class PPOConfig:
+    # ---------------------------------------------------------------- the seeds' fields
+    model_name: str = "Qwen/Qwen3-0.6B-Base"
+    """Policy base model: a hub id, a local HF directory, or "embedded:tiny" / "embedded:small"."""
+    lora_r: int = 16
+    """LoRA rank of the policy (and value) adapters."""
+    lora_alpha: int = 32
+    """LoRA scaling numerator: the update is (lora_alpha / lora_r) * B @ A."""
+    lora_dropout: float = 0.1
+    """Dropout on the LoRA input during training (the N+ recipe uses 0: it breaks ratio == 1)."""
+    learning_rate: float = 1e-5
+    """Adam learning rate of the policy LoRA."""
+    value_learning_rate: float = 1e-4
+    """Adam learning rate of the value model (its own optimiser)."""
+    batch_size: int = 32
+    """Prompts per PPO step (one rollout per prompt)."""
+    max_new_tokens: int = 10
+    """Maximum response length in tokens."""
+    gamma: float = 0.99
+    """Discount factor in the TD errors and GAE."""
+    lam: float = 0.95
+    """GAE lambda."""
+    kl_coef: float = 0.1
+    """beta: weight of the per-token KL penalty to the reference (SFT) model in the reward."""
+    clip_epsilon: float = 0.2
+    """PPO-clip epsilon: the ratio is clipped to [1 - eps, 1 + eps]."""
+    temperature: float = 1.0
+    """Sampling temperature; every logprob (generator, learner, reference) is of logits / temperature."""
+    top_k: int = 50
+    """Top-k truncation at sampling (0 or -1 = off); the learner applies the same truncation."""
+    top_p: float = 0.95
+    """Top-p (nucleus) truncation at sampling (1.0 = off); the learner applies the same truncation."""
+
+    # ---------------------------------------------------------------- models
+    ref_model_name: Optional[str] = None
+    """Reference (SFT) model for the KL penalty; None = model_name (the policy's frozen base)."""
+    reward_model_name: Optional[str] = None
+    """Reward model (AutoModelForSequenceClassification, num_labels=1); None = reward functions only."""
+    reward_funcs: list[str] = field(default_factory=list)
+    """Reward functions as "module:function", each (prompts, completions) -> list[float]."""
+    reward_weights: list[float] = field(default_factory=list)
+    """Weights of [reward model, *reward_funcs] in the summed score; empty = all 1.0."""
+    value_model_name: Optional[str] = None
+    """Base of the value model; None = model_name. (N+ initialises it from the reward model.)"""
+    lora_target_modules: list[str] = field(default_factory=lambda: list(ALL_PROJECTIONS))
+    """Modules that receive LoRA adapters (default: all attention and MLP projections)."""
+    dtype: str = "float32"
+    """Compute dtype of every model: float32, bfloat16 or float16."""
+
+    # ---------------------------------------------------------------- PPO
+    ppo_epochs: int = 4
+    """Passes over the step's rollouts."""
+    mini_batch_size: Optional[int] = None
+    """Rollouts per optimiser step; None = batch_size (one minibatch, as in the N+ recipe)."""
+    micro_batch_size: int = 8
+    """Rollouts per forward/backward (gradient accumulation up to mini_batch_size)."""
+    value_clip: Optional[float] = 0.2
+    """Value clipping range around the old values; None = no clipping."""
+    max_grad_norm: Optional[float] = 1.0
+    """Gradient-norm clip per optimiser step; None = no clipping."""
+    whiten_advantages: bool = True
+    """Whiten advantages over the step's real tokens."""
+    whiten_rewards: bool = False
+    """Whiten the per-token shaped rewards before GAE (N+ recipe: off)."""
+    kl_estimator: str = "k1"
+    """Per-token KL estimator in the reward: k1 (logp - logp_ref, the seeds'), k2 or k3."""
+    reward_shaping: str = "last_token"
+    """last_token: score on the last real token, -beta*KL on every token; every_token: the seeds' literal r'_t = R - beta*KL_t."""
+    missing_eos_penalty: Optional[float] = None
+    """Score that replaces the reward of a response with no EOS (N+ uses -1); None = off."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight in the policy loss."""
+    loss_agg: str = "token_mean"
+    """Loss aggregation: token_mean (over all real tokens of a minibatch) or seq_mean_token_mean."""
+    nonfinite_reward: str = "error"
+    """What a NaN/inf score does: error (names the prompt) or drop (sample masked out and counted)."""
+
+    # ---------------------------------------------------------------- prompts and data
+    max_prompt_length: int = 512
+    """Prompt length limit in tokens."""
+    prompt_truncation: str = "error"
+    """An over-long prompt: error (names its index) or left (keep the last max_prompt_length tokens)."""
+    dataset: str = "bundled"
+    """Prompt dataset: "bundled" (the embedded TL;DR-style task), a local JSONL/parquet file, or a hub id."""
+    prompt_column: str = "prompt"
+    """Column that holds the prompt text."""
+
+    # ---------------------------------------------------------------- run
+    seed: int = 0
+    """One seed for prompt order, sampling, dropout and initialisation."""
+    steps: int = 20
+    """PPO steps that train() runs."""
+    output_dir: str = "runs"
+    """Parent folder of run directories."""
+    checkpoint_every: int = 0
+    """Checkpoint every N steps (and at the end); 0 = only at the end."""
+
+    # ---------------------------------------------------------------- placement and engines
+    num_generators: int = 1
+    """vLLM generator replicas; prompts are split across them."""
+    generator_num_cpus: float = 1.0
+    """CPUs reserved per generator actor."""
+    generator_num_gpus: float = 0.0
+    """GPUs (fractional allowed) per generator actor; 0 on a CPU-only machine."""
+    learner_num_cpus: float = 1.0
+    """CPUs reserved for the learner actor."""
+    learner_num_gpus: float = 0.0
+    """GPUs per learner actor."""
+    scorer_num_cpus: float = 0.0
+    """CPUs reserved per scorer actor (reference, reward); they are idle while others run."""
+    scorer_num_gpus: float = 0.0
+    """GPUs per scorer actor."""
+    lora_sync: str = "adapter"
+    """How the generator takes new LoRA weights: adapter (vLLM LoRARequest) or merged (merged into the base)."""
+    vllm_kv_cache_gib: Optional[float] = None
+    """KV-cache size for vLLM on the CPU in GiB; None = a small default."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """Fraction of GPU memory vLLM may take on a GPU (it shares the device with the learner by default)."""
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        self._coerce_all()
+        self._validate()
+
+    def _coerce_all(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _coerce(f.name, getattr(self, f.name), hints[f.name]))
+
+    def _validate(self) -> None:
+        def need(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ConfigError(f"config field '{name}' = {getattr(self, name)!r} is invalid: {rule}")
+
+        for name in ("gamma", "lam"):
+            need(0.0 <= getattr(self, name) <= 1.0, name, "must be in [0, 1]")
+        need(self.clip_epsilon > 0, "clip_epsilon", "must be > 0")
+        need(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        need(self.temperature > 0, "temperature", "must be > 0")
+        need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        need(self.top_k == -1 or self.top_k >= 0, "top_k", "must be >= 0 (0 or -1 = off)")
+        for name in ("batch_size", "lora_r", "lora_alpha", "max_new_tokens", "ppo_epochs",
+                     "micro_batch_size", "max_prompt_length", "num_generators", "steps"):
+            need(getattr(self, name) >= 1, name, "must be >= 1")
+        need(0.0 <= self.lora_dropout < 1.0, "lora_dropout", "must be in [0, 1)")
+        for name in ("learning_rate", "value_learning_rate"):
+            need(getattr(self, name) > 0, name, "must be > 0")
+        need(self.mini_batch_size is None or 1 <= self.mini_batch_size <= self.batch_size,
+             "mini_batch_size", f"must be in [1, batch_size={self.batch_size}]")
+        mb = self.mini_batch_size or self.batch_size
+        need(self.batch_size % mb == 0, "mini_batch_size", f"must divide batch_size={self.batch_size}")
+        need(self.value_clip is None or self.value_clip > 0, "value_clip", "must be > 0 or null")
+        need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or null")
+        need(self.entropy_coef >= 0, "entropy_coef", "must be >= 0")
+        need(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
+        need(self.vllm_kv_cache_gib is None or self.vllm_kv_cache_gib > 0, "vllm_kv_cache_gib", "must be > 0 or null")
+        need(0.0 < self.vllm_gpu_memory_utilization <= 1.0, "vllm_gpu_memory_utilization", "must be in (0, 1]")
+        for name in ("generator_num_cpus", "generator_num_gpus", "learner_num_cpus", "learner_num_gpus",
+                     "scorer_num_cpus", "scorer_num_gpus"):
+            need(getattr(self, name) >= 0, name, "must be >= 0")
+        choices = {
+            "kl_estimator": ("k1", "k2", "k3"),
+            "reward_shaping": ("last_token", "every_token"),
+            "loss_agg": ("token_mean", "seq_mean_token_mean"),
+            "nonfinite_reward": ("error", "drop"),
+            "prompt_truncation": ("error", "left"),
+            "lora_sync": ("adapter", "merged"),
+            "dtype": ("float32", "bfloat16", "float16"),
+        }
+        for name, allowed in choices.items():
+            need(getattr(self, name) in allowed, name, f"must be one of {list(allowed)}")
+        need(len(self.lora_target_modules) > 0, "lora_target_modules", "must name at least one module")
+        for spec in self.reward_funcs:
+            need(_is_func_spec(spec), "reward_funcs", f"entry {spec!r} must look like 'package.module:function'")
+        n_sources = len(self.reward_funcs) + (self.reward_model_name is not None)
+        need(not self.reward_weights or len(self.reward_weights) == n_sources, "reward_weights",
+             f"needs one weight per reward source ({n_sources}: reward model first, then reward_funcs)")
+        need(all(math.isfinite(w) for w in self.reward_weights), "reward_weights", "must be finite")
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def effective_mini_batch_size(self) -> int:
+        return self.mini_batch_size or self.batch_size
+
+    @property
+    def lora_scaling(self) -> float:
+        return self.lora_alpha / self.lora_r
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    def replace(self, **changes: Any) -> "PPOConfig":
+        _check_keys(changes, source="replace()")
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> "PPOConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a mapping of field: value, got {type(data).__name__}")
+        _check_keys(data, source)
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> "PPOConfig":
+        data = read_yaml(path)
+        _check_keys(overrides, source="overrides")
+        data.update(overrides)
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str]) -> "PPOConfig":
+        """`--config FILE` (optional) then `--field value` overrides, as launch.py passes them."""
+        config, _ = parse_overrides(argv)
+        return config
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist (or is not a file)")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping of field: value")
+    return data
+
+
+def parse_overrides(argv: Sequence[str]) -> tuple[PPOConfig, list[str]]:
+    """Parse `--config FILE` and `--field value` / `--field=value` pairs.
+
+    Every `--name` must be a config field (or --config); any other is an error naming it
+    and the closest field. Values are parsed as YAML scalars (`--value_clip null`,
+    `--reward_funcs a:f,b:g`). Returns the config and the positional arguments.
+    """
+    argv = list(argv)
+    config_path: Optional[str] = None
+    overrides: dict[str, Any] = {}
+    positional: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            positional.append(arg)
+            i += 1
+            continue
+        name, eq, value = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"command-line option --{name} needs a value")
+            value = argv[i + 1]
+            i += 1
+        i += 1
+        if name == "config":
+            config_path = value
+        else:
+            overrides[name] = yaml.safe_load(value) if value != "" else ""
+    _check_keys(overrides, source="command line", prefix="--")
+    base = read_yaml(config_path) if config_path else {}
+    _check_keys(base, source=str(config_path))
+    base.update(overrides)
+    return PPOConfig(**base), positional
+
+
+# ---------------------------------------------------------------------- helpers
+def _check_keys(data: dict[str, Any], source: str, prefix: str = "") -> None:
+    valid = PPOConfig.field_names()
+    for key in data:
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.5)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+            raise ConfigError(f"{source}: unknown config key {prefix}{key}{hint}")
+
+
+def _is_func_spec(spec: str) -> bool:
+    module, sep, func = spec.partition(":")
+    return bool(sep) and all(p.isidentifier() for p in module.split(".")) and func.isidentifier()
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """Coerce a YAML/CLI value to the field's type, or raise ConfigError naming the field."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is typing.Union:  # Optional[X]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        inner = [a for a in args if a is not type(None)][0]
+        return _coerce(name, value, inner)
+    if origin is list:
+        if isinstance(value, str):
+            value = [v for v in (s.strip() for s in value.split(",")) if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config field '{name}' = {value!r} must be a list")
+        return [_coerce(name, v, args[0]) for v in value]
+    try:
+        if hint is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+                return value.lower() in ("true", "1", "yes")
+            raise TypeError
+        if hint is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise TypeError
+            return int(value)
+        if hint is float:
+            if isinstance(value, bool):
+                raise TypeError
+            out = float(value)
+            if math.isnan(out):
+                raise TypeError
+            return out
+        if hint is str:
+            if not isinstance(value, str):
+                raise TypeError
+            return value
+    except (TypeError, ValueError):
+        pass
+    else:
+        return value
+    raise ConfigError(f"config field '{name}' = {value!r} must be of type {getattr(hint, '__name__', hint)}")

@@ -1,0 +1,85 @@
+"""PPOConfig: the seeds' fields and defaults, YAML + CLI loading, and clear errors."""
+
+import pytest
+
+from ppo_ray.config import ConfigError, PPOConfig, parse_overrides
+
+SEED_DEFAULTS = dict(
+    model_name="Qwen/Qwen3-0.6B-Base", lora_r=16, lora_alpha=32, lora_dropout=0.1,
+    learning_rate=1e-5, value_learning_rate=1e-4, batch_size=32, max_new_tokens=10,
+    gamma=0.99, lam=0.95, kl_coef=0.1, clip_epsilon=0.2, temperature=1.0, top_k=50, top_p=0.95,
+)
+
+
+def test_seed_fields_and_defaults():
+    cfg = PPOConfig()
+    for name, value in SEED_DEFAULTS.items():
+        assert getattr(cfg, name) == value, name
+        assert type(getattr(cfg, name)) is type(value), name
+
+
+def test_keyword_override():
+    assert PPOConfig(kl_coef=0.05).kl_coef == 0.05
+
+
+@pytest.mark.parametrize("field,value", [
+    ("gamma", 1.5), ("gamma", -0.1), ("lam", 2.0), ("lam", -1.0), ("clip_epsilon", 0.0),
+    ("kl_coef", -0.01), ("temperature", 0.0), ("top_p", 0.0), ("top_p", 1.01),
+    ("batch_size", 0), ("lora_r", 0), ("max_new_tokens", 0), ("ppo_epochs", 0),
+    ("lora_dropout", 1.0), ("kl_estimator", "k4"), ("learning_rate", 0.0),
+    ("mini_batch_size", 5), ("dtype", "int8"), ("top_k", -3),
+])
+def test_invalid_values_name_the_field(field, value):
+    with pytest.raises(ConfigError, match=f"'{field}'"):
+        PPOConfig(**{field: value})
+
+
+def test_wrong_type_names_the_field():
+    with pytest.raises(ConfigError, match="'batch_size'"):
+        PPOConfig(batch_size="many")
+    with pytest.raises(ConfigError, match="'gamma'"):
+        PPOConfig.from_args(["--gamma", "abc"])
+
+
+def test_yaml_then_cli_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("kl_coef: 0.2\nbatch_size: 8\nvalue_clip: null\nreward_funcs: [a.b:c]\n")
+    cfg = PPOConfig.from_yaml(path)
+    assert (cfg.kl_coef, cfg.batch_size, cfg.value_clip, cfg.reward_funcs) == (0.2, 8, None, ["a.b:c"])
+    cfg, pos = parse_overrides(["ppo", "--config", str(path), "--kl_coef", "0.05", "--top_k=0"])
+    assert (cfg.kl_coef, cfg.batch_size, cfg.top_k, pos) == (0.05, 8, 0, ["ppo"])
+
+
+def test_round_trip(tmp_path):
+    cfg = PPOConfig(kl_coef=0.03, reward_funcs=["m:f"], value_clip=None)
+    cfg.to_yaml(tmp_path / "c.yaml")
+    assert PPOConfig.from_yaml(tmp_path / "c.yaml") == cfg
+
+
+def test_unknown_key_suggests_closest(tmp_path):
+    with pytest.raises(ConfigError, match=r"--kl_coeff; did you mean --kl_coef\?"):
+        PPOConfig.from_args(["--kl_coeff", "0.1"])
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rat: 1e-5\n")
+    with pytest.raises(ConfigError, match=r"c.yaml.*learning_rat; did you mean learning_rate"):
+        PPOConfig.from_yaml(path)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        PPOConfig.from_yaml(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kl_coef: [0.1\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        PPOConfig.from_yaml(bad)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        PPOConfig.from_yaml(lst)
+
+
+def test_reward_specs_validated():
+    with pytest.raises(ConfigError, match="reward_funcs"):
+        PPOConfig(reward_funcs=["not a spec"])
+    with pytest.raises(ConfigError, match="reward_weights"):
+        PPOConfig(reward_funcs=["m:f"], reward_weights=[1.0, 2.0])
