@@ -1,0 +1,1 @@
+"""Learner side of ppo-ray: the PPO math (``learner.algos``) and the training step."""

@@ -1,0 +1,729 @@
+"""PPO-for-RLHF math as pure tensor functions.
+
+Conventions used by every function in this module:
+
+* Shapes: ``B`` = batch of responses, ``T`` = response length (padded), ``V`` = vocab.
+  Per-token quantities are ``(B, T)``; sequence-level quantities are ``(B,)``.
+* One mask convention: ``mask`` is a **bool** tensor ``(B, T)`` over response tokens,
+  ``True`` = real response token. Responses are right padded; a response ends at its
+  first EOS, and that EOS is a real token (``True``). Build it with
+  :func:`response_mask_from_ids`.
+* Values at masked positions never influence any output (value or gradient): inputs are
+  selected with ``torch.where`` rather than multiplied by the mask, because
+  ``0 * nan == nan`` and ``0 * inf == nan``, and padding may hold garbage (a model's
+  logits/values at pad positions, -inf logprobs of pad tokens, ...). Outputs at masked
+  positions are 0 unless a docstring says otherwise.
+* Reductions over tokens go through :func:`masked_mean` (or :func:`agg_loss`, which
+  uses it), which returns 0 instead of NaN for an all-False mask.
+* Nothing here reads a tensor back to the host (no ``.item()``), logs, or takes a
+  config object; hyper-parameters are plain Python numbers.
+
+References cited in comments:
+
+* [N+] Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO: A Case Study
+  on TL;DR Summarization" (and its code, ``vwxyzjn/summarize_from_feedback_details``).
+* [CleanRL] ``vwxyzjn/cleanrl`` ``ppo.py`` (approx-KL, clipfrac, explained variance).
+* [Schulman] J. Schulman, "Approximating KL Divergence" (2020 blog post): k1/k2/k3.
+* [GAE] Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized
+  Advantage Estimation".
+* [PPO] Schulman et al. 2017, "Proximal Policy Optimization Algorithms".
+* [TRL] ``huggingface/trl`` ``core.py`` / ``ppo_trainer.py`` (masked_whiten, value clip).
+* [vLLM] ``vllm/v1/sample/sampler.py`` and ``vllm/v1/sample/ops/topk_topp_sampler.py``
+  (vLLM 0.32), for :func:`logprobs_from_logits`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+Tensor = torch.Tensor
+
+# vLLM clamps 0 < temperature < 1e-2 up to 1e-2 (SamplingParams.__post_init__, _MAX_TEMP)
+# and treats temperature < 1e-5 as greedy; neither is the sampling distribution that
+# logprobs_from_logits reproduces, so we refuse such temperatures instead of guessing.
+_MIN_TEMPERATURE = 1e-2
+
+KL_KINDS = ("k1", "k2", "k3")
+REWARD_MODES = ("last_token", "every_token")
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean")
+
+
+# --------------------------------------------------------------------------------------
+# masks and reductions
+# --------------------------------------------------------------------------------------
+
+
+def _check_mask(mask: Tensor) -> Tensor:
+    if mask.dtype != torch.bool:
+        raise TypeError(
+            f"mask must be a bool tensor (True = real response token), got {mask.dtype}"
+        )
+    return mask
+
+
+def first_true_indices(bools: Tensor) -> Tensor:
+    """Index of the first ``True`` along the last dim.
+
+    Args:
+        bools: bool ``(..., T)``.
+
+    Returns:
+        long ``(...)``: index of the first True in each row, or ``T`` if the row has
+        none. Same trick as [N+] ``first_true_indices`` (min over index-or-T), no loop.
+    """
+    row_len = bools.size(-1)
+    idx = torch.arange(row_len, device=bools.device)
+    not_true = torch.full_like(idx, row_len)
+    return torch.where(bools, idx, not_true).amin(dim=-1)
+
+
+def response_mask_from_ids(
+    response_ids: Tensor,
+    eos_token_id: int | Sequence[int] | None,
+    pad_token_id: int | None,
+) -> Tensor:
+    """Bool response mask from right-padded response token ids.
+
+    Args:
+        response_ids: long ``(B, T)``, each row a generated response right padded with
+            ``pad_token_id``.
+        eos_token_id: id (or ids, e.g. several stop tokens) that end a response; None if
+            responses have no EOS.
+        pad_token_id: padding id, or None if there is no padding.
+
+    Returns:
+        bool ``(B, T)``: True from position 0 up to and including the first EOS; False
+        after it. A row without EOS is real up to its first pad (its length), i.e. all
+        tokens before the first pad. A pad before the first EOS ends the response.
+
+        If ``pad_token_id`` is also an EOS id (e.g. GPT-2, where pad = eos), the first
+        occurrence of it is read as the EOS and included; later ones are padding.
+    """
+    B, T = response_ids.shape
+    device = response_ids.device
+    if eos_token_id is None:
+        eos_ids: list[int] = []
+    elif isinstance(eos_token_id, int):
+        eos_ids = [eos_token_id]
+    else:
+        eos_ids = [int(e) for e in eos_token_id]
+    no_hit = torch.full((B,), T, dtype=torch.long, device=device)
+    if eos_ids:
+        is_eos = torch.isin(response_ids, torch.tensor(eos_ids, device=device))
+        # +1: the EOS itself is part of the response (it is sampled and gets reward/KL).
+        end_eos = first_true_indices(is_eos) + 1
+    else:
+        end_eos = no_hit + 1
+    if pad_token_id is not None and pad_token_id not in eos_ids:
+        end_pad = first_true_indices(response_ids == pad_token_id)
+    else:
+        end_pad = no_hit
+    end = torch.minimum(torch.minimum(end_eos, end_pad), no_hit)  # (B,) exclusive end
+    return torch.arange(T, device=device) < end.unsqueeze(-1)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
+    """Mean of ``x`` over the True positions of ``mask``.
+
+    Args:
+        x: ``(B, T)`` (any shape ``mask`` broadcasts to).
+        mask: bool, True = include.
+        dim: reduce over these dims; None = over all elements (a 0-dim tensor).
+
+    Returns:
+        The masked mean; 0 (not NaN) where no position is True. Masked entries of ``x``
+        (even NaN/inf) do not affect the value or the gradient.
+    """
+    mask = _check_mask(mask).expand_as(x)
+    total = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    if dim is None:
+        total, count = total.sum(), mask.sum()
+    else:
+        total, count = total.sum(dim), mask.sum(dim)
+    # clamp: an all-False mask gives 0 / 1 = 0 instead of 0 / 0 = NaN.
+    return total / count.clamp(min=1).to(total.dtype)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of ``x`` over all True positions of ``mask`` (a 0-dim tensor).
+
+    Args:
+        x: ``(B, T)``.
+        mask: bool ``(B, T)``, True = include.
+        unbiased: Bessel's correction (divide by n - 1), as [TRL] ``masked_var``.
+
+    Returns:
+        The variance; 0 when fewer than 1 (biased) or 2 (unbiased) positions are True
+        (where TRL raises, we return 0 so a degenerate micro-batch cannot NaN a run).
+    """
+    mask = _check_mask(mask).expand_as(x)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    x = torch.where(mask, x, zero)
+    mean = masked_mean(x, mask)
+    centered = torch.where(mask, x - mean, zero)
+    n = mask.sum().to(x.dtype)
+    denom = (n - 1) if unbiased else n
+    return centered.square().sum() / denom.clamp(min=1)
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """Whiten ``x`` with the mean/std of its real tokens (batch-level statistics).
+
+    ``(x - mean) / sqrt(var + eps)`` with mean and unbiased var over all True positions,
+    as [TRL] ``masked_whiten`` / [N+] (advantage whitening, detail "normalize
+    advantages"). ``shift_mean=False`` adds the mean back (only rescale), which [N+]
+    uses for rewards. Statistics are over this tensor only: under data parallelism each
+    shard whitens with its own statistics unless the caller gathers them.
+
+    Args:
+        x: ``(B, T)``.
+        mask: bool ``(B, T)``, True = real token.
+
+    Returns:
+        ``(B, T)``, 0 at masked positions.
+    """
+    mask = _check_mask(mask).expand_as(x)
+    # Select first: in (x - mean) * rsqrt(var) the backward multiplies the incoming
+    # gradient (0 at masked positions) by x - mean, and 0 * nan = nan would reach var.
+    x = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask, unbiased=True)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask, whitened, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def agg_loss(
+    loss_mat: Tensor,
+    mask: Tensor,
+    mode: str = "token_mean",
+    normalizer: float | Tensor | None = None,
+) -> Tensor:
+    """Aggregate a per-token loss ``(B, T)`` into a scalar.
+
+    Modes:
+        ``"token_mean"``: mean over all real tokens of the batch (every token weighs the
+        same, long responses weigh more) -- [N+]/[TRL]. With ``normalizer``: sum over
+        real tokens / normalizer.
+        ``"seq_mean_token_mean"``: per-row mean over its real tokens, then mean over rows
+        that have at least one real token (every response weighs the same). With
+        ``normalizer``: sum of those row means / normalizer.
+
+    ``normalizer`` (float or 0-dim tensor, > 0) is for gradient accumulation over
+    micro-batches / data-parallel shards: pass the total number of real tokens (or of
+    non-empty rows for ``seq_mean_token_mean``) in the full batch, and the sum of the
+    micro-batch losses equals the full-batch loss (value and gradient).
+
+    Args:
+        loss_mat: ``(B, T)`` per-token loss.
+        mask: bool ``(B, T)``, True = real token. Masked entries never matter.
+
+    Returns:
+        0-dim tensor.
+    """
+    mask = _check_mask(mask)
+    if mode == "token_mean":
+        if normalizer is None:
+            return masked_mean(loss_mat, mask)
+        zero = torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device)
+        return torch.where(mask, loss_mat, zero).sum() / normalizer
+    if mode == "seq_mean_token_mean":
+        row_mean = masked_mean(loss_mat, mask, dim=-1)  # (B,), 0 for empty rows
+        nonempty = mask.any(dim=-1)
+        if normalizer is None:
+            return masked_mean(row_mean, nonempty)
+        zero = torch.zeros((), dtype=row_mean.dtype, device=row_mean.device)
+        return torch.where(nonempty, row_mean, zero).sum() / normalizer
+    raise ValueError(f"unknown loss_agg mode {mode!r}; valid: {LOSS_AGG_MODES}")
+
+
+# --------------------------------------------------------------------------------------
+# log-probs and entropy from logits
+# --------------------------------------------------------------------------------------
+
+
+def _float_scaled_logits(
+    logits: Tensor, temperature: float, mask: Tensor | None
+) -> tuple[Tensor, bool]:
+    """float32 ``logits / temperature``, rows at masked positions replaced by 0.
+
+    Makes at most one (B, T, V) copy: ``.float()`` of bf16 input is the copy and the
+    rest happens in place on it; float32 input is copied once by the first op that needs
+    to change it. Returns ``(x, owned)``; ``owned`` = x is such a private copy (safe to
+    modify in place), False when x is the caller's ``logits`` itself.
+    """
+    if temperature < _MIN_TEMPERATURE:
+        raise ValueError(
+            f"temperature must be >= {_MIN_TEMPERATURE} (got {temperature}): vLLM treats "
+            "temperature < 1e-5 as greedy and clamps (0, 1e-2) up to 1e-2, neither of "
+            "which is a sampling distribution to take log-probs under"
+        )
+    x = logits.float()  # vLLM: logits.to(torch.float32) before any processing
+    owned = x is not logits
+    if temperature != 1.0:
+        # vLLM Sampler.apply_temperature divides by a float32 *tensor* (true division).
+        # Divide by a float32 device tensor too: a Python scalar divisor may be turned
+        # into multiplication by its reciprocal (CUDA), which rounds differently.
+        temp = torch.full((1,), temperature, dtype=torch.float32, device=x.device)
+        x = x.div_(temp) if owned else x / temp
+        owned = True
+    if mask is not None:
+        # Padding rows may hold NaN/inf logits; a uniform row keeps log_softmax and its
+        # backward finite there (their gradient is then exactly 0, not 0 * NaN).
+        keep_row = _check_mask(mask).unsqueeze(-1)
+        if owned:
+            x = x.masked_fill_(~keep_row, 0.0)
+        else:
+            x = torch.where(keep_row, x, torch.zeros((), dtype=x.dtype, device=x.device))
+            owned = True
+    return x, owned
+
+
+def _vllm_top_k_top_p_keep(x: Tensor, top_k: int | None, top_p: float | None) -> Tensor:
+    """Which vocab entries survive vLLM's top-k/top-p truncation (bool, shape of ``x``).
+
+    Mirrors ``apply_top_k_top_p_pytorch`` / ``apply_top_k_only`` from
+    ``vllm/v1/sample/ops/topk_topp_sampler.py`` (vLLM 0.32) op for op on rows of
+    ``x`` (float32, already temperature-scaled); see :func:`logprobs_from_logits`.
+    """
+    V = x.size(-1)
+    rows = x.reshape(-1, V)
+    if top_p is None:
+        # apply_top_k_only (the path vLLM takes for top-k without top-p on CPU; the sort
+        # path below computes the same threshold): mask logits strictly below the k-th
+        # largest logit, so every token tied with the k-th largest is kept (>= k kept).
+        kth = rows.topk(top_k, dim=-1).values[:, top_k - 1 :]
+        keep = ~(rows < kth)
+        return keep.reshape(x.shape)
+
+    logits_sort, logits_idx = rows.sort(dim=-1, descending=False)
+    keep_sort = torch.ones_like(logits_sort, dtype=torch.bool)
+    if top_k is not None:
+        # Ascending sort: the k-th largest logit is at index V - k; drop strictly smaller.
+        kth = logits_sort[:, V - top_k : V - top_k + 1]
+        below = logits_sort < kth
+        logits_sort.masked_fill_(below, float("-inf"))
+        keep_sort &= ~below
+    # Top-p over the temperature-scaled, top-k-truncated distribution (renormalised by
+    # this softmax). Ascending cumulative mass; drop a token when the mass at or below
+    # it is <= 1 - p, i.e. keep the smallest top set whose mass reaches p. vLLM's p is a
+    # float32 tensor, so 1 - p is computed in float32 here too.
+    probs_sum = logits_sort.softmax(dim=-1)
+    probs_sum = torch.cumsum(probs_sum, dim=-1, out=probs_sum)
+    one_minus_p = 1 - torch.full((1, 1), top_p, dtype=torch.float32, device=x.device)
+    top_p_drop = probs_sum <= one_minus_p
+    top_p_drop[:, -1] = False  # vLLM: "at least one" -- the largest logit always stays
+    keep_sort &= ~top_p_drop
+    # Back to vocab order (vLLM scatters the masked sorted logits back with logits_idx).
+    keep = torch.empty_like(keep_sort).scatter_(-1, logits_idx, keep_sort)
+    return keep.reshape(x.shape)
+
+
+def logprobs_from_logits(
+    logits: Tensor,
+    tokens: Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    mask: Tensor | None = None,
+) -> Tensor:
+    """Log-probs of ``tokens`` under the sampling distribution vLLM samples from.
+
+    ``log softmax(truncate(logits / temperature))[tokens]`` in float32, equal (up to
+    float rounding of the final log-softmax, ~1e-6) to what vLLM returns with
+    ``logprobs_mode="processed_logprobs"`` for the same logits and sampling params.
+
+    Mirrors vLLM 0.32: ``Sampler.forward`` / ``Sampler.sample`` /
+    ``Sampler.apply_temperature`` (``vllm/v1/sample/sampler.py``): logits to float32,
+    divide by temperature; then ``TopKTopPSampler.forward_native`` / ``forward_cpu`` ->
+    ``apply_top_k_top_p`` -> ``apply_top_k_top_p_pytorch`` / ``apply_top_k_only``
+    (``vllm/v1/sample/ops/topk_topp_sampler.py``): top-k, then top-p over the
+    top-k-truncated, temperature-scaled distribution; dropped tokens get -inf logits;
+    then ``log_softmax(dim=-1, dtype=float32)`` renormalises over the kept tokens.
+    Semantics copied:
+
+    * top-k keeps every token whose logit is >= the k-th largest logit (ties with the
+      k-th are all kept, so possibly more than k). ``top_k`` in ``{None, 0, -1}`` or
+      ``>= V`` disables it (vLLM ``InputBatch.add_request``).
+    * top-p sorts ascending, cumsums the softmax, drops tokens with cumulative mass
+      ``<= 1 - p`` (float32), and always keeps the largest-logit token (vLLM's "at
+      least one"). ``top_p`` of None or 1.0 disables it.
+
+    Known divergence: on CUDA builds with Triton, vLLM uses
+    ``apply_top_k_top_p_triton`` (``ops/topk_topp_triton.py``), which keeps *exactly* k
+    tokens on ties at the k-th logit (lowest vocab index first), picks the top-p cut by
+    a pivot search, and rounds differently; it can disagree with this reference only for
+    tokens exactly at the truncation boundary. A sampled token dropped by our mask gets
+    logprob -inf.
+
+    Not mirrored (must be off in the rollout engine): min_p, penalties, logit bias,
+    bad words, allowed-token lists, custom logits processors; greedy sampling
+    (temperature < 1e-2 raises ValueError).
+
+    Args:
+        logits: float ``(B, T, V)`` (bf16/fp16/fp32); position ``t`` predicts
+            ``tokens[:, t]`` (the caller has already shifted by one).
+        tokens: long ``(B, T)``.
+        temperature: sampling temperature (> 0).
+        top_k, top_p: vLLM's sampling params.
+        mask: optional bool ``(B, T)``, True = real token; if given, logits and tokens at
+            masked positions are ignored (may be garbage/out of range) and the output
+            there is 0 with zero gradient.
+
+    Returns:
+        float32 ``(B, T)``.
+
+    Memory: without truncation, one float32 copy of the logits at most (only for
+    non-fp32 input or temperature != 1) plus the log-sum-exp workspace -- log-probs come
+    from ``gather - logsumexp``, the full log-softmax is never materialised. With top-p,
+    the sort needs (B, T, V) values + indices, as in vLLM.
+    """
+    V = logits.size(-1)
+    if top_k is not None and (
+        isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1
+    ):
+        raise ValueError(f"top_k must be an int: 0 or -1 (off) or >= 1, got {top_k!r}")
+    if top_p is not None and not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    use_k = top_k is not None and 0 < top_k < V
+    use_p = top_p is not None and top_p < 1.0
+
+    x, owned = _float_scaled_logits(logits, temperature, mask)
+    tokens = tokens.long()
+    if mask is not None:
+        tokens = torch.where(mask, tokens, torch.zeros_like(tokens))  # pads may be >= V
+    if use_k or use_p:
+        with torch.no_grad():
+            keep = _vllm_top_k_top_p_keep(
+                x.detach(), top_k if use_k else None, top_p if use_p else None
+            )
+        # Dropped tokens -> -inf, exactly like vLLM's masked logits; the log-sum-exp
+        # below then renormalises over the kept tokens. Gradient flows to kept logits.
+        x = x.masked_fill_(~keep, float("-inf")) if owned else x.masked_fill(~keep, float("-inf"))
+    token_logits = x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    logp = token_logits - torch.logsumexp(x, dim=-1)
+    if mask is not None:
+        logp = torch.where(mask, logp, torch.zeros((), dtype=logp.dtype, device=logp.device))
+    return logp
+
+
+def entropy_from_logits(logits: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
+    """Per-token entropy of ``softmax(logits / temperature)`` (no top-k/top-p).
+
+    ``H = logsumexp(x) - sum_v softmax(x)_v * x_v``, computed in float32. The caller
+    reduces it, e.g. ``masked_mean(entropy, mask)``.
+
+    Args:
+        logits: float ``(B, T, V)``.
+        mask: bool ``(B, T)``, True = real token; masked rows may hold garbage.
+
+    Returns:
+        float32 ``(B, T)``, 0 at masked positions (with zero gradient there).
+    """
+    x, _ = _float_scaled_logits(logits, temperature, mask)
+    probs = torch.softmax(x, dim=-1)
+    # einsum contracts V without materialising probs * x.
+    entropy = torch.logsumexp(x, dim=-1) - torch.einsum("...v,...v->...", probs, x)
+    return torch.where(mask, entropy, torch.zeros((), dtype=entropy.dtype, device=entropy.device))
+
+
+# --------------------------------------------------------------------------------------
+# KL, rewards, advantages
+# --------------------------------------------------------------------------------------
+
+
+def kl_penalty(
+    logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k1", mask: Tensor | None = None
+) -> Tensor:
+    """Per-token KL estimate between the policy and the reference (SFT) policy.
+
+    With ``log_ratio = logprobs - ref_logprobs`` on tokens sampled from the policy
+    ([Schulman] estimators of KL(pi || pi_ref)):
+
+    * ``"k1"`` (default): ``log_ratio`` -- the seeds' ``KL_t = log pi(a|s) -
+      log pi_sft(a|s)``; unbiased, can be negative per token ([N+], [TRL] "kl").
+    * ``"k2"``: ``0.5 * log_ratio**2``; biased, non-negative, low variance.
+    * ``"k3"``: ``exp(-log_ratio) - (-log_ratio) - 1`` = ``r - log r - 1`` with
+      ``r = pi_ref / pi``; Schulman's unbiased, non-negative estimator. Computed with
+      ``expm1`` so it stays >= 0 for tiny ratios.
+
+    Args:
+        logprobs, ref_logprobs: ``(B, T)``.
+        kind: one of ``KL_KINDS``.
+        mask: optional bool ``(B, T)``; if given, the output is 0 at masked positions
+            (otherwise it is elementwise, garbage in -> garbage out at those positions).
+
+    Returns:
+        ``(B, T)``.
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"unknown KL kind {kind!r}; valid kinds: {KL_KINDS}")
+    log_ratio = logprobs - ref_logprobs
+    if mask is not None:
+        zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
+        log_ratio = torch.where(_check_mask(mask), log_ratio, zero)
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    neg = -log_ratio  # log(pi_ref / pi)
+    return torch.expm1(neg) - neg  # = exp(neg) - neg - 1, k3 is 0 where masked
+
+
+def shape_rewards(
+    scores: Tensor,
+    kl: Tensor,
+    mask: Tensor,
+    kl_coef: float | Tensor,
+    mode: str = "last_token",
+) -> Tensor:
+    """Per-token rewards from sequence scores and a per-token KL penalty.
+
+    Modes:
+        ``"last_token"`` (default; [N+], [TRL], OpenRLHF): ``r_t = -kl_coef * KL_t`` on
+        every real token, plus ``score`` on the last real token of the row (the
+        reward model scores the whole response once).
+        ``"every_token"``: the seeds' literal formula ``r'_t = R - beta * KL_t`` on every
+        real token. Note this adds the score on every token, so the undiscounted return
+        carries ``len(response) * R``: the score's weight grows with response length.
+
+    Args:
+        scores: ``(B,)`` sequence rewards R.
+        kl: ``(B, T)`` per-token KL (e.g. :func:`kl_penalty`).
+        mask: bool ``(B, T)``, True = real token.
+        kl_coef: beta, float or tensor broadcastable to ``(B, T)`` (e.g. adaptive KL).
+
+    Returns:
+        ``(B, T)``; 0 at masked positions. A row with no real tokens is all zeros (its
+        score is dropped: there is no token to carry it).
+    """
+    mask = _check_mask(mask)
+    zero = torch.zeros((), dtype=kl.dtype, device=kl.device)
+    kl = torch.where(mask, kl, zero)  # select first (kl_coef may be a tensor with grad)
+    score_bt = scores.to(kl.dtype).unsqueeze(-1).expand_as(kl)
+    if mode == "last_token":
+        T = mask.size(-1)
+        # Last True index per row (T - 1 - first True of the flipped row); -1 if none,
+        # which matches no position.
+        last = (T - 1) - first_true_indices(mask.flip(-1))
+        is_last = torch.arange(T, device=mask.device) == last.unsqueeze(-1)
+        rewards = -kl_coef * kl + torch.where(is_last, score_bt, zero)
+    elif mode == "every_token":
+        rewards = score_bt - kl_coef * kl
+    else:
+        raise ValueError(f"unknown reward mode {mode!r}; valid: {REWARD_MODES}")
+    return torch.where(mask, rewards, zero)
+
+
+def compute_td_errors(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """TD errors ``delta_t = r_t + gamma * V_{t+1} - V_t``.
+
+    ``V_{t+1}`` is taken as 0 when position ``t + 1`` is not a real token, i.e. after
+    the last real token (the EOS is terminal; a response truncated at the length limit
+    is treated as terminal too, as in [N+]). With right padding that is exactly "0
+    at/after the last real token"; a hole inside a row would also act as a terminal.
+
+    Args:
+        rewards, values: ``(B, T)``; masked entries may be garbage.
+        mask: bool ``(B, T)``, True = real token.
+        gamma: discount.
+
+    Returns:
+        ``(B, T)``, 0 at masked positions.
+    """
+    mask = _check_mask(mask)
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    r = torch.where(mask, rewards, zero)
+    v = torch.where(mask, values, zero)
+    next_v = torch.cat([v[..., 1:], torch.zeros_like(v[..., :1])], dim=-1)
+    return torch.where(mask, r + gamma * next_v - v, zero)
+
+
+def compute_gae_advantages(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+) -> Tensor:
+    """Generalized Advantage Estimation ([GAE]): ``A_t = sum_i (gamma*lam)^i delta_{t+i}``.
+
+    Computed with the reverse recursion ``A_t = delta_t + gamma*lam*A_{t+1}`` over T,
+    vectorised over B, from :func:`compute_td_errors` (so ``V = 0`` past the end). The
+    recursion restarts at masked positions (``A = 0`` there), consistent with the
+    terminal rule of the TD errors. Returns raw advantages; whitening is
+    :func:`masked_whiten`'s job. Call under ``torch.no_grad()`` in PPO (advantages are
+    targets), though it is differentiable.
+
+    Args:
+        rewards, values: ``(B, T)``; masked entries may be garbage.
+        mask: bool ``(B, T)``, True = real token.
+        gamma, lam: discount and GAE lambda.
+
+    Returns:
+        ``(B, T)``, 0 at masked positions.
+    """
+    mask = _check_mask(mask)
+    deltas = compute_td_errors(rewards, values, mask, gamma)
+    T = deltas.size(-1)
+    zero = torch.zeros((), dtype=deltas.dtype, device=deltas.device)
+    last = torch.zeros_like(deltas[..., 0])
+    out = []
+    for t in reversed(range(T)):  # reverse recursion over T is inherent to GAE
+        last = torch.where(mask[..., t], deltas[..., t] + gamma * lam * last, zero)
+        out.append(last)
+    return torch.stack(out[::-1], dim=-1)
+
+
+def compute_returns(advantages: Tensor, values: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Value targets ``G_t = A_t + V_t`` (the lambda-return when A is GAE, [N+]).
+
+    Args:
+        advantages: ``(B, T)`` raw (un-whitened) advantages.
+        values: ``(B, T)`` values used to compute them.
+        mask: optional bool ``(B, T)``; if given, 0 at masked positions (otherwise
+            masked positions hold whatever ``A + V`` is there).
+
+    Returns:
+        ``(B, T)``.
+    """
+    returns = advantages + values
+    if mask is None:
+        return returns
+    zero = torch.zeros((), dtype=returns.dtype, device=returns.device)
+    return torch.where(_check_mask(mask), returns, zero)
+
+
+# --------------------------------------------------------------------------------------
+# losses and diagnostics
+# --------------------------------------------------------------------------------------
+
+
+def ppo_clip_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_epsilon: float,
+    loss_agg: str = "token_mean",
+    normalizer: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate loss ([PPO] eq. 7), to minimise.
+
+    ``L = -E[min(rho * A, clip(rho, 1 - eps, 1 + eps) * A)]``, ``rho = exp(logp - logp_old)``,
+    written as ``max(-A*rho, -A*clip(rho))`` per token ([N+], [TRL]) and aggregated by
+    :func:`agg_loss`. At ``rho = 1`` the gradient w.r.t. ``logprobs`` is ``-A / N``
+    (REINFORCE) for ``token_mean`` over N real tokens.
+
+    Args:
+        logprobs: ``(B, T)`` current policy log-probs (with grad).
+        old_logprobs: ``(B, T)`` rollout-policy log-probs (no grad needed).
+        advantages: ``(B, T)`` (usually whitened).
+        mask: bool ``(B, T)``, True = real token; masked entries may be garbage.
+        clip_epsilon: eps.
+        loss_agg, normalizer: see :func:`agg_loss`.
+
+    Returns:
+        ``(loss, stats)``; loss is a 0-dim tensor. ``stats`` (detached 0-dim tensors, means
+        over real tokens of this call's batch):
+        ``"clipfrac"``: fraction of tokens where the clipped term is the active one
+        (strictly larger loss, i.e. clipping changed the objective), [N+]/[TRL];
+        ``"approx_kl"``: mean of ``(rho - 1) - log rho``, the k3 estimator of
+        KL(old || new) as logged by [CleanRL] (not ``0.5 * logratio**2``);
+        ``"ratio_mean"``, ``"ratio_max"``, ``"ratio_min"``: of rho (max/min are 0 when there
+        is no real token).
+    """
+    mask = _check_mask(mask)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    logratio = torch.where(mask, logprobs - old_logprobs, zero)
+    ratio = torch.exp(logratio)
+    adv = torch.where(mask, advantages.to(logprobs.dtype), zero)
+    pg_loss_unclipped = -adv * ratio
+    pg_loss_clipped = -adv * torch.clamp(ratio, 1.0 - clip_epsilon, 1.0 + clip_epsilon)
+    loss_mat = torch.maximum(pg_loss_unclipped, pg_loss_clipped)
+    loss = agg_loss(loss_mat, mask, loss_agg, normalizer)
+
+    with torch.no_grad():
+        any_real = mask.any()
+        ratio_d = ratio.detach()
+        stats = {
+            "clipfrac": masked_mean((pg_loss_clipped > pg_loss_unclipped).to(ratio_d.dtype), mask),
+            "approx_kl": masked_mean((ratio_d - 1) - logratio.detach(), mask),
+            "ratio_mean": masked_mean(ratio_d, mask),
+            "ratio_max": torch.where(
+                any_real, torch.where(mask, ratio_d, float("-inf")).amax(), zero
+            ),
+            "ratio_min": torch.where(
+                any_real, torch.where(mask, ratio_d, float("inf")).amin(), zero
+            ),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    old_values: Tensor | None = None,
+    clip: float | None = None,
+    loss_agg: str = "token_mean",
+    normalizer: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Value-function loss ``0.5 * (V - G)^2``, optionally PPO-clipped.
+
+    The 0.5 makes the gradient ``(V - G)`` ([N+], [TRL] ``vf_loss = 0.5 * ...``;
+    ``vf_coef`` then weights it against the policy loss). With ``clip`` = c, the
+    pessimistic PPO value clipping of OpenAI baselines / [N+]:
+    ``max((V - G)^2, (clip(V, V_old - c, V_old + c) - G)^2)``.
+
+    Args:
+        values: ``(B, T)`` current value predictions (with grad).
+        returns: ``(B, T)`` targets G.
+        mask: bool ``(B, T)``, True = real token; masked entries may be garbage.
+        old_values: ``(B, T)`` rollout-time values; required when ``clip`` is given.
+        clip: value clip range c, or None for no clipping.
+        loss_agg, normalizer: see :func:`agg_loss`.
+
+    Returns:
+        ``(loss, stats)``; ``stats["vf_clipfrac"]``: fraction of real tokens where the
+        clipped term is the active (strictly larger) one; 0 without clipping.
+    """
+    mask = _check_mask(mask)
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    v = torch.where(mask, values, zero)
+    g = torch.where(mask, returns.to(values.dtype), zero)
+    loss_unclipped = (v - g).square()
+    if clip is None:
+        loss_mat = loss_unclipped
+        vf_clipfrac = torch.zeros((), dtype=values.dtype, device=values.device)
+    else:
+        if old_values is None:
+            raise ValueError("value_loss: clip needs old_values")
+        v_old = torch.where(mask, old_values.to(values.dtype), zero)
+        v_clipped = torch.clamp(v, v_old - clip, v_old + clip)
+        loss_clipped = (v_clipped - g).square()
+        loss_mat = torch.maximum(loss_unclipped, loss_clipped)
+        with torch.no_grad():
+            vf_clipfrac = masked_mean((loss_clipped > loss_unclipped).to(values.dtype), mask)
+    loss = 0.5 * agg_loss(loss_mat, mask, loss_agg, normalizer)
+    return loss, {"vf_clipfrac": vf_clipfrac.detach()}
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """``1 - Var[G - V] / Var[G]`` over real tokens ([CleanRL], population variances).
+
+    1 = perfect value function, 0 = no better than a constant, < 0 = worse.
+
+    Args:
+        values, returns: ``(B, T)``.
+        mask: bool ``(B, T)``, True = real token.
+
+    Returns:
+        0-dim tensor; NaN when ``Var[G] == 0`` (undefined, as in [CleanRL]/SB3).
+    """
+    mask = _check_mask(mask)
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    v = torch.where(mask, values, zero)
+    g = torch.where(mask, returns.to(values.dtype), zero)
+    var_g = masked_var(g, mask, unbiased=False)
+    var_res = masked_var(g - v, mask, unbiased=False)
+    return torch.where(var_g == 0, torch.full_like(var_g, float("nan")), 1 - var_res / var_g)
