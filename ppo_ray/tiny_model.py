@@ -1,0 +1,413 @@
+"""The embedded default model: a tiny, deterministic Qwen3-architecture causal LM.
+
+Tests and the CPU default configuration need a model that exists without network
+access. This module builds one from scratch: a byte-level BPE tokenizer trained on
+the bundled text ``ppo_ray/assets/tiny_corpus.txt`` and a randomly initialised
+(seeded, std 0.02) ``Qwen3ForCausalLM``. It is written as an ordinary Hugging Face
+model directory with ``save_pretrained`` (``config.json``, ``generation_config.json``,
+``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``), so every code
+path that loads ``Qwen/Qwen3-0.6B-Base`` (``AutoTokenizer``, ``AutoModelForCausalLM``,
+``AutoModelForSequenceClassification``, PEFT, vLLM) loads it the same way.
+
+Public API::
+
+    build_tiny_model(out_dir=None, size="tiny") -> pathlib.Path
+    PRESETS                          # {"tiny": {...}, "small": {...}}
+    EOS_TOKEN, PAD_TOKEN             # "<|endoftext|>", "<|pad|>"
+    default_cache_dir() -> pathlib.Path
+    content_hash(size="tiny") -> str
+    corpus_text() -> str
+    corpus_documents() -> list[str]
+    tldr_examples() -> list[dict]    # {"subreddit", "title", "post", "summary"}
+
+Command line: ``python -m ppo_ray.tiny_model [--size small] [--out DIR]`` prints the
+directory.
+
+Design choices (kept close to Qwen3-0.6B-Base where it matters):
+
+* Architecture: ``head_dim`` is 64 because vLLM's CPU attention rejects smaller heads.
+  ``tie_word_embeddings=True`` and ``rope_theta=1e6`` as in Qwen3-0.6B; vLLM's Qwen3
+  implementation ties ``lm_head`` to ``embed_tokens`` and skips the (absent)
+  ``lm_head.weight``. float32 weights.
+* Tokenizer: GPT-2 style byte-level BPE (ByteLevel pre-tokenizer, decoder and
+  post-processor, no normalizer), so any Unicode text round-trips exactly. The 256
+  byte symbols come first (ids 0..255), then the merges, then the two special tokens
+  at the END of the vocabulary like Qwen's added tokens: ``<|endoftext|>`` (EOS) at
+  ``vocab_size - 2`` and ``<|pad|>`` at ``vocab_size - 1``. Pad is never EOS (a project
+  invariant) and no special token has id 0, so code that pads with 0 or confuses pad
+  and EOS gets caught by tests. ``len(tokenizer) == config.vocab_size``.
+* BOS: like Qwen3, the tokenizer has no BOS token and adds none; ``config.json`` and
+  ``generation_config.json`` carry ``bos_token_id == eos_token_id`` exactly as
+  Qwen3-0.6B-Base does (only used by HF ``generate`` when it is given no input).
+* ``tokenizer_class`` is the generic tokenizers-backed class (``TokenizersBackend``,
+  a.k.a. ``PreTrainedTokenizerFast``), which loads ``tokenizer.json`` verbatim. (The
+  ``Qwen2Tokenizer`` class would rebuild the pipeline with Qwen's regex and an NFC
+  normalizer, which would break exact round trips.)
+* Determinism: the tokenizer trainer is deterministic for a fixed corpus (checked
+  across processes with different hash seeds); weights come from a local
+  ``torch.Generator`` (global RNG state is saved and restored); all files are written
+  by ``save_pretrained`` with no timestamps. Rebuilding gives bit-identical files.
+* Caching: ``$PPO_RAY_CACHE`` (default ``~/.cache/ppo_ray``) / ``qwen3-{size}-{hash16}``
+  where the hash covers the builder version, the preset, the corpus bytes and the
+  versions of torch/transformers/tokenizers/safetensors. Builds go to a temporary
+  directory beside the target and are renamed into place, so a crash never leaves
+  a half-written model and concurrent builders (pytest, several Ray workers) are safe.
+
+Importing this module has no side effects (heavy libraries are imported lazily).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import errno
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import tempfile
+import time
+from typing import Any
+
+__all__ = [
+    "BUILDER_VERSION",
+    "EOS_TOKEN",
+    "PAD_TOKEN",
+    "PRESETS",
+    "build_tiny_model",
+    "content_hash",
+    "corpus_documents",
+    "corpus_text",
+    "default_cache_dir",
+    "tldr_examples",
+]
+
+# Bump whenever the builder's output changes for the same preset and corpus.
+BUILDER_VERSION = 1
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+# Document separator in the bundled corpus (a line of its own).
+DOC_SEPARATOR = "\n" + EOS_TOKEN + "\n"
+
+CORPUS_RESOURCE = "assets/tiny_corpus.txt"
+BUILD_INFO_FILE = "ppo_ray_tiny_model.json"
+CACHE_ENV = "PPO_RAY_CACHE"
+_EXPECTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", BUILD_INFO_FILE)
+
+_ARCH_COMMON: dict[str, Any] = {
+    "head_dim": 64,  # vLLM CPU attention needs 64 (16 is rejected)
+    "hidden_act": "silu",
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,  # as Qwen3-0.6B
+    "tie_word_embeddings": True,  # as Qwen3-0.6B
+    "initializer_range": 0.02,
+    "seed": 0,
+    "bpe_min_frequency": 1,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # 361,344 parameters: fast enough for unit tests (HF and vLLM).
+    "tiny": {
+        **_ARCH_COMMON,
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 256,
+    },
+    # 25,175,552 parameters: for CPU benchmarks.
+    "small": {
+        **_ARCH_COMMON,
+        "vocab_size": 2048,
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "intermediate_size": 1536,
+    },
+}
+
+
+# --------------------------------------------------------------------------- corpus
+
+
+def _corpus_bytes() -> bytes:
+    try:
+        from importlib import resources
+
+        return resources.files("ppo_ray").joinpath(CORPUS_RESOURCE).read_bytes()
+    except (ModuleNotFoundError, FileNotFoundError, TypeError):  # pragma: no cover - fallback
+        return (pathlib.Path(__file__).resolve().parent / CORPUS_RESOURCE).read_bytes()
+
+
+def corpus_text() -> str:
+    """The bundled corpus (UTF-8 text, documents separated by ``<|endoftext|>`` lines)."""
+    return _corpus_bytes().decode("utf-8")
+
+
+def corpus_documents() -> list[str]:
+    """The bundled corpus split into documents (separator lines removed)."""
+    docs = [d.strip("\n") for d in corpus_text().split(DOC_SEPARATOR)]
+    return [d for d in docs if d.strip()]
+
+
+_TLDR_RE = re.compile(
+    r"\ASUBREDDIT: r/(?P<subreddit>[^\n]+)\n\nTITLE: (?P<title>[^\n]+)\n\n"
+    r"POST: (?P<post>.+?)\n\nTL;DR: (?P<summary>.+)\Z",
+    re.DOTALL,
+)
+
+
+def tldr_examples() -> list[dict[str, str]]:
+    """The Reddit-TL;DR-style documents of the corpus, parsed.
+
+    Each is ``{"subreddit", "title", "post", "summary"}``; the document text is
+    ``f"SUBREDDIT: r/{subreddit}\\n\\nTITLE: {title}\\n\\nPOST: {post}\\n\\nTL;DR: {summary}"``.
+    """
+    out = []
+    for doc in corpus_documents():
+        m = _TLDR_RE.match(doc)
+        if m:
+            out.append({k: m.group(k).strip() for k in ("subreddit", "title", "post", "summary")})
+    return out
+
+
+# --------------------------------------------------------------------------- hashing / cache
+
+
+def _preset(size: str) -> dict[str, Any]:
+    try:
+        return copy.deepcopy(PRESETS[size])
+    except KeyError:
+        raise ValueError(f"unknown tiny model size {size!r}; choose one of {sorted(PRESETS)}") from None
+
+
+def _library_versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    out = {}
+    for name in ("torch", "transformers", "tokenizers", "safetensors"):
+        try:
+            out[name] = version(name)
+        except Exception:  # pragma: no cover - a source checkout without metadata
+            out[name] = "unknown"
+    return out
+
+
+def _build_info(size: str) -> dict[str, Any]:
+    return {
+        "builder": "ppo_ray.tiny_model",
+        "builder_version": BUILDER_VERSION,
+        "size": size,
+        "preset": _preset(size),
+        "corpus_sha256": hashlib.sha256(_corpus_bytes()).hexdigest(),
+        "versions": _library_versions(),
+    }
+
+
+def content_hash(size: str = "tiny") -> str:
+    """sha256 (hex) of the builder version, preset, corpus and library versions."""
+    blob = json.dumps(_build_info(size), sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def default_cache_dir() -> pathlib.Path:
+    """``$PPO_RAY_CACHE`` or ``~/.cache/ppo_ray``."""
+    env = os.environ.get(CACHE_ENV)
+    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "ppo_ray"
+
+
+def _is_complete(path: pathlib.Path, digest: str) -> bool:
+    try:
+        info = json.loads((path / BUILD_INFO_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return info.get("content_hash") == digest and all((path / f).is_file() for f in _EXPECTED_FILES)
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _train_tokenizer(preset: dict[str, Any]):
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    n_special = 2
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=preset["vocab_size"] - n_special,
+        min_frequency=preset["bpe_min_frequency"],
+        show_progress=False,
+        special_tokens=[],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus_documents(), trainer=trainer)
+    if tok.get_vocab_size() != preset["vocab_size"] - n_special:
+        raise RuntimeError(
+            f"BPE training produced {tok.get_vocab_size()} tokens, expected "
+            f"{preset['vocab_size'] - n_special}: the corpus is too small for this vocab_size"
+        )
+    # Special tokens go at the end of the vocabulary (like Qwen's added tokens).
+    tok.add_special_tokens(
+        [
+            AddedToken(EOS_TOKEN, special=True, normalized=False),
+            AddedToken(PAD_TOKEN, special=True, normalized=False),
+        ]
+    )
+    assert tok.get_vocab_size() == preset["vocab_size"]
+    return tok
+
+
+def _write_model(dest: pathlib.Path, size: str, digest: str) -> None:
+    """Build everything into the (existing, empty) directory ``dest``."""
+    import torch
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    preset = _preset(size)
+    raw_tok = _train_tokenizer(preset)
+    eos_id = raw_tok.token_to_id(EOS_TOKEN)
+    pad_id = raw_tok.token_to_id(PAD_TOKEN)
+    assert eos_id != pad_id
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw_tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        bos_token=None,
+        unk_token=None,
+        model_max_length=preset["max_position_embeddings"],
+        padding_side="right",
+        truncation_side="right",
+        clean_up_tokenization_spaces=False,
+    )
+
+    config = Qwen3Config(
+        vocab_size=preset["vocab_size"],
+        hidden_size=preset["hidden_size"],
+        intermediate_size=preset["intermediate_size"],
+        num_hidden_layers=preset["num_hidden_layers"],
+        num_attention_heads=preset["num_attention_heads"],
+        num_key_value_heads=preset["num_key_value_heads"],
+        head_dim=preset["head_dim"],
+        hidden_act=preset["hidden_act"],
+        max_position_embeddings=preset["max_position_embeddings"],
+        initializer_range=preset["initializer_range"],
+        rms_norm_eps=preset["rms_norm_eps"],
+        tie_word_embeddings=preset["tie_word_embeddings"],
+        rope_parameters={"rope_type": "default", "rope_theta": preset["rope_theta"]},
+        max_window_layers=preset["num_hidden_layers"],
+        use_sliding_window=False,
+        bos_token_id=eos_id,  # as Qwen3-0.6B-Base: bos id == eos id, tokenizer adds no BOS
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",
+    )
+
+    # Construct under a forked global RNG (HF's own init draws from it), then
+    # overwrite every weight from a local generator: deterministic, and the
+    # caller's global torch RNG state is left untouched.
+    with torch.random.fork_rng(devices=[]):
+        model = Qwen3ForCausalLM(config)
+    gen = torch.Generator(device="cpu").manual_seed(int(preset["seed"]))
+    std = float(preset["initializer_range"])
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if param.ndim >= 2:  # embeddings and linear projections
+                param.copy_(torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+            elif name.endswith("norm.weight"):  # RMSNorm scales (incl. q_norm/k_norm)
+                param.fill_(1.0)
+            else:  # biases (none in Qwen3 without attention_bias)
+                param.zero_()
+        # HF zero-initialises the padding_idx row of the embedding; do the same.
+        model.get_input_embeddings().weight[pad_id].zero_()
+    model = model.to(torch.float32).eval()
+
+    model.generation_config = GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id)
+
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+
+    info = _build_info(size)
+    info["content_hash"] = digest
+    info["num_parameters"] = sum(p.numel() for p in model.parameters())
+    (dest / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+
+
+def _remove_stale_temps(parent: pathlib.Path, prefix: str, max_age_s: float = 3600.0) -> None:
+    now = time.time()
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return
+    for p in entries:
+        if p.name.startswith(prefix) and p.is_dir():
+            try:
+                if now - p.stat().st_mtime > max_age_s:
+                    shutil.rmtree(p, ignore_errors=True)
+            except OSError:
+                pass
+
+
+def build_tiny_model(out_dir: str | os.PathLike | None = None, size: str = "tiny") -> pathlib.Path:
+    """Build (or reuse) the embedded model and return its directory.
+
+    ``out_dir=None``: ``default_cache_dir() / f"qwen3-{size}-{hash[:16]}"``.
+    ``out_dir`` given: exactly that directory. Either way, an existing complete
+    build of the same content is returned as is; otherwise the model is built in a
+    temporary sibling directory and renamed into place (atomic). An ``out_dir`` that
+    exists with other content raises ``FileExistsError``; an empty one is replaced.
+    """
+    digest = content_hash(size)
+    if out_dir is None:
+        target = default_cache_dir() / f"qwen3-{size}-{digest[:16]}"
+    else:
+        target = pathlib.Path(out_dir).expanduser()
+    target = target.absolute()
+
+    if _is_complete(target, digest):
+        return target
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise FileExistsError(f"{target} exists and is not a complete build of tiny model {size!r} ({digest[:16]})")
+
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp_prefix = f".{target.name}.tmp-"
+    _remove_stale_temps(parent, tmp_prefix)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=parent))
+    try:
+        _write_model(tmp, size, digest)
+        # mkdtemp makes the directory 0700 and safetensors writes 0600: make the
+        # build readable like any other model directory.
+        os.chmod(tmp, 0o755)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        try:
+            os.rename(tmp, target)  # replaces an empty dir; fails if a non-empty one appeared
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST) and _is_complete(target, digest):
+                pass  # a concurrent builder won the race: use its (identical) build
+            else:
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m ppo_ray.tiny_model", description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--out", default=None, help="output directory (default: the cache)")
+    args = parser.parse_args(argv)
+    print(build_tiny_model(args.out, size=args.size))
+
+
+if __name__ == "__main__":
+    main()

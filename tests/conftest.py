@@ -1,0 +1,45 @@
+"""Shared pytest fixtures and markers.
+
+* ``tiny_model_dir`` (session): the embedded tiny Qwen3 model, built once into the
+  default cache (``$PPO_RAY_CACHE`` or ``~/.cache/ppo_ray``) and reused by later
+  runs (and by Ray workers that call ``build_tiny_model()``). No network.
+* ``vllm_llm`` (session): ONE vLLM engine over the tiny model for the whole
+  session (engine start is ~25 s on 2 CPU cores), float32, built by
+  ``actors.vllm_engine.build_llm`` with ``enable_lora=True, max_lora_rank=16`` so
+  LoRA tests can share it (without a LoRARequest it matches the base model).
+  ``logprobs_mode="processed_logprobs"``. Tests must not change engine-wide state
+  they do not restore (e.g. remove the LoRA adapters they add).
+* marker ``slow``: long tests; deselect with ``-m "not slow"``.
+
+vLLM spawns its engine processes, so engines are only ever built inside fixtures,
+never at import time.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: long-running test (deselect with -m 'not slow')")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> pathlib.Path:
+    from ppo_ray.tiny_model import build_tiny_model
+
+    return build_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def vllm_llm(tiny_model_dir: pathlib.Path):
+    from actors.vllm_engine import build_llm
+
+    llm = build_llm(tiny_model_dir, dtype="float32", seed=0, enable_lora=True, max_lora_rank=16, max_loras=1)
+    yield llm
+    try:  # stop the engine-core and worker processes now rather than at exit
+        llm.llm_engine.engine_core.shutdown(timeout=10)
+    except Exception:  # pragma: no cover - best effort
+        pass
