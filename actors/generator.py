@@ -1,0 +1,417 @@
+"""Generator: vLLM rollouts with a hot-swapped LoRA adapter (the `adapter` sync mode).
+
+Plain class, no Ray: ppo_ray.placement hosts it in a Ray actor. One engine (a
+``vllm.LLM``) serves the frozen base model; the policy's LoRA A/B tensors arrive from the
+learner after every update (``load_adapter``) and every later ``generate`` samples with
+them. The batch records the adapter version it was sampled with, so staleness is checked,
+not assumed (verl #7495 and PR #3821 shipped rollouts from the base model silently).
+
+What vLLM 0.32 does, read from its source and checked by tests/test_generator.py:
+
+* EOS. The scheduler stops a request when its last sampled token is a stop token
+  (``vllm/v1/core/sched/utils.py:check_stop``); the stop token stays in
+  ``CompletionOutput.token_ids`` (only the text omits it), ``finish_reason`` is "stop",
+  otherwise "length" at ``max_tokens``. We sample with ``ignore_eos=True`` plus
+  ``stop_token_ids=[eos]`` so the tokenizer's EOS is the ONE stop token: with plain
+  ``ignore_eos=False`` vLLM also stops on every ``eos_token_id`` listed in the model's
+  generation_config.json (``SamplingParams.update_from_generation_config``), tokens the
+  RolloutBatch mask (one ``eos_token_id``) would not know.
+* Every token vLLM returns is real (``response_mask`` comes from its lengths, not from
+  ``ids != pad``): a model can sample the pad token (the tiny random model does), and
+  it is then an action like any other. Consumers use ``response_mask``.
+* Sampled-token logprobs. With the engine built with
+  ``logprobs_mode="processed_logprobs"`` and ``SamplingParams(logprobs=0)``,
+  ``Sampler.forward`` / ``TopKTopPSampler.forward_cpu`` (``vllm/v1/sample/sampler.py``,
+  ``vllm/v1/sample/ops/topk_topp_sampler.py``) return exactly one entry per step: the
+  sampled token's ``log_softmax(truncate_topk_topp(logits_f32 / temperature))``, which
+  ``learner.algos.logprobs_from_logits`` reproduces.
+* Prompt logprobs (``sequence_logprobs``) IGNORE temperature, top-k, top-p and the
+  logprobs mode's "processed" part: ``GPUModelRunner._get_prompt_logprobs_dict``
+  (``vllm/v1/worker/gpu_model_runner.py``, also the CPU runner's) computes
+  ``log_softmax(logits, float32)`` of the raw logits ("prompt tokens skip sampling
+  processors"). So they equal ``logprobs_from_logits(logits, tokens, temperature=1.0)``
+  with no truncation. Requests with prompt logprobs skip reading the prefix cache.
+* LoRA. ``llm.llm_engine.add_lora`` loads and validates the adapter in the worker
+  (``LRUCacheWorkerLoRAManager.add_adapter`` -> ``_load_adapter``: missing files,
+  unexpected modules or a rank above ``max_lora_rank`` raise there), so a broken adapter
+  fails in ``load_adapter``, not silently at the next generate. Requests then find it in
+  the cache by ``lora_int_id`` and do not reread the files; the prefix-cache key includes
+  the adapter's name and path, so KV blocks never leak across versions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from ppo_ray.batch import RolloutBatch
+from ppo_ray.config import ALL_PROJECTIONS, PPOConfig
+from ppo_ray.data import encode_prompts
+from ppo_ray.modeling import load_tokenizer, resolve_model_path
+
+# vLLM's allowed max_lora_rank values (vllm/config/lora.py: MaxLoRARanks).
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+# LoRA int ids must be unique per engine, and an engine may be shared by several
+# Generators in one process (the tests do): a per-process counter, not per instance.
+_LORA_IDS = itertools.count(1)
+
+
+def prompt_seed(run_seed: int, step: int, index: int) -> int:
+    """Per-prompt sampling seed from (run seed, step, global prompt index).
+
+    A hash, so that identical prompts in a batch get different samples, the same prompt
+    index gets the same seed on any replica, and nearby (seed, step, index) triples are
+    not correlated. 63 bits: fits the int64 of torch.Generator.manual_seed.
+    """
+    digest = hashlib.blake2b(f"{run_seed}:{step}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _default_adapter_root() -> str:
+    # /dev/shm: adapters are written and read once per step; RAM, not disk.
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+class Generator:
+    """vLLM rollouts for PPO, with the current LoRA version.
+
+    ``version`` is the adapter version generate() uses now: 0 = the base model (no
+    adapter) until the first ``load_adapter``.
+    """
+
+    def __init__(
+        self,
+        llm,
+        tokenizer=None,
+        *,
+        model_dir: str | os.PathLike | None = None,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 16,
+        seed: int = 0,
+        max_prompt_length: int = 512,
+        prompt_truncation: str = "error",
+        lora_r: int = 16,
+        lora_alpha: int = 32,
+        lora_target_modules: Sequence[str] = ALL_PROJECTIONS,
+        adapter_root: str | os.PathLike | None = None,
+    ):
+        """``llm``: a ``vllm.LLM`` built with enable_lora=True and
+        logprobs_mode="processed_logprobs" (actors.vllm_engine.build_llm); it may be shared.
+        ``tokenizer``: the HF tokenizer of the model (loaded from ``model_dir`` if None).
+        ``model_dir``: the base model directory (default: the one the engine serves).
+        """
+        model_config = llm.llm_engine.model_config
+        if model_config.logprobs_mode != "processed_logprobs":
+            raise ValueError(
+                f"the vLLM engine has logprobs_mode={model_config.logprobs_mode!r}; the generator needs "
+                "'processed_logprobs' (logprobs of the distribution actually sampled from)")
+        if llm.llm_engine.vllm_config.lora_config is None:
+            raise ValueError("the vLLM engine was built without enable_lora=True: it cannot take adapters")
+        if temperature < 1e-2:
+            # vLLM samples greedily below 1e-5 and clamps (1e-5, 1e-2) up; neither is the
+            # distribution whose logprobs the learner reproduces.
+            raise ValueError(f"temperature must be >= 0.01 for PPO sampling, got {temperature}")
+        if prompt_truncation not in ("error", "left"):
+            raise ValueError(f"prompt_truncation must be 'error' or 'left', got {prompt_truncation!r}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        max_rank = llm.llm_engine.vllm_config.lora_config.max_lora_rank
+        if lora_r > max_rank:
+            raise ValueError(f"lora_r={lora_r} is above the engine's max_lora_rank={max_rank}")
+
+        self.llm = llm
+        self.model_dir = str(model_dir) if model_dir is not None else str(model_config.model)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_dir)
+        self.pad_token_id = int(self.tokenizer.pad_token_id)
+        self.eos_token_id = int(self.tokenizer.eos_token_id)
+        self.vocab_size = int(model_config.get_vocab_size())
+        self.temperature = float(temperature)
+        self.top_k = int(top_k)
+        self.top_p = float(top_p)
+        self.max_new_tokens = int(max_new_tokens)
+        self.seed = int(seed)
+        self.max_prompt_length = int(max_prompt_length)
+        self.prompt_truncation = prompt_truncation
+        self.lora_r = int(lora_r)
+        self.lora_alpha = int(lora_alpha)
+        self.lora_target_modules = list(lora_target_modules)
+
+        # Every adapter version lives in its own subdirectory of this one; at most one
+        # exists at a time (the current one).
+        self.adapter_root = Path(tempfile.mkdtemp(prefix="ppo_ray_adapters_", dir=adapter_root or _default_adapter_root()))
+        self.version = 0
+        self._lora_request = None  # vllm LoRARequest of the current version; None = base model
+        self.last_seconds = 0.0    # wall time of the last generate()
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, cfg: PPOConfig, model_dir: str | os.PathLike | None = None, **engine_overrides: Any) -> "Generator":
+        """Build the engine (actors.vllm_engine.build_llm) and the generator from a PPOConfig.
+
+        ``model_dir`` defaults to the resolved ``cfg.model_name``. ``engine_overrides`` go to
+        build_llm / vllm.LLM unchanged.
+        """
+        from actors.vllm_engine import build_llm
+        from vllm.platforms import current_platform
+
+        model_dir = str(model_dir) if model_dir is not None else resolve_model_path(cfg.model_name)
+        engine: dict[str, Any] = dict(
+            dtype=cfg.dtype, seed=cfg.seed, enable_lora=True,
+            max_lora_rank=min(r for r in _VLLM_LORA_RANKS if r >= cfg.lora_r), max_loras=1,
+            max_model_len=cfg.max_prompt_length + cfg.max_new_tokens,
+            kv_cache_gib=cfg.vllm_kv_cache_gib, logprobs_mode="processed_logprobs",
+        )
+        if not current_platform.is_cpu() and cfg.vllm_kv_cache_gib is None:
+            # On the CPU this fraction would be of host memory: there build_llm's KV size rules.
+            engine["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
+        engine.update(engine_overrides)
+        llm = build_llm(model_dir, **engine)
+        return cls(
+            llm, model_dir=model_dir,
+            temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+            seed=cfg.seed, max_prompt_length=cfg.max_prompt_length, prompt_truncation=cfg.prompt_truncation,
+            lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_target_modules=cfg.lora_target_modules,
+        )
+
+    # ------------------------------------------------------------------ prompts
+    def _encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> tuple[list[list[int]], list[str]]:
+        """Validated prompt token ids and texts. Texts go through encode_prompts; id lists
+        are checked (non-empty, in-vocab ints) and length-limited by the same rule."""
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("no prompts: the prompt list is empty")
+        if all(isinstance(p, str) for p in prompts):
+            return encode_prompts(self.tokenizer, prompts, self.max_prompt_length, self.prompt_truncation), prompts
+        ids_list: list[list[int]] = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str) or not isinstance(p, (list, tuple)):
+                raise ValueError(f"prompt {i} is a {type(p).__name__}: pass all prompts as str or all as lists of token ids")
+            ids = [int(t) for t in p]
+            if not ids:
+                raise ValueError(f"prompt {i} has no tokens")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+            if len(ids) > self.max_prompt_length:
+                if self.prompt_truncation != "left":
+                    raise ValueError(
+                        f"prompt {i} is {len(ids)} tokens long, over max_prompt_length={self.max_prompt_length}; "
+                        "shorten it, raise max_prompt_length, or set prompt_truncation: left")
+                ids = ids[-self.max_prompt_length:]
+            ids_list.append(ids)
+        return ids_list, self.tokenizer.batch_decode(ids_list)
+
+    # ------------------------------------------------------------------ rollouts
+    def sampling_params(self, seed: int):
+        """vLLM SamplingParams for one prompt: the PPO sampling settings and its own seed."""
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=1, temperature=self.temperature, top_k=self.top_k if self.top_k > 0 else 0, top_p=self.top_p,
+            max_tokens=self.max_new_tokens, seed=seed,
+            logprobs=0,  # just the sampled token's (processed) logprob
+            ignore_eos=True, stop_token_ids=[self.eos_token_id],  # the tokenizer's EOS is the one stop token
+            detokenize=False,  # we decode with the HF tokenizer, once, below
+        )
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], step: int, prompt_offset: int = 0) -> RolloutBatch:
+        """Sample one response per prompt with the current adapter.
+
+        ``prompts``: B texts, or B lists of token ids. ``step`` and ``prompt_offset``
+        (this batch's first global prompt index, for replica splits) fix the per-prompt
+        seeds: the same (seed, step, global index) gives the same response anywhere.
+
+        Returns a RolloutBatch: prompt_ids (B, P) left-padded, response_ids (B, T)
+        right-padded with pad (T = the longest response), response_mask True up to and
+        including EOS, gen_logprobs (B, T) float32 (0 on padding), adapter_version.
+        """
+        from vllm.inputs import TokensPrompt
+
+        self._check_open()
+        t0 = time.perf_counter()
+        prompt_ids, prompt_texts = self._encode(prompts)
+        version, lora_request = self.version, self._lora_request
+        params = [self.sampling_params(prompt_seed(self.seed, step, prompt_offset + i)) for i in range(len(prompt_ids))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params,
+                                    use_tqdm=False, lora_request=lora_request)
+
+        responses: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        finish_reasons: list[str] = []
+        for i, out in enumerate(outputs):
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            if c.logprobs is None or len(c.logprobs) != len(ids):
+                raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} logprobs for "
+                                   f"{len(ids)} tokens of prompt {prompt_offset + i}")
+            # logprobs=0: each step's dict holds exactly the sampled token.
+            lps = [step_lps[tok].logprob for tok, step_lps in zip(ids, c.logprobs)]
+            if self.eos_token_id in ids[:-1]:
+                raise RuntimeError(f"vLLM generated past EOS for prompt {prompt_offset + i}")
+            ended = bool(ids) and ids[-1] == self.eos_token_id
+            if c.finish_reason not in ("stop", "length") or (c.finish_reason == "stop") != ended:
+                raise RuntimeError(f"prompt {prompt_offset + i}: vLLM finish_reason={c.finish_reason!r} but "
+                                   f"response {'ends' if ended else 'does not end'} with EOS")
+            responses.append(ids)
+            logprobs.append(lps)
+            finish_reasons.append(c.finish_reason)
+
+        b = len(prompt_ids)
+        p = max(len(x) for x in prompt_ids)
+        t = max(1, max(len(x) for x in responses))
+        prompt_t = torch.full((b, p), self.pad_token_id, dtype=torch.long)   # (B, P) left-padded
+        prompt_m = torch.zeros((b, p), dtype=torch.bool)
+        resp_t = torch.full((b, t), self.pad_token_id, dtype=torch.long)     # (B, T) right-padded
+        resp_m = torch.zeros((b, t), dtype=torch.bool)
+        gen_lp = torch.zeros((b, t), dtype=torch.float32)
+        for i, (pi, ri, li) in enumerate(zip(prompt_ids, responses, logprobs)):
+            prompt_t[i, p - len(pi):] = torch.tensor(pi, dtype=torch.long)
+            prompt_m[i, p - len(pi):] = True
+            if ri:
+                resp_t[i, :len(ri)] = torch.tensor(ri, dtype=torch.long)
+                resp_m[i, :len(ri)] = True  # vLLM stops at the first EOS: every returned token is real
+                gen_lp[i, :len(li)] = torch.tensor(li, dtype=torch.float32)
+        if not torch.isfinite(gen_lp).all():
+            raise RuntimeError("vLLM returned a non-finite logprob for a sampled token")
+
+        texts = self.tokenizer.batch_decode([r[:-1] if fr == "stop" else r for r, fr in zip(responses, finish_reasons)],
+                                            skip_special_tokens=True)
+        batch = RolloutBatch(
+            prompt_ids=prompt_t, prompt_mask=prompt_m, response_ids=resp_t, response_mask=resp_m,
+            gen_logprobs=gen_lp, adapter_version=version,
+            pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id,
+            prompts=prompt_texts, responses=texts, finish_reasons=finish_reasons,
+        )
+        self.last_seconds = time.perf_counter() - t0
+        return batch
+
+    @torch.no_grad()
+    def sequence_logprobs(self, prompt_ids: Sequence[int], continuation_ids: Sequence[int]) -> Tensor:
+        """The current policy's logprobs of a FIXED continuation: (len(continuation),) float32.
+
+        Via vLLM prompt logprobs, which are ``log_softmax(raw logits)`` at temperature 1 with
+        no top-k/top-p, whatever the sampling settings (see the module docstring); compare
+        with ``logprobs_from_logits(logits, tokens, temperature=1.0)``. Used to verify that
+        an adapter sync really changed what the engine computes.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._check_open()
+        prompt_ids, continuation_ids = [int(t) for t in prompt_ids], [int(t) for t in continuation_ids]
+        if not prompt_ids or not continuation_ids:
+            raise ValueError("sequence_logprobs needs a non-empty prompt and continuation")
+        ids = prompt_ids + continuation_ids
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, seed=0)
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False,
+                                lora_request=self._lora_request)[0]
+        # prompt_logprobs[j] is a dict {ids[j]: Logprob} for j >= 1 (None for the first token).
+        rows = out.prompt_logprobs[len(prompt_ids):]
+        return torch.tensor([row[tok].logprob for tok, row in zip(continuation_ids, rows)], dtype=torch.float32)
+
+    # ------------------------------------------------------------------ LoRA sync
+    def load_adapter(self, version: int, weights: dict[str, Tensor]) -> dict[str, float]:
+        """Make LoRA ``version`` current: write it, register it with the engine, retire the old one.
+
+        ``weights``: PEFT ``get_peft_model_state_dict(model)`` (adapter_model.safetensors
+        keys, e.g. ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``:
+        A (r, in), B (out, r)). ``version`` must be above the current one.
+
+        Returns timings in seconds: write_s (safetensors + adapter_config.json into a
+        /dev/shm temp dir), register_s (engine add_lora: the worker reads and validates
+        it), retire_s (remove the previous adapter and its files); and the bytes written.
+        A failing load leaves the previous version current.
+        """
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        self._check_open()
+        if isinstance(version, bool) or not isinstance(version, int) or version <= self.version:
+            raise ValueError(f"adapter version {version!r} is not newer than the current version {self.version}: "
+                             "versions must increase strictly (a stale or repeated sync)")
+        tensors = self._check_lora_weights(weights)
+
+        t0 = time.perf_counter()
+        path = Path(tempfile.mkdtemp(prefix=f"v{version}_", dir=self.adapter_root))
+        try:
+            save_file(tensors, str(path / "adapter_model.safetensors"))
+            (path / "adapter_config.json").write_text(json.dumps(self._adapter_config(), indent=1))
+            t1 = time.perf_counter()
+            request = LoRARequest(f"v{version}", next(_LORA_IDS), str(path))
+            # Load now (not lazily at the next generate), so a broken adapter fails here.
+            if not self.llm.llm_engine.add_lora(request):
+                raise RuntimeError(f"vLLM did not register adapter v{version} (lora id {request.lora_int_id} taken?)")
+        except Exception as e:
+            shutil.rmtree(path, ignore_errors=True)
+            raise RuntimeError(f"loading LoRA adapter version {version} into vLLM failed: {e}") from e
+        t2 = time.perf_counter()
+
+        previous, self._lora_request, self.version = self._lora_request, request, version
+        if previous is not None:
+            self._retire(previous)
+        t3 = time.perf_counter()
+        return {"write_s": t1 - t0, "register_s": t2 - t1, "retire_s": t3 - t2,
+                "bytes": float(sum(v.numel() * v.element_size() for v in tensors.values()))}
+
+    def _check_lora_weights(self, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+        """CPU, contiguous copies of the A/B tensors; their rank must be lora_r (vLLM
+        scales by lora_alpha / r from the config, so a rank mismatch would be silent)."""
+        if not weights:
+            raise ValueError("load_adapter got no LoRA weights")
+        out: dict[str, Tensor] = {}
+        for k, v in weights.items():
+            if not isinstance(v, Tensor):
+                raise ValueError(f"LoRA weight {k!r} is a {type(v).__name__}, not a tensor")
+            if k.endswith("lora_A.weight"):
+                rank = v.shape[0]
+            elif k.endswith("lora_B.weight"):
+                rank = v.shape[1]
+            else:
+                raise ValueError(f"unexpected LoRA weight {k!r}: expected PEFT lora_A/lora_B keys "
+                                 "(get_peft_model_state_dict)")
+            if v.ndim != 2 or rank != self.lora_r:
+                raise ValueError(f"LoRA weight {k!r} has shape {tuple(v.shape)}, not rank lora_r={self.lora_r}")
+            if not torch.isfinite(v).all():
+                raise ValueError(f"LoRA weight {k!r} has non-finite values")
+            out[k] = v.detach().to("cpu").contiguous()
+        return out
+
+    def _adapter_config(self) -> dict[str, Any]:
+        return {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": self.model_dir,
+            "r": self.lora_r, "lora_alpha": self.lora_alpha, "target_modules": self.lora_target_modules,
+            "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "use_dora": False,
+            "fan_in_fan_out": False, "init_lora_weights": True, "modules_to_save": None,
+        }
+
+    def _retire(self, request) -> None:
+        # The LRU cache may already have evicted it (max_loras=1): the return value is moot.
+        self.llm.llm_engine.remove_lora(request.lora_int_id)
+        shutil.rmtree(request.lora_path, ignore_errors=True)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Generator is closed")
+
+    def close(self) -> None:
+        """Retire the current adapter and delete the adapter directory. The engine is not
+        shut down (it may be shared); the generator cannot be used afterwards."""
+        if self._lora_request is not None:
+            self._retire(self._lora_request)
+            self._lora_request = None
+        shutil.rmtree(self.adapter_root, ignore_errors=True)
+        self._closed = True

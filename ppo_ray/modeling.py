@@ -1,0 +1,105 @@
+"""Loading HF models and the one forward every role uses to score response tokens.
+
+Bottom layer: imports torch/transformers and ppo_ray.batch / ppo_ray.tiny_model only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ppo_ray.batch import RolloutBatch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EMBEDDED_PREFIX = "embedded:"
+
+
+def resolve_model_path(name: str) -> str:
+    """A hub id or a local directory is returned as is; "embedded:tiny" / "embedded:small"
+    is built (once, cached) by ppo_ray.tiny_model and its directory returned."""
+    if name.startswith(EMBEDDED_PREFIX):
+        from ppo_ray.tiny_model import build_tiny_model
+
+        return str(build_tiny_model(size=name[len(EMBEDDED_PREFIX):]))
+    path = Path(name).expanduser()
+    if path.exists() and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model path {name!r} exists but is not a model directory (no config.json)")
+    return str(path) if path.exists() else name
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(name))
+    if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
+        raise ValueError(
+            f"tokenizer of {name!r} has pad_token_id={tok.pad_token_id} and eos_token_id={tok.eos_token_id}: "
+            "ppo-ray needs a pad token distinct from EOS (add one, e.g. tokenizer.add_special_tokens)")
+    return tok
+
+
+def load_causal_lm(name: str, dtype: str = "float32"):
+    """AutoModelForCausalLM in eval mode (callers switch to train mode where they train)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=DTYPES[dtype])
+    model.eval()
+    return model
+
+
+def response_logits(model, batch: RolloutBatch) -> Tensor:
+    """Logits that predict each response token: (B, T, V), in the model's dtype.
+
+    One forward over cat(prompt, response); column P-1+t predicts response token t.
+    Callers pass a trimmed micro-batch (RolloutBatch.trimmed) so padding costs nothing.
+    """
+    input_ids, attention_mask, position_ids = batch.sequences()  # (B, P+T) each
+    out = model(input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids,
+                use_cache=False)
+    p, t = batch.prompt_len, batch.response_ids.shape[1]
+    return out.logits[:, p - 1: p - 1 + t]  # (B, T, V)
+
+
+def response_hidden(backbone, batch: RolloutBatch) -> Tensor:
+    """Last hidden states at the positions whose logits predict response tokens: (B, T, H).
+
+    hidden[:, t] is the state s_t = prompt + response[:t], the state the value V(s_t) and the
+    action a_t = response[t] belong to.
+    """
+    input_ids, attention_mask, position_ids = batch.sequences()
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids,
+                   use_cache=False)
+    p, t = batch.prompt_len, batch.response_ids.shape[1]
+    return out.last_hidden_state[:, p - 1: p - 1 + t]  # (B, T, H)
+
+
+def last_token_hidden(backbone, batch: RolloutBatch) -> Tensor:
+    """Last hidden state at each row's last real token (the response's EOS when it has one;
+    the prompt's last token for an empty response): (B, H). Never a pad position."""
+    input_ids, attention_mask, position_ids = batch.sequences()
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids,
+                   use_cache=False)
+    last = batch.prompt_len - 1 + batch.response_lengths  # (B,) column of the last real token
+    rows = torch.arange(len(batch))
+    return out.last_hidden_state[rows, last]  # (B, H)
+
+
+def load_reward_model(name: str, dtype: str = "float32"):
+    """A sequence-classification reward model (num_labels=1) in eval mode, with its
+    backbone and its `score` head checked, or a clear error naming the path."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    path = resolve_model_path(name)
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"reward model {name!r} is not a loadable model: {e}") from e
+    if getattr(cfg, "num_labels", 1) != 1:
+        raise ValueError(f"reward model {name!r} has num_labels={cfg.num_labels}; a reward model needs 1")
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=DTYPES[dtype])
+    if not hasattr(model, "score") or not hasattr(model, model.base_model_prefix):
+        raise ValueError(f"reward model {name!r} ({type(model).__name__}) has no `score` head over a backbone")
+    model.eval()
+    return model

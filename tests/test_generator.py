@@ -1,0 +1,279 @@
+"""Generator (vLLM + LoRA hot-swap) against HF/PEFT on the embedded tiny model.
+
+One shared engine (the session fixture ``vllm_llm``); every Generator made here is closed,
+so no adapter outlives its test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from learner.algos import logprobs_from_logits
+from ppo_ray.batch import RolloutBatch
+from ppo_ray.config import ALL_PROJECTIONS
+from ppo_ray.data import encode_prompts
+from ppo_ray.modeling import load_causal_lm, load_tokenizer, response_logits
+
+TOL = 1e-4
+PROMPTS = [
+    "SUBREDDIT: r/relationships\n\nTITLE: My friend never calls back\n\nPOST: We used to talk every day.\n\nTL;DR:",
+    "Hello",
+    "The quick brown fox jumps over the lazy dog, and then",
+    "TL;DR:",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return load_tokenizer(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    return load_causal_lm(str(tiny_model_dir))
+
+
+@pytest.fixture
+def make_generator(vllm_llm, tokenizer, tiny_model_dir):
+    from actors.generator import Generator
+
+    made = []
+
+    def make(**kw):
+        settings = dict(model_dir=tiny_model_dir, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=16, seed=0,
+                        max_prompt_length=64)
+        settings.update(kw)
+        gen = Generator(vllm_llm, tokenizer, **settings)
+        made.append(gen)
+        return gen
+
+    yield make
+    for gen in made:
+        gen.close()
+
+
+def hf_logprobs(model, batch: RolloutBatch, temperature=1.0, top_k=None, top_p=None) -> torch.Tensor:
+    with torch.no_grad():
+        logits = response_logits(model, batch)  # (B, T, V)
+    return logprobs_from_logits(logits, batch.response_ids, temperature, top_k, top_p, mask=batch.response_mask)
+
+
+def continuation_logprobs(model, prompt_ids, cont_ids) -> torch.Tensor:
+    """Raw (temperature 1, untruncated) logprobs of cont_ids after prompt_ids: (len(cont),)."""
+    ids = torch.tensor([prompt_ids + cont_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits  # (1, L, V)
+    p = len(prompt_ids)
+    return logprobs_from_logits(logits[:, p - 1:-1], ids[:, p:], 1.0)[0]
+
+
+# ---------------------------------------------------------------------------- layout
+def test_generate_layout(make_generator, tokenizer):
+    # 32 rollouts x 40 tokens: the tiny random model emits EOS ~1 in 200 tokens, so both
+    # finish reasons show up (seeded, hence deterministic).
+    gen = make_generator(max_new_tokens=40)
+    prompts = PROMPTS * 8
+    batch = gen.generate(prompts, step=0)
+    b = len(prompts)
+    enc = encode_prompts(tokenizer, prompts, 64)
+    p = max(len(x) for x in enc)
+    assert batch.prompt_ids.shape == (b, p) and batch.prompt_mask.dtype == torch.bool
+    assert batch.response_ids.shape[0] == b and batch.response_ids.shape[1] <= 40
+    assert batch.gen_logprobs.dtype == torch.float32
+    assert batch.adapter_version == 0
+    assert (batch.pad_token_id, batch.eos_token_id) == (tokenizer.pad_token_id, tokenizer.eos_token_id)
+    assert batch.prompts == prompts and len(batch.responses) == len(batch.finish_reasons) == b
+
+    for i in range(b):
+        # prompts left-padded: pads then exactly the encoded prompt
+        n = len(enc[i])
+        assert batch.prompt_ids[i, p - n:].tolist() == enc[i]
+        assert batch.prompt_mask[i].tolist() == [False] * (p - n) + [True] * n
+        assert (batch.prompt_ids[i, : p - n] == tokenizer.pad_token_id).all()
+        # responses right-padded; mask is a prefix; nothing real after the first EOS
+        m = batch.response_mask[i]
+        L = int(m.sum())
+        assert L >= 1 and m[:L].all() and not m[L:].any()
+        real = batch.response_ids[i, :L].tolist()
+        assert (batch.response_ids[i, L:] == tokenizer.pad_token_id).all()
+        assert (batch.gen_logprobs[i, L:] == 0).all() and (batch.gen_logprobs[i, :L] < 0).all()
+        # (the tiny random model can sample the pad token: it is then a real token, as
+        # the mask says -- consumers use response_mask, never "ids != pad")
+        assert tokenizer.eos_token_id not in real[:-1]
+        if batch.finish_reasons[i] == "stop":
+            assert real[-1] == tokenizer.eos_token_id
+        else:
+            assert batch.finish_reasons[i] == "length" and L == 40
+        shown = real[:-1] if batch.finish_reasons[i] == "stop" else real
+        assert batch.responses[i] == tokenizer.decode(shown, skip_special_tokens=True)
+    assert batch.has_eos.tolist() == [r == "stop" for r in batch.finish_reasons]
+    assert set(batch.finish_reasons) == {"stop", "length"}, "want both kinds of responses in this test"
+
+
+def test_generate_token_id_prompts_and_truncation(make_generator, tokenizer):
+    long_text = PROMPTS[0]
+    ids = tokenizer(long_text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > 8
+    gen = make_generator(max_prompt_length=8, prompt_truncation="left", max_new_tokens=4)
+    from_text = gen.generate([long_text], step=0)
+    from_ids = gen.generate([ids], step=0)
+    assert from_text.prompt_ids[0].tolist() == ids[-8:]  # the LAST tokens are kept
+    assert torch.equal(from_text.response_ids, from_ids.response_ids)
+    strict = make_generator(max_prompt_length=8, max_new_tokens=4)
+    with pytest.raises(ValueError, match="prompt 1 is .* over max_prompt_length=8.*prompt_truncation: left"):
+        strict.generate(["Hi", long_text], step=0)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        strict.generate([[1, 2, 10_000]], step=0)
+    with pytest.raises(ValueError, match="no prompts"):
+        strict.generate([], step=0)
+
+
+# ---------------------------------------------------------------------------- logprobs
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 50, 0.95)])
+def test_gen_logprobs_match_hf(make_generator, hf_model, temperature, top_k, top_p):
+    gen = make_generator(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=16)
+    batch = gen.generate(PROMPTS * 2, step=1)
+    ref = hf_logprobs(hf_model, batch, temperature, top_k, top_p)
+    diff = (ref - batch.gen_logprobs).abs()[batch.response_mask]
+    assert diff.max() < TOL, f"max |vLLM - HF| logprob difference {diff.max():.2e}"
+    if top_k:  # the truncation matters: the full-softmax logprobs are clearly different
+        full = hf_logprobs(hf_model, batch, temperature)
+        assert (full - batch.gen_logprobs).abs()[batch.response_mask].max() > 0.1
+
+
+# ---------------------------------------------------------------------------- seeds
+def test_seeds(make_generator):
+    gen = make_generator(max_new_tokens=12)
+    copies = gen.generate([PROMPTS[1]] * 4, step=0)
+    assert len({tuple(r.tolist()) for r in copies.response_ids}) == 4, "identical prompts must get different samples"
+
+    a = gen.generate(PROMPTS, step=5)
+    again = gen.generate(PROMPTS, step=5)
+    other = gen.generate(PROMPTS, step=6)
+    assert torch.equal(a.response_ids, again.response_ids) and torch.equal(a.gen_logprobs, again.gen_logprobs)
+    assert not torch.equal(a.response_ids[:, :4], other.response_ids[:, :4])
+
+    # Replica split: two generators with the same run seed, prompts split at index 2.
+    replica = make_generator(max_new_tokens=12)
+    parts = RolloutBatch.cat([gen.generate(PROMPTS[:2], step=5),
+                              replica.generate(PROMPTS[2:], step=5, prompt_offset=2)])
+    assert torch.equal(parts.response_ids, a.response_ids)
+    assert torch.equal(parts.prompt_ids, a.prompt_ids) and torch.equal(parts.response_mask, a.response_mask)
+    assert torch.allclose(parts.gen_logprobs, a.gen_logprobs, atol=1e-5)
+    assert parts.responses == a.responses
+
+    other_seed = make_generator(max_new_tokens=12, seed=1).generate(PROMPTS, step=5)
+    assert not torch.equal(other_seed.response_ids[:, :4], a.response_ids[:, :4])
+
+
+# ---------------------------------------------------------------------------- LoRA sync
+def make_peft(tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+
+    base = load_causal_lm(str(tiny_model_dir))
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=list(ALL_PROJECTIONS), lora_dropout=0.0)
+    return get_peft_model(base, cfg).eval()
+
+
+def randomize_lora(model, seed: int) -> dict[str, torch.Tensor]:
+    """Random non-zero A and B (PEFT starts with B = 0, i.e. no change); returns the
+    adapter state dict as the learner would ship it."""
+    from peft import get_peft_model_state_dict
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.1)
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def test_lora_sync(make_generator, tiny_model_dir, hf_model, tokenizer, vllm_llm):
+    engine = vllm_llm.llm_engine
+    gen = make_generator(lora_r=8, lora_alpha=16, max_new_tokens=16)
+    peft_model = make_peft(tiny_model_dir)
+    prompt = tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    cont = tokenizer(" My friend stopped calling me.", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+    # version 0 = base model: prompt logprobs are raw log_softmax at temperature 1
+    base_lp = continuation_logprobs(hf_model, prompt, cont)
+    assert (gen.sequence_logprobs(prompt, cont) - base_lp).abs().max() < TOL
+
+    w1 = randomize_lora(peft_model, seed=1)
+    assert len(w1) == 2 * 7 * 2 and all(".lora_A.weight" in k or ".lora_B.weight" in k for k in w1)
+    timings = gen.load_adapter(1, w1)
+    assert set(timings) >= {"write_s", "register_s", "retire_s"} and gen.version == 1
+    assert set(engine.list_loras()) == {gen._lora_request.lora_int_id}
+
+    v1_lp = continuation_logprobs(peft_model, prompt, cont)
+    got = gen.sequence_logprobs(prompt, cont)
+    assert (got - v1_lp).abs().max() < TOL
+    assert (got - base_lp).abs().max() > 0.05, "the adapter did not change the generator's policy"
+
+    batch = gen.generate(PROMPTS * 2, step=2)
+    assert batch.adapter_version == 1
+    diff = (hf_logprobs(peft_model, batch) - batch.gen_logprobs).abs()[batch.response_mask]
+    assert diff.max() < TOL, f"max |vLLM+LoRA - HF+PEFT| {diff.max():.2e}"
+
+    # version 2 replaces version 1 everywhere
+    old_id, old_dir = gen._lora_request.lora_int_id, gen._lora_request.lora_path
+    w2 = randomize_lora(peft_model, seed=2)
+    gen.load_adapter(2, w2)
+    assert set(engine.list_loras()) == {gen._lora_request.lora_int_id} and old_id not in set(engine.list_loras())
+    assert [p.name for p in gen.adapter_root.iterdir()] == [gen._lora_request.lora_path.rsplit("/", 1)[1]]
+    assert not os.path.exists(old_dir)
+    v2_lp = continuation_logprobs(peft_model, prompt, cont)
+    assert (gen.sequence_logprobs(prompt, cont) - v2_lp).abs().max() < TOL
+    assert (v2_lp - v1_lp).abs().max() > 0.05
+    assert gen.generate(PROMPTS[:1], step=3).adapter_version == 2
+
+    # stale or repeated versions are errors, and change nothing
+    for stale in (2, 1, 0):
+        with pytest.raises(ValueError, match="not newer than the current version 2"):
+            gen.load_adapter(stale, w1)
+    assert gen.version == 2
+
+    # a broken adapter fails in load_adapter (not silently at the next generate)
+    bad = {k.replace("q_proj", "qq_proj"): v for k, v in w1.items()}
+    with pytest.raises(RuntimeError, match="version 3"):
+        gen.load_adapter(3, bad)
+    wrong_rank = {k: v[:4] if ".lora_A." in k else v[:, :4] for k, v in w1.items()}
+    with pytest.raises(ValueError, match="rank lora_r=8"):
+        gen.load_adapter(3, wrong_rank)
+    assert gen.version == 2 and len(list(gen.adapter_root.iterdir())) == 1
+    assert (gen.sequence_logprobs(prompt, cont) - v2_lp).abs().max() < TOL
+
+    # many syncs: nothing accumulates in the engine or on disk
+    for v in range(3, 13):
+        gen.load_adapter(v, w1 if v % 2 else w2)
+        assert len(set(engine.list_loras())) <= 1 and len(list(gen.adapter_root.iterdir())) == 1
+    assert (gen.sequence_logprobs(prompt, cont) - v2_lp).abs().max() < TOL  # v12 = w2
+
+    gen.close()
+    assert set(engine.list_loras()) == set() and not gen.adapter_root.exists()
+    with pytest.raises(RuntimeError, match="closed"):
+        gen.generate(PROMPTS, step=0)
+
+
+# ---------------------------------------------------------------------------- prompts
+def test_encode_prompts_errors(tokenizer):
+    with pytest.raises(ValueError, match="no prompts"):
+        encode_prompts(tokenizer, [], 8)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        encode_prompts(tokenizer, ["ok", "  \n"], 8)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        encode_prompts(tokenizer, [""], 8)
+    with pytest.raises(ValueError, match="prompt 1 is a int"):
+        encode_prompts(tokenizer, ["ok", 3], 8)
+    text = PROMPTS[2]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    n = len(ids)
+    with pytest.raises(ValueError, match=f"prompt 1 is {n} tokens long, over max_prompt_length=5.*prompt_truncation: left"):
+        encode_prompts(tokenizer, ["Hi", text], 5)
+    assert encode_prompts(tokenizer, ["Hi", text], 5, truncation="left")[1] == ids[-5:]
+    assert encode_prompts(tokenizer, [text], n) == [ids]  # exactly at the limit is fine
+    with pytest.raises(ValueError, match="truncation"):
+        encode_prompts(tokenizer, [text], 5, truncation="right")
