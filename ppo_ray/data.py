@@ -1,11 +1,12 @@
-"""Prompt data: validation and encoding of prompt texts.
+"""Prompt data: where prompts come from, and their validation and encoding.
 
-Bottom layer: imports nothing of ours. (Datasets -- TL;DR, local JSONL/parquet, the
-bundled task -- come here later.)
+Bottom layer: imports only ppo_ray.tiny_model (for the bundled prompts).
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Sequence
 
 TRUNCATION_MODES = ("error", "left")
@@ -54,3 +55,67 @@ def encode_prompts(tokenizer, prompts: Sequence[str], max_prompt_length: int,
             ids = ids[-max_prompt_length:]
         out.append(ids)
     return out
+
+
+TLDR_PROMPT = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
+
+
+def bundled_prompts() -> list[str]:
+    """The TL;DR-format prompts of the bundled corpus (no hub needed)."""
+    from ppo_ray.tiny_model import tldr_examples
+
+    return [TLDR_PROMPT.format(**ex) for ex in tldr_examples()]
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Rows of a local JSONL (one object per line) or parquet file; errors name the file and row."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"data file {str(p)!r} does not exist")
+    if p.suffix in (".jsonl", ".json"):
+        rows = []
+        with p.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{p}: row {n} is not valid JSON: {e}") from e
+                if not isinstance(row, dict):
+                    raise ValueError(f"{p}: row {n} is a {type(row).__name__}, not an object")
+                rows.append(row)
+        return rows
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(p).to_pylist()
+    raise ValueError(f"data file {str(p)!r}: unsupported format {p.suffix!r} (use .jsonl or .parquet)")
+
+
+def column(rows: list[dict], name: str, source: str) -> list[str]:
+    """The str values of column `name`; a missing or non-str value is an error naming the row."""
+    out = []
+    for i, row in enumerate(rows):
+        if name not in row:
+            raise ValueError(f"{source}: row {i} has no column {name!r} (columns: {sorted(row)})")
+        if not isinstance(row[name], str):
+            raise ValueError(f"{source}: row {i} column {name!r} is a {type(row[name]).__name__}, not a str")
+        out.append(row[name])
+    return out
+
+
+def load_prompts(config) -> list[str]:
+    """Prompts named by config.dataset: "bundled", a local .jsonl/.parquet file, or a hub
+    dataset id (loaded with `datasets`, split "train"), reading config.prompt_column."""
+    name = config.dataset
+    if name == "bundled":
+        return bundled_prompts()
+    if Path(name).suffix in (".jsonl", ".json", ".parquet") or Path(name).exists():
+        return column(read_rows(name), config.prompt_column, name)
+    import datasets
+
+    ds = datasets.load_dataset(name, split="train")
+    if config.prompt_column not in ds.column_names:
+        raise ValueError(f"dataset {name!r} has no column {config.prompt_column!r} (columns: {ds.column_names})")
+    return column([{config.prompt_column: v} for v in ds[config.prompt_column]], config.prompt_column, name)

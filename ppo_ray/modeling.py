@@ -56,10 +56,12 @@ def response_logits(model, batch: RolloutBatch) -> Tensor:
     Callers pass a trimmed micro-batch (RolloutBatch.trimmed) so padding costs nothing.
     """
     input_ids, attention_mask, position_ids = batch.sequences()  # (B, P+T) each
+    t = batch.response_ids.shape[1]
+    # logits_to_keep: only the last T+1 positions (columns P-1 .. P+T-1) go through lm_head,
+    # not all P+T (for 512-token prompts and a 151k vocab that is most of the memory).
     out = model(input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids,
-                use_cache=False)
-    p, t = batch.prompt_len, batch.response_ids.shape[1]
-    return out.logits[:, p - 1: p - 1 + t]  # (B, T, V)
+                use_cache=False, logits_to_keep=t + 1)
+    return out.logits[:, :t]  # (B, T, V)
 
 
 def response_hidden(backbone, batch: RolloutBatch) -> Tensor:

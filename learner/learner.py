@@ -1,0 +1,397 @@
+"""The learner: policy LoRA + value model, one PPO update per step (seed steps 5-11).
+
+Plain class, no Ray (ppo_ray.placement hosts it in an actor). Given one step's rollouts
+(from the generator, sampled with LoRA version `self.version`), the reference logprobs and
+the sequence scores, `update` computes the old logprobs and values, the per-token KL,
+shaped rewards, TD errors / GAE advantages and returns, runs the PPO epochs, and returns
+small stats and the new LoRA weights (version + 1) for the generator.
+
+The math is learner.algos (pure functions); this module is the order of the steps, the
+micro-batching, the optimisers and the bookkeeping.
+
+Choices, and where they come from:
+* Old logprobs use the generator's exact sampling distribution: logits / temperature,
+  then the same top-k / top-p truncation (learner.algos.logprobs_from_logits mirrors
+  vLLM). The PPO ratio is between two such truncated distributions, so the first
+  minibatch has ratio == 1 exactly (float32, no dropout).
+* The KL to the reference uses the full softmax at temperature for both sides, as the
+  reference scorer does: a truncated policy vs an untruncated reference would bias KL_t
+  upwards (the truncated policy renormalises its kept mass to 1).
+* A sampled token that the learner's truncation drops (old logprob -inf: the generator
+  and learner disagree at the nucleus boundary, e.g. vLLM's Triton top-k/top-p on GPU)
+  has no defined ratio: it is left out of the policy loss (kept in the value loss and the
+  KL) and counted in stats["truncated_tokens"].
+* Two optimisers (separate learning rates, N+ / seeds), Adam with eps 1e-5 (N+), no
+  weight decay. The value loss's gradient reaches only the value model, so a vf_coef
+  would only rescale an Adam-normalised gradient: there is none.
+* Gradient accumulation: every micro-batch loss is normalised by the minibatch's number
+  of real tokens (rows, for seq_mean_token_mean), so the accumulated gradient equals the
+  full minibatch's token mean (OpenRLHF tests/test_loss_aggregation.py).
+* One host synchronisation per update for the stats (plus one after the scoring pass on a
+  GPU, to time it); micro-batch trimming uses host-side row lengths read once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from learner.algos import (
+    agg_loss,
+    compute_gae_advantages,
+    compute_returns,
+    entropy_from_logits,
+    explained_variance,
+    kl_penalty,
+    logprobs_from_logits,
+    masked_mean,
+    masked_whiten,
+    ppo_clip_loss,
+    shape_rewards,
+    value_loss,
+)
+from learner.buffer import Experience, ExperienceBuffer, TrimPlan, rollout_micro_batches, rollouts_to
+from learner.value_model import ValueModel
+from ppo_ray.batch import RolloutBatch
+from ppo_ray.config import PPOConfig
+from ppo_ray.modeling import load_causal_lm, response_logits
+
+ADAM_EPS = 1e-5  # N+ (summarize_from_feedback_details ppo.py: eps=1e-5)
+
+
+class StaleRolloutsError(RuntimeError):
+    """Rollouts sampled with a LoRA version other than the learner's current one."""
+
+
+@dataclass
+class RolloutScores:
+    """The learner's no-grad view of a batch (step 1); fields not asked for are None."""
+
+    logprobs: Optional[Tensor]       # (B, T) float32 truncated + tempered (the sampling distribution)
+    full_logprobs: Optional[Tensor]  # (B, T) float32 full softmax at temperature (for the KL)
+    entropy: Optional[Tensor]        # (B, T) float32 entropy of softmax(logits / temperature)
+    values: Optional[Tensor]         # (B, T) float32 V(s_t)
+
+
+class Learner:
+    """Policy (base + PEFT LoRA) and value model (own backbone + LoRA + head), PPO updates."""
+
+    def __init__(self, config: PPOConfig, model_path: str, value_model_path: Optional[str] = None,
+                 device: Optional[str] = None):
+        from peft import LoraConfig, TaskType, get_peft_model
+
+        self.config = config
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # One seed for the adapters' init (policy, then value) and the dropout stream: the
+        # global RNG is seeded here and then only consumed by LoRA dropout in update().
+        torch.manual_seed(config.seed)
+        base = load_causal_lm(model_path, config.dtype)
+        self.policy = get_peft_model(base, LoraConfig(
+            r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+            target_modules=list(config.lora_target_modules), bias="none", task_type=TaskType.CAUSAL_LM))
+        self.value_model = ValueModel(
+            value_model_path or config.value_model_name or model_path, lora_r=config.lora_r,
+            lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+            target_modules=config.lora_target_modules, dtype=config.dtype, seed=config.seed)
+        self.policy.to(self.device).eval()
+        self.value_model.to(self.device).eval()
+        self.vocab_size = self.policy.get_input_embeddings().weight.shape[0]
+
+        self.policy_params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.value_params = self.value_model.trainable_parameters()
+        self.policy_optimizer = torch.optim.Adam(self.policy_params, lr=config.learning_rate, eps=ADAM_EPS)
+        self.value_optimizer = torch.optim.Adam(self.value_params, lr=config.value_learning_rate, eps=ADAM_EPS)
+        self.version = 0
+        self.last_experience: Optional[Experience] = None  # the latest update's per-token data (inspection)
+
+    # ------------------------------------------------------------------ LoRA export
+    def lora_weights(self) -> dict[str, Tensor]:
+        """The policy adapter in adapter_model.safetensors format (PEFT key names, e.g.
+        base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight): CPU copies,
+        contiguous, float32 master weights (the generator casts to its own dtype)."""
+        from peft import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(self.policy)
+        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+
+    def lora_config(self) -> dict:
+        """What the generator needs to build a LoRA request / merge: r, lora_alpha, targets."""
+        return {"r": self.config.lora_r, "lora_alpha": self.config.lora_alpha,
+                "target_modules": list(self.config.lora_target_modules)}
+
+    # ------------------------------------------------------------------ scoring helpers
+    def logprobs(self, batch: RolloutBatch) -> Tensor:
+        """(B, T) float32 on the CPU: the policy's logprobs of batch.response_ids under the
+        sampling distribution (temperature, top-k, top-p), no grad; 0 on padding."""
+        return self._rollout_pass(batch, logprobs=True).logprobs.cpu()
+
+    def full_logprobs(self, batch: RolloutBatch) -> Tensor:
+        """(B, T) float32 on the CPU: full-softmax logprobs at temperature (no truncation)."""
+        return self._rollout_pass(batch, full=True).full_logprobs.cpu()
+
+    def values(self, batch: RolloutBatch) -> Tensor:
+        """(B, T) float32 on the CPU: V(s_t) on real tokens, 0 on padding."""
+        return self._rollout_pass(batch, values=True).values.cpu()
+
+    @torch.no_grad()
+    def _rollout_pass(self, batch: RolloutBatch, plan: Optional[TrimPlan] = None, *, logprobs: bool = False,
+                      full: bool = False, entropy: bool = False, values: bool = False) -> RolloutScores:
+        """Eval-mode, no-grad forwards over trimmed micro-batches (rows in order)."""
+        cfg = self.config
+        plan = plan or TrimPlan.of(batch)
+        batch = rollouts_to(batch, self.device)
+        self.policy.eval()
+        self.value_model.eval()
+
+        def zeros() -> Tensor:
+            return torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=self.device)  # (B, T)
+
+        out = RolloutScores(zeros() if logprobs else None, zeros() if full else None,
+                            zeros() if entropy else None, zeros() if values else None)
+        for rows, micro in rollout_micro_batches(batch, cfg.micro_batch_size, plan):
+            t = micro.response_ids.shape[1]
+            mask = micro.response_mask
+            if logprobs or full or entropy:
+                logits = response_logits(self.policy, micro)  # (b, t, V)
+                if logprobs:
+                    out.logprobs[rows, :t] = logprobs_from_logits(
+                        logits, micro.response_ids, cfg.temperature, cfg.top_k, cfg.top_p, mask=mask)
+                if full:
+                    out.full_logprobs[rows, :t] = logprobs_from_logits(
+                        logits, micro.response_ids, cfg.temperature, mask=mask)
+                if entropy:
+                    out.entropy[rows, :t] = entropy_from_logits(logits, mask, cfg.temperature)
+                del logits
+            if values:
+                v = self.value_model(micro)  # (b, t)
+                out.values[rows, :t] = torch.where(mask, v, torch.zeros((), device=v.device))
+        return out
+
+    # ------------------------------------------------------------------ input checks
+    def _check_inputs(self, batch: RolloutBatch, ref_logprobs: Tensor, scores: Tensor) -> None:
+        if batch.adapter_version != self.version:
+            raise StaleRolloutsError(
+                f"stale rollouts: the batch was sampled with LoRA adapter version {batch.adapter_version} "
+                f"but the learner is at version {self.version}; the generator did not load the "
+                f"learner's latest weights (or the batch is from another step)")
+        b, t = batch.response_ids.shape
+        if b == 0:
+            raise ValueError("Learner.update got an empty batch (0 rollouts)")
+        if tuple(ref_logprobs.shape) != (b, t):
+            raise ValueError(f"ref_logprobs has shape {tuple(ref_logprobs.shape)}, expected (B, T) = {(b, t)} "
+                             f"like batch.response_ids")
+        if tuple(scores.shape) != (b,):
+            raise ValueError(f"scores has shape {tuple(scores.shape)}, expected (B,) = ({b},)")
+        mask = batch.response_mask.cpu()
+        bad = (mask & ~torch.isfinite(ref_logprobs.cpu())).any(dim=1).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(f"ref_logprobs are not finite on real response tokens of rows {bad[:10]}")
+        for name, ids, m in (("prompt_ids", batch.prompt_ids.cpu(), batch.prompt_mask.cpu()),
+                             ("response_ids", batch.response_ids.cpu(), mask)):
+            out_of_range = (m & ((ids < 0) | (ids >= self.vocab_size))).any(dim=1).nonzero().flatten().tolist()
+            if out_of_range:
+                raise ValueError(f"{name} of rows {out_of_range[:10]} hold token ids outside the "
+                                 f"policy's vocabulary [0, {self.vocab_size})")
+
+    def _drop_nonfinite(self, batch: RolloutBatch, scores: Tensor) -> tuple[RolloutBatch, Tensor, int]:
+        """Non-finite scores: an error naming the rows, or (nonfinite_reward="drop", where the
+        reward scorer sends NaN) the rows are masked out of every loss and counted."""
+        scores = scores.detach().to("cpu", torch.float32)
+        bad = ~torch.isfinite(scores)
+        if not bool(bad.any()):
+            return batch, scores, 0
+        rows = bad.nonzero().flatten().tolist()
+        if self.config.nonfinite_reward == "error":
+            raise ValueError(f"non-finite scores for prompts {rows[:10]}: {scores[bad][:10].tolist()} "
+                             f"(set nonfinite_reward=drop to mask such samples out)")
+        keep = ~bad
+        batch = replace(batch, response_mask=batch.response_mask & keep.unsqueeze(1).to(batch.response_mask.device))
+        return batch, torch.where(keep, scores, torch.zeros(())), len(rows)
+
+    # ------------------------------------------------------------------ the update
+    def update(self, batch: RolloutBatch, ref_logprobs: Tensor, scores: Tensor) -> tuple[dict, dict[str, Tensor]]:
+        """One PPO update on one step's rollouts.
+
+        Args:
+            batch: the generator's rollouts, sampled with adapter version `self.version`.
+            ref_logprobs: (B, T) reference logprobs of the response tokens (full softmax at
+                temperature); padding ignored.
+            scores: (B,) sequence scores (NaN = dropped sample when nonfinite_reward=drop).
+
+        Returns:
+            (stats, lora_weights): the new adapter (version + 1, see lora_weights) and floats:
+            PPO epochs (means over real tokens, or over minibatches for losses/norms):
+              policy_loss, value_loss, approx_kl, clipfrac, ratio_mean, vf_clipfrac,
+              policy_grad_norm / value_grad_norm (before clipping),
+              first_minibatch_ratio_mean (before any optimiser step; 1 with no dropout);
+            rollouts (step 1-6): entropy (of the rollout policy, per token), kl (mean over
+              sequences of sum_t KL_t), kl_per_token, score_mean, reward_mean (shaped, summed
+              per sequence, before whitening), advantage_mean (raw), return_mean, value_mean,
+              explained_variance (old values vs returns);
+            checks: gen_logprob_max_abs_diff (generator vs learner logprob of the sampled
+              tokens), truncated_tokens (sampled tokens outside the learner's top-k/top-p,
+              left out of the policy loss), dropped_samples (non-finite scores, "drop" mode);
+            tokens (real response tokens), learner_forward_s (step 1), update_s, version.
+        """
+        cfg = self.config
+        t_start = time.perf_counter()
+        self._check_inputs(batch, ref_logprobs, scores)
+        batch, scores, dropped = self._drop_nonfinite(batch, scores)
+        plan = TrimPlan.of(batch)  # per-row extents on the host, read once
+        n_tokens = int(batch.response_mask.sum())
+        batch = rollouts_to(batch, self.device)
+        ref_logprobs = ref_logprobs.to(self.device, torch.float32)
+        scores = scores.to(self.device)
+        mask = batch.response_mask  # (B, T) bool
+        rows_kept = mask.any(dim=1) if dropped else torch.ones(len(batch), dtype=torch.bool, device=self.device)
+
+        # 1. Old logprobs / values: no-grad forward in eval mode. Truncated + tempered logprobs
+        #    for the PPO ratio; full-softmax logprobs at temperature for the KL; old values.
+        fwd = self._rollout_pass(batch, plan, logprobs=True, full=True, entropy=True, values=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # only to time the forward honestly
+        forward_s = time.perf_counter() - t_start
+
+        with torch.no_grad():
+            finite_old = torch.isfinite(fwd.logprobs)
+            policy_mask = mask & finite_old  # tokens with a defined PPO ratio
+            old_logprobs = torch.where(policy_mask, fwd.logprobs, torch.zeros((), device=self.device))
+            values = fwd.values
+            # 2. KL_t between policy and reference (k1 = logp - logp_ref by default).
+            kl = kl_penalty(fwd.full_logprobs, ref_logprobs, cfg.kl_estimator, mask=mask)  # (B, T)
+            # 3. Shaped rewards: score on the last real token, -beta * KL_t on every token.
+            rewards = shape_rewards(scores, kl, mask, cfg.kl_coef, cfg.reward_shaping)  # (B, T)
+            reward_sums = rewards.sum(dim=1)  # (B,) before any whitening, for the stats
+            # 4. Optional reward whitening (scale only, N+; off by default).
+            if cfg.whiten_rewards:
+                rewards = masked_whiten(rewards, mask, shift_mean=False)
+            # 5. TD errors -> GAE advantages (raw), returns G_t = A_t + V_t.
+            advantages = compute_gae_advantages(rewards, values, mask, cfg.gamma, cfg.lam)
+            returns = compute_returns(advantages, values, mask)
+            raw_advantage_mean = masked_mean(advantages, mask)
+            # 6. Advantage whitening over the step's real tokens.
+            if cfg.whiten_advantages:
+                advantages = masked_whiten(advantages, mask)
+
+        experience = Experience(
+            rollouts=batch, mask=mask, policy_mask=policy_mask, scores=scores, old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs, kl=kl, rewards=rewards, values=values, advantages=advantages,
+            returns=returns)
+        self.last_experience = experience
+        buffer = ExperienceBuffer(experience, cfg.effective_mini_batch_size, cfg.micro_batch_size, plan)
+
+        # 7. PPO epochs x shuffled minibatches x micro-batches: value loss and PPO-clip.
+        ppo = self._ppo_epochs(buffer)
+
+        # 8. New version; stats (one host sync) and the new adapter for the generator.
+        self.version += 1
+        gen_diff = torch.where(policy_mask, (batch.gen_logprobs.float() - old_logprobs).abs(),
+                               torch.zeros((), device=self.device))
+        tensors = {
+            **ppo,
+            "entropy": masked_mean(fwd.entropy, mask),
+            "explained_variance": explained_variance(values, returns, mask),
+            "kl": masked_mean(kl.sum(dim=1), rows_kept),
+            "kl_per_token": masked_mean(kl, mask),
+            "score_mean": masked_mean(scores, rows_kept),
+            "reward_mean": masked_mean(reward_sums, rows_kept),
+            "advantage_mean": raw_advantage_mean,
+            "return_mean": masked_mean(returns, mask),
+            "value_mean": masked_mean(values, mask),
+            "gen_logprob_max_abs_diff": gen_diff.amax(),
+            "truncated_tokens": (mask & ~finite_old).sum(),
+        }
+        names = list(tensors)
+        numbers = torch.stack([tensors[k].detach().float().reshape(()) for k in names]).tolist()  # the sync
+        stats = dict(zip(names, numbers))
+        stats.update(dropped_samples=float(dropped), tokens=float(n_tokens), learner_forward_s=forward_s,
+                     update_s=time.perf_counter() - t_start, version=self.version)
+        return stats, self.lora_weights()
+
+    # ------------------------------------------------------------------ step 7
+    def _normalizer(self, mask: Tensor) -> Tensor:
+        """What a minibatch's micro-batch losses are divided by (see learner.algos.agg_loss):
+        its real tokens (token_mean) or its non-empty rows (seq_mean_token_mean)."""
+        if self.config.loss_agg == "seq_mean_token_mean":
+            return mask.any(dim=1).sum().clamp(min=1).float()
+        return mask.sum().clamp(min=1).float()
+
+    def _shuffle_generator(self) -> torch.Generator:
+        # Seeded from (seed, version): the same step of the same run shuffles the same way.
+        return torch.Generator().manual_seed((self.config.seed * 1_000_003 + self.version) % 2**63)
+
+    def _ppo_epochs(self, buffer: ExperienceBuffer) -> dict[str, Tensor]:
+        cfg = self.config
+        exp = buffer.experience
+        gen = self._shuffle_generator()
+        zero = torch.zeros((), device=self.device)
+        sums = {k: zero.clone() for k in ("policy_loss", "value_loss", "approx_kl", "clipfrac", "ratio_mean",
+                                          "vf_clipfrac", "policy_grad_norm", "value_grad_norm")}
+        pg_tokens, v_tokens = zero.clone(), zero.clone()
+        first_ratio, first_tokens = zero.clone(), zero.clone()
+        n_steps = 0
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
+
+        self.policy.train()  # LoRA dropout applies (lora_dropout=0: the first ratio is exactly 1)
+        self.value_model.train()
+        self.policy_optimizer.zero_grad(set_to_none=True)
+        self.value_optimizer.zero_grad(set_to_none=True)
+        for _ in range(cfg.ppo_epochs):
+            for index in buffer.minibatch_indices(gen):
+                pg_norm = self._normalizer(exp.policy_mask[index])
+                v_norm = self._normalizer(exp.mask[index])
+                for micro in buffer.micro_batches(index):
+                    pg_loss, v_loss, st = self._micro_losses(micro, pg_norm, v_norm)
+                    (pg_loss + v_loss).backward()
+                    n_pg = micro.policy_mask.sum()
+                    n_v = micro.mask.sum()
+                    sums["policy_loss"] += pg_loss.detach()
+                    sums["value_loss"] += v_loss.detach()
+                    for k in ("approx_kl", "clipfrac", "ratio_mean"):
+                        sums[k] += st[k] * n_pg
+                    sums["vf_clipfrac"] += st["vf_clipfrac"] * n_v
+                    pg_tokens += n_pg
+                    v_tokens += n_v
+                    if n_steps == 0:  # before any optimiser step
+                        first_ratio += st["ratio_mean"] * n_pg
+                        first_tokens += n_pg
+                # Per minibatch: clip each model's gradient norm, then step both optimisers.
+                sums["policy_grad_norm"] += torch.nn.utils.clip_grad_norm_(self.policy_params, max_norm)
+                sums["value_grad_norm"] += torch.nn.utils.clip_grad_norm_(self.value_params, max_norm)
+                self.policy_optimizer.step()
+                self.value_optimizer.step()
+                self.policy_optimizer.zero_grad(set_to_none=True)
+                self.value_optimizer.zero_grad(set_to_none=True)
+                n_steps += 1
+        self.policy.eval()
+        self.value_model.eval()
+
+        out = {k: sums[k] / n_steps for k in ("policy_loss", "value_loss", "policy_grad_norm", "value_grad_norm")}
+        for k in ("approx_kl", "clipfrac", "ratio_mean"):
+            out[k] = sums[k] / pg_tokens.clamp(min=1)
+        out["vf_clipfrac"] = sums["vf_clipfrac"] / v_tokens.clamp(min=1)
+        out["first_minibatch_ratio_mean"] = first_ratio / first_tokens.clamp(min=1)
+        return out
+
+    def _micro_losses(self, mb: Experience, pg_norm: Tensor, v_norm: Tensor) -> tuple[Tensor, Tensor, dict]:
+        """Policy loss (PPO-clip - entropy bonus) and value loss of one trimmed micro-batch,
+        each normalised by its minibatch's token (or row) count."""
+        cfg = self.config
+        logits = response_logits(self.policy, mb.rollouts)  # (b, t, V), train mode
+        logp = logprobs_from_logits(logits, mb.rollouts.response_ids, cfg.temperature, cfg.top_k, cfg.top_p,
+                                    mask=mb.policy_mask)  # (b, t) float32
+        pg_loss, pg_stats = ppo_clip_loss(logp, mb.old_logprobs, mb.advantages, mb.policy_mask,
+                                          cfg.clip_epsilon, cfg.loss_agg, pg_norm)
+        if cfg.entropy_coef > 0:
+            ent = entropy_from_logits(logits, mb.mask, cfg.temperature)  # (b, t)
+            pg_loss = pg_loss - cfg.entropy_coef * agg_loss(ent, mb.mask, cfg.loss_agg, v_norm)
+        del logits
+        new_values = self.value_model(mb.rollouts)  # (b, t) float32
+        v_loss, v_stats = value_loss(new_values, mb.returns, mb.mask, mb.values, cfg.value_clip,
+                                     cfg.loss_agg, v_norm)
+        return pg_loss, v_loss, {**pg_stats, **v_stats}
