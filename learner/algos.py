@@ -628,7 +628,9 @@ def ppo_clip_loss(
         ``"clipfrac"``: fraction of tokens where the clipped term is the active one
         (strictly larger loss, i.e. clipping changed the objective), [N+]/[TRL];
         ``"approx_kl"``: mean of ``(rho - 1) - log rho``, the k3 estimator of
-        KL(old || new) as logged by [CleanRL] (not ``0.5 * logratio**2``);
+        KL(old || new) as logged by [CleanRL] (not ``0.5 * logratio**2``), over the tokens
+        whose new log-prob is finite; ``"outside_support_frac"``: fraction of tokens whose
+        new log-prob is -inf (dropped by top-k/top-p truncation, ratio 0);
         ``"ratio_mean"``, ``"ratio_max"``, ``"ratio_min"``: of rho (max/min are 0 when there
         is no real token).
     """
@@ -647,7 +649,12 @@ def ppo_clip_loss(
         ratio_d = ratio.detach()
         stats = {
             "clipfrac": masked_mean((pg_loss_clipped > pg_loss_unclipped).to(ratio_d.dtype), mask),
-            "approx_kl": masked_mean((ratio_d - 1) - logratio.detach(), mask),
+            # With top-k/top-p truncation the updated policy can drop a sampled token from
+            # its support (logprob -inf, ratio 0): the loss and its gradient stay finite,
+            # but k3 would be +inf there, so approx_kl is over the tokens still in support
+            # and the dropped ones are counted in outside_support_frac.
+            "approx_kl": masked_mean((ratio_d - 1) - logratio.detach(), mask & torch.isfinite(logratio)),
+            "outside_support_frac": masked_mean((~torch.isfinite(logratio)).to(ratio_d.dtype), mask),
             "ratio_mean": masked_mean(ratio_d, mask),
             "ratio_max": torch.where(
                 any_real, torch.where(mask, ratio_d, float("-inf")).amax(), zero

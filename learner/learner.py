@@ -330,7 +330,7 @@ class Learner:
         exp = buffer.experience
         gen = self._shuffle_generator()
         zero = torch.zeros((), device=self.device)
-        sums = {k: zero.clone() for k in ("policy_loss", "value_loss", "approx_kl", "clipfrac", "ratio_mean",
+        sums = {k: zero.clone() for k in ("policy_loss", "value_loss", "approx_kl", "clipfrac", "ratio_mean", "outside_support_frac",
                                           "vf_clipfrac", "policy_grad_norm", "value_grad_norm")}
         pg_tokens, v_tokens = zero.clone(), zero.clone()
         first_ratio, first_tokens = zero.clone(), zero.clone()
@@ -352,7 +352,7 @@ class Learner:
                     n_v = micro.mask.sum()
                     sums["policy_loss"] += pg_loss.detach()
                     sums["value_loss"] += v_loss.detach()
-                    for k in ("approx_kl", "clipfrac", "ratio_mean"):
+                    for k in ("approx_kl", "clipfrac", "ratio_mean", "outside_support_frac"):
                         sums[k] += st[k] * n_pg
                     sums["vf_clipfrac"] += st["vf_clipfrac"] * n_v
                     pg_tokens += n_pg
@@ -372,7 +372,7 @@ class Learner:
         self.value_model.eval()
 
         out = {k: sums[k] / n_steps for k in ("policy_loss", "value_loss", "policy_grad_norm", "value_grad_norm")}
-        for k in ("approx_kl", "clipfrac", "ratio_mean"):
+        for k in ("approx_kl", "clipfrac", "ratio_mean", "outside_support_frac"):
             out[k] = sums[k] / pg_tokens.clamp(min=1)
         out["vf_clipfrac"] = sums["vf_clipfrac"] / v_tokens.clamp(min=1)
         out["first_minibatch_ratio_mean"] = first_ratio / first_tokens.clamp(min=1)

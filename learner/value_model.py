@@ -13,8 +13,8 @@ Initialisation (N+ recipe, Huang et al. 2024):
     * The value base directory is a sequence-classification reward model
       (config.architectures has a ``*ForSequenceClassification``): its backbone becomes the
       value backbone and its ``score`` weights are copied into the head ("value from RM").
-    * Otherwise (a causal LM, e.g. the policy's base): the head weight is drawn from
-      N(0, std = 1 / sqrt(hidden + 1)) and the bias is 0, from a seeded torch.Generator.
+    * Otherwise (a causal LM, e.g. the policy's base): the head is zero (V = 0 at the
+      start; see the comment in __init__ for why not a random head).
     * The LoRA adapter's A matrices are drawn from torch's global RNG (PEFT's kaiming
       init; B = 0): the caller seeds it (Learner does ``torch.manual_seed(config.seed)``).
 
@@ -75,9 +75,12 @@ class ValueModel(nn.Module):
                 else:
                     self.head.bias.zero_()
             else:
-                gen = torch.Generator().manual_seed(seed)
-                std = 1.0 / math.sqrt(hidden + 1)  # N+: reward/value head init
-                self.head.weight.copy_(torch.randn(1, hidden, generator=gen) * std)
+                # Zero head: V = 0 everywhere at the start, so the first advantages are the
+                # shaped returns themselves. A random head (N+'s 1/sqrt(H+1) std is for a head
+                # that is then trained as a reward model) gives |V| ~ 1 on the final-norm
+                # hidden states, and GAE's V_{t+1} - V_t noise then swamps rewards of ~0.1
+                # for tens of steps (measured on the tiny model: no learning in 30 steps).
+                self.head.weight.zero_()
                 self.head.bias.zero_()
         self.eval()
 

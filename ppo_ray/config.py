@@ -151,7 +151,7 @@ class PPOConfig:
     scorer_num_gpus: float = 0.0
     """GPUs per scorer actor."""
     lora_sync: str = "adapter"
-    """How the generator takes new LoRA weights: adapter (vLLM LoRARequest) or merged (merged into the base)."""
+    """How the generator takes new LoRA weights: adapter (a vLLM LoRARequest per version; "merged" is planned)."""
     vllm_kv_cache_gib: Optional[float] = None
     """KV-cache size for vLLM on the CPU in GiB; None = a small default."""
     vllm_gpu_memory_utilization: float = 0.3
@@ -176,7 +176,9 @@ class PPOConfig:
             need(0.0 <= getattr(self, name) <= 1.0, name, "must be in [0, 1]")
         need(self.clip_epsilon > 0, "clip_epsilon", "must be > 0")
         need(self.kl_coef >= 0, "kl_coef", "must be >= 0")
-        need(self.temperature > 0, "temperature", "must be > 0")
+        # vLLM clamps temperatures below 0.01 up to 0.01 and treats < 1e-5 as greedy: neither
+        # is a distribution whose logprobs the learner can reproduce.
+        need(self.temperature >= 0.01, "temperature", "must be >= 0.01 (PPO samples; greedy is not a policy)")
         need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         need(self.top_k == -1 or self.top_k >= 0, "top_k", "must be >= 0 (0 or -1 = off)")
         for name in ("batch_size", "lora_r", "lora_alpha", "max_new_tokens", "ppo_epochs",
@@ -204,7 +206,7 @@ class PPOConfig:
             "loss_agg": ("token_mean", "seq_mean_token_mean"),
             "nonfinite_reward": ("error", "drop"),
             "prompt_truncation": ("error", "left"),
-            "lora_sync": ("adapter", "merged"),
+            "lora_sync": ("adapter",),
             "dtype": ("float32", "bfloat16", "float16"),
         }
         for name, allowed in choices.items():

@@ -43,3 +43,48 @@ def vllm_llm(tiny_model_dir: pathlib.Path):
         llm.llm_engine.engine_core.shutdown(timeout=10)
     except Exception:  # pragma: no cover - best effort
         pass
+
+
+TESTS_DIR = pathlib.Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """ONE local Ray instance for the whole session (no dashboard: it costs start-up time
+    and tests don't read it). The tests folder is put on the workers' PYTHONPATH so reward
+    functions defined in tests/reward_fns.py import inside actors, as a user's own module
+    would on their cluster."""
+    import os
+
+    import ray
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    # vLLM's INFO lines from inside the generator actor drown the test output.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
+    yield ray
+    ray.shutdown()
+
+
+def tiny_test_config(**overrides):
+    """configs/tiny.yaml with small, fast settings for tests."""
+    from ppo_ray.config import PPOConfig
+
+    base = dict(batch_size=8, max_new_tokens=12, ppo_epochs=2, micro_batch_size=4,
+                prompt_truncation="error", max_prompt_length=400, vllm_kv_cache_gib=0.25)
+    base.update(overrides)
+    return PPOConfig.from_yaml(TESTS_DIR.parent / "configs" / "tiny.yaml", **base)
+
+
+@pytest.fixture(scope="session")
+def tiny_trainer(ray_session, tiny_model_dir):
+    """ONE PPOTrainer (one vLLM generator actor, reference, reward and learner actors) over
+    the tiny model, shared by the Ray tests of a session. Tests that step it must not
+    assume a particular starting step."""
+    from ppo_ray.trainer import PPOTrainer
+
+    trainer = PPOTrainer(tiny_test_config())
+    yield trainer
+    trainer.shutdown()

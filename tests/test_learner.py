@@ -26,7 +26,7 @@ STAT_KEYS = {
     "first_minibatch_ratio_mean", "vf_clipfrac", "explained_variance", "kl", "kl_per_token",
     "score_mean", "reward_mean", "advantage_mean", "return_mean", "value_mean",
     "policy_grad_norm", "value_grad_norm", "gen_logprob_max_abs_diff", "truncated_tokens",
-    "dropped_samples", "tokens", "learner_forward_s", "update_s", "version",
+    "dropped_samples", "tokens", "learner_forward_s", "update_s", "version", "outside_support_frac",
 }
 
 

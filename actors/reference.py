@@ -1,0 +1,43 @@
+"""Reference (SFT) scorer: a frozen causal LM that returns per-token logprobs of responses.
+
+Plain class, no Ray: ppo_ray.placement hosts it in a Ray actor. The KL penalty compares
+the policy's and this model's full-softmax logprobs at the sampling temperature (no
+top-k/top-p truncation: a truncated reference gives -inf for tokens outside its nucleus,
+and the KL to the SFT model is defined on the full distributions).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from learner.algos import logprobs_from_logits
+from ppo_ray.batch import RolloutBatch
+from ppo_ray.modeling import load_causal_lm, response_logits
+
+
+class ReferenceScorer:
+    def __init__(self, model_name: str, *, temperature: float = 1.0, dtype: str = "float32",
+                 micro_batch_size: int = 8):
+        self.model = load_causal_lm(model_name, dtype)
+        self.model.requires_grad_(False)
+        self.temperature = temperature
+        self.micro_batch_size = micro_batch_size
+        self.last_seconds = 0.0
+
+    @torch.no_grad()
+    def logprobs(self, batch: RolloutBatch) -> Tensor:
+        """(B, T) float32 logprobs of batch.response_ids under the reference; 0 on padding."""
+        t0 = time.perf_counter()
+        out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)  # (B, T)
+        for start in range(0, len(batch), self.micro_batch_size):
+            rows = list(range(start, min(start + self.micro_batch_size, len(batch))))
+            micro = batch.select(rows).trimmed()
+            logits = response_logits(self.model, micro)  # (b, t, V)
+            t = micro.response_ids.shape[1]
+            out[rows, :t] = logprobs_from_logits(logits, micro.response_ids, self.temperature,
+                                                 mask=micro.response_mask)
+        self.last_seconds = time.perf_counter() - t0
+        return out

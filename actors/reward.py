@@ -1,0 +1,117 @@
+"""Reward scorer: a reward model and/or reward functions, combined with weights.
+
+Plain class, no Ray: ppo_ray.placement hosts it in a Ray actor.
+
+- A reward model is an AutoModelForSequenceClassification with num_labels=1; its score is
+  read at the last real token of prompt + response (the EOS when the response has one,
+  never a pad: trl #3750 placed rewards on the pad after EOS).
+- A reward function is named "package.module:function" and called as
+  fn(prompts: list[str], completions: list[str]) -> list[float]. It is imported only from
+  the module path the user named (never from data).
+- Scores are summed with weights (reward model first, then functions, in config order).
+- missing_eos_penalty (N+ / TRL): a response cut at max_new_tokens without EOS gets that
+  score instead of the model's.
+- A non-finite score is an error naming the source and the prompt index, or, with
+  nonfinite="drop", the sample's score becomes NaN, which the learner masks out and counts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ppo_ray.batch import RolloutBatch
+from ppo_ray.modeling import last_token_hidden, load_reward_model
+
+RewardFn = Callable[[list[str], list[str]], Sequence[float]]
+
+
+class RewardError(ValueError):
+    """A reward source failed or returned unusable values; the message names it."""
+
+
+def import_reward_fn(spec: str) -> RewardFn:
+    """Import "package.module:function" (only that module, as the user named it)."""
+    module_name, _, fn_name = spec.partition(":")
+    if not module_name or not fn_name:
+        raise RewardError(f"reward function {spec!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise RewardError(f"reward function {spec!r}: cannot import module {module_name!r}: {e}") from e
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise RewardError(f"reward function {spec!r}: module {module_name!r} has no callable {fn_name!r}")
+    return fn
+
+
+class RewardScorer:
+    def __init__(self, reward_model_name: Optional[str] = None, reward_funcs: Sequence[str] = (),
+                 weights: Sequence[float] = (), *, missing_eos_penalty: Optional[float] = None,
+                 nonfinite: str = "error", dtype: str = "float32", micro_batch_size: int = 8):
+        if reward_model_name is None and not reward_funcs:
+            raise RewardError("no reward source: set reward_model_name and/or reward_funcs")
+        self.model = load_reward_model(reward_model_name, dtype) if reward_model_name else None
+        self.funcs = [(spec, import_reward_fn(spec)) for spec in reward_funcs]
+        n = len(self.funcs) + (self.model is not None)
+        self.weights = list(weights) if weights else [1.0] * n
+        if len(self.weights) != n:
+            raise RewardError(f"reward_weights has {len(self.weights)} entries for {n} reward sources")
+        self.missing_eos_penalty = missing_eos_penalty
+        self.nonfinite = nonfinite
+        self.micro_batch_size = micro_batch_size
+
+    @torch.no_grad()
+    def model_scores(self, batch: RolloutBatch) -> Tensor:
+        """(B,) float32 reward-model scores at the last real token."""
+        backbone = getattr(self.model, self.model.base_model_prefix)
+        out = []
+        for start in range(0, len(batch), self.micro_batch_size):
+            micro = batch.select(range(start, min(start + self.micro_batch_size, len(batch)))).trimmed()
+            hidden = last_token_hidden(backbone, micro)               # (b, H)
+            out.append(self.model.score(hidden).float().squeeze(-1))  # (b,)
+        return torch.cat(out)
+
+    def function_scores(self, spec: str, fn: RewardFn, batch: RolloutBatch) -> Tensor:
+        n = len(batch)
+        try:
+            values = fn(list(batch.prompts), list(batch.responses))
+        except Exception as e:  # a user function: report which one and what it raised
+            raise RewardError(f"reward function {spec!r} raised {type(e).__name__}: {e}") from e
+        try:
+            values = [float(v) for v in values]
+        except (TypeError, ValueError) as e:
+            raise RewardError(f"reward function {spec!r} must return a list of {n} numbers: {e}") from e
+        if len(values) != n:
+            raise RewardError(f"reward function {spec!r} returned {len(values)} values for {n} prompts")
+        return torch.tensor(values, dtype=torch.float32)
+
+    def score(self, batch: RolloutBatch) -> tuple[Tensor, dict]:
+        """(B,) float32 combined scores, and small stats (per-source means, seconds, drops)."""
+        t0 = time.perf_counter()
+        sources: list[tuple[str, Tensor]] = []
+        if self.model is not None:
+            sources.append(("reward_model", self.model_scores(batch)))
+        sources += [(spec, self.function_scores(spec, fn, batch)) for spec, fn in self.funcs]
+
+        total = torch.zeros(len(batch))
+        stats: dict[str, float] = {}
+        for (name, values), w in zip(sources, self.weights):
+            bad = (~torch.isfinite(values)).nonzero().flatten().tolist()
+            if bad and self.nonfinite == "error":
+                raise RewardError(f"reward source {name!r} gave non-finite score {values[bad[0]].item()} "
+                                  f"for prompt index {bad[0]} ({len(bad)} non-finite in all)")
+            total = total + w * values
+            finite = values[torch.isfinite(values)]
+            stats[f"score/{name}"] = float(finite.mean()) if len(finite) else math.nan
+        if self.missing_eos_penalty is not None:
+            total = torch.where(batch.has_eos, total, torch.full_like(total, self.missing_eos_penalty))
+        stats["dropped_nonfinite"] = float((~torch.isfinite(total)).sum())
+        total = torch.where(torch.isfinite(total), total, torch.full_like(total, math.nan))
+        stats["reward_s"] = time.perf_counter() - t0
+        return total, stats

@@ -1,0 +1,200 @@
+"""All Ray plumbing: connecting to a cluster, the thin actor hosts, and their creation.
+
+The role classes (actors.generator.Generator, actors.reference.ReferenceScorer,
+actors.reward.RewardScorer, learner.learner.Learner) know nothing of Ray; the hosts below
+wrap each in a Ray actor, keep its methods' results as ObjectRefs, and time them. Only this
+module and ppo_ray.trainer import ray.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import ray
+from ray.actor import ActorHandle
+
+from ppo_ray.batch import RolloutBatch
+from ppo_ray.config import PPOConfig
+
+
+class ClusterError(RuntimeError):
+    """The Ray cluster cannot be reached or cannot host the requested actors."""
+
+
+def init_ray(address: str | None = None) -> None:
+    """Attach to RAY_ADDRESS (or `address`) when set, else start a local Ray.
+
+    The local default binds the dashboard to 127.0.0.1 only. Under `ray job submit` Ray
+    sets RAY_ADDRESS for the entrypoint, so the same call attaches to the cluster.
+    """
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise ClusterError(f"cannot connect to the Ray cluster at RAY_ADDRESS={address!r}: {e}") from e
+    else:
+        ray.init(dashboard_host="127.0.0.1", log_to_driver=True)
+
+
+# ----------------------------------------------------------------------------- hosts
+class GeneratorHost:
+    def __init__(self, config: PPOConfig, model_dir: str):
+        from actors.generator import Generator
+
+        self.generator = Generator.from_config(config, model_dir)
+
+    @ray.method(num_returns=2)
+    def generate(self, prompt_ids: list[list[int]], step: int, offset: int) -> tuple[RolloutBatch, dict]:
+        t0 = time.perf_counter()
+        batch = self.generator.generate(prompt_ids, step=step, prompt_offset=offset)
+        summary = {
+            "texts": batch.responses, "finish_reasons": batch.finish_reasons,
+            "version": batch.adapter_version, "tokens": int(batch.response_mask.sum()),
+            "generate_s": time.perf_counter() - t0,
+        }
+        return batch, summary
+
+    def load_adapter(self, version: int, weights: dict) -> dict:
+        return {"version": version, **self.generator.load_adapter(version, weights)}
+
+    def sequence_logprobs(self, prompt_ids: list[int], continuation_ids: list[int]):
+        return self.generator.sequence_logprobs(prompt_ids, continuation_ids)
+
+    def version(self) -> int:
+        return self.generator.version
+
+
+class ReferenceHost:
+    def __init__(self, config: PPOConfig, model_dir: str):
+        from actors.reference import ReferenceScorer
+
+        self.scorer = ReferenceScorer(model_dir, temperature=config.temperature, dtype=config.dtype,
+                                      micro_batch_size=config.micro_batch_size)
+
+    def logprobs(self, *parts: RolloutBatch):
+        return self.scorer.logprobs(RolloutBatch.cat(parts))
+
+    def last_seconds(self) -> float:
+        return self.scorer.last_seconds
+
+
+class RewardHost:
+    def __init__(self, config: PPOConfig, reward_model_dir: str | None):
+        from actors.reward import RewardScorer
+
+        self.scorer = RewardScorer(
+            reward_model_dir, config.reward_funcs, config.reward_weights,
+            missing_eos_penalty=config.missing_eos_penalty, nonfinite=config.nonfinite_reward,
+            dtype=config.dtype, micro_batch_size=config.micro_batch_size)
+
+    @ray.method(num_returns=2)
+    def score(self, *parts: RolloutBatch):
+        return self.scorer.score(RolloutBatch.cat(parts))
+
+
+class LearnerHost:
+    def __init__(self, config: PPOConfig, model_dir: str, value_model_dir: str | None):
+        from learner.learner import Learner
+
+        self.learner = Learner(config, model_dir, value_model_dir)
+
+    def initial_weights(self) -> tuple[int, dict]:
+        return self.learner.version, self.learner.lora_weights()
+
+    @ray.method(num_returns=2)
+    def update(self, ref_logprobs, scores, *parts: RolloutBatch):
+        return self.learner.update(RolloutBatch.cat(parts), ref_logprobs, scores)
+
+    def logprobs(self, *parts: RolloutBatch):
+        return self.learner.logprobs(RolloutBatch.cat(parts))
+
+    def full_logprobs(self, *parts: RolloutBatch):
+        return self.learner.full_logprobs(RolloutBatch.cat(parts))
+
+    def version(self) -> int:
+        return self.learner.version
+
+
+# ----------------------------------------------------------------------------- creation
+@dataclass
+class Roles:
+    generators: list[ActorHandle]
+    reference: ActorHandle
+    reward: ActorHandle
+    learner: ActorHandle
+
+    def all(self) -> list[ActorHandle]:
+        return [*self.generators, self.reference, self.reward, self.learner]
+
+
+def _check_capacity(config: PPOConfig) -> None:
+    """Fail fast, naming the shortfall, instead of hanging on actors that cannot be placed."""
+    need_cpu = (config.num_generators * config.generator_num_cpus + config.learner_num_cpus
+                + 2 * config.scorer_num_cpus)
+    need_gpu = (config.num_generators * config.generator_num_gpus + config.learner_num_gpus
+                + 2 * config.scorer_num_gpus)
+    have = ray.cluster_resources()
+    for name, need, key in (("CPUs", need_cpu, "CPU"), ("GPUs", need_gpu, "GPU")):
+        if need > have.get(key, 0.0) + 1e-9:
+            raise ClusterError(
+                f"the config asks for {need:g} {name} in all (num_generators={config.num_generators} x "
+                f"generator_num_{key.lower()}s, learner, 2 scorers) but the Ray cluster has "
+                f"{have.get(key, 0.0):g}; lower the *_num_{key.lower()}s fields or add nodes")
+
+
+def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, reward_model_dir: str | None,
+                 value_model_dir: str | None, namespace: str) -> Roles:
+    """Create the actors, named ppo/<role> in `namespace` (as the dashboard shows them)."""
+    _check_capacity(config)
+
+    def opts(name: str, cpus: float, gpus: float) -> dict:
+        # vLLM logs every request at INFO from inside the generator; WARNING unless the user
+        # asked for more (VLLM_LOGGING_LEVEL in the driver's environment wins).
+        env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+        return dict(name=f"ppo/{name}", namespace=namespace, num_cpus=cpus, num_gpus=gpus,
+                    max_concurrency=1, runtime_env={"env_vars": env})
+
+    gens = [
+        ray.remote(GeneratorHost).options(**opts(f"generator-{i}", config.generator_num_cpus,
+                                                 config.generator_num_gpus)).remote(config, model_dir)
+        for i in range(config.num_generators)
+    ]
+    ref = ray.remote(ReferenceHost).options(**opts("reference", config.scorer_num_cpus,
+                                                   config.scorer_num_gpus)).remote(config, ref_model_dir)
+    rew = ray.remote(RewardHost).options(**opts("reward", config.scorer_num_cpus,
+                                                config.scorer_num_gpus)).remote(config, reward_model_dir)
+    learner = ray.remote(LearnerHost).options(**opts("learner", config.learner_num_cpus,
+                                                     config.learner_num_gpus)).remote(
+        config, model_dir, value_model_dir)
+    roles = Roles(gens, ref, rew, learner)
+    wait_ready(roles)
+    return roles
+
+
+def wait_ready(roles: Roles) -> None:
+    """Block until every actor's constructor finished (engine start, model loads), so step 1
+    is timed honestly and a role that cannot start is named instead of surfacing mid-step."""
+    names = [f"generator-{i}" for i in range(len(roles.generators))] + ["reference", "reward", "learner"]
+    for name, actor in zip(names, roles.all()):
+        try:
+            ray.get(actor.__ray_ready__.remote())
+        except ray.exceptions.RayActorError as e:
+            for other in roles.all():
+                ray.kill(other)
+            raise ClusterError(f"actor ppo/{name} failed to start: {e}") from e
+
+
+def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
+    """[start, end) ranges that split n items into `parts` contiguous chunks (prompt order kept)."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + base + (i < extra)
+        out.append((start, end))
+        start = end
+    return out

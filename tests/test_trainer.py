@@ -1,0 +1,124 @@
+"""The PPO loop on real Ray actors, the real vLLM engine and real PEFT LoRA (tiny model).
+
+One PPOTrainer is shared by the module (fixture tiny_trainer); tests are written so their
+order does not matter except where noted (agreement before any step is checked on the
+fresh trainer, so it is first in the file and pytest runs files in order).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import ray
+import torch
+
+from ppo_ray.batch import RolloutBatch
+from ppo_ray.data import bundled_prompts, encode_prompts
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def _generate(trainer, prompts, step=10_000):
+    ids = encode_prompts(trainer.tokenizer, prompts, trainer.config.max_prompt_length, "left")
+    batch_ref, _ = trainer.roles.generators[0].generate.remote(ids, step, 0)
+    return batch_ref
+
+
+def _assert_generator_matches_learner(trainer):
+    batch_ref = _generate(trainer, bundled_prompts()[:8])
+    batch: RolloutBatch = ray.get(batch_ref)
+    learner_lp = ray.get(trainer.roles.learner.logprobs.remote(batch_ref))
+    assert batch.adapter_version == trainer.version
+    diff = (learner_lp - batch.gen_logprobs).abs()[batch.response_mask]
+    assert diff.numel() > 0 and diff.max() < 1e-4, f"max |generator - learner| logprob = {diff.max():.2e}"
+
+
+def test_generator_and_learner_agree_before_any_sync(tiny_trainer):
+    assert tiny_trainer.version == 0
+    _assert_generator_matches_learner(tiny_trainer)
+
+
+def test_three_steps_end_to_end(tiny_trainer):
+    prompts = bundled_prompts()[:8]
+    for _ in range(3):
+        before = tiny_trainer.version
+        out = tiny_trainer.ppo_step(prompts)
+        assert out["adapter_version"] == before + 1 == tiny_trainer.version
+        for key in ("policy_loss", "value_loss", "kl", "approx_kl", "clipfrac", "entropy", "reward_mean"):
+            assert math.isfinite(out[key]), key
+        assert len(out["generated_texts"]) == len(out["rewards"]) == len(prompts)
+        # ratio == 1 on the first minibatch (float32, lora_dropout 0): old logprobs are the
+        # policy's own, recomputed with the generator's temperature and top-k/top-p.
+        assert abs(out["first_minibatch_ratio_mean"] - 1.0) < 1e-4
+        # the generator that will sample the next step holds the learner's version
+        versions = ray.get([g.version.remote() for g in tiny_trainer.roles.generators])
+        assert versions == [ray.get(tiny_trainer.roles.learner.version.remote())] == [tiny_trainer.version]
+        for phase in ("generate", "reference", "reward", "learner_forward", "update", "sync", "step"):
+            assert out[f"time/{phase}_s"] >= 0
+    _assert_generator_matches_learner(tiny_trainer)  # after syncs too
+
+
+def test_sync_changes_generation(tiny_trainer):
+    """After a step, the generator's logprobs of a FIXED continuation equal the learner's
+    for the new weights (not the old ones, not the base model's)."""
+    tok = tiny_trainer.tokenizer
+    prompt = tok("SUBREDDIT: r/cooking\n\nTITLE: burnt rice\n\nPOST: help\n\nTL;DR:")["input_ids"]
+    cont = tok(" I burn the rice every time because the heat is too high" + tok.eos_token)["input_ids"]
+    fixed = RolloutBatch(
+        prompt_ids=torch.tensor([prompt]), prompt_mask=torch.ones(1, len(prompt), dtype=torch.bool),
+        response_ids=torch.tensor([cont]), response_mask=torch.ones(1, len(cont), dtype=torch.bool),
+        gen_logprobs=torch.zeros(1, len(cont)), adapter_version=tiny_trainer.version,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    gen_before = ray.get(tiny_trainer.roles.generators[0].sequence_logprobs.remote(prompt, cont))
+    tiny_trainer.ppo_step(bundled_prompts()[8:16])
+    gen_after = ray.get(tiny_trainer.roles.generators[0].sequence_logprobs.remote(prompt, cont))
+    # vLLM's prompt logprobs are raw log_softmax (temperature 1, no truncation); the tiny
+    # config samples at temperature 1.0, so the learner's full logprobs are the same quantity.
+    assert tiny_trainer.config.temperature == 1.0
+    learner_after = ray.get(tiny_trainer.roles.learner.full_logprobs.remote(fixed))[0]
+    base = ray.get(tiny_trainer.roles.reference.logprobs.remote(fixed))[0]
+    assert (gen_after - learner_after).abs().max() < 1e-4
+    assert (gen_after - gen_before).abs().max() > 1e-3, "the sync did not change the generator's policy"
+    assert (gen_after - base).abs().max() > 1e-3, "the generator still serves the base model"
+
+
+def test_bad_prompts_fail_clearly_and_leave_state_intact(tiny_trainer):
+    version = tiny_trainer.version
+    with pytest.raises(ValueError, match="no prompts"):
+        tiny_trainer.ppo_step([])
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        tiny_trainer.ppo_step(["SUBREDDIT: r/a\n\nTITLE: b\n\nPOST: c\n\nTL;DR:", "   "])
+    with pytest.raises(ValueError, match=r"prompt 0 is \d+ tokens long, over max_prompt_length=400"):
+        tiny_trainer.ppo_step(["word " * 2000])
+    assert tiny_trainer.version == version
+    out = tiny_trainer.ppo_step(bundled_prompts()[:4])  # still works afterwards
+    assert out["adapter_version"] == version + 1
+
+
+def test_ppo_learns_a_simple_reward(tiny_trainer):
+    """letter_e_fraction (share of 'e' in the completion): mean reward rises clearly."""
+    history = tiny_trainer.train(bundled_prompts(), steps=24, progress=False)
+    rewards = [h["reward_mean"] for h in history]
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last > first + 0.03 and last > 1.3 * first, f"reward did not rise: {rewards}"
+    assert all(math.isfinite(h["kl"]) for h in history)
+
+
+@pytest.mark.parametrize("fn,match", [
+    ("reward_fns:raises", r"reward function 'reward_fns:raises' raised RuntimeError"),
+    ("reward_fns:wrong_length", r"returned 9 values for 8 prompts"),
+    ("reward_fns:nan_at_two", r"non-finite score nan for prompt index 2"),
+    ("reward_fns:not_numbers", r"must return a list of 8 numbers"),
+])
+def test_bad_reward_functions_are_named(tiny_trainer, fn, match):
+    """A reward actor with a misbehaving function, fed the trainer's real rollouts."""
+    from actors.reward import RewardError
+    from ppo_ray.placement import RewardHost
+
+    host = ray.remote(RewardHost).remote(tiny_trainer.config.replace(reward_funcs=[fn]), None)
+    batch_ref = _generate(tiny_trainer, bundled_prompts()[:8])
+    scores_ref, _ = host.score.remote(batch_ref)
+    with pytest.raises(RewardError, match=match):
+        ray.get(scores_ref)
+    ray.kill(host)
