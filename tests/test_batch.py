@@ -1,0 +1,72 @@
+"""RolloutBatch: layout, reshaping and the seeds' state-action view."""
+
+import pytest
+import torch
+
+from ppo_ray.batch import RolloutBatch
+
+PAD, EOS = 9, 8
+
+
+def make(prompts, responses, version=0):
+    """prompts/responses: lists of token lists; builds the left/right padded layout."""
+    p = max(map(len, prompts))
+    t = max(map(len, responses))
+    pid = torch.tensor([[PAD] * (p - len(x)) + x for x in prompts])
+    rid = torch.tensor([x + [PAD] * (t - len(x)) for x in responses])
+    pm = torch.tensor([[False] * (p - len(x)) + [True] * len(x) for x in prompts])
+    rm = torch.tensor([[True] * len(x) + [False] * (t - len(x)) for x in responses])
+    lp = torch.where(rm, -torch.rand(rm.shape), 0.0)
+    return RolloutBatch(pid, pm, rid, rm, lp, version, PAD, EOS,
+                        prompts=[str(x) for x in prompts], responses=[str(x) for x in responses],
+                        finish_reasons=["stop" if x[-1] == EOS else "length" for x in responses])
+
+
+def test_sequences_positions_and_eos():
+    b = make([[1, 2, 3], [4]], [[5, EOS], [6, 7, 1]])
+    ids, att, pos = b.sequences()
+    assert ids.tolist() == [[1, 2, 3, 5, EOS, PAD], [PAD, PAD, 4, 6, 7, 1]]
+    assert pos.tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 0, 1, 2, 3]]
+    assert att[1].tolist() == [False, False, True, True, True, True]
+    assert b.has_eos.tolist() == [True, False]
+    assert b.response_lengths.tolist() == [2, 3]
+
+
+def test_pad_equal_to_eos_is_refused():
+    b = make([[1]], [[2]])
+    with pytest.raises(ValueError, match="pad_token_id equals eos_token_id"):
+        RolloutBatch(b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask, b.gen_logprobs, 0, 3, 3)
+
+
+def test_shape_mismatch_is_named():
+    b = make([[1]], [[2, 3]])
+    with pytest.raises(ValueError, match="shapes disagree"):
+        RolloutBatch(b.prompt_ids, b.prompt_mask, b.response_ids[:, :1], b.response_mask, b.gen_logprobs, 0, PAD, EOS)
+
+
+def test_cat_select_trim_round_trip():
+    a = make([[1, 2, 3], [4]], [[5, EOS], [6]])
+    c = make([[7, 7]], [[1, 2, 3, 4, EOS]])
+    both = RolloutBatch.cat([a, c])
+    assert both.prompt_ids.shape == (3, 3) and both.response_ids.shape == (3, 5)
+    assert both.prompts == a.prompts + c.prompts
+    back = both.select([2]).trimmed()
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "gen_logprobs"):
+        assert torch.equal(getattr(back, name), getattr(c, name)), name
+    first = both.select([0, 1]).trimmed()
+    assert torch.equal(first.response_ids, a.response_ids) and torch.equal(first.prompt_ids, a.prompt_ids)
+
+
+def test_cat_refuses_mixed_versions():
+    with pytest.raises(ValueError, match="different adapter versions"):
+        RolloutBatch.cat([make([[1]], [[2]], version=1), make([[1]], [[2]], version=2)])
+
+
+def test_sa_pairs_view():
+    b = make([[1, 2], [3]], [[5, EOS], [6, 7, 1]])
+    kl = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    pairs = b.to_sa_pairs(kl=kl)
+    assert len(pairs) == 5  # one per real response token
+    assert pairs[1] == {"prompt_index": 0, "t": 1, "state": [1, 2, 5], "action": EOS,
+                        "logprob": pytest.approx(float(b.gen_logprobs[0, 1])), "kl": 1.0}
+    assert pairs[4]["state"] == [3, 6, 7] and pairs[4]["action"] == 1 and pairs[4]["kl"] == 5.0

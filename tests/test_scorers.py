@@ -1,0 +1,127 @@
+"""The reference and reward scorers as plain classes (no Ray), on the tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from actors.reference import ReferenceScorer
+from actors.reward import RewardError, RewardScorer, import_reward_fn
+from ppo_ray.batch import RolloutBatch
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from ppo_ray.modeling import load_tokenizer
+
+    return load_tokenizer(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tiny_model_dir, tmp_path_factory):
+    """A sequence-classification reward model over the tiny base (random score head)."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_pretrained(str(tiny_model_dir), num_labels=1)
+    with torch.no_grad():
+        rm.score.weight.normal_(0, 1.0)  # scores of order 1, so differences are visible
+    out = tmp_path_factory.mktemp("rm")
+    rm.save_pretrained(out)
+    return str(out)
+
+
+def batch_of(tok, pairs, pad_extra=(0, 0)):
+    """[(prompt text, response text, ends_with_eos)] -> padded RolloutBatch (+ extra padding)."""
+    prompts = [tok(p)["input_ids"] for p, _, _ in pairs]
+    responses = [tok(r)["input_ids"] + ([tok.eos_token_id] if eos else []) for _, r, eos in pairs]
+    p = max(map(len, prompts)) + pad_extra[0]
+    t = max(map(len, responses)) + pad_extra[1]
+    pad = tok.pad_token_id
+    return RolloutBatch(
+        prompt_ids=torch.tensor([[pad] * (p - len(x)) + x for x in prompts]),
+        prompt_mask=torch.tensor([[False] * (p - len(x)) + [True] * len(x) for x in prompts]),
+        response_ids=torch.tensor([x + [pad] * (t - len(x)) for x in responses]),
+        response_mask=torch.tensor([[True] * len(x) + [False] * (t - len(x)) for x in responses]),
+        gen_logprobs=torch.zeros(len(pairs), t), adapter_version=0, pad_token_id=pad,
+        eos_token_id=tok.eos_token_id, prompts=[p for p, _, _ in pairs], responses=[r for _, r, _ in pairs])
+
+
+PAIRS = [
+    ("SUBREDDIT: r/cooking\n\nTITLE: rice\n\nPOST: my rice burns\n\nTL;DR:", " rice burns", True),
+    ("SUBREDDIT: r/jobs\n\nTITLE: raise\n\nPOST: asked for a raise and got it after two years of work\n\nTL;DR:",
+     " got a raise after asking", False),
+    ("Short prompt", " and a much longer response that keeps going for a while", True),
+]
+
+
+def test_reference_logprobs_match_hf_and_ignore_padding(tiny_model_dir, tok):
+    from learner.algos import logprobs_from_logits
+    from ppo_ray.modeling import load_causal_lm
+
+    ref = ReferenceScorer(str(tiny_model_dir), temperature=0.7, micro_batch_size=2)
+    batch = batch_of(tok, PAIRS)
+    lp = ref.logprobs(batch)
+    assert lp.shape == batch.response_ids.shape and (lp[~batch.response_mask] == 0).all()
+    model = load_causal_lm(str(tiny_model_dir))
+    for i, (p, r, eos) in enumerate(PAIRS):  # unpadded, one row at a time
+        ids = tok(p)["input_ids"]
+        resp = batch.response_ids[i][batch.response_mask[i]]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + resp.tolist()])).logits[0, len(ids) - 1:-1]
+        want = logprobs_from_logits(logits[None], resp[None], 0.7)[0]
+        assert torch.allclose(lp[i][batch.response_mask[i]], want, atol=1e-5)
+    padded = ref.logprobs(batch_of(tok, PAIRS, pad_extra=(5, 4)))
+    assert torch.allclose(padded[:, : lp.shape[1]], lp, atol=1e-5)
+
+
+def test_reward_model_scores_at_last_real_token(reward_model_dir, tok):
+    from transformers import AutoModelForSequenceClassification
+
+    scorer = RewardScorer(reward_model_dir, micro_batch_size=2)
+    batch = batch_of(tok, PAIRS)
+    scores, stats = scorer.score(batch)
+    hf = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
+    for i, (p, r, eos) in enumerate(PAIRS):  # HF on the unpadded sequence: its last token
+        ids = tok(p)["input_ids"] + batch.response_ids[i][batch.response_mask[i]].tolist()
+        with torch.no_grad():
+            want = hf(torch.tensor([ids])).logits[0, 0]
+        assert abs(float(scores[i]) - float(want)) < 1e-4
+    assert scores.std() > 1e-3  # the scores differ: not read at a shared pad position
+    padded, _ = scorer.score(batch_of(tok, PAIRS, pad_extra=(3, 6)))
+    assert torch.allclose(padded, scores, atol=1e-5)
+    assert stats["score/reward_model"] == pytest.approx(float(scores.mean()), abs=1e-6)
+
+
+def test_combination_weights_and_missing_eos_penalty(reward_model_dir, tok):
+    batch = batch_of(tok, PAIRS)
+    rm_only, _ = RewardScorer(reward_model_dir).score(batch)
+    fn = torch.tensor([-len(r) / 100.0 for _, r, _ in PAIRS])  # ppo_ray.rewards:brevity
+    both, _ = RewardScorer(reward_model_dir, ["ppo_ray.rewards:brevity"], [0.5, 2.0]).score(batch)
+    assert torch.allclose(both, 0.5 * rm_only + 2.0 * fn, atol=1e-5)
+    pen, _ = RewardScorer(None, ["ppo_ray.rewards:brevity"], missing_eos_penalty=-1.0).score(batch)
+    assert pen.tolist() == pytest.approx([fn[0].item(), -1.0, fn[2].item()])  # row 1 has no EOS
+
+
+def test_nonfinite_scores_error_or_drop(tok):
+    batch = batch_of(tok, PAIRS)
+    with pytest.raises(RewardError, match="non-finite score nan for prompt index 2"):
+        RewardScorer(None, ["reward_fns:nan_at_two"]).score(batch)
+    scores, stats = RewardScorer(None, ["reward_fns:nan_at_two"], nonfinite="drop").score(batch)
+    assert math.isnan(scores[2]) and stats["dropped_nonfinite"] == 1.0 and scores[:2].tolist() == [1.0, 1.0]
+
+
+def test_reward_sources_are_checked(tmp_path, tiny_model_dir):
+    with pytest.raises(RewardError, match="no reward source"):
+        RewardScorer(None, [])
+    with pytest.raises(RewardError, match="cannot import module 'no_such_module_xyz'"):
+        import_reward_fn("no_such_module_xyz:f")
+    with pytest.raises(RewardError, match="has no callable 'nope'"):
+        import_reward_fn("ppo_ray.rewards:nope")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not a loadable model"):
+        RewardScorer(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="not a model directory"):
+        RewardScorer(str(tmp_path.parent))
