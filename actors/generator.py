@@ -17,7 +17,7 @@ What vLLM 0.32 does, read from its source and checked by tests/test_generator.py
   generation_config.json (``SamplingParams.update_from_generation_config``), tokens the
   RolloutBatch mask (one ``eos_token_id``) would not know.
 * Every token vLLM returns is real (``response_mask`` comes from its lengths, not from
-  ``ids != pad``): a model can sample the pad token (the tiny random model does), and
+  ``ids != pad``): a model can sample the pad token (an untrained one does), and
   it is then an action like any other. Consumers use ``response_mask``.
 * Sampled-token logprobs. With the engine built with
   ``logprobs_mode="processed_logprobs"`` and ``SamplingParams(logprobs=0)``,

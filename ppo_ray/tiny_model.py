@@ -2,8 +2,9 @@
 
 Tests and the CPU default configuration need a model that exists without network
 access. This module builds one from scratch: a byte-level BPE tokenizer trained on
-the bundled text ``ppo_ray/assets/tiny_corpus.txt`` and a randomly initialised
-(seeded, std 0.02) ``Qwen3ForCausalLM``. It is written as an ordinary Hugging Face
+the bundled text ``ppo_ray/assets/tiny_corpus.txt`` and a ``Qwen3ForCausalLM``
+initialised from a seed (std 0.02) and then, for the "tiny" preset, briefly
+pretrained on that same corpus (see "Pretraining" below). It is written as an ordinary Hugging Face
 model directory with ``save_pretrained`` (``config.json``, ``generation_config.json``,
 ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``), so every code
 path that loads ``Qwen/Qwen3-0.6B-Base`` (``AutoTokenizer``, ``AutoModelForCausalLM``,
@@ -43,15 +44,49 @@ Design choices (kept close to Qwen3-0.6B-Base where it matters):
   a.k.a. ``PreTrainedTokenizerFast``), which loads ``tokenizer.json`` verbatim. (The
   ``Qwen2Tokenizer`` class would rebuild the pipeline with Qwen's regex and an NFC
   normalizer, which would break exact round trips.)
+* Pretraining ("tiny" only; ``pretrain_*`` preset keys, ``_pretrain``). Why: with
+  random tied embeddings of std 0.02 and a final RMSNorm (scale 1), every logit is
+  bounded by ``|h| * |e| ~ sqrt(128) * 0.02 * sqrt(128) ~ 2.6``, so the random model is
+  near-uniform over its 512 tokens (it samples the pad token, greedy decoding is
+  degenerate) and no LoRA update can make any token likely: PPO on it shows no
+  learning. So after the seeded init the model is trained with the causal-LM
+  next-token loss on the corpus documents, each followed by EOS (``<|endoftext|>``
+  right after the document's last token, as a PPO response ends), one document per
+  row starting at position 0 (like a prompt; documents are 152-442 tokens, so every
+  position a TL;DR prompt plus response uses is trained), right-padded with the pad
+  token and masked out of the loss. Settings: 140 steps of 8 documents (~19 epochs of
+  the 16.9K-token corpus), AdamW (betas 0.9/0.95, weight decay 0.1 on matrices and
+  the embedding), peak lr 3e-3 with 8 warmup steps and a cosine decay to 10%, the
+  tied embedding at 5x the lr (it must grow from std 0.02 before logits can leave
+  the +-2.6 range; this halves the steps needed), gradient clipping 1.0. Data order
+  comes from a local ``torch.Generator``; batches group documents of similar length.
+  Result (recorded in ``ppo_ray_tiny_model.json``): corpus loss 6.27 -> 1.99 nats
+  (ln 512 = 6.24), mean next-token entropy 6.21 -> 2.80 nats, the largest P(pad)
+  anywhere in the corpus ~1e-3 (it never occurs in the data). The model writes
+  English-looking text in the corpus' SUBREDDIT/TITLE/POST/TL;DR format and ends
+  documents with EOS; it is a 361K-parameter model that has seen 17K tokens, so it
+  does not make much sense. Cost: ~25 s on one CPU thread (the whole build), paid
+  once per cache. The "small" preset (benchmarks only: speed does not depend on the
+  weights) stays random, ``pretrain_steps: 0``.
 * Determinism: the tokenizer trainer is deterministic for a fixed corpus (checked
   across processes with different hash seeds); weights come from a local
-  ``torch.Generator`` (global RNG state is saved and restored); all files are written
-  by ``save_pretrained`` with no timestamps. Rebuilding gives bit-identical files.
+  ``torch.Generator`` (global RNG state is saved and restored); pretraining uses a
+  local generator for the data order, no dropout, and runs on ONE thread
+  (``torch.set_num_threads(1)``, restored afterwards) because CPU float reductions
+  can depend on the thread count; all files are written by ``save_pretrained`` with
+  no timestamps. Rebuilding gives bit-identical files on the same machine and
+  library versions. (Caveat: float results of training can differ between CPUs with
+  different vector instruction sets, e.g. AVX2 vs AVX-512, so two unlike machines
+  may build slightly different weights under the same cache name; a multi-node
+  cluster should build once and share the directory.)
 * Caching: ``$PPO_RAY_CACHE`` (default ``~/.cache/ppo_ray``) / ``qwen3-{size}-{hash16}``
-  where the hash covers the builder version, the preset, the corpus bytes and the
-  versions of torch/transformers/tokenizers/safetensors. Builds go to a temporary
-  directory beside the target and are renamed into place, so a crash never leaves
-  a half-written model and concurrent builders (pytest, several Ray workers) are safe.
+  where the hash covers the builder version, the preset (including the pretraining
+  settings), the corpus bytes and the versions of torch/transformers/tokenizers/
+  safetensors. Builds go to a temporary directory beside the target and are renamed
+  into place, so a crash never leaves a half-written model and concurrent builders
+  (pytest, several Ray workers) are safe. Builders of the same target on one machine
+  also take an advisory lock (``.{name}.lock`` beside it, ``fcntl.flock``) so that
+  only one of them pays for the pretraining; the others wait and reuse its build.
 
 Importing this module has no side effects (heavy libraries are imported lazily).
 """
@@ -59,6 +94,7 @@ Importing this module has no side effects (heavy libraries are imported lazily).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import errno
 import hashlib
@@ -85,7 +121,8 @@ __all__ = [
 ]
 
 # Bump whenever the builder's output changes for the same preset and corpus.
-BUILDER_VERSION = 1
+# 2: the "tiny" preset is pretrained on the bundled corpus (see _pretrain).
+BUILDER_VERSION = 2
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -109,10 +146,27 @@ _ARCH_COMMON: dict[str, Any] = {
     "bpe_min_frequency": 1,
 }
 
+# Pretraining (see ``_pretrain``). Part of every preset, hence of the content hash.
+_PRETRAIN_COMMON: dict[str, Any] = {
+    "pretrain_steps": 0,  # 0 = keep the random init
+    "pretrain_batch_docs": 8,  # documents per step, one per row, right-padded
+    "pretrain_max_len": 512,  # tokens per document incl. its EOS (longer ones would be cut)
+    "pretrain_lr": 3e-3,  # AdamW peak lr of the transformer blocks
+    "pretrain_embedding_lr_mult": 5.0,  # the (tied) embedding learns 5x faster (module docstring)
+    "pretrain_warmup_steps": 8,  # linear warmup, then cosine decay ...
+    "pretrain_final_lr_frac": 0.1,  # ... to 10% of the peak at the last step
+    "pretrain_betas": [0.9, 0.95],
+    "pretrain_weight_decay": 0.1,  # on matrices and the embedding, not on norm scales
+    "pretrain_grad_clip": 1.0,
+    "pretrain_seed": 1,  # data order (a local torch.Generator)
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
-    # 361,344 parameters: fast enough for unit tests (HF and vLLM).
+    # 361,344 parameters: fast enough for unit tests (HF and vLLM); pretrained on the corpus.
     "tiny": {
         **_ARCH_COMMON,
+        **_PRETRAIN_COMMON,
+        "pretrain_steps": 140,  # ~19 epochs of the corpus; ~20-30 s on one CPU thread
         "vocab_size": 512,
         "hidden_size": 128,
         "num_hidden_layers": 2,
@@ -120,9 +174,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 1,
         "intermediate_size": 256,
     },
-    # 25,175,552 parameters: for CPU benchmarks.
+    # 25,175,552 parameters: for CPU benchmarks. Kept RANDOM (pretrain_steps 0): speed
+    # does not depend on the weights, and pretraining 25M parameters on one CPU thread
+    # would take many minutes (and the 40K-byte corpus could not feed it anyway).
     "small": {
         **_ARCH_COMMON,
+        **_PRETRAIN_COMMON,
         "vocab_size": 2048,
         "hidden_size": 512,
         "num_hidden_layers": 8,
@@ -265,6 +322,134 @@ def _train_tokenizer(preset: dict[str, Any]):
     return tok
 
 
+def _pretrain_documents(raw_tok, preset: dict[str, Any], eos_id: int) -> list[list[int]]:
+    """The corpus documents as token ids, each followed by EOS (cut to ``pretrain_max_len``)."""
+    max_len = int(preset["pretrain_max_len"])
+    return [(raw_tok.encode(d).ids + [eos_id])[:max_len] for d in corpus_documents()]
+
+
+def _pretrain_batches(docs: list[list[int]], preset: dict[str, Any], gen, pad_id: int):
+    """Endless (inputs, labels) batches: each epoch is a random permutation of the
+    documents (from ``gen``), cut into groups of 4 batches; each group is sorted by
+    length (less padding) and split into batches, whose order is shuffled. One document
+    per row, starting at position 0 like a prompt, right-padded with pad; labels are the
+    next tokens, -100 on padding and after the EOS."""
+    import torch
+
+    bs = int(preset["pretrain_batch_docs"])
+    while True:
+        perm = torch.randperm(len(docs), generator=gen).tolist()
+        batches = []
+        for g in range(0, len(perm), 4 * bs):
+            group = sorted(perm[g : g + 4 * bs], key=lambda i: len(docs[i]))  # stable
+            batches += [group[b : b + bs] for b in range(0, len(group), bs)]
+        for k in torch.randperm(len(batches), generator=gen).tolist():
+            rows = [docs[i] for i in batches[k]]
+            width = max(len(r) for r in rows) - 1
+            inputs = torch.full((len(rows), width), pad_id, dtype=torch.long)
+            labels = torch.full((len(rows), width), -100, dtype=torch.long)
+            for r, ids in enumerate(rows):
+                t = torch.tensor(ids, dtype=torch.long)
+                inputs[r, : len(ids) - 1] = t[:-1]
+                labels[r, : len(ids) - 1] = t[1:]
+            yield inputs, labels
+
+
+def _corpus_stats(model, docs: list[list[int]], pad_id: int) -> dict[str, float]:
+    """Mean next-token loss and entropy (nats) over the corpus documents, and the
+    largest probability the model gives the pad token anywhere in them."""
+    import torch
+    import torch.nn.functional as F
+
+    loss_sum = ent_sum = 0.0
+    n = 0
+    max_pad = 0.0
+    with torch.no_grad():
+        for ids in docs:
+            x = torch.tensor([ids], dtype=torch.long)
+            logp = torch.log_softmax(model(input_ids=x, use_cache=False).logits[0, :-1].double(), dim=-1)
+            loss_sum += -logp.gather(-1, x[0, 1:, None]).sum().item()
+            ent_sum += -(logp.exp() * logp).sum().item()
+            max_pad = max(max_pad, logp[:, pad_id].exp().max().item())
+            n += len(ids) - 1
+    return {"loss": loss_sum / n, "entropy": ent_sum / n, "max_p_pad": max_pad}
+
+
+def _pretrain(model, raw_tok, preset: dict[str, Any], eos_id: int, pad_id: int) -> dict[str, Any]:
+    """Train ``model`` in place for ``preset["pretrain_steps"]`` steps of next-token
+    prediction on the corpus documents; returns statistics for the build info.
+
+    Deterministic: data order from a local generator, no dropout (Qwen3's attention
+    dropout is 0), one CPU thread (the thread count can change float reductions). The
+    global torch RNG and thread count are restored afterwards.
+    """
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    steps = int(preset["pretrain_steps"])
+    docs = _pretrain_documents(raw_tok, preset, eos_id)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            model.eval()
+            before = _corpus_stats(model, docs, pad_id)
+            emb = model.get_input_embeddings().weight  # == lm_head.weight (tied)
+            matrices = [p for n, p in model.named_parameters() if p.ndim >= 2 and p is not emb]
+            vectors = [p for p in model.parameters() if p.ndim < 2]
+            peak = float(preset["pretrain_lr"])
+            wd = float(preset["pretrain_weight_decay"])
+            groups = [
+                {"params": [emb], "weight_decay": wd, "lr_mult": float(preset["pretrain_embedding_lr_mult"])},
+                {"params": matrices, "weight_decay": wd, "lr_mult": 1.0},
+                {"params": vectors, "weight_decay": 0.0, "lr_mult": 1.0},
+            ]
+            opt = torch.optim.AdamW(groups, lr=peak, betas=tuple(preset["pretrain_betas"]), eps=1e-8,
+                                    foreach=False, fused=False)
+            warmup = int(preset["pretrain_warmup_steps"])
+            final = float(preset["pretrain_final_lr_frac"])
+
+            def lr_at(step: int) -> float:
+                if step < warmup:
+                    return peak * (step + 1) / warmup
+                t = (step - warmup) / max(1, steps - 1 - warmup)
+                return peak * (final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * t)))
+
+            gen = torch.Generator(device="cpu").manual_seed(int(preset["pretrain_seed"]))
+            batches = _pretrain_batches(docs, preset, gen, pad_id)
+            model.train()
+            train_losses = []
+            for step in range(steps):
+                for g in opt.param_groups:
+                    g["lr"] = lr_at(step) * g["lr_mult"]
+                inputs, labels = next(batches)
+                logits = model(input_ids=inputs, use_cache=False).logits
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), float(preset["pretrain_grad_clip"]))
+                opt.step()
+                train_losses.append(loss.item())
+            model.eval()
+            after = _corpus_stats(model, docs, pad_id)
+    finally:
+        torch.set_num_threads(threads)
+    r6 = lambda v: round(float(v), 6)  # noqa: E731
+    return {
+        "steps": steps,
+        "tokens_per_epoch": sum(len(d) for d in docs),
+        "corpus_loss_before": r6(before["loss"]),
+        "corpus_loss_after": r6(after["loss"]),
+        "corpus_entropy_before": r6(before["entropy"]),
+        "corpus_entropy_after": r6(after["entropy"]),
+        "corpus_max_p_pad_after": float(f"{after['max_p_pad']:.3e}"),
+        "train_loss_first_step": r6(train_losses[0]) if train_losses else None,
+        "train_loss_last_10_steps": r6(sum(train_losses[-10:]) / len(train_losses[-10:])) if train_losses else None,
+    }
+
+
 def _write_model(dest: pathlib.Path, size: str, digest: str) -> None:
     """Build everything into the (existing, empty) directory ``dest``."""
     import torch
@@ -327,7 +512,9 @@ def _write_model(dest: pathlib.Path, size: str, digest: str) -> None:
                 param.zero_()
         # HF zero-initialises the padding_idx row of the embedding; do the same.
         model.get_input_embeddings().weight[pad_id].zero_()
-    model = model.to(torch.float32).eval()
+    model = model.to(torch.float32)
+    pretrain_stats = _pretrain(model, raw_tok, preset, eos_id, pad_id) if preset["pretrain_steps"] > 0 else None
+    model = model.eval()
 
     model.generation_config = GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id)
 
@@ -337,6 +524,7 @@ def _write_model(dest: pathlib.Path, size: str, digest: str) -> None:
     info = _build_info(size)
     info["content_hash"] = digest
     info["num_parameters"] = sum(p.numel() for p in model.parameters())
+    info["pretrain"] = pretrain_stats
     (dest / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
 
@@ -378,6 +566,35 @@ def build_tiny_model(out_dir: str | os.PathLike | None = None, size: str = "tiny
 
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(parent / f".{target.name}.lock"):
+        if _is_complete(target, digest):  # built by another process while we waited
+            return target
+        _build_into(target, size, digest)
+    return target
+
+
+@contextlib.contextmanager
+def _build_lock(path: pathlib.Path):
+    """Advisory exclusive lock (``flock``) held while building, so that concurrent
+    builders on one machine do not each pay for the pretraining. Correctness never
+    depends on it (the build is atomic): where it cannot be taken, build unlocked."""
+    fd = None
+    try:
+        import fcntl
+
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except (ImportError, OSError):
+        pass  # no lock: concurrent builders each build, and the first rename wins
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+def _build_into(target: pathlib.Path, size: str, digest: str) -> None:
+    parent = target.parent
     tmp_prefix = f".{target.name}.tmp-"
     _remove_stale_temps(parent, tmp_prefix)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=parent))
@@ -398,7 +615,6 @@ def build_tiny_model(out_dir: str | os.PathLike | None = None, size: str = "tiny
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def main(argv: list[str] | None = None) -> None:

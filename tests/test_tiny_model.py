@@ -119,10 +119,14 @@ def test_config_matches_preset(tiny_model_dir, hf_model):
     assert gen["eos_token_id"] == cfg["eos_token_id"] and gen["pad_token_id"] == cfg["pad_token_id"]
     assert cfg["pad_token_id"] != cfg["eos_token_id"]
     assert sum(p.numel() for p in hf_model.parameters()) == 361_344
-    # Init: std ~0.02 for matrices, ones for norms.
-    q = hf_model.model.layers[0].self_attn.q_proj.weight
-    assert abs(q.std().item() - 0.02) < 0.002
-    assert torch.all(hf_model.model.norm.weight == 1)
+    # The tiny preset is pretrained (the random init is only its starting point): the
+    # build records it, and the weights moved away from the init (std 0.02, norms 1).
+    info = json.loads((tiny_model_dir / tiny_model.BUILD_INFO_FILE).read_text())
+    assert preset["pretrain_steps"] > 0 and info["pretrain"]["steps"] == preset["pretrain_steps"]
+    assert info["preset"]["pretrain_steps"] == preset["pretrain_steps"]
+    assert not torch.all(hf_model.model.norm.weight == 1)
+    assert all(torch.isfinite(p).all() for p in hf_model.parameters())
+    assert PRESETS["small"]["pretrain_steps"] == 0  # benchmarks only: stays random
 
 
 def test_corpus_tldr_examples():
@@ -134,6 +138,56 @@ def test_corpus_tldr_examples():
     for e in exs:
         assert all(e.values())
         assert f"{_tldr_prompt(e)} {e['summary']}" in text
+
+
+def _generic_prompts() -> list[str]:
+    return ["Hello", "Hello there", "TL;DR:", "The quick brown fox jumps over the lazy dog, and then",
+            "SUBREDDIT: r/relationships\n\nTITLE: My friend never calls back\n\nPOST: We used to talk every day.\n\nTL;DR:"]
+
+
+def test_tiny_model_is_pretrained(hf_model, tokenizer, tiny_model_dir):
+    """The pretraining made a real (small) LM: corpus loss far below ln(512), the pad
+    token (absent from the data) negligible, EOS after a finished document."""
+    import math
+
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    loss_sum = ent_sum = 0.0
+    n = 0
+    max_p_pad = 0.0
+    with torch.no_grad():
+        for doc in tiny_model.corpus_documents():
+            ids = torch.tensor([tokenizer(doc)["input_ids"] + [eos]])
+            logp = torch.log_softmax(hf_model(ids).logits[0, :-1].double(), dim=-1)
+            loss_sum += -logp.gather(-1, ids[0, 1:, None]).sum().item()
+            ent_sum += -(logp.exp() * logp).sum().item()
+            max_p_pad = max(max_p_pad, logp[:, pad].exp().max().item())
+            n += ids.shape[1] - 1
+    loss, entropy = loss_sum / n, ent_sum / n
+    print(f"corpus loss {loss:.3f}, entropy {entropy:.3f} (ln 512 = {math.log(512):.3f}), max P(pad) {max_p_pad:.1e}")
+    assert loss < 2.6 < math.log(512)
+    assert 1.5 < entropy < 3.5  # confident, but not collapsed
+    assert max_p_pad < 1e-2
+    info = json.loads((tiny_model_dir / tiny_model.BUILD_INFO_FILE).read_text())["pretrain"]
+    assert info["corpus_loss_before"] > 6.0 and abs(info["corpus_loss_after"] - loss) < 1e-3
+
+    # At the end of prompts (where generation starts) pad is negligible.
+    prompts = [_tldr_prompt(e) for e in tiny_model.tldr_examples()] + _generic_prompts()
+    p_eos_after_summary = []
+    with torch.no_grad():
+        for text in prompts:
+            probs = torch.softmax(hf_model(torch.tensor([tokenizer(text)["input_ids"]])).logits[0, -1], dim=-1)
+            assert probs[pad].item() < 1e-3, text
+        # A finished TL;DR document is followed by EOS.
+        for e in tiny_model.tldr_examples():
+            ids = tokenizer(f"{_tldr_prompt(e)} {e['summary']}")["input_ids"]
+            p_eos_after_summary.append(torch.softmax(hf_model(torch.tensor([ids])).logits[0, -1], dim=-1)[eos].item())
+    assert sum(p_eos_after_summary) / len(p_eos_after_summary) > 0.5
+
+    # Greedy decoding is not degenerate: many distinct tokens, no pad.
+    ids = tokenizer(prompts[0])["input_ids"]
+    out = hf_model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=pad)
+    new = out[0, len(ids):].tolist()
+    assert len(set(new)) > 8 and pad not in new, tokenizer.decode(new)
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -282,6 +336,7 @@ def test_vllm_greedy_matches_hf(vllm_llm, hf_model, prompts_ids):
         c = out.outputs[0]
         hf_ids, margin = _hf_greedy(hf_model, p, n)
         assert list(c.token_ids) == hf_ids, f"greedy mismatch (smallest top-2 logit margin {margin:.2e})"
+        assert len(set(hf_ids)) > 3, hf_ids  # the pretrained model's greedy output is non-trivial
         diff = (_vllm_token_logprobs(c) - _hf_token_logprobs(hf_model, p, hf_ids)).abs().max().item()
         max_diff = max(max_diff, diff)
     print(f"greedy: max |logprob HF - vLLM| = {max_diff:.3e}")
