@@ -81,7 +81,7 @@ def test_generate_layout(make_generator, tokenizer):
     enc = encode_prompts(tokenizer, prompts, 64)
     p = max(len(x) for x in enc)
     assert batch.prompt_ids.shape == (b, p) and batch.prompt_mask.dtype == torch.bool
-    assert batch.response_ids.shape[0] == b and batch.response_ids.shape[1] <= 40
+    assert batch.response_ids.shape[0] == b and batch.response_ids.shape[1] <= 64
     assert batch.gen_logprobs.dtype == torch.float32
     assert batch.adapter_version == 0
     assert (batch.pad_token_id, batch.eos_token_id) == (tokenizer.pad_token_id, tokenizer.eos_token_id)
@@ -106,7 +106,7 @@ def test_generate_layout(make_generator, tokenizer):
         if batch.finish_reasons[i] == "stop":
             assert real[-1] == tokenizer.eos_token_id
         else:
-            assert batch.finish_reasons[i] == "length" and L == 40
+            assert batch.finish_reasons[i] == "length" and L == 64
         shown = real[:-1] if batch.finish_reasons[i] == "stop" else real
         assert batch.responses[i] == tokenizer.decode(shown, skip_special_tokens=True)
     assert batch.has_eos.tolist() == [r == "stop" for r in batch.finish_reasons]
