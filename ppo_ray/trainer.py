@@ -120,7 +120,11 @@ class PPOTrainer:
             "time/learner_forward_s": stats.get("learner_forward_s", math.nan),
             "time/update_s": stats.get("update_s", math.nan),
             "time/sync_s": sync_s,
-            "time/sync_load_s": max(r.get("load_s", r.get("register_s", 0.0)) for r in loads),
+            # the sync's parts on the generator side (the rest of sync_s is the object-store
+            # transfer of the LoRA tensors and the actor call)
+            "time/sync_write_s": max(r["write_s"] for r in loads),
+            "time/sync_register_s": max(r["register_s"] + r["retire_s"] for r in loads),
+            "lora_sync_bytes": loads[0]["bytes"],
             "time/step_s": wall,
             "tokens_per_s": tokens / wall if wall > 0 else math.nan,
             "response_tokens": tokens,
