@@ -57,11 +57,18 @@ def main(argv: list[str] | None = None) -> int:
     config.to_yaml(run_dir / "config.yaml")
     print(f"[ppo-ray] run directory: {run_dir}")
 
+    from actors.reward import RewardError
     from ppo_ray.data import load_prompts
+    from ppo_ray.placement import ClusterError
     from ppo_ray.trainer import PPOTrainer
 
-    prompts = load_prompts(config)
-    trainer = PPOTrainer(config, run_dir=run_dir)
+    try:
+        prompts = load_prompts(config)
+        trainer = PPOTrainer(config, run_dir=run_dir)
+    except (ClusterError, RewardError, FileNotFoundError) as e:
+        # expected, user-fixable problems: the message names the bad thing; no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     history = trainer.train(prompts, metrics_path=run_dir / "metrics.jsonl")
     for h in history:
         print(f"step {h['step']:4d}  reward {h['reward_mean']:+.4f}  kl {h['kl']:+.4f}  "
