@@ -81,9 +81,9 @@ def read_rows(path: str | Path) -> list[dict]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{p}: row {n} is not valid JSON: {e}") from e
+                    raise ValueError(f"{p}: line {n} is not valid JSON: {e}") from e
                 if not isinstance(row, dict):
-                    raise ValueError(f"{p}: row {n} is a {type(row).__name__}, not an object")
+                    raise ValueError(f"{p}: line {n} is a {type(row).__name__}, not an object")
                 rows.append(row)
         return rows
     if p.suffix == ".parquet":
