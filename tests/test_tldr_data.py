@@ -358,7 +358,7 @@ def test_row_not_an_object_and_title_too_long(tok, tmp_path):
     rows = sft_rows()
     path = tmp_path / "x.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]) + "[1, 2]\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"x\.jsonl: row 3 is a list, not an object"):  # read_rows: 1-based line
+    with pytest.raises(ValueError, match=r"x\.jsonl: line 3 is a list, not an object"):  # read_rows: 1-based line
         load_sft(path, "train", tok)
     rows[1]["title"] = "long title words " * 30
     path = write(tmp_path / "t.jsonl", rows)
