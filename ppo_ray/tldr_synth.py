@@ -1,0 +1,552 @@
+"""A bundled, deterministic Reddit-TL;DR-style task and its gold judge.
+
+The embedded default job runs SFT -> reward model -> PPO on a 2-core CPU with the tiny
+(361K-parameter) model, so it needs a summarisation task that such a model can learn in
+minutes and that can be scored without a human or an LLM judge. This module builds one
+from templates, and a programmatic GOLD JUDGE for it. Pure Python, no torch.
+
+Public API::
+
+    generate_task(seed=0, n_train=2000, n_val=200, n_test=200) -> {"train"|"validation"|"test": [example]}
+    write_task(out_dir, seed=0, n_train=2000, n_val=200, n_test=200) -> {file name: Path}
+    gold_details(example, summary, ended_with_eos) -> GoldScore
+    gold_score(example, summary, ended_with_eos) -> float            # in [0, 1]
+    gold_compare(example, a, b, eos_a=True, eos_b=True) -> 1 | 0 | -1
+    win_rate(examples, summaries_a, eos_a, summaries_b, eos_b) -> float
+
+The task
+--------
+Each post is about one PERSON (``"my sister"``), one EVENT that person caused
+(``"lost her job"``) and one QUANTITY (``"3 weeks"``, ``"$300"``, ``"4 times"``). Those
+three are the example's ``facts``; the reference summary states all three and nothing
+else, always as ``" {Person} {event with quantity}."``, e.g. ``" My sister lost her job
+3 weeks ago."``. Five subreddits (relationships, personalfinance, dogs, jobs,
+legaladvice) have their own people (6-10 each) and events (10-13 each); the quantity
+comes from the event's kind (time: 2-9 days/weeks/months/years "ago"; money:
+$200-$900; count: 2-9 times). A post is 2-5 sentences: the key sentence(s) in one of
+four forms ("My sister lost her job 3 weeks ago." / "So my sister ..." / "This is about
+my sister. She lost her job ..." / "My sister, who is 31, lost ..."), 0-3 distractor
+sentences in random places that are NOT key facts (another person of the same
+subreddit: "My brother thinks I am overreacting."; another quantity: "We have been
+close for 4 years."; an age, a feeling, a place) and a closing question. A summary must
+therefore depend on the post: taking the person or the number from the wrong sentence
+is as bad as omitting it. Titles (6 forms) name at most the person and the event, never
+the quantity, so copying the title is not a good summary.
+
+Lengths suit the tiny model's byte-level BPE tokenizer (512 tokens, ~2 characters per
+token on this text): a prompt is at most ``MAX_PROMPT_CHARS`` characters (distractors
+are dropped until it fits), which is <= 120 tokens; reference summaries are 5-9 words,
+11-20 tokens (tests measure both). No two examples, within or across splits, share a
+(subreddit, person, event, quantity) tuple, so no test post was seen in training. The
+test split is drawn first, then validation, then train, from one
+``random.Random(seed)``: changing ``n_train`` leaves the evaluation splits unchanged.
+
+Formats are the real task's (Huang et al. 2024, "The N+ Implementation Details of RLHF
+with PPO"): ``prompt == ppo_ray.data.TLDR_PROMPT.format(subreddit=, title=, post=)``;
+``summary``, ``chosen`` and ``rejected`` start with a space and carry NO EOS (the code
+that tokenizes them appends EOS: the recipe's response is ``" " + summary + EOS``).
+
+Preference pairs: ``chosen`` is a correct summary in one of three forms (the reference's,
+"... Help?", "So ..."), ``rejected`` one of these failure kinds (``kind`` column):
+``omit`` (the person replaced by a pronoun, or the quantity left out), ``wrong`` (the
+person, event or quantity replaced by one that is not in the post), ``distractor`` (the
+person or quantity of a distractor sentence), ``ramble`` (the summary followed by the
+rest of the post: too long), ``title`` (the title copied), and ``close`` (both imperfect:
+chosen omits the quantity, rejected also replaces the person by a pronoun). The two
+sides pick their forms independently, so length is a weak cue: over the train split
+chosen is the longer of the two ~56% of the time (``wrong``/``distractor`` pairs ~50%,
+``omit``/``close`` ~80%, ``title`` ~60%, ``ramble`` 0%). Every pair has
+``gold(chosen) > gold(rejected)`` (checked at generation).
+
+The gold judge
+--------------
+``gold_score = clip(coverage - 0.5 * n_wrong - 0.05 * n_extra_words - 0.1 * n_repeats, 0, 1)``,
+and 0 when the summary did not end with EOS:
+
+* ``coverage``: the fraction of the example's facts found in the summary,
+  case-insensitively on words (``$?[a-z0-9]+``). A fact with a digit (the quantity) must
+  appear as that exact word sequence (``"3 weeks"``, ``"$300"``); any other fact needs
+  all its content words (its words minus ``STOPWORDS``: ``"lost her job"`` -> {lost,
+  job}) in any order, so pronouns do not matter.
+* ``n_wrong``: hallucinated facts. Each person and event of the fixed slot tables (all
+  subreddits) whose content words are all in the summary but not all in the post counts
+  once; so does each quantity of the summary ("<number> <unit>" with a unit in
+  ``UNITS``, or "$<number>") that is not in the post.
+* ``n_extra_words``: words beyond ``MAX_WORDS`` (12; references have 5-9).
+* ``n_repeats``: repeated content words (each non-stopword occurrence after its first),
+  so degenerate repetition (":) :) :)", OpenRLHF #236-style reward hacks) costs.
+* No EOS means the summary was cut off at the generation limit; like the N+ recipe's
+  "score replaced by -1", it gets the minimum, 0.
+
+Reference summaries score 1.0; e.g. for the post above "My sister lost her job." is
+2/3, "My sister lost her job 5 weeks ago." 2/3 - 0.5 = 1/6, and "My brother lost his job
+3 weeks ago." 2/3 when the brother is in a distractor sentence (not a hallucination, but
+not the fact either).
+
+Training never sees this judge: SFT learns from the reference summaries, the reward
+model from the preference pairs, PPO from the reward model. The judge is held out so
+that PPO's gain is measured by something PPO did not optimise. When PPO over-optimises
+the learned reward (longer outputs, repetition, slot values the RM happens to like), the
+RM's score keeps rising while the gold score falls: the over-optimisation curve of Gao
+et al. 2022, visible on a CPU.
+
+Importing this module has no side effects.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from ppo_ray.data import TLDR_PROMPT
+
+__all__ = [
+    "MAX_PROMPT_CHARS",
+    "MAX_WORDS",
+    "SPLITS",
+    "STOPWORDS",
+    "UNITS",
+    "GoldScore",
+    "generate_task",
+    "gold_compare",
+    "gold_details",
+    "gold_score",
+    "win_rate",
+    "write_task",
+]
+
+SPLITS = ("train", "validation", "test")
+
+# Prompt budget in characters, so that the generator needs no tokenizer: <= 120 tokens
+# with the tiny model's tokenizer (tests measure it).
+MAX_PROMPT_CHARS = 220
+
+# Gold judge constants (module docstring).
+MAX_WORDS = 12
+WRONG_PENALTY = 0.5
+EXTRA_WORD_PENALTY = 0.05
+REPEAT_PENALTY = 0.1
+
+STOPWORDS = frozenset(
+    "a about again ago am an and are at be been but by can do does for from go he her him his "
+    "how i in is it its just lot me my no not now of on or our she so that the their them they "
+    "this to up us was we what with you your".split())
+
+# --------------------------------------------------------------------------- slot tables
+# People: (phrase, gender). Events: (template, quantity kind); "{pos}" is the person's
+# possessive pronoun, "{q}" the quantity. Time events end in "{q} ago"; in a title or a
+# fact the quantity is dropped (time) or replaced by _VAGUE (money, count).
+
+_PRONOUNS = {"f": ("she", "her", "her"), "m": ("he", "his", "him")}  # subject, possessive, object
+_VAGUE = {"money": "a lot", "count": "again"}
+_TIME_UNITS = ("days", "weeks", "months", "years")
+UNITS = frozenset(_TIME_UNITS + ("times",))
+
+_SUBREDDITS: dict[str, dict] = {
+    "relationships": {
+        "people": [("my sister", "f"), ("my brother", "m"), ("my mom", "f"), ("my dad", "m"), ("my wife", "f"),
+                   ("my bf", "m"), ("my gf", "f"), ("my friend", "m"), ("my cousin", "f"), ("my aunt", "f")],
+        "events": [("lost {pos} job {q} ago", "time"), ("quit {pos} job {q} ago", "time"),
+                   ("moved out {q} ago", "time"), ("ghosted me {q} ago", "time"), ("called me fat {q} ago", "time"),
+                   ("took my car {q} ago", "time"), ("broke my phone {q} ago", "time"),
+                   ("cancelled our plans {q}", "count"), ("lied about {pos} age {q}", "count"),
+                   ("started a fight {q}", "count"), ("spent {q} on games", "money")],
+        "distractors": ["{Other} says I should let it go.", "{Other} thinks I am overreacting.",
+                        "We have been close for {dq}.", "I am {me_age} and {subj} is {age}."],
+        "questions": ["How do I talk to {obj} about it?", "Am I wrong to be upset?",
+                      "What should I do?", "Should I let it go?"],
+    },
+    "personalfinance": {
+        "people": [("my dad", "m"), ("my mom", "f"), ("my aunt", "f"), ("my uncle", "m"), ("my sister", "f"),
+                   ("my brother", "m"), ("my friend", "m"), ("my son", "m")],
+        "events": [("owes me {q} for a trip", "money"), ("borrowed {q} for rent", "money"),
+                   ("lost {q} on crypto", "money"), ("charged {q} to my card", "money"),
+                   ("took {q} from my savings", "money"), ("wants {q} for a car", "money"),
+                   ("sold my bike for {q}", "money"), ("stole {q} from me", "money"),
+                   ("spent {q} on shoes", "money"), ("missed rent {q}", "count"), ("paid rent late {q}", "count"),
+                   ("got laid off {q} ago", "time"), ("maxed out my card {q} ago", "time")],
+        "distractors": ["{Other} says I should drop it.", "I make {mq} a week.",
+                        "I am {me_age} and on a tight budget.", "{Other} thinks I am too soft."],
+        "questions": ["Should I ask for the money back?", "What are my options?", "How do I handle this?"],
+    },
+    "dogs": {
+        "people": [("my dog", "m"), ("my lab", "m"), ("my pug", "f"), ("my pup", "m"), ("my mutt", "f"),
+                   ("my poodle", "f"), ("my husky", "m"), ("my corgi", "f")],
+        "events": [("ate a sock {q} ago", "time"), ("bit a kid {q} ago", "time"), ("got fleas {q} ago", "time"),
+                   ("started limping {q} ago", "time"), ("stopped eating {q} ago", "time"),
+                   ("peed on the bed {q}", "count"), ("chewed my shoes {q}", "count"), ("ran off {q}", "count"),
+                   ("threw up on the rug {q}", "count"), ("needs surgery for {q}", "money")],
+        "distractors": ["{Other} is fine though.", "We got {obj} from a shelter.",
+                        "{Subj} is {age} years old.", "I feel {feeling}."],
+        "questions": ["Should I take {obj} to the vet?", "Is this normal?", "What should I do?"],
+        "ages": (2, 12),
+    },
+    "jobs": {
+        "people": [("my boss", "m"), ("my manager", "f"), ("my lead", "f"), ("my coworker", "m"),
+                   ("my client", "f"), ("my mentor", "f"), ("my intern", "m")],
+        "events": [("cut my hours {q} ago", "time"), ("lost my files {q} ago", "time"), ("cut my pay {q} ago", "time"),
+                   ("moved my shift {q}", "count"), ("made me work late {q}", "count"), ("yelled at me {q}", "count"),
+                   ("mocked me {q}", "count"), ("blamed me {q}", "count"), ("read my email {q}", "count"),
+                   ("took my lunch {q}", "count"), ("lied to HR {q}", "count"), ("docked {q} from my pay", "money")],
+        "distractors": ["I have worked here {dq}.", "{Other} says to keep my head down.",
+                        "I like the rest of the team.", "I feel {feeling}."],
+        "questions": ["Should I talk to HR?", "Should I quit?", "How do I handle this?"],
+    },
+    "legaladvice": {
+        "people": [("my landlord", "m"), ("my neighbor", "f"), ("my tenant", "f"), ("my ex", "m"),
+                   ("my renter", "f"), ("my host", "m")],
+        "events": [("towed my car {q} ago", "time"), ("dented my car {q} ago", "time"), ("cut my tree {q} ago", "time"),
+                   ("hid my mail {q} ago", "time"), ("egged my car {q}", "count"),
+                   ("cut off my water {q}", "count"), ("raised the rent {q}", "count"),
+                   ("sent me a bill for {q}", "money"), ("sued me for {q}", "money"), ("fined me {q}", "money"),
+                   ("kept {q} of my rent", "money")],
+        "distractors": ["I have lived here {dq}.", "{Other} saw the whole thing.",
+                        "I live in {state}.", "I am {me_age}."],
+        "questions": ["Do I need a lawyer?", "What are my rights here?", "Can I take {obj} to court?"],
+    },
+}
+
+_FEELINGS = ("stressed", "hurt", "angry", "confused", "anxious", "sad", "tired")
+_STATES = ("Ohio", "Texas", "Utah", "Maine", "Iowa", "Oregon")
+_SHORT_QUESTIONS = ("Advice?", "Help?", "What now?")
+
+_TITLES = ("Need advice about {p}", "{P} {title_event}", "{P} {title_event}, what now?",
+           "Is it normal that {p} {title_event}?", "Help with {p}", "Not sure what to do about {p}")
+_KEY_FORMS = ("{P} {E}.", "So {p} {E}.", "This is about {p}. {Subj} {E}.", "{P}, who is {age}, {E}.")
+# Summary forms: "{W}"/"{w}" is who (capitalised or not), "{E}" the event. The reference is
+# always the first; chosen and rejected summaries draw their forms independently, so
+# that their lengths differ both ways (the RM must not learn "longer is better").
+_SUMMARY_FORMS = ("{W} {E}.", "{W} {E}. {short_q}", "So {w} {E}.")
+
+_WORD_RE = re.compile(r"\$?[a-z0-9]+")  # "$300" is one word (a quantity on its own)
+_POST_RE = re.compile(r"\n\nPOST: (.*)\n\nTL;DR:", re.S)
+
+
+def _words(text: str) -> list[str]:
+    return _WORD_RE.findall(text.lower())
+
+
+def _content(text: str) -> frozenset[str]:
+    """Content words: the words of `text` minus STOPWORDS (all of them if none is left)."""
+    ws = _words(text)
+    return frozenset(w for w in ws if w not in STOPWORDS) or frozenset(ws)
+
+
+def _cap(s: str) -> str:
+    return s[:1].upper() + s[1:]
+
+
+def _event_phrase(template: str, pos: str, q: str) -> str:
+    return template.format(pos=pos, q=q)
+
+
+def _event_fact(template: str, kind: str, pos: str) -> str:
+    """The event without its quantity: "lost her job", "borrowed a lot for rent"."""
+    if kind == "time":
+        return template.replace(" {q} ago", "").format(pos=pos)
+    return template.format(pos=pos, q=_VAGUE[kind])
+
+
+# The judge's fixed vocabulary of slot values: content-word sets of every person and
+# event of every subreddit (pronoun-free, so "lost her job" and "lost his job" are one).
+_PERSON_KEYS = tuple(sorted({_content(p) for s in _SUBREDDITS.values() for p, _ in s["people"]}, key=sorted))
+_EVENT_KEYS = tuple(sorted({_content(_event_fact(t, k, "their")) for s in _SUBREDDITS.values()
+                            for t, k in s["events"]}, key=sorted))
+
+
+def _quantity(rng: random.Random, kind: str) -> str:
+    if kind == "time":
+        return f"{rng.randint(2, 9)} {rng.choice(_TIME_UNITS)}"
+    if kind == "money":
+        return f"${rng.randint(2, 9)}00"
+    return f"{rng.randint(2, 9)} times"
+
+
+def _other_quantity(rng: random.Random, kind: str, not_this: str) -> str:
+    while True:
+        q = _quantity(rng, kind)
+        if q != not_this:
+            return q
+
+
+# --------------------------------------------------------------------------- the judge
+
+
+@dataclass(frozen=True)
+class GoldScore:
+    """The gold judge's verdict on one summary and its parts (module docstring)."""
+
+    score: float  # in [0, 1]
+    coverage: float  # fraction of the example's facts stated
+    n_wrong: int  # slot values stated that are not in the post
+    n_extra_words: int  # words beyond MAX_WORDS
+    n_repeats: int  # repeated content words
+    ended_with_eos: bool
+
+
+def _post_of(example: Mapping) -> str:
+    if "post" in example:
+        return example["post"]
+    m = _POST_RE.search(example["prompt"])
+    if m is None:
+        raise ValueError(f"example has no 'post' and its prompt is not in the TL;DR format: {example['prompt']!r:.80}")
+    return m.group(1)
+
+
+def _has_phrase(ws: Sequence[str], phrase: Sequence[str]) -> bool:
+    """Whether the words `phrase` occur contiguously in the words `ws`."""
+    return f" {' '.join(phrase)} " in f" {' '.join(ws)} "
+
+
+def _fact_present(fact: str, ws: Sequence[str], wset: frozenset[str]) -> bool:
+    fw = _words(fact)
+    if any(ch.isdigit() for ch in fact):  # a quantity: the exact words, in order ("3 weeks", "$300")
+        return _has_phrase(ws, fw)
+    return _content(fact) <= wset
+
+
+def _quantities(ws: Sequence[str]) -> set[str]:
+    """The quantities stated: "<number> <unit>" word pairs and "$<number>" words."""
+    return ({f"{a} {b}" for a, b in zip(ws, ws[1:]) if b in UNITS and a.isdigit()}
+            | {w for w in ws if w[0] == "$"})
+
+
+def _judge(facts: Sequence[str], post_ws: Sequence[str], summary: str, ended_with_eos: bool) -> GoldScore:
+    ws = _words(summary)
+    wset = frozenset(ws)
+    post_set = frozenset(post_ws)
+    coverage = sum(_fact_present(f, ws, wset) for f in facts) / len(facts) if facts else 0.0
+    n_wrong = sum(1 for keys in _PERSON_KEYS + _EVENT_KEYS if keys <= wset and not keys <= post_set)
+    n_wrong += len(_quantities(ws) - _quantities(post_ws))
+    n_extra = max(0, len(ws) - MAX_WORDS)
+    content = [w for w in ws if w not in STOPWORDS]
+    n_repeats = len(content) - len(set(content))
+    score = coverage - WRONG_PENALTY * n_wrong - EXTRA_WORD_PENALTY * n_extra - REPEAT_PENALTY * n_repeats
+    score = min(1.0, max(0.0, score)) if ended_with_eos else 0.0
+    return GoldScore(score=score, coverage=coverage, n_wrong=n_wrong, n_extra_words=n_extra,
+                     n_repeats=n_repeats, ended_with_eos=bool(ended_with_eos))
+
+
+def gold_details(example: Mapping, summary: str, ended_with_eos: bool) -> GoldScore:
+    """The gold judge on one summary of one example, with its parts.
+
+    `example` needs "facts" and either "post" or a TL;DR-format "prompt" (a row of
+    ``sft_*``/``prompts_*`` files or an example of :func:`generate_task`). `summary` is
+    the decoded response without EOS (leading space or not); `ended_with_eos` says
+    whether the policy produced EOS (False: it was cut off at the length limit -> 0).
+    """
+    return _judge(example["facts"], _words(_post_of(example)), summary, ended_with_eos)
+
+
+def gold_score(example: Mapping, summary: str, ended_with_eos: bool) -> float:
+    """The gold score in [0, 1] (see :func:`gold_details` and the module docstring)."""
+    return gold_details(example, summary, ended_with_eos).score
+
+
+_TIE_EPS = 1e-9
+
+
+def gold_compare(example: Mapping, a: str, b: str, eos_a: bool = True, eos_b: bool = True) -> int:
+    """1 if summary `a` scores higher than `b` by the gold judge, -1 if lower, 0 on a tie."""
+    d = gold_score(example, a, eos_a) - gold_score(example, b, eos_b)
+    return 0 if abs(d) <= _TIE_EPS else (1 if d > 0 else -1)
+
+
+def win_rate(examples: Sequence[Mapping], summaries_a: Sequence[str], eos_a: Sequence[bool],
+             summaries_b: Sequence[str], eos_b: Sequence[bool]) -> float:
+    """Fraction of examples where `a` beats `b` by the gold judge; ties count half.
+
+    E.g. PPO vs SFT samples on the test prompts, or a policy vs the reference summaries
+    (pass ``[True] * n`` as the references' eos). 0.5 means no difference.
+    """
+    n = len(examples)
+    if not n or not (len(summaries_a) == len(eos_a) == len(summaries_b) == len(eos_b) == n):
+        raise ValueError(f"win_rate needs equal non-zero lengths, got {n} examples, {len(summaries_a)}/"
+                         f"{len(eos_a)} a, {len(summaries_b)}/{len(eos_b)} b")
+    total = sum(gold_compare(ex, a, b, ea, eb)
+                for ex, a, ea, b, eb in zip(examples, summaries_a, eos_a, summaries_b, eos_b))
+    return 0.5 + 0.5 * total / n  # win = +1, tie = 0, loss = -1 -> (wins + ties / 2) / n
+
+
+# --------------------------------------------------------------------------- the generator
+
+
+def _make_post(rng: random.Random, subreddit: str, used: set) -> dict:
+    """One example without its summaries; its (subreddit, person, event, quantity) is not in `used`.
+
+    Private keys (leading "_") keep what the summaries are built from.
+    """
+    table = _SUBREDDITS[subreddit]
+    for _ in range(1000):
+        person, gender = rng.choice(table["people"])
+        template, kind = rng.choice(table["events"])
+        q = _quantity(rng, kind)
+        if (subreddit, person, template, q) not in used:
+            used.add((subreddit, person, template, q))
+            break
+    else:
+        raise ValueError(f"r/{subreddit}: ran out of distinct (person, event, quantity) tuples; ask for fewer examples")
+    subj, pos, obj = _PRONOUNS[gender]
+    others = [p for p, _ in table["people"] if p != person]
+    slots = {
+        "p": person, "P": _cap(person), "subj": subj, "Subj": _cap(subj), "obj": obj,
+        "E": _event_phrase(template, pos, q), "title_event": _event_fact(template, kind, pos),
+        "age": rng.randint(*table.get("ages", (19, 60))),
+        "me_age": rng.randint(19, 45), "feeling": rng.choice(_FEELINGS), "state": rng.choice(_STATES),
+        # distractor quantities: never the key one ("4 years" when the key is "3 weeks")
+        "dq": _other_quantity(rng, "time", q), "mq": _other_quantity(rng, "money", q),
+    }
+    facts = [person, slots["title_event"], q]
+    title = rng.choice(_TITLES).format(**slots)
+    key = rng.choice(_KEY_FORMS).format(**slots)
+    question = rng.choice(table["questions"]).format(**slots)
+    # 0-3 distractors (at most 5 sentences in all), each at a random place before the
+    # question; dropped (last first) while the prompt is over budget. The key sentence(s)
+    # and the question always stay.
+    sentences = [key]
+    n_key = key.count(". ") + 1
+    for d in rng.sample(table["distractors"], min(rng.randint(0, 3), 4 - n_key)):
+        other = rng.choice(others)  # each distractor its own other person
+        sentences.insert(rng.randint(0, len(sentences)), d.format(Other=_cap(other), **slots))
+    while True:
+        post = " ".join(sentences + [question])
+        prompt = TLDR_PROMPT.format(subreddit=subreddit, title=title, post=post)
+        if len(prompt) <= MAX_PROMPT_CHARS or sentences == [key]:
+            break
+        sentences.remove(next(s for s in reversed(sentences) if s != key))
+    return {"subreddit": subreddit, "title": title, "post": post, "prompt": prompt, "facts": facts,
+            "_slots": slots, "_qkind": kind, "_template": template, "_pos": pos, "_others": others,
+            "_extra": [s for s in sentences if s != key] + [question]}
+
+
+def _summary(rng: random.Random, who: str, event: str, form: str | None = None) -> str:
+    """" {who} {event}." in `form` (default: a random one of _SUMMARY_FORMS)."""
+    form = form or rng.choice(_SUMMARY_FORMS)
+    return " " + form.format(W=_cap(who), w=who, E=event, short_q=rng.choice(_SHORT_QUESTIONS))
+
+
+_PAIR_KINDS = ("omit", "wrong", "distractor", "ramble", "title", "close")
+_PAIR_WEIGHTS = (0.2, 0.25, 0.15, 0.15, 0.1, 0.15)  # before fallbacks (distractor often has none)
+
+
+def _pair(rng: random.Random, ex: dict, kind: str) -> tuple[str, str] | None:
+    """(chosen, rejected) of failure `kind`, or None when this post cannot give that kind."""
+    s, table = ex["_slots"], _SUBREDDITS[ex["subreddit"]]
+    who, event, no_q = s["p"], s["E"], s["title_event"]  # no_q: the event without its quantity
+    post_ws = _words(ex["post"])
+    chosen = _summary(rng, who, event)
+    if kind == "omit":  # the person (a pronoun instead) or the quantity left out
+        return chosen, rng.choice([_summary(rng, s["subj"], event), _summary(rng, who, no_q)])
+    if kind == "wrong":  # one slot replaced by a value that is not in the post
+        slot = rng.choice(("person", "event", "quantity"))
+        if slot == "person":
+            absent = [p for p, _ in table["people"] if not _content(p) <= set(post_ws)]
+            return (chosen, _summary(rng, rng.choice(absent), event)) if absent else None
+        if slot == "event":  # same quantity where the kinds match: only the event differs
+            t, k = rng.choice([e for e in table["events"] if e[0] != ex["_template"]])
+            q = ex["facts"][2] if k == ex["_qkind"] else _quantity(rng, k)
+            return chosen, _summary(rng, who, _event_phrase(t, ex["_pos"], q))
+        in_post = _quantities(post_ws)
+        wrong_q = next(q for q in iter(lambda: _quantity(rng, ex["_qkind"]), None) if q not in in_post)
+        return chosen, _summary(rng, who, _event_phrase(ex["_template"], ex["_pos"], wrong_q))
+    if kind == "distractor":  # the person or quantity of a distractor sentence
+        options = [_summary(rng, p, event) for p in ex["_others"] if _has_phrase(post_ws, _words(p))]
+        alt_q = {"time": s["dq"], "money": s["mq"]}.get(ex["_qkind"])
+        if alt_q is not None and _has_phrase(post_ws, _words(alt_q)):
+            options.append(_summary(rng, who, _event_phrase(ex["_template"], ex["_pos"], alt_q)))
+        return (chosen, rng.choice(options)) if options else None
+    if kind == "ramble":  # right, then the rest of the post: too long
+        return chosen, _summary(rng, who, event, _SUMMARY_FORMS[0]) + " " + " ".join(ex["_extra"])
+    if kind == "title":
+        return chosen, " " + ex["title"]
+    if kind == "close":  # both imperfect, same shape: one fact missing vs two
+        return _summary(rng, who, no_q), _summary(rng, s["subj"], no_q)
+    raise ValueError(f"unknown pair kind {kind!r}")
+
+
+def _with_pair(rng: random.Random, ex: dict) -> dict:
+    """Add chosen, rejected and kind; a kind this post cannot give (or whose pair would not
+    be strictly ordered by the gold judge) falls back to the others in a random order."""
+    first = rng.choices(_PAIR_KINDS, weights=_PAIR_WEIGHTS)[0]
+    rest = [k for k in _PAIR_KINDS if k != first]
+    rng.shuffle(rest)
+    post_ws = _words(ex["post"])
+    for kind in [first] + rest:
+        pair = _pair(rng, ex, kind)
+        if pair is None:
+            continue
+        chosen, rejected = pair
+        if _judge(ex["facts"], post_ws, chosen, True).score > _judge(ex["facts"], post_ws, rejected, True).score:
+            ex["chosen"], ex["rejected"], ex["kind"] = chosen, rejected, kind
+            return ex
+    raise AssertionError(f"no valid preference pair for {ex['post']!r}")  # pragma: no cover
+
+
+def generate_task(seed: int = 0, n_train: int = 2000, n_val: int = 200, n_test: int = 200) -> dict[str, list[dict]]:
+    """The task's splits {"train", "validation", "test"}: lists of examples.
+
+    Each example: {"id", "subreddit", "title", "post", "prompt", "summary", "facts",
+    "chosen", "rejected", "kind"}. `summary` (the reference), `chosen` and `rejected`
+    start with a space and have no EOS. `kind` is the rejected summary's failure kind.
+    Deterministic in `seed` (one local random.Random); test is drawn first, then
+    validation, then train, so the evaluation splits do not depend on n_train. The slot
+    tables hold ~7,600 distinct (subreddit, person, event, quantity) tuples; up to ~5,000
+    examples in all are fine, more may raise ValueError (a subreddit runs out).
+    """
+    rng = random.Random(seed)
+    used: set = set()
+    subreddits = sorted(_SUBREDDITS)
+    out: dict[str, list[dict]] = {}
+    for split, n in (("test", n_test), ("validation", n_val), ("train", n_train)):
+        rows = []
+        for i in range(n):
+            ex = _make_post(rng, rng.choice(subreddits), used)
+            ex["summary"] = _summary(rng, ex["_slots"]["p"], ex["_slots"]["E"], _SUMMARY_FORMS[0])
+            ex = _with_pair(rng, ex)
+            rows.append({"id": f"synth{seed}-{split}-{i:05d}", "subreddit": ex["subreddit"], "title": ex["title"],
+                         "post": ex["post"], "prompt": ex["prompt"], "summary": ex["summary"], "facts": ex["facts"],
+                         "chosen": ex["chosen"], "rejected": ex["rejected"], "kind": ex["kind"]})
+        out[split] = rows
+    return {split: out[split] for split in SPLITS}
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def write_task(out_dir: str | Path, seed: int = 0, n_train: int = 2000, n_val: int = 200,
+               n_test: int = 200) -> dict[str, Path]:
+    """Write the task as JSONL files under `out_dir` (created); returns {file name: path}.
+
+    Per split (train, validation, test):
+
+    * ``sft_{split}.jsonl``: id, subreddit, title, post, summary (the columns of
+      ``vwxyzjn/summarize_from_feedback_tldr_3_filtered``) and prompt;
+    * ``preferences_{split}.jsonl``: id, prompt, chosen, rejected, kind;
+    * ``prompts_{split}.jsonl``: id, prompt, facts, summary (the reference): what PPO
+      samples from and what the gold judge needs (:func:`gold_score` reads the post
+      back from the prompt).
+
+    Deterministic: the same arguments write byte-identical files.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    task = generate_task(seed=seed, n_train=n_train, n_val=n_val, n_test=n_test)
+    columns = {
+        "sft": ("id", "subreddit", "title", "post", "summary", "prompt"),
+        "preferences": ("id", "prompt", "chosen", "rejected", "kind"),
+        "prompts": ("id", "prompt", "facts", "summary"),
+    }
+    paths = {}
+    for split, rows in task.items():
+        for name, cols in columns.items():
+            path = out / f"{name}_{split}.jsonl"
+            _write_jsonl(path, [{c: row[c] for c in cols} for row in rows])
+            paths[path.name] = path
+    return paths

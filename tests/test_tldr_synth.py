@@ -1,0 +1,278 @@
+"""The bundled synthetic TL;DR task: determinism, format, variety, the gold judge, lengths."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+
+import pytest
+
+from ppo_ray import tldr_synth as T
+from ppo_ray.data import TLDR_PROMPT, read_rows
+from ppo_ray.tldr_synth import (MAX_WORDS, SPLITS, generate_task, gold_compare, gold_details, gold_score, win_rate,
+                                write_task)
+
+# Token budgets with the tiny model's tokenizer (the module docstring's claims).
+MAX_PROMPT_TOKENS = 120
+MAX_SUMMARY_TOKENS = 20  # reference summaries, before EOS
+MAX_CHOSEN_TOKENS = 26  # chosen may add "What now?" or "So"
+
+
+@pytest.fixture(scope="module")
+def task() -> dict[str, list[dict]]:
+    return generate_task(seed=0)
+
+
+def _all(task):
+    return [ex for split in SPLITS for ex in task[split]]
+
+
+# --------------------------------------------------------------------------- determinism
+
+
+def test_same_seed_same_task_other_seed_differs(task):
+    assert generate_task(seed=0) == task
+    other = generate_task(seed=1)
+    assert other != task
+    assert len({ex["post"] for ex in other["test"]} & {ex["post"] for ex in task["test"]}) < 20
+
+
+def test_eval_splits_do_not_depend_on_n_train(task):
+    small = generate_task(seed=0, n_train=10)
+    assert small["test"] == task["test"] and small["validation"] == task["validation"]
+    assert len(small["train"]) == 10
+
+
+def test_write_task_is_byte_identical_and_readable(tmp_path, task):
+    t0 = time.perf_counter()
+    paths_a = write_task(tmp_path / "a", seed=0)
+    elapsed = time.perf_counter() - t0
+    paths_b = write_task(tmp_path / "b", seed=0)
+    names = {f"{kind}_{split}.jsonl" for kind in ("sft", "preferences", "prompts") for split in SPLITS}
+    assert set(paths_a) == set(paths_b) == names
+    for name in names:
+        assert paths_a[name].read_bytes() == paths_b[name].read_bytes(), name
+    assert elapsed < 3.0, f"write_task took {elapsed:.2f} s"  # ~0.4 s; loose for a loaded CI box
+
+    sft = read_rows(paths_a["sft_train.jsonl"])
+    assert len(sft) == 2000
+    assert set(sft[0]) == {"id", "subreddit", "title", "post", "summary", "prompt"}
+    assert [r["summary"] for r in sft] == [ex["summary"] for ex in task["train"]]
+    prefs = read_rows(paths_a["preferences_validation.jsonl"])
+    assert set(prefs[0]) == {"id", "prompt", "chosen", "rejected", "kind"}
+    prompts = read_rows(paths_a["prompts_test.jsonl"])
+    assert set(prompts[0]) == {"id", "prompt", "facts", "summary"}
+    # The judge works on a prompts row (it reads the post back from the prompt).
+    for row, ex in zip(prompts, task["test"]):
+        assert gold_details(row, ex["rejected"], True) == gold_details(ex, ex["rejected"], True)
+
+
+# --------------------------------------------------------------------------- format
+
+
+def test_format(task):
+    assert [len(task[s]) for s in SPLITS] == [2000, 200, 200]
+    ids = [ex["id"] for ex in _all(task)]
+    assert len(set(ids)) == len(ids)
+    for ex in _all(task):
+        assert ex["prompt"] == TLDR_PROMPT.format(subreddit=ex["subreddit"], title=ex["title"], post=ex["post"])
+        assert ex["prompt"] == f"SUBREDDIT: r/{ex['subreddit']}\n\nTITLE: {ex['title']}\n\nPOST: {ex['post']}\n\nTL;DR:"
+        for key in ("summary", "chosen", "rejected"):
+            text = ex[key]
+            assert text.startswith(" ") and not text.startswith("  ") and text == text.rstrip(), (key, text)
+            assert "<|" not in text and "\n" not in text  # no EOS or other special text
+        assert len(ex["facts"]) == 3 and all(isinstance(f, str) and f for f in ex["facts"])
+        assert len(ex["prompt"]) <= T.MAX_PROMPT_CHARS
+
+
+def test_splits_are_disjoint(task):
+    posts = {s: {ex["post"] for ex in task[s]} for s in SPLITS}
+    facts = {s: {(ex["subreddit"], *ex["facts"]) for ex in task[s]} for s in SPLITS}
+    for a, b in itertools.combinations(SPLITS, 2):
+        assert not posts[a] & posts[b], (a, b)
+        assert not facts[a] & facts[b], (a, b)
+
+
+# --------------------------------------------------------------------------- variety
+
+
+def test_variety(task):
+    rows = _all(task)
+    n = len(rows)
+    assert len({ex["post"] for ex in rows}) == n
+    assert len({(ex["subreddit"], *ex["facts"]) for ex in rows}) == n
+    assert len({ex["title"] for ex in rows}) > 500
+    assert len({ex["facts"][0] for ex in rows}) >= 25  # people
+    assert len({ex["facts"][1] for ex in rows}) >= 50  # events
+    assert len({ex["facts"][2] for ex in rows}) >= 40  # quantities
+    by_sub = collections.Counter(ex["subreddit"] for ex in rows)
+    assert len(by_sub) == 5 and min(by_sub.values()) > 0.12 * n
+    n_sentences = collections.Counter(ex["post"].count(". ") + ex["post"].count("? ") + 1 for ex in rows)
+    assert min(n_sentences) >= 2 and max(n_sentences) <= 5 and len(n_sentences) == 4, n_sentences
+    # distractors: posts that name a second person or a second quantity
+    n_two_people = sum(sum(k <= set(T._words(ex["post"])) for k in T._PERSON_KEYS) >= 2 for ex in rows)
+    n_two_quantities = sum(len(T._quantities(T._words(ex["post"]))) >= 2 for ex in rows)
+    assert n_two_people > 0.2 * n and n_two_quantities > 0.1 * n
+
+
+def test_summaries_depend_on_the_post(task):
+    rows = task["test"]
+    scores_other = []
+    for a, b in zip(rows, rows[1:] + rows[:1]):
+        assert gold_score(a, a["summary"], True) == 1.0
+        s = gold_score(b, a["summary"], True)
+        assert s < 1.0, (a["summary"], b["post"])
+        scores_other.append(s)
+    assert sum(scores_other) / len(scores_other) < 0.15
+
+
+# --------------------------------------------------------------------------- the gold judge
+
+POST = ("My brother thinks I am overreacting. My sister lost her job 3 weeks ago. "
+        "We have been close for 4 years. What should I do?")
+EXAMPLE = {"post": POST, "facts": ["my sister", "lost her job", "3 weeks"]}
+REF = " My sister lost her job 3 weeks ago."
+
+
+@pytest.mark.parametrize("summary, expected", [
+    (REF, 1.0),
+    (" my SISTER lost HER job 3 weeks AGO", 1.0),  # case and punctuation do not matter
+    (" Sister lost job, 3 weeks ago.", 1.0),
+    (" My sister lost her job.", 2 / 3),  # quantity missing
+    (" She lost her job 3 weeks ago.", 2 / 3),  # person missing
+    (" My sister lost her job 5 weeks ago.", 2 / 3 - 0.5),  # wrong quantity
+    (" My sister lost her job 3 months ago.", 2 / 3 - 0.5),  # wrong unit
+    (" My mom lost her job 3 weeks ago.", 2 / 3 - 0.5),  # a person not in the post
+    (" My sister quit her job 3 weeks ago.", 2 / 3 - 0.5),  # an event not in the post
+    (" My brother lost his job 3 weeks ago.", 2 / 3),  # the distractor person: not a hallucination
+    (" My sister lost her job 4 years ago.", 2 / 3),  # the distractor quantity
+    (" My mom quit her job 5 weeks ago.", 0.0),  # clipped at 0
+    (" My sister lost her job job job 3 weeks ago.", 1.0 - 2 * 0.1),  # repetition
+    (REF + " My brother thinks I am overreacting. We have been close for 4 years.",  # 21 words
+     1.0 - 0.05 * (21 - MAX_WORDS)),
+    (" My sister lost her job 3 weeks ago. What now?", 1.0),  # 10 words: within MAX_WORDS
+    (" Help with my sister", 1 / 3),  # a title
+    ("", 0.0),
+])
+def test_gold_known_values(summary, expected):
+    assert gold_score(EXAMPLE, summary, True) == pytest.approx(expected)
+
+
+def test_gold_no_eos_is_the_minimum():
+    assert gold_score(EXAMPLE, REF, True) == 1.0
+    assert gold_score(EXAMPLE, REF, False) == 0.0
+    d = gold_details(EXAMPLE, REF, False)
+    assert d.coverage == 1.0 and d.n_wrong == 0 and not d.ended_with_eos
+
+
+def test_gold_money_and_counts():
+    ex = {"post": "My dad borrowed $300 for rent. I make $500 a week. What are my options?",
+          "facts": ["my dad", "borrowed a lot for rent", "$300"]}
+    assert gold_score(ex, " My dad borrowed $300 for rent.", True) == 1.0
+    assert gold_score(ex, " My dad borrowed $500 for rent.", True) == pytest.approx(2 / 3)  # in the post
+    assert gold_score(ex, " My dad borrowed $700 for rent.", True) == pytest.approx(2 / 3 - 0.5)
+    assert gold_score(ex, " My dad borrowed $300 for rent 4 times.", True) == pytest.approx(1 - 0.5)
+    assert gold_details(ex, " My dad borrowed money.", True).coverage == pytest.approx(1 / 3)
+
+
+def test_gold_compare_and_win_rate():
+    assert gold_compare(EXAMPLE, REF, " My sister lost her job.") == 1
+    assert gold_compare(EXAMPLE, " My sister lost her job.", REF) == -1
+    assert gold_compare(EXAMPLE, REF, REF) == 0
+    assert gold_compare(EXAMPLE, REF, " My sister lost her job.", eos_a=False) == -1
+    exs = [EXAMPLE] * 4
+    a = [REF, REF, " My sister lost her job.", REF]
+    b = [" She lost her job.", REF, REF, REF]
+    # win, tie, loss, and a loss by cut-off: (1 + 0.5 + 0 + 0) / 4
+    assert win_rate(exs, a, [True, True, True, False], b, [True] * 4) == pytest.approx(1.5 / 4)
+    assert win_rate(exs, b, [True] * 4, a, [True, True, True, False]) == pytest.approx(2.5 / 4)
+    with pytest.raises(ValueError):
+        win_rate(exs, a, [True] * 3, b, [True] * 4)
+
+
+def test_gold_needs_a_tldr_prompt_when_no_post():
+    row = {"prompt": TLDR_PROMPT.format(subreddit="relationships", title="t", post=POST), "facts": EXAMPLE["facts"]}
+    assert gold_details(row, " My mom lost her job.", True) == gold_details(EXAMPLE, " My mom lost her job.", True)
+    with pytest.raises(ValueError, match="TL;DR format"):
+        gold_score({"prompt": "hello", "facts": []}, REF, True)
+
+
+def test_slot_values_are_distinguishable():
+    """No slot value's content words are all inside another value, so naming the other
+    one never counts as this one; every value has content words."""
+    phrases = [p for t in T._SUBREDDITS.values() for p, _ in t["people"]]
+    phrases += [T._event_fact(e, k, "their") for t in T._SUBREDDITS.values() for e, k in t["events"]]
+    for a, b in itertools.permutations(set(phrases), 2):
+        ka = T._content(a)
+        assert ka and not set(ka) & T.STOPWORDS, a
+        assert ka == T._content(b) or not ka <= set(T._words(b)), (a, b)
+
+
+def test_only_the_key_event_is_in_the_post(task):
+    """Naming any other event is always a hallucination (it is never in the post)."""
+    for ex in _all(task):
+        post = set(T._words(ex["post"]))
+        present = [k for k in T._EVENT_KEYS if k <= post]
+        assert present == [T._content(ex["facts"][1])], (ex["post"], present)
+
+
+# --------------------------------------------------------------------------- preference pairs
+
+
+def test_chosen_beats_rejected_and_kinds_behave(task):
+    kinds = collections.Counter()
+    for ex in _all(task):
+        c = gold_details(ex, ex["chosen"], True)
+        r = gold_details(ex, ex["rejected"], True)
+        assert c.score > r.score, ex
+        assert gold_score(ex, ex["summary"], True) == 1.0
+        kinds[ex["kind"]] += 1
+        k = ex["kind"]
+        if k in ("omit", "wrong", "distractor", "ramble", "title"):
+            assert c.score == 1.0
+        if k == "omit":
+            assert r.coverage == pytest.approx(2 / 3) and r.n_wrong == 0
+        elif k == "wrong":
+            assert r.n_wrong >= 1
+        elif k == "distractor":
+            assert r.coverage == pytest.approx(2 / 3) and r.n_wrong == 0
+        elif k == "ramble":
+            assert r.coverage == 1.0 and r.n_wrong == 0 and (r.n_extra_words > 0 or r.n_repeats > 0)
+        elif k == "title":
+            assert ex["rejected"] == " " + ex["title"] and r.coverage < 1.0
+        elif k == "close":
+            assert c.coverage == pytest.approx(2 / 3) and r.coverage == pytest.approx(1 / 3)
+    n = sum(kinds.values())
+    assert set(kinds) == set(T._PAIR_KINDS)
+    assert min(kinds.values()) > 0.03 * n, kinds
+
+
+def test_length_is_a_weak_cue(task):
+    rows = task["train"]
+    longer = sum(len(ex["chosen"]) > len(ex["rejected"]) for ex in rows) / len(rows)
+    assert 0.4 < longer < 0.7, longer
+    hard = [ex for ex in rows if ex["kind"] in ("wrong", "distractor")]
+    assert len(hard) > 0.25 * len(rows)
+    balanced = sum(len(ex["chosen"]) > len(ex["rejected"]) for ex in hard) / len(hard)
+    assert 0.35 < balanced < 0.65, balanced
+
+
+# --------------------------------------------------------------------------- token lengths
+
+
+def test_token_lengths(task, tiny_model_dir):
+    # The tiny model's tokenizer.json through `tokenizers` directly: it is the pipeline that
+    # ppo_ray.modeling.load_tokenizer wraps verbatim (same ids; tiny_model docstring), and
+    # it skips importing torch/transformers (~4 s of this file's < 5 s budget).
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    rows = _all(task)
+
+    def n_tokens(key):
+        return [len(e.ids) for e in tok.encode_batch([ex[key] for ex in rows], add_special_tokens=False)]
+
+    assert max(n_tokens("prompt")) <= MAX_PROMPT_TOKENS
+    assert max(n_tokens("summary")) <= MAX_SUMMARY_TOKENS
+    assert max(n_tokens("chosen")) <= MAX_CHOSEN_TOKENS
