@@ -246,8 +246,11 @@ class Generator:
         prompt_ids, prompt_texts = self._encode(prompts)
         version, lora_request = self.version, self._lora_request
         params = [self.sampling_params(prompt_seed(self.seed, step, prompt_offset + i)) for i in range(len(prompt_ids))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params,
-                                    use_tqdm=False, lora_request=lora_request)
+        requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
+        outputs = []
+        for start, end in self._prefill_groups(prompt_ids):
+            outputs += self.llm.generate(requests[start:end], params[start:end], use_tqdm=False,
+                                         lora_request=lora_request)
 
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
@@ -300,6 +303,26 @@ class Generator:
         return batch
 
     @torch.no_grad()
+    def _prefill_groups(self, prompt_ids: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+        """Split the batch so each llm.generate call's prompts prefill in ONE engine step.
+
+        vLLM 0.32's CPU runner crashes ("CPU Generator does not use offset", then
+        EngineDeadError) when a request with its own seed has its prefill chunked across
+        steps (gpu_model_runner._bookkeeping_sync rewinds the seeded generator's offset,
+        which CPU generators do not have). Keeping each call's prompt tokens within the
+        scheduler's max_num_batched_tokens avoids chunking; the per-prompt seeds make the
+        samples independent of the grouping.
+        """
+        budget = self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+        groups, start, total = [], 0, 0
+        for i, ids in enumerate(prompt_ids):
+            if i > start and total + len(ids) > budget:
+                groups.append((start, i))
+                start, total = i, 0
+            total += len(ids)
+        groups.append((start, len(prompt_ids)))
+        return groups
+
     def sequence_logprobs(self, prompt_ids: Sequence[int], continuation_ids: Sequence[int]) -> Tensor:
         """The current policy's logprobs of a FIXED continuation: (len(continuation),) float32.
 

@@ -277,3 +277,19 @@ def test_encode_prompts_errors(tokenizer):
     assert encode_prompts(tokenizer, [text], n) == [ids]  # exactly at the limit is fine
     with pytest.raises(ValueError, match="truncation"):
         encode_prompts(tokenizer, [text], 5, truncation="right")
+
+
+def test_batch_larger_than_one_prefill_step(make_generator, vllm_llm):
+    """More prompt tokens than the scheduler prefills in one step: vLLM 0.32 on the CPU
+    crashes on chunked prefills of seeded requests, so the generator groups the batch;
+    the samples must not depend on the grouping (per-prompt seeds)."""
+    gen = make_generator(max_new_tokens=8, max_prompt_length=512)
+    budget = vllm_llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    long_prompt = "SUBREDDIT: r/advice\n\nTITLE: a long one\n\nPOST: " + "we talked about it again. " * 40 + "\n\nTL;DR:"
+    n_tokens = len(gen.tokenizer(long_prompt)["input_ids"])
+    n = budget // n_tokens + 3  # the batch cannot prefill in one step
+    prompts = [long_prompt] * n
+    assert len(gen._prefill_groups([[0] * n_tokens] * n)) >= 2
+    big = gen.generate(prompts, step=7)
+    few = gen.generate(prompts[-2:], step=7, prompt_offset=n - 2)
+    assert big.responses[-2:] == few.responses
