@@ -1,12 +1,19 @@
 """ppo-ray command line.
 
-    python launch.py                                   # the embedded default (local Ray)
+    python launch.py                      # all stages on the bundled task (configs/tldr-tiny.yaml)
+    python launch.py sft --run_dir runs/x # one stage: sft, rm or ppo, in a run directory
     python launch.py ppo --config configs/tiny.yaml --steps 30 --kl_coef 0.05
     RAY_ADDRESS=... python launch.py ppo --config ...   # attach to a running cluster
     ray job submit --working-dir . -- python launch.py ppo --config ...
 
-Every `--name value` is a PPOConfig field (see ppo_ray/config.py); `--config FILE` loads a
-YAML preset first. `--run_dir DIR` picks the run directory (default output_dir/<time>).
+Stages: `sft` writes the bundled task's data and the SFT checkpoint, `rm` the reward model,
+`ppo` trains the policy with PPO. `ppo` uses the run directory's SFT and reward model when
+the config names no reward source; with reward sources in the config (reward_funcs or
+reward_model_name) it runs PPO on config.model_name and config.dataset directly. `all` (the
+default) runs sft, rm and ppo and prints the report.
+
+Every `--name value` is a PPOConfig field (ppo_ray/config.py); `--config FILE` loads a YAML
+preset first. `--run_dir DIR` picks the run directory (default output_dir/<time>).
 """
 
 from __future__ import annotations
@@ -16,8 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
-STAGES = ("ppo",)
+CONFIGS = Path(__file__).resolve().parent / "configs"
+DEFAULT_CONFIG = CONFIGS / "tldr-tiny.yaml"
+STAGES = ("all", "sft", "rm", "ppo")
 
 
 def _pop_option(argv: list[str], name: str) -> str | None:
@@ -30,6 +38,31 @@ def _pop_option(argv: list[str], name: str) -> str | None:
             del argv[i]
             return arg.split("=", 1)[1]
     return None
+
+
+def _print_history(history: list[dict]) -> None:
+    for h in history:
+        gold = f"  gold {h['gold_val']:.3f}" if "gold_val" in h else ""
+        print(f"step {h['step']:4d}  reward {h['reward_mean']:+.4f}  kl {h['kl']:+.4f}  "
+              f"policy_loss {h['policy_loss']:+.4f}  value_loss {h['value_loss']:.4f}  "
+              f"clipfrac {h['clipfrac']:.3f}  step {h['time/step_s']:.2f}s{gold}")
+
+
+def run_plain_ppo(config, run_dir: Path) -> dict:
+    """PPO on config.model_name and config.dataset with the config's own reward sources."""
+    from ppo_ray.data import load_prompts
+    from ppo_ray.trainer import PPOTrainer
+
+    prompts = load_prompts(config)
+    trainer = PPOTrainer(config, run_dir=run_dir)
+    try:
+        history = trainer.train(prompts, metrics_path=run_dir / "metrics.jsonl")
+        trainer.save_adapter(run_dir / "adapter")
+    finally:
+        trainer.shutdown()
+    _print_history(history)
+    return {"steps": len(history), "first_reward": history[0]["reward_mean"],
+            "last_reward": history[-1]["reward_mean"], "final_kl": history[-1]["kl"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,37 +80,53 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    stage = positional[0] if positional else "ppo"
+    stage = positional[0] if positional else "all"
     if stage not in STAGES or len(positional) > 1:
         print(f"error: unknown stage {' '.join(positional)!r}; stages: {', '.join(STAGES)}", file=sys.stderr)
         return 2
+    has_reward = bool(config.reward_funcs or config.reward_model_name)
+    if stage in ("all", "sft", "rm") and has_reward:
+        print(f"error: stage {stage!r} trains its own SFT and reward model on the bundled task; "
+              "the config names reward sources (reward_funcs / reward_model_name): use stage 'ppo'",
+              file=sys.stderr)
+        return 2
 
     run_dir = Path(run_dir_opt or Path(config.output_dir) / time.strftime("%Y%m%d-%H%M%S"))
+    if stage in ("rm", "ppo") and not has_reward and not (run_dir / "sft").is_dir():
+        print(f"error: stage {stage!r} needs {run_dir / 'sft'} from stage 'sft' (pass --run_dir)", file=sys.stderr)
+        return 2
+    if stage == "ppo" and not has_reward and not (run_dir / "rm").is_dir():
+        print(f"error: stage 'ppo' needs {run_dir / 'rm'} from stage 'rm' (pass --run_dir)", file=sys.stderr)
+        return 2
     run_dir.mkdir(parents=True, exist_ok=True)
-    config.to_yaml(run_dir / "config.yaml")
+    config.to_yaml(run_dir / f"config{'' if stage == 'all' else '-' + stage}.yaml")
     print(f"[ppo-ray] run directory: {run_dir}")
 
     from actors.reward import RewardError
-    from ppo_ray.data import load_prompts
+    from ppo_ray import pipeline
     from ppo_ray.placement import ClusterError
-    from ppo_ray.trainer import PPOTrainer
 
+    report: dict = {"run_dir": str(run_dir)}
+    t0 = time.perf_counter()
     try:
-        prompts = load_prompts(config)
-        trainer = PPOTrainer(config, run_dir=run_dir)
+        if stage == "ppo" and has_reward:
+            report.update(run_plain_ppo(config, run_dir))
+        else:
+            data_dir = pipeline.write_data(config, run_dir)
+            if stage in ("all", "sft"):
+                report.update(pipeline.run_sft(config, run_dir, data_dir))
+            if stage in ("all", "rm"):
+                report.update(pipeline.run_rm(config, run_dir, data_dir))
+            if stage in ("all", "ppo"):
+                report.update(pipeline.run_ppo(config, run_dir, data_dir))
+                _print_history([json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()])
     except (ClusterError, RewardError, FileNotFoundError) as e:
         # expected, user-fixable problems: the message names the bad thing; no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    history = trainer.train(prompts, metrics_path=run_dir / "metrics.jsonl")
-    for h in history:
-        print(f"step {h['step']:4d}  reward {h['reward_mean']:+.4f}  kl {h['kl']:+.4f}  "
-              f"policy_loss {h['policy_loss']:+.4f}  value_loss {h['value_loss']:.4f}  "
-              f"clipfrac {h['clipfrac']:.3f}  step {h['time/step_s']:.2f}s")
-    summary = {"steps": len(history), "first_reward": history[0]["reward_mean"],
-               "last_reward": history[-1]["reward_mean"], "run_dir": str(run_dir)}
-    print(json.dumps(summary))
-    trainer.shutdown()
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    (run_dir / f"report{'' if stage == 'all' else '-' + stage}.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report))
     return 0
 
 

@@ -125,6 +125,22 @@ class PPOConfig:
     prompt_column: str = "prompt"
     """Column that holds the prompt text."""
 
+    # ---------------------------------------------------------------- SFT and reward-model stages
+    sft_epochs: int = 3
+    """Epochs of supervised fine-tuning on the reference summaries (launch.py sft)."""
+    sft_learning_rate: float = 3e-4
+    """AdamW learning rate of the SFT full fine-tune (linear decay to 0)."""
+    rm_epochs: int = 2
+    """Epochs of Bradley-Terry reward-model training on the preference pairs (launch.py rm)."""
+    rm_learning_rate: float = 1e-4
+    """AdamW learning rate of the reward model (linear decay to 0)."""
+    stage_batch_size: int = 16
+    """Batch size of the SFT and reward-model stages."""
+    eval_every: int = 5
+    """Score held-out samples with the gold judge every N PPO steps (bundled task; 0 = only at the ends)."""
+    eval_size: int = 64
+    """Held-out prompts per evaluation."""
+
     # ---------------------------------------------------------------- run
     seed: int = 0
     """One seed for prompt order, sampling, dropout and initialisation."""
@@ -181,11 +197,13 @@ class PPOConfig:
         need(self.temperature >= 0.01, "temperature", "must be >= 0.01 (PPO samples; greedy is not a policy)")
         need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         need(self.top_k == -1 or self.top_k >= 0, "top_k", "must be >= 0 (0 or -1 = off)")
-        for name in ("batch_size", "lora_r", "lora_alpha", "max_new_tokens", "ppo_epochs",
+        for name in ("batch_size", "lora_r", "lora_alpha", "max_new_tokens", "ppo_epochs", "sft_epochs",
+                     "rm_epochs", "stage_batch_size", "eval_size",
                      "micro_batch_size", "max_prompt_length", "num_generators", "steps"):
             need(getattr(self, name) >= 1, name, "must be >= 1")
         need(0.0 <= self.lora_dropout < 1.0, "lora_dropout", "must be in [0, 1)")
-        for name in ("learning_rate", "value_learning_rate"):
+        need(self.eval_every >= 0, "eval_every", "must be >= 0")
+        for name in ("learning_rate", "value_learning_rate", "sft_learning_rate", "rm_learning_rate"):
             need(getattr(self, name) > 0, name, "must be > 0")
         need(self.mini_batch_size is None or 1 <= self.mini_batch_size <= self.batch_size,
              "mini_batch_size", f"must be in [1, batch_size={self.batch_size}]")

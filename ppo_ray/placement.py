@@ -119,6 +119,11 @@ class LearnerHost:
     def version(self) -> int:
         return self.learner.version
 
+    def save_adapter(self, path: str) -> str:
+        """The policy's LoRA in PEFT format (adapter_config.json + adapter_model.safetensors)."""
+        self.learner.policy.save_pretrained(path)
+        return path
+
 
 # ----------------------------------------------------------------------------- creation
 @dataclass

@@ -17,7 +17,7 @@ import math
 import time
 import uuid
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import ray
 import torch
@@ -131,11 +131,33 @@ class PPOTrainer:
         }
         return out
 
+    # ------------------------------------------------------------------ evaluation
+    def generate(self, prompts: Sequence[str], seed_step: int = 10**9) -> dict:
+        """Sample one response per prompt with the current policy (no training). A fixed
+        `seed_step` gives every prompt the same sampling seed before and after training,
+        so comparisons of two policies use common random numbers."""
+        cfg, gens = self.config, self.roles.generators
+        prompt_ids = encode_prompts(self.tokenizer, list(prompts), cfg.max_prompt_length, cfg.prompt_truncation)
+        chunks = [(s, e) for s, e in split_evenly(len(prompt_ids), len(gens)) if e > s]
+        refs = [gen.generate.remote(prompt_ids[s:e], seed_step, s)[1] for gen, (s, e) in zip(gens, chunks)]
+        summaries = ray.get(refs)
+        return {"texts": [t for s in summaries for t in s["texts"]],
+                "finish_reasons": [f for s in summaries for f in s["finish_reasons"]],
+                "version": summaries[0]["version"]}
+
+    def save_adapter(self, path: str | Path) -> Path:
+        """Write the policy's LoRA adapter (PEFT format: PeftModel.from_pretrained and vLLM load it).
+        The path must be reachable from the learner's node (local runs: any path)."""
+        return Path(ray.get(self.roles.learner.save_adapter.remote(str(path))))
+
     # ------------------------------------------------------------------ many steps
     def train(self, prompts: Sequence[str], steps: Optional[int] = None, *, progress: bool = True,
-              metrics_path: str | Path | None = None) -> list[dict]:
+              metrics_path: str | Path | None = None,
+              evaluate: Optional[Callable[["PPOTrainer", int], dict]] = None) -> list[dict]:
         """Run `steps` PPO steps (default config.steps) on batches of config.batch_size prompts
-        drawn without replacement from `prompts`, reshuffled every epoch with the run seed."""
+        drawn without replacement from `prompts`, reshuffled every epoch with the run seed.
+        `evaluate(trainer, step)`, if given, runs every config.eval_every steps and at the
+        end; its (small) dict is merged into that step's metrics."""
         from tqdm.auto import tqdm
 
         steps = steps or self.config.steps
@@ -153,6 +175,9 @@ class PPOTrainer:
                     order += torch.randperm(len(prompts), generator=gen).tolist()
                 batch, order = [prompts[i] for i in order[:bs]], order[bs:]
                 out = self.ppo_step(batch)
+                every = self.config.eval_every
+                if evaluate and ((every and out["step"] % every == 0) or len(history) + 1 == steps):
+                    out.update(evaluate(self, out["step"]))
                 history.append(out)
                 small = {k: v for k, v in out.items() if not isinstance(v, list)}
                 if metrics_file:
