@@ -76,10 +76,15 @@ def run_rm(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
 
 
 def ppo_config(config: PPOConfig, run_dir: Path, data_dir: Path) -> PPOConfig:
-    """The PPO stage's config: policy and reference = SFT, reward (and value init) = RM."""
+    """The PPO stage's config: policy and reference = SFT, reward = RM. The value model is
+    the SFT backbone with a zero head unless config.value_model_name says otherwise ("rm"
+    = the run's reward model, the N+ recipe's init)."""
+    value = config.value_model_name
+    if value == "rm":
+        value = str(run_dir / "rm")
     return config.replace(
         model_name=str(run_dir / "sft"), ref_model_name=None, reward_model_name=str(run_dir / "rm"),
-        value_model_name=str(run_dir / "rm"), reward_funcs=[], reward_weights=[],
+        value_model_name=value, reward_funcs=[], reward_weights=[],
         dataset=str(data_dir / "prompts_train.jsonl"), prompt_column="prompt")
 
 
@@ -102,10 +107,12 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
         _, golds = judge(trainer, val_rows)
         return {"gold_val": sum(golds) / len(golds)}
 
+    metrics = run_dir / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)  # a rerun of the stage starts a fresh curve
     trainer = PPOTrainer(cfg, run_dir=run_dir)
     try:
         sft_out, sft_gold = judge(trainer, test_rows)  # version 0: the SFT policy itself
-        history = trainer.train(load_prompts(cfg), metrics_path=run_dir / "metrics.jsonl", evaluate=evaluate)
+        history = trainer.train(load_prompts(cfg), metrics_path=metrics, evaluate=evaluate)
         ppo_out, ppo_gold = judge(trainer, test_rows)
         trainer.save_adapter(run_dir / "adapter")
     finally:

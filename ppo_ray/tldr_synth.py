@@ -429,8 +429,23 @@ def _summary(rng: random.Random, who: str, event: str, form: str | None = None) 
     return " " + form.format(W=_cap(who), w=who, E=event, short_q=rng.choice(_SHORT_QUESTIONS))
 
 
-_PAIR_KINDS = ("omit", "wrong", "distractor", "ramble", "title", "close")
-_PAIR_WEIGHTS = (0.2, 0.25, 0.15, 0.15, 0.1, 0.15)  # before fallbacks (distractor often has none)
+_PAIR_KINDS = ("omit", "wrong", "distractor", "ramble", "title", "close", "garble")
+# before fallbacks (distractor often has none). "garble" (a misspelt fact word) is the error
+# a small SFT policy actually makes; without it the reward model never sees that failure
+# and PPO has nothing to push against it (measured: RM scores of SFT samples saturated).
+_PAIR_WEIGHTS = (0.15, 0.2, 0.1, 0.1, 0.05, 0.1, 0.3)
+
+
+def _garble(rng: random.Random, word: str) -> str:
+    """One character dropped, doubled or two swapped (a misspelling)."""
+    i = rng.randrange(len(word))
+    op = rng.choice(("drop", "double", "swap") if len(word) > 2 else ("double",))
+    if op == "drop":
+        return word[:i] + word[i + 1:]
+    if op == "double":
+        return word[:i] + word[i] + word[i:]
+    i = min(i, len(word) - 2)
+    return word[:i] + word[i + 1] + word[i] + word[i + 2:]
 
 
 def _pair(rng: random.Random, ex: dict, kind: str) -> tuple[str, str] | None:
@@ -463,6 +478,15 @@ def _pair(rng: random.Random, ex: dict, kind: str) -> tuple[str, str] | None:
         return chosen, _summary(rng, who, event, _SUMMARY_FORMS[0]) + " " + " ".join(ex["_extra"])
     if kind == "title":
         return chosen, " " + ex["title"]
+    if kind == "garble":  # a content word of a fact misspelt (same length, same shape)
+        words = chosen.split(" ")
+        candidates = [i for i, w in enumerate(words) if len(w.strip(".,?!")) > 3 and w.strip(".,?!").isalpha()]
+        if not candidates:
+            return None
+        i = rng.choice(candidates)
+        core = words[i].strip(".,?!")
+        words[i] = words[i].replace(core, _garble(rng, core))
+        return chosen, " ".join(words)
     if kind == "close":  # both imperfect, same shape: one fact missing vs two
         return _summary(rng, who, no_q), _summary(rng, s["subj"], no_q)
     raise ValueError(f"unknown pair kind {kind!r}")
