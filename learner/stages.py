@@ -64,6 +64,15 @@ def _save(model, tokenizer, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def _step(model, loss: Tensor, opt, sched, max_grad_norm: float) -> None:
+    """Backward, clip, optimiser and schedule step, zero the gradients."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def _bar(total: int, desc: str, enabled: bool):
     from tqdm.auto import tqdm
 
@@ -97,11 +106,7 @@ def train_sft(base_model: str, queries: Sequence[Sequence[int]], responses: Sequ
         for rows in _batches(len(queries), settings.batch_size, gen):
             batch = pack([queries[i] for i in rows], [responses[i] for i in rows], pad, eos).trimmed()
             loss = sft_loss(model, batch)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
+            _step(model, loss, opt, sched, settings.max_grad_norm)
             losses.append(loss.detach())
             bar.update(1)
             if len(losses) % 10 == 0:
@@ -173,11 +178,7 @@ def train_reward_model(base_model: str, queries, chosen, rejected, out_dir: str 
             r = rm_scores(model, batch)  # (2B,)
             rc, rr = r[: len(rows)], r[len(rows):]
             loss = -torch.nn.functional.logsigmoid(rc - rr).mean()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
+            _step(model, loss, opt, sched, settings.max_grad_norm)
             losses.append(loss.detach())
             accs.append((rc > rr).float().mean().detach())
             bar.update(1)
