@@ -29,6 +29,10 @@ import yaml
 # The LoRA targets of a Qwen3/Llama-style decoder: every attention and MLP projection.
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# Local data files (ppo_ray.tldr reads these; anything else is a folder or a hub id).
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
 # Stand-in for the embedded tiny model (built on first use by ppo_ray.tiny_model).
 TINY_MODEL = "embedded:tiny"
 
@@ -124,6 +128,18 @@ class PPOConfig:
     """Prompt dataset: "bundled" (the embedded TL;DR-style task), a local JSONL/parquet file, or a hub id."""
     prompt_column: str = "prompt"
     """Column that holds the prompt text."""
+    sft_dataset: str = "bundled"
+    """SFT data, also the pipeline's PPO prompts: "bundled" (ppo_ray/tldr_synth.py), or TL;DR SFT-schema data (id, subreddit, title, post, summary): a hub id, a local folder of {split}.jsonl/.parquet, or a file path containing "{split}"."""
+    preference_dataset: str = "bundled"
+    """Reward-model pairs: "bundled", or summarize_from_feedback comparisons-schema data (info, summaries, choice): a hub id, a local folder, or a file path containing "{split}"."""
+    preference_config: Optional[str] = "comparisons"
+    """Hub config name of preference_dataset (null for a dataset without configs); unused for local data."""
+    train_split: str = "train"
+    """Split of sft_dataset / preference_dataset that SFT, the reward model and PPO train on."""
+    eval_split: str = "validation"
+    """Split for the SFT validation loss, the reward model's accuracy and PPO's held-out samples."""
+    data_max_rows: Optional[int] = None
+    """Read at most this many rows per split of sft_dataset / preference_dataset (quick runs); None = all."""
 
     # ---------------------------------------------------------------- SFT and reward-model stages
     sft_epochs: int = 3
@@ -136,6 +152,8 @@ class PPOConfig:
     """AdamW learning rate of the reward model (linear decay to 0)."""
     stage_batch_size: int = 16
     """Batch size of the SFT and reward-model stages."""
+    stage_dtype: Optional[str] = None
+    """Dtype of the SFT and reward-model full fine-tunes; None = dtype (float32 keeps the small AdamW steps that bfloat16 weights round away)."""
     eval_every: int = 5
     """Score held-out samples with the gold judge every N PPO steps (bundled task; 0 = only at the ends)."""
     eval_size: int = 64
@@ -229,6 +247,7 @@ class PPOConfig:
         }
         for name, allowed in choices.items():
             need(getattr(self, name) in allowed, name, f"must be one of {list(allowed)}")
+        self._validate_data_sources(need)
         need(len(self.lora_target_modules) > 0, "lora_target_modules", "must name at least one module")
         for spec in self.reward_funcs:
             need(_is_func_spec(spec), "reward_funcs", f"entry {spec!r} must look like 'package.module:function'")
@@ -237,7 +256,30 @@ class PPOConfig:
              f"needs one weight per reward source ({n_sources}: reward model first, then reward_funcs)")
         need(all(math.isfinite(w) for w in self.reward_weights), "reward_weights", "must be finite")
 
+    def _validate_data_sources(self, need) -> None:
+        for name in ("sft_dataset", "preference_dataset", "train_split", "eval_split"):
+            need(bool(getattr(self, name).strip()), name, "must not be empty")
+        need(self.eval_split != self.train_split, "eval_split",
+             f"must differ from train_split={self.train_split!r} (held-out numbers on training data mean nothing)")
+        # The SFT model, its reward model and the PPO prompts must come from one task.
+        need((self.sft_dataset == "bundled") == (self.preference_dataset == "bundled"), "preference_dataset",
+             f"must be 'bundled' exactly when sft_dataset is (sft_dataset = {self.sft_dataset!r})")
+        for name in ("sft_dataset", "preference_dataset"):
+            source = getattr(self, name)
+            # One local file is one split; train and eval need two.
+            need(not source.endswith(DATA_FILE_SUFFIXES) or "{split}" in source, name,
+                 "a local file holds one split: put {split} in the path (data/sft_{split}.jsonl) or name a "
+                 f"folder holding {self.train_split}.jsonl and {self.eval_split}.jsonl (or .parquet)")
+        need(self.data_max_rows is None or self.data_max_rows >= 1, "data_max_rows", "must be >= 1 or null")
+        need(self.stage_dtype is None or self.stage_dtype in DTYPE_NAMES, "stage_dtype",
+             f"must be one of {list(DTYPE_NAMES)} or null")
+
     # ------------------------------------------------------------------ derived values
+    @property
+    def uses_bundled_data(self) -> bool:
+        """True when the pipeline's stages run on the bundled task (the one with a gold judge)."""
+        return self.sft_dataset == "bundled"
+
     @property
     def effective_mini_batch_size(self) -> int:
         return self.mini_batch_size or self.batch_size

@@ -83,3 +83,26 @@ def test_reward_specs_validated():
         PPOConfig(reward_funcs=["not a spec"])
     with pytest.raises(ConfigError, match="reward_weights"):
         PPOConfig(reward_funcs=["m:f"], reward_weights=[1.0, 2.0])
+
+
+@pytest.mark.parametrize("changes,field", [
+    (dict(sft_dataset="data/sft.jsonl", preference_dataset="data/p_{split}.jsonl"), "sft_dataset"),
+    (dict(sft_dataset="data/sft_{split}.jsonl", preference_dataset="prefs.parquet"), "preference_dataset"),
+    (dict(sft_dataset="org/sft"), "preference_dataset"),  # one task: both named or both bundled
+    (dict(preference_dataset="org/prefs"), "preference_dataset"),
+    (dict(sft_dataset=" "), "sft_dataset"),
+    (dict(eval_split="train"), "eval_split"),
+    (dict(data_max_rows=0), "data_max_rows"),
+    (dict(stage_dtype="int8"), "stage_dtype"),
+])
+def test_data_source_fields_validated(changes, field):
+    with pytest.raises(ConfigError, match=f"'{field}'"):
+        PPOConfig(**changes)
+
+
+def test_data_source_fields_accept_hub_ids_folders_and_split_paths():
+    cfg = PPOConfig(sft_dataset="org/sft", preference_dataset="data/prefs_{split}.parquet",
+                    preference_config="null", data_max_rows="100", stage_dtype="float32")
+    assert not cfg.uses_bundled_data
+    assert (cfg.preference_config, cfg.data_max_rows, cfg.stage_dtype) == (None, 100, "float32")
+    assert PPOConfig().uses_bundled_data
