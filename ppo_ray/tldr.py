@@ -342,7 +342,10 @@ def _open(source: str | Path, split: str, config_name: Optional[str],
                 raise FileNotFoundError(f"data directory {source!r} has no {split}.jsonl / {split}.parquet / "
                                         f"{split}.json for split {split!r}")
             path = found[0]
-        rows = read_rows(path)
+        try:
+            rows = read_rows(path)
+        except ValueError as e:  # a JSONL line that is not an object, an unreadable parquet file
+            raise TLDRDataError(str(e) if str(path) in str(e) else f"{path}: {e}") from e
         if max_rows is not None:
             rows = rows[:max_rows]
         return str(path), len(rows), rows
