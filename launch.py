@@ -12,6 +12,11 @@ the config names no reward source; with reward sources in the config (reward_fun
 reward_model_name) it runs PPO on config.model_name and config.dataset directly. `all` (the
 default) runs sft, rm and ppo and prints the report.
 
+The real path: with `sft_dataset` / `preference_dataset` set (hub ids, or local JSONL/parquet
+in the real TL;DR schemas; configs/qwen3-0.6b-tldr.yaml) the stages read those through
+ppo_ray/tldr.py instead of writing the bundled task, and `ppo` reports the reward model's
+score and the KL to SFT (no gold judge exists for real data).
+
 Every `--name value` is a PPOConfig field (ppo_ray/config.py); `--config FILE` loads a YAML
 preset first. `--run_dir DIR` picks the run directory (default output_dir/<time>).
 """
@@ -105,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from actors.reward import RewardError
     from ppo_ray import pipeline
     from ppo_ray.placement import ClusterError
+    from ppo_ray.tldr import TLDRDataError
 
     report: dict = {"run_dir": str(run_dir)}
     t0 = time.perf_counter()
@@ -120,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             if stage in ("all", "ppo"):
                 report.update(pipeline.run_ppo(config, run_dir, data_dir))
                 _print_history([json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()])
-    except (ClusterError, RewardError, FileNotFoundError) as e:
+    except (ClusterError, RewardError, FileNotFoundError, TLDRDataError) as e:
         # expected, user-fixable problems: the message names the bad thing; no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -13,13 +13,21 @@
 
 The gold judge (ppo_ray.tldr_synth) is used only here, to evaluate: SFT learns from the
 reference summaries, the reward model from the preference pairs, PPO from the reward model.
+
+The real path: when the config names datasets (sft_dataset, preference_dataset: hub ids or
+local JSONL/parquet in the TL;DR schemas) the same stages read them through ppo_ray.tldr
+(N+ formatting) instead of the bundled files, and PPO's prompts are the SFT data's queries,
+as in the recipe. Real data has no gold judge: run_ppo then reports the reward model's score
+and the KL to SFT, and samples.md holds held-out summaries to read.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
+from typing import NamedTuple
 
 from ppo_ray.config import PPOConfig
 from ppo_ray.data import column, read_rows
@@ -31,48 +39,136 @@ def _encode(tok, prompts, responses):
     return q, r
 
 
-def write_data(config: PPOConfig, run_dir: Path) -> Path:
-    from ppo_ray.tldr_synth import write_task
-
-    data_dir = run_dir / "data"
-    write_task(data_dir, seed=config.seed)
-    return data_dir
-
-
-def run_sft(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
-    from learner.stages import TrainSettings, train_sft
-    from ppo_ray.modeling import load_tokenizer, resolve_model_path
-
-    base = resolve_model_path(config.model_name)
-    tok = load_tokenizer(base)
-    train = read_rows(data_dir / "sft_train.jsonl")
-    val = read_rows(data_dir / "sft_validation.jsonl")
-    src = str(data_dir / "sft_train.jsonl")
-    q, r = _encode(tok, column(train, "prompt", src), column(train, "summary", src))
-    vq, vr = _encode(tok, column(val, "prompt", src), column(val, "summary", src))
-    settings = TrainSettings(epochs=config.sft_epochs, learning_rate=config.sft_learning_rate,
-                             batch_size=config.stage_batch_size, seed=config.seed, dtype=config.dtype)
-    return train_sft(base, q, r, run_dir / "sft", settings, val=(vq, vr))
+# ----------------------------------------------------------------------------- data sources
+# Each stage takes token ids from one of two sources: the bundled task's files in data_dir,
+# or the datasets the config names (sft_dataset / preference_dataset, read by ppo_ray.tldr).
+# `part` is "train" or "eval": the bundled files' train / validation splits, or the config's
+# train_split / eval_split.
 
 
-def run_rm(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
-    from learner.stages import TrainSettings, train_reward_model
-    from ppo_ray.modeling import load_tokenizer
+class SFTIds(NamedTuple):
+    queries: list[list[int]]
+    responses: list[list[int]]  # each ends with EOS
+    info: dict  # what loading kept, dropped and cut (real data; empty for the bundled task)
 
-    sft = str(run_dir / "sft")
-    tok = load_tokenizer(sft)
 
-    def load(split):
-        path = data_dir / f"preferences_{split}.jsonl"
+class PreferenceIds(NamedTuple):
+    queries: list[list[int]]
+    chosen: list[list[int]]  # each ends with EOS
+    rejected: list[list[int]]
+    info: dict
+
+
+def _real_split(config: PPOConfig, source: str, part: str) -> tuple[str, str]:
+    """(source, split) for a named dataset: a path with "{split}" names one file per split."""
+    split = config.train_split if part == "train" else config.eval_split
+    return source.replace("{split}", split), split
+
+
+def _load_info(stage: str, part: str, data) -> dict:
+    """Counts of one tldr load for the stage's report; an empty load is an error naming the source."""
+    from ppo_ray.tldr import TLDRDataError
+
+    if not len(data):
+        raise TLDRDataError(f"{data.source}: no usable examples for stage {stage!r} ({data.rows} rows read, "
+                            f"dropped: {data.dropped or 'none'})")
+    key = f"{stage}_{part}"
+    return {f"{key}_examples": len(data), f"{key}_rows": data.rows, f"{key}_dropped": dict(data.dropped),
+            f"{key}_query_cuts": dict(data.query_cuts)}
+
+
+def sft_ids(config: PPOConfig, data_dir: Path, tok, part: str) -> SFTIds:
+    """SFT (query ids, response ids + EOS) of one part, from the bundled task or sft_dataset."""
+    if config.uses_bundled_data:
+        path = data_dir / f"sft_{'train' if part == 'train' else 'validation'}.jsonl"
+        rows = read_rows(path)
+        q, r = _encode(tok, column(rows, "prompt", str(path)), column(rows, "summary", str(path)))
+        return SFTIds(q, r, {})
+    from ppo_ray.tldr import load_sft
+
+    source, split = _real_split(config, config.sft_dataset, part)
+    # N+: SFT targets no longer than the rollouts (53 tokens, EOS counted); longer ones are dropped.
+    data = load_sft(source, split, tok, max_query_length=config.max_prompt_length,
+                    max_response_length=config.max_new_tokens, max_rows=config.data_max_rows)
+    info = _load_info("sft", part, data)
+    return SFTIds([ex.query_ids for ex in data], [ex.response_ids for ex in data], info)
+
+
+def preference_ids(config: PPOConfig, data_dir: Path, tok, part: str) -> PreferenceIds:
+    """Preference pairs (query, chosen, rejected ids) of one part, from the bundled task or
+    preference_dataset (chosen = summaries[choice]; CNN/DM rows skipped)."""
+    if config.uses_bundled_data:
+        path = data_dir / f"preferences_{'train' if part == 'train' else 'validation'}.jsonl"
         rows = read_rows(path)
         prompts = column(rows, "prompt", str(path))
         q, c = _encode(tok, prompts, column(rows, "chosen", str(path)))
         _, r = _encode(tok, prompts, column(rows, "rejected", str(path)))
-        return q, c, r
+        return PreferenceIds(q, c, r, {})
+    from ppo_ray.tldr import load_preferences
 
-    settings = TrainSettings(epochs=config.rm_epochs, learning_rate=config.rm_learning_rate,
-                             batch_size=config.stage_batch_size, seed=config.seed, dtype=config.dtype)
-    return train_reward_model(sft, *load("train"), run_dir / "rm", settings, val=load("validation"))
+    source, split = _real_split(config, config.preference_dataset, part)
+    data = load_preferences(source, split, tok, config_name=config.preference_config,
+                            max_query_length=config.max_prompt_length, max_rows=config.data_max_rows)
+    info = _load_info("rm", part, data)
+    return PreferenceIds([ex.query_ids for ex in data], [ex.chosen_ids for ex in data],
+                         [ex.rejected_ids for ex in data], info)
+
+
+def real_prompts(config: PPOConfig, tok, part: str, max_rows: int | None = None) -> list[str]:
+    """PPO prompt texts of the real path: sft_dataset's queries (the recipe's PPO reads the SFT
+    data's queries), each cut to fit max_prompt_length tokens."""
+    from ppo_ray.tldr import load_queries
+
+    source, split = _real_split(config, config.sft_dataset, part)
+    limits = [n for n in (config.data_max_rows, max_rows) if n is not None]
+    data = load_queries(source, split, tok, max_query_length=config.max_prompt_length,
+                        max_rows=min(limits) if limits else None)
+    _load_info("ppo", part, data)  # only its check: an empty prompt set is an error
+    return [q.text for q in data]
+
+
+# ----------------------------------------------------------------------------- stages
+def write_data(config: PPOConfig, run_dir: Path) -> Path:
+    data_dir = run_dir / "data"
+    if not config.uses_bundled_data:  # named datasets are read where they are
+        return data_dir
+    from ppo_ray.tldr_synth import write_task
+
+    write_task(data_dir, seed=config.seed)
+    return data_dir
+
+
+def _stage_settings(config: PPOConfig, epochs: int, learning_rate: float):
+    from learner.stages import TrainSettings
+
+    return TrainSettings(epochs=epochs, learning_rate=learning_rate, batch_size=config.stage_batch_size,
+                         seed=config.seed, dtype=config.stage_dtype or config.dtype)
+
+
+def run_sft(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
+    from learner.stages import train_sft
+    from ppo_ray.modeling import load_tokenizer, resolve_model_path
+
+    base = resolve_model_path(config.model_name)
+    tok = load_tokenizer(base)
+    train, val = sft_ids(config, data_dir, tok, "train"), sft_ids(config, data_dir, tok, "eval")
+    settings = _stage_settings(config, config.sft_epochs, config.sft_learning_rate)
+    stats = train_sft(base, train.queries, train.responses, run_dir / "sft", settings,
+                      val=(val.queries, val.responses))
+    return {**train.info, **val.info, **stats}
+
+
+def run_rm(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
+    from learner.stages import train_reward_model
+    from ppo_ray.modeling import load_tokenizer
+
+    sft = str(run_dir / "sft")
+    tok = load_tokenizer(sft)
+    train, val = preference_ids(config, data_dir, tok, "train"), preference_ids(config, data_dir, tok, "eval")
+    settings = _stage_settings(config, config.rm_epochs, config.rm_learning_rate)
+    stats = train_reward_model(sft, train.queries, train.chosen, train.rejected, run_dir / "rm", settings,
+                               val=(val.queries, val.chosen, val.rejected))
+    return {**train.info, **val.info, **stats}
 
 
 def ppo_config(config: PPOConfig, run_dir: Path, data_dir: Path) -> PPOConfig:
@@ -89,6 +185,8 @@ def ppo_config(config: PPOConfig, run_dir: Path, data_dir: Path) -> PPOConfig:
 
 
 def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
+    if not config.uses_bundled_data:  # real data: no gold judge, see run_ppo_real
+        return run_ppo_real(config, run_dir, data_dir)
     from ppo_ray.data import load_prompts
     from ppo_ray.tldr_synth import gold_score
     from ppo_ray.trainer import PPOTrainer
@@ -131,6 +229,54 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
     write_samples(run_dir / "samples.md", test_rows, sft_out["texts"], sft_gold, ppo_out["texts"], ppo_gold)
     plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     return report
+
+
+def run_ppo_real(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
+    """PPO on the named datasets. No gold judge exists for real data, so the report is the
+    reward model's score (mean over each step's rollouts, missing-EOS penalty included) and
+    the KL to the SFT model; samples.md shows held-out SFT and PPO summaries to read."""
+    from ppo_ray.modeling import load_tokenizer
+    from ppo_ray.trainer import PPOTrainer
+
+    # ppo_config points `dataset` at the bundled files; real prompts are passed in instead.
+    cfg = ppo_config(config, run_dir, data_dir).replace(dataset=config.dataset, prompt_column=config.prompt_column)
+    tok = load_tokenizer(cfg.model_name)
+    prompts = real_prompts(config, tok, "train")
+    held_out = real_prompts(config, tok, "eval", max_rows=cfg.eval_size)
+    metrics = run_dir / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)  # a rerun of the stage starts a fresh curve
+    trainer = PPOTrainer(cfg, run_dir=run_dir)
+    try:
+        sft_texts = trainer.generate(held_out)["texts"]  # version 0: the SFT policy itself
+        history = trainer.train(prompts, metrics_path=metrics)
+        ppo_texts = trainer.generate(held_out)["texts"]  # same sampling seeds as before training
+        trainer.save_adapter(run_dir / "adapter")
+    finally:
+        trainer.shutdown()
+    write_held_out_texts(run_dir / "samples.md", held_out, sft_texts, ppo_texts)
+    plot_curves(metrics, run_dir / "curves.png")
+    return {
+        "evaluation": "reward-model score and KL to SFT only: real data has no gold judge",
+        "first_reward": history[0]["reward_mean"],
+        "final_reward": history[-1]["reward_mean"],
+        "final_kl": history[-1]["kl"],
+        "ppo_steps": len(history),
+        "ppo_prompts": len(prompts),
+        "eval_prompts": len(held_out),
+    }
+
+
+def write_held_out_texts(path: Path, prompts, sft_texts, ppo_texts, n: int = 12) -> None:
+    """samples.md of the real path: held-out posts with the SFT and PPO summaries (no scores)."""
+    def cell(s: str) -> str:
+        return s.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| # | post (start) | SFT summary | PPO summary |", "|---|---|---|---|"]
+    for i, prompt in enumerate(prompts[:n]):
+        post = re.search(r"POST: (.*)", prompt, re.S)
+        lines.append(f"| {i} | {cell((post.group(1) if post else prompt)[:80])}... | {cell(sft_texts[i])} | "
+                     f"{cell(ppo_texts[i])} |")
+    path.write_text("# Held-out summaries before (SFT) and after PPO\n\n" + "\n".join(lines) + "\n")
 
 
 def write_samples(path: Path, rows, sft_texts, sft_gold, ppo_texts, ppo_gold, n: int = 12) -> None:
