@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import os
 import shutil
 import tempfile
@@ -57,7 +56,7 @@ from torch import Tensor
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import ALL_PROJECTIONS, PPOConfig
 from ppo_ray.data import encode_prompts
-from ppo_ray.modeling import load_tokenizer, resolve_model_path
+from ppo_ray.modeling import load_tokenizer, resolve_model_path, write_lora_adapter
 
 # vLLM's allowed max_lora_rank values (vllm/config/lora.py: MaxLoRARanks).
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -359,7 +358,6 @@ class Generator:
         it), retire_s (remove the previous adapter and its files); and the bytes written.
         A failing load leaves the previous version current.
         """
-        from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         self._check_open()
@@ -371,8 +369,8 @@ class Generator:
         t0 = time.perf_counter()
         path = Path(tempfile.mkdtemp(prefix=f"v{version}_", dir=self.adapter_root))
         try:
-            save_file(tensors, str(path / "adapter_model.safetensors"))
-            (path / "adapter_config.json").write_text(json.dumps(self._adapter_config(), indent=1))
+            write_lora_adapter(path, tensors, base_model=self.model_dir, r=self.lora_r,
+                               lora_alpha=self.lora_alpha, target_modules=self.lora_target_modules)
             t1 = time.perf_counter()
             request = LoRARequest(f"v{version}", next(_LORA_IDS), str(path))
             # Load now (not lazily at the next generate), so a broken adapter fails here.
@@ -412,14 +410,6 @@ class Generator:
                 raise ValueError(f"LoRA weight {k!r} has non-finite values")
             out[k] = v.detach().to("cpu").contiguous()
         return out
-
-    def _adapter_config(self) -> dict[str, Any]:
-        return {
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": self.model_dir,
-            "r": self.lora_r, "lora_alpha": self.lora_alpha, "target_modules": self.lora_target_modules,
-            "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "use_dora": False,
-            "fan_in_fan_out": False, "init_lora_weights": True, "modules_to_save": None,
-        }
 
     def _retire(self, request) -> None:
         # The LRU cache may already have evicted it (max_loras=1): the return value is moot.

@@ -68,6 +68,35 @@ class StaleRolloutsError(RuntimeError):
     """Rollouts sampled with a LoRA version other than the learner's current one."""
 
 
+class CheckpointMismatchError(ValueError):
+    """A checkpoint whose tensors do not fit this learner (other model, LoRA rank or targets)."""
+
+
+def _to_cpu(obj):
+    """A copy of a (nested) optimiser state with every tensor on the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _check_tensors(what: str, mine: dict[str, Tensor], theirs: dict[str, Tensor]) -> None:
+    missing = sorted(set(mine) - set(theirs))
+    extra = sorted(set(theirs) - set(mine))
+    if missing or extra:
+        raise CheckpointMismatchError(
+            f"checkpoint's {what} does not match this run: missing {missing[:3]}, unexpected {extra[:3]} "
+            f"(different lora_target_modules or model?)")
+    for k, v in mine.items():
+        if tuple(theirs[k].shape) != tuple(v.shape):
+            raise CheckpointMismatchError(
+                f"checkpoint's {what} tensor {k} has shape {tuple(theirs[k].shape)}, this run needs "
+                f"{tuple(v.shape)} (different lora_r or model?)")
+
+
 @dataclass
 class RolloutScores:
     """The learner's no-grad view of a batch (step 1); fields not asked for are None."""
@@ -123,6 +152,40 @@ class Learner:
         """What the generator needs to build a LoRA request / merge: r, lora_alpha, targets."""
         return {"r": self.config.lora_r, "lora_alpha": self.config.lora_alpha,
                 "target_modules": list(self.config.lora_target_modules)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue exactly: the policy adapter, the value
+        model's trainable tensors (LoRA + head), both optimisers, the global RNG (LoRA
+        dropout) and the version. CPU tensors only; no model weights of the base."""
+        value = {n: p.detach().to("cpu", copy=True) for n, p in self.value_model.named_parameters()
+                 if p.requires_grad}
+        return {"version": self.version, "policy": self.lora_weights(), "value": value,
+                "policy_optimizer": _to_cpu(self.policy_optimizer.state_dict()),
+                "value_optimizer": _to_cpu(self.value_optimizer.state_dict()),
+                "rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`'s output. A checkpoint of another shape (LoRA rank, target
+        modules, model) is refused naming the first mismatching tensor; nothing is changed then."""
+        from peft import set_peft_model_state_dict
+
+        _check_tensors("policy adapter", self.lora_weights(), state["policy"])
+        mine = {n: p for n, p in self.value_model.named_parameters() if p.requires_grad}
+        _check_tensors("value model", {n: p.detach() for n, p in mine.items()}, state["value"])
+        result = set_peft_model_state_dict(self.policy, state["policy"])
+        if getattr(result, "unexpected_keys", None):
+            raise CheckpointMismatchError(f"policy adapter: unexpected keys {result.unexpected_keys[:5]}")
+        with torch.no_grad():
+            for n, p in mine.items():
+                p.copy_(state["value"][n].to(p.device, p.dtype))
+        self.policy_optimizer.load_state_dict(state["policy_optimizer"])
+        self.value_optimizer.load_state_dict(state["value_optimizer"])
+        torch.set_rng_state(state["rng"])
+        if self.device.type == "cuda" and state.get("cuda_rng"):
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        self.version = int(state["version"])
 
     # ------------------------------------------------------------------ scoring helpers
     def logprobs(self, batch: RolloutBatch) -> Tensor:

@@ -105,3 +105,26 @@ def load_reward_model(name: str, dtype: str = "float32"):
         raise ValueError(f"reward model {name!r} ({type(model).__name__}) has no `score` head over a backbone")
     model.eval()
     return model
+
+
+def write_lora_adapter(path: str | Path, tensors: dict[str, Tensor], *, base_model: str, r: int,
+                       lora_alpha: int, target_modules: list[str]) -> Path:
+    """Write a PEFT LoRA adapter directory (adapter_model.safetensors + adapter_config.json)
+    that PeftModel.from_pretrained and vLLM's LoRARequest both load. `tensors` are
+    get_peft_model_state_dict() keys; returns the directory."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
+              str(path / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": r, "lora_alpha": lora_alpha, "target_modules": list(target_modules),
+        "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "use_dora": False,
+        "fan_in_fan_out": False, "init_lora_weights": True, "modules_to_save": None,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    return path

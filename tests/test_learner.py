@@ -455,3 +455,72 @@ def test_buffer_micro_batches_trim_like_rollout_batch(special):
         expect = batch.select(rows).trimmed()
         assert torch.equal(micro.prompt_ids, expect.prompt_ids)
         assert torch.equal(micro.response_mask, expect.response_mask)
+
+
+# ------------------------------------------------------------------ checkpoints
+def test_state_dict_through_a_checkpoint_resumes_bit_for_bit(tiny_path, special, tmp_path):
+    """Dropout on (so the RNG state matters), two updates: learner A runs both; learner B
+    is a fresh learner that loads A's state after update 1 from a checkpoint on disk
+    (safetensors + weights_only torch.load) and runs update 2. Same weights, same stats."""
+    from ppo_ray.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg = make_config(lora_dropout=0.1, seed=3)
+    a = Learner(cfg, tiny_path)
+    a.update(*rollout_inputs(a, random_batch(special, seed=1), seed=1))
+    save_checkpoint(tmp_path, config=cfg, learner_state=a.state_dict(), model_dir=tiny_path,
+                    trainer_state={"step": 1, "order": [3, 1], "data_rng": torch.Generator().get_state()})
+    inputs = rollout_inputs(a, random_batch(special, seed=2), seed=2)
+    stats_a, w_a = a.update(*inputs)
+
+    b = Learner(cfg, tiny_path)
+    _, learner_state, trainer_state = load_checkpoint(tmp_path, cfg)
+    assert trainer_state["step"] == 1 and trainer_state["order"] == [3, 1] and learner_state["version"] == 1
+    b.load_state_dict(learner_state)
+    assert b.version == 1
+    stats_b, w_b = b.update(*inputs)
+    assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)
+    assert all(torch.equal(x, y) for x, y in zip(value_params(a).values(), value_params(b).values()))
+    assert stats_a["policy_loss"] == stats_b["policy_loss"] and stats_a["value_loss"] == stats_b["value_loss"]
+
+
+def test_checkpoint_of_another_shape_or_config_is_refused(tiny_path, special, tmp_path):
+    from learner.learner import CheckpointMismatchError
+    from ppo_ray.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    cfg = make_config()
+    a = Learner(cfg, tiny_path)
+    save_checkpoint(tmp_path, config=cfg, learner_state=a.state_dict(), model_dir=tiny_path,
+                    trainer_state={"step": 0, "order": [], "data_rng": torch.Generator().get_state()})
+    with pytest.raises(CheckpointError, match=r"lora_r: checkpoint 4 vs now 8"):
+        load_checkpoint(tmp_path, cfg.replace(lora_r=8))
+    # the tensors themselves are checked too (e.g. a checkpoint loaded without its config)
+    _, state, _ = load_checkpoint(tmp_path)
+    wide = Learner(cfg.replace(lora_r=8, lora_alpha=16), tiny_path)
+    before = wide.lora_weights()
+    with pytest.raises(CheckpointMismatchError, match=r"shape .* lora_r"):
+        wide.load_state_dict(state)
+    assert max_abs_diff(before, wide.lora_weights()) == 0  # nothing changed
+    with pytest.raises(CheckpointError, match="no checkpoint there"):
+        load_checkpoint(tmp_path / "checkpoints" / "step-000000" / "adapter")
+
+
+def test_a_crash_while_writing_keeps_the_latest_checkpoint(tiny_path, tmp_path, monkeypatch):
+    from ppo_ray.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+
+    cfg = make_config()
+    a = Learner(cfg, tiny_path)
+    state = {"order": [], "data_rng": torch.Generator().get_state()}
+    first = save_checkpoint(tmp_path, config=cfg, learner_state=a.state_dict(), model_dir=tiny_path,
+                            trainer_state={**state, "step": 1})
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", boom)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, config=cfg, learner_state=a.state_dict(), model_dir=tiny_path,
+                        trainer_state={**state, "step": 2})
+    monkeypatch.undo()
+    assert resolve_checkpoint(tmp_path) == first
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-000001"]
+    assert load_checkpoint(tmp_path, cfg)[2]["step"] == 1

@@ -1,0 +1,180 @@
+"""Checkpoints of a PPO run: written atomically, resumed exactly.
+
+Layout (one directory per checkpoint, under ``<run_dir>/checkpoints``)::
+
+    checkpoints/
+      step-000010/
+        adapter/                 the policy LoRA in PEFT format (PeftModel / vLLM load it)
+        value.safetensors        the value model's trainable tensors (LoRA + head)
+        optimizer.pt             both Adam states (torch.save; loaded with weights_only=True)
+        rng.pt                   the learner's RNG state (LoRA dropout) and the data-order RNG
+        trainer.json             step, adapter version, data cursor, metrics lines written
+        config.yaml              the run's config
+      latest                     the name of the newest complete checkpoint ("step-000010")
+
+Atomicity: a checkpoint is written into a hidden temporary directory next to its final
+place, every file fsynced, then renamed into place (a rename within one filesystem is
+atomic), and only then is ``latest`` replaced (write a temp file, os.replace). A crash at
+any point leaves ``latest`` naming a complete checkpoint; half-written temp directories are
+removed by the next save. Nothing is loaded with pickle: tensors are safetensors, optimiser
+and RNG states go through ``torch.load(weights_only=True)``.
+
+Compatibility: resuming with a config that changes what the checkpoint's tensors mean
+(model, LoRA shape, value model, dtype) is refused with an error naming the fields;
+run-length fields (steps, eval_every, checkpoint_every, ...) may change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ppo_ray.config import PPOConfig
+
+# Fields that decide what a checkpoint's tensors are and how the run samples/learns: a
+# resume that changes one of them would silently mix two runs.
+MUST_MATCH = (
+    "model_name", "ref_model_name", "reward_model_name", "value_model_name", "reward_funcs",
+    "reward_weights", "lora_r", "lora_alpha", "lora_target_modules", "dtype", "seed", "batch_size",
+    "dataset", "prompt_column", "temperature", "top_k", "top_p", "max_new_tokens",
+)
+LATEST = "latest"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be found, read, or resumed with this config."""
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(run_dir: str | Path, *, config: PPOConfig, learner_state: dict, trainer_state: dict,
+                    model_dir: str, keep: int = 2) -> Path:
+    """Write one checkpoint atomically and point ``latest`` at it; keep the newest `keep`."""
+    from safetensors.torch import save_file
+
+    from ppo_ray.modeling import write_lora_adapter
+
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):  # an earlier crash's half-written checkpoint
+        shutil.rmtree(stale, ignore_errors=True)
+    name = step_name(int(trainer_state["step"]))
+    tmp = root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        write_lora_adapter(tmp / "adapter", learner_state["policy"], base_model=model_dir, r=config.lora_r,
+                           lora_alpha=config.lora_alpha, target_modules=list(config.lora_target_modules))
+        save_file({k: v.contiguous() for k, v in learner_state["value"].items()}, str(tmp / "value.safetensors"))
+        torch.save({"policy": learner_state["policy_optimizer"], "value": learner_state["value_optimizer"]},
+                   tmp / "optimizer.pt")
+        torch.save({"learner": learner_state["rng"], "learner_cuda": learner_state.get("cuda_rng", []),
+                    "data": trainer_state["data_rng"]}, tmp / "rng.pt")
+        meta = {k: v for k, v in trainer_state.items() if k != "data_rng"}
+        meta["version"] = int(learner_state["version"])
+        (tmp / "trainer.json").write_text(json.dumps(meta, indent=1))
+        config.to_yaml(tmp / "config.yaml")
+        _fsync_tree(tmp)
+        final = root / name
+        if final.exists():  # the same step written again (a run resumed from an older checkpoint)
+            trash = root / f".tmp-old-{name}-{uuid.uuid4().hex[:8]}"
+            final.rename(trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        tmp.rename(final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    pointer = root / f".tmp-latest-{uuid.uuid4().hex[:8]}"
+    pointer.write_text(name + "\n")
+    with open(pointer, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(pointer, root / LATEST)
+    _fsync_dir(root)
+    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-max(keep, 1)]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or a run directory / checkpoints folder -> its latest checkpoint."""
+    path = Path(path)
+    if (path / "trainer.json").is_file():
+        return path
+    for root in (checkpoint_root(path), path):
+        pointer = root / LATEST
+        if pointer.is_file():
+            ckpt = root / pointer.read_text().strip()
+            if not (ckpt / "trainer.json").is_file():
+                raise CheckpointError(f"{pointer} names {ckpt.name}, which is missing or incomplete")
+            return ckpt
+    if not path.exists():
+        raise CheckpointError(f"--resume {path}: no such file or directory")
+    raise CheckpointError(f"--resume {path}: no checkpoint there (expected a step-NNNNNN directory "
+                          f"with trainer.json, or a run directory with checkpoints/{LATEST})")
+
+
+def check_compatible(saved: PPOConfig, config: PPOConfig, where: Path) -> None:
+    diffs = [f"{k}: checkpoint {getattr(saved, k)!r} vs now {getattr(config, k)!r}"
+             for k in MUST_MATCH if getattr(saved, k) != getattr(config, k)]
+    if diffs:
+        raise CheckpointError(f"checkpoint {where} was written by a run with a different config; "
+                              f"refusing to mix them: " + "; ".join(diffs))
+
+
+def load_checkpoint(path: str | Path, config: Optional[PPOConfig] = None) -> tuple[Path, dict, dict]:
+    """(checkpoint dir, learner_state, trainer_state); with `config`, refuse an incompatible one."""
+    from safetensors.torch import load_file
+
+    ckpt = resolve_checkpoint(path)
+    try:
+        saved = PPOConfig.from_yaml(ckpt / "config.yaml")
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {ckpt}: unreadable config.yaml: {e}") from e
+    if config is not None:
+        check_compatible(saved, config, ckpt)
+    try:
+        meta: dict[str, Any] = json.loads((ckpt / "trainer.json").read_text())
+        optim = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+        rng = torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=True)
+        learner_state = {
+            "version": int(meta["version"]),
+            "policy": load_file(str(ckpt / "adapter" / "adapter_model.safetensors")),
+            "value": load_file(str(ckpt / "value.safetensors")),
+            "policy_optimizer": optim["policy"], "value_optimizer": optim["value"],
+            "rng": rng["learner"], "cuda_rng": rng.get("learner_cuda", []),
+        }
+    except (OSError, KeyError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete or corrupt: {e}") from e
+    trainer_state = {**meta, "data_rng": rng["data"]}
+    return ckpt, learner_state, trainer_state
