@@ -24,6 +24,7 @@ import torch
 
 from ppo_ray.config import PPOConfig
 from ppo_ray.data import encode_prompts
+from ppo_ray.metrics import TrainingMetrics
 from ppo_ray.modeling import load_tokenizer, resolve_model_path
 from ppo_ray.placement import Roles, create_roles, init_ray, split_evenly
 
@@ -51,6 +52,7 @@ class PPOTrainer:
 
         init_ray()
         self.namespace = f"ppo-{uuid.uuid4().hex[:8]}"
+        self.metrics = TrainingMetrics(run=self.namespace)  # Prometheus gauges, tagged run=namespace
         self.roles: Roles = create_roles(
             config, model_dir=self.model_dir, ref_model_dir=self.ref_model_dir,
             reward_model_dir=self.reward_model_dir, value_model_dir=self.value_model_dir,
@@ -179,6 +181,7 @@ class PPOTrainer:
                 if evaluate and ((every and out["step"] % every == 0) or len(history) + 1 == steps):
                     out.update(evaluate(self, out["step"]))
                 history.append(out)
+                self.metrics.record_step(out)
                 small = {k: v for k, v in out.items() if not isinstance(v, list)}
                 if metrics_file:
                     metrics_file.write(json.dumps(small) + "\n")

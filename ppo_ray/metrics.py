@@ -1,0 +1,104 @@
+"""Per-step training metrics through Ray's metrics system, for Prometheus and the dashboard.
+
+    metrics = TrainingMetrics(run=trainer.namespace)   # after ray.init / init_ray
+    metrics.record_step(out)                           # out = PPOTrainer.ppo_step(...)
+    metrics.record_retry("generator")                  # a caller retried a failed actor call
+
+Each node's Ray exports what its processes record on that node's Prometheus endpoint
+(`ray start --metrics-export-port P` -> http://<node>:P/metrics), with Ray's `ray_` prefix:
+`ppo_reward_mean` is scraped as `ray_ppo_reward_mean`, the counter `ppo_retries` as
+`ray_ppo_retries_total`. Every series carries the tag `run` (the trainer's Ray namespace),
+so several runs on one cluster stay apart. Measured on Ray 2.60: metrics set in the driver
+(the `ray job submit` entrypoint or a plain `ray.init()` script) are exported like an
+actor's, so the driver records them itself, no metrics actor is needed; a finished job's
+series disappear from the endpoint some seconds after it exits; a NaN gauge is not
+exported at all (record_step skips non-finite values, so a series keeps its last finite
+value).
+
+This is the one module besides ppo_ray.placement and ppo_ray.trainer that imports ray (its
+metrics API only); the trainer owns the one instance of a run.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Mapping
+
+from ray.util.metrics import Counter, Gauge
+
+# ppo_step output key -> help text. Prometheus names are built by `metric_name`.
+STEP_GAUGES: dict[str, str] = {
+    "step": "PPO steps completed in this run",
+    "reward_mean": "mean score of the step's rollouts (reward model and/or reward functions)",
+    "kl": "mean per-sequence KL(policy || reference) of the step's rollouts (the sum of per-token KL)",
+    "policy_loss": "PPO-clip policy loss, mean over the step's optimiser steps",
+    "value_loss": "value loss, mean over the step's optimiser steps",
+    "approx_kl": "approximate KL between the old and updated policy (PPO diagnostic)",
+    "clipfrac": "fraction of tokens whose ratio was clipped",
+    "entropy": "mean entropy of the policy over response tokens",
+    "explained_variance": "explained variance of the value predictions",
+    "tokens_per_s": "generated response tokens per second of step wall time",
+    "adapter_version": "LoRA adapter version the generators hold after the step",
+}
+PHASE_PREFIX, PHASE_SUFFIX = "time/", "_s"
+PHASE_GAUGE = "ppo_phase_seconds"  # one gauge, tagged phase=generate|reference|reward|...
+RETRY_COUNTER = "ppo_retries"      # exported as ray_ppo_retries_total
+
+_PROM_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+
+
+def metric_name(key: str) -> str:
+    """`ppo_` + the key with every character Prometheus does not allow replaced by "_"
+    ("time/generate_s" -> "ppo_time_generate_s"). Ray 2.60 accepts names with "/" or "-"
+    without complaint, so the cleaning is ours."""
+    name = "ppo_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+    assert _PROM_NAME.match(name), name
+    return name
+
+
+class TrainingMetrics:
+    """The gauges and counters of one training run. Create it after Ray is initialised, in
+    the process that calls record_* (Ray's metric objects are per process)."""
+
+    def __init__(self, run: str):
+        self.run = run
+        tags = ("run",)
+        self._gauges = {key: Gauge(metric_name(key), description=text, tag_keys=tags)
+                        for key, text in STEP_GAUGES.items()}
+        self._phases = Gauge(PHASE_GAUGE, description="seconds per step phase (the time/*_s keys of ppo_step)",
+                             tag_keys=("run", "phase"))
+        self._retries = Counter(RETRY_COUNTER, description="actor calls retried after a failure, by role",
+                                tag_keys=("run", "role"))
+
+    def record_step(self, out: Mapping[str, object]) -> dict[str, float]:
+        """Set the gauges from one ppo_step output. Missing, non-numeric and non-finite values
+        are skipped (Ray drops a NaN gauge from the export anyway). Returns what was set,
+        keyed by metric name (phases as ppo_phase_seconds{phase=...})."""
+        recorded: dict[str, float] = {}
+        tags = {"run": self.run}
+        for key, gauge in self._gauges.items():
+            value = _finite(out.get(key))
+            if value is not None:
+                gauge.set(value, tags=tags)
+                recorded[metric_name(key)] = value
+        for key, raw in out.items():
+            if key.startswith(PHASE_PREFIX) and key.endswith(PHASE_SUFFIX):
+                value = _finite(raw)
+                if value is not None:
+                    phase = key[len(PHASE_PREFIX):-len(PHASE_SUFFIX)]
+                    self._phases.set(value, tags={"run": self.run, "phase": phase})
+                    recorded[f"{PHASE_GAUGE}{{phase={phase}}}"] = value
+        return recorded
+
+    def record_retry(self, role: str, n: int = 1) -> None:
+        """Count `n` retried calls to the actor `role` (generator-0, learner, reference, reward).
+        The retry logic itself lives with the caller."""
+        self._retries.inc(float(n), tags={"run": self.run, "role": role})
+
+
+def _finite(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
