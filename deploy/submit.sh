@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Submit launch.py to a running Ray cluster as a Ray job (`ray job submit`).
+#
+#   deploy/submit.sh [--no-wait] [--] [launch.py arguments ...]
+#
+#   ray start --head --dashboard-host 127.0.0.1          # a local head (dashboard 127.0.0.1:8265)
+#   deploy/submit.sh ppo --config configs/tiny.yaml --steps 20 --run_dir "$PWD/runs/tiny"
+#   RAY_ADDRESS=http://127.0.0.1:8265 deploy/submit.sh --no-wait --run_dir /shared/runs/a
+#
+# The repository root is the job's working dir: Ray uploads it (deploy/runtime_env.yaml
+# lists what it leaves out) and runs `python launch.py <arguments>` in a copy of it on the
+# head node. The nodes must already have the dependencies (README set-up, `ray start` from
+# the project's .venv). Without --no-wait it streams the job's logs and exits 0 when the job
+# SUCCEEDED, 1 when it failed; --no-wait prints the submission id and returns
+# (`ray job status|logs|stop <id>` then).
+#
+# Environment:
+#   RAY_ADDRESS           the head's dashboard/job API, default http://127.0.0.1:8265
+#                         (RAY_API_SERVER_ADDRESS wins when set, as for `ray job submit`)
+#   RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token
+#                         Ray 2.60 token auth. The job client sends a token only when
+#                         RAY_AUTH_MODE=token, so when RAY_AUTH_MODE is unset and one of these
+#                         exists, this script sets it. RAY_AUTH_MODE=disabled is respected.
+#   ENTRYPOINT_NUM_CPUS, ENTRYPOINT_NUM_GPUS
+#                         resources reserved for the driver, default 0: Ray then runs it on
+#                         the head node (where relative paths and the run dir live); > 0 lets
+#                         Ray place it on any node that has them.
+#   SUBMISSION_ID         the job's id (default: Ray makes one)
+#   RUNTIME_ENV           runtime env file (default deploy/runtime_env.yaml)
+#   PREFLIGHT_TIMEOUT     seconds the reachability check waits (default 5)
+#
+# Before submitting, a check fails fast (exit 3) with one line naming the problem when
+# RAY_ADDRESS points nowhere, at something that is not a Ray dashboard, or at a cluster that
+# refuses the token.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+NO_WAIT=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --no-wait) NO_WAIT=(--no-wait); shift ;;
+        --) shift; break ;;
+        *) break ;;
+    esac
+done
+
+ADDRESS=${RAY_API_SERVER_ADDRESS:-${RAY_ADDRESS:-http://127.0.0.1:8265}}
+RUNTIME_ENV=${RUNTIME_ENV:-deploy/runtime_env.yaml}
+
+if [ -z "${RAY_AUTH_MODE:-}" ] && { [ -n "${RAY_AUTH_TOKEN:-}" ] || [ -n "${RAY_AUTH_TOKEN_PATH:-}" ] \
+        || [ -s "$HOME/.ray/auth_token" ]; }; then
+    export RAY_AUTH_MODE=token
+fi
+
+# Reachability and auth, with the token the job client will send (stdlib only).
+python3 - "$ADDRESS" "${PREFLIGHT_TIMEOUT:-5}" <<'PY' || exit 3
+import os, socket, sys, urllib.error, urllib.parse, urllib.request
+
+address, timeout = sys.argv[1], float(sys.argv[2])
+
+def fail(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(1)
+
+start_hint = ("start a head with `ray start --head --dashboard-host 127.0.0.1`, or set RAY_ADDRESS "
+              "to the head's dashboard, http://<head>:8265 (from a laptop: an SSH tunnel or "
+              "`ray dashboard deploy/cluster.yaml`)")
+if address.startswith("ray://"):
+    fail(f"RAY_ADDRESS={address} is a Ray Client address; `ray job submit` talks to the "
+         "dashboard: use http://<head>:8265")
+if "://" not in address:
+    # A GCS address (host:6379) or "auto": Ray looks the dashboard up through the GCS itself;
+    # check only that something listens there.
+    if address != "auto":
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=timeout).close()
+        except (OSError, ValueError) as e:
+            fail(f"no Ray cluster at RAY_ADDRESS={address} ({e}); {start_hint}")
+    sys.exit(0)
+
+token, source = None, None
+if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        token, source = os.environ["RAY_AUTH_TOKEN"].strip(), "RAY_AUTH_TOKEN"
+    else:
+        for path in (os.environ.get("RAY_AUTH_TOKEN_PATH"), os.path.expanduser("~/.ray/auth_token")):
+            if path and os.path.isfile(path):
+                token, source = open(path).read().strip(), path
+                break
+url = address.rstrip("/") + "/api/version"
+headers = {"Authorization": f"Bearer {token}"} if token else {}
+try:
+    urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout).read()
+except urllib.error.HTTPError as e:
+    if e.code == 401:
+        fail(f"the Ray cluster at {address} requires token authentication and no token was found: "
+             "set RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH, or copy the head's ~/.ray/auth_token here "
+             "(`ray get-auth-token` on the head prints it)")
+    if e.code == 403:
+        fail(f"the Ray cluster at {address} rejected the auth token from {source}: use that "
+             "cluster's token (`ray get-auth-token` on the head prints it)")
+    if e.code == 404:
+        fail(f"{address} answers HTTP but is not a Ray dashboard (no /api/version): point "
+             "RAY_ADDRESS at the head's dashboard port (default 8265)")
+    fail(f"{url} answered HTTP {e.code} {e.reason}")
+except (urllib.error.URLError, OSError) as e:
+    fail(f"no Ray cluster at RAY_ADDRESS={address} ({getattr(e, 'reason', e)}); {start_hint}")
+PY
+
+# Relative paths resolve inside the job's copy of the working dir (in Ray's session dir).
+run_dir=""
+prev=""
+for arg in "$@"; do
+    case "$arg" in --run_dir=*) run_dir=${arg#--run_dir=} ;; esac
+    if [ "$prev" = "--run_dir" ]; then run_dir=$arg; fi
+    prev=$arg
+done
+case "$run_dir" in
+    /*) ;;
+    *) echo "note: no absolute --run_dir: the run's outputs go inside the job's copy of the working" \
+            "dir in Ray's session dir on the head node" >&2 ;;
+esac
+
+args=(--address "$ADDRESS" --working-dir . --runtime-env "$RUNTIME_ENV"
+      --entrypoint-num-cpus "${ENTRYPOINT_NUM_CPUS:-0}" --entrypoint-num-gpus "${ENTRYPOINT_NUM_GPUS:-0}")
+if [ -n "${SUBMISSION_ID:-}" ]; then
+    args+=(--submission-id "$SUBMISSION_ID")
+fi
+exec ray job submit "${args[@]}" ${NO_WAIT[@]+"${NO_WAIT[@]}"} -- python launch.py "$@"
