@@ -1,0 +1,337 @@
+"""Running the way Ray users do: deploy/submit.sh against a real `ray start` head, the PPO
+metrics that reach the head's Prometheus endpoint, and the deploy/ files.
+
+The `ray_head` fixture starts a head of its own in a subprocess (`ray start --head --block`,
+free ports, its own temp dir and auth token), so the suite's own Ray session (conftest
+`ray_session`) is untouched; it stops it by signalling that process, never with `ray stop`
+(which stops every Ray process on the machine). test_submitted_job_exports_ppo_metrics runs
+the tiny PPO job for 2 steps through deploy/submit.sh: about 95 s on the 2-core development
+VM (head start ~9 s, the job ~75 s of which ~30 s is the vLLM engine start, head stop ~5 s),
+under the suite's 2-minute budget for unmarked tests, so it is not marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ppo_ray.metrics import STEP_GAUGES, TrainingMetrics, metric_name
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+SUBMIT = DEPLOY / "submit.sh"
+BIN = Path(sys.executable).parent  # the venv's ray, python3 and python
+PROM_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+# ----------------------------------------------------------------------------- helpers
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without Ray's variables (the suite's own ray.init sets
+    RAY_AUTH_MODE; RAY_ADDRESS would point elsewhere), the venv first on PATH."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.update(extra)
+    return env
+
+
+def _get(url: str, token: str | None = None, timeout: float = 5.0) -> bytes:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout).read()
+
+
+def _ppo_samples(metrics_url: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every ray_ppo_* sample on a Prometheus text endpoint."""
+    try:
+        text = _get(metrics_url).decode()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        m = re.match(r"^(ray_ppo_\w+)\{(.*)\} (\S+)$", line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2)))
+            out.append((m.group(1), labels, float(m.group(3))))
+    return out
+
+
+@dataclass
+class Head:
+    dashboard: str          # http://127.0.0.1:<port>, the job API
+    metrics_url: str        # the node's Prometheus endpoint
+    token: str
+    client_env: dict        # for submit.sh: the token file named, RAY_AUTH_MODE left unset
+
+
+def _stop_head(proc: subprocess.Popen) -> None:
+    """`ray start --block` stops the processes it started when it gets SIGTERM (measured:
+    ~4 s); anything of its process group that is left gets SIGKILL."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    # A short temp dir: Ray's Unix socket paths under it must stay within 107 characters.
+    temp = Path(tempfile.mkdtemp(prefix="ppo-head-", dir="/tmp"))
+    token = secrets.token_hex(32)
+    token_file = temp / "auth_token"
+    token_file.write_text(token)
+    token_file.chmod(0o600)
+    gcs, dash, met, agent, client, rte = _free_ports(6)
+    env = _clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file))
+    log_path = temp / "head.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs}", "--dashboard-host=127.0.0.1",
+             f"--dashboard-port={dash}", f"--metrics-export-port={met}", f"--dashboard-agent-listen-port={agent}",
+             f"--ray-client-server-port={client}", f"--runtime-env-agent-port={rte}", "--num-cpus=4",
+             f"--temp-dir={temp / 'ray'}", "--disable-usage-stats"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    dashboard = f"http://127.0.0.1:{dash}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                _get(f"{dashboard}/api/version", token)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"the test's Ray head did not start:\n{log_path.read_text()[-3000:]}")
+                time.sleep(0.5)
+        yield Head(dashboard, f"http://127.0.0.1:{met}/metrics", token,
+                   _clean_env(RAY_AUTH_TOKEN_PATH=str(token_file)))
+    finally:
+        _stop_head(proc)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- submit + metrics
+def test_submitted_job_exports_ppo_metrics(ray_head, tmp_path):
+    run_dir = tmp_path / "run"
+    sid = f"ppo-deploy-test-{uuid.uuid4().hex[:8]}"
+    env = {**ray_head.client_env, "RAY_ADDRESS": ray_head.dashboard, "SUBMISSION_ID": sid}
+    log_path = tmp_path / "submit.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [str(SUBMIT), "ppo", "--config", "configs/tiny.yaml", "--steps", "2", "--batch_size", "4",
+             "--max_new_tokens", "8", "--vllm_kv_cache_gib", "0.25", "--run_dir", str(run_dir)],
+            cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    # Scrape while the job runs and briefly after: the driver's last values reach the
+    # endpoint when it exits, and a finished job's series vanish some seconds later.
+    final: list = []  # the latest scrape in which the run had finished step 2
+    deadline = time.monotonic() + 600
+    after_exit = None
+    while time.monotonic() < deadline:
+        samples = _ppo_samples(ray_head.metrics_url)
+        if any(n == "ray_ppo_step" and v == 2 for n, _, v in samples):
+            final = samples
+        if proc.poll() is not None:
+            after_exit = after_exit or time.monotonic()
+            if final or time.monotonic() - after_exit > 20:
+                break
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail(f"the job did not finish in 600 s:\n{log_path.read_text()[-3000:]}")
+    log = log_path.read_text()
+    assert proc.returncode == 0, log[-4000:]
+    assert json.loads(_get(f"{ray_head.dashboard}/api/jobs/{sid}", ray_head.token))["status"] == "SUCCEEDED"
+    assert final, f"no ray_ppo_step == 2 on {ray_head.metrics_url}; job log:\n{log[-3000:]}"
+
+    runs = {labels["run"] for _, labels, _ in final}
+    assert len(runs) == 1 and next(iter(runs)).startswith("ppo-"), runs
+    gauges = {name: value for name, labels, value in final if "phase" not in labels}
+    assert gauges["ray_ppo_step"] == 2 and gauges["ray_ppo_adapter_version"] == 2
+    # The exported values are the run's own: the same as metrics.jsonl's last line.
+    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 2
+    for key in ("reward_mean", "kl", "policy_loss", "value_loss", "approx_kl", "clipfrac", "tokens_per_s"):
+        value = gauges[f"ray_{metric_name(key)}"]
+        assert math.isfinite(value) and value == pytest.approx(last[key], rel=1e-6, abs=1e-9), key
+    phases = {labels["phase"]: value for name, labels, value in final if name == "ray_ppo_phase_seconds"}
+    assert {"generate", "reference", "reward", "update", "sync", "step"} <= set(phases)
+    assert phases["step"] == pytest.approx(last["time/step_s"], rel=1e-6)
+    # submit.sh turned token auth on from RAY_AUTH_TOKEN_PATH alone, and warned about nothing
+    assert "note: no absolute --run_dir" not in log
+
+
+def test_submit_fails_fast_when_nothing_listens(tmp_path):
+    port = _free_ports(1)[0]  # bound and released: nothing listens there
+    t0 = time.monotonic()
+    proc = subprocess.run([str(SUBMIT), "ppo", "--config", "configs/tiny.yaml"],
+                          env=_clean_env(RAY_ADDRESS=f"http://127.0.0.1:{port}"), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert f"no Ray cluster at RAY_ADDRESS=http://127.0.0.1:{port}" in proc.stderr
+    assert "Connection refused" in proc.stderr and "ray start --head" in proc.stderr
+    assert time.monotonic() - t0 < 10
+    assert not any(tmp_path.iterdir())
+
+
+def test_submit_names_a_missing_or_wrong_token(ray_head, tmp_path):
+    env = {k: v for k, v in ray_head.client_env.items() if k != "RAY_AUTH_TOKEN_PATH"}
+    env.update(RAY_ADDRESS=ray_head.dashboard, HOME=str(tmp_path))  # no ~/.ray/auth_token either
+    proc = subprocess.run([str(SUBMIT)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3 and "requires token authentication and no token was found" in proc.stderr, \
+        proc.stderr
+    proc = subprocess.run([str(SUBMIT)], env={**env, "RAY_AUTH_TOKEN": "0" * 64}, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 3 and "rejected the auth token from RAY_AUTH_TOKEN" in proc.stderr, proc.stderr
+
+
+# ----------------------------------------------------------------------------- metrics module
+def test_metric_names_are_prometheus_names_and_bad_values_are_skipped():
+    for key in STEP_GAUGES:
+        assert PROM_NAME.fullmatch(metric_name(key)), key
+    assert metric_name("time/sync_write_s") == "ppo_time_sync_write_s"
+    recorded = TrainingMetrics(run="unit").record_step({
+        "step": 3, "kl": 0.5, "reward_mean": float("nan"), "clipfrac": float("inf"), "policy_loss": None,
+        "adapter_version": 3, "generated_texts": ["x"], "time/generate_s": 1.25, "time/sync_s": float("nan")})
+    assert recorded == {"ppo_step": 3.0, "ppo_kl": 0.5, "ppo_adapter_version": 3.0,
+                        "ppo_phase_seconds{phase=generate}": 1.25}
+
+
+# ----------------------------------------------------------------------------- deploy files
+def _ray_pin() -> str:
+    text = (ROOT / "pyproject.toml").read_text()
+    return re.search(r'"ray\[default\]==([0-9.]+)"', text).group(1)
+
+
+def test_runtime_env_ships_the_code_and_not_the_venv(tmp_path):
+    from ray._private.runtime_env.packaging import create_package  # what `ray job submit` zips
+    from ray.runtime_env import RuntimeEnv
+
+    spec = yaml.safe_load((DEPLOY / "runtime_env.yaml").read_text())
+    RuntimeEnv(**spec)  # Ray's own validation (types of env_vars, excludes, ...)
+    assert spec["env_vars"]["VLLM_LOGGING_LEVEL"] == "WARNING"
+    package = tmp_path / "pkg.zip"
+    # without .gitignore: the excludes alone must keep the upload small
+    create_package(str(ROOT), package, include_gitignore=False, excludes=spec["excludes"])
+    names = zipfile.ZipFile(package).namelist()
+    for needed in ("launch.py", "ppo_ray/trainer.py", "ppo_ray/metrics.py", "actors/generator.py",
+                   "learner/learner.py", "configs/tiny.yaml"):
+        assert needed in names, needed
+    assert not [n for n in names if n.split("/")[0] in (".venv", ".git", "runs") or "__pycache__" in n]
+    assert package.stat().st_size < 5 * 2**20
+
+
+def test_cluster_launcher_config_is_valid_for_ray():
+    # What `ray up` does first: merge the provider's defaults, validate against
+    # ray/autoscaler/ray-schema.json (unknown or misspelled keys are errors).
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = yaml.safe_load((DEPLOY / "cluster.yaml").read_text())
+    validate_config(prepare_config(config))
+    head = " ".join(config["head_start_ray_commands"])
+    assert "--head" in head and "--dashboard-host=127.0.0.1" in head and "--metrics-export-port=" in head
+    for cmds in (config["head_start_ray_commands"], config["worker_start_ray_commands"]):
+        start = [c for c in cmds if "ray start" in c]
+        assert start and all("RAY_AUTH_MODE=token" in c for c in start)
+    assert config["file_mounts"]["~/ppo-ray"] == "."
+    assert any("scripts/setup.sh" in c for c in config["setup_commands"])
+    assert {"**/.venv", "**/.git"} <= set(config["rsync_exclude"])
+    workers = [t for name, t in config["available_node_types"].items() if name != config["head_node_type"]]
+    assert sum(t["min_workers"] for t in workers) >= 2  # one GPU for the generator, one for the rest
+
+
+def _first_fit(demands: list[tuple[float, float]], nodes: list[list[float]]) -> bool:
+    """Whether (cpus, gpus) actors fit on nodes of [cpus, gpus] free, placed largest GPU first,
+    each actor wholly on one node (as Ray places them)."""
+    nodes = [list(n) for n in nodes]
+    for cpu, gpu in sorted(demands, key=lambda d: (-d[1], -d[0])):
+        node = next((n for n in nodes if n[0] + 1e-9 >= cpu and n[1] + 1e-9 >= gpu), None)
+        if node is None:
+            return False
+        node[0] -= cpu
+        node[1] -= gpu
+    return True
+
+
+def test_rayjob_manifest_runs_launch_py_on_a_cluster_that_fits_it():
+    from ppo_ray.config import parse_overrides
+
+    job = yaml.safe_load((DEPLOY / "rayjob.yaml").read_text())
+    assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
+    spec, cluster = job["spec"], job["spec"]["rayClusterSpec"]
+
+    # The entrypoint is launch.py with arguments launch.py accepts.
+    argv = shlex.split(spec["entrypoint"])
+    assert argv[0] == "python" and argv[1].endswith("/launch.py"), argv
+    image_root = argv[1][: -len("launch.py")]
+    args = [a.replace(image_root, f"{ROOT}/") for a in argv[2:]]
+    i = args.index("--run_dir")
+    assert args[i + 1].startswith("/home/ray/runs/")
+    config, positional = parse_overrides(args[:i] + args[i + 2:])
+    assert positional == []
+
+    # The dashboard binds to 127.0.0.1; only a submitter inside the head pod reaches it.
+    head = cluster["headGroupSpec"]
+    assert head["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    assert spec["submissionMode"] == "SidecarMode"
+    assert cluster["authOptions"]["mode"] == "token"
+    # One Ray version everywhere: the pin, the cluster spec, the image's base.
+    assert cluster["rayVersion"] == _ray_pin()
+    from_line = next(line for line in (DEPLOY / "Dockerfile").read_text().splitlines() if line.startswith("FROM"))
+    assert f"rayproject/ray:{_ray_pin()}-" in from_line
+    images = {c["image"] for g in [head, *cluster["workerGroupSpecs"]] for c in g["template"]["spec"]["containers"]}
+    assert len(images) == 1
+    # The same env vars as a `ray job submit` through deploy/submit.sh.
+    runtime_env = yaml.safe_load((DEPLOY / "runtime_env.yaml").read_text())
+    assert yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"] == runtime_env["env_vars"]
+
+    # Every actor the config asks for fits on the pods (as Ray would place them).
+    def cpus(c: dict) -> float:
+        v = str(c["resources"]["limits"]["cpu"])
+        return float(v[:-1]) / 1000 if v.endswith("m") else float(v)
+
+    nodes = [[cpus(head["template"]["spec"]["containers"][0]), float(head["rayStartParams"].get("num-gpus", 0))]]
+    for group in cluster["workerGroupSpecs"]:
+        c = group["template"]["spec"]["containers"][0]
+        nodes += [[cpus(c), float(c["resources"]["limits"].get("nvidia.com/gpu", 0))] for _ in range(group["replicas"])]
+    demands = ([(config.generator_num_cpus, config.generator_num_gpus)] * config.num_generators
+               + [(config.learner_num_cpus, config.learner_num_gpus)]
+               + [(config.scorer_num_cpus, config.scorer_num_gpus)] * 2)
+    assert config.generator_num_gpus == 1 and config.learner_num_gpus > 0 and config.scorer_num_gpus > 0
+    assert _first_fit(demands, nodes), (demands, nodes)
+    assert not _first_fit(demands, nodes[:2]), "the manifest has more GPU workers than the config needs"
