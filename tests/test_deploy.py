@@ -5,9 +5,10 @@ The `ray_head` fixture starts a head of its own in a subprocess (`ray start --he
 free ports, its own temp dir and auth token), so the suite's own Ray session (conftest
 `ray_session`) is untouched; it stops it by signalling that process, never with `ray stop`
 (which stops every Ray process on the machine). test_submitted_job_exports_ppo_metrics runs
-the tiny PPO job for 2 steps through deploy/submit.sh: about 95 s on the 2-core development
-VM (head start ~9 s, the job ~75 s of which ~30 s is the vLLM engine start, head stop ~5 s),
-under the suite's 2-minute budget for unmarked tests, so it is not marked slow.
+the tiny PPO job for 2 steps through deploy/submit.sh: about 80 s on the 2-core development
+VM (head start 8 s, the job 68 s, most of it actor and vLLM engine start, head stop 3 s;
+146 s once when other heavy jobs shared the two cores), under the suite's 2-minute budget
+for unmarked tests, so it is not marked slow.
 """
 
 from __future__ import annotations
