@@ -5,12 +5,15 @@ Bottom layer: imports torch/transformers and ppo_ray.batch / ppo_ray.tiny_model 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from ppo_ray.batch import RolloutBatch
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EMBEDDED_PREFIX = "embedded:"
@@ -29,14 +32,56 @@ def resolve_model_path(name: str) -> str:
     return str(path) if path.exists() else name
 
 
+# A pad distinct from EOS, taken from the tokenizer's EXISTING tokens when it declares none
+# (or declares EOS as pad, as the Qwen base tokenizers do: Qwen2.5-*, Qwen3-*-Base ship
+# pad_token == eos_token == "<|endoftext|>"). An existing token needs no embedding resize, so
+# the checkpoint, the learner and vLLM keep one vocabulary. Pad positions are masked out of
+# attention and every loss, so which token it is matters only in that the model must never
+# write it in a summary: hence tokens reserved for padding, in this order of preference.
+PAD_CANDIDATES = (
+    "<|pad|>", "<pad>", "[PAD]",      # a padding token the tokenizer_config does not name as pad
+    "<|fim_pad|>",                    # Qwen2.5 / Qwen3: fill-in-the-middle padding
+    "<|vision_pad|>",                 # Qwen2.5 / Qwen3: vision padding, never emitted by a text model
+    "<|finetune_right_pad_id|>",      # Llama 3.1+: reserved for padding
+)
+
+
+def choose_pad_token(tok) -> str | None:
+    """The existing token to use as pad for a tokenizer without a pad distinct from EOS:
+    the first of PAD_CANDIDATES that is an added token (one id, never split from text) and
+    has no other role; else the unused added SPECIAL token with the highest id (reserved
+    tokens sit at the end of the vocabulary; non-special added tokens such as "<think>" are
+    text a model writes); None when there is none."""
+    added = tok.get_added_vocab()  # token text -> id
+    taken = {tok.bos_token_id, tok.eos_token_id, tok.unk_token_id, tok.sep_token_id, tok.cls_token_id,
+             tok.mask_token_id} - {None}  # tokens with a job are never pad
+    for text in PAD_CANDIDATES:
+        if text in added and added[text] not in taken:
+            return text
+    unused = [(i, t.content) for i, t in tok.added_tokens_decoder.items() if t.special and i not in taken]
+    return max(unused)[1] if unused else None
+
+
 def load_tokenizer(name: str):
+    """AutoTokenizer with a pad token distinct from EOS (see PAD_CANDIDATES): a tokenizer
+    whose pad is missing or equals EOS gets an existing token as pad, the same one on every
+    load, and keeps it when saved (save_pretrained writes it to tokenizer_config.json)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(name))
     if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
-        raise ValueError(
-            f"tokenizer of {name!r} has pad_token_id={tok.pad_token_id} and eos_token_id={tok.eos_token_id}: "
-            "ppo-ray needs a pad token distinct from EOS (add one, e.g. tokenizer.add_special_tokens)")
+        pad = choose_pad_token(tok)
+        if pad is None:
+            raise ValueError(
+                f"tokenizer of {name!r} has pad_token={tok.pad_token!r} and eos_token={tok.eos_token!r}, and no "
+                f"existing token can serve as a pad distinct from EOS (none of {list(PAD_CANDIDATES)} nor an "
+                "unused added special token): set a pad token that is not EOS in the tokenizer "
+                "(tokenizer.pad_token = '<an existing special token>', then save_pretrained), or add one with "
+                "tokenizer.add_special_tokens and resize the model's embeddings")
+        before = "missing" if tok.pad_token_id is None else f"EOS ({tok.pad_token!r})"
+        tok.pad_token = pad
+        log.warning("tokenizer of %r: pad token was %s; using its existing token %r (id %d) as pad",
+                    name, before, pad, tok.pad_token_id)
     return tok
 
 
