@@ -12,6 +12,13 @@ HF directory (safetensors weights + tokenizer) that the PPO stage loads by path.
 
 Batches reuse the RolloutBatch layout (left-padded prompt, right-padded response) so the
 same forward helpers as the PPO roles score them.
+
+Device: TrainSettings.device ("auto" = cuda when available, else cpu) holds the model and each
+micro-batch; rows are packed on the host. Gradient accumulation: an optimiser step over
+batch_size rows runs as micro-batches of micro_batch_size rows (RM: pairs), each trimmed to
+its own longest row, with each micro-batch's mean loss weighted by its share of the step's
+tokens (SFT) or pairs (RM), so the accumulated gradient is the whole batch's (a single
+micro-batch, the default, computes exactly the unaccumulated loss).
 """
 
 from __future__ import annotations
@@ -20,12 +27,13 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from learner.algos import logprobs_from_logits, masked_mean
+from learner.buffer import rollouts_to
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.modeling import DTYPES, last_token_hidden, load_causal_lm, load_tokenizer, response_logits
 
@@ -35,10 +43,24 @@ class TrainSettings:
     epochs: int = 1
     learning_rate: float = 1e-4
     batch_size: int = 16
+    """Examples (RM: preference pairs) per optimiser step."""
     seed: int = 0
     max_grad_norm: float = 1.0
     dtype: str = "float32"
     progress: bool = True
+    device: str = "auto"
+    """Where the model trains: "auto" (cuda if available, else cpu), or a torch device name."""
+    micro_batch_size: Optional[int] = None
+    """Examples (RM: pairs) per forward/backward, accumulated up to batch_size; None = batch_size."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1 or None, got {self.micro_batch_size}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
 
 
 def pack(queries: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad: int, eos: int) -> RolloutBatch:
@@ -58,15 +80,27 @@ def _batches(n: int, batch_size: int, gen: torch.Generator) -> list[list[int]]:
     return [order[i:i + batch_size] for i in range(0, n, batch_size)]
 
 
+def _micro(rows: list[int], micro_batch_size: Optional[int]) -> list[list[int]]:
+    """One optimiser step's rows split into micro-batches (one when micro_batch_size is None)."""
+    m = micro_batch_size or len(rows)
+    return [rows[i:i + m] for i in range(0, len(rows), m)]
+
+
 def _save(model, tokenizer, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
 
 
-def _step(model, loss: Tensor, opt, sched, max_grad_norm: float) -> None:
-    """Backward, clip, optimiser and schedule step, zero the gradients."""
-    loss.backward()
+def _release(device: torch.device) -> None:
+    """Return the stage's cached GPU memory: the PPO actors that follow share the GPU, and vLLM
+    sizes its cache from the memory free when it starts."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _step(model, opt, sched, max_grad_norm: float) -> None:
+    """Clip the accumulated gradients, optimiser and schedule step, zero the gradients."""
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     opt.step()
     sched.step()
@@ -87,13 +121,30 @@ def sft_loss(model, batch: RolloutBatch) -> Tensor:
     return -masked_mean(logp, batch.response_mask)
 
 
+def sft_backward(model, queries: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], rows: list[int],
+                 pad: int, eos: int, micro_batch_size: Optional[int], device: torch.device) -> Tensor:
+    """Accumulate the gradient of one step's SFT loss (the token mean over `rows`) in
+    micro-batches; returns the step's loss, detached, on `device`."""
+    n_tokens = sum(len(responses[i]) for i in rows)
+    total = None
+    for part in _micro(rows, micro_batch_size):
+        batch = rollouts_to(pack([queries[i] for i in part], [responses[i] for i in part], pad, eos).trimmed(),
+                            device)
+        # micro-batch token mean x its share of the step's tokens (exactly 1.0 for one micro-batch)
+        loss = sft_loss(model, batch) * (sum(len(responses[i]) for i in part) / n_tokens)
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
+
+
 def train_sft(base_model: str, queries: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
               out_dir: str | Path, settings: TrainSettings,
               val: tuple[Sequence[Sequence[int]], Sequence[Sequence[int]]] | None = None) -> dict:
     """Full fine-tune on (query ids, response ids incl. EOS); writes the SFT checkpoint."""
     torch.manual_seed(settings.seed)
+    device = settings.torch_device()
     tok = load_tokenizer(base_model)
-    model = load_causal_lm(base_model, settings.dtype)
+    model = load_causal_lm(base_model, settings.dtype).to(device)
     pad, eos = tok.pad_token_id, tok.eos_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.0)
     gen = torch.Generator().manual_seed(settings.seed)
@@ -104,10 +155,9 @@ def train_sft(base_model: str, queries: Sequence[Sequence[int]], responses: Sequ
     model.train()
     for _ in range(settings.epochs):
         for rows in _batches(len(queries), settings.batch_size, gen):
-            batch = pack([queries[i] for i in rows], [responses[i] for i in rows], pad, eos).trimmed()
-            loss = sft_loss(model, batch)
-            _step(model, loss, opt, sched, settings.max_grad_norm)
-            losses.append(loss.detach())
+            loss = sft_backward(model, queries, responses, rows, pad, eos, settings.micro_batch_size, device)
+            _step(model, opt, sched, settings.max_grad_norm)
+            losses.append(loss)
             bar.update(1)
             if len(losses) % 10 == 0:
                 bar.set_postfix(loss=f"{float(losses[-1]):.3f}")
@@ -118,10 +168,12 @@ def train_sft(base_model: str, queries: Sequence[Sequence[int]], responses: Sequ
     if val is not None:
         with torch.no_grad():
             vq, vr = val
-            vals = [sft_loss(model, pack(vq[i:i + 64], vr[i:i + 64], pad, eos).trimmed())
+            vals = [sft_loss(model, rollouts_to(pack(vq[i:i + 64], vr[i:i + 64], pad, eos).trimmed(), device))
                     for i in range(0, len(vq), 64)]
         stats["sft_val_loss"] = float(torch.stack(vals).mean())
     _save(model, tok, Path(out_dir))
+    del model, opt
+    _release(device)
     return stats
 
 
@@ -147,21 +199,45 @@ def rm_scores(model, batch: RolloutBatch) -> Tensor:
 
 
 def preference_accuracy(model, queries, chosen, rejected, pad: int, eos: int, batch_size: int = 64) -> float:
+    """Fraction of pairs scored chosen > rejected (batches go to the model's device)."""
+    device = next(model.parameters()).device
     correct = 0
     with torch.no_grad():
         for i in range(0, len(queries), batch_size):
             q = list(queries[i:i + batch_size])
-            rc = rm_scores(model, pack(q, chosen[i:i + batch_size], pad, eos).trimmed())
-            rr = rm_scores(model, pack(q, rejected[i:i + batch_size], pad, eos).trimmed())
+            rc = rm_scores(model, rollouts_to(pack(q, chosen[i:i + batch_size], pad, eos).trimmed(), device))
+            rr = rm_scores(model, rollouts_to(pack(q, rejected[i:i + batch_size], pad, eos).trimmed(), device))
             correct += int((rc > rr).sum())
     return correct / max(len(queries), 1)
+
+
+def rm_backward(model, queries, chosen, rejected, rows: list[int], pad: int, eos: int,
+                micro_batch_size: Optional[int], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Accumulate the gradient of one step's Bradley-Terry loss (the mean over the pairs
+    `rows`) in micro-batches of pairs; returns (the step's loss, the fraction of pairs with
+    r_chosen > r_rejected), detached, on `device`."""
+    total, wins = None, []
+    for part in _micro(rows, micro_batch_size):
+        q = [queries[i] for i in part]
+        # chosen and rejected in one forward: 2b rows sharing the query padding
+        batch = pack(q + q, [chosen[i] for i in part] + [rejected[i] for i in part], pad, eos).trimmed()
+        r = rm_scores(model, rollouts_to(batch, device))  # (2b,)
+        rc, rr = r[: len(part)], r[len(part):]
+        # micro-batch mean x its share of the step's pairs (exactly 1.0 for one micro-batch)
+        loss = -torch.nn.functional.logsigmoid(rc - rr).mean() * (len(part) / len(rows))
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+        wins.append((rc > rr).detach())
+    return total, torch.cat(wins).float().mean()
 
 
 def train_reward_model(base_model: str, queries, chosen, rejected, out_dir: str | Path, settings: TrainSettings,
                        val: tuple | None = None) -> dict:
     """Bradley-Terry on (query, chosen, rejected) id lists; writes the reward model."""
     torch.manual_seed(settings.seed)
+    device = settings.torch_device()
     model, tok = load_reward_model_for_training(base_model, settings.dtype, settings.seed)
+    model.to(device)
     pad, eos = tok.pad_token_id, tok.eos_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.0)
     gen = torch.Generator().manual_seed(settings.seed)
@@ -172,15 +248,11 @@ def train_reward_model(base_model: str, queries, chosen, rejected, out_dir: str 
     model.train()
     for _ in range(settings.epochs):
         for rows in _batches(len(queries), settings.batch_size, gen):
-            q = [queries[i] for i in rows]
-            # chosen and rejected in one forward: 2B rows sharing the query padding
-            batch = pack(q + q, [chosen[i] for i in rows] + [rejected[i] for i in rows], pad, eos).trimmed()
-            r = rm_scores(model, batch)  # (2B,)
-            rc, rr = r[: len(rows)], r[len(rows):]
-            loss = -torch.nn.functional.logsigmoid(rc - rr).mean()
-            _step(model, loss, opt, sched, settings.max_grad_norm)
-            losses.append(loss.detach())
-            accs.append((rc > rr).float().mean().detach())
+            loss, acc = rm_backward(model, queries, chosen, rejected, rows, pad, eos, settings.micro_batch_size,
+                                    device)
+            _step(model, opt, sched, settings.max_grad_norm)
+            losses.append(loss)
+            accs.append(acc)
             bar.update(1)
             if len(losses) % 10 == 0:
                 bar.set_postfix(loss=f"{float(losses[-1]):.3f}", acc=f"{float(torch.stack(accs[-10:]).mean()):.2f}")
@@ -192,4 +264,6 @@ def train_reward_model(base_model: str, queries, chosen, rejected, out_dir: str 
     if val is not None:
         stats["rm_val_accuracy"] = preference_accuracy(model, *val, pad=pad, eos=eos)
     _save(model, tok, Path(out_dir))
+    del model, opt
+    _release(device)
     return stats
