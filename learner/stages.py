@@ -87,7 +87,12 @@ def _micro(rows: list[int], micro_batch_size: Optional[int]) -> list[list[int]]:
 
 
 def _save(model, tokenizer, out_dir: Path) -> None:
+    """HF directory: weights and tokenizer. The model config names the tokenizer's pad (which
+    load_tokenizer may have chosen for a pad == EOS tokenizer), so the next stage agrees."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if model.can_generate():  # the causal LM (SFT) has a generation config, the reward model none
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
 

@@ -86,3 +86,23 @@ def test_a_tokenizer_with_its_own_pad_is_left_alone(tiny_model_dir, caplog):
         tok = load_tokenizer(str(tiny_model_dir))
     assert tok.pad_token == PAD_TOKEN and not caplog.text
 
+
+def test_sft_and_rm_checkpoints_keep_the_chosen_pad(tiny_model_dir, tmp_path):
+    """The SFT stage on a pad == EOS model writes the chosen pad into its checkpoint, so the
+    RM and PPO stages, which load the SFT directory, get the same pad without choosing again."""
+    from learner.stages import TrainSettings, train_reward_model, train_sft
+
+    base = qwen_like(tiny_model_dir, tmp_path / "base", "<|fim_pad|>", with_model=True)
+    tok = load_tokenizer(str(base))
+    q = [tok(f"post {i} TL;DR:", add_special_tokens=False)["input_ids"] for i in range(6)]
+    r = [tok(f" short {i}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for i in range(6)]
+    settings = TrainSettings(epochs=1, batch_size=3, progress=False)
+    train_sft(str(base), q, r, tmp_path / "sft", settings)
+    train_reward_model(str(tmp_path / "sft"), q, r, [x[:1] + [tok.eos_token_id] for x in r], tmp_path / "rm",
+                       settings)
+    for stage in ("sft", "rm"):
+        out = tmp_path / stage
+        assert json.loads((out / "tokenizer_config.json").read_text())["pad_token"] == "<|fim_pad|>", stage
+        assert json.loads((out / "config.json").read_text())["pad_token_id"] == tok.pad_token_id, stage
+        saved = load_tokenizer(str(out))
+        assert (saved.pad_token_id, saved.eos_token_id) == (tok.pad_token_id, tok.eos_token_id), stage
