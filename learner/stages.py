@@ -23,6 +23,7 @@ micro-batch, the default, computes exactly the unaccumulated loss).
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from dataclasses import dataclass
@@ -98,9 +99,10 @@ def _save(model, tokenizer, out_dir: Path) -> None:
 
 
 def _release(device: torch.device) -> None:
-    """Return the stage's cached GPU memory: the PPO actors that follow share the GPU, and vLLM
-    sizes its cache from the memory free when it starts."""
+    """Return the stage's cached GPU memory: in `launch.py all` the PPO actors that follow share
+    the GPU with this process, and vLLM checks at start-up that its share of the GPU is free."""
     if device.type == "cuda":
+        gc.collect()  # any reference cycle still holding parameters
         torch.cuda.empty_cache()
 
 
@@ -177,7 +179,7 @@ def train_sft(base_model: str, queries: Sequence[Sequence[int]], responses: Sequ
                     for i in range(0, len(vq), 64)]
         stats["sft_val_loss"] = float(torch.stack(vals).mean())
     _save(model, tok, Path(out_dir))
-    del model, opt
+    del model, opt, sched  # the scheduler holds the optimiser, which holds the parameters
     _release(device)
     return stats
 
@@ -269,6 +271,6 @@ def train_reward_model(base_model: str, queries, chosen, rejected, out_dir: str 
     if val is not None:
         stats["rm_val_accuracy"] = preference_accuracy(model, *val, pad=pad, eos=eos)
     _save(model, tok, Path(out_dir))
-    del model, opt
+    del model, opt, sched  # the scheduler holds the optimiser, which holds the parameters
     _release(device)
     return stats
