@@ -141,8 +141,11 @@ def write_data(config: PPOConfig, run_dir: Path) -> Path:
 def _stage_settings(config: PPOConfig, epochs: int, learning_rate: float):
     from learner.stages import TrainSettings
 
+    # micro_batch_size: the PPO micro-batch also bounds the stages' forward/backward (RM: pairs; memory only:
+    # the stages accumulate gradients up to stage_batch_size); the device is TrainSettings' auto.
     return TrainSettings(epochs=epochs, learning_rate=learning_rate, batch_size=config.stage_batch_size,
-                         seed=config.seed, dtype=config.stage_dtype or config.dtype)
+                         seed=config.seed, dtype=config.stage_dtype or config.dtype,
+                         micro_batch_size=config.micro_batch_size)
 
 
 def run_sft(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
