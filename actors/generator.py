@@ -346,7 +346,7 @@ class Generator:
         return torch.tensor([row[tok].logprob for tok, row in zip(continuation_ids, rows)], dtype=torch.float32)
 
     # ------------------------------------------------------------------ LoRA sync
-    def load_adapter(self, version: int, weights: dict[str, Tensor]) -> dict[str, float]:
+    def load_adapter(self, version: int, weights: dict[str, Tensor], *, restore: bool = False) -> dict[str, float]:
         """Make LoRA ``version`` current: write it, register it with the engine, retire the old one.
 
         ``weights``: PEFT ``get_peft_model_state_dict(model)`` (adapter_model.safetensors
@@ -356,12 +356,15 @@ class Generator:
         Returns timings in seconds: write_s (safetensors + adapter_config.json into a
         /dev/shm temp dir), register_s (engine add_lora: the worker reads and validates
         it), retire_s (remove the previous adapter and its files); and the bytes written.
-        A failing load leaves the previous version current.
+        A failing load leaves the previous version current. ``restore=True`` accepts any
+        version >= 0 (the trainer rolling back to a checkpoint after a learner restart).
         """
         from vllm.lora.request import LoRARequest
 
         self._check_open()
-        if isinstance(version, bool) or not isinstance(version, int) or version <= self.version:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"adapter version {version!r} is not an int >= 0")
+        if version <= self.version and not restore:
             raise ValueError(f"adapter version {version!r} is not newer than the current version {self.version}: "
                              "versions must increase strictly (a stale or repeated sync)")
         tensors = self._check_lora_weights(weights)

@@ -167,7 +167,13 @@ class PPOConfig:
     output_dir: str = "runs"
     """Parent folder of run directories."""
     checkpoint_every: int = 0
-    """Checkpoint every N steps (and at the end); 0 = only at the end."""
+    """Checkpoint every N steps (and at the end) into <run_dir>/checkpoints; 0 = only at the end."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep (older ones are deleted after a new one is complete)."""
+    max_actor_restarts: int = 3
+    """Ray restarts a dead generator/reference/reward/learner actor up to this many times."""
+    max_step_retries: int = 2
+    """A step whose actor died is retried (after the restart) up to this many times; then the run fails."""
 
     # ---------------------------------------------------------------- placement and engines
     num_generators: int = 1
@@ -231,6 +237,9 @@ class PPOConfig:
         need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or null")
         need(self.entropy_coef >= 0, "entropy_coef", "must be >= 0")
         need(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
+        need(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+        need(self.max_actor_restarts >= 0, "max_actor_restarts", "must be >= 0")
+        need(self.max_step_retries >= 0, "max_step_retries", "must be >= 0")
         need(self.vllm_kv_cache_gib is None or self.vllm_kv_cache_gib > 0, "vllm_kv_cache_gib", "must be > 0 or null")
         need(0.0 < self.vllm_gpu_memory_utilization <= 1.0, "vllm_gpu_memory_utilization", "must be in (0, 1]")
         for name in ("generator_num_cpus", "generator_num_gpus", "learner_num_cpus", "learner_num_gpus",

@@ -59,8 +59,8 @@ class GeneratorHost:
         }
         return batch, summary
 
-    def load_adapter(self, version: int, weights: dict) -> dict:
-        return {"version": version, **self.generator.load_adapter(version, weights)}
+    def load_adapter(self, version: int, weights: dict, restore: bool = False) -> dict:
+        return {"version": version, **self.generator.load_adapter(version, weights, restore=restore)}
 
     def sequence_logprobs(self, prompt_ids: list[int], continuation_ids: list[int]):
         return self.generator.sequence_logprobs(prompt_ids, continuation_ids)
@@ -103,7 +103,8 @@ class LearnerHost:
 
         self.learner = Learner(config, model_dir, value_model_dir)
 
-    def initial_weights(self) -> tuple[int, dict]:
+    def current_weights(self) -> tuple[int, dict]:
+        """(version, LoRA weights) of the policy now: what a (re)started generator needs."""
         return self.learner.version, self.learner.lora_weights()
 
     @ray.method(num_returns=2)
@@ -117,6 +118,13 @@ class LearnerHost:
         return self.learner.full_logprobs(RolloutBatch.cat(parts))
 
     def version(self) -> int:
+        return self.learner.version
+
+    def state_dict(self) -> dict:
+        return self.learner.state_dict()
+
+    def load_state_dict(self, state: dict) -> int:
+        self.learner.load_state_dict(state)
         return self.learner.version
 
     def save_adapter(self, path: str) -> str:
@@ -161,8 +169,12 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
         # vLLM logs every request at INFO from inside the generator; WARNING unless the user
         # asked for more (VLLM_LOGGING_LEVEL in the driver's environment wins).
         env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+        # max_restarts: Ray re-runs a dead actor's constructor (the trainer then re-syncs its
+        # adapter / restores the learner's checkpoint and retries the step); calls are not
+        # retried by Ray itself (max_task_retries=0): the trainer decides what is safe to redo.
         return dict(name=f"ppo/{name}", namespace=namespace, num_cpus=cpus, num_gpus=gpus,
-                    max_concurrency=1, runtime_env={"env_vars": env})
+                    max_concurrency=1, runtime_env={"env_vars": env},
+                    max_restarts=config.max_actor_restarts, max_task_retries=0)
 
     gens = [
         ray.remote(GeneratorHost).options(**opts(f"generator-{i}", config.generator_num_cpus,

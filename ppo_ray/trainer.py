@@ -12,8 +12,11 @@ a silent off-policy step.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
+import os
 import time
 import uuid
 from pathlib import Path
@@ -22,11 +25,18 @@ from typing import Callable, Optional, Sequence
 import ray
 import torch
 
+from ppo_ray.checkpoint import CheckpointError, checkpoint_root, load_checkpoint, resolve_checkpoint, save_checkpoint
 from ppo_ray.config import PPOConfig
 from ppo_ray.data import encode_prompts
 from ppo_ray.metrics import TrainingMetrics
 from ppo_ray.modeling import load_tokenizer, resolve_model_path
 from ppo_ray.placement import Roles, create_roles, init_ray, split_evenly
+
+
+log = logging.getLogger(__name__)
+
+# An actor died or is restarting (ActorDiedError and ActorUnavailableError are subclasses).
+ACTOR_ERRORS = (ray.exceptions.RayActorError,)
 
 
 class StaleAdapterError(RuntimeError):
@@ -59,6 +69,13 @@ class PPOTrainer:
             namespace=self.namespace)
         self.version = ray.get(self.roles.learner.version.remote())
         self.step = 0
+        # The data cursor (checkpointed): prompts still to be drawn this epoch, and the RNG
+        # that shuffles the next epoch; plus a fingerprint of the prompt list they index.
+        self._order: list[int] = []
+        self._data_rng = torch.Generator().manual_seed(config.seed)
+        self._prompts_key: Optional[str] = None
+        self._cursor_from_checkpoint = False
+        self.retries: list[dict] = []  # {"step", "role", "where"} of every actor failure survived
 
     # ------------------------------------------------------------------ one step
     def ppo_step(self, prompts: Sequence[str]) -> dict:
@@ -92,8 +109,15 @@ class PPOTrainer:
         t_update_done = time.perf_counter()
 
         # Sync: the new LoRA goes from the learner's object store entry to every replica.
+        # The learner has already stepped: a generator that dies here is restarted and given
+        # the new adapter, and the step is kept (redoing it would update twice).
         new_version = int(stats["version"])
-        loads = ray.get([g.load_adapter.remote(new_version, weights_ref) for g in roles.generators])
+        try:
+            loads = ray.get([g.load_adapter.remote(new_version, weights_ref) for g in roles.generators])
+        except ACTOR_ERRORS as e:
+            self._count_retry(e, "sync")
+            self._wait_for_actors()
+            loads = ray.get([g.load_adapter.remote(new_version, weights_ref, True) for g in roles.generators])
         bad = [r["version"] for r in loads if r["version"] != new_version]
         if bad:
             raise StaleAdapterError(f"generators report adapter versions {bad} after loading {new_version}")
@@ -152,50 +176,200 @@ class PPOTrainer:
         The path must be reachable from the learner's node (local runs: any path)."""
         return Path(ray.get(self.roles.learner.save_adapter.remote(str(path))))
 
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        """Write <run_dir>/checkpoints/step-NNNNNN atomically (see ppo_ray.checkpoint): both
+        adapters and the value head, both optimisers, the RNG states, the step, the adapter
+        version and the data cursor. The driver writes it, so the run directory only has to
+        be reachable from the driver's node."""
+        if self.run_dir is None:
+            raise ValueError("save_checkpoint needs the trainer's run_dir (PPOTrainer(config, run_dir=...))")
+        learner_state = ray.get(self.roles.learner.state_dict.remote())
+        return save_checkpoint(self.run_dir, config=self.config, learner_state=learner_state, model_dir=self.model_dir,
+                               keep=self.config.keep_checkpoints, trainer_state={
+                                   "step": self.step, "order": list(self._order), "data_rng": self._data_rng.get_state(),
+                                   "prompts_sha256": self._prompts_key})
+
+    def restore(self, path: str | Path) -> Path:
+        """Continue from a checkpoint (a step-NNNNNN directory, or a run directory: its
+        latest). Refuses one written with an incompatible config (CheckpointError)."""
+        ckpt, learner_state, state = load_checkpoint(path, self.config)
+        version = ray.get(self.roles.learner.load_state_dict.remote(learner_state))
+        weights = ray.put(learner_state["policy"])
+        ray.get([g.load_adapter.remote(version, weights, True) for g in self.roles.generators])
+        self.version, self.step = version, int(state["step"])
+        self._order = list(state["order"])
+        self._data_rng.set_state(state["data_rng"])
+        self._prompts_key = state.get("prompts_sha256")
+        self._cursor_from_checkpoint = self._prompts_key is not None
+        log.info("resumed from %s (step %d, adapter version %d)", ckpt, self.step, self.version)
+        return ckpt
+
+    # ------------------------------------------------------------------ faults
+    def _role_name(self, error: BaseException) -> str:
+        actor_id = getattr(error, "actor_id", None)
+        names = {f"generator-{i}": g for i, g in enumerate(self.roles.generators)}
+        names.update(reference=self.roles.reference, reward=self.roles.reward, learner=self.roles.learner)
+        for name, actor in names.items():
+            if actor_id and actor._actor_id.hex() == actor_id:
+                return name
+        return "unknown"
+
+    def _count_retry(self, error: BaseException, where: str) -> None:
+        role = self._role_name(error)
+        self.metrics.record_retry(role)
+        self.retries.append({"step": self.step + 1, "role": role, "where": where})
+        log.warning("step %d: actor ppo/%s failed (%s); waiting for its restart and retrying",
+                    self.step + 1, role, type(error).__name__)
+
+    def _wait_for_actors(self, timeout_s: float = 900.0) -> None:
+        """Block until every role answers again (Ray re-runs a dead actor's constructor, up to
+        config.max_actor_restarts times; a role out of restarts raises here)."""
+        deadline = time.monotonic() + timeout_s
+        for actor in self.roles.all():
+            while True:
+                try:
+                    ray.get(actor.__ray_ready__.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                    break
+                except ray.exceptions.ActorUnavailableError:  # restarting: ask again
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(1.0)
+
+    def _recover(self) -> bool:
+        """After an actor died mid-step: wait for the restarts, give restarted generators the
+        current adapter, and if the learner lost its state roll the run back to the last
+        checkpoint (or to step 0 without one). Returns True if the run was rolled back."""
+        self._wait_for_actors()
+        if ray.get(self.roles.learner.version.remote()) != self.version:  # a fresh learner
+            latest = None
+            if self.run_dir is not None:
+                try:
+                    latest = resolve_checkpoint(self.run_dir)
+                except CheckpointError:
+                    latest = None
+            if latest is not None:
+                self.restore(latest)
+            else:  # no checkpoint yet: the restarted learner is the run's initial state
+                version, weights = ray.get(self.roles.learner.current_weights.remote())
+                ray.get([g.load_adapter.remote(version, weights, True) for g in self.roles.generators])
+                self.version, self.step, self._order = version, 0, []
+                self._data_rng = torch.Generator().manual_seed(self.config.seed)
+                log.warning("learner restarted with no checkpoint in %s: the run restarts from step 0", self.run_dir)
+            return True
+        versions = ray.get([g.version.remote() for g in self.roles.generators])
+        stale = [g for g, v in zip(self.roles.generators, versions) if v != self.version]
+        if stale:
+            version, weights = ray.get(self.roles.learner.current_weights.remote())
+            ray.get([g.load_adapter.remote(version, weights, True) for g in stale])
+        return False
+
+    def _step_with_retries(self, batch: Sequence[str]) -> Optional[dict]:
+        """ppo_step, retried after an actor failure (config.max_step_retries times). None
+        when the learner was restarted and the run rolled back to a checkpoint."""
+        for attempt in range(self.config.max_step_retries + 1):
+            try:
+                return self.ppo_step(batch)
+            except ACTOR_ERRORS as e:
+                if attempt == self.config.max_step_retries:
+                    raise
+                self._count_retry(e, "step")
+                if self._recover():
+                    return None
+        raise AssertionError("unreachable")  # pragma: no cover
+
     # ------------------------------------------------------------------ many steps
+    def _next_batch(self, prompts: Sequence[str]) -> list[str]:
+        """config.batch_size prompts drawn without replacement, reshuffled every epoch."""
+        bs = self.config.batch_size
+        while len(self._order) < bs:
+            self._order += torch.randperm(len(prompts), generator=self._data_rng).tolist()
+        rows, self._order = self._order[:bs], self._order[bs:]
+        return [prompts[i] for i in rows]
+
     def train(self, prompts: Sequence[str], steps: Optional[int] = None, *, progress: bool = True,
               metrics_path: str | Path | None = None,
               evaluate: Optional[Callable[["PPOTrainer", int], dict]] = None) -> list[dict]:
-        """Run `steps` PPO steps (default config.steps) on batches of config.batch_size prompts
-        drawn without replacement from `prompts`, reshuffled every epoch with the run seed.
-        `evaluate(trainer, step)`, if given, runs every config.eval_every steps and at the
-        end; its (small) dict is merged into that step's metrics."""
+        """Run PPO steps on batches of config.batch_size prompts drawn without replacement
+        from `prompts`, reshuffled every epoch with the run seed: `steps` more steps, or by
+        default until the run's step count reaches config.steps (so after restore() it
+        continues the run). `evaluate(trainer, step)`, if given, runs every
+        config.eval_every steps and at the end; its (small) dict is merged into that step's
+        metrics. With a run_dir, a checkpoint is written every config.checkpoint_every steps
+        and at the end. A dead actor is restarted and its step retried; a dead learner rolls
+        the run back to the last checkpoint. metrics_path keeps one line per step: lines
+        past the current step (a resumed or rolled-back run) are dropped before appending."""
         from tqdm.auto import tqdm
 
-        steps = steps or self.config.steps
         if not prompts:
             raise ValueError("train() needs a non-empty list of prompts")
-        bs = self.config.batch_size
-        gen = torch.Generator().manual_seed(self.config.seed)
-        order: list[int] = []
-        history = []
-        metrics_file = open(metrics_path, "a") if metrics_path else None
-        bar = tqdm(range(steps), desc="PPO", disable=not progress, dynamic_ncols=True)
+        key = _fingerprint(prompts)
+        if self._prompts_key is not None and self._prompts_key != key:
+            if self._cursor_from_checkpoint:
+                raise CheckpointError(f"train() got a different prompt list ({len(prompts)} prompts) from the one "
+                                      "the checkpoint's data cursor indexes: resume with the run's dataset")
+            self._order = []  # a new prompt list: a new epoch over it
+        self._prompts_key, self._cursor_from_checkpoint = key, False
+        target = self.step + steps if steps is not None else self.config.steps
+        history: list[dict] = []
+        every, ckpt_every = self.config.eval_every, self.config.checkpoint_every
+        saved_at = None
+        if metrics_path:
+            _truncate_metrics(Path(metrics_path), self.step)
+        bar = tqdm(total=target, initial=self.step, desc="PPO", disable=not progress, dynamic_ncols=True)
         try:
-            for _ in bar:
-                while len(order) < bs:
-                    order += torch.randperm(len(prompts), generator=gen).tolist()
-                batch, order = [prompts[i] for i in order[:bs]], order[bs:]
-                out = self.ppo_step(batch)
-                every = self.config.eval_every
-                if evaluate and ((every and out["step"] % every == 0) or len(history) + 1 == steps):
+            while self.step < target:
+                out = self._step_with_retries(self._next_batch(prompts))
+                if out is None:  # rolled back: forget the steps after the checkpoint
+                    history = [h for h in history if h["step"] <= self.step]
+                    if metrics_path:
+                        _truncate_metrics(Path(metrics_path), self.step)
+                    bar.n = self.step
+                    bar.refresh()
+                    continue
+                if evaluate and ((every and out["step"] % every == 0) or out["step"] == target):
                     out.update(evaluate(self, out["step"]))
                 history.append(out)
                 self.metrics.record_step(out)
-                small = {k: v for k, v in out.items() if not isinstance(v, list)}
-                if metrics_file:
-                    metrics_file.write(json.dumps(small) + "\n")
-                    metrics_file.flush()
+                if metrics_path:
+                    small = {k: v for k, v in out.items() if not isinstance(v, list)}
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps(small) + "\n")
+                if self.run_dir is not None and ckpt_every and self.step % ckpt_every == 0:
+                    self.save_checkpoint()
+                    saved_at = self.step
+                bar.update(1)
                 bar.set_postfix(reward=f"{out['reward_mean']:.3f}", kl=f"{out.get('kl', math.nan):.3f}",
                                 step_s=f"{out['time/step_s']:.1f}")
+            if self.run_dir is not None and saved_at != self.step and history:
+                self.save_checkpoint()
         finally:
-            if metrics_file:
-                metrics_file.close()
+            bar.close()
         return history
 
     def shutdown(self) -> None:
         for actor in self.roles.all():
             ray.kill(actor)
+
+
+def _fingerprint(prompts: Sequence[str]) -> str:
+    h = hashlib.sha256(str(len(prompts)).encode())
+    for p in prompts:
+        h.update(hashlib.sha256(p.encode()).digest())
+    return h.hexdigest()
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metrics lines of steps after `step` (atomically: temp file + os.replace)."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(keep) == len(lines):
+        return
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
 
 
 def _nanmean(x: torch.Tensor) -> float:

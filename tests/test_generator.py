@@ -252,6 +252,11 @@ def test_lora_sync(make_generator, tiny_model_dir, hf_model, tokenizer, vllm_llm
         assert len(set(engine.list_loras())) <= 1 and len(list(gen.adapter_root.iterdir())) == 1
     assert (gen.sequence_logprobs(prompt, cont) - v2_lp).abs().max() < TOL  # v12 = w2
 
+    # restore (a rollback to a checkpoint after a learner restart) may go back in versions
+    gen.load_adapter(1, w1, restore=True)
+    assert gen.version == 1 and len(list(gen.adapter_root.iterdir())) == 1
+    assert (gen.sequence_logprobs(prompt, cont) - v1_lp).abs().max() < TOL
+
     gen.close()
     assert set(engine.list_loras()) == set() and not gen.adapter_root.exists()
     with pytest.raises(RuntimeError, match="closed"):
