@@ -19,11 +19,17 @@ score and the KL to SFT (no gold judge exists for real data).
 
 Every `--name value` is a PPOConfig field (ppo_ray/config.py); `--config FILE` loads a YAML
 preset first. `--run_dir DIR` picks the run directory (default output_dir/<time>).
+
+Checkpoints: the PPO stage writes <run_dir>/checkpoints/step-N every checkpoint_every steps
+and at the end. `launch.py ppo --resume DIR` (a run directory or one checkpoint) continues
+from it with the run's saved config (plus any overrides, e.g. a larger --steps); Ctrl-C or
+`ray job stop` leaves the last checkpoint intact.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -53,18 +59,20 @@ def _print_history(history: list[dict]) -> None:
               f"clipfrac {h['clipfrac']:.3f}  step {h['time/step_s']:.2f}s{gold}")
 
 
-def run_plain_ppo(config, run_dir: Path) -> dict:
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_plain_ppo(config, run_dir: Path, resume: str | None = None) -> dict:
     """PPO on config.model_name and config.dataset with the config's own reward sources."""
     from ppo_ray.data import load_prompts
-    from ppo_ray.trainer import PPOTrainer
+    from ppo_ray.pipeline import ppo_trainer, read_metrics
 
     prompts = load_prompts(config)
-    trainer = PPOTrainer(config, run_dir=run_dir)
-    try:
-        history = trainer.train(prompts, metrics_path=run_dir / "metrics.jsonl")
+    with ppo_trainer(config, run_dir, resume) as trainer:
+        trainer.train(prompts, metrics_path=run_dir / "metrics.jsonl")
         trainer.save_adapter(run_dir / "adapter")
-    finally:
-        trainer.shutdown()
+    history = read_metrics(run_dir / "metrics.jsonl")
     _print_history(history)
     return {"steps": len(history), "first_reward": history[0]["reward_mean"],
             "last_reward": history[-1]["reward_mean"], "final_kl": history[-1]["kl"]}
@@ -78,16 +86,34 @@ def main(argv: list[str] | None = None) -> int:
     from ppo_ray.config import ConfigError, parse_overrides
 
     run_dir_opt = _pop_option(argv, "run_dir")
-    if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
+    resume = _pop_option(argv, "resume")
+    has_config = "--config" in argv or any(a.startswith("--config=") for a in argv)
+    if resume is not None:
+        from ppo_ray.checkpoint import CheckpointError, resolve_checkpoint
+
+        try:
+            checkpoint = resolve_checkpoint(resume)
+        except CheckpointError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        run_dir_opt = run_dir_opt or str(checkpoint.parent.parent)  # <run_dir>/checkpoints/step-N
+        saved = [p for p in (Path(run_dir_opt) / "config-ppo.yaml", Path(run_dir_opt) / "config.yaml") if p.is_file()]
+        if not has_config and saved:  # the run's own config; overrides still apply
+            argv, has_config = ["--config", str(saved[0]), *argv], True
+    if not has_config:
         argv = ["--config", str(DEFAULT_CONFIG), *argv]
     try:
         config, positional = parse_overrides(argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    stage = positional[0] if positional else "all"
+    stage = positional[0] if positional else ("ppo" if resume is not None else "all")
     if stage not in STAGES or len(positional) > 1:
         print(f"error: unknown stage {' '.join(positional)!r}; stages: {', '.join(STAGES)}", file=sys.stderr)
+        return 2
+    if resume is not None and stage != "ppo":
+        print(f"error: --resume continues the PPO stage; stage {stage!r} cannot resume (use: launch.py ppo --resume "
+              f"{resume})", file=sys.stderr)
         return 2
     has_reward = bool(config.reward_funcs or config.reward_model_name)
     if stage in ("all", "sft", "rm") and has_reward:
@@ -112,11 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     from ppo_ray.placement import ClusterError
     from ppo_ray.tldr import TLDRDataError
 
+    from ppo_ray.checkpoint import CheckpointError
+
     report: dict = {"run_dir": str(run_dir)}
     t0 = time.perf_counter()
+    # `ray job stop` sends SIGTERM: unwind like Ctrl-C (actors shut down; the last checkpoint,
+    # written atomically, stays the latest and resumable).
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         if stage == "ppo" and has_reward:
-            report.update(run_plain_ppo(config, run_dir))
+            report.update(run_plain_ppo(config, run_dir, resume))
         else:
             data_dir = pipeline.write_data(config, run_dir)
             if stage in ("all", "sft"):
@@ -124,12 +155,18 @@ def main(argv: list[str] | None = None) -> int:
             if stage in ("all", "rm"):
                 report.update(pipeline.run_rm(config, run_dir, data_dir))
             if stage in ("all", "ppo"):
-                report.update(pipeline.run_ppo(config, run_dir, data_dir))
-                _print_history([json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()])
-    except (ClusterError, RewardError, FileNotFoundError, TLDRDataError) as e:
+                report.update(pipeline.run_ppo(config, run_dir, data_dir, resume))
+                _print_history(pipeline.read_metrics(run_dir / "metrics.jsonl"))
+    except (ClusterError, RewardError, FileNotFoundError, TLDRDataError, CheckpointError) as e:
         # expected, user-fixable problems: the message names the bad thing; no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        latest = run_dir / "checkpoints" / "latest"
+        where = (f"the last checkpoint is {run_dir / 'checkpoints' / latest.read_text().strip()}; resume with: "
+                 f"python launch.py ppo --resume {run_dir}") if latest.is_file() else "no checkpoint was written yet"
+        print(f"\n[ppo-ray] interrupted: {where}", file=sys.stderr)
+        return 130
     report["seconds"] = round(time.perf_counter() - t0, 1)
     (run_dir / f"report{'' if stage == 'all' else '-' + stage}.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report))

@@ -26,8 +26,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, Iterator, NamedTuple, Optional
 
 from ppo_ray.config import PPOConfig
 from ppo_ray.data import column, read_rows
@@ -187,38 +188,77 @@ def ppo_config(config: PPOConfig, run_dir: Path, data_dir: Path) -> PPOConfig:
         dataset=str(data_dir / "prompts_train.jsonl"), prompt_column="prompt")
 
 
-def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
+@contextmanager
+def ppo_trainer(cfg: PPOConfig, run_dir: Path, resume: Optional[str | Path] = None) -> Iterator:
+    """A PPOTrainer for a PPO stage in `run_dir`: fresh (metrics.jsonl and the cached
+    before-training evaluation restart) or resumed from a checkpoint (`resume`: a run
+    directory or a checkpoint). Shut down on exit, whatever happens."""
+    from ppo_ray.trainer import PPOTrainer
+
+    if resume is None:
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a rerun of the stage starts a fresh curve
+        (run_dir / BEFORE_EVAL).unlink(missing_ok=True)
+    trainer = PPOTrainer(cfg, run_dir=run_dir)
+    try:
+        if resume is not None:
+            trainer.restore(resume)
+        yield trainer
+    finally:
+        trainer.shutdown()
+
+
+BEFORE_EVAL = "eval-before-ppo.json"
+
+
+def before_training(trainer, run_dir: Path, evaluate: Callable[[], dict]) -> dict:
+    """The SFT policy's held-out evaluation, computed at adapter version 0 and kept in the run
+    directory, so a resumed run compares against the same numbers."""
+    path = run_dir / BEFORE_EVAL
+    if path.exists():
+        return json.loads(path.read_text())
+    if trainer.version != 0:
+        raise FileNotFoundError(f"{path} (the SFT policy's evaluation, written before PPO's first step) is "
+                                "missing, and a resumed policy cannot recompute it")
+    out = evaluate()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out))
+    tmp.replace(path)
+    return out
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[str | Path] = None) -> dict:
     if not config.uses_bundled_data:  # real data: no gold judge, see run_ppo_real
-        return run_ppo_real(config, run_dir, data_dir)
+        return run_ppo_real(config, run_dir, data_dir, resume)
     from ppo_ray.data import load_prompts
     from ppo_ray.tldr_synth import gold_score
-    from ppo_ray.trainer import PPOTrainer
 
     cfg = ppo_config(config, run_dir, data_dir)
     test_rows = read_rows(data_dir / "prompts_test.jsonl")[: cfg.eval_size]
     val_rows = read_rows(data_dir / "prompts_validation.jsonl")[: cfg.eval_size]
 
-    def judge(trainer: PPOTrainer, rows: list[dict]) -> tuple[dict, list[float]]:
+    def judge(trainer, rows: list[dict]) -> dict:
         out = trainer.generate([row["prompt"] for row in rows])
         golds = [gold_score(row, text, reason == "stop")
                  for row, text, reason in zip(rows, out["texts"], out["finish_reasons"])]
-        return out, golds
+        return {"texts": out["texts"], "gold": golds}
 
-    def evaluate(trainer: PPOTrainer, step: int) -> dict:
-        _, golds = judge(trainer, val_rows)
+    def evaluate(trainer, step: int) -> dict:
+        golds = judge(trainer, val_rows)["gold"]
         return {"gold_val": sum(golds) / len(golds)}
 
     metrics = run_dir / "metrics.jsonl"
-    metrics.unlink(missing_ok=True)  # a rerun of the stage starts a fresh curve
-    trainer = PPOTrainer(cfg, run_dir=run_dir)
-    try:
-        sft_out, sft_gold = judge(trainer, test_rows)  # version 0: the SFT policy itself
-        history = trainer.train(load_prompts(cfg), metrics_path=metrics, evaluate=evaluate)
-        ppo_out, ppo_gold = judge(trainer, test_rows)
+    with ppo_trainer(cfg, run_dir, resume) as trainer:
+        sft = before_training(trainer, run_dir, lambda: judge(trainer, test_rows))  # the SFT policy itself
+        trainer.train(load_prompts(cfg), metrics_path=metrics, evaluate=evaluate)
+        ppo = judge(trainer, test_rows)  # same sampling seeds as the SFT evaluation
         trainer.save_adapter(run_dir / "adapter")
-    finally:
-        trainer.shutdown()
 
+    history = read_metrics(metrics)
+    sft_gold, ppo_gold = sft["gold"], ppo["gold"]
     wins = [1.0 if p > s else 0.5 if p == s else 0.0 for p, s in zip(ppo_gold, sft_gold)]
     report = {
         "gold_test_sft": sum(sft_gold) / len(sft_gold),
@@ -229,17 +269,16 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
         "ppo_steps": len(history),
         "eval_prompts": len(test_rows),
     }
-    write_samples(run_dir / "samples.md", test_rows, sft_out["texts"], sft_gold, ppo_out["texts"], ppo_gold)
-    plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
+    write_samples(run_dir / "samples.md", test_rows, sft["texts"], sft_gold, ppo["texts"], ppo_gold)
+    plot_curves(metrics, run_dir / "curves.png")
     return report
 
 
-def run_ppo_real(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
+def run_ppo_real(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[str | Path] = None) -> dict:
     """PPO on the named datasets. No gold judge exists for real data, so the report is the
     reward model's score (mean over each step's rollouts, missing-EOS penalty included) and
     the KL to the SFT model; samples.md shows held-out SFT and PPO summaries to read."""
     from ppo_ray.modeling import load_tokenizer
-    from ppo_ray.trainer import PPOTrainer
 
     # ppo_config points `dataset` at the bundled files; real prompts are passed in instead.
     cfg = ppo_config(config, run_dir, data_dir).replace(dataset=config.dataset, prompt_column=config.prompt_column)
@@ -247,15 +286,12 @@ def run_ppo_real(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
     prompts = real_prompts(config, tok, "train")
     held_out = real_prompts(config, tok, "eval", max_rows=cfg.eval_size)
     metrics = run_dir / "metrics.jsonl"
-    metrics.unlink(missing_ok=True)  # a rerun of the stage starts a fresh curve
-    trainer = PPOTrainer(cfg, run_dir=run_dir)
-    try:
-        sft_texts = trainer.generate(held_out)["texts"]  # version 0: the SFT policy itself
-        history = trainer.train(prompts, metrics_path=metrics)
+    with ppo_trainer(cfg, run_dir, resume) as trainer:
+        sft_texts = before_training(trainer, run_dir, lambda: trainer.generate(held_out))["texts"]
+        trainer.train(prompts, metrics_path=metrics)
         ppo_texts = trainer.generate(held_out)["texts"]  # same sampling seeds as before training
         trainer.save_adapter(run_dir / "adapter")
-    finally:
-        trainer.shutdown()
+    history = read_metrics(metrics)
     write_held_out_texts(run_dir / "samples.md", held_out, sft_texts, ppo_texts)
     plot_curves(metrics, run_dir / "curves.png")
     return {

@@ -14,22 +14,54 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_launch_runs_ppo_end_to_end(tmp_path):
+def test_launch_ppo_interrupted_then_resumed(tmp_path):
+    """launch.py ppo as a user runs it: Ctrl-C (SIGINT) once a checkpoint exists, then
+    `launch.py ppo --resume RUN_DIR` (the run's saved config) finishes the run; every step
+    is in metrics.jsonl exactly once."""
+    import signal
+    import time
+
     run_dir = tmp_path / "run"
     env = {**os.environ, "RAY_ADDRESS": ""}  # a local Ray of its own
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch.py"), "ppo", "--config", str(ROOT / "configs" / "tiny.yaml"),
-         "--steps", "2", "--batch_size", "4",
-         "--run_dir", str(run_dir), "--vllm_kv_cache_gib", "0.25"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, str(ROOT / "launch.py"), "ppo", "--config", str(ROOT / "configs" / "tiny.yaml"),
+           "--steps", "5", "--batch_size", "4", "--checkpoint_every", "1",
+           "--run_dir", str(run_dir), "--vllm_kv_cache_gib", "0.25"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if latest.is_file() and latest.read_text().strip() >= "step-000002":
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, "the run ended before it could be interrupted: " + proc.communicate()[1][-3000:]
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-2000:] + err[-3000:]
+    assert "interrupted: the last checkpoint is" in err and f"--resume {run_dir}" in err
+    stopped_at = int(latest.read_text().strip().split("-")[1])
+    assert 2 <= stopped_at < 5
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "ppo", "--resume", str(run_dir)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert re.search(r"step\s+2\s+reward [+-]\d", proc.stdout)
+    assert re.search(r"step\s+5\s+reward [+-]\d", proc.stdout)
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["steps"] == 2
+    assert summary["steps"] == 5
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in lines] == [1, 2]
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5]
+    assert latest.read_text().strip() == "step-000005"
     assert "batch_size: 4" in (run_dir / "config-ppo.yaml").read_text()
     assert (run_dir / "adapter" / "adapter_config.json").is_file()
+
+
+def test_launch_resume_errors(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "ppo", "--resume", str(tmp_path / "nope")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no such file or directory" in proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "ppo", "--resume", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no checkpoint there" in proc.stderr
 
 
 def test_launch_rejects_bad_arguments(tmp_path):
