@@ -97,7 +97,7 @@ class PPOConfig:
     mini_batch_size: Optional[int] = None
     """Rollouts per optimiser step; None = batch_size (one minibatch, as in the N+ recipe)."""
     micro_batch_size: int = 8
-    """Rollouts per forward/backward (gradient accumulation up to mini_batch_size)."""
+    """Rows per forward/backward: PPO's gradient accumulation up to mini_batch_size, and the SFT / RM stages' up to stage_batch_size."""
     value_clip: Optional[float] = 0.2
     """Value clipping range around the old values; None = no clipping."""
     max_grad_norm: Optional[float] = 1.0
