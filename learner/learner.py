@@ -237,11 +237,13 @@ class Learner:
 
     # ------------------------------------------------------------------ input checks
     def _check_inputs(self, batch: RolloutBatch, ref_logprobs: Tensor, scores: Tensor) -> None:
-        if batch.adapter_version != self.version:
+        allowed = 1 if self.config.overlap_generation else 0
+        if not 0 <= self.version - batch.adapter_version <= allowed:
             raise StaleRolloutsError(
                 f"stale rollouts: the batch was sampled with LoRA adapter version {batch.adapter_version} "
-                f"but the learner is at version {self.version}; the generator did not load the "
-                f"learner's latest weights (or the batch is from another step)")
+                f"but the learner is at version {self.version}"
+                + (" (overlap_generation allows one version behind)" if allowed else "")
+                + "; the generator did not load the learner's latest weights (or the batch is from another step)")
         b, t = batch.response_ids.shape
         if b == 0:
             raise ValueError("Learner.update got an empty batch (0 rollouts)")
@@ -320,10 +322,16 @@ class Learner:
             torch.cuda.synchronize()  # only to time the forward honestly
         forward_s = time.perf_counter() - t_start
 
+        # Overlap mode: rollouts one version behind. The ratio's denominator is then the
+        # behaviour policy that sampled them (the generator's logprobs, same temperature and
+        # truncation), not the current policy: PPO's trust region is around what was sampled.
+        stale = self.version - batch.adapter_version
         with torch.no_grad():
-            finite_old = torch.isfinite(fwd.logprobs)
+            behaviour = batch.gen_logprobs.float() if stale else fwd.logprobs
+            finite_old = torch.isfinite(behaviour)
             policy_mask = mask & finite_old  # tokens with a defined PPO ratio
-            old_logprobs = torch.where(policy_mask, fwd.logprobs, torch.zeros((), device=self.device))
+            old_logprobs = torch.where(policy_mask, behaviour, torch.zeros((), device=self.device))
+            behaviour_gap = masked_mean((fwd.logprobs - behaviour).abs(), policy_mask & torch.isfinite(fwd.logprobs))
             values = fwd.values
             # 2. KL_t between policy and reference (k1 = logp - logp_ref by default).
             kl = kl_penalty(fwd.full_logprobs, ref_logprobs, cfg.kl_estimator, mask=mask)  # (B, T)
@@ -353,8 +361,12 @@ class Learner:
 
         # 8. New version; stats (one host sync) and the new adapter for the generator.
         self.version += 1
-        gen_diff = torch.where(policy_mask, (batch.gen_logprobs.float() - old_logprobs).abs(),
+        # generator vs learner logprobs of the same version (NaN for stale rollouts: the current
+        # policy is not the one that sampled; behaviour_logprob_gap measures that distance)
+        gen_diff = torch.where(policy_mask, (batch.gen_logprobs.float() - fwd.logprobs).abs(),
                                torch.zeros((), device=self.device))
+        if stale:
+            gen_diff = torch.full((), math.nan, device=self.device)
         tensors = {
             **ppo,
             "entropy": masked_mean(fwd.entropy, mask),
@@ -368,11 +380,13 @@ class Learner:
             "value_mean": masked_mean(values, mask),
             "gen_logprob_max_abs_diff": gen_diff.amax(),
             "truncated_tokens": (mask & ~finite_old).sum(),
+            "behaviour_logprob_gap": behaviour_gap,
         }
         names = list(tensors)
         numbers = torch.stack([tensors[k].detach().float().reshape(()) for k in names]).tolist()  # the sync
         stats = dict(zip(names, numbers))
         stats.update(dropped_samples=float(dropped), tokens=float(n_tokens), learner_forward_s=forward_s,
+                     stale_versions=float(stale),
                      update_s=time.perf_counter() - t_start, version=self.version)
         return stats, self.lora_weights()
 

