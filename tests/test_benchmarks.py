@@ -1,0 +1,103 @@
+"""The step benchmark (benchmarks/step.py) produces a complete report: every phase of ours
+and of the in-run baseline, positive numbers, the ratio, the actors' peak memory.
+
+Correctness of the report only; the numbers themselves are measured, never asserted
+(benchmarks/RESULTS.md). The fast test runs in-process on the session's tiny trainer (no
+second vLLM engine start); the slow one runs the documented command as a subprocess on a
+local Ray of its own (~60-90 s on 2 idle cores, most of it the engine start).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # benchmarks/ is not an installed package
+    sys.path.insert(0, str(ROOT))
+
+OURS_PHASES = ("generate", "reference", "reward", "learner_forward", "update", "sync", "sync_transfer",
+               "sync_engine", "sync_write", "sync_register", "overhead", "step")
+BASELINE_PHASES = ("generate", "reference", "reward", "learner_forward", "update", "step")
+THROUGHPUT = ("response_tokens", "tokens_per_s", "samples_per_s", "generate_tokens_per_s")
+
+
+def check_report(result: dict, steps: int) -> None:
+    ours, base = result["ours"], result["baseline"]
+    for part, phases in ((ours, OURS_PHASES), (base, BASELINE_PHASES)):
+        assert len(part["per_step"]) == steps
+        for k in (*phases, *THROUGHPUT):
+            s = part["summary"][k]
+            assert set(s) == {"median", "min", "max"}, k
+            assert all(math.isfinite(v) for v in s.values()), (k, s)
+            assert s["min"] <= s["median"] <= s["max"], (k, s)
+            assert s["min"] > 0, (k, s)  # every timed phase took time; tokens were generated
+    # The overhead is a remainder (step - critical path): finite, and a small part of the step.
+    assert math.isfinite(ours["summary"]["overhead"]["median"])
+    for step in ours["per_step"]:
+        assert abs(step["sync"] - step["sync_transfer"] - step["sync_engine"]) < 1e-9
+        critical = (step["generate"] + max(step["reference"], step["reward"]) + step["learner_forward"]
+                    + step["update"] + step["sync"])
+        assert abs(step["step"] - critical - step["overhead"]) < 1e-9
+    for name in ("generator-0", "reference", "reward", "learner"):
+        assert ours["memory"][name]["peak_rss_mib"] > 0
+    assert ours["memory"]["generator-0"]["children_peak_rss_mib"] > 0  # the vLLM engine core process
+    assert base["memory"]["process"]["peak_rss_mib"] > 0
+    assert base["torch_threads"] >= 1
+    ratio = result["ratio"]
+    assert ratio["step"] == pytest.approx(ours["summary"]["step"]["median"] / base["summary"]["step"]["median"])
+    for k in ("generate", "reference", "reward", "learner_forward", "update"):
+        assert ratio[k] > 0
+    assert result["load_before"]["load_average"] and result["machine"]["cpus"] >= 1
+    json.dumps(result)  # the report is JSON
+
+
+def test_step_benchmark_report(tiny_trainer):
+    """Ours on the session's trainer (warm-up 1 + 2 steps of 4 prompts), then the baseline."""
+    import torch
+
+    from benchmarks.step import benchmark, format_summary
+
+    threads = torch.get_num_threads()
+    config = tiny_trainer.config.replace(batch_size=4)  # the trainer's learner: one minibatch either way
+    result = benchmark(config, steps=2, warmup=1, preset="tiny", trainer=tiny_trainer)
+    check_report(result, steps=2)
+    assert result["config"]["batch_size"] == 4
+    assert result["ours"]["per_step"][0]["samples_per_s"] * result["ours"]["per_step"][0]["step"] == pytest.approx(4)
+    assert torch.get_num_threads() == threads  # the baseline restored the thread count
+    assert "ours/baseline" in format_summary(result)
+
+
+def test_step_benchmark_cli_arguments():
+    """Presets and --field overrides go through PPOConfig's own parser and validation."""
+    from benchmarks.step import build_config, parse_args
+    from ppo_ray.config import ConfigError
+
+    args, extra = parse_args(["--preset", "small", "--batch_size", "8", "--no-baseline", "--kl_coef", "0.2"])
+    config = build_config(args.preset, extra)
+    assert (config.model_name, config.batch_size, config.max_new_tokens, config.kl_coef) == ("embedded:small", 8, 64, 0.2)
+    assert args.baseline is False
+    with pytest.raises(ConfigError, match="kl_coeff"):
+        build_config("tiny", ["--kl_coeff", "0.2"])
+
+
+@pytest.mark.slow
+def test_step_benchmark_command(tmp_path):
+    """The documented command, as a user runs it: JSON on stdout and in --out."""
+    out = tmp_path / "step.json"
+    env = {**os.environ, "RAY_ADDRESS": "", "VLLM_LOGGING_LEVEL": "WARNING"}  # a local Ray of its own
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.step", "--preset", "tiny", "--steps", "2", "--warmup", "1",
+         "--batch_size", "4", "--max_new_tokens", "8", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert json.loads(proc.stdout) == result
+    check_report(result, steps=2)
+    assert result["config"]["max_new_tokens"] == 8 and result["ours"]["startup_s"] > 0
