@@ -32,6 +32,8 @@ Phases of our step (PPOTrainer.ppo_step's ``time/*`` keys; every actor times its
     learner_forward  the learner's no-grad pass (old logprobs, values) before the epochs
     update           the rest of Learner.update: KL, GAE, the PPO epochs, stats
                      (learner_forward + update = the learner's whole update() call)
+    prefetch_wait    overlap mode only (0 otherwise): the driver waiting for the next
+                     step's generation after the learner finished
     sync             the LoRA sync, end to end as the driver waits for it, split into
       sync_transfer  sync - sync_engine: the A/B tensors through the object store to the
                      generator, plus the actor call (measured as the remainder)
@@ -46,6 +48,10 @@ The critical path follows the data dependencies of today's synchronous step: gen
 then reference and reward concurrently (the learner's update() takes both as arguments,
 so it starts when the later one is done), then the learner, then the sync:
 ``critical = generate + max(reference, reward) + learner_forward + update + sync``.
+In overlap mode (``--overlap_generation true``; the steps then run through
+``PPOTrainer.train``, which draws its own batches of the same prompts) a step's rollouts were
+generated during the previous step, so ``critical = max(reference, reward) + learner_forward
++ update + prefetch_wait + sync``.
 
 The baseline has the same phases; its sync is 0 (the policy it samples with IS the one it
 trains) and its overhead is step - the sum of its phases (batch building, tokenising).
@@ -87,7 +93,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "small": {"model_name": "embedded:small", "batch_size": 32, "max_new_tokens": 64, "vllm_kv_cache_gib": 1.0},
 }
 
-PHASES = ("generate", "reference", "reward", "learner_forward", "update", "sync", "sync_transfer",
+PHASES = ("generate", "reference", "reward", "learner_forward", "update", "prefetch_wait", "sync", "sync_transfer",
           "sync_engine", "sync_write", "sync_register", "overhead", "step")
 
 
@@ -126,19 +132,24 @@ def summarise(per_step: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     return {k: spread([s[k] for s in per_step]) for k in per_step[0]}
 
 
-def ours_phases(out: dict) -> dict[str, float]:
-    """One ppo_step result -> the phases of the module docstring (seconds) and throughput."""
+def ours_phases(out: dict, overlap: bool = False) -> dict[str, float]:
+    """One ppo_step result -> the phases of the module docstring (seconds) and throughput.
+    overlap: the step's rollouts were generated during the previous step (overlap mode), so
+    generation is off its critical path and prefetch_wait (the driver waiting for the next
+    step's generation after the learner finished) is on it."""
     gen, ref, rew = out["time/generate_s"], out["time/reference_s"], out["time/reward_s"]
     fwd = out["time/learner_forward_s"]
     upd = out["time/update_s"] - fwd  # the learner's update_s includes its forward
     sync, write, register = out["time/sync_s"], out["time/sync_write_s"], out["time/sync_register_s"]
+    wait = out.get("time/prefetch_wait_s", 0.0)
     step = out["time/step_s"]
-    critical = gen + max(ref, rew) + fwd + upd + sync
+    critical = (0.0 if overlap else gen) + max(ref, rew) + fwd + upd + wait + sync
     tokens = float(out["response_tokens"])
     return {
         "generate": gen, "reference": ref, "reward": rew, "learner_forward": fwd, "update": upd,
-        "sync": sync, "sync_transfer": sync - write - register, "sync_engine": write + register,
-        "sync_write": write, "sync_register": register, "overhead": step - critical, "step": step,
+        "prefetch_wait": wait, "sync": sync, "sync_transfer": sync - write - register,
+        "sync_engine": write + register, "sync_write": write, "sync_register": register,
+        "overhead": step - critical, "step": step,
         "response_tokens": tokens, "tokens_per_s": tokens / step, "samples_per_s": len(out["rewards"]) / step,
         "generate_tokens_per_s": tokens / gen if gen > 0 else math.nan,
     }
@@ -267,13 +278,19 @@ def connect_ray() -> bool:
 
 
 def measure_trainer(trainer, batches: Sequence[Sequence[str]], warmup: int) -> dict:
-    """Run len(batches) steps on a built trainer; the first `warmup` are not recorded."""
-    per_step = []
-    for i, batch in enumerate(batches):
-        out = trainer.ppo_step(batch)
-        if i >= warmup:
-            per_step.append(ours_phases(out))
-    return {"per_step": per_step, "summary": summarise(per_step)}
+    """Run len(batches) steps on a built trainer; the first `warmup` are not recorded.
+
+    Synchronous mode: ppo_step on each fixed batch. Overlap mode (config.overlap_generation):
+    PPOTrainer.train over the same prompts (it draws its own batches of batch_size from them
+    and generates step k+1 while the learner trains on step k)."""
+    overlap = bool(getattr(trainer.config, "overlap_generation", False))
+    if overlap:
+        flat = [p for batch in batches for p in batch]
+        outs = trainer.train(flat, steps=len(batches), progress=False)
+    else:
+        outs = [trainer.ppo_step(batch) for batch in batches]
+    per_step = [ours_phases(out, overlap) for out in outs[warmup:]]
+    return {"per_step": per_step, "summary": summarise(per_step), "overlap": overlap}
 
 
 def run_ours(config, batches: Sequence[Sequence[str]], warmup: int, trainer=None) -> dict:
@@ -449,7 +466,7 @@ def describe(config) -> dict:
     keys = ("model_name", "batch_size", "max_new_tokens", "num_generators", "ppo_epochs", "micro_batch_size",
             "dtype", "lora_r", "lora_target_modules", "temperature", "top_k", "top_p", "reward_funcs",
             "max_prompt_length", "generator_num_cpus", "learner_num_cpus", "scorer_num_cpus", "vllm_kv_cache_gib")
-    return {k: getattr(config, k) for k in keys}
+    return {k: getattr(config, k) for k in (*keys, "overlap_generation") if hasattr(config, k)}
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace, list[str]]:
@@ -517,8 +534,7 @@ def format_summary(result: dict) -> str:
     """A short human-readable table (stderr), the JSON being on stdout."""
     rows = ["phase                median s (ours)   median s (baseline)   ours/baseline"]
     base = result.get("baseline")
-    for k in ("generate", "reference", "reward", "learner_forward", "update", "sync", "sync_transfer", "sync_engine",
-              "overhead", "step", "tokens_per_s"):
+    for k in (*PHASES, "tokens_per_s"):
         a = result["ours"]["summary"][k]["median"]
         b = base["summary"][k]["median"] if base and k in base["summary"] else None
         b_text = "" if b is None else f"{b:.4f}"

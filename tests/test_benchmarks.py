@@ -43,7 +43,7 @@ def check_report(result: dict, steps: int) -> None:
     for step in ours["per_step"]:
         assert abs(step["sync"] - step["sync_transfer"] - step["sync_engine"]) < 1e-9
         critical = (step["generate"] + max(step["reference"], step["reward"]) + step["learner_forward"]
-                    + step["update"] + step["sync"])
+                    + step["update"] + step["prefetch_wait"] + step["sync"])
         assert abs(step["step"] - critical - step["overhead"]) < 1e-9
     for name in ("generator-0", "reference", "reward", "learner"):
         assert ours["memory"][name]["peak_rss_mib"] > 0
