@@ -4,7 +4,11 @@ Plain class, no Ray: ppo_ray.placement hosts it in a Ray actor.
 
 - A reward model is an AutoModelForSequenceClassification with num_labels=1; its score is
   read at the last real token of prompt + response (the EOS when the response has one,
-  never a pad: trl #3750 placed rewards on the pad after EOS).
+  never a pad: trl #3750 placed rewards on the pad after EOS). A causal LM (or any
+  checkpoint without trained `score` weights) is refused, not loaded with a random head:
+  its "rewards" would be noise and PPO would train on them without a sign of trouble
+  (check_reward_model reads config.json before any actor starts; load_reward_model
+  checks the weights).
 - A reward function is named "package.module:function" and called as
   fn(prompts: list[str], completions: list[str]) -> list[float]. It is imported only from
   the module path the user named (never from data).
@@ -26,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ppo_ray.batch import RolloutBatch
-from ppo_ray.modeling import last_token_hidden, load_reward_model
+from ppo_ray.modeling import last_token_hidden, load_reward_model, resolve_model_path
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
 
@@ -50,12 +54,39 @@ def import_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
+def check_reward_model(name: str) -> None:
+    """Cheap checks of reward_model_name from its config.json alone (no weights loaded), so a
+    path that is not a reward model fails before any actor starts: a directory without
+    config.json or a file (FileNotFoundError, from resolve_model_path), an unreadable config
+    (RewardError "is not a loadable model"), num_labels != 1, or a checkpoint saved as
+    anything but *ForSequenceClassification (a causal LM: RewardError)."""
+    from transformers import AutoConfig
+
+    path = resolve_model_path(name)
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise RewardError(f"reward model {name!r} is not a loadable model: {e}") from e
+    archs = list(getattr(cfg, "architectures", None) or [])
+    if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise RewardError(
+            f"reward model {name!r} is a {'/'.join(archs)} checkpoint, not a sequence-classification reward "
+            "model: loading it as one would give it a randomly initialised score head, whose scores are noise. "
+            "Name a checkpoint saved from AutoModelForSequenceClassification (num_labels=1), e.g. the rm/ "
+            "directory of `launch.py rm`")
+    # after the architecture: transformers gives a config without id2label num_labels=2
+    if getattr(cfg, "num_labels", 1) != 1:
+        raise RewardError(f"reward model {name!r} has num_labels={cfg.num_labels}; a reward model needs 1")
+
+
 class RewardScorer:
     def __init__(self, reward_model_name: Optional[str] = None, reward_funcs: Sequence[str] = (),
                  weights: Sequence[float] = (), *, missing_eos_penalty: Optional[float] = None,
                  nonfinite: str = "error", dtype: str = "float32", micro_batch_size: int = 8):
         if reward_model_name is None and not reward_funcs:
             raise RewardError("no reward source: set reward_model_name and/or reward_funcs")
+        if reward_model_name:
+            check_reward_model(reward_model_name)
         self.model = load_reward_model(reward_model_name, dtype) if reward_model_name else None
         self.funcs = [(spec, import_reward_fn(spec)) for spec in reward_funcs]
         n = len(self.funcs) + (self.model is not None)

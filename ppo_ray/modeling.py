@@ -145,9 +145,14 @@ def load_reward_model(name: str, dtype: str = "float32"):
         raise ValueError(f"reward model {name!r} is not a loadable model: {e}") from e
     if getattr(cfg, "num_labels", 1) != 1:
         raise ValueError(f"reward model {name!r} has num_labels={cfg.num_labels}; a reward model needs 1")
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=DTYPES[dtype])
+    model, info = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=DTYPES[dtype],
+                                                                     output_loading_info=True)
     if not hasattr(model, "score") or not hasattr(model, model.base_model_prefix):
         raise ValueError(f"reward model {name!r} ({type(model).__name__}) has no `score` head over a backbone")
+    missing = sorted(k for k in info["missing_keys"] if k.split(".")[0] == "score")
+    if missing:  # transformers would initialise them at random: the scores would be noise
+        raise ValueError(f"reward model {name!r} has no trained score head (missing from the checkpoint: "
+                         f"{missing}); it is not a reward model")
     model.eval()
     return model
 
