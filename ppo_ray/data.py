@@ -10,10 +10,16 @@ from pathlib import Path
 from typing import Sequence
 
 TRUNCATION_MODES = ("error", "left")
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+CHECK_CHUNK = 4096  # prompts tokenized at a time by load_prompts' check
+
+
+class DataError(ValueError):
+    """A prompt data file or dataset that cannot be used; the message names it (and the row)."""
 
 
 def encode_prompts(tokenizer, prompts: Sequence[str], max_prompt_length: int,
-                   truncation: str = "error") -> list[list[int]]:
+                   truncation: str = "error", *, index_offset: int = 0) -> list[list[int]]:
     """Validate and tokenize prompt texts: B texts -> B lists of token ids.
 
     No special tokens are added (Qwen3 base adds none; a BOS here would be a token the
@@ -25,7 +31,8 @@ def encode_prompts(tokenizer, prompts: Sequence[str], max_prompt_length: int,
 
     ``truncation="left"`` keeps the LAST ``max_prompt_length`` tokens: the end of a prompt
     (e.g. "TL;DR:") sits next to the response and matters most (the N+ recipe cuts the
-    post, never the instruction). Nothing is mangled silently.
+    post, never the instruction). Nothing is mangled silently. ``index_offset`` is added to
+    the indices in messages (a chunk of a larger list).
     """
     if truncation not in TRUNCATION_MODES:
         raise ValueError(f"prompt truncation must be one of {list(TRUNCATION_MODES)}, got {truncation!r}")
@@ -38,9 +45,9 @@ def encode_prompts(tokenizer, prompts: Sequence[str], max_prompt_length: int,
         raise ValueError("no prompts: the prompt list is empty")
     for i, p in enumerate(prompts):
         if not isinstance(p, str):
-            raise ValueError(f"prompt {i} is a {type(p).__name__}, not a str: {p!r:.80}")
+            raise ValueError(f"prompt {index_offset + i} is a {type(p).__name__}, not a str: {p!r:.80}")
         if not p.strip():
-            raise ValueError(f"prompt {i} is empty or whitespace only: {p!r}")
+            raise ValueError(f"prompt {index_offset + i} is empty or whitespace only: {p!r}")
 
     encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     out: list[list[int]] = []
@@ -49,7 +56,7 @@ def encode_prompts(tokenizer, prompts: Sequence[str], max_prompt_length: int,
         if len(ids) > max_prompt_length:
             if truncation == "error":
                 raise ValueError(
-                    f"prompt {i} is {len(ids)} tokens long, over max_prompt_length={max_prompt_length}; "
+                    f"prompt {index_offset + i} is {len(ids)} tokens long, over max_prompt_length={max_prompt_length}; "
                     "shorten it, raise max_prompt_length, or set prompt_truncation: left "
                     "(keeps the last max_prompt_length tokens)")
             ids = ids[-max_prompt_length:]
@@ -68,29 +75,39 @@ def bundled_prompts() -> list[str]:
 
 
 def read_rows(path: str | Path) -> list[dict]:
-    """Rows of a local JSONL (one object per line) or parquet file; errors name the file and row."""
+    """Rows of a local JSONL (one object per line) or parquet file; errors name the file and row
+    (FileNotFoundError for a missing file, DataError for one that cannot be read or parsed)."""
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise FileNotFoundError(f"data file {str(p)!r} does not exist")
+    if not p.is_file():
+        raise FileNotFoundError(f"data file {str(p)!r} is not a file")
     if p.suffix in (".jsonl", ".json"):
         rows = []
-        with p.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{p}: line {n} is not valid JSON: {e}") from e
-                if not isinstance(row, dict):
-                    raise ValueError(f"{p}: line {n} is a {type(row).__name__}, not an object")
-                rows.append(row)
+        try:
+            with p.open(encoding="utf-8") as f:
+                for n, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise DataError(f"{p}: line {n} is not valid JSON: {e}") from e
+                    if not isinstance(row, dict):
+                        raise DataError(f"{p}: line {n} is a {type(row).__name__}, not an object")
+                    rows.append(row)
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"{p}: cannot be read as UTF-8 JSONL: {e}") from e
         return rows
     if p.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return pq.read_table(p).to_pylist()
-    raise ValueError(f"data file {str(p)!r}: unsupported format {p.suffix!r} (use .jsonl or .parquet)")
+        try:
+            return pq.read_table(p).to_pylist()
+        except (OSError, pa.ArrowException) as e:
+            raise DataError(f"{p}: cannot be read as parquet: {e}") from e
+    raise DataError(f"data file {str(p)!r}: unsupported format {p.suffix!r} (use .jsonl or .parquet)")
 
 
 def column(rows: list[dict], name: str, source: str) -> list[str]:
@@ -98,24 +115,50 @@ def column(rows: list[dict], name: str, source: str) -> list[str]:
     out = []
     for i, row in enumerate(rows):
         if name not in row:
-            raise ValueError(f"{source}: row {i} has no column {name!r} (columns: {sorted(row)})")
+            raise DataError(f"{source}: row {i} has no column {name!r} (columns: {sorted(row)})")
         if not isinstance(row[name], str):
-            raise ValueError(f"{source}: row {i} column {name!r} is a {type(row[name]).__name__}, not a str")
+            raise DataError(f"{source}: row {i} column {name!r} is a {type(row[name]).__name__}, not a str")
         out.append(row[name])
     return out
 
 
-def load_prompts(config) -> list[str]:
+def _is_local_path(name: str) -> bool:
+    """A dataset name that can only be a local path: a data-file suffix, an existing path, or a
+    path no hub id looks like (absolute, ./ ../ ~, or more than one '/': hub ids are
+    "name" or "org/name"). Such a name that does not exist is a FileNotFoundError, not a
+    hub lookup that fails with a network error."""
+    return (Path(name).suffix in DATA_SUFFIXES or Path(name).exists() or name.startswith(("/", ".", "~"))
+            or name.count("/") > 1)
+
+
+def load_prompts(config, tokenizer=None) -> list[str]:
     """Prompts named by config.dataset: "bundled", a local .jsonl/.parquet file, or a hub
-    dataset id (loaded with `datasets`, split "train"), reading config.prompt_column."""
+    dataset id (loaded with `datasets`, split "train"), reading config.prompt_column.
+
+    With a `tokenizer`, every prompt is also checked as the trainer will encode it
+    (encode_prompts: empty prompts, and prompts over config.max_prompt_length with
+    prompt_truncation "error"), so a bad row stops the run before any actor starts instead
+    of at the step that first draws it. Errors are DataError naming the dataset and row.
+    """
     name = config.dataset
     if name == "bundled":
-        return bundled_prompts()
-    if Path(name).suffix in (".jsonl", ".json", ".parquet") or Path(name).exists():
-        return column(read_rows(name), config.prompt_column, name)
-    import datasets
+        prompts = bundled_prompts()
+    elif _is_local_path(name):
+        prompts = column(read_rows(Path(name).expanduser()), config.prompt_column, name)
+    else:
+        import datasets
 
-    ds = datasets.load_dataset(name, split="train")
-    if config.prompt_column not in ds.column_names:
-        raise ValueError(f"dataset {name!r} has no column {config.prompt_column!r} (columns: {ds.column_names})")
-    return column([{config.prompt_column: v} for v in ds[config.prompt_column]], config.prompt_column, name)
+        ds = datasets.load_dataset(name, split="train")
+        if config.prompt_column not in ds.column_names:
+            raise DataError(f"dataset {name!r} has no column {config.prompt_column!r} (columns: {ds.column_names})")
+        prompts = column([{config.prompt_column: v} for v in ds[config.prompt_column]], config.prompt_column, name)
+    if tokenizer is not None:
+        if not prompts:
+            raise DataError(f"dataset {name!r} has no rows")
+        try:  # in chunks: the ids of a whole dataset would be GBs of Python ints
+            for start in range(0, len(prompts), CHECK_CHUNK):
+                encode_prompts(tokenizer, prompts[start:start + CHECK_CHUNK], config.max_prompt_length,
+                               config.prompt_truncation, index_offset=start)
+        except ValueError as e:  # "prompt i ...": i is the row index in the dataset
+            raise DataError(f"dataset {name!r} column {config.prompt_column!r}: {e}") from e
+    return prompts
