@@ -23,22 +23,60 @@ class ClusterError(RuntimeError):
     """The Ray cluster cannot be reached or cannot host the requested actors."""
 
 
-def init_ray(address: str | None = None) -> None:
+def init_ray(address: str | None = None, connect_timeout_s: float = 5.0) -> None:
     """Attach to RAY_ADDRESS (or `address`) when set, else start a local Ray.
 
     The local default binds the dashboard to 127.0.0.1 only. Under `ray job submit` Ray
-    sets RAY_ADDRESS for the entrypoint, so the same call attaches to the cluster.
+    sets RAY_ADDRESS for the entrypoint, so the same call attaches to the cluster. An
+    address where nothing listens is a ClusterError naming it within `connect_timeout_s`
+    (check_ray_address): ray.init itself retries such an address for minutes (measured:
+    still waiting after 300 s for a closed port on 127.0.0.1, Ray 2.60).
     """
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
+        check_ray_address(address, connect_timeout_s)
         try:
             ray.init(address=address, log_to_driver=True)
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise ClusterError(f"cannot connect to the Ray cluster at RAY_ADDRESS={address!r}: {e}") from e
     else:
         ray.init(dashboard_host="127.0.0.1", log_to_driver=True)
+
+
+def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """ClusterError, naming the address, unless something accepts a TCP connection at the
+    host:port of a Ray address ("host:port" or "ray://host:port"). "auto" and "local" are
+    left to ray.init (it finds the local cluster or says there is none). An http(s):// address
+    is the dashboard's (for `ray job submit`), not one ray.init can attach to. Only that a
+    port is open is checked: a port held by something that is not Ray is not caught here."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if address in ("auto", "local"):
+        return
+    if address.startswith(("http://", "https://")):
+        raise ClusterError(
+            f"RAY_ADDRESS={address!r} is a dashboard / job-submission address; ray.init needs the cluster's "
+            "address (host:6379 or ray://host:10001). To run on that cluster use deploy/submit.sh "
+            "(ray job submit), which sets RAY_ADDRESS for the job itself")
+    client = address.startswith("ray://")
+    parts = urlsplit(address if client else f"//{address}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError as e:  # a port that is not a number
+        raise ClusterError(f"RAY_ADDRESS={address!r} is not a host:port address: {e}") from e
+    if client and port is None:
+        port = 10001  # the Ray client server's default port
+    if not host or port is None:
+        raise ClusterError(f"RAY_ADDRESS={address!r} is not a host:port address (e.g. 10.0.0.1:6379)")
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:  # refused, unreachable, no such host, or no answer within timeout_s
+        raise ClusterError(
+            f"no Ray cluster at RAY_ADDRESS={address!r}: cannot connect to {host}:{port} ({e or 'timed out'}); "
+            "start one there (ray start --head) or unset RAY_ADDRESS to start a local Ray") from e
 
 
 # ----------------------------------------------------------------------------- hosts
