@@ -63,12 +63,37 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run_plain_ppo(config, run_dir: Path, resume: str | None = None) -> dict:
-    """PPO on config.model_name and config.dataset with the config's own reward sources."""
+def check_ray_address() -> None:
+    """RAY_ADDRESS, when set, must have a Ray cluster behind it (ClusterError naming it)."""
+    import os
+
+    if os.environ.get("RAY_ADDRESS"):
+        from ppo_ray.placement import check_ray_address as check
+
+        check(os.environ["RAY_ADDRESS"])
+
+
+def plain_ppo_inputs(config) -> list[str]:
+    """The plain PPO stage's cheap checks, before anything is written or started: the reward
+    functions import, the reward model is one (config.json), and every prompt of
+    config.dataset is usable (not empty, within max_prompt_length unless truncated).
+    Returns the prompts."""
+    from actors.reward import check_reward_model, import_reward_fn
     from ppo_ray.data import load_prompts
+    from ppo_ray.modeling import load_tokenizer
+
+    for spec in config.reward_funcs:
+        import_reward_fn(spec)
+    if config.reward_model_name is not None:
+        check_reward_model(config.reward_model_name)
+    return load_prompts(config, load_tokenizer(config.model_name))
+
+
+def run_plain_ppo(config, run_dir: Path, resume: str | None = None, prompts: list[str] | None = None) -> dict:
+    """PPO on config.model_name and config.dataset with the config's own reward sources."""
     from ppo_ray.pipeline import ppo_trainer, read_metrics
 
-    prompts = load_prompts(config)
+    prompts = plain_ppo_inputs(config) if prompts is None else prompts
     with ppo_trainer(config, run_dir, resume) as trainer:
         trainer.train(prompts, metrics_path=run_dir / "metrics.jsonl")
         trainer.save_adapter(run_dir / "adapter")
@@ -129,16 +154,29 @@ def main(argv: list[str] | None = None) -> int:
     if stage == "ppo" and not has_reward and not (run_dir / "rm").is_dir():
         print(f"error: stage 'ppo' needs {run_dir / 'rm'} from stage 'rm' (pass --run_dir)", file=sys.stderr)
         return 2
+    from actors.reward import RewardError
+    from ppo_ray.checkpoint import CheckpointError
+    from ppo_ray.data import DataError
+    from ppo_ray.placement import ClusterError
+    from ppo_ray.tldr import TLDRDataError
+
+    # Cheap checks of what the stage needs, before anything is written (a rejected command
+    # leaves an existing run directory as it was) and before Ray or any actor starts.
+    prompts = None
+    try:
+        if stage in ("all", "ppo"):
+            check_ray_address()
+        if stage == "ppo" and has_reward:
+            prompts = plain_ppo_inputs(config)
+    except (ClusterError, RewardError, FileNotFoundError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
     run_dir.mkdir(parents=True, exist_ok=True)
     config.to_yaml(run_dir / f"config{'' if stage == 'all' else '-' + stage}.yaml")
     print(f"[ppo-ray] run directory: {run_dir}")
 
-    from actors.reward import RewardError
     from ppo_ray import pipeline
-    from ppo_ray.placement import ClusterError
-    from ppo_ray.tldr import TLDRDataError
-
-    from ppo_ray.checkpoint import CheckpointError
 
     report: dict = {"run_dir": str(run_dir)}
     t0 = time.perf_counter()
@@ -147,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         if stage == "ppo" and has_reward:
-            report.update(run_plain_ppo(config, run_dir, resume))
+            report.update(run_plain_ppo(config, run_dir, resume, prompts))
         else:
             data_dir = pipeline.write_data(config, run_dir)
             if stage in ("all", "sft"):
@@ -157,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             if stage in ("all", "ppo"):
                 report.update(pipeline.run_ppo(config, run_dir, data_dir, resume))
                 _print_history(pipeline.read_metrics(run_dir / "metrics.jsonl"))
-    except (ClusterError, RewardError, FileNotFoundError, TLDRDataError, CheckpointError) as e:
+    except (ClusterError, RewardError, FileNotFoundError, TLDRDataError, CheckpointError, DataError) as e:
         # expected, user-fixable problems: the message names the bad thing; no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
