@@ -106,3 +106,14 @@ def test_data_source_fields_accept_hub_ids_folders_and_split_paths():
     assert not cfg.uses_bundled_data
     assert (cfg.preference_config, cfg.data_max_rows, cfg.stage_dtype) == (None, 100, "float32")
     assert PPOConfig().uses_bundled_data
+
+
+@pytest.mark.parametrize("field,value", [
+    ("lora_r", 513), ("missing_eos_penalty", float("inf")), ("dataset", " "), ("prompt_column", ""),
+])
+def test_range_checks_of_issue_5(field, value):
+    """lora_r above vLLM's largest max_lora_rank (the generator could not serve it), a
+    non-finite missing-EOS score, an empty dataset / prompt column name."""
+    with pytest.raises(ConfigError, match=f"'{field}'"):
+        PPOConfig(**{field: value})
+    PPOConfig(lora_r=512, missing_eos_penalty=-1.0)  # the limits themselves are fine
