@@ -54,12 +54,9 @@ import torch
 from torch import Tensor
 
 from ppo_ray.batch import RolloutBatch
-from ppo_ray.config import ALL_PROJECTIONS, PPOConfig
+from ppo_ray.config import ALL_PROJECTIONS, VLLM_LORA_RANKS, PPOConfig
 from ppo_ray.data import encode_prompts
 from ppo_ray.modeling import load_tokenizer, resolve_model_path, write_lora_adapter
-
-# vLLM's allowed max_lora_rank values (vllm/config/lora.py: MaxLoRARanks).
-_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 # LoRA int ids must be unique per engine, and an engine may be shared by several
 # Generators in one process (the tests do): a per-process counter, not per instance.
@@ -169,7 +166,7 @@ class Generator:
         model_dir = str(model_dir) if model_dir is not None else resolve_model_path(cfg.model_name)
         engine: dict[str, Any] = dict(
             dtype=cfg.dtype, seed=cfg.seed, enable_lora=True,
-            max_lora_rank=min(r for r in _VLLM_LORA_RANKS if r >= cfg.lora_r), max_loras=1,
+            max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= cfg.lora_r), max_loras=1,
             max_model_len=cfg.max_prompt_length + cfg.max_new_tokens,
             kv_cache_gib=cfg.vllm_kv_cache_gib, logprobs_mode="processed_logprobs",
         )

@@ -195,13 +195,13 @@ def ppo_trainer(cfg: PPOConfig, run_dir: Path, resume: Optional[str | Path] = No
     directory or a checkpoint). Shut down on exit, whatever happens."""
     from ppo_ray.trainer import PPOTrainer
 
-    if resume is None:
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a rerun of the stage starts a fresh curve
-        (run_dir / BEFORE_EVAL).unlink(missing_ok=True)
-    trainer = PPOTrainer(cfg, run_dir=run_dir)
+    trainer = PPOTrainer(cfg, run_dir=run_dir)  # a failure to start leaves the old run's files alone
     try:
         if resume is not None:
             trainer.restore(resume)
+        else:  # a rerun of the stage starts a fresh curve
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+            (run_dir / BEFORE_EVAL).unlink(missing_ok=True)
         yield trainer
     finally:
         trainer.shutdown()
@@ -251,9 +251,12 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
         return {"gold_val": sum(golds) / len(golds)}
 
     metrics = run_dir / "metrics.jsonl"
+    from ppo_ray.modeling import load_tokenizer
+
+    prompts = load_prompts(cfg, load_tokenizer(cfg.model_name))  # every prompt checked before actors start
     with ppo_trainer(cfg, run_dir, resume) as trainer:
         sft = before_training(trainer, run_dir, lambda: judge(trainer, test_rows))  # the SFT policy itself
-        trainer.train(load_prompts(cfg), metrics_path=metrics, evaluate=evaluate)
+        trainer.train(prompts, metrics_path=metrics, evaluate=evaluate)
         ppo = judge(trainer, test_rows)  # same sampling seeds as the SFT evaluation
         trainer.save_adapter(run_dir / "adapter")
 

@@ -363,17 +363,15 @@ def test_lora_rank_above_vllms_largest_is_refused():
 
 
 def test_lora_rank_set_matches_vllm():
-    """The copy in ppo_ray.config (and the generator's) equals vLLM's MaxLoRARanks, read from
-    vllm/config/lora.py's source (importing vllm takes ~15 s here)."""
-    from actors.generator import _VLLM_LORA_RANKS
-
+    """The copy in ppo_ray.config (the generator uses it too) equals vLLM's MaxLoRARanks,
+    read from vllm/config/lora.py's source (importing vllm takes ~15 s here)."""
     spec = importlib.util.find_spec("vllm")
     source = Path(spec.origin).parent / "config" / "lora.py"
     tree = ast.parse(source.read_text())
     values = [ast.literal_eval(node.value.slice) for node in ast.walk(tree)
               if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MaxLoRARanks" for t in node.targets)]
     assert values, f"MaxLoRARanks not found in {source}"
-    assert tuple(values[0]) == VLLM_LORA_RANKS == _VLLM_LORA_RANKS
+    assert tuple(values[0]) == VLLM_LORA_RANKS
 
 
 # --------------------------------------------------------------------------- 10. RAY_ADDRESS
