@@ -58,6 +58,9 @@ from ppo_ray.config import ALL_PROJECTIONS, VLLM_LORA_RANKS, PPOConfig
 from ppo_ray.data import encode_prompts
 from ppo_ray.modeling import load_tokenizer, resolve_model_path, write_lora_adapter
 
+# vLLM worker extension that merges LoRA weights in place (lora_sync="merged").
+MERGED_WORKER = "actors.vllm_merge.MergedLoRAWorker"
+
 # LoRA int ids must be unique per engine, and an engine may be shared by several
 # Generators in one process (the tests do): a per-process counter, not per instance.
 _LORA_IDS = itertools.count(1)
@@ -103,9 +106,13 @@ class Generator:
         lora_alpha: int = 32,
         lora_target_modules: Sequence[str] = ALL_PROJECTIONS,
         adapter_root: str | os.PathLike | None = None,
+        lora_sync: str = "adapter",
     ):
-        """``llm``: a ``vllm.LLM`` built with enable_lora=True and
-        logprobs_mode="processed_logprobs" (actors.vllm_engine.build_llm); it may be shared.
+        """``llm``: a ``vllm.LLM`` built with logprobs_mode="processed_logprobs"
+        (actors.vllm_engine.build_llm), and either enable_lora=True (``lora_sync="adapter"``:
+        a LoRARequest per version; the engine may be shared) or
+        worker_extension_cls=MERGED_WORKER (``lora_sync="merged"``: the LoRA is merged into
+        the engine's own weights; the engine is this generator's alone).
         ``tokenizer``: the HF tokenizer of the model (loaded from ``model_dir`` if None).
         ``model_dir``: the base model directory (default: the one the engine serves).
         """
@@ -114,8 +121,12 @@ class Generator:
             raise ValueError(
                 f"the vLLM engine has logprobs_mode={model_config.logprobs_mode!r}; the generator needs "
                 "'processed_logprobs' (logprobs of the distribution actually sampled from)")
-        if llm.llm_engine.vllm_config.lora_config is None:
+        if lora_sync not in ("adapter", "merged"):
+            raise ValueError(f"lora_sync must be 'adapter' or 'merged', got {lora_sync!r}")
+        if lora_sync == "adapter" and llm.llm_engine.vllm_config.lora_config is None:
             raise ValueError("the vLLM engine was built without enable_lora=True: it cannot take adapters")
+        if lora_sync == "merged" and llm.llm_engine.vllm_config.parallel_config.worker_extension_cls != MERGED_WORKER:
+            raise ValueError(f"lora_sync='merged' needs an engine built with worker_extension_cls={MERGED_WORKER!r}")
         if temperature < 1e-2:
             # vLLM samples greedily below 1e-5 and clamps (1e-5, 1e-2) up; neither is the
             # distribution whose logprobs the learner reproduces.
@@ -124,9 +135,11 @@ class Generator:
             raise ValueError(f"prompt_truncation must be 'error' or 'left', got {prompt_truncation!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        max_rank = llm.llm_engine.vllm_config.lora_config.max_lora_rank
-        if lora_r > max_rank:
-            raise ValueError(f"lora_r={lora_r} is above the engine's max_lora_rank={max_rank}")
+        if lora_sync == "adapter":
+            max_rank = llm.llm_engine.vllm_config.lora_config.max_lora_rank
+            if lora_r > max_rank:
+                raise ValueError(f"lora_r={lora_r} is above the engine's max_lora_rank={max_rank}")
+        self.lora_sync = lora_sync
 
         self.llm = llm
         self.model_dir = str(model_dir) if model_dir is not None else str(model_config.model)
@@ -165,11 +178,14 @@ class Generator:
 
         model_dir = str(model_dir) if model_dir is not None else resolve_model_path(cfg.model_name)
         engine: dict[str, Any] = dict(
-            dtype=cfg.dtype, seed=cfg.seed, enable_lora=True,
-            max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= cfg.lora_r), max_loras=1,
-            max_model_len=cfg.max_prompt_length + cfg.max_new_tokens,
+            dtype=cfg.dtype, seed=cfg.seed, max_model_len=cfg.max_prompt_length + cfg.max_new_tokens,
             kv_cache_gib=cfg.vllm_kv_cache_gib, logprobs_mode="processed_logprobs",
         )
+        if cfg.lora_sync == "merged":  # base-model kernels; the LoRA is merged into the weights
+            engine.update(worker_extension_cls=MERGED_WORKER)
+        else:
+            engine.update(enable_lora=True, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= cfg.lora_r),
+                          max_loras=1)
         if not current_platform.is_cpu() and cfg.vllm_kv_cache_gib is None:
             # On the CPU this fraction would be of host memory: there build_llm's KV size rules.
             engine["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
@@ -180,6 +196,7 @@ class Generator:
             temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
             seed=cfg.seed, max_prompt_length=cfg.max_prompt_length, prompt_truncation=cfg.prompt_truncation,
             lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_target_modules=cfg.lora_target_modules,
+            lora_sync=cfg.lora_sync,
         )
 
     # ------------------------------------------------------------------ prompts
@@ -365,6 +382,8 @@ class Generator:
             raise ValueError(f"adapter version {version!r} is not newer than the current version {self.version}: "
                              "versions must increase strictly (a stale or repeated sync)")
         tensors = self._check_lora_weights(weights)
+        if self.lora_sync == "merged":
+            return self._merge(version, tensors)
 
         t0 = time.perf_counter()
         path = Path(tempfile.mkdtemp(prefix=f"v{version}_", dir=self.adapter_root))
@@ -386,6 +405,20 @@ class Generator:
             self._retire(previous)
         t3 = time.perf_counter()
         return {"write_s": t1 - t0, "register_s": t2 - t1, "retire_s": t3 - t2,
+                "bytes": float(sum(v.numel() * v.element_size() for v in tensors.values()))}
+
+    def _merge(self, version: int, tensors: dict[str, Tensor]) -> dict[str, float]:
+        """lora_sync="merged": W = W0 + (alpha / r) B A into the engine's weights (actors.vllm_merge)."""
+        t0 = time.perf_counter()
+        try:
+            from actors.vllm_merge import pack_tensors
+
+            self.llm.collective_rpc("ppo_merge_lora",
+                                    args=(pack_tensors(tensors), self.lora_alpha / self.lora_r, self.model_dir))
+        except Exception as e:
+            raise RuntimeError(f"merging LoRA adapter version {version} into the vLLM weights failed: {e}") from e
+        self.version = version
+        return {"write_s": 0.0, "register_s": time.perf_counter() - t0, "retire_s": 0.0,
                 "bytes": float(sum(v.numel() * v.element_size() for v in tensors.values()))}
 
     def _check_lora_weights(self, weights: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -200,7 +200,7 @@ class PPOConfig:
     overlap_generation: bool = False
     """Generate step k+1's rollouts while the learner trains on step k: rollouts are one LoRA version stale and the PPO ratio uses the generator's (behaviour) logprobs."""
     lora_sync: str = "adapter"
-    """How the generator takes new LoRA weights: adapter (a vLLM LoRARequest per version; "merged" is planned)."""
+    """How the generator takes new LoRA weights: adapter (a vLLM LoRARequest per version) or merged (W0 + scale*B@A loaded into the engine's weights: base-model generation speed)."""
     vllm_kv_cache_gib: Optional[float] = None
     """KV-cache size for vLLM on the CPU in GiB; None = a small default."""
     vllm_gpu_memory_utilization: float = 0.3
@@ -265,7 +265,7 @@ class PPOConfig:
             "loss_agg": ("token_mean", "seq_mean_token_mean"),
             "nonfinite_reward": ("error", "drop"),
             "prompt_truncation": ("error", "left"),
-            "lora_sync": ("adapter",),
+            "lora_sync": ("adapter", "merged"),
             "dtype": ("float32", "bfloat16", "float16"),
         }
         for name, allowed in choices.items():

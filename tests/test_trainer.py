@@ -125,13 +125,15 @@ def test_bad_reward_functions_are_named(tiny_trainer, fn, match):
     ray.kill(host)
 
 
-def test_overlap_mode_trains_on_one_step_stale_rollouts(ray_session, tiny_model_dir):
+def test_overlap_mode_with_merged_sync(ray_session, tiny_model_dir):
     """overlap_generation: step k+1 is generated while the learner trains on step k, so from
     step 2 on the rollouts are one adapter version behind and the ratio is taken against the
-    generator's (behaviour) logprobs."""
+    generator's (behaviour) logprobs. The generator runs lora_sync="merged" (the LoRA merged
+    into its weights; one engine start for both features): its logprobs agree with the
+    learner's PEFT forward."""
     from ppo_ray.trainer import PPOTrainer
 
-    trainer = PPOTrainer(tiny_test_config(overlap_generation=True, steps=4))
+    trainer = PPOTrainer(tiny_test_config(overlap_generation=True, lora_sync="merged", steps=4))
     try:
         history = trainer.train(bundled_prompts(), progress=False)
         assert trainer.version == 4 and ray.get([g.version.remote() for g in trainer.roles.generators]) == [4]
@@ -142,5 +144,6 @@ def test_overlap_mode_trains_on_one_step_stale_rollouts(ray_session, tiny_model_
     assert [h["stale_versions"] for h in history] == [0.0, 1.0, 1.0, 1.0]
     assert history[0]["first_minibatch_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert history[0]["behaviour_logprob_gap"] < 1e-4
+    assert history[0]["gen_logprob_max_abs_diff"] < 1e-4  # merged vLLM weights vs PEFT
     assert all(h["behaviour_logprob_gap"] > 1e-4 for h in history[1:])
     assert all(math.isfinite(h["kl"]) and math.isfinite(h["policy_loss"]) for h in history)

@@ -1,0 +1,77 @@
+"""lora_sync="merged": the LoRA merged into the vLLM engine's own weights (actors/vllm_merge.py).
+
+The merge math against PEFT's own merge (no vLLM), then a Generator on an engine of its own
+(worker_extension_cls, no LoRA kernels) against HF + PEFT: same logprobs as the learner's
+PEFT forward for every version, and version 0 gives the base model back.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_generator import PROMPTS, TOL, continuation_logprobs, hf_logprobs, make_peft, randomize_lora
+
+
+def test_merged_weights_equal_peft_merge(tiny_model_dir):
+    from actors.vllm_merge import base_weight_name, merged_weights, read_base_weights
+
+    peft_model = make_peft(tiny_model_dir)
+    lora = randomize_lora(peft_model, seed=5)
+    names = {base_weight_name(k) for k in lora}
+    assert "model.layers.0.self_attn.q_proj.weight" in names and len(names) == 14
+    merged = dict(merged_weights(read_base_weights(tiny_model_dir, names), lora, scale=16 / 8))
+    reference = peft_model.merge_and_unload().state_dict()
+    for name, w in merged.items():
+        assert (w - reference[name]).abs().max() < 1e-6, name
+    with pytest.raises(ValueError, match="no base weight"):
+        read_base_weights(tiny_model_dir, {"model.layers.9.self_attn.q_proj.weight"})
+
+
+@pytest.fixture(scope="module")
+def merged_generator(tiny_model_dir):
+    from actors.generator import MERGED_WORKER, Generator
+    from actors.vllm_engine import build_llm
+
+    llm = build_llm(tiny_model_dir, dtype="float32", seed=0, worker_extension_cls=MERGED_WORKER)
+    gen = Generator(llm, model_dir=tiny_model_dir, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=16,
+                    seed=0, max_prompt_length=64, lora_r=8, lora_alpha=16, lora_sync="merged")
+    yield gen
+    gen.close()
+    try:
+        llm.llm_engine.engine_core.shutdown(timeout=10)
+    except Exception:  # pragma: no cover - best effort
+        pass
+
+
+def test_merged_sync_matches_peft(merged_generator, tiny_model_dir):
+    from ppo_ray.modeling import load_causal_lm, load_tokenizer
+
+    gen = merged_generator
+    tok = load_tokenizer(str(tiny_model_dir))
+    hf = load_causal_lm(str(tiny_model_dir))
+    peft_model = make_peft(tiny_model_dir)
+    prompt = tok(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    cont = tok(" My friend stopped calling me.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    base_lp = continuation_logprobs(hf, prompt, cont)
+    assert (gen.sequence_logprobs(prompt, cont) - base_lp).abs().max() < TOL
+
+    zero = {k: torch.zeros_like(v) if ".lora_B." in k else v for k, v in randomize_lora(peft_model, seed=1).items()}
+    for version, seed in ((1, 1), (2, 2)):
+        w = randomize_lora(peft_model, seed=seed)
+        out = gen.load_adapter(version, w)
+        assert gen.version == version and out["bytes"] > 0 and gen._lora_request is None
+        lp = continuation_logprobs(peft_model, prompt, cont)
+        got = gen.sequence_logprobs(prompt, cont)
+        assert (got - lp).abs().max() < TOL and (got - base_lp).abs().max() > 0.05
+        batch = gen.generate(PROMPTS * 2, step=version)
+        assert batch.adapter_version == version
+        diff = (hf_logprobs(peft_model, batch) - batch.gen_logprobs).abs()[batch.response_mask]
+        assert diff.max() < TOL, f"max |vLLM merged - HF+PEFT| {diff.max():.2e}"
+
+    # back to version 0 (B = 0, a learner restarted without a checkpoint): the base weights exactly
+    gen.load_adapter(0, zero, restore=True)
+    assert gen.version == 0
+    assert (gen.sequence_logprobs(prompt, cont) - base_lp).abs().max() < TOL
+    with pytest.raises(ValueError, match="not newer"):
+        gen.load_adapter(0, zero)
