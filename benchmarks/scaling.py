@@ -49,11 +49,15 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def point(trainer, batch_size: int, warmup: int, steps: int, **labels: Any) -> dict:
-    """One measured point: medians (and the step's min / max) over the timed steps."""
+def point(trainer, batch_size: int, warmup: int, steps: int, max_load: Optional[float] = None, **labels: Any) -> dict:
+    """One measured point: medians (and the step's min / max) over the timed steps. With
+    max_load, first wait for the 1-min load average to fall below it (the previous point's
+    own load decays in a minute or two); the load before and after is recorded, so a point
+    that others' work overlapped shows it."""
+    before = wait_for_load(max_load)
     result = measure_trainer(trainer, prompt_batches(warmup + steps, batch_size), warmup)
     s = result["summary"]
-    out = {**labels, "batch_size": batch_size, "load_average": load_average()}
+    out = {**labels, "batch_size": batch_size, "load_before": before["load_average"], "load_after": load_average()}
     out.update({k: s[k]["median"] for k in KEEP})
     out["step_min"], out["step_max"] = s["step"]["min"], s["step"]["max"]
     print(f"[scaling] {labels} B={batch_size}: step {out['step']:.2f} s, {out['tokens_per_s']:.0f} tok/s",
@@ -62,7 +66,7 @@ def point(trainer, batch_size: int, warmup: int, steps: int, **labels: Any) -> d
 
 
 def sweep(preset: str, extra: Sequence[str], *, batch_sizes: list[int], lengths: list[int], replicas: list[int],
-          base_batch: int, base_length: int, steps: int, warmup: int) -> list[dict]:
+          base_batch: int, base_length: int, steps: int, warmup: int, max_load: Optional[float] = None) -> list[dict]:
     import ray
 
     from ppo_ray.trainer import PPOTrainer
@@ -84,7 +88,7 @@ def sweep(preset: str, extra: Sequence[str], *, batch_sizes: list[int], lengths:
             trainer = PPOTrainer(config)
             try:
                 for b in sizes:
-                    points.append(point(trainer, b, warmup, steps, max_new_tokens=t, num_generators=n))
+                    points.append(point(trainer, b, warmup, steps, max_load, max_new_tokens=t, num_generators=n))
             finally:
                 trainer.shutdown()
     finally:
@@ -102,13 +106,15 @@ def select(points: list[dict], *, batch: Optional[int] = None, length: Optional[
 
 def markdown(points: list[dict]) -> str:
     head = ("| prompts | tokens | replicas | step s (min-max) | generate s | learner s (fwd + update) | sync s | "
-            "overhead s | gen. tokens/s (step) | samples/s |\n|---|---|---|---|---|---|---|---|---|---|\n")
+            "overhead s | gen. tokens/s (step) | samples/s | load before / after |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|\n")
     rows = []
     for p in sorted(points, key=lambda p: (p["num_generators"], p["max_new_tokens"], p["batch_size"])):
         rows.append(f"| {p['batch_size']} | {p['max_new_tokens']} | {p['num_generators']} | "
                     f"{p['step']:.2f} ({p['step_min']:.2f}-{p['step_max']:.2f}) | {p['generate']:.2f} | "
                     f"{p['learner_forward'] + p['update']:.2f} | {p['sync']:.3f} | {p['overhead']:.3f} | "
-                    f"{p['tokens_per_s']:.0f} | {p['samples_per_s']:.2f} |")
+                    f"{p['tokens_per_s']:.1f} | {p['samples_per_s']:.2f} | {p['load_before'][0]:.2f} / "
+                    f"{p['load_after'][0]:.2f} |")
     return head + "\n".join(rows) + "\n"
 
 
@@ -162,7 +168,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--out_dir", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--wait_for_load", type=float, default=None,
-                        help="first wait (polling every 30 s, up to 20 min) until the 1-min load average is below this")
+                        help="before every point, wait (polling every 30 s, up to 20 min) until the 1-min load "
+                             "average is below this")
     args, extra = parser.parse_known_args(argv)
     grid = dict(QUICK if args.quick else FULL)
     for k in grid:
@@ -176,9 +183,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     result: dict[str, Any] = {
         "command": command.strip(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": machine_info(), "preset": args.preset, "grid": grid, "extra": list(extra),
-        "load_before": wait_for_load(args.wait_for_load),
     }
-    result["points"] = sweep(args.preset, extra, **grid)
+    result["points"] = sweep(args.preset, extra, **grid, max_load=args.wait_for_load)
     result["load_after"] = load_average()
     table = markdown(result["points"])
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -288,7 +288,11 @@ def measure_trainer(trainer, batches: Sequence[Sequence[str]], warmup: int) -> d
         flat = [p for batch in batches for p in batch]
         outs = trainer.train(flat, steps=len(batches), progress=False)
     else:
-        outs = [trainer.ppo_step(batch) for batch in batches]
+        outs = []
+        for i, batch in enumerate(batches):
+            outs.append(trainer.ppo_step(batch))
+            print(f"[benchmarks] ours: step {i + 1}/{len(batches)}{' (warm-up)' if i < warmup else ''} "
+                  f"{outs[-1]['time/step_s']:.2f} s", file=sys.stderr, flush=True)
     per_step = [ours_phases(out, overlap) for out in outs[warmup:]]
     return {"per_step": per_step, "summary": summarise(per_step), "overlap": overlap}
 
@@ -442,6 +446,8 @@ def run_baseline(config, batches: Sequence[Sequence[str]], warmup: int, threads:
         per_step = []
         for i, batch in enumerate(batches):
             phases = baseline.step(batch, i)
+            print(f"[benchmarks] baseline: step {i + 1}/{len(batches)}{' (warm-up)' if i < warmup else ''} "
+                  f"{phases['step']:.2f} s", file=sys.stderr, flush=True)
             if i >= warmup:
                 per_step.append(phases)
         peak = _status_kib("self", "VmHWM")
