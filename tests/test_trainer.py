@@ -35,8 +35,11 @@ def _assert_generator_matches_learner(trainer):
     assert diff.numel() > 0 and diff.max() < 1e-4, f"max |generator - learner| logprob = {diff.max():.2e}"
 
 
-def test_generator_and_learner_agree_before_any_sync(tiny_trainer):
-    assert tiny_trainer.version == 0
+def test_generator_and_learner_agree_at_the_current_version(tiny_trainer):
+    """Before any sync when this module runs first; the session trainer may have been
+    stepped by earlier modules (e.g. test_benchmarks), and the agreement must hold at any
+    version."""
+    assert tiny_trainer.version == ray.get(tiny_trainer.roles.learner.version.remote())
     _assert_generator_matches_learner(tiny_trainer)
 
 
