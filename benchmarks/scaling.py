@@ -21,7 +21,9 @@ unset = the whole batch), so the PPO math per point is the same. The single-proc
 is not part of the sweep (benchmarks.step measures it).
 
 --quick: batches 8,16,32 at 32 tokens; lengths 16,32,64 at 16 prompts; 1 vs 2 replicas;
-1 warm-up + 2 timed steps (a few minutes on the "small" preset, 2 cores).
+1 warm-up + 2 timed steps (~20 minutes on the "small" preset, 2 cores).
+--points BxT[xN],...: measure only those points and merge them into the existing JSON (the
+same name), e.g. to re-measure points that other work on a shared machine overlapped.
 """
 
 from __future__ import annotations
@@ -65,20 +67,36 @@ def point(trainer, batch_size: int, warmup: int, steps: int, max_load: Optional[
     return out
 
 
-def sweep(preset: str, extra: Sequence[str], *, batch_sizes: list[int], lengths: list[int], replicas: list[int],
-          base_batch: int, base_length: int, steps: int, warmup: int, max_load: Optional[float] = None) -> list[dict]:
+def grid_plans(*, batch_sizes: list[int], lengths: list[int], replicas: list[int], base_batch: int,
+               base_length: int, **_: Any) -> list[tuple[int, int, list[int]]]:
+    """The trainers to build: (response length, replicas, the batch sizes run on it)."""
+    plans: list[tuple[int, int, list[int]]] = []
+    for t in sorted(set(lengths) | {base_length}):
+        sizes = sorted(set(batch_sizes) | {base_batch}) if t == base_length else [base_batch]
+        plans.append((t, 1, sizes))
+    return plans + [(base_length, n, [base_batch]) for n in replicas if n != 1]
+
+
+def parse_points(text: str) -> list[tuple[int, int, list[int]]]:
+    """"BxT[xN],..." (prompts x tokens [x replicas]) -> plans, one trainer per (T, N)."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for item in text.split(","):
+        parts = [int(x) for x in item.strip().lower().split("x")]
+        if len(parts) not in (2, 3):
+            raise SystemExit(f"--points: {item!r} is not BxT or BxTxN")
+        b, t, n = parts[0], parts[1], parts[2] if len(parts) == 3 else 1
+        groups.setdefault((t, n), []).append(b)
+    return [(t, n, sorted(set(sizes))) for (t, n), sizes in sorted(groups.items())]
+
+
+def sweep(preset: str, extra: Sequence[str], plans: list[tuple[int, int, list[int]]], *, steps: int, warmup: int,
+          max_load: Optional[float] = None) -> list[dict]:
     import ray
 
     from ppo_ray.trainer import PPOTrainer
 
     started = connect_ray()
     points: list[dict] = []
-    # (response length, replicas, batch sizes run on that trainer, sweep names)
-    plans: list[tuple[int, int, list[int]]] = []
-    for t in sorted(set(lengths) | {base_length}):
-        sizes = sorted(set(batch_sizes) | {base_batch}) if t == base_length else [base_batch]
-        plans.append((t, 1, sizes))
-    plans += [(base_length, n, [base_batch]) for n in replicas if n != 1]
     try:
         for t, n, sizes in plans:
             args = [*extra, "--max_new_tokens", str(t), "--num_generators", str(n), "--batch_size", str(max(sizes))]
@@ -166,6 +184,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--base_length", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--points", default=None,
+                        help="measure only these points, 'BxT[xN],...', and merge them into the existing JSON of "
+                             "the same name (re-measuring points that others' work overlapped)")
     parser.add_argument("--out_dir", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--wait_for_load", type=float, default=None,
                         help="before every point, wait (polling every 30 s, up to 20 min) until the 1-min load "
@@ -184,8 +205,21 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "command": command.strip(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": machine_info(), "preset": args.preset, "grid": grid, "extra": list(extra),
     }
-    result["points"] = sweep(args.preset, extra, **grid, max_load=args.wait_for_load)
+    plans = parse_points(args.points) if args.points else grid_plans(**grid)
+    points = sweep(args.preset, extra, plans, steps=grid["steps"], warmup=grid["warmup"], max_load=args.wait_for_load)
+    for p in points:
+        p["date"] = result["date"]
     result["load_after"] = load_average()
+    existing = out_dir / f"{name}.json"
+    if args.points and existing.exists():  # merge: the new points replace the old ones at the same (B, T, N)
+        old = json.loads(existing.read_text())
+        key = lambda p: (p["batch_size"], p["max_new_tokens"], p["num_generators"])  # noqa: E731
+        new_keys = {key(p) for p in points}
+        points = [p for p in old["points"] if key(p) not in new_keys] + points
+        result["grid"] = old["grid"]
+        result["commands"] = old.get("commands", [old["command"]]) + [result["command"]]
+    result["points"] = points
+    grid = result["grid"]
     table = markdown(result["points"])
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out_dir / f"{name}.md").write_text(table)
