@@ -9,19 +9,23 @@ and the KL to the SFT model is defined on the full distributions).
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from learner.algos import logprobs_from_logits
+from learner.buffer import rollouts_to
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.modeling import load_causal_lm, response_logits
 
 
 class ReferenceScorer:
     def __init__(self, model_name: str, *, temperature: float = 1.0, dtype: str = "float32",
-                 micro_batch_size: int = 8):
-        self.model = load_causal_lm(model_name, dtype)
+                 micro_batch_size: int = 8, device: Optional[str] = None):
+        # The GPU Ray gave this actor (scorer_num_gpus > 0 sets CUDA_VISIBLE_DEVICES), else the CPU.
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = load_causal_lm(model_name, dtype).to(self.device)
         self.model.requires_grad_(False)
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
@@ -34,10 +38,10 @@ class ReferenceScorer:
         out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)  # (B, T)
         for start in range(0, len(batch), self.micro_batch_size):
             rows = list(range(start, min(start + self.micro_batch_size, len(batch))))
-            micro = batch.select(rows).trimmed()
+            micro = rollouts_to(batch.select(rows).trimmed(), self.device)
             logits = response_logits(self.model, micro)  # (b, t, V)
             t = micro.response_ids.shape[1]
             out[rows, :t] = logprobs_from_logits(logits, micro.response_ids, self.temperature,
-                                                 mask=micro.response_mask)
+                                                 mask=micro.response_mask).cpu()
         self.last_seconds = time.perf_counter() - t0
         return out

@@ -29,6 +29,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from learner.buffer import rollouts_to
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.modeling import last_token_hidden, load_reward_model, resolve_model_path
 
@@ -82,12 +83,15 @@ def check_reward_model(name: str) -> None:
 class RewardScorer:
     def __init__(self, reward_model_name: Optional[str] = None, reward_funcs: Sequence[str] = (),
                  weights: Sequence[float] = (), *, missing_eos_penalty: Optional[float] = None,
-                 nonfinite: str = "error", dtype: str = "float32", micro_batch_size: int = 8):
+                 nonfinite: str = "error", dtype: str = "float32", micro_batch_size: int = 8,
+                 device: Optional[str] = None):
         if reward_model_name is None and not reward_funcs:
             raise RewardError("no reward source: set reward_model_name and/or reward_funcs")
         if reward_model_name:
             check_reward_model(reward_model_name)
-        self.model = load_reward_model(reward_model_name, dtype) if reward_model_name else None
+        # The GPU Ray gave this actor (scorer_num_gpus > 0 sets CUDA_VISIBLE_DEVICES), else the CPU.
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = load_reward_model(reward_model_name, dtype).to(self.device) if reward_model_name else None
         self.funcs = [(spec, import_reward_fn(spec)) for spec in reward_funcs]
         n = len(self.funcs) + (self.model is not None)
         self.weights = list(weights) if weights else [1.0] * n
@@ -104,8 +108,8 @@ class RewardScorer:
         out = []
         for start in range(0, len(batch), self.micro_batch_size):
             micro = batch.select(range(start, min(start + self.micro_batch_size, len(batch)))).trimmed()
-            hidden = last_token_hidden(backbone, micro)               # (b, H)
-            out.append(self.model.score(hidden).float().squeeze(-1))  # (b,)
+            hidden = last_token_hidden(backbone, rollouts_to(micro, self.device))  # (b, H)
+            out.append(self.model.score(hidden).float().squeeze(-1).cpu())         # (b,)
         return torch.cat(out)
 
     def function_scores(self, spec: str, fn: RewardFn, batch: RolloutBatch) -> Tensor:

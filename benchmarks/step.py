@@ -330,22 +330,24 @@ class Baseline:
     """One process, no Ray, no vLLM: HF generate -> reference (adapter disabled) -> reward ->
     Learner.update, on the same config (TRL-style PPO with a PEFT policy)."""
 
-    def __init__(self, config):
+    def __init__(self, config, device: str = "cpu"):
         from actors.reward import RewardScorer
         from learner.learner import Learner
         from ppo_ray.modeling import load_tokenizer, resolve_model_path
 
         self.config = config
+        self.device = device
         model_dir = resolve_model_path(config.model_name)
         value_dir = resolve_model_path(config.value_model_name) if config.value_model_name else None
         self.tokenizer = load_tokenizer(model_dir)
-        self.learner = Learner(config, model_dir, value_dir, device="cpu")
-        self.reward = RewardScorer(None, config.reward_funcs, config.reward_weights,
+        self.learner = Learner(config, model_dir, value_dir, device=device)
+        self.reward = RewardScorer(config.reward_model_name, config.reward_funcs, config.reward_weights,
                                    missing_eos_penalty=config.missing_eos_penalty, nonfinite=config.nonfinite_reward,
-                                   dtype=config.dtype, micro_batch_size=config.micro_batch_size)
+                                   dtype=config.dtype, micro_batch_size=config.micro_batch_size, device=device)
 
-    def generate(self, prompts: Sequence[str], step: int):
-        """HF generate with the policy (its current LoRA) -> RolloutBatch in our layout."""
+    def generate(self, prompts: Sequence[str], step: int, prompt_ids: Optional[Sequence[Sequence[int]]] = None):
+        """HF generate with the policy (its current LoRA) -> RolloutBatch in our layout (CPU
+        tensors). `prompt_ids`: token ids to use instead of encoding `prompts`."""
         import torch
 
         from ppo_ray.batch import RolloutBatch
@@ -353,7 +355,8 @@ class Baseline:
 
         cfg, tok = self.config, self.tokenizer
         pad, eos = int(tok.pad_token_id), int(tok.eos_token_id)
-        ids = encode_prompts(tok, list(prompts), cfg.max_prompt_length, cfg.prompt_truncation)
+        ids = ([list(x) for x in prompt_ids] if prompt_ids is not None
+               else encode_prompts(tok, list(prompts), cfg.max_prompt_length, cfg.prompt_truncation))
         b, p = len(ids), max(len(x) for x in ids)
         prompt_ids = torch.full((b, p), pad, dtype=torch.long)  # (B, P) left-padded
         prompt_mask = torch.zeros((b, p), dtype=torch.bool)
@@ -365,18 +368,20 @@ class Baseline:
         policy.eval()
         with torch.no_grad():
             out = policy.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask.long(), do_sample=True,
+                input_ids=prompt_ids.to(self.device), attention_mask=prompt_mask.long().to(self.device), do_sample=True,
                 temperature=cfg.temperature, top_k=cfg.top_k if cfg.top_k > 0 else 0, top_p=cfg.top_p,
                 max_new_tokens=cfg.max_new_tokens, eos_token_id=eos, pad_token_id=pad,
                 output_scores=True, return_dict_in_generate=True)
-        response = out.sequences[:, p:]  # (B, T) HF pads finished rows with pad
+        response = out.sequences[:, p:].cpu()  # (B, T) HF pads finished rows with pad
         t = response.shape[1]
         is_eos = response == eos
         first_eos = torch.where(is_eos, torch.arange(t), torch.full_like(response, t)).amin(dim=1)  # (B,)
         response_mask = torch.arange(t)[None, :] <= first_eos[:, None]  # up to and including EOS
         # The processed scores (after temperature / top-k / top-p) are what was sampled from.
         scores = torch.stack(out.scores, dim=1).float()  # (B, T, V)
-        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, response[..., None]).squeeze(-1)  # (B, T)
+        logprobs = torch.log_softmax(scores, dim=-1).gather(
+            -1, response[..., None].to(scores.device)).squeeze(-1).cpu()  # (B, T)
+        del scores, out
         gen_logprobs = torch.where(response_mask, logprobs, torch.zeros(()))
         has_eos = first_eos < t
         lengths = response_mask.sum(dim=1)
@@ -394,6 +399,7 @@ class Baseline:
         import torch
 
         from learner.algos import logprobs_from_logits
+        from learner.buffer import rollouts_to
         from ppo_ray.modeling import response_logits
 
         cfg = self.config
@@ -402,23 +408,25 @@ class Baseline:
         with torch.no_grad(), policy.disable_adapter():
             for start in range(0, len(batch), cfg.micro_batch_size):
                 rows = list(range(start, min(start + cfg.micro_batch_size, len(batch))))
-                micro = batch.select(rows).trimmed()
+                micro = rollouts_to(batch.select(rows).trimmed(), self.device)
                 logits = response_logits(policy, micro)  # (b, t, V)
                 t = micro.response_ids.shape[1]
                 out[rows, :t] = logprobs_from_logits(logits, micro.response_ids, cfg.temperature,
-                                                     mask=micro.response_mask)
+                                                     mask=micro.response_mask).cpu()
         return out
 
-    def step(self, prompts: Sequence[str], step: int) -> dict[str, float]:
+    def step(self, prompts: Sequence[str], step: int,
+             prompt_ids: Optional[Sequence[Sequence[int]]] = None) -> dict[str, float]:
+        sync = _synchronizer(self.device)  # phase boundaries wait for the GPU's queued work
         t0 = time.perf_counter()
-        batch = self.generate(prompts, step)
-        t1 = time.perf_counter()
+        batch = self.generate(prompts, step, prompt_ids)
+        t1 = sync()
         ref = self.reference_logprobs(batch)
-        t2 = time.perf_counter()
+        t2 = sync()
         scores, _ = self.reward.score(batch)
-        t3 = time.perf_counter()
+        t3 = sync()
         stats, _weights = self.learner.update(batch, ref, scores)
-        t4 = time.perf_counter()
+        t4 = sync()
         tokens = float(batch.response_mask.sum())
         step_s = t4 - t0
         fwd = stats["learner_forward_s"]
@@ -429,6 +437,17 @@ class Baseline:
         phases.update(response_tokens=tokens, tokens_per_s=tokens / step_s, samples_per_s=len(prompts) / step_s,
                       generate_tokens_per_s=tokens / phases["generate"])
         return phases
+
+
+def _synchronizer(device: str):
+    """() -> perf_counter() after the device's queued work is done (a no-op wait on the CPU)."""
+    import torch
+
+    def now() -> float:
+        if str(device).startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter()
+    return now
 
 
 def run_baseline(config, batches: Sequence[Sequence[str]], warmup: int, threads: Optional[int] = None) -> dict:

@@ -129,7 +129,7 @@ def last_token_hidden(backbone, batch: RolloutBatch) -> Tensor:
     out = backbone(input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids,
                    use_cache=False)
     last = batch.prompt_len - 1 + batch.response_lengths  # (B,) column of the last real token
-    rows = torch.arange(len(batch))
+    rows = torch.arange(len(batch), device=last.device)
     return out.last_hidden_state[rows, last]  # (B, H)
 
 

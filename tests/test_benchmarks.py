@@ -101,3 +101,25 @@ def test_step_benchmark_command(tmp_path):
     assert json.loads(proc.stdout) == result
     check_report(result, steps=2)
     assert result["config"]["max_new_tokens"] == 8 and result["ours"]["startup_s"] > 0
+
+
+def test_gpu_step_benchmark_on_cpu(tmp_path):
+    """benchmarks/gpu_step.py (run on the lent GPU, which has no Ray/vLLM) works end to end on
+    its 2-layer miniature: every phase measured, tokens counted, the one-off phases run and
+    the JSON written."""
+    from benchmarks.gpu_step import main
+
+    out = tmp_path / "gpu.json"
+    result = main(["--model", "test", "--batch_sizes", "4", "--steps", "1", "--warmup", "0", "--prompt_len", "8:12",
+                   "--max_new_tokens", "4", "--device", "cpu", "--out", str(out)])
+    assert json.loads(out.read_text())["runs"][0]["batch_size"] == 4
+    run = result["runs"][0]
+    summary = run["summary"]
+    for phase in ("generate", "reference", "reward", "learner_forward", "update", "lora_export", "step"):
+        assert summary[phase]["median"] > 0, phase
+    assert summary["response_tokens"]["median"] == 4 * 4  # random weights: no EOS, every response runs to the limit
+    assert 4 * 8 <= summary["prompt_tokens"]["median"] <= 4 * 12
+    assert summary["lora_mib"]["median"] > 0
+    for key in ("reference_actor_s", "lora_merge_s", "generate_merged_s"):
+        assert run[key] > 0, key
+    assert result["parameters"] > 0 and result["model_shape"]["vocab_size"] == 151936
