@@ -246,7 +246,7 @@ def actor_memory(roles) -> dict[str, dict]:
                 "children_peak_rss_kib": sum(hwm(c.pid) for c in children), "children": len(children),
                 "torch_threads": _torch.get_num_threads(), "omp_num_threads": _os.environ.get("OMP_NUM_THREADS")}
 
-    names = [f"generator-{i}" for i in range(len(roles.generators))] + ["reference", "reward", "learner"]
+    names = roles.names()
     raw = ray.get([a.__ray_call__.remote(probe) for a in roles.all()])
     out = {}
     for name, r in zip(names, raw):

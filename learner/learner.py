@@ -33,6 +33,7 @@ Choices, and where they come from:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, replace
@@ -97,6 +98,11 @@ def _check_tensors(what: str, mine: dict[str, Tensor], theirs: dict[str, Tensor]
                 f"{tuple(v.shape)} (different lora_r or model?)")
 
 
+def _tensors(scores: "RolloutScores") -> list[Optional[Tensor]]:
+    """The fields in order, as the tensors themselves (dataclasses.astuple would copy them)."""
+    return [getattr(scores, f.name) for f in dataclasses.fields(scores)]
+
+
 @dataclass
 class RolloutScores:
     """The learner's no-grad view of a batch (step 1); fields not asked for are None."""
@@ -137,6 +143,78 @@ class Learner:
         self.value_optimizer = torch.optim.Adam(self.value_params, lr=config.value_learning_rate, eps=ADAM_EPS)
         self.version = 0
         self.last_experience: Optional[Experience] = None  # the latest update's per-token data (inspection)
+        self.rank, self.world_size = 0, 1  # data parallelism: see join_group
+
+    # ------------------------------------------------------------------ data parallelism
+    def join_group(self, init_method: str, rank: int, world_size: int, timeout_s: float = 120.0) -> None:
+        """Become rank `rank` of a data-parallel group of `world_size` learners (gloo on the
+        CPU, NCCL on GPUs), leaving any group this process was in (a re-formed group after a
+        restart). Rank 0's trainable tensors are broadcast so every member starts equal.
+
+        In update() each member then runs the no-grad pass on rows rank::world_size and the
+        PPO epochs on its rows of every minibatch (the same seeded permutation everywhere);
+        the per-token results of the pass and every minibatch's gradients are summed across
+        the group (all_reduce). Losses are divided by the WHOLE minibatch's token (or row)
+        count, so the summed gradient is exactly the one learner's token mean, uneven shards
+        included; the update differs from one learner's only in float summation order."""
+        import datetime
+
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        self.rank, self.world_size = rank, world_size
+        with torch.no_grad():
+            for p in [*self.policy_params, *self.value_params]:
+                dist.broadcast(p.data, src=0)
+
+    def _sum_across_group(self, tensors: list[Tensor]) -> None:
+        """In-place all_reduce(SUM) of same-dtype tensors through one flat buffer."""
+        if self.world_size == 1 or not tensors:
+            return
+        import torch.distributed as dist
+
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    def _sum_gradients(self) -> None:
+        """Sum the group's gradients of both models (a member without rows in a minibatch
+        contributes zeros)."""
+        if self.world_size == 1:
+            return
+        params = [*self.policy_params, *self.value_params]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            self._sum_across_group(grads)
+
+    def _group_rollout_pass(self, batch: RolloutBatch, plan: TrimPlan, **what: bool) -> RolloutScores:
+        """_rollout_pass over this member's rows (rank::world_size), the others' rows filled
+        in by a sum across the group; the whole batch's pass for a single learner."""
+        if self.world_size == 1:
+            return self._rollout_pass(batch, plan, **what)
+        rows = list(range(self.rank, len(batch), self.world_size))
+        out = RolloutScores(*[torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=self.device)
+                              if what.get(name) else None for name in ("logprobs", "full", "entropy", "values")])
+        if rows:
+            mine = self._rollout_pass(batch.select(rows), **what)
+            for full, part in zip(_tensors(out), _tensors(mine)):
+                if full is not None:
+                    full[rows, :part.shape[1]] = part
+        # Rows of other members are 0 here; -inf (tokens outside top-k/top-p) survives the sum.
+        self._sum_across_group([t for t in _tensors(out) if t is not None])
+        return out
 
     # ------------------------------------------------------------------ LoRA export
     def lora_weights(self) -> dict[str, Tensor]:
@@ -317,7 +395,7 @@ class Learner:
 
         # 1. Old logprobs / values: no-grad forward in eval mode. Truncated + tempered logprobs
         #    for the PPO ratio; full-softmax logprobs at temperature for the KL; old values.
-        fwd = self._rollout_pass(batch, plan, logprobs=True, full=True, entropy=True, values=True)
+        fwd = self._group_rollout_pass(batch, plan, logprobs=True, full=True, entropy=True, values=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # only to time the forward honestly
         forward_s = time.perf_counter() - t_start
@@ -388,7 +466,8 @@ class Learner:
         stats.update(dropped_samples=float(dropped), tokens=float(n_tokens), learner_forward_s=forward_s,
                      stale_versions=float(stale),
                      update_s=time.perf_counter() - t_start, version=self.version)
-        return stats, self.lora_weights()
+        # Every member holds the same adapter; only rank 0's copy goes to the generators.
+        return stats, (self.lora_weights() if self.rank == 0 else {})
 
     # ------------------------------------------------------------------ step 7
     def _normalizer(self, mask: Tensor) -> Tensor:
@@ -420,9 +499,11 @@ class Learner:
         self.value_optimizer.zero_grad(set_to_none=True)
         for _ in range(cfg.ppo_epochs):
             for index in buffer.minibatch_indices(gen):
+                # the whole minibatch's counts, also in a group (each member has a share of its rows)
                 pg_norm = self._normalizer(exp.policy_mask[index])
                 v_norm = self._normalizer(exp.mask[index])
-                for micro in buffer.micro_batches(index):
+                local = index[self.rank::self.world_size]  # this member's rows (all of them alone)
+                for micro in (buffer.micro_batches(local) if len(local) else ()):
                     pg_loss, v_loss, st = self._micro_losses(micro, pg_norm, v_norm)
                     (pg_loss + v_loss).backward()
                     n_pg = micro.policy_mask.sum()
@@ -437,7 +518,9 @@ class Learner:
                     if n_steps == 0:  # before any optimiser step
                         first_ratio += st["ratio_mean"] * n_pg
                         first_tokens += n_pg
-                # Per minibatch: clip each model's gradient norm, then step both optimisers.
+                # Per minibatch: sum the group's gradients, clip each model's gradient norm,
+                # then step both optimisers (identically on every member).
+                self._sum_gradients()
                 sums["policy_grad_norm"] += torch.nn.utils.clip_grad_norm_(self.policy_params, max_norm)
                 sums["value_grad_norm"] += torch.nn.utils.clip_grad_norm_(self.value_params, max_norm)
                 self.policy_optimizer.step()
@@ -447,6 +530,10 @@ class Learner:
                 n_steps += 1
         self.policy.eval()
         self.value_model.eval()
+        # the group's sums of the per-token stats (grad norms are already the group's)
+        self._sum_across_group([sums[k] for k in ("policy_loss", "value_loss", "approx_kl", "clipfrac", "ratio_mean",
+                                                  "outside_support_frac", "vf_clipfrac")]
+                               + [pg_tokens, v_tokens, first_ratio, first_tokens])
 
         out = {k: sums[k] / n_steps for k in ("policy_loss", "value_loss", "policy_grad_norm", "value_grad_norm")}
         for k in ("approx_kl", "clipfrac", "ratio_mean", "outside_support_frac"):

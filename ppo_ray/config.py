@@ -189,8 +189,10 @@ class PPOConfig:
     """CPUs reserved per generator actor."""
     generator_num_gpus: float = 0.0
     """GPUs (fractional allowed) per generator actor; 0 on a CPU-only machine."""
+    num_learners: int = 1
+    """Learner workers training one policy data-parallel (torch.distributed: gloo on CPUs, NCCL on GPUs); each takes a shard of every minibatch and the gradients are all-reduced."""
     learner_num_cpus: float = 1.0
-    """CPUs reserved for the learner actor."""
+    """CPUs reserved per learner actor."""
     learner_num_gpus: float = 0.0
     """GPUs per learner actor."""
     scorer_num_cpus: float = 0.0
@@ -232,7 +234,7 @@ class PPOConfig:
         need(self.top_k == -1 or self.top_k >= 0, "top_k", "must be >= 0 (0 or -1 = off)")
         for name in ("batch_size", "lora_r", "lora_alpha", "max_new_tokens", "ppo_epochs", "sft_epochs",
                      "rm_epochs", "stage_batch_size", "eval_size",
-                     "micro_batch_size", "max_prompt_length", "num_generators", "steps"):
+                     "micro_batch_size", "max_prompt_length", "num_generators", "num_learners", "steps"):
             need(getattr(self, name) >= 1, name, "must be >= 1")
         need(self.lora_r <= max(VLLM_LORA_RANKS), "lora_r",
              f"must be <= {max(VLLM_LORA_RANKS)}, the largest LoRA rank the vLLM generator supports "

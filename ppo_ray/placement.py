@@ -141,6 +141,20 @@ class LearnerHost:
 
         self.learner = Learner(config, model_dir, value_model_dir)
 
+    def rendezvous_address(self) -> str:
+        """tcp://<this node's IP>:<a free port>: where rank 0 of the learner group listens."""
+        import socket
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ip}:{port}"
+
+    def join_group(self, init_method: str, rank: int, world_size: int, timeout_s: float) -> int:
+        self.learner.join_group(init_method, rank, world_size, timeout_s)
+        return rank
+
     def current_weights(self) -> tuple[int, dict]:
         """(version, LoRA weights) of the policy now: what a (re)started generator needs."""
         return self.learner.version, self.learner.lora_weights()
@@ -177,24 +191,35 @@ class Roles:
     generators: list[ActorHandle]
     reference: ActorHandle
     reward: ActorHandle
-    learner: ActorHandle
+    learners: list[ActorHandle]  # rank order; rank 0 exports the LoRA weights
+
+    @property
+    def learner(self) -> ActorHandle:
+        """Rank 0 of the learner group (the only learner when num_learners is 1)."""
+        return self.learners[0]
+
+    def names(self) -> list[str]:
+        """Role names in all()'s order, as in the actor names ppo/<role>."""
+        learners = ["learner"] if len(self.learners) == 1 else [f"learner-{i}" for i in range(len(self.learners))]
+        return [f"generator-{i}" for i in range(len(self.generators))] + ["reference", "reward", *learners]
 
     def all(self) -> list[ActorHandle]:
-        return [*self.generators, self.reference, self.reward, self.learner]
+        return [*self.generators, self.reference, self.reward, *self.learners]
 
 
 def _check_capacity(config: PPOConfig) -> None:
     """Fail fast, naming the shortfall, instead of hanging on actors that cannot be placed."""
-    need_cpu = (config.num_generators * config.generator_num_cpus + config.learner_num_cpus
+    need_cpu = (config.num_generators * config.generator_num_cpus + config.num_learners * config.learner_num_cpus
                 + 2 * config.scorer_num_cpus)
-    need_gpu = (config.num_generators * config.generator_num_gpus + config.learner_num_gpus
+    need_gpu = (config.num_generators * config.generator_num_gpus + config.num_learners * config.learner_num_gpus
                 + 2 * config.scorer_num_gpus)
     have = ray.cluster_resources()
     for name, need, key in (("CPUs", need_cpu, "CPU"), ("GPUs", need_gpu, "GPU")):
         if need > have.get(key, 0.0) + 1e-9:
             raise ClusterError(
                 f"the config asks for {need:g} {name} in all (num_generators={config.num_generators} x "
-                f"generator_num_{key.lower()}s, learner, 2 scorers) but the Ray cluster has "
+                f"generator_num_{key.lower()}s, num_learners={config.num_learners} x learner_num_{key.lower()}s, "
+                f"2 scorers) but the Ray cluster has "
                 f"{have.get(key, 0.0):g}; lower the *_num_{key.lower()}s fields or add nodes")
 
 
@@ -223,19 +248,31 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
                                                    config.scorer_num_gpus)).remote(config, ref_model_dir)
     rew = ray.remote(RewardHost).options(**opts("reward", config.scorer_num_cpus,
                                                 config.scorer_num_gpus)).remote(config, reward_model_dir)
-    learner = ray.remote(LearnerHost).options(**opts("learner", config.learner_num_cpus,
-                                                     config.learner_num_gpus)).remote(
-        config, model_dir, value_model_dir)
-    roles = Roles(gens, ref, rew, learner)
+    learner_names = (["learner"] if config.num_learners == 1
+                     else [f"learner-{i}" for i in range(config.num_learners)])
+    learners = [ray.remote(LearnerHost).options(**opts(name, config.learner_num_cpus, config.learner_num_gpus)).remote(
+        config, model_dir, value_model_dir) for name in learner_names]
+    roles = Roles(gens, ref, rew, learners)
     wait_ready(roles)
+    form_learner_group(roles)
     return roles
+
+
+def form_learner_group(roles: Roles, timeout_s: float = 120.0) -> None:
+    """Join the learners into one torch.distributed group (rank = position in roles.learners;
+    rank 0's node hosts the rendezvous). Also re-forms it after a learner was restarted (each
+    member leaves its old group first). No-op for a single learner."""
+    if len(roles.learners) == 1:
+        return
+    address = ray.get(roles.learners[0].rendezvous_address.remote())
+    ray.get([actor.join_group.remote(address, rank, len(roles.learners), timeout_s)
+             for rank, actor in enumerate(roles.learners)])
 
 
 def wait_ready(roles: Roles) -> None:
     """Block until every actor's constructor finished (engine start, model loads), so step 1
     is timed honestly and a role that cannot start is named instead of surfacing mid-step."""
-    names = [f"generator-{i}" for i in range(len(roles.generators))] + ["reference", "reward", "learner"]
-    for name, actor in zip(names, roles.all()):
+    for name, actor in zip(roles.names(), roles.all()):
         try:
             ray.get(actor.__ray_ready__.remote())
         except ray.exceptions.RayActorError as e:

@@ -30,7 +30,7 @@ from ppo_ray.config import PPOConfig
 from ppo_ray.data import encode_prompts
 from ppo_ray.metrics import TrainingMetrics
 from ppo_ray.modeling import load_tokenizer, resolve_model_path
-from ppo_ray.placement import Roles, create_roles, init_ray, split_evenly
+from ppo_ray.placement import Roles, create_roles, form_learner_group, init_ray, split_evenly
 
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,10 @@ class PPOTrainer:
         scores_ref, reward_stats_ref = roles.reward.score.remote(*parts)
 
         # 5-11. The learner: old logprobs/values, KL, shaped rewards, TD, GAE, returns, PPO.
-        stats_ref, weights_ref = roles.learner.update.remote(ref_logprobs, scores_ref, *parts)
+        # Every learner of the group gets the same refs and takes its own shard of the rows;
+        # rank 0's stats and weights speak for the group (all hold the same adapter).
+        updates = [learner.update.remote(ref_logprobs, scores_ref, *parts) for learner in roles.learners]
+        stats_ref, weights_ref = updates[0]
         next_rollouts = self._generate(*prefetch) if prefetch is not None else None
 
         summaries = ray.get(summaries)
@@ -126,7 +129,7 @@ class PPOTrainer:
         if len(versions) != 1 or not behind <= ({0, 1} if cfg.overlap_generation else {0}):
             raise StaleAdapterError(f"generators sampled with adapter versions {sorted(versions)} "
                                     f"but the learner is at version {self.version}")
-        stats = ray.get(stats_ref)  # raises the learner's own error (e.g. stale rollouts)
+        stats = ray.get([u[0] for u in updates])[0]  # raises a learner's own error (e.g. stale rollouts)
         t_update_done = time.perf_counter()
         if next_rollouts is not None:  # the sync queues behind the prefetched generation
             ray.get(next_rollouts[1])
@@ -224,7 +227,8 @@ class PPOTrainer:
         """Continue from a checkpoint (a step-NNNNNN directory, or a run directory: its
         latest). Refuses one written with an incompatible config (CheckpointError)."""
         ckpt, learner_state, state = load_checkpoint(path, self.config)
-        version = ray.get(self.roles.learner.load_state_dict.remote(learner_state))
+        versions = ray.get([learner.load_state_dict.remote(learner_state) for learner in self.roles.learners])
+        version = versions[0]
         weights = ray.put(learner_state["policy"])
         ray.get([g.load_adapter.remote(version, weights, True) for g in self.roles.generators])
         self.version, self.step = version, int(state["step"])
@@ -238,8 +242,7 @@ class PPOTrainer:
     # ------------------------------------------------------------------ faults
     def _role_name(self, error: BaseException) -> str:
         actor_id = getattr(error, "actor_id", None)
-        names = {f"generator-{i}": g for i, g in enumerate(self.roles.generators)}
-        names.update(reference=self.roles.reference, reward=self.roles.reward, learner=self.roles.learner)
+        names = dict(zip(self.roles.names(), self.roles.all()))
         for name, actor in names.items():
             if actor_id and actor._actor_id.hex() == actor_id:
                 return name
@@ -271,7 +274,11 @@ class PPOTrainer:
         current adapter, and if the learner lost its state roll the run back to the last
         checkpoint (or to step 0 without one). Returns True if the run was rolled back."""
         self._wait_for_actors()
-        if ray.get(self.roles.learner.version.remote()) != self.version:  # a fresh learner
+        learner_versions = ray.get([learner.version.remote() for learner in self.roles.learners])
+        if any(v != self.version for v in learner_versions):  # a fresh learner
+            # A restarted member left the group (and the others' collectives failed): re-form
+            # it, then every member loads the same checkpoint (or the initial state).
+            form_learner_group(self.roles)
             latest = None
             if self.run_dir is not None:
                 try:
@@ -281,6 +288,11 @@ class PPOTrainer:
             if latest is not None:
                 self.restore(latest)
             else:  # no checkpoint yet: the restarted learner is the run's initial state
+                if len(self.roles.learners) > 1:  # the survivors are not: restart them too
+                    for learner in self.roles.learners:
+                        ray.kill(learner, no_restart=False)
+                    self._wait_for_actors()
+                    form_learner_group(self.roles)
                 version, weights = ray.get(self.roles.learner.current_weights.remote())
                 ray.get([g.load_adapter.remote(version, weights, True) for g in self.roles.generators])
                 self.version, self.step, self._order = version, 0, []

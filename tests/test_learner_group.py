@@ -1,0 +1,81 @@
+"""The data-parallel learner group (config.num_learners, Learner.join_group): two learner
+actors (gloo, each on its shard of every minibatch, gradients all-reduced) give the same
+update as one learner on the same rollouts.
+
+Tolerance: 1e-5 absolute on every LoRA / value tensor, 1e-5 absolute or relative (the
+gradient norms are ~6) on the stats (float32), and 1e-4
+on kl, a per-sequence sum of up to 16 per-token values (measured: per-token logprobs of a
+row scored in another micro-batch differ by up to 7.6e-6). The members run
+their micro-batches over other rows than one learner does, so each micro-batch is trimmed
+to other widths (the padding-invariance tests' rounding), and the group sums gradients in
+another order (the micro-batching invariance tests' bound); nothing else differs: the losses are
+divided by the WHOLE minibatch's token count on every member, so uneven shards (6 rows in
+minibatches of 3, split 2+1 rows, rows of different lengths) change nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from peft import set_peft_model_state_dict
+
+from learner.learner import Learner
+from ppo_ray.placement import LearnerHost, Roles, form_learner_group
+from test_learner import make_config, max_abs_diff, random_batch, rollout_inputs, special, tiny_path  # noqa: F401
+
+TOL = 1e-5
+
+
+def learner_actor(config, path):
+    return ray.remote(LearnerHost).options(num_cpus=0).remote(config, path, None)
+
+
+def test_two_learners_update_like_one(ray_session, tiny_path, special):
+    config = make_config(batch_size=6, mini_batch_size=3, micro_batch_size=2, ppo_epochs=2)
+    single = learner_actor(config, tiny_path)
+    group = [learner_actor(config, tiny_path) for _ in range(2)]
+    form_learner_group(Roles([], None, None, group))
+    local = Learner(config, tiny_path)  # only to make rollouts with realistic logprobs
+    try:
+        for step in range(2):  # the second step starts from the first's optimiser state
+            batch, ref, scores = rollout_inputs(local, random_batch(special, n=6, seed=10 + step), seed=step)
+            batch = batch.__class__(**{**batch.__dict__, "adapter_version": step})
+            s1, w1 = ray.get(single.update.remote(ref, scores, batch))
+            s2, w2, s3, w3 = ray.get([r for a in group for r in a.update.remote(ref, scores, batch)])
+            assert w3 == {}, "only rank 0 exports the adapter"
+            assert max_abs_diff(w1, w2) < TOL
+            for key in ("policy_loss", "value_loss", "approx_kl", "clipfrac", "kl", "entropy", "value_mean",
+                        "explained_variance", "policy_grad_norm", "value_grad_norm"):
+                # kl is a per-sequence SUM of up to 16 per-token values, each off by rounding (< 8e-6)
+                assert s1[key] == pytest.approx(s2[key], abs=1e-4 if key == "kl" else TOL, rel=TOL), key
+                assert s2[key] == s3[key], key  # members agree exactly
+            assert s1["tokens"] == s2["tokens"] and s2["version"] == s3["version"] == step + 1
+            states = ray.get([single.state_dict.remote(), *[a.state_dict.remote() for a in group]])
+            for part in ("policy", "value"):
+                assert max_abs_diff(states[0][part], states[1][part]) < TOL, part
+                assert max_abs_diff(states[1][part], states[2][part]) == 0.0, part  # identical members
+            # the next step's rollouts are sampled with the updated adapter
+            set_peft_model_state_dict(local.policy, w1)
+            local.version = step + 1
+    finally:
+        for actor in (single, *group):
+            ray.kill(actor)
+
+
+def test_a_member_without_rows_in_a_minibatch_still_steps(ray_session, tiny_path, special):
+    """3 rows, minibatches of 1: the second member has no rows in any minibatch; the update
+    still equals one learner's (its zero gradients are summed in)."""
+    config = make_config(batch_size=3, mini_batch_size=1, micro_batch_size=1, ppo_epochs=1)
+    single = learner_actor(config, tiny_path)
+    group = [learner_actor(config, tiny_path) for _ in range(2)]
+    form_learner_group(Roles([], None, None, group))
+    local = Learner(config, tiny_path)
+    try:
+        batch, ref, scores = rollout_inputs(local, random_batch(special, n=3, seed=3), seed=3)
+        s1, w1 = ray.get(single.update.remote(ref, scores, batch))
+        s2, w2, _, _ = ray.get([r for a in group for r in a.update.remote(ref, scores, batch)])
+        assert max_abs_diff(w1, w2) < TOL
+        assert s1["policy_loss"] == pytest.approx(s2["policy_loss"], abs=TOL)
+    finally:
+        for actor in (single, *group):
+            ray.kill(actor)
