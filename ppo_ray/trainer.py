@@ -129,7 +129,7 @@ class PPOTrainer:
         if len(versions) != 1 or not behind <= ({0, 1} if cfg.overlap_generation else {0}):
             raise StaleAdapterError(f"generators sampled with adapter versions {sorted(versions)} "
                                     f"but the learner is at version {self.version}")
-        stats = ray.get([u[0] for u in updates])[0]  # raises a learner's own error (e.g. stale rollouts)
+        stats = self._learner_stats([u[0] for u in updates])  # raises a learner's own error (e.g. stale rollouts)
         t_update_done = time.perf_counter()
         if next_rollouts is not None:  # the sync queues behind the prefetched generation
             ray.get(next_rollouts[1])
@@ -240,6 +240,23 @@ class PPOTrainer:
         return ckpt
 
     # ------------------------------------------------------------------ faults
+    def _learner_stats(self, refs: list) -> dict:
+        """Rank 0's update stats. In a learner group a member that dies mid-update makes the
+        others' collectives fail (a RayTaskError from a live member); the death is the cause,
+        so it is what is raised (an actor error: restart, re-form the group, roll back)."""
+        try:
+            return ray.get(refs)[0]
+        except ray.exceptions.RayTaskError as error:
+            if len(refs) > 1:
+                for ref in refs:
+                    try:
+                        ray.get(ref, timeout=300)
+                    except ACTOR_ERRORS as died:
+                        raise died from error
+                    except Exception:  # noqa: BLE001 - a member's own collective failure: look further
+                        pass
+            raise
+
     def _role_name(self, error: BaseException) -> str:
         actor_id = getattr(error, "actor_id", None)
         names = dict(zip(self.roles.names(), self.roles.all()))
@@ -437,8 +454,8 @@ class PPOTrainer:
         return history
 
     def shutdown(self) -> None:
-        for actor in self.roles.all():
-            ray.kill(actor)
+        """Kill the actors and remove their placement group (its reserved resources are freed)."""
+        self.roles.release()
 
 
 def _fingerprint(prompts: Sequence[str]) -> str:

@@ -79,3 +79,39 @@ def test_a_member_without_rows_in_a_minibatch_still_steps(ray_session, tiny_path
     finally:
         for actor in (single, *group):
             ray.kill(actor)
+
+
+@pytest.mark.slow
+def test_a_group_member_killed_mid_step_rolls_back_and_the_run_matches(ray_session, tiny_model_dir, tmp_path):
+    """A PPOTrainer with two learners: a straight 4-step run (checkpoints at 2 and 4), then
+    the step-2 checkpoint restored and learner-1 killed 0.3 s into step 3. The trainer
+    waits for its restart, re-forms the group, rolls back to step 2 and redoes steps 3-4:
+    every step once in metrics.jsonl, the same numbers as the straight run (no tolerance,
+    as in test_checkpoint: every member loads the same checkpoint)."""
+    from conftest import tiny_test_config
+    from ppo_ray.data import bundled_prompts
+    from ppo_ray.trainer import PPOTrainer
+    from test_checkpoint import assert_same_steps, from_step_two, kill_during_next_step, metrics_steps
+
+    straight_dir = tmp_path / "straight"
+    straight_dir.mkdir()
+    trainer = PPOTrainer(tiny_test_config(steps=4, checkpoint_every=2, batch_size=8, max_new_tokens=10,
+                                          num_learners=2, learner_num_cpus=0.5), run_dir=straight_dir)
+    try:
+        assert trainer.roles.names()[-2:] == ["learner-0", "learner-1"]
+        straight = trainer.train(bundled_prompts(), metrics_path=straight_dir / "metrics.jsonl", progress=False)
+        resumed_dir = tmp_path / "resumed"
+        from_step_two(trainer, straight_dir, resumed_dir)
+        thread, original = kill_during_next_step(trainer, trainer.roles.learners[1])
+        try:
+            resumed = trainer.train(bundled_prompts(), metrics_path=resumed_dir / "metrics.jsonl", progress=False)
+        finally:
+            trainer.ppo_step = original
+            thread.join(timeout=60)
+        assert trainer.retries and trainer.retries[0]["role"] == "learner-1", trainer.retries
+        assert_same_steps(resumed, straight)
+        assert metrics_steps(resumed_dir / "metrics.jsonl") == [3, 4]
+        versions = ray.get([learner.version.remote() for learner in trainer.roles.learners])
+        assert versions == [trainer.version, trainer.version] == [4, 4]
+    finally:
+        trainer.shutdown()
