@@ -199,6 +199,16 @@ class PPOConfig:
     """CPUs reserved per scorer actor (reference, reward); they are idle while others run."""
     scorer_num_gpus: float = 0.0
     """GPUs per scorer actor."""
+    placement_strategy: str = "PACK"
+    """Ray placement-group strategy for the actors' bundles (one per actor): PACK (as few nodes as possible), SPREAD, STRICT_PACK (one node) or STRICT_SPREAD (one node per actor)."""
+    generator_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per generator actor, e.g. {gpu_node: 0.01}: only nodes that advertise them (ray start --resources) host it."""
+    learner_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per learner actor (see generator_resources)."""
+    scorer_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per scorer actor, reference and reward (see generator_resources)."""
+    placement_timeout_s: float = 60.0
+    """Seconds to wait for the cluster to reserve every actor's resources; then a ClusterError names what did not fit."""
     overlap_generation: bool = False
     """Generate step k+1's rollouts while the learner trains on step k: rollouts are one LoRA version stale and the PPO ratio uses the generator's (behaviour) logprobs."""
     lora_sync: str = "adapter"
@@ -261,6 +271,15 @@ class PPOConfig:
         for name in ("generator_num_cpus", "generator_num_gpus", "learner_num_cpus", "learner_num_gpus",
                      "scorer_num_cpus", "scorer_num_gpus"):
             need(getattr(self, name) >= 0, name, "must be >= 0")
+        for name in ("generator_resources", "learner_resources", "scorer_resources"):
+            for key, amount in getattr(self, name).items():
+                # CPU and GPU have their own fields; Ray refuses them in `resources` too.
+                need(key not in ("CPU", "GPU", "memory", "object_store_memory"), name,
+                     f"{key!r} is not a custom resource (use the *_num_cpus / *_num_gpus fields)")
+                need(bool(key.strip()), name, "resource names must not be empty")
+                # Ray counts resources in units of 1e-4 and rejects finer amounts.
+                need(math.isfinite(amount) and amount >= 1e-4, name, f"{key}: amounts must be finite and >= 0.0001")
+        need(self.placement_timeout_s > 0, "placement_timeout_s", "must be > 0")
         choices = {
             "kl_estimator": ("k1", "k2", "k3"),
             "reward_shaping": ("last_token", "every_token"),
@@ -268,6 +287,7 @@ class PPOConfig:
             "nonfinite_reward": ("error", "drop"),
             "prompt_truncation": ("error", "left"),
             "lora_sync": ("adapter", "merged"),
+            "placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
             "dtype": ("float32", "bfloat16", "float16"),
         }
         for name, allowed in choices.items():
@@ -425,6 +445,12 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
             return None
         inner = [a for a in args if a is not type(None)][0]
         return _coerce(name, value, inner)
+    if origin is dict:  # YAML mapping; on the CLI a flow mapping: --generator_resources '{gpu_node: 0.01}'
+        if value == "" or value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"config field '{name}' = {value!r} must be a mapping, e.g. {{name: 0.01}}")
+        return {_coerce(name, k, args[0]): _coerce(name, v, args[1]) for k, v in value.items()}
     if origin is list:
         if isinstance(value, str):
             value = [v for v in (s.strip() for s in value.split(",")) if v]

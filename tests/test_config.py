@@ -117,3 +117,31 @@ def test_range_checks_of_issue_5(field, value):
     with pytest.raises(ConfigError, match=f"'{field}'"):
         PPOConfig(**{field: value})
     PPOConfig(lora_r=512, missing_eos_penalty=-1.0)  # the limits themselves are fine
+
+
+def test_placement_fields(tmp_path):
+    """Issue 7: the placement strategy, per-role custom resources (mappings from YAML and
+    from the CLI as JSON or a YAML flow mapping) and the placement timeout."""
+    cfg = PPOConfig()
+    assert (cfg.placement_strategy, cfg.generator_resources, cfg.learner_resources, cfg.scorer_resources,
+            cfg.placement_timeout_s) == ("PACK", {}, {}, {}, 60.0)
+    path = tmp_path / "c.yaml"
+    path.write_text("placement_strategy: SPREAD\ngenerator_resources: {gpu_node: 0.01}\n")
+    cfg, _ = parse_overrides(["--config", str(path), "--learner_resources", '{"cpu_node": 1}',
+                              "--scorer_resources={cpu_node: 0.5}", "--placement_timeout_s", "5"])
+    assert cfg.placement_strategy == "SPREAD" and cfg.generator_resources == {"gpu_node": 0.01}
+    assert cfg.learner_resources == {"cpu_node": 1.0} and type(cfg.learner_resources["cpu_node"]) is float
+    assert cfg.scorer_resources == {"cpu_node": 0.5} and cfg.placement_timeout_s == 5.0
+    cfg.to_yaml(tmp_path / "round.yaml")
+    assert PPOConfig.from_yaml(tmp_path / "round.yaml") == cfg
+    for changes, match in [
+        (dict(placement_strategy="pack"), "'placement_strategy'"),
+        (dict(generator_resources={"GPU": 1}), "'generator_resources'.*use the \\*_num_cpus"),
+        (dict(learner_resources={"x": 0}), "'learner_resources'.*>= 0.0001"),
+        (dict(scorer_resources={"x": float("inf")}), "'scorer_resources'"),
+        (dict(scorer_resources="x=1"), "'scorer_resources' = 'x=1' must be a mapping"),
+        (dict(generator_resources={"x": "many"}), "'generator_resources'"),
+        (dict(placement_timeout_s=0), "'placement_timeout_s'"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            PPOConfig(**changes)
