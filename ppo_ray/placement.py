@@ -1,4 +1,4 @@
-"""All Ray plumbing: connecting to a cluster, the thin actor hosts, and their creation.
+"""All Ray plumbing: connecting to a cluster, the thin actor hosts, their placement and creation.
 
 The role classes (actors.generator.Generator, actors.reference.ReferenceScorer,
 actors.reward.RewardScorer, learner.learner.Learner) know nothing of Ray; the hosts below
@@ -11,9 +11,12 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import ray
 from ray.actor import ActorHandle
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import PPOConfig
@@ -186,12 +189,19 @@ class LearnerHost:
 
 
 # ----------------------------------------------------------------------------- creation
+def role_names(num_generators: int, num_learners: int) -> list[str]:
+    """Role names in Roles.all()'s order, as in the actor names ppo/<role>."""
+    learners = ["learner"] if num_learners == 1 else [f"learner-{i}" for i in range(num_learners)]
+    return [f"generator-{i}" for i in range(num_generators)] + ["reference", "reward", *learners]
+
+
 @dataclass
 class Roles:
     generators: list[ActorHandle]
     reference: ActorHandle
     reward: ActorHandle
     learners: list[ActorHandle]  # rank order; rank 0 exports the LoRA weights
+    placement_group: Optional[PlacementGroup] = None  # holds every actor's resources; release() removes it
 
     @property
     def learner(self) -> ActorHandle:
@@ -200,61 +210,189 @@ class Roles:
 
     def names(self) -> list[str]:
         """Role names in all()'s order, as in the actor names ppo/<role>."""
-        learners = ["learner"] if len(self.learners) == 1 else [f"learner-{i}" for i in range(len(self.learners))]
-        return [f"generator-{i}" for i in range(len(self.generators))] + ["reference", "reward", *learners]
+        return role_names(len(self.generators), len(self.learners))
 
     def all(self) -> list[ActorHandle]:
         return [*self.generators, self.reference, self.reward, *self.learners]
 
+    def release(self) -> None:
+        """Kill every actor (no restarts) and remove the placement group, which frees the
+        resources it reserved. Safe to call twice."""
+        for actor in self.all():
+            if actor is not None:
+                ray.kill(actor)
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
 
-def _check_capacity(config: PPOConfig) -> None:
-    """Fail fast, naming the shortfall, instead of hanging on actors that cannot be placed."""
-    need_cpu = (config.num_generators * config.generator_num_cpus + config.num_learners * config.learner_num_cpus
-                + 2 * config.scorer_num_cpus)
-    need_gpu = (config.num_generators * config.generator_num_gpus + config.num_learners * config.learner_num_gpus
-                + 2 * config.scorer_num_gpus)
+
+@dataclass(frozen=True)
+class Demand:
+    """What one actor reserves: CPUs, GPUs (fractions allowed) and custom resources."""
+    role: str
+    cpus: float
+    gpus: float
+    resources: dict[str, float]
+
+    def bundle(self) -> dict[str, float]:
+        """Its placement-group bundle; empty when it reserves nothing."""
+        out = {"CPU": self.cpus, "GPU": self.gpus, **self.resources}
+        return {k: v for k, v in out.items() if v > 0}
+
+
+def role_demands(config: PPOConfig) -> list[Demand]:
+    """One Demand per actor, in Roles.all()'s order."""
+    scorer = (config.scorer_num_cpus, config.scorer_num_gpus, config.scorer_resources)
+    per_role = {"generator": (config.generator_num_cpus, config.generator_num_gpus, config.generator_resources),
+                "learner": (config.learner_num_cpus, config.learner_num_gpus, config.learner_resources),
+                "reference": scorer, "reward": scorer}
+    out = []
+    for name in role_names(config.num_generators, config.num_learners):
+        cpus, gpus, resources = per_role[name.split("-")[0]]  # generator-0 -> generator
+        out.append(Demand(name, cpus, gpus, dict(resources)))
+    return out
+
+
+def plan_bundles(demands: list[Demand]) -> tuple[list[dict[str, float]], list[int]]:
+    """(bundles, bundle index of each actor): one bundle per actor that reserves something.
+
+    Ray refuses a bundle that is empty or all zeros, and the scorers reserve nothing by
+    default (scorer_num_cpus 0: they are idle while the others run). Such an actor gets no
+    bundle of its own: it is scheduled into the group with bundle index -1 ("any bundle"),
+    so it runs on a node the group holds (with STRICT_PACK the one node) and reserves
+    nothing, as before placement groups. Only when no actor reserves anything does one
+    bundle of 0.0001 CPU (Ray's smallest unit) anchor the group.
+    """
+    bundles, index = [], []
+    for d in demands:
+        bundle = d.bundle()
+        if bundle:
+            index.append(len(bundles))
+            bundles.append(bundle)
+        else:
+            index.append(-1)
+    return bundles or [{"CPU": 1e-4}], index
+
+
+def _user_resources(resources: dict[str, float]) -> dict[str, float]:
+    """CPU, GPU and custom resources; Ray's own bookkeeping (node:<ip>, memory, the
+    CPU_group_<pg>... resources that placement groups create) left out."""
+    return {k: v for k, v in resources.items()
+            if not k.startswith("node:") and k not in ("memory", "object_store_memory") and "_group_" not in k}
+
+
+def _alive_nodes() -> list[tuple[str, dict[str, float]]]:
+    """(ip and short node id, total CPU/GPU/custom resources) of every alive node."""
+    return [(f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})", _user_resources(n["Resources"]))
+            for n in ray.nodes() if n.get("Alive")]
+
+
+def _fmt(resources: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) + "}"
+
+
+def _describe(demands: list[Demand], nodes: list[tuple[str, dict[str, float]]]) -> str:
+    roles = "; ".join(f"ppo/{d.role} {_fmt(d.bundle()) if d.bundle() else '{} (reserves nothing)'}"
+                      for d in demands)
+    return f"The actors ask for: {roles}. The cluster's nodes: " + "; ".join(f"{n} {_fmt(r)}" for n, r in nodes)
+
+
+def _check_capacity(config: PPOConfig, demands: list[Demand]) -> None:
+    """Fail fast, naming the shortfall, for what the cluster can never hold as it is now:
+    more CPUs/GPUs/custom resources in all than it has, a custom resource no node has, an
+    actor that fits on no single node. What fits in total but not under placement_strategy
+    (STRICT_PACK onto one node, STRICT_SPREAD over too few nodes) or not next to other
+    jobs is left to the placement group's timeout (reserve)."""
     have = ray.cluster_resources()
-    for name, need, key in (("CPUs", need_cpu, "CPU"), ("GPUs", need_gpu, "GPU")):
+    for name, key in (("CPUs", "CPU"), ("GPUs", "GPU")):
+        need = sum(d.bundle().get(key, 0.0) for d in demands)
         if need > have.get(key, 0.0) + 1e-9:
             raise ClusterError(
                 f"the config asks for {need:g} {name} in all (num_generators={config.num_generators} x "
                 f"generator_num_{key.lower()}s, num_learners={config.num_learners} x learner_num_{key.lower()}s, "
                 f"2 scorers) but the Ray cluster has "
                 f"{have.get(key, 0.0):g}; lower the *_num_{key.lower()}s fields or add nodes")
+    nodes = _alive_nodes()
+    custom: dict[str, float] = {}
+    for d in demands:
+        for key, amount in d.resources.items():
+            custom[key] = custom.get(key, 0.0) + amount
+    for key, need in sorted(custom.items()):
+        roles = ", ".join(f"ppo/{d.role}" for d in demands if key in d.resources)
+        if not any(key in r for _, r in nodes):
+            raise ClusterError(
+                f"no node of the Ray cluster has the custom resource {key!r} (asked for by {roles} in the "
+                f"*_resources fields): start a node with it (ray start --resources '{{\"{key}\": 1}}') or drop "
+                "it from the config. " + _describe(demands, nodes))
+        if need > have.get(key, 0.0) + 1e-9:
+            raise ClusterError(f"the config asks for {need:g} of the custom resource {key!r} in all ({roles}) but "
+                               f"the Ray cluster has {have.get(key, 0.0):g}. " + _describe(demands, nodes))
+    for d in demands:
+        if d.bundle() and not any(all(r.get(k, 0.0) + 1e-9 >= v for k, v in d.bundle().items()) for _, r in nodes):
+            raise ClusterError(f"no single node of the Ray cluster can hold ppo/{d.role} "
+                               f"{_fmt(d.bundle())}. " + _describe(demands, nodes))
+
+
+def reserve(config: PPOConfig, demands: list[Demand], name: str) -> tuple[PlacementGroup, list[int]]:
+    """One placement group with a bundle per actor (plan_bundles), ready: (group, bundle
+    index of each actor). Ray reserves all bundles or none (no half-started run), and an
+    actor restarted after a crash (max_restarts) goes back into its bundle. Waits at most
+    config.placement_timeout_s: a group that cannot be placed (strategy, other jobs, nodes
+    that never come) is removed and a ClusterError names each actor's demand and each
+    node's resources, instead of actors pending forever."""
+    _check_capacity(config, demands)
+    bundles, index = plan_bundles(demands)
+    pg = placement_group(bundles, strategy=config.placement_strategy, name=name)
+    try:
+        ray.get(pg.ready(), timeout=config.placement_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        hint = {"STRICT_PACK": "all bundles on one node",
+                "STRICT_SPREAD": f"{len(bundles)} bundles on {len(bundles)} different nodes"}.get(
+                    config.placement_strategy, "the bundles wherever they fit")
+        raise ClusterError(
+            f"the Ray cluster could not reserve the actors' resources within placement_timeout_s="
+            f"{config.placement_timeout_s:g} s (placement_strategy={config.placement_strategy}: {hint}). "
+            + _describe(demands, _alive_nodes())
+            + f"; free now in all: {_fmt(_user_resources(ray.available_resources()))}. Lower the demands, "
+            "change placement_strategy or the *_resources fields, or add nodes") from None
+    return pg, index
 
 
 def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, reward_model_dir: str | None,
                  value_model_dir: str | None, namespace: str) -> Roles:
-    """Create the actors, named ppo/<role> in `namespace` (as the dashboard shows them)."""
-    _check_capacity(config)
+    """Create the actors, named ppo/<role> in `namespace` (as the dashboard shows them), each
+    in its bundle of one placement group (reserve)."""
+    demands = role_demands(config)
+    pg, index = reserve(config, demands, name=f"{namespace}/ppo")
 
-    def opts(name: str, cpus: float, gpus: float) -> dict:
+    def opts(i: int) -> dict:
+        d = demands[i]
         # vLLM logs every request at INFO from inside the generator; WARNING unless the user
         # asked for more (VLLM_LOGGING_LEVEL in the driver's environment wins).
         env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
         # max_restarts: Ray re-runs a dead actor's constructor (the trainer then re-syncs its
         # adapter / restores the learner's checkpoint and retries the step); calls are not
         # retried by Ray itself (max_task_retries=0): the trainer decides what is safe to redo.
-        return dict(name=f"ppo/{name}", namespace=namespace, num_cpus=cpus, num_gpus=gpus,
-                    max_concurrency=1, runtime_env={"env_vars": env},
-                    max_restarts=config.max_actor_restarts, max_task_retries=0)
+        return dict(name=f"ppo/{d.role}", namespace=namespace, num_cpus=d.cpus, num_gpus=d.gpus,
+                    resources=d.resources, max_concurrency=1, runtime_env={"env_vars": env},
+                    max_restarts=config.max_actor_restarts, max_task_retries=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=index[i]))
 
-    gens = [
-        ray.remote(GeneratorHost).options(**opts(f"generator-{i}", config.generator_num_cpus,
-                                                 config.generator_num_gpus)).remote(config, model_dir)
-        for i in range(config.num_generators)
-    ]
-    ref = ray.remote(ReferenceHost).options(**opts("reference", config.scorer_num_cpus,
-                                                   config.scorer_num_gpus)).remote(config, ref_model_dir)
-    rew = ray.remote(RewardHost).options(**opts("reward", config.scorer_num_cpus,
-                                                config.scorer_num_gpus)).remote(config, reward_model_dir)
-    learner_names = (["learner"] if config.num_learners == 1
-                     else [f"learner-{i}" for i in range(config.num_learners)])
-    learners = [ray.remote(LearnerHost).options(**opts(name, config.learner_num_cpus, config.learner_num_gpus)).remote(
-        config, model_dir, value_model_dir) for name in learner_names]
-    roles = Roles(gens, ref, rew, learners)
-    wait_ready(roles)
-    form_learner_group(roles)
+    n_gen = config.num_generators
+    gens = [ray.remote(GeneratorHost).options(**opts(i)).remote(config, model_dir) for i in range(n_gen)]
+    ref = ray.remote(ReferenceHost).options(**opts(n_gen)).remote(config, ref_model_dir)
+    rew = ray.remote(RewardHost).options(**opts(n_gen + 1)).remote(config, reward_model_dir)
+    learners = [ray.remote(LearnerHost).options(**opts(n_gen + 2 + i)).remote(config, model_dir, value_model_dir)
+                for i in range(config.num_learners)]
+    roles = Roles(gens, ref, rew, learners, pg)
+    try:
+        wait_ready(roles)
+        form_learner_group(roles)
+    except BaseException:
+        roles.release()
+        raise
     return roles
 
 
