@@ -1,0 +1,133 @@
+"""Placement on a Ray cluster (issue 7): one placement group, a bundle per actor, roles
+pinned to nodes by custom resources, and fail-fast errors instead of pending actors.
+
+* The fast tests run on the session's local Ray (one node): the bundle plan, and the
+  errors for a custom resource nobody has and for a strategy the cluster cannot satisfy.
+* The two-node test runs tests/cluster_scenario.py in a subprocess: a
+  ray.cluster_utils.Cluster cannot share a process with the session's Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_test_config
+from ppo_ray.placement import ClusterError, plan_bundles, role_demands
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_one_bundle_per_actor_that_reserves_something():
+    """Ray refuses empty bundles: scorers that reserve nothing (scorer_num_cpus 0, the
+    default) get bundle index -1 (any bundle of the group) and no bundle of their own."""
+    config = tiny_test_config(num_generators=2, num_learners=2, generator_num_gpus=0.25,
+                              learner_resources={"gpu_node": 0.01})
+    demands = role_demands(config)
+    assert [d.role for d in demands] == ["generator-0", "generator-1", "reference", "reward",
+                                         "learner-0", "learner-1"]
+    bundles, index = plan_bundles(demands)
+    assert bundles == [{"CPU": 1.0, "GPU": 0.25}] * 2 + [{"CPU": 1.0, "gpu_node": 0.01}] * 2
+    assert index == [0, 1, -1, -1, 2, 3]
+    bundles, index = plan_bundles(role_demands(config.replace(scorer_num_gpus=0.1)))
+    assert bundles[2:4] == [{"GPU": 0.1}] * 2 and index == [0, 1, 2, 3, 4, 5]
+    # nothing reserved at all: one tiny anchor bundle, every actor in "any bundle"
+    nothing = tiny_test_config(generator_num_cpus=0, learner_num_cpus=0)
+    assert plan_bundles(role_demands(nothing)) == ([{"CPU": 1e-4}], [-1, -1, -1, -1])
+
+
+def test_placement_fails_fast_on_one_node(ray_session, tiny_model_dir):
+    """No actor starts (the group is reserved first): a custom resource no node has is an
+    immediate error naming it; STRICT_SPREAD of 2 bundles on 1 node ends at
+    placement_timeout_s with each actor's demand and the node's resources, and the group
+    is removed."""
+    import ray
+
+    from ppo_ray.trainer import PPOTrainer
+
+    t0 = time.perf_counter()
+    with pytest.raises(ClusterError, match=r"no node of the Ray cluster has the custom resource 'gpu_node' "
+                                           r"\(asked for by ppo/generator-0 in"):
+        PPOTrainer(tiny_test_config(generator_resources={"gpu_node": 0.01}))
+    assert time.perf_counter() - t0 < 5.0
+    before = {pg_id for pg_id, t in ray.util.placement_group_table().items() if t["state"] != "REMOVED"}
+
+    t0 = time.perf_counter()
+    with pytest.raises(ClusterError) as info:
+        PPOTrainer(tiny_test_config(placement_strategy="STRICT_SPREAD", placement_timeout_s=2.0))
+    elapsed = time.perf_counter() - t0
+    assert 2.0 <= elapsed < 10.0, elapsed
+    message = str(info.value)
+    for part in ("could not reserve the actors' resources within placement_timeout_s=2 s",
+                 "placement_strategy=STRICT_SPREAD: 2 bundles on 2 different nodes",
+                 "ppo/generator-0 {CPU: 1}", "ppo/reference {} (reserves nothing)", "ppo/learner {CPU: 1}",
+                 "The cluster's nodes: ", "{CPU: 4}", "free now in all: "):
+        assert part in message, (part, message)
+    time.sleep(0.5)
+    after = {pg_id for pg_id, t in ray.util.placement_group_table().items() if t["state"] != "REMOVED"}
+    assert after <= before, "the group that timed out was not removed"
+
+
+def run_scenario(mode: str, timeout_s: float) -> dict:
+    """tests/cluster_scenario.py `mode` in a subprocess: its CLUSTER_RESULT line, parsed."""
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+    env.pop("RAY_ADDRESS", None)  # the scenario starts its own cluster
+    proc = subprocess.run([sys.executable, str(TESTS / "cluster_scenario.py"), mode], cwd=TESTS.parent, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("CLUSTER_RESULT ")]
+    assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(lines[-1][len("CLUSTER_RESULT "):])
+
+
+def test_two_nodes_fail_fast():
+    """Two nodes ({CPU: 2, node_a: 10} and {CPU: 2, node_b: 10}); every case is a
+    ClusterError before any actor starts: the immediate checks in well under a second, the
+    strategy cases at placement_timeout_s (2 s)."""
+    result = run_scenario("fail-fast", timeout_s=180)
+    assert result["nodes"] == ["node_a", "node_b"]
+    cases = {c["case"]: c for c in result["fail_fast"]}
+    assert all(c["error"] == "ClusterError" for c in cases.values()), cases
+    expected = {
+        "missing custom resource": ("no node of the Ray cluster has the custom resource 'node_c' "
+                                    "(asked for by ppo/generator-0"),
+        "an actor larger than every node": "no single node of the Ray cluster can hold ppo/generator-0 {CPU: 3}",
+        "STRICT_PACK over one node": "placement_strategy=STRICT_PACK: all bundles on one node",
+        "STRICT_SPREAD over too few nodes": "placement_strategy=STRICT_SPREAD: 3 bundles on 3 different nodes",
+    }
+    for case, text in expected.items():
+        message = cases[case]["message"]
+        assert text in message, (case, message)
+        # every error names both nodes' resources
+        assert "{CPU: 2, node_a: 10}" in message and "{CPU: 2, node_b: 10}" in message, message
+    for case in ("missing custom resource", "an actor larger than every node"):
+        assert cases[case]["elapsed_s"] < 5.0, cases[case]  # the first one includes the tokenizer load
+    for case in ("STRICT_PACK over one node", "STRICT_SPREAD over too few nodes"):
+        assert 2.0 <= cases[case]["elapsed_s"] < 5.0, cases[case]
+
+
+@pytest.mark.slow
+def test_two_nodes_pinned_roles_train_and_agree():
+    """Generators pinned to node B, learners and scorers to node A (custom resources),
+    2 replicas of each: two PPO steps; the LoRA reaches both generators across nodes,
+    texts come back in prompt order, generator logprobs match both learners', and a
+    restarted actor returns to its bundle. About 90 s on 2 cores (two vLLM engines)."""
+    result = run_scenario("train", timeout_s=600)
+    assert result["actor_nodes"] == {"generator-0": "node_b", "generator-1": "node_b", "reference": "node_a",
+                                     "reward": "node_a", "learner-0": "node_a", "learner-1": "node_a"}
+    assert result["step_texts"] == [8, 8]
+    assert result["versions"] == {"trainer": 2, "generators": [2, 2], "learners": [2, 2]}
+    assert all(abs(r - 1.0) < 1e-4 for r in result["first_minibatch_ratio_mean"])
+    assert result["order"]["same"] and result["order"]["distinct_texts"] > 1, result["order"]
+    diffs = result["logprob_max_abs_diff"]
+    assert len(diffs) == 4 and all(d is not None and d < 1e-4 for d in diffs.values()), diffs
+    before, after = result["restarted_reward"]["before"], result["restarted_reward"]["after"]
+    group = result["restarted_reward"]["group_id"]
+    assert after["pid"] != before["pid"] and after["node"] == before["node"] == "node_a"
+    assert after["group"] == before["group"] == group
+    assert result["groups_left"] == []
