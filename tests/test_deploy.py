@@ -331,7 +331,7 @@ def test_rayjob_manifest_runs_launch_py_on_a_cluster_that_fits_it():
         c = group["template"]["spec"]["containers"][0]
         nodes += [[cpus(c), float(c["resources"]["limits"].get("nvidia.com/gpu", 0))] for _ in range(group["replicas"])]
     demands = ([(config.generator_num_cpus, config.generator_num_gpus)] * config.num_generators
-               + [(config.learner_num_cpus, config.learner_num_gpus)]
+               + [(config.learner_num_cpus, config.learner_num_gpus)] * config.num_learners
                + [(config.scorer_num_cpus, config.scorer_num_gpus)] * 2)
     assert config.generator_num_gpus == 1 and config.learner_num_gpus > 0 and config.scorer_num_gpus > 0
     assert _first_fit(demands, nodes), (demands, nodes)
