@@ -106,17 +106,18 @@ def test_two_nodes_fail_fast():
         # every error names both nodes' resources
         assert "{CPU: 2, node_a: 10}" in message and "{CPU: 2, node_b: 10}" in message, message
     for case in ("missing custom resource", "an actor larger than every node"):
-        assert cases[case]["elapsed_s"] < 5.0, cases[case]  # the first one includes the tokenizer load
+        # "within seconds" (2-3 s measured on a quiet machine; the bound leaves room for a loaded CI box)
+        assert cases[case]["elapsed_s"] < 15.0, cases[case]  # the first one includes the tokenizer load
     for case in ("STRICT_PACK over one node", "STRICT_SPREAD over too few nodes"):
-        assert 2.0 <= cases[case]["elapsed_s"] < 5.0, cases[case]
+        assert 2.0 <= cases[case]["elapsed_s"] < 15.0, cases[case]  # placement_timeout_s=2, then the error
 
 
-@pytest.mark.slow
 def test_two_nodes_pinned_roles_train_and_agree():
     """Generators pinned to node B, learners and scorers to node A (custom resources),
     2 replicas of each: two PPO steps; the LoRA reaches both generators across nodes,
     texts come back in prompt order, generator logprobs match both learners', and a
-    restarted actor returns to its bundle. About 90 s on 2 cores (two vLLM engines)."""
+    restarted actor returns to its bundle. About 90 s on 2 cores (two vLLM engines); in the
+    default run because it is the test that the system works on more than one node."""
     result = run_scenario("train", timeout_s=600)
     assert result["actor_nodes"] == {"generator-0": "node_b", "generator-1": "node_b", "reference": "node_a",
                                      "reward": "node_a", "learner-0": "node_a", "learner-1": "node_a"}
