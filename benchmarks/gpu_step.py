@@ -37,7 +37,8 @@ token ids with lengths drawn uniformly from ``--prompt_len`` (the TL;DR queries 
 fit 512 tokens).
 
 Config: ``configs/qwen3-0.6b-tldr.yaml`` with model paths replaced and batch_size per run
-(ppo_epochs 4, one minibatch, micro-batch 16, LoRA r=16 on all 7 projections, temperature 0.7).
+(ppo_epochs 4, one minibatch, the preset's micro-batch 8 unless ``--micro_batch_size``, LoRA
+r=16 on all 7 projections, temperature 0.7).
 
 JSON on stdout and in ``--out`` (rewritten after every measurement, so a run stopped by a
 time limit keeps what it measured). ``--model test`` is a 2-layer miniature for CPU tests.
