@@ -103,10 +103,29 @@ def run_plain_ppo(config, run_dir: Path, resume: str | None = None, prompts: lis
             "last_reward": history[-1]["reward_mean"], "final_kl": history[-1]["kl"]}
 
 
+def _config_fields_help() -> str:
+    """Every PPOConfig field as `--name (default)`, the options each stage takes."""
+    import dataclasses
+
+    from ppo_ray.config import PPOConfig
+
+    def default(f: dataclasses.Field) -> str:
+        if f.default is not dataclasses.MISSING:
+            return repr(f.default)
+        if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            return repr(f.default_factory())  # type: ignore[misc]
+        return "required"
+
+    fields = [f"  --{f.name} ({default(f)})" for f in dataclasses.fields(PPOConfig)]
+    return "Options (PPOConfig fields, default in brackets; README.md's Configuration explains them):\n" + \
+        "\n".join(fields)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
+    if any(a in ("-h", "--help") for a in argv):  # also after a stage: `launch.py ppo --help`
         print(__doc__)
+        print(_config_fields_help())
         return 0
     from ppo_ray.config import ConfigError, parse_overrides
 

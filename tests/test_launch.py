@@ -64,6 +64,15 @@ def test_launch_resume_errors(tmp_path):
     assert proc.returncode == 2 and "no checkpoint there" in proc.stderr
 
 
+def test_help_after_a_stage_lists_the_options(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "ppo", "--help"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "python launch.py" in proc.stdout and re.search(r"^  --kl_coef \(0\.\d+\)$", proc.stdout, re.M)
+    assert "  --num_learners (1)" in proc.stdout
+    assert not any(tmp_path.iterdir()), "help must not write a run directory"
+
+
 def test_launch_rejects_bad_arguments(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--kl_coeff", "0.1"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
