@@ -199,6 +199,8 @@ class PPOConfig:
     """CPUs reserved per scorer actor (reference, reward); they are idle while others run."""
     scorer_num_gpus: float = 0.0
     """GPUs per scorer actor."""
+    scorer_torch_threads: int = 0
+    """torch CPU threads in each scorer actor; 0 = Ray's default (OMP_NUM_THREADS from scorer_num_cpus: 1 thread when it reserves under 2 CPUs). In the synchronous step the scorers run while the generator and the learner wait, so on a CPU machine they can use the cores those reserve."""
     placement_strategy: str = "PACK"
     """Ray placement-group strategy for the actors' bundles (one per actor): PACK (as few nodes as possible), SPREAD, STRICT_PACK (one node) or STRICT_SPREAD (one node per actor)."""
     generator_resources: dict[str, float] = field(default_factory=dict)
@@ -246,6 +248,7 @@ class PPOConfig:
                      "rm_epochs", "stage_batch_size", "eval_size",
                      "micro_batch_size", "max_prompt_length", "num_generators", "num_learners", "steps"):
             need(getattr(self, name) >= 1, name, "must be >= 1")
+        need(self.scorer_torch_threads >= 0, "scorer_torch_threads", "must be >= 0 (0 = Ray's default)")
         need(self.lora_r <= max(VLLM_LORA_RANKS), "lora_r",
              f"must be <= {max(VLLM_LORA_RANKS)}, the largest LoRA rank the vLLM generator supports "
              f"(its max_lora_rank is one of {list(VLLM_LORA_RANKS)})")

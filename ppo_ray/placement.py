@@ -110,10 +110,19 @@ class GeneratorHost:
         return self.generator.version
 
 
+def _set_torch_threads(threads: int) -> None:
+    """torch.set_num_threads(threads) unless 0 (keep Ray's OMP_NUM_THREADS default)."""
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 class ReferenceHost:
     def __init__(self, config: PPOConfig, model_dir: str):
         from actors.reference import ReferenceScorer
 
+        _set_torch_threads(config.scorer_torch_threads)
         self.scorer = ReferenceScorer(model_dir, temperature=config.temperature, dtype=config.dtype,
                                       micro_batch_size=config.micro_batch_size)
 
@@ -128,6 +137,7 @@ class RewardHost:
     def __init__(self, config: PPOConfig, reward_model_dir: str | None):
         from actors.reward import RewardScorer
 
+        _set_torch_threads(config.scorer_torch_threads)
         self.scorer = RewardScorer(
             reward_model_dir, config.reward_funcs, config.reward_weights,
             missing_eos_penalty=config.missing_eos_penalty, nonfinite=config.nonfinite_reward,
