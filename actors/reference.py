@@ -17,14 +17,13 @@ from torch import Tensor
 from learner.algos import logprobs_from_logits
 from learner.buffer import rollouts_to
 from ppo_ray.batch import RolloutBatch
-from ppo_ray.modeling import load_causal_lm, response_logits
+from ppo_ray.modeling import load_causal_lm, pick_device, response_logits
 
 
 class ReferenceScorer:
     def __init__(self, model_name: str, *, temperature: float = 1.0, dtype: str = "float32",
                  micro_batch_size: int = 8, device: Optional[str] = None):
-        # The GPU Ray gave this actor (scorer_num_gpus > 0 sets CUDA_VISIBLE_DEVICES), else the CPU.
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = pick_device(device)  # the GPU Ray gave this actor (scorer_num_gpus), else the CPU
         self.model = load_causal_lm(model_name, dtype).to(self.device)
         self.model.requires_grad_(False)
         self.temperature = temperature

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from learner.buffer import rollouts_to
 from ppo_ray.batch import RolloutBatch
-from ppo_ray.modeling import last_token_hidden, load_reward_model, resolve_model_path
+from ppo_ray.modeling import last_token_hidden, load_reward_model, pick_device, resolve_model_path
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
 
@@ -89,8 +89,7 @@ class RewardScorer:
             raise RewardError("no reward source: set reward_model_name and/or reward_funcs")
         if reward_model_name:
             check_reward_model(reward_model_name)
-        # The GPU Ray gave this actor (scorer_num_gpus > 0 sets CUDA_VISIBLE_DEVICES), else the CPU.
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = pick_device(device)  # the GPU Ray gave this actor (scorer_num_gpus), else the CPU
         self.model = load_reward_model(reward_model_name, dtype).to(self.device) if reward_model_name else None
         self.funcs = [(spec, import_reward_fn(spec)) for spec in reward_funcs]
         n = len(self.funcs) + (self.model is not None)

@@ -223,16 +223,15 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
-    import torch
-
     from actors.reference import ReferenceScorer
     from benchmarks.step import Baseline
     from ppo_ray.config import parse_overrides
+    from ppo_ray.modeling import pick_device
 
     args = parse_args(argv)
     t_start = time.perf_counter()
     deadline = t_start + args.time_budget_s
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = str(pick_device(args.device))
     result: dict[str, Any] = {
         "command": "python -m benchmarks.gpu_step " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "device": device,

@@ -60,7 +60,7 @@ from learner.buffer import Experience, ExperienceBuffer, TrimPlan, rollout_micro
 from learner.value_model import ValueModel
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import PPOConfig
-from ppo_ray.modeling import load_causal_lm, response_logits
+from ppo_ray.modeling import load_causal_lm, pick_device, response_logits
 
 ADAM_EPS = 1e-5  # N+ (summarize_from_feedback_details ppo.py: eps=1e-5)
 
@@ -121,7 +121,7 @@ class Learner:
         from peft import LoraConfig, TaskType, get_peft_model
 
         self.config = config
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = pick_device(device)
         # One seed for the adapters' init (policy, then value) and the dropout stream: the
         # global RNG is seeded here and then only consumed by LoRA dropout in update().
         torch.manual_seed(config.seed)

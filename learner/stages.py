@@ -36,7 +36,7 @@ from torch import Tensor
 from learner.algos import logprobs_from_logits, masked_mean
 from learner.buffer import rollouts_to
 from ppo_ray.batch import RolloutBatch
-from ppo_ray.modeling import DTYPES, last_token_hidden, load_causal_lm, load_tokenizer, response_logits
+from ppo_ray.modeling import DTYPES, last_token_hidden, load_causal_lm, load_tokenizer, pick_device, response_logits
 
 
 @dataclass
@@ -59,9 +59,7 @@ class TrainSettings:
             raise ValueError(f"micro_batch_size must be >= 1 or None, got {self.micro_batch_size}")
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return pick_device(self.device)
 
 
 def pack(queries: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad: int, eos: int) -> RolloutBatch:

@@ -85,6 +85,14 @@ def load_tokenizer(name: str):
     return tok
 
 
+def pick_device(device: str | None = None) -> torch.device:
+    """`device`, or when None / "auto" the GPU this process sees (Ray sets
+    CUDA_VISIBLE_DEVICES for actors given GPUs), else the CPU."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def load_causal_lm(name: str, dtype: str = "float32"):
     """AutoModelForCausalLM in eval mode (callers switch to train mode where they train)."""
     from transformers import AutoModelForCausalLM

@@ -293,23 +293,23 @@ class PPOTrainer:
         self._wait_for_actors()
         learner_versions = ray.get([learner.version.remote() for learner in self.roles.learners])
         if any(v != self.version for v in learner_versions):  # a fresh learner
-            # A restarted member left the group (and the others' collectives failed): re-form
-            # it, then every member loads the same checkpoint (or the initial state).
-            form_learner_group(self.roles)
             latest = None
             if self.run_dir is not None:
                 try:
                     latest = resolve_checkpoint(self.run_dir)
                 except CheckpointError:
                     latest = None
+            if latest is None and len(self.roles.learners) > 1:
+                # no checkpoint: only the initial state is common ground, which the survivors
+                # no longer hold, so every member restarts
+                for learner in self.roles.learners:
+                    ray.kill(learner, no_restart=False)
+                self._wait_for_actors()
+            # a restarted member left the group (and the others' collectives failed): re-form it
+            form_learner_group(self.roles)
             if latest is not None:
-                self.restore(latest)
+                self.restore(latest)  # every member loads the same checkpoint
             else:  # no checkpoint yet: the restarted learner is the run's initial state
-                if len(self.roles.learners) > 1:  # the survivors are not: restart them too
-                    for learner in self.roles.learners:
-                        ray.kill(learner, no_restart=False)
-                    self._wait_for_actors()
-                    form_learner_group(self.roles)
                 version, weights = ray.get(self.roles.learner.current_weights.remote())
                 ray.get([g.load_adapter.remote(version, weights, True) for g in self.roles.generators])
                 self.version, self.step, self._order = version, 0, []
