@@ -20,6 +20,22 @@ from ppo_ray.batch import RolloutBatch
 from ppo_ray.modeling import load_causal_lm, pick_device, response_logits
 
 
+@torch.no_grad()
+def full_response_logprobs(model, batch: RolloutBatch, temperature: float, micro_batch_size: int,
+                           device: torch.device | str) -> Tensor:
+    """(B, T) float32 CPU full-softmax logprobs at `temperature` of batch.response_ids under
+    `model` (on `device`), over trimmed micro-batches; 0 on padding."""
+    out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)  # (B, T)
+    for start in range(0, len(batch), micro_batch_size):
+        rows = list(range(start, min(start + micro_batch_size, len(batch))))
+        micro = rollouts_to(batch.select(rows).trimmed(), device)
+        logits = response_logits(model, micro)  # (b, t, V)
+        t = micro.response_ids.shape[1]
+        out[rows, :t] = logprobs_from_logits(logits, micro.response_ids, temperature,
+                                             mask=micro.response_mask).cpu()
+    return out
+
+
 class ReferenceScorer:
     def __init__(self, model_name: str, *, temperature: float = 1.0, dtype: str = "float32",
                  micro_batch_size: int = 8, device: Optional[str] = None):
@@ -30,17 +46,9 @@ class ReferenceScorer:
         self.micro_batch_size = micro_batch_size
         self.last_seconds = 0.0
 
-    @torch.no_grad()
     def logprobs(self, batch: RolloutBatch) -> Tensor:
         """(B, T) float32 logprobs of batch.response_ids under the reference; 0 on padding."""
         t0 = time.perf_counter()
-        out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)  # (B, T)
-        for start in range(0, len(batch), self.micro_batch_size):
-            rows = list(range(start, min(start + self.micro_batch_size, len(batch))))
-            micro = rollouts_to(batch.select(rows).trimmed(), self.device)
-            logits = response_logits(self.model, micro)  # (b, t, V)
-            t = micro.response_ids.shape[1]
-            out[rows, :t] = logprobs_from_logits(logits, micro.response_ids, self.temperature,
-                                                 mask=micro.response_mask).cpu()
+        out = full_response_logprobs(self.model, batch, self.temperature, self.micro_batch_size, self.device)
         self.last_seconds = time.perf_counter() - t0
         return out

@@ -125,22 +125,22 @@ def machine(device: str) -> dict:
 
 
 class Timer:
-    """Phase timing with GPU synchronisation and per-phase peak memory."""
+    """Phase timing with GPU synchronisation (benchmarks.step's) and per-phase peak memory."""
 
     def __init__(self, device: str):
         import torch
 
-        self.torch, self.cuda = torch, device.startswith("cuda")
+        from benchmarks.step import _synchronizer
+
+        self.torch, self.cuda, self.now = torch, device.startswith("cuda"), _synchronizer(device)
 
     def __call__(self, fn, *args, **kwargs) -> tuple[Any, float, Optional[float]]:
+        self.now()  # the queued work before the phase is not the phase's
         if self.cuda:
-            self.torch.cuda.synchronize()
             self.torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         value = fn(*args, **kwargs)
-        if self.cuda:
-            self.torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
+        seconds = self.now() - t0
         peak = self.torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
         return value, seconds, peak
 

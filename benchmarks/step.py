@@ -395,25 +395,12 @@ class Baseline:
 
     def reference_logprobs(self, batch):
         """(B, T) full-softmax logprobs at temperature of the base model (adapter disabled),
-        micro-batched and trimmed as actors.reference.ReferenceScorer does."""
-        import torch
+        by the reference actor's own code (actors.reference.full_response_logprobs)."""
+        from actors.reference import full_response_logprobs
 
-        from learner.algos import logprobs_from_logits
-        from learner.buffer import rollouts_to
-        from ppo_ray.modeling import response_logits
-
-        cfg = self.config
-        out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
-        policy = self.learner.policy
-        with torch.no_grad(), policy.disable_adapter():
-            for start in range(0, len(batch), cfg.micro_batch_size):
-                rows = list(range(start, min(start + cfg.micro_batch_size, len(batch))))
-                micro = rollouts_to(batch.select(rows).trimmed(), self.device)
-                logits = response_logits(policy, micro)  # (b, t, V)
-                t = micro.response_ids.shape[1]
-                out[rows, :t] = logprobs_from_logits(logits, micro.response_ids, cfg.temperature,
-                                                     mask=micro.response_mask).cpu()
-        return out
+        cfg, policy = self.config, self.learner.policy
+        with policy.disable_adapter():
+            return full_response_logprobs(policy, batch, cfg.temperature, cfg.micro_batch_size, self.device)
 
     def step(self, prompts: Sequence[str], step: int,
              prompt_ids: Optional[Sequence[Sequence[int]]] = None) -> dict[str, float]:
