@@ -195,8 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     config.to_yaml(run_dir / f"config{'' if stage == 'all' else '-' + stage}.yaml")
     print(f"[ppo-ray] run directory: {run_dir}")
 
+    import ray
+
     from ppo_ray import pipeline
 
+    ray_was_up = ray.is_initialized()  # an in-process caller's Ray is left running
     report: dict = {"run_dir": str(run_dir)}
     t0 = time.perf_counter()
     # `ray job stop` sends SIGTERM: unwind like Ctrl-C (actors shut down; the last checkpoint,
@@ -225,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n[ppo-ray] interrupted: {where}", file=sys.stderr)
         return 130
     report["seconds"] = round(time.perf_counter() - t0, 1)
+    if stage in ("all", "ppo") and not ray_was_up:
+        # The actors are gone, but Ray forwards their last log lines asynchronously (vLLM's
+        # engine-core teardown): disconnect the Ray this run started, so that the summary
+        # is the last line of stdout (scripts read it with tail -1 | jq).
+        ray.shutdown()
     (run_dir / f"report{'' if stage == 'all' else '-' + stage}.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report))
     return 0

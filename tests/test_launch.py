@@ -108,6 +108,8 @@ def test_all_stages_end_to_end_on_the_bundled_task(tmp_path):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
+    # the summary is stdout's last line (Ray's late actor log lines come before it)
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == report
     for key in ("sft_val_loss", "rm_val_accuracy", "gold_test_sft", "gold_test_ppo", "win_rate_ppo_vs_sft",
                 "final_kl"):
         assert isinstance(report[key], float), key
