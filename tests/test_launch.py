@@ -14,10 +14,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_launch_ppo_interrupted_then_resumed(tmp_path):
     """launch.py ppo as a user runs it: Ctrl-C (SIGINT) once a checkpoint exists, then
     `launch.py ppo --resume RUN_DIR` (the run's saved config) finishes the run; every step
-    is in metrics.jsonl exactly once."""
+    is in metrics.jsonl exactly once. Slow (~105 s: two launch.py processes, each starting
+    Ray and a vLLM engine); the default run covers resume at the trainer level
+    (tests/test_checkpoint.py: exact resume, actors killed mid-step)."""
     import signal
     import time
 
