@@ -147,6 +147,8 @@ class PPOConfig:
     """Split for the SFT validation loss, the reward model's accuracy and PPO's held-out samples."""
     data_max_rows: Optional[int] = None
     """Read at most this many rows per split of sft_dataset / preference_dataset (quick runs); None = all."""
+    bundled_ideal_fraction: float = 1.0
+    """Bundled task only: fraction of the posters' reference TL;DRs (SFT data) that state every key fact; the rest leave one out (ppo_ray/tldr_synth.py). 1.0 = every reference is ideal."""
 
     # ---------------------------------------------------------------- SFT and reward-model stages
     sft_epochs: int = 3
@@ -235,7 +237,7 @@ class PPOConfig:
             if not ok:
                 raise ConfigError(f"config field '{name}' = {getattr(self, name)!r} is invalid: {rule}")
 
-        for name in ("gamma", "lam"):
+        for name in ("gamma", "lam", "bundled_ideal_fraction"):
             need(0.0 <= getattr(self, name) <= 1.0, name, "must be in [0, 1]")
         need(self.clip_epsilon > 0, "clip_epsilon", "must be > 0")
         need(self.kl_coef >= 0, "kl_coef", "must be >= 0")

@@ -135,7 +135,7 @@ def write_data(config: PPOConfig, run_dir: Path) -> Path:
         return data_dir
     from ppo_ray.tldr_synth import write_task
 
-    write_task(data_dir, seed=config.seed)
+    write_task(data_dir, seed=config.seed, ideal_fraction=config.bundled_ideal_fraction)
     return data_dir
 
 

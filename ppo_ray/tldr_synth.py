@@ -7,8 +7,8 @@ from templates, and a programmatic GOLD JUDGE for it. Pure Python, no torch.
 
 Public API::
 
-    generate_task(seed=0, n_train=2000, n_val=200, n_test=200) -> {"train"|"validation"|"test": [example]}
-    write_task(out_dir, seed=0, n_train=2000, n_val=200, n_test=200) -> {file name: Path}
+    generate_task(seed=0, n_train=2000, n_val=200, n_test=200, ideal_fraction=1.0) -> {"train"|"validation"|"test": [example]}
+    write_task(out_dir, seed=0, n_train=2000, n_val=200, n_test=200, ideal_fraction=1.0) -> {file name: Path}
     gold_details(example, summary, ended_with_eos) -> GoldScore
     gold_score(example, summary, ended_with_eos) -> float            # in [0, 1]
     gold_compare(example, a, b, eos_a=True, eos_b=True) -> 1 | 0 | -1
@@ -40,6 +40,14 @@ are dropped until it fits), which is <= 120 tokens; reference summaries are 5-9 
 (subreddit, person, event, quantity) tuple, so no test post was seen in training. The
 test split is drawn first, then validation, then train, from one
 ``random.Random(seed)``: changing ``n_train`` leaves the evaluation splits unchanged.
+
+Reference quality (``ideal_fraction``, config ``bundled_ideal_fraction``): by default every
+reference is the ideal summary. Real TL;DRs are written by the posters and are of mixed
+quality, which is why RLHF can beat SFT on them; with ``ideal_fraction < 1`` each
+reference is ideal with that probability and otherwise leaves one fact out, as a poster
+might (the person as a pronoun, no quantity, or the title copied; gold 1/3-2/3, nothing
+made up). The posts, facts and preference pairs do not change (the references draw from
+their own random stream). benchmarks/RESULTS.md has what PPO does with it.
 
 Formats are the real task's (Huang et al. 2024, "The N+ Implementation Details of RLHF
 with PPO"): ``prompt == ppo_ray.data.TLDR_PROMPT.format(subreddit=, title=, post=)``;
@@ -78,7 +86,7 @@ and 0 when the summary did not end with EOS:
 * No EOS means the summary was cut off at the generation limit; like the N+ recipe's
   "score replaced by -1", it gets the minimum, 0.
 
-Reference summaries score 1.0; e.g. for the post above "My sister lost her job." is
+Ideal reference summaries score 1.0; e.g. for the post above "My sister lost her job." is
 2/3, "My sister lost her job 5 weeks ago." 2/3 - 0.5 = 1/6, and "My brother lost his job
 3 weeks ago." 2/3 when the brother is in a distractor sentence (not a hallucination, but
 not the fact either).
@@ -510,18 +518,39 @@ def _with_pair(rng: random.Random, ex: dict) -> dict:
     raise AssertionError(f"no valid preference pair for {ex['post']!r}")  # pragma: no cover
 
 
-def generate_task(seed: int = 0, n_train: int = 2000, n_val: int = 200, n_test: int = 200) -> dict[str, list[dict]]:
+_FLAW_KINDS = ("pronoun", "no_quantity", "title")  # what an imperfect poster's TL;DR leaves out
+
+
+def _flawed_summary(rng: random.Random, ex: dict) -> str:
+    """A poster's TL;DR that leaves a fact out: the person as a pronoun, no quantity, or
+    the title copied."""
+    s = ex["_slots"]
+    kind = rng.choice(_FLAW_KINDS)
+    if kind == "pronoun":
+        return _summary(rng, s["subj"], s["E"], _SUMMARY_FORMS[0])
+    if kind == "no_quantity":
+        return _summary(rng, s["p"], s["title_event"], _SUMMARY_FORMS[0])
+    return " " + ex["title"]
+
+
+def generate_task(seed: int = 0, n_train: int = 2000, n_val: int = 200, n_test: int = 200,
+                  ideal_fraction: float = 1.0) -> dict[str, list[dict]]:
     """The task's splits {"train", "validation", "test"}: lists of examples.
 
     Each example: {"id", "subreddit", "title", "post", "prompt", "summary", "facts",
     "chosen", "rejected", "kind"}. `summary` (the reference), `chosen` and `rejected`
     start with a space and have no EOS. `kind` is the rejected summary's failure kind.
+    `summary` is the ideal one with probability `ideal_fraction` (in [0, 1]), else a
+    poster's TL;DR that leaves a fact out (module docstring).
     Deterministic in `seed` (one local random.Random); test is drawn first, then
     validation, then train, so the evaluation splits do not depend on n_train. The slot
     tables hold ~7,600 distinct (subreddit, person, event, quantity) tuples; up to ~5,000
     examples in all are fine, more may raise ValueError (a subreddit runs out).
     """
+    if not 0.0 <= ideal_fraction <= 1.0:
+        raise ValueError(f"ideal_fraction must be in [0, 1], got {ideal_fraction!r}")
     rng = random.Random(seed)
+    ref_rng = random.Random(f"{seed}-references")  # its own stream: posts and pairs do not depend on it
     used: set = set()
     subreddits = sorted(_SUBREDDITS)
     out: dict[str, list[dict]] = {}
@@ -529,8 +558,9 @@ def generate_task(seed: int = 0, n_train: int = 2000, n_val: int = 200, n_test: 
         rows = []
         for i in range(n):
             ex = _make_post(rng, rng.choice(subreddits), used)
-            ex["summary"] = _summary(rng, ex["_slots"]["p"], ex["_slots"]["E"], _SUMMARY_FORMS[0])
+            ideal = _summary(rng, ex["_slots"]["p"], ex["_slots"]["E"], _SUMMARY_FORMS[0])
             ex = _with_pair(rng, ex)
+            ex["summary"] = ideal if ref_rng.random() < ideal_fraction else _flawed_summary(ref_rng, ex)
             rows.append({"id": f"synth{seed}-{split}-{i:05d}", "subreddit": ex["subreddit"], "title": ex["title"],
                          "post": ex["post"], "prompt": ex["prompt"], "summary": ex["summary"], "facts": ex["facts"],
                          "chosen": ex["chosen"], "rejected": ex["rejected"], "kind": ex["kind"]})
@@ -545,7 +575,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def write_task(out_dir: str | Path, seed: int = 0, n_train: int = 2000, n_val: int = 200,
-               n_test: int = 200) -> dict[str, Path]:
+               n_test: int = 200, ideal_fraction: float = 1.0) -> dict[str, Path]:
     """Write the task as JSONL files under `out_dir` (created); returns {file name: path}.
 
     Per split (train, validation, test):
@@ -561,7 +591,7 @@ def write_task(out_dir: str | Path, seed: int = 0, n_train: int = 2000, n_val: i
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    task = generate_task(seed=seed, n_train=n_train, n_val=n_val, n_test=n_test)
+    task = generate_task(seed=seed, n_train=n_train, n_val=n_val, n_test=n_test, ideal_fraction=ideal_fraction)
     columns = {
         "sft": ("id", "subreddit", "title", "post", "summary", "prompt"),
         "preferences": ("id", "prompt", "chosen", "rejected", "kind"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import time
 
 import pytest
@@ -258,6 +259,26 @@ def test_length_is_a_weak_cue(task):
     assert 0.35 < balanced < 0.65, balanced
 
 
+def test_mixed_quality_references(task):
+    """bundled_ideal_fraction: the posters' TL;DRs leave a fact out with probability 1 - f;
+    everything else (posts, facts, pairs) is the ideal task's, and f=1 is that task."""
+    mixed = generate_task(seed=0, ideal_fraction=0.3)
+    assert generate_task(seed=0, ideal_fraction=0.3) == mixed  # deterministic
+    assert generate_task(seed=0, ideal_fraction=1.0) == task
+    n_ideal = 0
+    for a, b in zip(_all(task), _all(mixed)):
+        assert {k: v for k, v in a.items() if k != "summary"} == {k: v for k, v in b.items() if k != "summary"}
+        d = gold_details(b, b["summary"], True)
+        if b["summary"] == a["summary"]:
+            n_ideal += 1
+        else:  # a fact left out, nothing made up
+            assert d.coverage < 1.0 and d.n_wrong == 0, b["summary"]
+    assert 0.25 < n_ideal / len(_all(mixed)) < 0.35
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="ideal_fraction"):
+            generate_task(seed=0, n_train=10, ideal_fraction=bad)
+
+
 # --------------------------------------------------------------------------- token lengths
 
 
@@ -276,3 +297,15 @@ def test_token_lengths(task, tiny_model_dir):
     assert max(n_tokens("prompt")) <= MAX_PROMPT_TOKENS
     assert max(n_tokens("summary")) <= MAX_SUMMARY_TOKENS
     assert max(n_tokens("chosen")) <= MAX_CHOSEN_TOKENS
+
+
+def test_pipeline_writes_the_configured_reference_quality(tmp_path):
+    from ppo_ray.config import PPOConfig
+    from ppo_ray.pipeline import write_data
+
+    ideal = [json.loads(x)["summary"] for x in
+             (write_data(PPOConfig(), tmp_path / "a") / "sft_train.jsonl").read_text().splitlines()]
+    mixed = [json.loads(x)["summary"] for x in
+             (write_data(PPOConfig(bundled_ideal_fraction=0.3), tmp_path / "b") / "sft_train.jsonl")
+             .read_text().splitlines()]
+    assert len(ideal) == len(mixed) and 0.25 < sum(a == b for a, b in zip(ideal, mixed)) / len(ideal) < 0.35
