@@ -45,7 +45,7 @@ Reference quality (``ideal_fraction``, config ``bundled_ideal_fraction``): by de
 reference is the ideal summary. Real TL;DRs are written by the posters and are of mixed
 quality, which is why RLHF can beat SFT on them; with ``ideal_fraction < 1`` each
 reference is ideal with that probability and otherwise leaves one fact out, as a poster
-might (the person as a pronoun, no quantity, or the title copied; gold 1/3-2/3, nothing
+might (the person as a pronoun, no quantity, or the title copied; gold about 1/3-2/3, nothing
 made up). The posts, facts and preference pairs do not change (the references draw from
 their own random stream). benchmarks/RESULTS.md has what PPO does with it.
 
