@@ -52,7 +52,7 @@ class ConfigError(ValueError):
 class PPOConfig:
     # ---------------------------------------------------------------- the seeds' fields
     model_name: str = "Qwen/Qwen3-0.6B-Base"
-    """Policy base model: a hub id, a local HF directory, or "embedded:tiny" / "embedded:small"."""
+    """Policy base model: a hub id, a local HF directory, or "embedded:tldr" (the committed default-job model, ppo_ray/tldr_model.py), "embedded:tiny" / "embedded:small" (ppo_ray/tiny_model.py)."""
     lora_r: int = 16
     """LoRA rank of the policy (and value) adapters."""
     lora_alpha: int = 32
