@@ -73,6 +73,14 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint whose tensors do not fit this learner (other model, LoRA rank or targets)."""
 
 
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set p = 0 in every dropout layer of `model` (PEFT's lora_dropout included): train mode
+    then computes exactly what eval mode does."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
 def _to_cpu(obj):
     """A copy of a (nested) optimiser state with every tensor on the CPU."""
     if isinstance(obj, torch.Tensor):
@@ -133,6 +141,12 @@ class Learner:
             value_model_path or config.value_model_name or model_path, lora_r=config.lora_r,
             lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
             target_modules=config.lora_target_modules, dtype=config.dtype, seed=config.seed)
+        if not config.ppo_dropout:
+            # PPO's forwards without dropout (N+; TRL's disable_dropout): the old logprobs come
+            # from a dropout-free pass, so dropout in the training forward alone would put the
+            # first minibatch's ratio off 1. The adapters keep lora_dropout in their config.
+            for model in (self.policy, self.value_model):
+                disable_dropout(model)
         self.policy.to(self.device).eval()
         self.value_model.to(self.device).eval()
         self.vocab_size = self.policy.get_input_embeddings().weight.shape[0]
@@ -314,8 +328,9 @@ class Learner:
         return out
 
     # ------------------------------------------------------------------ input checks
-    def _check_inputs(self, batch: RolloutBatch, ref_logprobs: Tensor, scores: Tensor) -> None:
-        allowed = 1 if self.config.overlap_generation else 0
+    def _check_inputs(self, batch: RolloutBatch, ref_logprobs: Tensor, scores: Tensor,
+                      max_staleness: Optional[int] = None) -> None:
+        allowed = max_staleness if max_staleness is not None else (1 if self.config.overlap_generation else 0)
         if not 0 <= self.version - batch.adapter_version <= allowed:
             raise StaleRolloutsError(
                 f"stale rollouts: the batch was sampled with LoRA adapter version {batch.adapter_version} "
@@ -357,7 +372,8 @@ class Learner:
         return batch, torch.where(keep, scores, torch.zeros(())), len(rows)
 
     # ------------------------------------------------------------------ the update
-    def update(self, batch: RolloutBatch, ref_logprobs: Tensor, scores: Tensor) -> tuple[dict, dict[str, Tensor]]:
+    def update(self, batch: RolloutBatch, ref_logprobs: Tensor, scores: Tensor,
+               max_staleness: Optional[int] = None) -> tuple[dict, dict[str, Tensor]]:
         """One PPO update on one step's rollouts.
 
         Args:
@@ -365,6 +381,8 @@ class Learner:
             ref_logprobs: (B, T) reference logprobs of the response tokens (full softmax at
                 temperature); padding ignored.
             scores: (B,) sequence scores (NaN = dropped sample when nonfinite_reward=drop).
+            max_staleness: how many versions behind the learner the batch may be (the driver
+                says; None = 1 with overlap_generation, else 0).
 
         Returns:
             (stats, lora_weights): the new adapter (version + 1, see lora_weights) and floats:
@@ -383,7 +401,7 @@ class Learner:
         """
         cfg = self.config
         t_start = time.perf_counter()
-        self._check_inputs(batch, ref_logprobs, scores)
+        self._check_inputs(batch, ref_logprobs, scores, max_staleness)
         batch, scores, dropped = self._drop_nonfinite(batch, scores)
         plan = TrimPlan.of(batch)  # per-row extents on the host, read once
         n_tokens = int(batch.response_mask.sum())
@@ -493,7 +511,7 @@ class Learner:
         n_steps = 0
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
 
-        self.policy.train()  # LoRA dropout applies (lora_dropout=0: the first ratio is exactly 1)
+        self.policy.train()  # dropout applies only with ppo_dropout (else the first ratio is exactly 1)
         self.value_model.train()
         self.policy_optimizer.zero_grad(set_to_none=True)
         self.value_optimizer.zero_grad(set_to_none=True)

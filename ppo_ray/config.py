@@ -30,6 +30,9 @@ import yaml
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# logprob_gap_check's default threshold (nats) per dtype: float32 generator and learner agree to
+# ~5e-6 (benchmarks/RESULTS.md); a half-precision logit's rounding alone moves a logprob by ~0.1.
+LOGPROB_GAP_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.5, "float16": 0.5}
 # Local data files (ppo_ray.tldr reads these; anything else is a folder or a hub id).
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -58,7 +61,7 @@ class PPOConfig:
     lora_alpha: int = 32
     """LoRA scaling numerator: the update is (lora_alpha / lora_r) * B @ A."""
     lora_dropout: float = 0.1
-    """Dropout on the LoRA input during training (the N+ recipe uses 0: it breaks ratio == 1)."""
+    """LoRA dropout of the policy and value adapters' PEFT config (saved with the adapter). PPO's forwards apply it only with ppo_dropout: true; by default they run without dropout, so the first minibatch's ratio is exactly 1."""
     learning_rate: float = 1e-5
     """Adam learning rate of the policy LoRA."""
     value_learning_rate: float = 1e-4
@@ -125,6 +128,12 @@ class PPOConfig:
     """Loss aggregation: token_mean (over all real tokens of a minibatch) or seq_mean_token_mean."""
     nonfinite_reward: str = "error"
     """What a NaN/inf score does: error (names the prompt) or drop (sample masked out and counted)."""
+    ppo_dropout: bool = False
+    """Apply dropout (lora_dropout and the models' own) in the learner's PPO forwards. Off by default, as in the N+ recipe and TRL (disable_dropout): the old logprobs come from a dropout-free pass, so dropout in the training forward alone would put the first minibatch's ratio off 1 (measured: 1.004 with lora_dropout 0.1)."""
+    logprob_gap_check: str = "warn"
+    """The generator-vs-learner check on every fresh step: the largest |generator logprob - learner logprob| of a sampled token (same weights, same version) above logprob_gap_tolerance means the generator sampled from another policy (stale KV, a lost sync). warn (log it, count it on the dashboard), error (stop the run) or off."""
+    logprob_gap_tolerance: Optional[float] = None
+    """Threshold of logprob_gap_check in nats; None = by dtype: 1e-3 for float32, 0.5 for bfloat16 and float16 (their rounding alone moves a logprob by ~0.1)."""
 
     # ---------------------------------------------------------------- prompts and data
     max_prompt_length: int = 512
@@ -175,8 +184,10 @@ class PPOConfig:
     """PPO steps that train() runs."""
     output_dir: str = "runs"
     """Parent folder of run directories."""
-    checkpoint_every: int = 0
-    """Checkpoint every N steps (and at the end) into <run_dir>/checkpoints; 0 = only at the end."""
+    checkpoint_every: int = 50
+    """Checkpoint every N steps into <run_dir>/checkpoints (and at the end, and after checkpoint_every_minutes); 0 = no step rule."""
+    checkpoint_every_minutes: float = 30.0
+    """Also checkpoint when this many minutes have passed since the last checkpoint (or the run's start); 0 = no time rule."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep (older ones are deleted after a new one is complete)."""
     max_actor_restarts: int = 3
@@ -269,6 +280,10 @@ class PPOConfig:
              "must be finite or null")
         need(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
         need(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+        need(math.isfinite(self.checkpoint_every_minutes) and self.checkpoint_every_minutes >= 0,
+             "checkpoint_every_minutes", "must be >= 0 (0 = no time rule)")
+        need(self.logprob_gap_tolerance is None or self.logprob_gap_tolerance > 0, "logprob_gap_tolerance",
+             "must be > 0 or null (null = by dtype)")
         need(self.max_actor_restarts >= 0, "max_actor_restarts", "must be >= 0")
         need(self.max_step_retries >= 0, "max_step_retries", "must be >= 0")
         need(self.vllm_kv_cache_gib is None or self.vllm_kv_cache_gib > 0, "vllm_kv_cache_gib", "must be > 0 or null")
@@ -290,6 +305,7 @@ class PPOConfig:
             "reward_shaping": ("last_token", "every_token"),
             "loss_agg": ("token_mean", "seq_mean_token_mean"),
             "nonfinite_reward": ("error", "drop"),
+            "logprob_gap_check": ("warn", "error", "off"),
             "prompt_truncation": ("error", "left"),
             "lora_sync": ("adapter", "merged"),
             "placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
@@ -333,6 +349,13 @@ class PPOConfig:
     @property
     def effective_mini_batch_size(self) -> int:
         return self.mini_batch_size or self.batch_size
+
+    @property
+    def logprob_gap_limit(self) -> float:
+        """logprob_gap_tolerance, or its default for the dtype (see the field)."""
+        if self.logprob_gap_tolerance is not None:
+            return self.logprob_gap_tolerance
+        return LOGPROB_GAP_TOLERANCE[self.dtype]
 
     @property
     def lora_scaling(self) -> float:

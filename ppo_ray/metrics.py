@@ -3,6 +3,7 @@
     metrics = TrainingMetrics(run=trainer.namespace)   # after ray.init / init_ray
     metrics.record_step(out)                           # out = PPOTrainer.ppo_step(...)
     metrics.record_retry("generator")                  # a caller retried a failed actor call
+    metrics.record_logprob_gap("merged")               # a step failed the generator-vs-learner check
 
 Each node's Ray exports what its processes record on that node's Prometheus endpoint
 (`ray start --metrics-export-port P` -> http://<node>:P/metrics), with Ray's `ray_` prefix:
@@ -44,6 +45,7 @@ STEP_GAUGES: dict[str, str] = {
 PHASE_PREFIX, PHASE_SUFFIX = "time/", "_s"
 PHASE_GAUGE = "ppo_phase_seconds"  # one gauge, tagged phase=generate|reference|reward|...
 RETRY_COUNTER = "ppo_retries"      # exported as ray_ppo_retries_total
+GAP_COUNTER = "ppo_logprob_gap_exceeded"  # exported as ray_ppo_logprob_gap_exceeded_total
 
 _PROM_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 
@@ -70,6 +72,9 @@ class TrainingMetrics:
                              tag_keys=("run", "phase"))
         self._retries = Counter(RETRY_COUNTER, description="actor calls retried after a failure, by role",
                                 tag_keys=("run", "role"))
+        self._gaps = Counter(GAP_COUNTER, description="steps whose generator-vs-learner logprob gap exceeded "
+                             "logprob_gap_tolerance (the generator sampled from another policy)",
+                             tag_keys=("run", "lora_sync"))
 
     def record_step(self, out: Mapping[str, object]) -> dict[str, float]:
         """Set the gauges from one ppo_step output. Missing, non-numeric and non-finite values
@@ -90,6 +95,11 @@ class TrainingMetrics:
                     self._phases.set(value, tags={"run": self.run, "phase": phase})
                     recorded[f"{PHASE_GAUGE}{{phase={phase}}}"] = value
         return recorded
+
+    def record_logprob_gap(self, lora_sync: str) -> None:
+        """Count a step whose generator-vs-learner logprob gap exceeded the tolerance
+        (config.logprob_gap_check), tagged with the sync mode."""
+        self._gaps.inc(1.0, tags={"run": self.run, "lora_sync": lora_sync})
 
     def record_retry(self, role: str, n: int = 1) -> None:
         """Count `n` retried calls to the actor `role` (generator-0, learner, reference, reward).
