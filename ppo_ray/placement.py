@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import PPOConfig
+from ppo_ray.faults import FaultPoints, StateLostError, fault_point
 
 
 class ClusterError(RuntimeError):
@@ -83,14 +84,33 @@ def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
 
 
 # ----------------------------------------------------------------------------- hosts
-class GeneratorHost:
+def _check_version(role_object, expected: int | None, what: str) -> None:
+    """The version the driver expects this actor to hold. An actor that Ray restarted comes
+    back at version 0 (its constructor ran again): a StateLostError, which the trainer
+    recovers from. A live actor at another version is a lost or doubled sync: a bug, raised
+    as such."""
+    if expected is None or role_object.version == expected:
+        return
+    context = ray.get_runtime_context()
+    role = (context.get_actor_name() or "actor").removeprefix("ppo/")
+    if context.was_current_actor_reconstructed:
+        raise StateLostError(role, f"restarted at version {role_object.version}; the driver expects {expected} "
+                                   f"for {what}")
+    raise RuntimeError(f"{role} holds version {role_object.version} but the driver expects {expected} for {what} "
+                       "(a lost or repeated sync)")
+
+
+class GeneratorHost(FaultPoints):
     def __init__(self, config: PPOConfig, model_dir: str):
         from actors.generator import Generator
 
         self.generator = Generator.from_config(config, model_dir)
 
+    @fault_point
     @ray.method(num_returns=2)
-    def generate(self, prompt_ids: list[list[int]], step: int, offset: int) -> tuple[RolloutBatch, dict]:
+    def generate(self, prompt_ids: list[list[int]], step: int, offset: int,
+                 expected_version: int | None = None) -> tuple[RolloutBatch, dict]:
+        _check_version(self.generator, expected_version, f"step {step + 1}'s rollouts")
         t0 = time.perf_counter()
         batch = self.generator.generate(prompt_ids, step=step, prompt_offset=offset)
         summary = {
@@ -100,6 +120,7 @@ class GeneratorHost:
         }
         return batch, summary
 
+    @fault_point
     def load_adapter(self, version: int, weights: dict, restore: bool = False) -> dict:
         return {"version": version, **self.generator.load_adapter(version, weights, restore=restore)}
 
@@ -118,7 +139,7 @@ def _set_torch_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-class ReferenceHost:
+class ReferenceHost(FaultPoints):
     def __init__(self, config: PPOConfig, model_dir: str):
         from actors.reference import ReferenceScorer
 
@@ -126,6 +147,7 @@ class ReferenceHost:
         self.scorer = ReferenceScorer(model_dir, temperature=config.temperature, dtype=config.dtype,
                                       micro_batch_size=config.micro_batch_size)
 
+    @fault_point
     def logprobs(self, *parts: RolloutBatch):
         return self.scorer.logprobs(RolloutBatch.cat(parts))
 
@@ -133,7 +155,7 @@ class ReferenceHost:
         return self.scorer.last_seconds
 
 
-class RewardHost:
+class RewardHost(FaultPoints):
     def __init__(self, config: PPOConfig, reward_model_dir: str | None):
         from actors.reward import RewardScorer
 
@@ -143,12 +165,13 @@ class RewardHost:
             missing_eos_penalty=config.missing_eos_penalty, nonfinite=config.nonfinite_reward,
             dtype=config.dtype, micro_batch_size=config.micro_batch_size)
 
+    @fault_point
     @ray.method(num_returns=2)
     def score(self, *parts: RolloutBatch):
         return self.scorer.score(RolloutBatch.cat(parts))
 
 
-class LearnerHost:
+class LearnerHost(FaultPoints):
     def __init__(self, config: PPOConfig, model_dir: str, value_model_dir: str | None):
         from learner.learner import Learner
 
@@ -168,13 +191,22 @@ class LearnerHost:
         self.learner.join_group(init_method, rank, world_size, timeout_s)
         return rank
 
+    @ray.method(num_returns=2)
     def current_weights(self) -> tuple[int, dict]:
         """(version, LoRA weights) of the policy now: what a (re)started generator needs."""
         return self.learner.version, self.learner.lora_weights()
 
-    @ray.method(num_returns=2)
-    def update(self, ref_logprobs, scores, *parts: RolloutBatch):
-        return self.learner.update(RolloutBatch.cat(parts), ref_logprobs, scores)
+    @fault_point
+    @ray.method(num_returns=3)
+    def update(self, ref_logprobs, scores, *parts: RolloutBatch, expected_version: int | None = None,
+               max_staleness: int | None = None):
+        """(stats, new LoRA weights, learner state after the update). The state (state_dict:
+        adapters, value head, both Adam states, RNG; rank 0's only, every member holds the
+        same) stays in the object store as the driver's copy of the step's commit: a learner
+        that dies later is restored from it, with no checkpoint needed."""
+        _check_version(self.learner, expected_version, "the update")
+        stats, weights = self.learner.update(RolloutBatch.cat(parts), ref_logprobs, scores, max_staleness)
+        return stats, weights, (self.learner.state_dict() if self.learner.rank == 0 else {})
 
     def logprobs(self, *parts: RolloutBatch):
         return self.learner.logprobs(RolloutBatch.cat(parts))
