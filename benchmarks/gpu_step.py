@@ -210,6 +210,14 @@ def measure_batch(baseline, reference, batch_size: int, args, timer: Timer, dead
         (stats, _), upd, row["mem/update_peak_gib"] = timer(baseline.learner.update, batch, ref, scores)
         row["learner_forward"] = stats["learner_forward_s"]
         row["update"] = upd - row["learner_forward"]
+        row["padded_token_ratio"] = stats["padded_token_ratio"]
+        cfg = baseline.learner.config
+        flops = learner_flops(args.shape, batch.prompt_mask.sum(1).tolist(), batch.response_mask.sum(1).tolist(),
+                              cfg.ppo_epochs, cfg.lora_r, cfg.lora_target_modules)
+        row.update(update_flop=flops["update"], learner_forward_flop=flops["learner_forward"])
+        if args.peak:
+            row["mfu_update"] = flops["update"] / row["update"] / args.peak
+            row["mfu_learner"] = (flops["update"] + flops["learner_forward"]) / upd / args.peak
         weights, row["lora_export"], _ = timer(baseline.learner.lora_weights)
         row["step"] = sum(row[k] for k in ("generate", "reference", "reward", "learner_forward", "update",
                                            "lora_export"))
@@ -220,7 +228,8 @@ def measure_batch(baseline, reference, batch_size: int, args, timer: Timer, dead
                    lora_mib=sum(w.numel() * w.element_size() for w in weights.values()) / 2**20)
         print(f"[gpu_step] B={batch_size} step {i + 1}/{n}{' (warm-up)' if i < args.warmup else ''}: "
               + " ".join(f"{k}={row[k]:.3f}" for k in ("generate", "reference", "reward", "learner_forward",
-                                                         "update", "lora_export", "step")),
+                                                         "update", "lora_export", "step", "padded_token_ratio",
+                                                         "mfu_update", "mfu_learner") if k in row),
               file=sys.stderr, flush=True)
         if i >= args.warmup:
             per_step.append(row)
@@ -260,7 +269,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--time_budget_s", type=float, default=420.0,
                    help="start no new step after this many seconds (the JSON keeps what was measured)")
     p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
+    args, args.config_overrides = p.parse_known_args(argv)  # the rest: --field value for PPOConfig
     lo, _, hi = args.prompt_len.partition(":")
     args.prompt_len = (int(lo), int(hi or lo))
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
@@ -282,6 +291,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "device": device,
         "machine": machine(device), "model": args.model, "model_shape": MODELS[args.model],
         "prompt_len": list(args.prompt_len), "runs": []}
+    args.shape = MODELS[args.model]
+    args.peak = peak_flops(result["machine"].get("gpu", ""))
+    result.update(peak_bf16_flops=args.peak, mfu="model FLOPs of the real tokens (learner_flops) / seconds / peak_bf16_flops")
 
     def save() -> None:
         if args.out:
@@ -296,7 +308,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                                      "--max_new_tokens", str(args.max_new_tokens),
                                      "--batch_size", str(args.batch_sizes[0]),
                                      *(["--micro_batch_size", str(args.micro_batch_size)]
-                                       if args.micro_batch_size else [])])
+                                       if args.micro_batch_size else []), *args.config_overrides])
         baseline = Baseline(config, device=device)
         reference = ReferenceScorer(str(lm_dir), temperature=config.temperature, dtype=config.dtype,
                                     micro_batch_size=config.micro_batch_size, device=device)
@@ -305,7 +317,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                       config={k: getattr(config, k) for k in ("dtype", "ppo_epochs", "mini_batch_size",
                                                               "micro_batch_size", "lora_r", "lora_alpha",
                                                               "lora_target_modules", "temperature", "top_k",
-                                                              "top_p", "max_new_tokens")})
+                                                              "top_p", "max_new_tokens", "learner_layout",
+                                                              "learner_sort_by_length", "logprob_chunk_size",
+                                                              "lora_kernel", "rms_norm_kernel",
+                                                              "gradient_checkpointing", "learner_compile")})
         save()
         timer = Timer(device)
         for b in args.batch_sizes:

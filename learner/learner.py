@@ -58,6 +58,7 @@ from learner.algos import (
     value_loss,
 )
 from learner.buffer import Experience, ExperienceBuffer, TrimPlan, rollout_micro_batches, rollouts_to
+from learner.kernels import cached_casts, clear_casts
 from learner.value_model import ValueModel
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import PPOConfig
@@ -150,11 +151,12 @@ class Learner:
     # ------------------------------------------------------------------ speed options
     def _speed_options(self) -> None:
         """Apply the config's learner speed options (ppo_ray.config: learner_layout,
-        logprob_chunk_size, lora_kernel, gradient_checkpointing, learner_compile). With all
+        learner_sort_by_length, logprob_chunk_size, lora_kernel, rms_norm_kernel,
+        gradient_checkpointing, learner_compile). With all
         of them at their defaults nothing changes: the policy's logits come from its own
         forward (response_logits), exactly as before the options existed. Called again after
         a config change (benchmarks switch options on one learner); compiling is for good."""
-        from learner.lora_fused import fuse_lora_linears
+        from learner.kernels import fuse_lora_linears, fuse_rms_norms
 
         cfg = self.config
         policy_base = self.policy.get_base_model()  # the CausalLM, LoRA layers inside
@@ -166,6 +168,8 @@ class Learner:
         self._plain_logits = not self._causal and cfg.logprob_chunk_size == 0
         fuse_lora_linears(self.policy, cfg.lora_kernel == "fused")
         fuse_lora_linears(self.value_model, cfg.lora_kernel == "fused")
+        fuse_rms_norms(self.policy, cfg.rms_norm_kernel == "fused")
+        fuse_rms_norms(self.value_model, cfg.rms_norm_kernel == "fused")
         for model in (policy_base, value_base):
             if cfg.gradient_checkpointing:
                 # non-reentrant: the frozen embeddings' outputs need no requires_grad hook (PEFT)
@@ -493,7 +497,8 @@ class Learner:
 
         # 1. Old logprobs / values: no-grad forward in eval mode. Truncated + tempered logprobs
         #    for the PPO ratio; full-softmax logprobs at temperature for the KL; old values.
-        fwd = self._group_rollout_pass(batch, plan, logprobs=True, full=True, entropy=True, values=True)
+        with cached_casts(self.policy, self.value_model):  # no weight changes in this pass
+            fwd = self._group_rollout_pass(batch, plan, logprobs=True, full=True, entropy=True, values=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # only to time the forward honestly
         forward_s = time.perf_counter() - t_start
@@ -534,7 +539,8 @@ class Learner:
                                   sort=cfg.learner_sort_by_length)
 
         # 7. PPO epochs x shuffled minibatches x micro-batches: value loss and PPO-clip.
-        ppo = self._ppo_epochs(buffer)
+        with cached_casts(self.policy, self.value_model):  # cleared after every optimiser step
+            ppo = self._ppo_epochs(buffer)
 
         # 8. New version; stats (one host sync) and the new adapter for the generator.
         self.version += 1
@@ -628,6 +634,7 @@ class Learner:
                 sums["value_grad_norm"] += torch.nn.utils.clip_grad_norm_(self.value_params, max_norm)
                 self.policy_optimizer.step()
                 self.value_optimizer.step()
+                clear_casts(self.policy, self.value_model)  # the adapters just changed
                 self.policy_optimizer.zero_grad(set_to_none=True)
                 self.value_optimizer.zero_grad(set_to_none=True)
                 n_steps += 1

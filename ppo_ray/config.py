@@ -133,6 +133,8 @@ class PPOConfig:
     """How the learner lays out a micro-batch: masked (left-padded prompts and an attention mask) or causal (each row's real tokens from column 0, padding after them, no attention mask: SDPA's causal flash kernel; the real tokens' outputs equal masked's up to float rounding)."""
     logprob_chunk_size: int = 0
     """Learner logprobs from the policy's hidden states through lm_head this many real response tokens at a time, each chunk's full-vocabulary logits recomputed in the backward (activation checkpoint) instead of kept; padding positions skip lm_head. 0 = the plain path (all positions' logits at once)."""
+    rms_norm_kernel: str = "hf"
+    """RMSNorm forward in the learner's models (Qwen2/3, Llama, Mistral norms): hf (the model's own: 8 elementwise kernels) or fused (torch.nn.functional.rms_norm, one kernel). Equal in float32 up to rounding."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward (policy and value models, PPO epochs only): less memory for bigger micro-batches, one more forward of compute."""
     lora_kernel: str = "peft"
@@ -311,6 +313,7 @@ class PPOConfig:
             "dtype": ("float32", "bfloat16", "float16"),
             "learner_layout": ("masked", "causal"),
             "lora_kernel": ("peft", "fused"),
+            "rms_norm_kernel": ("hf", "fused"),
         }
         for name, allowed in choices.items():
             need(getattr(self, name) in allowed, name, f"must be one of {list(allowed)}")
