@@ -45,7 +45,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "chunk": dict(logprob_chunk_size=1024),
     "all": FAST,
 }
-for _mb in (8, 16, 32, 64, 128):
+for _mb in (2, 8, 16, 32, 64, 128):
     VARIANTS[f"base_mb{_mb}"] = dict(micro_batch_size=_mb)
     VARIANTS[f"all_mb{_mb}"] = dict(FAST, micro_batch_size=_mb)
     VARIANTS[f"all_gc_mb{_mb}"] = dict(FAST, micro_batch_size=_mb, gradient_checkpointing=True)
