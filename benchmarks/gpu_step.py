@@ -2,6 +2,7 @@
 
     python -m benchmarks.gpu_step [--batch_sizes 64,512] [--max_new_tokens 53] [--steps 3] [--warmup 1]
         [--prompt_len 300:512] [--model qwen3-0.6b|test] [--time_budget_s 420] [--out FILE.json]
+        [--<PPOConfig field> VALUE ...]     e.g. --learner_layout masked (the plain learner path)
 
 Why a separate script: the lent GPU machines have torch, transformers and peft but no Ray
 and no vLLM, and reach no model hub. So this measures, on the GPU, every phase of our step
@@ -39,6 +40,16 @@ fit 512 tokens).
 Config: ``configs/qwen3-0.6b-tldr.yaml`` with model paths replaced and batch_size per run
 (ppo_epochs 4, one minibatch, the preset's micro-batch 8 unless ``--micro_batch_size``, LoRA
 r=16 on all 7 projections, temperature 0.7).
+
+Learner efficiency, per step: ``padded_token_ratio`` (token positions the learner's forwards
+computed / real tokens, over its no-grad pass and PPO epochs; Learner.update's stat) and
+``mfu_update`` / ``mfu_learner``: model FLOPs of the real tokens (``learner_flops``: forward
+2 N per token and model with N the decoder's 440M matmul parameters, backward 2 N (frozen
+base: input gradients only), plus LoRA, causal attention and the policy's lm_head on response
+tokens; padding and recomputation not counted) over the update's (the PPO epochs') or the
+whole learner's seconds, over the card's dense bf16 peak (``PEAK_BF16_FLOPS``: 989.4 TFLOP/s
+for the H100 SXM and the H200). Other ``--field value`` options go to the config (the
+learner speed options of ppo_ray.config; the preset turns them on).
 
 JSON on stdout and in ``--out`` (rewritten after every measurement, so a run stopped by a
 time limit keeps what it measured). ``--model test`` is a 2-layer miniature for CPU tests.

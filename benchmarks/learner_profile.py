@@ -9,7 +9,8 @@ model's shape, the preset's config: bf16, LoRA r=16 on 7 projections, micro-batc
 temperature 0.7, no top-k/top-p) and one synthetic RolloutBatch (random prompt tokens with
 lengths uniform in --prompt_len, left-padded; responses of --response_len tokens, an EOS
 ending the shorter ones). Each variant is a set of config changes (the learner speed
-options of ppo_ray.config, micro_batch_size) applied to the same learner
+options of ppo_ray.config, micro_batch_size) to the plain path (PLAIN: every speed option
+off, whatever the preset says) applied to the same learner
 (``Learner._speed_options``); it runs one warm-up update, then one timed update (no-grad
 pass + ppo_epochs over the batch), and reports the phases, the MFU (benchmarks.gpu_step's
 learner_flops over the card's bf16 peak), the padded-vs-real token ratio and peak memory.
@@ -32,7 +33,10 @@ from typing import Any, Optional, Sequence
 
 from benchmarks.gpu_step import MODELS, PAD_ID, EOS_ID, PRESET, learner_flops, machine, peak_flops, write_models
 
-# The learner speed options that keep the math (ppo_ray.config): the "all" variants.
+# The plain path (every learner speed option off; the preset turns them on) and the
+# options that keep the math (ppo_ray.config), the "all" variants. Variants are changes to PLAIN.
+PLAIN = dict(learner_layout="masked", learner_sort_by_length=False, lora_kernel="peft", rms_norm_kernel="hf",
+             logprob_chunk_size=0, gradient_checkpointing=False, learner_compile=False)
 FAST = dict(learner_layout="causal", learner_sort_by_length=True, lora_kernel="fused", rms_norm_kernel="fused",
             logprob_chunk_size=1024)
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -247,7 +251,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             row: dict[str, Any] = {"options": VARIANTS[name]}
             result["variants"][name] = row
             try:
-                learner.config = config.replace(**VARIANTS[name])
+                learner.config = config.replace(**{**PLAIN, **VARIANTS[name]})
                 learner._speed_options()
                 t0 = time.perf_counter()
                 row["warmup"] = run_update(learner, batch, ref, scores, sync)
