@@ -29,6 +29,11 @@ Choices, and where they come from:
   full minibatch's token mean (OpenRLHF tests/test_loss_aggregation.py).
 * One host synchronisation per update for the stats (plus one after the scoring pass on a
   GPU, to time it); micro-batch trimming uses host-side row lengths read once.
+* The speed options (ppo_ray.config's "learner speed" block: length-sorted micro-batches,
+  the mask-free causal layout, chunked logprobs, fused LoRA / RMSNorm forwards, gradient
+  checkpointing, torch.compile) change how the same quantities are computed, never which:
+  tests/test_learner_speed.py holds them to the plain path within 1e-5 in float32. Why they
+  exist: benchmarks/RESULTS.md ("The learner's update on the GPU").
 """
 
 from __future__ import annotations
