@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.utils.checkpoint
 
 Tensor = torch.Tensor
 
@@ -428,6 +429,34 @@ def entropy_from_logits(logits: Tensor, mask: Tensor, temperature: float = 1.0) 
     # einsum contracts V without materialising probs * x.
     entropy = torch.logsumexp(x, dim=-1) - torch.einsum("...v,...v->...", probs, x)
     return torch.where(mask, entropy, torch.zeros((), dtype=entropy.dtype, device=entropy.device))
+
+
+def chunked_rows(fn, chunk_size: int, *inputs: Tensor) -> tuple[Tensor, ...]:
+    """``fn(*inputs)`` computed ``chunk_size`` rows (dim 0) at a time, outputs concatenated.
+
+    ``fn`` maps row-aligned inputs ``(n, ...)`` to a tuple of row-aligned outputs ``(n,
+    ...)`` and must treat rows independently (e.g. hidden states -> lm_head -> per-token
+    log-probs), so the result equals ``fn(*inputs)`` up to float rounding. With autograd
+    on, each chunk is an activation checkpoint (``torch.utils.checkpoint``, non-reentrant):
+    its intermediates (the ``(chunk, V)`` logits and their float32 copies) are freed after
+    the forward and recomputed in the backward, so at most one chunk's exist at a time
+    (Liger-Kernel's fused linear cross-entropy and verl's chunked entropy chunk the same
+    way). ``chunk_size <= 0`` = one chunk, no checkpoint.
+    """
+    n = inputs[0].shape[0]
+    if chunk_size <= 0 or n == 0:
+        out = fn(*inputs)
+        return out if isinstance(out, tuple) else (out,)
+    parts = []
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+    for start in range(0, n, chunk_size):
+        piece = [x[start: start + chunk_size] for x in inputs]
+        if grad:
+            out = torch.utils.checkpoint.checkpoint(fn, *piece, use_reentrant=False)
+        else:
+            out = fn(*piece)
+        parts.append(out if isinstance(out, tuple) else (out,))
+    return tuple(torch.cat(column) for column in zip(*parts))
 
 
 # --------------------------------------------------------------------------------------

@@ -29,6 +29,11 @@ Choices, and where they come from:
   full minibatch's token mean (OpenRLHF tests/test_loss_aggregation.py).
 * One host synchronisation per update for the stats (plus one after the scoring pass on a
   GPU, to time it); micro-batch trimming uses host-side row lengths read once.
+* The speed options (ppo_ray.config's "learner speed" block: length-sorted micro-batches,
+  the mask-free causal layout, chunked logprobs, fused LoRA / RMSNorm forwards, gradient
+  checkpointing, torch.compile) change how the same quantities are computed, never which:
+  tests/test_learner_speed.py holds them to the plain path within 1e-5 in float32. Why they
+  exist: benchmarks/RESULTS.md ("The learner's update on the GPU").
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from torch import Tensor
 
 from learner.algos import (
     agg_loss,
+    chunked_rows,
     compute_gae_advantages,
     compute_returns,
     entropy_from_logits,
@@ -57,10 +63,11 @@ from learner.algos import (
     value_loss,
 )
 from learner.buffer import Experience, ExperienceBuffer, TrimPlan, rollout_micro_batches, rollouts_to
+from learner.kernels import cached_casts, clear_casts
 from learner.value_model import ValueModel
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import PPOConfig
-from ppo_ray.modeling import load_causal_lm, pick_device, response_logits
+from ppo_ray.modeling import causal_response_hidden, load_causal_lm, pick_device, response_hidden, response_logits
 
 ADAM_EPS = 1e-5  # N+ (summarize_from_feedback_details ppo.py: eps=1e-5)
 
@@ -150,6 +157,7 @@ class Learner:
         self.policy.to(self.device).eval()
         self.value_model.to(self.device).eval()
         self.vocab_size = self.policy.get_input_embeddings().weight.shape[0]
+        self._speed_options()
 
         self.policy_params = [p for p in self.policy.parameters() if p.requires_grad]
         self.value_params = self.value_model.trainable_parameters()
@@ -158,6 +166,96 @@ class Learner:
         self.version = 0
         self.last_experience: Optional[Experience] = None  # the latest update's per-token data (inspection)
         self.rank, self.world_size = 0, 1  # data parallelism: see join_group
+
+    # ------------------------------------------------------------------ speed options
+    def _speed_options(self) -> None:
+        """Apply the config's learner speed options (ppo_ray.config: learner_layout,
+        learner_sort_by_length, logprob_chunk_size, lora_kernel, rms_norm_kernel,
+        gradient_checkpointing, learner_compile). With all
+        of them at their defaults nothing changes: the policy's logits come from its own
+        forward (response_logits), exactly as before the options existed. Called again after
+        a config change (benchmarks switch options on one learner); compiling is for good."""
+        from learner.kernels import fuse_lora_linears, fuse_rms_norms
+
+        cfg = self.config
+        policy_base = self.policy.get_base_model()  # the CausalLM, LoRA layers inside
+        value_base = self.value_model.backbone.get_base_model()  # the decoder (e.g. Qwen3Model)
+        self._decoder = policy_base.get_decoder()
+        self._lm_head = policy_base.get_output_embeddings()
+        self._causal = cfg.learner_layout == "causal"
+        # the plain path: logits from the CausalLM's forward, all positions at once
+        self._plain_logits = not self._causal and cfg.logprob_chunk_size == 0
+        fuse_lora_linears(self.policy, cfg.lora_kernel == "fused")
+        fuse_lora_linears(self.value_model, cfg.lora_kernel == "fused")
+        fuse_rms_norms(self.policy, cfg.rms_norm_kernel == "fused")
+        fuse_rms_norms(self.value_model, cfg.rms_norm_kernel == "fused")
+        for model in (policy_base, value_base):
+            if cfg.gradient_checkpointing:
+                # non-reentrant: the frozen embeddings' outputs need no requires_grad hook (PEFT)
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            elif model.is_gradient_checkpointing:
+                model.gradient_checkpointing_disable()
+        if cfg.learner_compile and not getattr(self, "_compiled", False):
+            # Per decoder layer: one graph serves all layers of both models (same code and
+            # shapes), dynamic in the sequence length so new micro-batch widths do not recompile.
+            for decoder in (self._decoder, value_base.get_decoder()):
+                for layer in decoder.layers:
+                    layer.compile(dynamic=True)
+            self._compiled = True
+        self._token_counts = [0, 0]  # (positions computed, real tokens) of the current update
+
+    def _count(self, plan: TrimPlan, rows: list[int]) -> None:
+        done, real = plan.cost(rows, self._causal)
+        self._token_counts[0] += done
+        self._token_counts[1] += real
+
+    def _policy_hidden(self, micro: RolloutBatch, seq_len: int) -> Tensor:
+        """(b, t, H) the policy's last hidden states that predict micro's response tokens."""
+        if self._causal:
+            return causal_response_hidden(self._decoder, micro, seq_len)
+        return response_hidden(self._decoder, micro)
+
+    def _values(self, micro: RolloutBatch, seq_len: int) -> Tensor:
+        """(b, t) float32 V(s_t) of micro's response positions (garbage on padding)."""
+        return self.value_model(micro, causal_len=seq_len if self._causal else None)
+
+    def _policy_token_stats(self, micro: RolloutBatch, seq_len: int, n_response: int, *, truncated: bool = False,
+                            full: bool = False, entropy: bool = False) -> list[Tensor]:
+        """Per-token (b, t) float32 stats of the policy at micro's response tokens, 0 on
+        padding, in this order (those asked for): truncated + tempered logprobs (the
+        sampling distribution), full-softmax logprobs at temperature, entropy at temperature.
+
+        The path the speed options take: hidden states from the decoder (either layout),
+        then lm_head and the logprob math on the real response positions only (the rows'
+        extents, `n_response` of them, a host count: no sync), `logprob_chunk_size` of them
+        at a time (learner.algos.chunked_rows). Equal to the plain path's values up to float
+        rounding (tests/test_learner_speed.py)."""
+        cfg = self.config
+        hidden = self._policy_hidden(micro, seq_len)  # (b, t, H)
+        b, t, _ = hidden.shape
+        mask = micro.response_mask  # (b, t)
+        cols = torch.arange(t, device=mask.device)
+        ends = torch.where(mask, cols + 1, torch.zeros((), dtype=cols.dtype, device=mask.device)).amax(dim=1)  # (b,)
+        extent = cols[None, :] < ends[:, None]  # (b, t) each row up to its last real token
+        index = torch.nonzero_static(extent.reshape(-1), size=n_response).squeeze(-1)  # (n,) no sync
+        h = hidden.reshape(b * t, -1).index_select(0, index)  # (n, H)
+        tokens = micro.response_ids.reshape(-1).index_select(0, index)  # (n,)
+        lm_head, temperature = self._lm_head, cfg.temperature
+
+        def per_token(h: Tensor, tokens: Tensor) -> tuple[Tensor, ...]:
+            logits = lm_head(h)  # (c, V) in the model's dtype
+            out = []
+            if truncated:
+                out.append(logprobs_from_logits(logits, tokens, temperature, cfg.top_k, cfg.top_p))
+            if full:
+                out.append(logprobs_from_logits(logits, tokens, temperature))
+            if entropy:
+                out.append(entropy_from_logits(logits, torch.ones_like(tokens, dtype=torch.bool), temperature))
+            return tuple(out)
+
+        zero = torch.zeros((), device=mask.device)
+        return [torch.where(mask, torch.zeros(b * t, device=mask.device).index_put((index,), v).view(b, t), zero)
+                for v in chunked_rows(per_token, cfg.logprob_chunk_size, h, tokens)]
 
     # ------------------------------------------------------------------ data parallelism
     def join_group(self, init_method: str, rank: int, world_size: int, timeout_s: float = 120.0) -> None:
@@ -308,10 +406,18 @@ class Learner:
 
         out = RolloutScores(zeros() if logprobs else None, zeros() if full else None,
                             zeros() if entropy else None, zeros() if values else None)
-        for rows, micro in rollout_micro_batches(batch, cfg.micro_batch_size, plan):
+        for rows, micro in rollout_micro_batches(batch, cfg.micro_batch_size, plan, sort=cfg.learner_sort_by_length):
             t = micro.response_ids.shape[1]
             mask = micro.response_mask
-            if logprobs or full or entropy:
+            seq_len = plan.seq_len(rows)
+            self._count(plan, rows)
+            if (logprobs or full or entropy) and not self._plain_logits:
+                stats = iter(self._policy_token_stats(micro, seq_len, plan.response_tokens(rows),
+                                                      truncated=logprobs, full=full, entropy=entropy))
+                for name, wanted in (("logprobs", logprobs), ("full_logprobs", full), ("entropy", entropy)):
+                    if wanted:
+                        getattr(out, name)[rows, :t] = next(stats)
+            elif logprobs or full or entropy:
                 logits = response_logits(self.policy, micro)  # (b, t, V)
                 if logprobs:
                     out.logprobs[rows, :t] = logprobs_from_logits(
@@ -323,7 +429,7 @@ class Learner:
                     out.entropy[rows, :t] = entropy_from_logits(logits, mask, cfg.temperature)
                 del logits
             if values:
-                v = self.value_model(micro)  # (b, t)
+                v = self._values(micro, seq_len)  # (b, t)
                 out.values[rows, :t] = torch.where(mask, v, torch.zeros((), device=v.device))
         return out
 
@@ -401,6 +507,7 @@ class Learner:
         """
         cfg = self.config
         t_start = time.perf_counter()
+        self._token_counts = [0, 0]
         self._check_inputs(batch, ref_logprobs, scores, max_staleness)
         batch, scores, dropped = self._drop_nonfinite(batch, scores)
         plan = TrimPlan.of(batch)  # per-row extents on the host, read once
@@ -413,7 +520,8 @@ class Learner:
 
         # 1. Old logprobs / values: no-grad forward in eval mode. Truncated + tempered logprobs
         #    for the PPO ratio; full-softmax logprobs at temperature for the KL; old values.
-        fwd = self._group_rollout_pass(batch, plan, logprobs=True, full=True, entropy=True, values=True)
+        with cached_casts(self.policy, self.value_model):  # no weight changes in this pass
+            fwd = self._group_rollout_pass(batch, plan, logprobs=True, full=True, entropy=True, values=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # only to time the forward honestly
         forward_s = time.perf_counter() - t_start
@@ -450,10 +558,12 @@ class Learner:
             ref_logprobs=ref_logprobs, kl=kl, rewards=rewards, values=values, advantages=advantages,
             returns=returns)
         self.last_experience = experience
-        buffer = ExperienceBuffer(experience, cfg.effective_mini_batch_size, cfg.micro_batch_size, plan)
+        buffer = ExperienceBuffer(experience, cfg.effective_mini_batch_size, cfg.micro_batch_size, plan,
+                                  sort=cfg.learner_sort_by_length)
 
         # 7. PPO epochs x shuffled minibatches x micro-batches: value loss and PPO-clip.
-        ppo = self._ppo_epochs(buffer)
+        with cached_casts(self.policy, self.value_model):  # cleared after every optimiser step
+            ppo = self._ppo_epochs(buffer)
 
         # 8. New version; stats (one host sync) and the new adapter for the generator.
         self.version += 1
@@ -481,7 +591,9 @@ class Learner:
         names = list(tensors)
         numbers = torch.stack([tensors[k].detach().float().reshape(()) for k in names]).tolist()  # the sync
         stats = dict(zip(names, numbers))
+        done, real = self._token_counts
         stats.update(dropped_samples=float(dropped), tokens=float(n_tokens), learner_forward_s=forward_s,
+                     padded_token_ratio=done / max(real, 1),
                      stale_versions=float(stale),
                      update_s=time.perf_counter() - t_start, version=self.version)
         # Every member holds the same adapter; only rank 0's copy goes to the generators.
@@ -521,7 +633,9 @@ class Learner:
                 pg_norm = self._normalizer(exp.policy_mask[index])
                 v_norm = self._normalizer(exp.mask[index])
                 local = index[self.rank::self.world_size]  # this member's rows (all of them alone)
-                for micro in (buffer.micro_batches(local) if len(local) else ()):
+                for rows in (buffer.micro_rows(local) if len(local) else ()):
+                    micro = buffer.micro_batch(rows)
+                    self._count(buffer.plan, rows)
                     pg_loss, v_loss, st = self._micro_losses(micro, pg_norm, v_norm)
                     (pg_loss + v_loss).backward()
                     n_pg = micro.policy_mask.sum()
@@ -543,6 +657,7 @@ class Learner:
                 sums["value_grad_norm"] += torch.nn.utils.clip_grad_norm_(self.value_params, max_norm)
                 self.policy_optimizer.step()
                 self.value_optimizer.step()
+                clear_casts(self.policy, self.value_model)  # the adapters just changed
                 self.policy_optimizer.zero_grad(set_to_none=True)
                 self.value_optimizer.zero_grad(set_to_none=True)
                 n_steps += 1
@@ -564,16 +679,22 @@ class Learner:
         """Policy loss (PPO-clip - entropy bonus) and value loss of one trimmed micro-batch,
         each normalised by its minibatch's token (or row) count."""
         cfg = self.config
-        logits = response_logits(self.policy, mb.rollouts)  # (b, t, V), train mode
-        logp = logprobs_from_logits(logits, mb.rollouts.response_ids, cfg.temperature, cfg.top_k, cfg.top_p,
-                                    mask=mb.policy_mask)  # (b, t) float32
+        if self._plain_logits:
+            logits = response_logits(self.policy, mb.rollouts)  # (b, t, V), train mode
+            logp = logprobs_from_logits(logits, mb.rollouts.response_ids, cfg.temperature, cfg.top_k, cfg.top_p,
+                                        mask=mb.policy_mask)  # (b, t) float32
+            ent = entropy_from_logits(logits, mb.mask, cfg.temperature) if cfg.entropy_coef > 0 else None  # (b, t)
+            del logits
+        else:
+            logp, *rest = self._policy_token_stats(mb.rollouts, mb.seq_len, mb.response_tokens, truncated=True,
+                                                   entropy=cfg.entropy_coef > 0)
+            logp = torch.where(mb.policy_mask, logp, torch.zeros((), device=logp.device))  # (b, t)
+            ent = rest[0] if rest else None
         pg_loss, pg_stats = ppo_clip_loss(logp, mb.old_logprobs, mb.advantages, mb.policy_mask,
                                           cfg.clip_epsilon, cfg.loss_agg, pg_norm)
-        if cfg.entropy_coef > 0:
-            ent = entropy_from_logits(logits, mb.mask, cfg.temperature)  # (b, t)
+        if ent is not None:
             pg_loss = pg_loss - cfg.entropy_coef * agg_loss(ent, mb.mask, cfg.loss_agg, v_norm)
-        del logits
-        new_values = self.value_model(mb.rollouts)  # (b, t) float32
+        new_values = self._values(mb.rollouts, mb.seq_len)  # (b, t) float32
         v_loss, v_stats = value_loss(new_values, mb.returns, mb.mask, mb.values, cfg.value_clip,
                                      cfg.loss_agg, v_norm)
         return pg_loss, v_loss, {**pg_stats, **v_stats}

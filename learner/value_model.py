@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ppo_ray.batch import RolloutBatch
-from ppo_ray.modeling import DTYPES, load_reward_model, resolve_model_path, response_hidden
+from ppo_ray.modeling import DTYPES, causal_response_hidden, load_reward_model, resolve_model_path, response_hidden
 
 
 def is_sequence_classifier(path: str) -> bool:
@@ -84,8 +84,13 @@ class ValueModel(nn.Module):
                 self.head.bias.zero_()
         self.eval()
 
-    def forward(self, batch: RolloutBatch) -> Tensor:
-        hidden = response_hidden(self.backbone, batch)  # (B, T, H), backbone dtype
+    def forward(self, batch: RolloutBatch, causal_len: Optional[int] = None) -> Tensor:
+        """causal_len: None = the masked forward over the left-padded layout; an int = the
+        causal layout of that width (ppo_ray.modeling.causal_response_hidden)."""
+        if causal_len is None:
+            hidden = response_hidden(self.backbone, batch)  # (B, T, H), backbone dtype
+        else:
+            hidden = causal_response_hidden(self.backbone, batch, causal_len)  # (B, T, H)
         return self.head(hidden.float()).squeeze(-1)  # (B, T) float32
 
     def trainable_parameters(self) -> list[nn.Parameter]:

@@ -135,6 +135,22 @@ class PPOConfig:
     logprob_gap_tolerance: Optional[float] = None
     """Threshold of logprob_gap_check in nats; None = by dtype: 1e-3 for float32, 0.5 for bfloat16 and float16 (their rounding alone moves a logprob by ~0.1)."""
 
+    # ---------------------------------------------------------------- learner speed (same math; defaults = the plain path)
+    learner_sort_by_length: bool = False
+    """Learner micro-batches of length-sorted rows (longest first) instead of the shuffled order, in the no-grad pass and within each minibatch, so each micro-batch pays for little padding; the accumulated gradient is the same up to float summation order."""
+    learner_layout: str = "masked"
+    """How the learner lays out a micro-batch: masked (left-padded prompts and an attention mask) or causal (each row's real tokens from column 0, padding after them, no attention mask: SDPA's causal flash kernel; the real tokens' outputs equal masked's up to float rounding)."""
+    logprob_chunk_size: int = 0
+    """Learner logprobs from the policy's hidden states through lm_head this many real response tokens at a time, each chunk's full-vocabulary logits recomputed in the backward (activation checkpoint) instead of kept; padding positions skip lm_head. 0 = the plain path (all positions' logits at once)."""
+    rms_norm_kernel: str = "hf"
+    """RMSNorm forward in the learner's models (Qwen2/3, Llama, Mistral norms): hf (the model's own: 8 elementwise kernels) or fused (torch.nn.functional.rms_norm, one kernel). Equal in float32 up to rounding."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward (policy and value models, PPO epochs only): less memory for bigger micro-batches, one more forward of compute."""
+    lora_kernel: str = "peft"
+    """LoRA forward in the learner's models: peft (PEFT's: float32 adapters upcast the input and output of every projection under bfloat16) or fused (base output + s*(x@A^T)@B^T in one addmm, in the model's dtype; adapters stay float32 master weights). Equal in float32 up to rounding."""
+    learner_compile: bool = False
+    """torch.compile each decoder layer of the learner's policy and value models (dynamic shapes; the first micro-batches pay the compile)."""
+
     # ---------------------------------------------------------------- prompts and data
     max_prompt_length: int = 512
     """Prompt length limit in tokens."""
@@ -276,6 +292,7 @@ class PPOConfig:
         need(self.value_clip is None or self.value_clip > 0, "value_clip", "must be > 0 or null")
         need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or null")
         need(self.entropy_coef >= 0, "entropy_coef", "must be >= 0")
+        need(self.logprob_chunk_size >= 0, "logprob_chunk_size", "must be >= 0 (0 = all positions at once)")
         need(self.missing_eos_penalty is None or math.isfinite(self.missing_eos_penalty), "missing_eos_penalty",
              "must be finite or null")
         need(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
@@ -310,6 +327,9 @@ class PPOConfig:
             "lora_sync": ("adapter", "merged"),
             "placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
             "dtype": ("float32", "bfloat16", "float16"),
+            "learner_layout": ("masked", "causal"),
+            "lora_kernel": ("peft", "fused"),
+            "rms_norm_kernel": ("hf", "fused"),
         }
         for name, allowed in choices.items():
             need(getattr(self, name) in allowed, name, f"must be one of {list(allowed)}")

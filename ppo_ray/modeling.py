@@ -130,6 +130,23 @@ def response_hidden(backbone, batch: RolloutBatch) -> Tensor:
     return out.last_hidden_state[:, p - 1: p - 1 + t]  # (B, T, H)
 
 
+def causal_response_hidden(model, batch: RolloutBatch, length: int) -> Tensor:
+    """``response_hidden`` by a forward with no attention mask: (B, T, H).
+
+    ``model`` returns ``last_hidden_state`` (a decoder: the policy's ``get_decoder()``, the
+    value backbone). The rows are laid out by ``RolloutBatch.causal_sequences(length)``
+    (real tokens from column 0, padding after them), so the forward is plain causal
+    attention at positions 0.. (SDPA's flash kernel; no mask to build or read), and the
+    real tokens' states equal the masked forward's. ``length``: host-side max real length.
+    Positions of padding response tokens hold a state of some column (garbage by design;
+    every consumer masks them).
+    """
+    input_ids, predict = batch.causal_sequences(length)  # (B, L), (B, T)
+    out = model(input_ids=input_ids, use_cache=False)     # positions 0..L-1, causal, no mask
+    hidden = out.last_hidden_state                        # (B, L, H)
+    return hidden.gather(1, predict.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
+
+
 def last_token_hidden(backbone, batch: RolloutBatch) -> Tensor:
     """Last hidden state at each row's last real token (the response's EOS when it has one;
     the prompt's last token for an empty response): (B, H). Never a pad position."""
