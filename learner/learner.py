@@ -64,7 +64,7 @@ from learner.algos import (
 )
 from learner.buffer import Experience, ExperienceBuffer, TrimPlan, rollout_micro_batches, rollouts_to
 from learner.kernels import cached_casts, clear_casts
-from learner.value_model import ValueModel
+from learner.value_model import ValueHead, ValueModel
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import PPOConfig
 from ppo_ray.modeling import causal_response_hidden, load_causal_lm, pick_device, response_hidden, response_logits
@@ -144,10 +144,17 @@ class Learner:
         self.policy = get_peft_model(base, LoraConfig(
             r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
             target_modules=list(config.lora_target_modules), bias="none", task_type=TaskType.CAUSAL_LM))
-        self.value_model = ValueModel(
-            value_model_path or config.value_model_name or model_path, lora_r=config.lora_r,
-            lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-            target_modules=config.lora_target_modules, dtype=config.dtype, seed=config.seed)
+        self._shared = config.value_model == "shared"
+        if self._shared:  # a head on the policy's trunk: one forward gives logprobs and values
+            self.value_model = ValueHead(base.config.hidden_size)
+        else:
+            self.value_model = ValueModel(
+                value_model_path or config.value_model_name or model_path, lora_r=config.lora_r,
+                lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                target_modules=config.lora_target_modules, dtype=config.dtype, seed=config.seed)
+        # the value loss's weight in the backward: separate models have their own Adam each (a
+        # weight would be normalised away); a shared trunk's LoRA gets vf_coef of it
+        self._vf_weight = config.vf_coef if self._shared else 1.0
         if not config.ppo_dropout:
             # PPO's forwards without dropout (N+; TRL's disable_dropout): the old logprobs come
             # from a dropout-free pass, so dropout in the training forward alone would put the
@@ -179,17 +186,20 @@ class Learner:
 
         cfg = self.config
         policy_base = self.policy.get_base_model()  # the CausalLM, LoRA layers inside
-        value_base = self.value_model.backbone.get_base_model()  # the decoder (e.g. Qwen3Model)
+        # the value model's decoder (e.g. Qwen3Model); none with a shared trunk
+        value_base = None if self._shared else self.value_model.backbone.get_base_model()
         self._decoder = policy_base.get_decoder()
         self._lm_head = policy_base.get_output_embeddings()
         self._causal = cfg.learner_layout == "causal"
-        # the plain path: logits from the CausalLM's forward, all positions at once
-        self._plain_logits = not self._causal and cfg.logprob_chunk_size == 0
+        # the plain path: logits from the CausalLM's forward, all positions at once (a shared
+        # trunk needs the hidden states themselves: the decoder path)
+        self._plain_logits = not self._causal and cfg.logprob_chunk_size == 0 and not self._shared
         fuse_lora_linears(self.policy, cfg.lora_kernel == "fused")
         fuse_lora_linears(self.value_model, cfg.lora_kernel == "fused")
         fuse_rms_norms(self.policy, cfg.rms_norm_kernel == "fused")
         fuse_rms_norms(self.value_model, cfg.rms_norm_kernel == "fused")
-        for model in (policy_base, value_base):
+        bases = [policy_base] if value_base is None else [policy_base, value_base]
+        for model in bases:
             if cfg.gradient_checkpointing:
                 # non-reentrant: the frozen embeddings' outputs need no requires_grad hook (PEFT)
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -198,7 +208,7 @@ class Learner:
         if cfg.learner_compile and not getattr(self, "_compiled", False):
             # Per decoder layer: one graph serves all layers of both models (same code and
             # shapes), dynamic in the sequence length so new micro-batch widths do not recompile.
-            for decoder in (self._decoder, value_base.get_decoder()):
+            for decoder in [base.get_decoder() for base in bases]:
                 for layer in decoder.layers:
                     layer.compile(dynamic=True)
             self._compiled = True
@@ -216,14 +226,17 @@ class Learner:
         return response_hidden(self._decoder, micro)
 
     def _values(self, micro: RolloutBatch, seq_len: int) -> Tensor:
-        """(b, t) float32 V(s_t) of micro's response positions (garbage on padding)."""
+        """(b, t) float32 V(s_t) of micro's response positions (garbage on padding), from the
+        value model's own backbone (value_model: separate)."""
         return self.value_model(micro, causal_len=seq_len if self._causal else None)
 
     def _policy_token_stats(self, micro: RolloutBatch, seq_len: int, n_response: int, *, truncated: bool = False,
-                            full: bool = False, entropy: bool = False) -> list[Tensor]:
+                            full: bool = False, entropy: bool = False, values: bool = False) -> list[Tensor]:
         """Per-token (b, t) float32 stats of the policy at micro's response tokens, 0 on
         padding, in this order (those asked for): truncated + tempered logprobs (the
-        sampling distribution), full-softmax logprobs at temperature, entropy at temperature.
+        sampling distribution), full-softmax logprobs at temperature, entropy at temperature,
+        and (value_model: shared) the values V(s_t) from the value head on the same hidden
+        states: one trunk forward for both.
 
         The path the speed options take: hidden states from the decoder (either layout),
         then lm_head and the logprob math on the real response positions only (the rows'
@@ -254,8 +267,13 @@ class Learner:
             return tuple(out)
 
         zero = torch.zeros((), device=mask.device)
-        return [torch.where(mask, torch.zeros(b * t, device=mask.device).index_put((index,), v).view(b, t), zero)
-                for v in chunked_rows(per_token, cfg.logprob_chunk_size, h, tokens)]
+        out = []
+        if truncated or full or entropy:
+            out = [torch.where(mask, torch.zeros(b * t, device=mask.device).index_put((index,), v).view(b, t), zero)
+                   for v in chunked_rows(per_token, cfg.logprob_chunk_size, h, tokens)]
+        if values:
+            out.append(torch.where(mask, self.value_model(hidden), zero))  # (b, t) float32
+        return out
 
     # ------------------------------------------------------------------ data parallelism
     def join_group(self, init_method: str, rank: int, world_size: int, timeout_s: float = 120.0) -> None:
@@ -411,10 +429,13 @@ class Learner:
             mask = micro.response_mask
             seq_len = plan.seq_len(rows)
             self._count(plan, rows)
-            if (logprobs or full or entropy) and not self._plain_logits:
+            shared_values = values and self._shared  # from the same trunk forward as the logprobs
+            if (logprobs or full or entropy or shared_values) and not self._plain_logits:
                 stats = iter(self._policy_token_stats(micro, seq_len, plan.response_tokens(rows),
-                                                      truncated=logprobs, full=full, entropy=entropy))
-                for name, wanted in (("logprobs", logprobs), ("full_logprobs", full), ("entropy", entropy)):
+                                                      truncated=logprobs, full=full, entropy=entropy,
+                                                      values=shared_values))
+                for name, wanted in (("logprobs", logprobs), ("full_logprobs", full), ("entropy", entropy),
+                                     ("values", shared_values)):
                     if wanted:
                         getattr(out, name)[rows, :t] = next(stats)
             elif logprobs or full or entropy:
@@ -428,7 +449,7 @@ class Learner:
                 if entropy:
                     out.entropy[rows, :t] = entropy_from_logits(logits, mask, cfg.temperature)
                 del logits
-            if values:
+            if values and not self._shared:
                 v = self._values(micro, seq_len)  # (b, t)
                 out.values[rows, :t] = torch.where(mask, v, torch.zeros((), device=v.device))
         return out
@@ -637,7 +658,7 @@ class Learner:
                     micro = buffer.micro_batch(rows)
                     self._count(buffer.plan, rows)
                     pg_loss, v_loss, st = self._micro_losses(micro, pg_norm, v_norm)
-                    (pg_loss + v_loss).backward()
+                    (pg_loss + self._vf_weight * v_loss).backward()
                     n_pg = micro.policy_mask.sum()
                     n_v = micro.mask.sum()
                     sums["policy_loss"] += pg_loss.detach()
@@ -686,15 +707,17 @@ class Learner:
             ent = entropy_from_logits(logits, mb.mask, cfg.temperature) if cfg.entropy_coef > 0 else None  # (b, t)
             del logits
         else:
-            logp, *rest = self._policy_token_stats(mb.rollouts, mb.seq_len, mb.response_tokens, truncated=True,
-                                                   entropy=cfg.entropy_coef > 0)
-            logp = torch.where(mb.policy_mask, logp, torch.zeros((), device=logp.device))  # (b, t)
-            ent = rest[0] if rest else None
+            want_entropy = cfg.entropy_coef > 0
+            stats = self._policy_token_stats(mb.rollouts, mb.seq_len, mb.response_tokens, truncated=True,
+                                             entropy=want_entropy, values=self._shared)
+            logp = torch.where(mb.policy_mask, stats[0], torch.zeros((), device=stats[0].device))  # (b, t)
+            ent = stats[1] if want_entropy else None
         pg_loss, pg_stats = ppo_clip_loss(logp, mb.old_logprobs, mb.advantages, mb.policy_mask,
                                           cfg.clip_epsilon, cfg.loss_agg, pg_norm)
         if ent is not None:
             pg_loss = pg_loss - cfg.entropy_coef * agg_loss(ent, mb.mask, cfg.loss_agg, v_norm)
-        new_values = self._values(mb.rollouts, mb.seq_len)  # (b, t) float32
+        # (b, t) float32: the shared trunk's from the forward above, else the value model's own
+        new_values = stats[-1] if self._shared else self._values(mb.rollouts, mb.seq_len)
         v_loss, v_stats = value_loss(new_values, mb.returns, mb.mask, mb.values, cfg.value_clip,
                                      cfg.loss_agg, v_norm)
         return pg_loss, v_loss, {**pg_stats, **v_stats}

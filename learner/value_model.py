@@ -95,3 +95,23 @@ class ValueModel(nn.Module):
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
+
+
+class ValueHead(nn.Module):
+    """value_model: shared: V(s_t) = head(the policy's last hidden state at t); no backbone
+    of its own (the learner feeds it the policy's hidden states). Zero-initialised, as
+    ValueModel's head from a causal LM (V = 0 at the start; see there)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.head = nn.Linear(hidden_size, 1, dtype=torch.float32)  # (H,) -> scalar
+        with torch.no_grad():
+            self.head.weight.zero_()
+            self.head.bias.zero_()
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """(..., H) hidden states in any dtype -> (...) float32 values."""
+        return self.head(hidden.float()).squeeze(-1)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]

@@ -95,7 +95,11 @@ class PPOConfig:
     reward_weights: list[float] = field(default_factory=list)
     """Weights of [reward model, *reward_funcs] in the summed score; empty = all 1.0."""
     value_model_name: Optional[str] = None
-    """Base of the value model; None = model_name. (N+ initialises it from the reward model.)"""
+    """Base of the value model; None = model_name. (N+ initialises it from the reward model.) Only with value_model: separate."""
+    value_model: str = "separate"
+    """separate: the value model has its own backbone (+ LoRA + head), as in the seeds and N+; shared: a value head on the policy's trunk, so one forward gives both logprobs and values (half the learner's forward/backward work; the value loss, weighted by vf_coef, then also trains the policy's LoRA)."""
+    vf_coef: float = 0.1
+    """value_model: shared only: weight of the value loss in the loss that trains the shared LoRA (TRL / N+'s 0.1). With separate models each has its own Adam, which makes a weight moot."""
     lora_target_modules: list[str] = field(default_factory=lambda: list(ALL_PROJECTIONS))
     """Modules that receive LoRA adapters (default: all attention and MLP projections)."""
     dtype: str = "float32"
@@ -292,6 +296,9 @@ class PPOConfig:
         need(self.value_clip is None or self.value_clip > 0, "value_clip", "must be > 0 or null")
         need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or null")
         need(self.entropy_coef >= 0, "entropy_coef", "must be >= 0")
+        need(self.vf_coef > 0, "vf_coef", "must be > 0")
+        need(self.value_model == "separate" or self.value_model_name is None, "value_model_name",
+             "must be null with value_model: shared (the value head sits on the policy's trunk)")
         need(self.logprob_chunk_size >= 0, "logprob_chunk_size", "must be >= 0 (0 = all positions at once)")
         need(self.missing_eos_penalty is None or math.isfinite(self.missing_eos_penalty), "missing_eos_penalty",
              "must be finite or null")
@@ -323,6 +330,7 @@ class PPOConfig:
             "loss_agg": ("token_mean", "seq_mean_token_mean"),
             "nonfinite_reward": ("error", "drop"),
             "logprob_gap_check": ("warn", "error", "off"),
+            "value_model": ("separate", "shared"),
             "prompt_truncation": ("error", "left"),
             "lora_sync": ("adapter", "merged"),
             "placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),

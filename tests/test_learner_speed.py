@@ -251,3 +251,86 @@ def test_defaults_are_the_plain_path():
     assert (cfg.learner_layout, cfg.learner_sort_by_length, cfg.logprob_chunk_size, cfg.lora_kernel,
             cfg.rms_norm_kernel, cfg.gradient_checkpointing, cfg.learner_compile) == \
         ("masked", False, 0, "peft", "hf", False, False)
+
+
+# ------------------------------------------------------------------ value_model: shared
+def shared_learner(tiny_path, **options) -> Learner:
+    """value_model: shared, with random LoRA B matrices and a random value head."""
+    learner = learner_with(tiny_path, value_model="shared", **options)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        learner.value_model.head.weight.copy_(0.1 * torch.randn(learner.value_model.head.weight.shape, generator=g))
+        learner.value_model.head.bias.fill_(0.3)
+    return learner
+
+
+@pytest.mark.parametrize("options", [{}, FAST], ids=["plain", "fast"])
+def test_shared_trunk_pass_equals_two_forwards(tiny_path, batch, options):
+    """One trunk forward for logprobs and values == the policy's own forward (the plain
+    path's logits) plus a second, independent forward for the hidden states under the head:
+    the same weights give the same numbers."""
+    learner = shared_learner(tiny_path, **options)
+    b = replace(batch, adapter_version=0)
+    out = passes(learner, b)
+    mask = b.response_mask
+    cfg = learner.config
+    # 1. logprobs from the CausalLM's own forward (logits), as the separate-model learner computes them
+    from ppo_ray.modeling import response_hidden, response_logits
+
+    with torch.no_grad():
+        logits = response_logits(learner.policy, b)  # (B, T, V)
+        hidden = response_hidden(learner.policy.get_base_model().get_decoder(), b)  # (B, T, H), a second forward
+    want_lp = logprobs_from_logits(logits, b.response_ids, cfg.temperature, cfg.top_k, cfg.top_p, mask=mask)
+    want_v = learner.value_model.head(hidden.float()).squeeze(-1)
+    assert (out["logprobs"] - want_lp)[mask].abs().max() < TOL
+    assert (out["values"] - want_v)[mask].abs().max() < TOL
+    assert (out["values"][~mask] == 0).all() and out["values"][mask].abs().max() > 0.1  # the head is not 0
+    assert not hasattr(learner.value_model, "backbone")  # no second model in memory
+
+
+def test_shared_trunk_update_trains_lora_with_the_weighted_value_loss(tiny_path, batch):
+    """The value loss reaches the shared LoRA with weight vf_coef: the first LoRA gradient is
+    g_policy + vf_coef * g_value, affine in vf_coef (checked at 0.1, 0.2, 0.3), with a
+    g_value that is not 0; the ratio still starts at 1."""
+    grads = {}
+    for coef in (0.1, 0.2, 0.3):
+        learner = shared_learner(tiny_path, vf_coef=coef, ppo_epochs=1, mini_batch_size=8, max_grad_norm=None)
+        b, ref, scores = rollout_inputs(learner, batch)
+        captured = {}
+        original = learner.policy_optimizer.step
+
+        def spy(*a, **k):
+            if not captured:
+                captured.update({id(p): p.grad.detach().clone() for p in learner.policy_params if p.grad is not None})
+            return original(*a, **k)
+
+        learner.policy_optimizer.step = spy
+        stats, _ = learner.update(b, ref, scores)
+        assert stats["value_loss"] > 0 and abs(stats["first_minibatch_ratio_mean"] - 1) < 1e-6
+        grads[coef] = torch.cat([g.reshape(-1) for g in captured.values()]).double()
+    g_value = (grads[0.2] - grads[0.1]) / 0.1
+    assert g_value.abs().max() > 1e-3 * grads[0.1].abs().max()
+    # float32 sums: the residual is ~4e-7 on gradients of ~0.6
+    assert (grads[0.3] - (grads[0.1] + 0.2 * g_value)).abs().max() < 1e-5 * grads[0.1].abs().max().clamp(min=1)
+
+
+def test_shared_trunk_micro_batching_and_fast_options_give_the_same_update(tiny_path, batch):
+    results = []
+    for options in ({"micro_batch_size": 2}, {"micro_batch_size": 4}, {"micro_batch_size": 3, **FAST}):
+        learner = shared_learner(tiny_path, **options)
+        b, ref, scores = rollout_inputs(learner, batch)
+        stats, weights = learner.update(b, ref, scores)
+        results.append((stats, weights, learner.value_model.head.weight.detach().clone()))
+    (s0, w0, h0), *rest = results
+    for stats, weights, head in rest:
+        assert max((weights[k] - w0[k]).abs().max().item() for k in w0) < TOL
+        assert (head - h0).abs().max() < TOL
+        for key in ("policy_loss", "value_loss", "approx_kl", "explained_variance"):
+            assert stats[key] == pytest.approx(s0[key], abs=1e-5), key
+
+
+def test_shared_trunk_refuses_a_value_model_of_its_own():
+    with pytest.raises(ConfigError, match="value_model_name.*must be null with value_model: shared"):
+        PPOConfig(value_model="shared", value_model_name="rm")
+    with pytest.raises(ConfigError, match="value_model"):
+        PPOConfig(value_model="twin")
