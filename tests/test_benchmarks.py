@@ -87,6 +87,22 @@ def test_step_benchmark_cli_arguments():
         build_config("tiny", ["--kl_coeff", "0.2"])
 
 
+def test_peer_preset_is_the_single_process_comparisons_work(tiny_model_dir):
+    """The preset of the comparison with a single-process trainer: 64 prompts of <= 60
+    tokens, 16 new tokens at temperature 0.7, 1 epoch over 1 minibatch, a reward model of
+    the policy's shape (a real sequence classifier: the reward actor's checks pass) and a
+    separate value model."""
+    from actors.reward import check_reward_model
+    from benchmarks.step import build_config
+
+    config = build_config("peer")
+    assert (config.batch_size, config.max_new_tokens, config.max_prompt_length, config.temperature) == (64, 16, 60, 0.7)
+    assert (config.top_k, config.top_p, config.ppo_epochs, config.effective_mini_batch_size) == (0, 1.0, 1, 64)
+    assert config.reward_funcs == [] and config.value_model == "separate"
+    check_reward_model(config.reward_model_name)
+    assert build_config("peer").reward_model_name == config.reward_model_name  # built once, then reused
+
+
 @pytest.mark.slow
 def test_step_benchmark_command(tmp_path):
     """The documented command, as a user runs it: JSON on stdout and in --out."""
