@@ -350,11 +350,6 @@ class LearnerHost(FaultPoints):
         self.learner.load_state_dict(state)
         return self.learner.version
 
-    def save_adapter(self, path: str) -> str:
-        """The policy's LoRA in PEFT format (adapter_config.json + adapter_model.safetensors)."""
-        self.learner.policy.save_pretrained(path)
-        return path
-
 
 # ----------------------------------------------------------------------------- creation
 def role_names(num_generators: int, num_learners: int) -> list[str]:
@@ -643,7 +638,8 @@ def run_stage(config: PPOConfig, stage: str, base_model: str, data: tuple, setti
     try:
         model = prepare_models(config, {"base": base_model}, group_nodes(pg))["base"]
         here = ray.get_runtime_context().get_node_id()
-        task = ray.remote(_stage_task).options(
+        # max_calls=1: the worker process exits after the stage, so its GPU memory is free for PPO
+        task = ray.remote(max_calls=1)(_stage_task).options(
             name=f"ppo/{stage}", num_cpus=cpus, num_gpus=gpus, resources=resources, max_retries=0,
             runtime_env={"env_vars": quiet_env(config.log_level)},
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,

@@ -149,10 +149,6 @@ class PPOTrainer:
         self.metrics = TrainingMetrics(run=self.namespace)  # Prometheus gauges, tagged run=namespace
         log.info("run tag %s (Prometheus label run=\"%s\", Ray namespace of the actors)", self.namespace,
                  self.namespace)
-        if self.run_dir is not None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            tags = read_run_tags(self.run_dir)
-            update_run_file(self.run_dir, run_tag=self.namespace, run_tags=[*tags, self.namespace])
         self.roles: Roles = create_roles(
             config, model_dir=self.model_dir, ref_model_dir=self.ref_model_dir,
             reward_model_dir=self.reward_model_dir, value_model_dir=self.value_model_dir,
@@ -615,6 +611,10 @@ class PPOTrainer:
                 _truncate_metrics(Path(path), self.step)
         trackers = Trackers()
         if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            tags = read_run_tags(self.run_dir)  # one per process that trained in this run directory
+            update_run_file(self.run_dir, run_tag=self.namespace,
+                            run_tags=tags if tags[-1:] == [self.namespace] else [*tags, self.namespace])
             trackers = Trackers.open(self.run_dir, self.config.report_to, self.config.to_dict(), self.namespace,
                                      first_step=self.step + 1)
         self._last_checkpoint = time.monotonic()
