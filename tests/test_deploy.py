@@ -13,6 +13,7 @@ for unmarked tests, so it is not marked slow.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -187,7 +188,8 @@ def test_submitted_job_exports_ppo_metrics(ray_head, tmp_path):
     # The exported values are the run's own: the same as metrics.jsonl's last line.
     last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["step"] == 2
-    for key in ("reward_mean", "kl", "policy_loss", "value_loss", "approx_kl", "clipfrac", "tokens_per_s"):
+    for key in ("reward_mean", "kl", "policy_loss", "value_loss", "approx_kl", "clipfrac", "tokens_per_s",
+                "response_tokens", "shaped_reward_mean", "stale_versions", "kl_coef", "learning_rate"):
         value = gauges[f"ray_{metric_name(key)}"]
         assert math.isfinite(value) and value == pytest.approx(last[key], rel=1e-6, abs=1e-9), key
     phases = {labels["phase"]: value for name, labels, value in final if name == "ray_ppo_phase_seconds"}
@@ -360,14 +362,23 @@ def test_rayjob_manifest_runs_launch_py_on_a_cluster_that_fits_it():
 SCHEMAS = DEPLOY / "schemas"
 
 
+@functools.lru_cache(maxsize=None)
+def _crd(name: str) -> dict:
+    """A KubeRay CRD of deploy/schemas/kuberay-v1.5.1 (libyaml's loader: the files are ~1 MB)."""
+    import gzip
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return yaml.load(gzip.decompress((SCHEMAS / "kuberay-v1.5.1" / f"ray.io_{name}.yaml.gz").read_bytes()), loader)
+
+
 def crd_schema(name: str, version: str = "v1") -> dict:
     """The openAPIV3Schema of a KubeRay CRD (deploy/schemas/kuberay-v1.5.1), made strict as
     `kubectl apply --validate=strict` is: an unknown field is an error wherever the schema
     lists properties and does not preserve unknown fields (Kubernetes would prune it)."""
-    import gzip
+    import copy
 
-    crd = yaml.safe_load(gzip.decompress((SCHEMAS / "kuberay-v1.5.1" / f"ray.io_{name}.yaml.gz").read_bytes()))
-    schema = next(v for v in crd["spec"]["versions"] if v["name"] == version)["schema"]["openAPIV3Schema"]
+    crd = _crd(name)
+    schema = copy.deepcopy(next(v for v in crd["spec"]["versions"] if v["name"] == version)["schema"]["openAPIV3Schema"])
 
     def strict(node):
         if isinstance(node, dict):
