@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     report["seconds"] = round(time.perf_counter() - t0, 1)
     if stage in ("all", "ppo") and read_run_file(run_dir).get("run_tag"):
         report["run_tag"] = read_run_file(run_dir)["run_tag"]  # the `run` label of the Prometheus series
-    if stage in ("all", "ppo") and not ray_was_up:
+    if not ray_was_up and ray.is_initialized():
         # The actors are gone, but Ray forwards their last log lines asynchronously (vLLM's
         # engine-core teardown): disconnect the Ray this run started, so that the summary
         # is the last line of stdout (scripts read it with tail -1 | jq).

@@ -472,11 +472,16 @@ def _check_capacity(config: PPOConfig, demands: list[Demand]) -> None:
     for name, key in (("CPUs", "CPU"), ("GPUs", "GPU")):
         need = sum(d.bundle().get(key, 0.0) for d in demands)
         if need > have.get(key, 0.0) + 1e-9:
+            unit = f"num_{key.lower()}s"
+            if all(d.role.startswith("stage-") for d in demands):  # an SFT / reward-model stage's task
+                asks = (f"for the {demands[0].role[len('stage-'):]} stage's task (stage_{unit}, by default "
+                        f"learner_{unit})")
+            else:
+                asks = (f"in all (num_generators={config.num_generators} x generator_{unit}, "
+                        f"num_learners={config.num_learners} x learner_{unit}, 2 scorers)")
             raise ClusterError(
-                f"the config asks for {need:g} {name} in all (num_generators={config.num_generators} x "
-                f"generator_num_{key.lower()}s, num_learners={config.num_learners} x learner_num_{key.lower()}s, "
-                f"2 scorers) but the Ray cluster has "
-                f"{have.get(key, 0.0):g}; lower the *_num_{key.lower()}s fields or add nodes")
+                f"the config asks for {need:g} {name} {asks} but the Ray cluster has "
+                f"{have.get(key, 0.0):g}; lower the *_{unit} fields or add nodes")
     nodes = _alive_nodes()
     custom: dict[str, float] = {}
     for d in demands:

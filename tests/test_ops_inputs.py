@@ -151,3 +151,17 @@ def test_resume_names_the_reward_functions_it_will_import(tmp_path, caplog):
     notice = [r.getMessage() for r in caplog.records if "reward functions" in r.getMessage()]
     assert notice and "ppo_ray.rewards:letter_e_fraction, my_rewards:secret_sauce" in notice[0]
     assert "trusted input" in notice[0]
+
+
+def test_a_stage_that_asks_for_gpus_the_cluster_lacks_fails_fast(ray_session, tmp_path):
+    """The SFT stage's task reserves the learner's GPUs by default: on a cluster without GPUs
+    that is a ClusterError naming the stage and the fields, before anything trains."""
+    from learner.stages import TrainSettings
+    from ppo_ray.placement import ClusterError, run_stage
+
+    config = PPOConfig.from_yaml(TINY, learner_num_gpus=0.5, placement_timeout_s=5.0)
+    with pytest.raises(ClusterError, match=r"asks for 0.5 GPUs for the sft stage's task \(stage_num_gpus, by "
+                                           r"default learner_num_gpus\) but the Ray cluster has 0"):
+        run_stage(config, "sft", resolve_model_path("embedded:tiny"), ([[1, 2]], [[3, 4]]), TrainSettings(),
+                  tmp_path / "sft")
+    assert not (tmp_path / "sft").exists()
