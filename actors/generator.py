@@ -184,6 +184,8 @@ class Generator:
         engine: dict[str, Any] = dict(
             dtype=cfg.dtype, seed=cfg.seed, max_model_len=cfg.max_prompt_length + cfg.max_new_tokens,
             kv_cache_gib=cfg.vllm_kv_cache_gib, logprobs_mode="processed_logprobs",
+            enforce_eager=cfg.vllm_enforce_eager,
+            use_tqdm_on_load=cfg.log_level == "debug",  # the weight loader's progress bar
         )
         if cfg.lora_sync == "merged":  # base-model kernels; the LoRA is merged into the weights
             engine.update(worker_extension_cls=MERGED_WORKER)

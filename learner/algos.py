@@ -28,6 +28,9 @@ References cited in comments:
   Advantage Estimation".
 * [PPO] Schulman et al. 2017, "Proximal Policy Optimization Algorithms".
 * [TRL] ``huggingface/trl`` ``core.py`` / ``ppo_trainer.py`` (masked_whiten, value clip).
+* [Ziegler] Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences",
+  section 2.2: the adaptive KL coefficient (OpenRLHF ``AdaptiveKLController``, verl
+  ``AdaptiveKLController``, TRL's ``adap_kl_ctrl``).
 * [vLLM] ``vllm/v1/sample/sampler.py`` and ``vllm/v1/sample/ops/topk_topp_sampler.py``
   (vLLM 0.32), for :func:`logprobs_from_logits`.
 """
@@ -545,6 +548,28 @@ def shape_rewards(
     else:
         raise ValueError(f"unknown reward mode {mode!r}; valid: {REWARD_MODES}")
     return torch.where(mask, rewards, zero)
+
+
+def adaptive_kl_coef(kl_coef: float, kl: float, target: float, horizon: int, n_steps: int) -> float:
+    """The next KL coefficient of the adaptive controller [Ziegler] (section 2.2).
+
+    ``e = clip(kl / target - 1, -0.2, 0.2)``; ``beta <- beta * (1 + e * n_steps / horizon)``.
+    A measured KL above the target raises beta (a stronger penalty pulls the policy back
+    toward the reference), below it lowers beta; the clip bounds the change per step.
+
+    Args:
+        kl_coef: beta used for the step just taken.
+        kl: that step's measured KL to the reference, the mean over sequences of the
+            summed per-token KL (the quantity ``target`` is in).
+        target: the KL the controller steers toward (> 0).
+        horizon: rollouts over which an error is corrected (larger = slower).
+        n_steps: rollouts in the step just taken (the batch size), as in OpenRLHF and TRL.
+
+    Returns:
+        The coefficient for the next step (plain float: a per-step scalar, not a tensor).
+    """
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return kl_coef * (1.0 + error * n_steps / horizon)
 
 
 def compute_td_errors(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float) -> Tensor:

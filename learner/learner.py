@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from learner.algos import (
+    adaptive_kl_coef,
     agg_loss,
     chunked_rows,
     compute_gae_advantages,
@@ -170,9 +171,25 @@ class Learner:
         self.value_params = self.value_model.trainable_parameters()
         self.policy_optimizer = torch.optim.Adam(self.policy_params, lr=config.learning_rate, eps=ADAM_EPS)
         self.value_optimizer = torch.optim.Adam(self.value_params, lr=config.value_learning_rate, eps=ADAM_EPS)
+        self.schedulers = self._lr_schedulers()
+        # beta of the KL penalty: config.kl_coef, moved after every update by the adaptive
+        # controller when config.kl_target is set (part of state_dict, so a retried or
+        # resumed step uses the committed value)
+        self.kl_coef = float(config.kl_coef)
         self.version = 0
         self.last_experience: Optional[Experience] = None  # the latest update's per-token data (inspection)
         self.rank, self.world_size = 0, 1  # data parallelism: see join_group
+
+    def _lr_schedulers(self) -> list:
+        """transformers' schedule (lr_scheduler: constant | linear) for both optimisers, one
+        tick per optimiser step; linear reaches 0 after the run's steps x ppo_epochs x
+        minibatches optimiser steps (the N+ recipe anneals both learning rates)."""
+        from transformers import get_scheduler
+
+        cfg = self.config
+        total = cfg.steps * cfg.ppo_epochs * (cfg.batch_size // cfg.effective_mini_batch_size)
+        return [get_scheduler(cfg.lr_scheduler, opt, num_warmup_steps=0, num_training_steps=total)
+                for opt in (self.policy_optimizer, self.value_optimizer)]
 
     # ------------------------------------------------------------------ speed options
     def _speed_options(self) -> None:
@@ -364,13 +381,17 @@ class Learner:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """What a resumed run needs to continue exactly: the policy adapter, the value
-        model's trainable tensors (LoRA + head), both optimisers, the global RNG (LoRA
-        dropout) and the version. CPU tensors only; no model weights of the base."""
+        model's trainable tensors (LoRA + head), both optimisers and their learning-rate
+        schedules, the KL coefficient (adaptive KL), the global RNG (LoRA dropout) and the
+        version. CPU tensors only; no model weights of the base."""
         value = {n: p.detach().to("cpu", copy=True) for n, p in self.value_model.named_parameters()
                  if p.requires_grad}
         return {"version": self.version, "policy": self.lora_weights(), "value": value,
                 "policy_optimizer": _to_cpu(self.policy_optimizer.state_dict()),
                 "value_optimizer": _to_cpu(self.value_optimizer.state_dict()),
+                "policy_scheduler": self.schedulers[0].state_dict(),
+                "value_scheduler": self.schedulers[1].state_dict(),
+                "kl_coef": self.kl_coef,
                 "rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []}
 
@@ -390,6 +411,10 @@ class Learner:
                 p.copy_(state["value"][n].to(p.device, p.dtype))
         self.policy_optimizer.load_state_dict(state["policy_optimizer"])
         self.value_optimizer.load_state_dict(state["value_optimizer"])
+        if "policy_scheduler" in state:  # checkpoints before lr_scheduler existed: constant lr
+            self.schedulers[0].load_state_dict(state["policy_scheduler"])
+            self.schedulers[1].load_state_dict(state["value_scheduler"])
+        self.kl_coef = float(state.get("kl_coef", self.config.kl_coef))
         torch.set_rng_state(state["rng"])
         if self.device.type == "cuda" and state.get("cuda_rng"):
             torch.cuda.set_rng_state_all(state["cuda_rng"])
@@ -524,7 +549,9 @@ class Learner:
             checks: gen_logprob_max_abs_diff (generator vs learner logprob of the sampled
               tokens), truncated_tokens (sampled tokens outside the learner's top-k/top-p,
               left out of the policy loss), dropped_samples (non-finite scores, "drop" mode);
-            tokens (real response tokens), learner_forward_s (step 1), update_s, version.
+            tokens (real response tokens), learner_forward_s (step 1), update_s, version,
+              kl_coef (the KL coefficient this step used; the adaptive controller then moves
+              it for the next), learning_rate (the policy's at the step's first optimiser step).
         """
         cfg = self.config
         t_start = time.perf_counter()
@@ -561,7 +588,7 @@ class Learner:
             # 2. KL_t between policy and reference (k1 = logp - logp_ref by default).
             kl = kl_penalty(fwd.full_logprobs, ref_logprobs, cfg.kl_estimator, mask=mask)  # (B, T)
             # 3. Shaped rewards: score on the last real token, -beta * KL_t on every token.
-            rewards = shape_rewards(scores, kl, mask, cfg.kl_coef, cfg.reward_shaping)  # (B, T)
+            rewards = shape_rewards(scores, kl, mask, self.kl_coef, cfg.reward_shaping)  # (B, T)
             reward_sums = rewards.sum(dim=1)  # (B,) before any whitening, for the stats
             # 4. Optional reward whitening (scale only, N+; off by default).
             if cfg.whiten_rewards:
@@ -583,6 +610,7 @@ class Learner:
                                   sort=cfg.learner_sort_by_length)
 
         # 7. PPO epochs x shuffled minibatches x micro-batches: value loss and PPO-clip.
+        learning_rate = self.policy_optimizer.param_groups[0]["lr"]  # the step's first (scheduled) lr
         with cached_casts(self.policy, self.value_model):  # cleared after every optimiser step
             ppo = self._ppo_epochs(buffer)
 
@@ -615,8 +643,10 @@ class Learner:
         done, real = self._token_counts
         stats.update(dropped_samples=float(dropped), tokens=float(n_tokens), learner_forward_s=forward_s,
                      padded_token_ratio=done / max(real, 1),
-                     stale_versions=float(stale),
+                     stale_versions=float(stale), kl_coef=self.kl_coef, learning_rate=learning_rate,
                      update_s=time.perf_counter() - t_start, version=self.version)
+        if cfg.kl_target is not None:  # 9. adaptive KL: the next step's beta from this step's KL
+            self.kl_coef = adaptive_kl_coef(self.kl_coef, stats["kl"], cfg.kl_target, cfg.kl_horizon, len(batch))
         # Every member holds the same adapter; only rank 0's copy goes to the generators.
         return stats, (self.lora_weights() if self.rank == 0 else {})
 
@@ -678,6 +708,8 @@ class Learner:
                 sums["value_grad_norm"] += torch.nn.utils.clip_grad_norm_(self.value_params, max_norm)
                 self.policy_optimizer.step()
                 self.value_optimizer.step()
+                for scheduler in self.schedulers:
+                    scheduler.step()
                 clear_casts(self.policy, self.value_model)  # the adapters just changed
                 self.policy_optimizer.zero_grad(set_to_none=True)
                 self.value_optimizer.zero_grad(set_to_none=True)

@@ -6,7 +6,8 @@ Layout (one directory per checkpoint, under ``<run_dir>/checkpoints``)::
       step-000010/
         adapter/                 the policy LoRA in PEFT format (PeftModel / vLLM load it)
         value.safetensors        the value model's trainable tensors (LoRA + head)
-        optimizer.pt             both Adam states (torch.save; loaded with weights_only=True)
+        optimizer.pt             both Adam states, their lr schedules, the KL coefficient (torch.save;
+                                 loaded with weights_only=True)
         rng.pt                   the learner's RNG state (LoRA dropout) and the data-order RNG
         trainer.json             step, adapter version, data cursor, metrics lines written
         config.yaml              the run's config (paths inside the run directory relative to it)
@@ -56,7 +57,7 @@ from ppo_ray.config import PPOConfig
 MUST_MATCH = (
     "model_name", "ref_model_name", "reward_model_name", "value_model_name", "reward_funcs",
     "reward_weights", "lora_r", "lora_alpha", "lora_target_modules", "dtype", "seed", "batch_size",
-    "dataset", "prompt_column", "temperature", "top_k", "top_p", "max_new_tokens",
+    "dataset", "prompt_column", "temperature", "top_k", "top_p", "max_new_tokens", "apply_chat_template",
 )
 LATEST = "latest"
 CHECKSUMS = "checksums.json"
@@ -175,7 +176,9 @@ def save_checkpoint(run_dir: str | Path, *, config: PPOConfig, learner_state: di
         write_lora_adapter(tmp / "adapter", learner_state["policy"], base_model=model_dir, r=config.lora_r,
                            lora_alpha=config.lora_alpha, target_modules=list(config.lora_target_modules))
         save_file({k: v.contiguous() for k, v in learner_state["value"].items()}, str(tmp / "value.safetensors"))
-        torch.save({"policy": learner_state["policy_optimizer"], "value": learner_state["value_optimizer"]},
+        torch.save({"policy": learner_state["policy_optimizer"], "value": learner_state["value_optimizer"],
+                    "policy_scheduler": learner_state["policy_scheduler"],
+                    "value_scheduler": learner_state["value_scheduler"], "kl_coef": learner_state["kl_coef"]},
                    tmp / "optimizer.pt")
         torch.save({"learner": learner_state["rng"], "learner_cuda": learner_state.get("cuda_rng", []),
                     "data": trainer_state["data_rng"]}, tmp / "rng.pt")
@@ -286,6 +289,9 @@ def load_checkpoint(path: str | Path, config: Optional[PPOConfig] = None) -> tup
             "policy_optimizer": optim["policy"], "value_optimizer": optim["value"],
             "rng": rng["learner"], "cuda_rng": rng.get("learner_cuda", []),
         }
+        # learning-rate schedules and the adaptive KL coefficient (absent in checkpoints
+        # written before they existed: the learner then keeps its fresh ones)
+        learner_state.update({k: optim[k] for k in ("policy_scheduler", "value_scheduler", "kl_coef") if k in optim})
     except (OSError, KeyError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint {ckpt} is incomplete or corrupt: {e}") from e
     trainer_state = {**meta, "data_rng": rng["data"]}

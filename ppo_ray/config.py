@@ -47,6 +47,11 @@ TINY_MODEL = "embedded:tiny"
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
+# Experiment trackers (report_to) and logging levels (log_level).
+REPORT_TO = ("tensorboard", "wandb")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 class ConfigError(ValueError):
     """A config value, key or file that cannot be used. The message names it."""
 
@@ -128,6 +133,12 @@ class PPOConfig:
     """Score that replaces the reward of a response with no EOS (N+ uses -1); None = off."""
     entropy_coef: float = 0.0
     """Entropy bonus weight in the policy loss."""
+    kl_target: Optional[float] = None
+    """Adaptive KL controller (Ziegler et al. 2019): the per-sequence KL to the reference (the `kl` stat) that the controller steers toward by scaling the KL coefficient after every step, starting from kl_coef; None = off (the fixed kl_coef of the seeds). OpenRLHF's --kl_target, verl's kl_ctrl.type: adaptive."""
+    kl_horizon: int = 10000
+    """Adaptive KL controller's horizon in rollouts: each step multiplies the coefficient by 1 + clip(kl / kl_target - 1, -0.2, 0.2) * batch_size / kl_horizon."""
+    lr_scheduler: str = "constant"
+    """Learning-rate schedule of the PPO optimisers (policy and value): constant, or linear (decay to 0 over the run's steps x ppo_epochs x minibatches optimiser steps, the N+ recipe). Saved and restored with checkpoints."""
     loss_agg: str = "token_mean"
     """Loss aggregation: token_mean (over all real tokens of a minibatch) or seq_mean_token_mean."""
     nonfinite_reward: str = "error"
@@ -164,6 +175,8 @@ class PPOConfig:
     """Prompt dataset: "bundled" (the embedded TL;DR-style task), a local JSONL/parquet file, or a hub id."""
     prompt_column: str = "prompt"
     """Column that holds the prompt text."""
+    apply_chat_template: bool = False
+    """Format each PPO prompt as one user message with the tokenizer's chat template (and its generation prompt) before tokenising, as OpenRLHF's --apply_chat_template: for instruct models. The tokenizer must have a chat template. Reward functions then see the formatted prompt text."""
     sft_dataset: str = "bundled"
     """SFT data, also the pipeline's PPO prompts: "bundled" (ppo_ray/tldr_synth.py), or TL;DR SFT-schema data (id, subreddit, title, post, summary): a hub id, a local folder of {split}.jsonl/.parquet, or a file path containing "{split}"."""
     preference_dataset: str = "bundled"
@@ -192,10 +205,18 @@ class PPOConfig:
     """Batch size of the SFT and reward-model stages."""
     stage_dtype: Optional[str] = None
     """Dtype of the SFT and reward-model full fine-tunes; None = dtype (float32 keeps the small AdamW steps that bfloat16 weights round away)."""
+    stage_num_cpus: Optional[float] = None
+    """CPUs reserved for the SFT / reward-model stage's Ray task; None = learner_num_cpus."""
+    stage_num_gpus: Optional[float] = None
+    """GPUs reserved for the SFT / reward-model stage's Ray task (it trains on a GPU when it has one); None = learner_num_gpus."""
+    stage_resources: Optional[dict[str, float]] = None
+    """Custom Ray resources of the SFT / reward-model stage's task (see generator_resources); None = learner_resources."""
     eval_every: int = 5
     """Score held-out samples with the gold judge every N PPO steps (bundled task; 0 = only at the ends)."""
     eval_size: int = 64
     """Held-out prompts per evaluation."""
+    eval_samples: int = 4
+    """Prompts whose response and reward are appended to <run_dir>/eval_samples.jsonl and TensorBoard at every evaluation (every eval_every steps and at the end): held-out prompts in the pipeline, the first prompts of `dataset` in a plain PPO run; 0 = off."""
 
     # ---------------------------------------------------------------- run
     seed: int = 0
@@ -204,6 +225,10 @@ class PPOConfig:
     """PPO steps that train() runs."""
     output_dir: str = "runs"
     """Parent folder of run directories."""
+    log_level: str = "info"
+    """Python logging level of the driver and the stage tasks: debug, info (one line per PPO step), warning or error. Below debug, Ray's, vLLM's and transformers' own messages are cut to errors."""
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers that receive each step's scalars and the eval samples: tensorboard (event files in <run_dir>/tensorboard), wandb (needs `pip install wandb`; its own WANDB_* environment), or [] for none."""
     checkpoint_every: int = 50
     """Checkpoint every N steps into <run_dir>/checkpoints (and at the end, and after checkpoint_every_minutes); 0 = no step rule."""
     checkpoint_every_minutes: float = 30.0
@@ -252,6 +277,10 @@ class PPOConfig:
     """KV-cache size for vLLM on the CPU in GiB; None = a small default."""
     vllm_gpu_memory_utilization: float = 0.3
     """Fraction of GPU memory vLLM may take on a GPU (it shares the device with the learner by default)."""
+    vllm_enforce_eager: Optional[bool] = None
+    """vLLM's enforce_eager: True = no CUDA graphs / torch.compile (fast engine start, slower decode); None = eager on the CPU (no graphs there), graphs on a GPU."""
+    model_transfer: str = "ray"
+    """How a model directory on the driver's node (the pipeline's sft/ and rm/, a local path, the embedded model) reaches actors and stage tasks on other nodes: ray (its files go through Ray's object store into a per-node cache, keyed by content hash; no shared storage needed) or path (every node reads the same path: shared storage, checked on every node before any actor starts)."""
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -262,6 +291,8 @@ class PPOConfig:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             setattr(self, f.name, _coerce(f.name, getattr(self, f.name), hints[f.name]))
+        if [t.lower() for t in self.report_to] == ["none"]:  # TRL's spelling of "no trackers"
+            self.report_to = []
 
     def _validate(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
@@ -315,8 +346,8 @@ class PPOConfig:
         for name in ("generator_num_cpus", "generator_num_gpus", "learner_num_cpus", "learner_num_gpus",
                      "scorer_num_cpus", "scorer_num_gpus"):
             need(getattr(self, name) >= 0, name, "must be >= 0")
-        for name in ("generator_resources", "learner_resources", "scorer_resources"):
-            for key, amount in getattr(self, name).items():
+        for name in ("generator_resources", "learner_resources", "scorer_resources", "stage_resources"):
+            for key, amount in (getattr(self, name) or {}).items():
                 # CPU and GPU have their own fields; Ray refuses them in `resources` too.
                 need(key not in ("CPU", "GPU", "memory", "object_store_memory"), name,
                      f"{key!r} is not a custom resource (use the *_num_cpus / *_num_gpus fields)")
@@ -324,6 +355,17 @@ class PPOConfig:
                 # Ray counts resources in units of 1e-4 and rejects finer amounts.
                 need(math.isfinite(amount) and amount >= 1e-4, name, f"{key}: amounts must be finite and >= 0.0001")
         need(self.placement_timeout_s > 0, "placement_timeout_s", "must be > 0")
+        need(self.kl_target is None or (math.isfinite(self.kl_target) and self.kl_target > 0), "kl_target",
+             "must be > 0 or null (null = fixed kl_coef)")
+        # one step multiplies the coefficient by 1 + e * batch_size / kl_horizon with |e| <= 0.2:
+        # a horizon below the batch size could flip its sign
+        need(self.kl_horizon >= self.batch_size, "kl_horizon",
+             f"must be >= batch_size={self.batch_size} (a step then changes the coefficient by at most 20%)")
+        need(self.eval_samples >= 0, "eval_samples", "must be >= 0 (0 = off)")
+        for name in ("stage_num_cpus", "stage_num_gpus"):
+            need(getattr(self, name) is None or getattr(self, name) >= 0, name, "must be >= 0 or null")
+        for tracker in self.report_to:
+            need(tracker in REPORT_TO, "report_to", f"{tracker!r}: trackers are {list(REPORT_TO)} ([] = none)")
         choices = {
             "kl_estimator": ("k1", "k2", "k3"),
             "reward_shaping": ("last_token", "every_token"),
@@ -338,6 +380,9 @@ class PPOConfig:
             "learner_layout": ("masked", "causal"),
             "lora_kernel": ("peft", "fused"),
             "rms_norm_kernel": ("hf", "fused"),
+            "lr_scheduler": ("constant", "linear"),
+            "log_level": LOG_LEVELS,
+            "model_transfer": ("ray", "path"),
         }
         for name, allowed in choices.items():
             need(getattr(self, name) in allowed, name, f"must be one of {list(allowed)}")
@@ -384,6 +429,14 @@ class PPOConfig:
         if self.logprob_gap_tolerance is not None:
             return self.logprob_gap_tolerance
         return LOGPROB_GAP_TOLERANCE[self.dtype]
+
+    @property
+    def stage_demand(self) -> tuple[float, float, dict[str, float]]:
+        """(CPUs, GPUs, custom resources) of an SFT / reward-model stage task: the stage_*
+        fields, each defaulting to the learner's."""
+        return (self.learner_num_cpus if self.stage_num_cpus is None else self.stage_num_cpus,
+                self.learner_num_gpus if self.stage_num_gpus is None else self.stage_num_gpus,
+                dict(self.learner_resources if self.stage_resources is None else self.stage_resources))
 
     @property
     def lora_scaling(self) -> float:

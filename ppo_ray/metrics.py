@@ -40,7 +40,14 @@ STEP_GAUGES: dict[str, str] = {
     "entropy": "mean entropy of the policy over response tokens",
     "explained_variance": "explained variance of the value predictions",
     "tokens_per_s": "generated response tokens per second of step wall time",
+    "response_tokens": "response tokens generated in the step (EOS included, padding not)",
     "adapter_version": "LoRA adapter version the generators hold after the step",
+    "shaped_reward_mean": "mean per-sequence shaped return of the step: score - beta * summed KL",
+    "kl_coef": "beta, the KL coefficient the step used (moves with the adaptive controller, kl_target)",
+    "learning_rate": "the policy's learning rate at the step's first optimiser step (lr_scheduler)",
+    "stale_versions": "adapter versions the step's rollouts were behind the learner (overlap_generation: 0 or 1)",
+    "gold_val": "held-out gold-judge score of the policy, at evaluation steps (bundled task; keeps its last value)",
+    "eval_reward_mean": "mean reward of the eval samples, at evaluation steps (keeps its last value)",
 }
 PHASE_PREFIX, PHASE_SUFFIX = "time/", "_s"
 PHASE_GAUGE = "ppo_phase_seconds"  # one gauge, tagged phase=generate|reference|reward|...

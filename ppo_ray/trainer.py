@@ -36,11 +36,13 @@ import torch
 
 from ppo_ray.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ppo_ray.config import PPOConfig
-from ppo_ray.data import encode_prompts
+from ppo_ray.data import check_chat_template, encode_prompts
 from ppo_ray.faults import Fault, StateLostError
+from ppo_ray.logs import format_step
 from ppo_ray.metrics import TrainingMetrics
-from ppo_ray.modeling import load_tokenizer, resolve_model_path
+from ppo_ray.modeling import check_context_length, load_tokenizer, resolve_model_path
 from ppo_ray.placement import Roles, create_roles, form_learner_group, init_ray, split_evenly
+from ppo_ray.tracking import Trackers, check_trackers, update_run_file
 
 
 log = logging.getLogger(__name__)
@@ -132,11 +134,21 @@ class PPOTrainer:
         self.reward_model_dir = resolve_model_path(config.reward_model_name) if config.reward_model_name else None
         self.value_model_dir = resolve_model_path(config.value_model_name) if config.value_model_name else None
         self.tokenizer = load_tokenizer(self.model_dir)
+        if config.apply_chat_template:
+            check_chat_template(self.tokenizer, config.model_name)
+        # before any actor: the vLLM engine would refuse a max_model_len over the model's window
+        check_context_length(config.max_prompt_length, config.max_new_tokens, {
+            "model_name": self.model_dir, "ref_model_name": self.ref_model_dir,
+            "reward_model_name": self.reward_model_dir, "value_model_name": self.value_model_dir})
+        check_trackers(config.report_to if run_dir else ())
         self.run_dir = Path(run_dir) if run_dir else None
 
-        init_ray()
+        init_ray(log_level=config.log_level)
+        # The run tag: Ray namespace of the actors and the `run` label of every Prometheus series.
         self.namespace = f"ppo-{uuid.uuid4().hex[:8]}"
         self.metrics = TrainingMetrics(run=self.namespace)  # Prometheus gauges, tagged run=namespace
+        log.info("run tag %s (Prometheus label run=\"%s\", Ray namespace of the actors)", self.namespace,
+                 self.namespace)
         self.roles: Roles = create_roles(
             config, model_dir=self.model_dir, ref_model_dir=self.ref_model_dir,
             reward_model_dir=self.reward_model_dir, value_model_dir=self.value_model_dir,
@@ -167,7 +179,8 @@ class PPOTrainer:
 
     def _encode(self, prompts: Sequence[str]) -> list[list[int]]:
         cfg = self.config
-        return encode_prompts(self.tokenizer, list(prompts), cfg.max_prompt_length, cfg.prompt_truncation)
+        return encode_prompts(self.tokenizer, list(prompts), cfg.max_prompt_length, cfg.prompt_truncation,
+                              chat_template=cfg.apply_chat_template)
 
     def _submit(self, rollouts: Rollouts) -> Rollouts:
         """1-2. Generate on every replica (prompt order kept; seeds follow the global index),
@@ -344,23 +357,34 @@ class PPOTrainer:
         log.warning(message)
 
     # ------------------------------------------------------------------ evaluation
-    def generate(self, prompts: Sequence[str], seed_step: int = 10**9) -> dict:
+    def generate(self, prompts: Sequence[str], seed_step: int = 10**9, *, score: bool = False) -> dict:
         """Sample one response per prompt with the current policy (no training). A fixed
         `seed_step` gives every prompt the same sampling seed before and after training,
-        so comparisons of two policies use common random numbers."""
-        cfg, gens = self.config, self.roles.generators
-        prompt_ids = encode_prompts(self.tokenizer, list(prompts), cfg.max_prompt_length, cfg.prompt_truncation)
+        so comparisons of two policies use common random numbers. With `score`, the reward
+        actor scores the responses too ("rewards": one float per prompt)."""
+        gens = self.roles.generators
+        prompt_ids = self._encode(prompts)
         chunks = [(s, e) for s, e in split_evenly(len(prompt_ids), len(gens)) if e > s]
-        refs = [gen.generate.remote(prompt_ids[s:e], seed_step, s)[1] for gen, (s, e) in zip(gens, chunks)]
-        summaries = ray.get(refs)
-        return {"texts": [t for s in summaries for t in s["texts"]],
-                "finish_reasons": [f for s in summaries for f in s["finish_reasons"]],
-                "version": summaries[0]["version"]}
+        calls = [gen.generate.remote(prompt_ids[s:e], seed_step, s) for gen, (s, e) in zip(gens, chunks)]
+        summaries = ray.get([summary for _, summary in calls])
+        out = {"texts": [t for s in summaries for t in s["texts"]],
+               "finish_reasons": [f for s in summaries for f in s["finish_reasons"]],
+               "version": summaries[0]["version"]}
+        if score:
+            scores, _ = self.roles.reward.score.remote(*[batch for batch, _ in calls])
+            out["rewards"] = ray.get(scores).tolist()
+        return out
 
     def save_adapter(self, path: str | Path) -> Path:
-        """Write the policy's LoRA adapter (PEFT format: PeftModel.from_pretrained and vLLM load it).
-        The path must be reachable from the learner's node (local runs: any path)."""
-        return Path(ray.get(self.roles.learner.save_adapter.remote(str(path))))
+        """Write the policy's LoRA adapter (PEFT format: PeftModel.from_pretrained and vLLM load
+        it), the committed version's, here on the driver's node (the weights come through the
+        object store: no storage shared with the learner's node is needed)."""
+        from ppo_ray.modeling import write_lora_adapter
+
+        cfg = self.config
+        weights = ray.get(self._weights[self.version])
+        return write_lora_adapter(path, weights, base_model=self.model_dir, r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+                                  target_modules=list(cfg.lora_target_modules))
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
@@ -549,19 +573,24 @@ class PPOTrainer:
 
     def train(self, prompts: Sequence[str], steps: Optional[int] = None, *, progress: bool = True,
               metrics_path: str | Path | None = None,
-              evaluate: Optional[Callable[["PPOTrainer", int], dict]] = None) -> list[dict]:
+              evaluate: Optional[Callable[["PPOTrainer", int], dict]] = None,
+              eval_prompts: Optional[Sequence[str]] = None) -> list[dict]:
         """Run PPO steps on batches of config.batch_size prompts drawn without replacement
         from `prompts`, reshuffled every epoch with the run seed: `steps` more steps, or by
         default until the run's step count reaches config.steps (so after restore() it
-        continues the run). `evaluate(trainer, step)`, if given, runs every
+        continues the run). Each finished step is logged as one line (logging, INFO) unless
+        `progress` is False. `evaluate(trainer, step)`, if given, runs every
         config.eval_every steps and at the end; its (small) dict is merged into that step's
-        metrics. With a run_dir, a checkpoint is written every config.checkpoint_every steps,
-        every config.checkpoint_every_minutes and at the end. An actor that dies is restarted
-        and its step retried from the committed state (see _run_step): no step is lost,
-        doubled or restarted. metrics_path keeps one line per step: lines past the current
-        step (a resumed run) are dropped before appending."""
-        from tqdm.auto import tqdm
-
+        metrics. At the same steps the first config.eval_samples of `eval_prompts` are
+        sampled with the current policy and scored by the reward actor: appended to
+        <run_dir>/eval_samples.jsonl and the trackers, their mean as eval_reward_mean. With a
+        run_dir, a checkpoint is written every config.checkpoint_every steps, every
+        config.checkpoint_every_minutes and at the end, and the trackers of
+        config.report_to (TensorBoard event files in <run_dir>/tensorboard) get every step.
+        An actor that dies is restarted and its step retried from the committed state (see
+        _run_step): no step is lost, doubled or restarted. metrics_path keeps one line per
+        step: lines past the current step (a resumed run) are dropped before appending, in
+        eval_samples.jsonl too."""
         if not prompts:
             raise ValueError("train() needs a non-empty list of prompts")
         key = _fingerprint(prompts)
@@ -574,11 +603,21 @@ class PPOTrainer:
         target = self.step + steps if steps is not None else self.config.steps
         history: list[dict] = []
         every = self.config.eval_every
+        samples = list(eval_prompts or [])[: self.config.eval_samples]
+        samples_path = self.run_dir / EVAL_SAMPLES if self.run_dir is not None else None
         saved_at = None
-        if metrics_path:
-            _truncate_metrics(Path(metrics_path), self.step)
+        for path in (metrics_path, samples_path):
+            if path:
+                _truncate_metrics(Path(path), self.step)
+        trackers = Trackers()
+        if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            tags = read_run_tags(self.run_dir)  # one per process that trained in this run directory
+            update_run_file(self.run_dir, run_tag=self.namespace,
+                            run_tags=tags if tags[-1:] == [self.namespace] else [*tags, self.namespace])
+            trackers = Trackers.open(self.run_dir, self.config.report_to, self.config.to_dict(), self.namespace,
+                                     first_step=self.step + 1)
         self._last_checkpoint = time.monotonic()
-        bar = tqdm(total=target, initial=self.step, desc="PPO", disable=not progress, dynamic_ncols=True)
         try:
             while self.step < target:
                 current, self._pending = self._pending or self._draw(prompts), None
@@ -593,10 +632,19 @@ class PPOTrainer:
                     if lost is not None and lost.cursor is not None:
                         self.cursor.set_state(lost.cursor)
                     raise
-                if evaluate and ((every and out["step"] % every == 0) or out["step"] == target):
-                    out.update(evaluate(self, out["step"]))
+                if (every and out["step"] % every == 0) or out["step"] == target:
+                    if evaluate:
+                        out.update(evaluate(self, out["step"]))
+                    if samples:
+                        rows = self._eval_samples(samples, out["step"])
+                        out["eval_reward_mean"] = _nanmean(torch.tensor([r["reward"] for r in rows]))
+                        if samples_path is not None:
+                            with open(samples_path, "a") as f:
+                                f.writelines(json.dumps(r) + "\n" for r in rows)
+                        trackers.log_samples(out["step"], rows)
                 history.append(out)
                 self.metrics.record_step(out)
+                trackers.log_step(out)
                 if metrics_path:
                     small = {k: v for k, v in out.items() if not isinstance(v, list)}
                     with open(metrics_path, "a") as f:
@@ -604,21 +652,37 @@ class PPOTrainer:
                 if self.run_dir is not None and self._checkpoint_due():
                     self.save_checkpoint()
                     saved_at = self.step
-                bar.update(1)
-                bar.set_postfix(reward=f"{out['reward_mean']:.3f}", kl=f"{out.get('kl', math.nan):.3f}",
-                                step_s=f"{out['time/step_s']:.1f}")
+                if progress:
+                    log.info(format_step(out, target))
             if self.run_dir is not None and saved_at != self.step and history:
                 self.save_checkpoint()
         finally:
-            bar.close()
+            trackers.close()
             if self._pending is not None:  # a stopped run: its prefetched batch is drawn again next time
                 self.cursor.set_state(self._pending.cursor)
                 self._pending = None
         return history
 
+    def _eval_samples(self, prompts: list[str], step: int) -> list[dict]:
+        """The current policy's responses to `prompts`, scored by the reward actor. The same
+        sampling seeds at every evaluation (common random numbers across steps)."""
+        out = self.generate(prompts, seed_step=EVAL_SEED_STEP, score=True)
+        return [{"step": step, "prompt": p, "response": t, "reward": r, "finish_reason": f}
+                for p, t, r, f in zip(prompts, out["texts"], out["rewards"], out["finish_reasons"])]
+
     def shutdown(self) -> None:
         """Kill the actors and remove their placement group (its reserved resources are freed)."""
         self.roles.release()
+
+
+EVAL_SAMPLES = "eval_samples.jsonl"
+EVAL_SEED_STEP = 10**9 + 1  # sampling seeds of the eval samples: a step index no training step reaches
+
+
+def read_run_tags(run_dir: Path) -> list[str]:
+    from ppo_ray.tracking import read_run_file
+
+    return list(read_run_file(run_dir).get("run_tags", []))
 
 
 def _fingerprint(prompts: Sequence[str]) -> str:

@@ -114,13 +114,26 @@ def test_two_nodes_fail_fast():
         assert cases[case]["elapsed_s"] >= cases[case]["timeout_s"], cases[case]  # it waited for the group
 
 
-def test_two_nodes_pinned_roles_train_and_agree():
-    """Generators pinned to node B, learners and scorers to node A (custom resources),
-    2 replicas of each: two PPO steps; the LoRA reaches both generators across nodes,
-    texts come back in prompt order, generator logprobs match both learners', and a
-    restarted actor returns to its bundle. About 90 s on 2 cores (two vLLM engines); in the
-    default run because it is the test that the system works on more than one node."""
+def test_two_nodes_stages_and_pinned_roles_train_and_agree():
+    """The SFT and reward-model stages run as Ray tasks on node B (stage_resources) and their
+    outputs reach the driver's run directory on node A through the object store; PPO then
+    trains on them with generators pinned to node B, learners and scorers to node A (custom
+    resources), 2 replicas of each: node B's actors load sft/ from node B's own model cache
+    (filled through the object store, no shared storage), node A's from the run directory;
+    two PPO steps; the LoRA reaches both generators across nodes, texts come back in prompt
+    order, generator logprobs match both learners' (so the shipped model is the same model),
+    and a restarted actor returns to its bundle. About 100 s on 2 cores (two vLLM engines);
+    in the default run because it is the test that the system works on more than one node."""
     result = run_scenario("train", timeout_s=600)
+    assert result["stage_outputs"] == ["rm", "sft"] and result["sft_steps"] == 2 and result["rm_steps"] == 2
+    # node B got the base model (SFT's input) and sft/ (RM's input) through the object store
+    assert result["cache_after_stages"] == {"node_a": 0, "node_b": 2}
+    # the generators on node B load sft/ from node B's cache (already there from the RM stage);
+    # node A is the driver's node: its actors read the run directory itself
+    assert result["loaded_from"] == {"generator-0": "cache:node_b", "generator-1": "cache:node_b",
+                                     "reference": "run_dir", "reward": "run_dir", "learner-0": "run_dir",
+                                     "learner-1": "run_dir"}, result["loaded_from"]
+    assert result["cache_after_start"] == {"node_a": 0, "node_b": 2}
     assert result["actor_nodes"] == {"generator-0": "node_b", "generator-1": "node_b", "reference": "node_a",
                                      "reward": "node_a", "learner-0": "node_a", "learner-1": "node_a"}
     assert result["step_texts"] == [8, 8]

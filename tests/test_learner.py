@@ -28,7 +28,7 @@ STAT_KEYS = {
     "score_mean", "reward_mean", "advantage_mean", "return_mean", "value_mean",
     "policy_grad_norm", "value_grad_norm", "gen_logprob_max_abs_diff", "truncated_tokens",
     "dropped_samples", "tokens", "learner_forward_s", "update_s", "version", "outside_support_frac",
-    "behaviour_logprob_gap", "stale_versions", "padded_token_ratio",
+    "behaviour_logprob_gap", "stale_versions", "padded_token_ratio", "kl_coef", "learning_rate",
 }
 
 
