@@ -20,6 +20,17 @@ score and the KL to SFT (no gold judge exists for real data).
 Every `--name value` is a PPOConfig field (ppo_ray/config.py); `--config FILE` loads a YAML
 preset first. `--run_dir DIR` picks the run directory (default output_dir/<time>).
 
+Console: one line per PPO step as it finishes (Python logging on stderr; --log_level debug |
+info | warning | error, default info), Ray's, vLLM's and transformers' own messages cut to
+errors unless debug; the JSON summary is stdout's last line. The run directory also gets
+TensorBoard event files (report_to: [tensorboard], the default; wandb when installed and
+named), eval_samples.jsonl and run.json (the run tag: the `run` label of the ray_ppo_*
+Prometheus metrics).
+
+Trusted input: a config file (YAML, --config, or a run directory's saved config that
+--resume reloads) is code, like a Python script: every "module:function" in reward_funcs is
+imported and run, in this process and in the reward actor. Run only configs you trust.
+
 Checkpoints: the PPO stage writes <run_dir>/checkpoints/step-N every checkpoint_every steps
 and at the end. `launch.py ppo --resume DIR` (a run directory or one checkpoint) continues
 from it with the run's saved config (plus any overrides, e.g. a larger --steps); Ctrl-C or
@@ -29,10 +40,13 @@ from it with the run's saved config (plus any overrides, e.g. a larger --steps);
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import sys
 import time
 from pathlib import Path
+
+log = logging.getLogger("ppo_ray.launch")
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = CONFIGS / "tldr-tiny.yaml"
@@ -51,14 +65,6 @@ def _pop_option(argv: list[str], name: str) -> str | None:
     return None
 
 
-def _print_history(history: list[dict]) -> None:
-    for h in history:
-        gold = f"  gold {h['gold_val']:.3f}" if "gold_val" in h else ""
-        print(f"step {h['step']:4d}  reward {h['reward_mean']:+.4f}  kl {h['kl']:+.4f}  "
-              f"policy_loss {h['policy_loss']:+.4f}  value_loss {h['value_loss']:.4f}  "
-              f"clipfrac {h['clipfrac']:.3f}  step {h['time/step_s']:.2f}s{gold}")
-
-
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -71,6 +77,20 @@ def check_ray_address() -> None:
         from ppo_ray.placement import check_ray_address as check
 
         check(os.environ["RAY_ADDRESS"])
+
+
+def check_context(config) -> None:
+    """The models' context windows hold max_prompt_length + max_new_tokens (ContextLengthError
+    naming the fields and the limit), before anything is written or started: for the
+    pipeline the base model, which SFT and the reward model inherit."""
+    from ppo_ray.modeling import check_context_length, resolve_model_path
+
+    names = {name: getattr(config, name) for name in ("model_name", "ref_model_name", "reward_model_name",
+                                                      "value_model_name") if getattr(config, name)}
+    if names.get("value_model_name") == "rm":  # the pipeline's reward model, not trained yet
+        del names["value_model_name"]
+    check_context_length(config.max_prompt_length, config.max_new_tokens,
+                         {name: resolve_model_path(value) for name, value in names.items()})
 
 
 def plain_ppo_inputs(config) -> list[str]:
@@ -94,11 +114,11 @@ def run_plain_ppo(config, run_dir: Path, resume: str | None = None, prompts: lis
     from ppo_ray.pipeline import ppo_trainer, read_metrics
 
     prompts = plain_ppo_inputs(config) if prompts is None else prompts
+    # the eval samples of a plain run: the dataset's first prompts (it has no held-out split)
     with ppo_trainer(config, run_dir, resume) as trainer:
-        trainer.train(prompts, metrics_path=run_dir / "metrics.jsonl")
+        trainer.train(prompts, metrics_path=run_dir / "metrics.jsonl", eval_prompts=prompts)
         trainer.save_adapter(run_dir / "adapter")
     history = read_metrics(run_dir / "metrics.jsonl")
-    _print_history(history)
     return {"steps": len(history), "first_reward": history[0]["reward_mean"],
             "last_reward": history[-1]["reward_mean"], "final_kl": history[-1]["kl"]}
 
@@ -117,8 +137,8 @@ def _config_fields_help() -> str:
         return "required"
 
     fields = [f"  --{f.name} ({default(f)})" for f in dataclasses.fields(PPOConfig)]
-    return "Options (PPOConfig fields, default in brackets; README.md's Configuration explains them):\n" + \
-        "\n".join(fields)
+    return ("Options (PPOConfig fields, default in brackets; README.md's Configuration explains them; "
+            "a config file is trusted input: its reward_funcs are imported and run):\n" + "\n".join(fields))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,6 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from ppo_ray.logs import setup_logging
+
+    setup_logging(config.log_level)
+    if resume is not None and config.reward_funcs:
+        # a run directory's saved config is reloaded and its reward functions imported: say which
+        log.warning("resuming with the run's saved config: it imports and runs the reward functions %s "
+                    "(config files are trusted input, like a Python script)", ", ".join(config.reward_funcs))
     stage = positional[0] if positional else ("ppo" if resume is not None else "all")
     if stage not in STAGES or len(positional) > 1:
         print(f"error: unknown stage {' '.join(positional)!r}; stages: {', '.join(STAGES)}", file=sys.stderr)
@@ -160,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{resume})", file=sys.stderr)
         return 2
     has_reward = bool(config.reward_funcs or config.reward_model_name)
+    if stage in ("all", "sft", "rm") and config.apply_chat_template:
+        print(f"error: apply_chat_template formats the PPO prompts of an instruct model (stage 'ppo' with reward "
+              f"sources); stage {stage!r} trains SFT and the reward model on plain text", file=sys.stderr)
+        return 2
     if stage in ("all", "sft", "rm") and has_reward:
         print(f"error: stage {stage!r} trains its own SFT and reward model on the bundled task; "
               "the config names reward sources (reward_funcs / reward_model_name): use stage 'ppo'",
@@ -176,24 +207,28 @@ def main(argv: list[str] | None = None) -> int:
     from actors.reward import RewardError
     from ppo_ray.checkpoint import CheckpointError
     from ppo_ray.data import DataError
+    from ppo_ray.modeling import ContextLengthError
     from ppo_ray.placement import ClusterError
     from ppo_ray.tldr import TLDRDataError
+    from ppo_ray.tracking import TrackerError, check_trackers, read_run_file
 
     # Cheap checks of what the stage needs, before anything is written (a rejected command
     # leaves an existing run directory as it was) and before Ray or any actor starts.
     prompts = None
     try:
+        check_context(config)
+        check_trackers(config.report_to)
         if stage in ("all", "ppo"):
             check_ray_address()
         if stage == "ppo" and has_reward:
             prompts = plain_ppo_inputs(config)
-    except (ClusterError, RewardError, FileNotFoundError, DataError) as e:
+    except (ClusterError, RewardError, FileNotFoundError, DataError, ContextLengthError, TrackerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
     run_dir.mkdir(parents=True, exist_ok=True)
     config.to_yaml(run_dir / f"config{'' if stage == 'all' else '-' + stage}.yaml")
-    print(f"[ppo-ray] run directory: {run_dir}")
+    log.info("run directory: %s", run_dir)
 
     import ray
 
@@ -216,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                 report.update(pipeline.run_rm(config, run_dir, data_dir))
             if stage in ("all", "ppo"):
                 report.update(pipeline.run_ppo(config, run_dir, data_dir, resume))
-                _print_history(pipeline.read_metrics(run_dir / "metrics.jsonl"))
-    except (ClusterError, RewardError, FileNotFoundError, TLDRDataError, CheckpointError, DataError) as e:
+    except (ClusterError, RewardError, FileNotFoundError, TLDRDataError, CheckpointError, DataError,
+            ContextLengthError) as e:
         # expected, user-fixable problems: the message names the bad thing; no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -228,7 +263,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n[ppo-ray] interrupted: {where}", file=sys.stderr)
         return 130
     report["seconds"] = round(time.perf_counter() - t0, 1)
-    if stage in ("all", "ppo") and not ray_was_up:
+    if stage in ("all", "ppo") and read_run_file(run_dir).get("run_tag"):
+        report["run_tag"] = read_run_file(run_dir)["run_tag"]  # the `run` label of the Prometheus series
+    if not ray_was_up and ray.is_initialized():
         # The actors are gone, but Ray forwards their last log lines asynchronously (vLLM's
         # engine-core teardown): disconnect the Ray this run started, so that the summary
         # is the last line of stdout (scripts read it with tail -1 | jq).

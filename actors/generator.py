@@ -37,6 +37,10 @@ What vLLM 0.32 does, read from its source and checked by tests/test_generator.py
   fails in ``load_adapter``, not silently at the next generate. Requests then find it in
   the cache by ``lora_int_id`` and do not reread the files; the prefix-cache key includes
   the adapter's name and path, so KV blocks never leak across versions.
+* Merged sync (``lora_sync="merged"``) changes the engine's weights in place, under a
+  prefix cache whose keys know nothing of them: every load resets the cache (in both
+  modes, see ``_reset_prefix_cache``; counted in ``retire_s``), so no KV block outlives the
+  weights it was made with.
 """
 
 from __future__ import annotations
@@ -180,6 +184,8 @@ class Generator:
         engine: dict[str, Any] = dict(
             dtype=cfg.dtype, seed=cfg.seed, max_model_len=cfg.max_prompt_length + cfg.max_new_tokens,
             kv_cache_gib=cfg.vllm_kv_cache_gib, logprobs_mode="processed_logprobs",
+            enforce_eager=cfg.vllm_enforce_eager,
+            use_tqdm_on_load=cfg.log_level == "debug",  # the weight loader's progress bar
         )
         if cfg.lora_sync == "merged":  # base-model kernels; the LoRA is merged into the weights
             engine.update(worker_extension_cls=MERGED_WORKER)
@@ -403,6 +409,7 @@ class Generator:
         previous, self._lora_request, self.version = self._lora_request, request, version
         if previous is not None:
             self._retire(previous)
+        self._reset_prefix_cache(version)
         t3 = time.perf_counter()
         return {"write_s": t1 - t0, "register_s": t2 - t1, "retire_s": t3 - t2,
                 "bytes": float(sum(v.numel() * v.element_size() for v in tensors.values()))}
@@ -417,9 +424,31 @@ class Generator:
                                     args=(pack_tensors(tensors), self.lora_alpha / self.lora_r, self.model_dir))
         except Exception as e:
             raise RuntimeError(f"merging LoRA adapter version {version} into the vLLM weights failed: {e}") from e
+        t1 = time.perf_counter()
+        self._reset_prefix_cache(version)
         self.version = version
-        return {"write_s": 0.0, "register_s": time.perf_counter() - t0, "retire_s": 0.0,
+        return {"write_s": 0.0, "register_s": t1 - t0, "retire_s": time.perf_counter() - t1,
                 "bytes": float(sum(v.numel() * v.element_size() for v in tensors.values()))}
+
+    def _reset_prefix_cache(self, version: int) -> None:
+        """Empty vLLM's prefix cache after a new version is in place.
+
+        Merged sync: the cache's block hashes cover the tokens, not the weights, so without
+        a reset a prompt prefix seen under an earlier version would reuse KV computed with
+        the old weights (vllm #9744; measured here: a 1-nat generator-vs-learner gap from the
+        second step on). Adapter sync: the hashes include the adapter's name and path (a new
+        directory per load), so no stale block is reused; the reset is for determinism:
+        with an empty cache at every version, what a batch samples depends only on the
+        version and the batch, not on what the engine generated before (KV read from the
+        cache differs from KV computed in the batch by float rounding, ~1e-8 in the
+        logprobs; a batch regenerated after a fault must equal the lost one bit for bit).
+        The cost: no KV reuse across versions, which PPO (one rollout per prompt per step)
+        does not have anyway. The offline engine runs no
+        request between generate() calls, so the reset must succeed; vLLM returns False
+        (and keeps the cache) while blocks are in use."""
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError(f"after loading LoRA adapter version {version}: vLLM refused to reset its prefix "
+                               "cache (requests still running?); its KV blocks would hold another policy's keys")
 
     def _check_lora_weights(self, weights: dict[str, Tensor]) -> dict[str, Tensor]:
         """CPU, contiguous copies of the A/B tensors; their rank must be lora_r (vLLM

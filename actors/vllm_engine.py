@@ -22,10 +22,11 @@ Settings and why (see also /work/shared/ENVIRONMENT.md):
     (temperature treated as 1). With top-k/top-p the processed logprobs are
     renormalised over the kept tokens, so a PPO learner must then apply the same
     truncation (or sample with temperature only).
-``enforce_eager=True``
-    No torch.compile/CUDA-graph capture: much faster engine start, and on the CPU
-    LoRA forces eager mode anyway. On a GPU pass ``enforce_eager=False`` for faster
-    decoding (CUDA graphs) at the cost of a slower start.
+``enforce_eager=None`` (config.vllm_enforce_eager)
+    None = eager on the CPU, graphs on a GPU. Eager: no torch.compile/CUDA-graph capture,
+    a much faster engine start, and on the CPU (no CUDA graphs there; LoRA forces eager
+    mode anyway) the tested path. On a GPU, CUDA graphs are a large part of vLLM's decode
+    speed for small models, at the cost of a slower start (capture); ``True`` forces eager.
 ``kv_cache_gib``
     Passed as ``kv_cache_memory_bytes`` (works on CPU and GPU). On the CPU the
     default (unless ``VLLM_CPU_KVCACHE_SPACE`` is set, which then wins) is what the
@@ -63,13 +64,20 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["CPU_MAX_DEFAULT_KV_CACHE_GIB", "GPU_DEFAULT_MEMORY_UTILIZATION", "build_llm", "cpu_bind_list"]
+__all__ = ["CPU_MAX_DEFAULT_KV_CACHE_GIB", "GPU_DEFAULT_MEMORY_UTILIZATION", "build_llm", "cpu_bind_list",
+           "resolve_enforce_eager"]
 
 CPU_MAX_DEFAULT_KV_CACHE_GIB = 2.0
 _CPU_DEFAULT_MAX_NUM_SEQS = 256  # vLLM's CPU default for the LLM class
 GPU_DEFAULT_MEMORY_UTILIZATION = 0.5
 
 _GIB = 1 << 30
+
+
+def resolve_enforce_eager(enforce_eager: bool | None, on_cpu: bool) -> bool:
+    """vLLM's enforce_eager: an explicit choice as given; None = eager on the CPU, CUDA graphs
+    (False) on a GPU."""
+    return on_cpu if enforce_eager is None else bool(enforce_eager)
 
 
 def cpu_bind_list() -> str:
@@ -134,7 +142,7 @@ def build_llm(
     max_lora_rank: int = 16,
     max_loras: int = 1,
     max_model_len: int | None = None,
-    enforce_eager: bool = True,
+    enforce_eager: bool | None = None,
     kv_cache_gib: float | None = None,
     logprobs_mode: str = "processed_logprobs",
     **extra: Any,
@@ -152,7 +160,7 @@ def build_llm(
         "model": os.fspath(model_dir),
         "dtype": dtype,
         "seed": seed,
-        "enforce_eager": enforce_eager,
+        "enforce_eager": resolve_enforce_eager(enforce_eager, on_cpu),
         "logprobs_mode": logprobs_mode,
     }
     if max_model_len is not None:

@@ -2,6 +2,7 @@
 
     python -m benchmarks.gpu_step [--batch_sizes 64,512] [--max_new_tokens 53] [--steps 3] [--warmup 1]
         [--prompt_len 300:512] [--model qwen3-0.6b|test] [--time_budget_s 420] [--out FILE.json]
+        [--<PPOConfig field> VALUE ...]     e.g. --learner_layout masked (the plain learner path)
 
 Why a separate script: the lent GPU machines have torch, transformers and peft but no Ray
 and no vLLM, and reach no model hub. So this measures, on the GPU, every phase of our step
@@ -39,6 +40,16 @@ fit 512 tokens).
 Config: ``configs/qwen3-0.6b-tldr.yaml`` with model paths replaced and batch_size per run
 (ppo_epochs 4, one minibatch, the preset's micro-batch 8 unless ``--micro_batch_size``, LoRA
 r=16 on all 7 projections, temperature 0.7).
+
+Learner efficiency, per step: ``padded_token_ratio`` (token positions the learner's forwards
+computed / real tokens, over its no-grad pass and PPO epochs; Learner.update's stat) and
+``mfu_update`` / ``mfu_learner``: model FLOPs of the real tokens (``learner_flops``: forward
+2 N per token and model with N the decoder's 440M matmul parameters, backward 2 N (frozen
+base: input gradients only), plus LoRA, causal attention and the policy's lm_head on response
+tokens; padding and recomputation not counted) over the update's (the PPO epochs') or the
+whole learner's seconds, over the card's dense bf16 peak (``PEAK_BF16_FLOPS``: 989.4 TFLOP/s
+for the H100 SXM and the H200). Other ``--field value`` options go to the config (the
+learner speed options of ppo_ray.config; the preset turns them on).
 
 JSON on stdout and in ``--out`` (rewritten after every measurement, so a run stopped by a
 time limit keeps what it measured). ``--model test`` is a 2-layer miniature for CPU tests.
@@ -105,6 +116,51 @@ def write_models(root: Path, shape: dict, dtype: str, device: str) -> tuple[Path
     return out[0], out[1]
 
 
+# The card's dense bf16 matrix rate, the denominator of MFU (NVIDIA's datasheets: H100 SXM
+# 989.4 TFLOP/s without sparsity; the H200 is the same GH100 chip at the same clocks). A large
+# bf16 matmul measures ~790-800 TFLOP/s on these cards (/work/.library/device/KINDS.md), so
+# 100% MFU is out of reach by construction; 40% is ~50% of what cuBLAS attains.
+PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12}
+
+
+def peak_flops(gpu_name: str) -> Optional[float]:
+    for key, value in PEAK_BF16_FLOPS.items():
+        if key in gpu_name:
+            return value
+    return None
+
+
+def learner_flops(shape: dict, prompt_lens: Sequence[int], response_lens: Sequence[int], ppo_epochs: int,
+                  lora_r: int, lora_targets: Sequence[str]) -> dict[str, float]:
+    """Model FLOPs of Learner.update on REAL tokens (padding counts as waste, not work).
+
+    Per row of n = p + r tokens and per model (policy, value; same shape), with N = the
+    decoder's matmul parameters (q, k, v, o, gate, up, down per layer; 440M for Qwen3-0.6B):
+      forward     2 N n  +  LoRA 2 r (in + out) n per adapted projection
+                  +  attention 2 (n_heads head_dim) n (n + 1) per layer (QK^T and PV, causal half)
+                  +  policy only: lm_head 2 H V on the r response positions
+      backward    the base weights are frozen, so only input gradients: 1x the forward's base
+                  and lm_head matmuls, 2x its LoRA matmuls (input and A/B gradients), 2x its
+                  attention matmuls (dQ, dK, dV, dP); recomputation (checkpointing) not counted
+    learner_forward = one forward of both models (the no-grad pass), update = ppo_epochs x
+    (forward + backward) of both models. The value head (H -> 1) is left out (< 1e-5)."""
+    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
+    proj = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    n_mat = layers * sum(i * o for i, o in proj.values())
+    lora = layers * sum(2 * lora_r * (proj[t][0] + proj[t][1]) for t in lora_targets if t in proj)
+    tokens = sum(p + r for p, r in zip(prompt_lens, response_lens))
+    attn = layers * sum(2 * q * (p + r) * (p + r + 1) for p, r in zip(prompt_lens, response_lens))
+    head = 2 * h * shape["vocab_size"] * sum(response_lens)
+    base = 2 * n_mat * tokens
+    fwd_one = base + lora * tokens + attn  # one model's forward, without lm_head
+    forward = 2 * fwd_one + head
+    backward = 2 * (base + 2 * lora * tokens + 2 * attn) + head
+    return {"learner_forward": float(forward), "update": float(ppo_epochs * (forward + backward)),
+            "matmul_parameters": float(n_mat), "real_tokens": float(tokens)}
+
+
 def prompt_ids(batch_size: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
     """Random prompt token ids (no special tokens), lengths uniform in [lo, hi]."""
     rng = random.Random(seed)
@@ -165,6 +221,14 @@ def measure_batch(baseline, reference, batch_size: int, args, timer: Timer, dead
         (stats, _), upd, row["mem/update_peak_gib"] = timer(baseline.learner.update, batch, ref, scores)
         row["learner_forward"] = stats["learner_forward_s"]
         row["update"] = upd - row["learner_forward"]
+        row["padded_token_ratio"] = stats["padded_token_ratio"]
+        cfg = baseline.learner.config
+        flops = learner_flops(args.shape, batch.prompt_mask.sum(1).tolist(), batch.response_mask.sum(1).tolist(),
+                              cfg.ppo_epochs, cfg.lora_r, cfg.lora_target_modules)
+        row.update(update_flop=flops["update"], learner_forward_flop=flops["learner_forward"])
+        if args.peak:
+            row["mfu_update"] = flops["update"] / row["update"] / args.peak
+            row["mfu_learner"] = (flops["update"] + flops["learner_forward"]) / upd / args.peak
         weights, row["lora_export"], _ = timer(baseline.learner.lora_weights)
         row["step"] = sum(row[k] for k in ("generate", "reference", "reward", "learner_forward", "update",
                                            "lora_export"))
@@ -175,7 +239,8 @@ def measure_batch(baseline, reference, batch_size: int, args, timer: Timer, dead
                    lora_mib=sum(w.numel() * w.element_size() for w in weights.values()) / 2**20)
         print(f"[gpu_step] B={batch_size} step {i + 1}/{n}{' (warm-up)' if i < args.warmup else ''}: "
               + " ".join(f"{k}={row[k]:.3f}" for k in ("generate", "reference", "reward", "learner_forward",
-                                                         "update", "lora_export", "step")),
+                                                         "update", "lora_export", "step", "padded_token_ratio",
+                                                         "mfu_update", "mfu_learner") if k in row),
               file=sys.stderr, flush=True)
         if i >= args.warmup:
             per_step.append(row)
@@ -215,7 +280,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--time_budget_s", type=float, default=420.0,
                    help="start no new step after this many seconds (the JSON keeps what was measured)")
     p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
+    args, args.config_overrides = p.parse_known_args(argv)  # the rest: --field value for PPOConfig
     lo, _, hi = args.prompt_len.partition(":")
     args.prompt_len = (int(lo), int(hi or lo))
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
@@ -237,6 +302,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "device": device,
         "machine": machine(device), "model": args.model, "model_shape": MODELS[args.model],
         "prompt_len": list(args.prompt_len), "runs": []}
+    args.shape = MODELS[args.model]
+    args.peak = peak_flops(result["machine"].get("gpu", ""))
+    result.update(peak_bf16_flops=args.peak, mfu="model FLOPs of the real tokens (learner_flops) / seconds / peak_bf16_flops")
 
     def save() -> None:
         if args.out:
@@ -251,7 +319,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                                      "--max_new_tokens", str(args.max_new_tokens),
                                      "--batch_size", str(args.batch_sizes[0]),
                                      *(["--micro_batch_size", str(args.micro_batch_size)]
-                                       if args.micro_batch_size else [])])
+                                       if args.micro_batch_size else []), *args.config_overrides])
         baseline = Baseline(config, device=device)
         reference = ReferenceScorer(str(lm_dir), temperature=config.temperature, dtype=config.dtype,
                                     micro_batch_size=config.micro_batch_size, device=device)
@@ -260,7 +328,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                       config={k: getattr(config, k) for k in ("dtype", "ppo_epochs", "mini_batch_size",
                                                               "micro_batch_size", "lora_r", "lora_alpha",
                                                               "lora_target_modules", "temperature", "top_k",
-                                                              "top_p", "max_new_tokens")})
+                                                              "top_p", "max_new_tokens", "learner_layout",
+                                                              "learner_sort_by_length", "logprob_chunk_size",
+                                                              "lora_kernel", "rms_norm_kernel",
+                                                              "gradient_checkpointing", "learner_compile")})
         save()
         timer = Timer(device)
         for b in args.batch_sizes:

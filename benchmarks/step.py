@@ -91,7 +91,40 @@ PRESETS: dict[str, dict[str, Any]] = {
     # can be; there is no min_tokens / ignore-EOS switch in the generator). 32 prompts x 64
     # tokens; prompts are ~145 of its tokens (103-217).
     "small": {"model_name": "embedded:small", "batch_size": 32, "max_new_tokens": 64, "vllm_kv_cache_gib": 1.0},
+    # The work of issue 16's comparison with a single-process trainer (TRL 1.12's PPOTrainer
+    # measured outside the repo): the tiny policy, 64 prompts cut to their last 60 tokens,
+    # 16 new tokens at temperature 0.7 (no top-k/top-p), 1 PPO epoch over 1 minibatch, a
+    # reward model and a value model of the policy's shape (separate, not shared). The
+    # reward model is the tiny model with a 1-label score head (random, seeded), written
+    # once to the cache ($PPO_RAY_CACHE or ~/.cache/ppo_ray): speed does not depend on it.
+    "peer": {"batch_size": 64, "max_new_tokens": 16, "max_prompt_length": 60, "prompt_truncation": "left",
+             "temperature": 0.7, "top_k": 0, "top_p": 1.0, "ppo_epochs": 1, "micro_batch_size": 32,
+             "reward_funcs": [], "reward_weights": [], "reward_model_name": "@tiny-reward-model",
+             "value_model": "separate"},
 }
+TINY_REWARD_MODEL = "@tiny-reward-model"
+
+
+def tiny_reward_model() -> str:
+    """The tiny model as a sequence classifier (num_labels 1, score head seeded random):
+    built once into the model cache, then reused. Returns its directory."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from ppo_ray.modeling import load_tokenizer, resolve_model_path
+    from ppo_ray.tiny_model import default_cache_dir
+
+    base = resolve_model_path("embedded:tiny")
+    out = default_cache_dir() / f"{Path(base).name}-reward-seed0"  # the base's name holds its content hash
+    if not (out / "config.json").is_file():
+        torch.manual_seed(0)
+        rm = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1)
+        rm.config.pad_token_id = load_tokenizer(base).pad_token_id
+        tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+        rm.save_pretrained(tmp, safe_serialization=True)
+        load_tokenizer(base).save_pretrained(tmp)
+        os.replace(tmp, out) if not out.exists() else None
+    return str(out)
 
 PHASES = ("generate", "reference", "reward", "learner_forward", "update", "prefetch_wait", "sync", "sync_transfer",
           "sync_engine", "sync_write", "sync_register", "overhead", "step")
@@ -104,7 +137,8 @@ def build_config(preset: str, argv: Sequence[str] = ()):
 
     if preset not in PRESETS:
         raise SystemExit(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    preset_args = [a for k, v in PRESETS[preset].items() for a in (f"--{k}", json.dumps(v) if not isinstance(v, str) else v)]
+    values = {k: (tiny_reward_model() if v == TINY_REWARD_MODEL else v) for k, v in PRESETS[preset].items()}
+    preset_args = [a for k, v in values.items() for a in (f"--{k}", json.dumps(v) if not isinstance(v, str) else v)]
     config, positional = parse_overrides(["--config", str(BASE_CONFIG), *preset_args, *argv])
     if positional:
         raise SystemExit(f"unexpected arguments {positional}")

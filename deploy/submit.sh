@@ -28,10 +28,18 @@
 #   SUBMISSION_ID         the job's id (default: Ray makes one)
 #   RUNTIME_ENV           runtime env file (default deploy/runtime_env.yaml)
 #   PREFLIGHT_TIMEOUT     seconds the reachability check waits (default 5)
+#   PREFLIGHT             1 (default): before uploading anything, run a one-line job that checks
+#                         the cluster's entrypoint `python` imports the project's dependencies;
+#                         0 skips it
+#   PREFLIGHT_MODULES     the modules it imports (default: torch transformers peft vllm ray yaml
+#                         safetensors tensorboard)
 #
 # Before submitting, a check fails fast (exit 3) with one line naming the problem when
 # RAY_ADDRESS points nowhere, at something that is not a Ray dashboard, or at a cluster that
-# refuses the token.
+# refuses the token; and (exit 4) when the job's `python` on the cluster lacks a dependency:
+# the job runs whatever `python` the head's PATH gives the Ray processes (e.g. a system
+# Python when `ray start` was run as .venv/bin/ray without activating the venv), which
+# would otherwise fail with "No module named 'torch'" only after the upload.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -107,6 +115,44 @@ except urllib.error.HTTPError as e:
 except (urllib.error.URLError, OSError) as e:
     fail(f"no Ray cluster at RAY_ADDRESS={address} ({getattr(e, 'reason', e)}); {start_hint}")
 PY
+
+# The entrypoint's Python: the job runs `python launch.py`, and `python` is whatever the
+# head's PATH gives the Ray processes. A tiny job (no working dir, no upload) imports the
+# dependencies with that same `python` and names the ones missing.
+if [ "${PREFLIGHT:-1}" != 0 ]; then
+    modules=${PREFLIGHT_MODULES:-torch transformers peft vllm ray yaml safetensors tensorboard}
+    check='import importlib, json, sys
+missing = {}
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except Exception as e:
+        missing[name] = f"{type(e).__name__}: {e}"
+print("PPO_RAY_PREFLIGHT " + json.dumps({"python": sys.executable, "version": sys.version.split()[0], "missing": missing}))
+sys.exit(1 if missing else 0)'
+    pre_args=(--address "$ADDRESS" --entrypoint-num-cpus "${ENTRYPOINT_NUM_CPUS:-0}"
+              --entrypoint-num-gpus "${ENTRYPOINT_NUM_GPUS:-0}")
+    if ! out=$(ray job submit "${pre_args[@]}" -- python -c "$check" $modules 2>&1); then
+        python3 - "$out" <<'PY'
+import json, sys
+
+out = sys.argv[1]
+found = [line.split("PPO_RAY_PREFLIGHT ", 1)[1] for line in out.splitlines() if "PPO_RAY_PREFLIGHT " in line]
+if not found:
+    print("error: the preflight job (python -c 'import torch, ...' on the cluster) failed before it could report:\n"
+          + "\n".join(out.splitlines()[-15:]), file=sys.stderr)
+    sys.exit(0)
+info = json.loads(found[-1])
+missing = "; ".join(f"{name} ({why})" for name, why in info["missing"].items())
+print(f"error: the cluster's entrypoint Python, {info['python']} (Python {info['version']}), cannot import: "
+      f"{missing}. The job runs `python launch.py` with the `python` on the PATH of the head's Ray processes: "
+      "start Ray from the environment that has the dependencies (`source .venv/bin/activate && ray start "
+      "--head ...`, or PATH=$PWD/.venv/bin:$PATH ray start ...; the README set-up makes .venv), or install them "
+      "into that Python (pip install -e '.[gpu]' or '.[cpu]'); PREFLIGHT=0 skips this check", file=sys.stderr)
+PY
+        exit 4
+    fi
+fi
 
 # Relative paths resolve inside the job's copy of the working dir (in Ray's session dir).
 run_dir=""

@@ -28,6 +28,9 @@ References cited in comments:
   Advantage Estimation".
 * [PPO] Schulman et al. 2017, "Proximal Policy Optimization Algorithms".
 * [TRL] ``huggingface/trl`` ``core.py`` / ``ppo_trainer.py`` (masked_whiten, value clip).
+* [Ziegler] Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences",
+  section 2.2: the adaptive KL coefficient (OpenRLHF ``AdaptiveKLController``, verl
+  ``AdaptiveKLController``, TRL's ``adap_kl_ctrl``).
 * [vLLM] ``vllm/v1/sample/sampler.py`` and ``vllm/v1/sample/ops/topk_topp_sampler.py``
   (vLLM 0.32), for :func:`logprobs_from_logits`.
 """
@@ -37,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.utils.checkpoint
 
 Tensor = torch.Tensor
 
@@ -430,6 +434,34 @@ def entropy_from_logits(logits: Tensor, mask: Tensor, temperature: float = 1.0) 
     return torch.where(mask, entropy, torch.zeros((), dtype=entropy.dtype, device=entropy.device))
 
 
+def chunked_rows(fn, chunk_size: int, *inputs: Tensor) -> tuple[Tensor, ...]:
+    """``fn(*inputs)`` computed ``chunk_size`` rows (dim 0) at a time, outputs concatenated.
+
+    ``fn`` maps row-aligned inputs ``(n, ...)`` to a tuple of row-aligned outputs ``(n,
+    ...)`` and must treat rows independently (e.g. hidden states -> lm_head -> per-token
+    log-probs), so the result equals ``fn(*inputs)`` up to float rounding. With autograd
+    on, each chunk is an activation checkpoint (``torch.utils.checkpoint``, non-reentrant):
+    its intermediates (the ``(chunk, V)`` logits and their float32 copies) are freed after
+    the forward and recomputed in the backward, so at most one chunk's exist at a time
+    (Liger-Kernel's fused linear cross-entropy and verl's chunked entropy chunk the same
+    way). ``chunk_size <= 0`` = one chunk, no checkpoint.
+    """
+    n = inputs[0].shape[0]
+    if chunk_size <= 0 or n == 0:
+        out = fn(*inputs)
+        return out if isinstance(out, tuple) else (out,)
+    parts = []
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+    for start in range(0, n, chunk_size):
+        piece = [x[start: start + chunk_size] for x in inputs]
+        if grad:
+            out = torch.utils.checkpoint.checkpoint(fn, *piece, use_reentrant=False)
+        else:
+            out = fn(*piece)
+        parts.append(out if isinstance(out, tuple) else (out,))
+    return tuple(torch.cat(column) for column in zip(*parts))
+
+
 # --------------------------------------------------------------------------------------
 # KL, rewards, advantages
 # --------------------------------------------------------------------------------------
@@ -516,6 +548,28 @@ def shape_rewards(
     else:
         raise ValueError(f"unknown reward mode {mode!r}; valid: {REWARD_MODES}")
     return torch.where(mask, rewards, zero)
+
+
+def adaptive_kl_coef(kl_coef: float, kl: float, target: float, horizon: int, n_steps: int) -> float:
+    """The next KL coefficient of the adaptive controller [Ziegler] (section 2.2).
+
+    ``e = clip(kl / target - 1, -0.2, 0.2)``; ``beta <- beta * (1 + e * n_steps / horizon)``.
+    A measured KL above the target raises beta (a stronger penalty pulls the policy back
+    toward the reference), below it lowers beta; the clip bounds the change per step.
+
+    Args:
+        kl_coef: beta used for the step just taken.
+        kl: that step's measured KL to the reference, the mean over sequences of the
+            summed per-token KL (the quantity ``target`` is in).
+        target: the KL the controller steers toward (> 0).
+        horizon: rollouts over which an error is corrected (larger = slower).
+        n_steps: rollouts in the step just taken (the batch size), as in OpenRLHF and TRL.
+
+    Returns:
+        The coefficient for the next step (plain float: a per-step scalar, not a tensor).
+    """
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return kl_coef * (1.0 + error * n_steps / horizon)
 
 
 def compute_td_errors(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float) -> Tensor:

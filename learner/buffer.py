@@ -63,6 +63,35 @@ class TrimPlan:
         t_keep = max(1, max(self.response_end[i] for i in rows))
         return p_keep, t_keep
 
+    def length(self, row: int) -> int:
+        """Real tokens of a row: prompt + response up to its last real token."""
+        return self.prompt_len - self.prompt_start[row] + self.response_end[row]
+
+    def seq_len(self, rows: Sequence[int]) -> int:
+        """The causal layout's width for these rows (RolloutBatch.causal_sequences): the
+        longest row's real tokens, at least 1."""
+        return max(1, max(self.length(i) for i in rows))
+
+    def response_tokens(self, rows: Sequence[int]) -> int:
+        """Response positions up to each row's last real token, summed over the rows."""
+        return sum(self.response_end[i] for i in rows)
+
+    def by_length(self, rows: Sequence[int]) -> list[int]:
+        """The rows sorted by real length, longest first (stable), so that consecutive
+        micro-batches hold rows of similar length and pay for little padding; longest first
+        so the first micro-batch allocates the most memory the others then reuse."""
+        return sorted(rows, key=lambda i: -self.length(i))
+
+    def cost(self, rows: Sequence[int], causal: bool) -> tuple[int, int]:
+        """(token positions a forward over these rows computes, real tokens among them):
+        width x rows with the masked layout's trimmed widths or the causal layout's."""
+        if causal:
+            width = self.seq_len(rows)
+        else:
+            p_keep, t_keep = self.widths(rows)
+            width = self.prompt_len - p_keep + t_keep
+        return width * len(rows), sum(self.length(i) for i in rows)
+
 
 def trim_rollouts(batch: RolloutBatch, p_keep: int, t_keep: int) -> RolloutBatch:
     return replace(
@@ -78,12 +107,14 @@ def split_rows(index: Tensor, size: int) -> list[Tensor]:
     return list(torch.split(index, size))
 
 
-def rollout_micro_batches(batch: RolloutBatch, size: int,
-                          plan: TrimPlan | None = None) -> Iterator[tuple[list[int], RolloutBatch]]:
-    """(rows, trimmed micro-batch) over rows 0..B-1 in order, `size` rows at a time: the
-    no-grad scoring pass before the PPO epochs."""
+def rollout_micro_batches(batch: RolloutBatch, size: int, plan: TrimPlan | None = None,
+                          sort: bool = False) -> Iterator[tuple[list[int], RolloutBatch]]:
+    """(rows, trimmed micro-batch) over rows 0..B-1, `size` rows at a time: the no-grad
+    scoring pass before the PPO epochs. In row order, or longest first (`sort`,
+    TrimPlan.by_length); the caller writes results back by `rows`."""
     plan = plan or TrimPlan.of(batch)
-    for chunk in split_rows(torch.arange(len(batch)), size):
+    order = plan.by_length(range(len(batch))) if sort else list(range(len(batch)))
+    for chunk in split_rows(torch.tensor(order, dtype=torch.long), size):
         rows = chunk.tolist()
         p_keep, t_keep = plan.widths(rows)
         yield rows, trim_rollouts(batch.select(rows), p_keep, t_keep)
@@ -105,17 +136,19 @@ class Experience:
     values: Tensor          # (B, T) float32 V_old(s_t)
     advantages: Tensor      # (B, T) float32 GAE advantages (whitened if configured)
     returns: Tensor         # (B, T) float32 G_t = A_t (raw) + V_old(s_t)
+    seq_len: int = 0        # host: the longest row's real tokens (the causal layout's width); 0 = not known
+    response_tokens: int = 0  # host: sum over rows of (last real response column + 1); 0 = not known
 
     def __len__(self) -> int:
         return len(self.rollouts)
 
     def _per_token(self) -> list[str]:
-        return [f.name for f in fields(self) if f.name not in ("rollouts", "scores")]
+        return [f.name for f in fields(self) if f.name not in ("rollouts", "scores", "seq_len", "response_tokens")]
 
     def select(self, rows: Sequence[int]) -> "Experience":
-        """Rows `rows` (in that order)."""
+        """Rows `rows` (in that order); the host counts are not known for a subset (0)."""
         idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.mask.device)
-        return replace(self, rollouts=self.rollouts.select(rows), scores=self.scores[idx],
+        return replace(self, rollouts=self.rollouts.select(rows), scores=self.scores[idx], seq_len=0, response_tokens=0,
                        **{name: getattr(self, name)[idx] for name in self._per_token()})
 
     def trimmed(self, p_keep: int, t_keep: int) -> "Experience":
@@ -129,7 +162,7 @@ class ExperienceBuffer:
     """Shuffled minibatches (seeded) and trimmed micro-batches over one Experience."""
 
     def __init__(self, experience: Experience, mini_batch_size: int, micro_batch_size: int,
-                 plan: TrimPlan | None = None):
+                 plan: TrimPlan | None = None, sort: bool = False):
         if mini_batch_size < 1 or micro_batch_size < 1:
             raise ValueError(f"mini_batch_size ({mini_batch_size}) and micro_batch_size "
                              f"({micro_batch_size}) must be >= 1")
@@ -137,6 +170,7 @@ class ExperienceBuffer:
         self.mini_batch_size = min(mini_batch_size, len(experience))
         self.micro_batch_size = min(micro_batch_size, self.mini_batch_size)
         self.plan = plan or TrimPlan.of(experience.rollouts)
+        self.sort = sort
 
     def __len__(self) -> int:
         return len(self.experience)
@@ -146,8 +180,21 @@ class ExperienceBuffer:
         perm = torch.randperm(len(self), generator=generator)
         return split_rows(perm, self.mini_batch_size)
 
+    def micro_rows(self, minibatch: Tensor) -> list[list[int]]:
+        """The minibatch's rows, micro_batch_size at a time: in the minibatch's (shuffled)
+        order, or longest first (`sort`). Gradient accumulation sums the micro-batches'
+        losses, so the grouping changes the gradient only by float summation order."""
+        rows = minibatch.tolist()
+        if self.sort:
+            rows = self.plan.by_length(rows)
+        return [rows[i: i + self.micro_batch_size] for i in range(0, len(rows), self.micro_batch_size)]
+
+    def micro_batch(self, rows: Sequence[int]) -> Experience:
+        """These rows, trimmed to their own widths, with their host counts."""
+        return replace(self.experience.select(rows).trimmed(*self.plan.widths(rows)),
+                       seq_len=self.plan.seq_len(rows), response_tokens=self.plan.response_tokens(rows))
+
     def micro_batches(self, minibatch: Tensor) -> Iterator[Experience]:
-        """The minibatch's rows, micro_batch_size at a time, each trimmed to its own widths."""
-        for chunk in split_rows(minibatch, self.micro_batch_size):
-            rows = chunk.tolist()
-            yield self.experience.select(rows).trimmed(*self.plan.widths(rows))
+        """The micro-batches of micro_rows (micro_batch of each)."""
+        for rows in self.micro_rows(minibatch):
+            yield self.micro_batch(rows)

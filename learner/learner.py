@@ -29,6 +29,11 @@ Choices, and where they come from:
   full minibatch's token mean (OpenRLHF tests/test_loss_aggregation.py).
 * One host synchronisation per update for the stats (plus one after the scoring pass on a
   GPU, to time it); micro-batch trimming uses host-side row lengths read once.
+* The speed options (ppo_ray.config's "learner speed" block: length-sorted micro-batches,
+  the mask-free causal layout, chunked logprobs, fused LoRA / RMSNorm forwards, gradient
+  checkpointing, torch.compile) change how the same quantities are computed, never which:
+  tests/test_learner_speed.py holds them to the plain path within 1e-5 in float32. Why they
+  exist: benchmarks/RESULTS.md ("The learner's update on the GPU").
 """
 
 from __future__ import annotations
@@ -43,7 +48,9 @@ import torch
 from torch import Tensor
 
 from learner.algos import (
+    adaptive_kl_coef,
     agg_loss,
+    chunked_rows,
     compute_gae_advantages,
     compute_returns,
     entropy_from_logits,
@@ -57,10 +64,11 @@ from learner.algos import (
     value_loss,
 )
 from learner.buffer import Experience, ExperienceBuffer, TrimPlan, rollout_micro_batches, rollouts_to
-from learner.value_model import ValueModel
+from learner.kernels import cached_casts, clear_casts
+from learner.value_model import ValueHead, ValueModel
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import PPOConfig
-from ppo_ray.modeling import load_causal_lm, pick_device, response_logits
+from ppo_ray.modeling import causal_response_hidden, load_causal_lm, pick_device, response_hidden, response_logits
 
 ADAM_EPS = 1e-5  # N+ (summarize_from_feedback_details ppo.py: eps=1e-5)
 
@@ -71,6 +79,14 @@ class StaleRolloutsError(RuntimeError):
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint whose tensors do not fit this learner (other model, LoRA rank or targets)."""
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set p = 0 in every dropout layer of `model` (PEFT's lora_dropout included): train mode
+    then computes exactly what eval mode does."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
 
 
 def _to_cpu(obj):
@@ -129,21 +145,152 @@ class Learner:
         self.policy = get_peft_model(base, LoraConfig(
             r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
             target_modules=list(config.lora_target_modules), bias="none", task_type=TaskType.CAUSAL_LM))
-        self.value_model = ValueModel(
-            value_model_path or config.value_model_name or model_path, lora_r=config.lora_r,
-            lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-            target_modules=config.lora_target_modules, dtype=config.dtype, seed=config.seed)
+        self._shared = config.value_model == "shared"
+        if self._shared:  # a head on the policy's trunk: one forward gives logprobs and values
+            self.value_model = ValueHead(base.config.hidden_size)
+        else:
+            self.value_model = ValueModel(
+                value_model_path or config.value_model_name or model_path, lora_r=config.lora_r,
+                lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                target_modules=config.lora_target_modules, dtype=config.dtype, seed=config.seed)
+        # the value loss's weight in the backward: separate models have their own Adam each (a
+        # weight would be normalised away); a shared trunk's LoRA gets vf_coef of it
+        self._vf_weight = config.vf_coef if self._shared else 1.0
+        if not config.ppo_dropout:
+            # PPO's forwards without dropout (N+; TRL's disable_dropout): the old logprobs come
+            # from a dropout-free pass, so dropout in the training forward alone would put the
+            # first minibatch's ratio off 1. The adapters keep lora_dropout in their config.
+            for model in (self.policy, self.value_model):
+                disable_dropout(model)
         self.policy.to(self.device).eval()
         self.value_model.to(self.device).eval()
         self.vocab_size = self.policy.get_input_embeddings().weight.shape[0]
+        self._speed_options()
 
         self.policy_params = [p for p in self.policy.parameters() if p.requires_grad]
         self.value_params = self.value_model.trainable_parameters()
         self.policy_optimizer = torch.optim.Adam(self.policy_params, lr=config.learning_rate, eps=ADAM_EPS)
         self.value_optimizer = torch.optim.Adam(self.value_params, lr=config.value_learning_rate, eps=ADAM_EPS)
+        self.schedulers = self._lr_schedulers()
+        # beta of the KL penalty: config.kl_coef, moved after every update by the adaptive
+        # controller when config.kl_target is set (part of state_dict, so a retried or
+        # resumed step uses the committed value)
+        self.kl_coef = float(config.kl_coef)
         self.version = 0
         self.last_experience: Optional[Experience] = None  # the latest update's per-token data (inspection)
         self.rank, self.world_size = 0, 1  # data parallelism: see join_group
+
+    def _lr_schedulers(self) -> list:
+        """transformers' schedule (lr_scheduler: constant | linear) for both optimisers, one
+        tick per optimiser step; linear reaches 0 after the run's steps x ppo_epochs x
+        minibatches optimiser steps (the N+ recipe anneals both learning rates)."""
+        from transformers import get_scheduler
+
+        cfg = self.config
+        total = cfg.steps * cfg.ppo_epochs * (cfg.batch_size // cfg.effective_mini_batch_size)
+        return [get_scheduler(cfg.lr_scheduler, opt, num_warmup_steps=0, num_training_steps=total)
+                for opt in (self.policy_optimizer, self.value_optimizer)]
+
+    # ------------------------------------------------------------------ speed options
+    def _speed_options(self) -> None:
+        """Apply the config's learner speed options (ppo_ray.config: learner_layout,
+        learner_sort_by_length, logprob_chunk_size, lora_kernel, rms_norm_kernel,
+        gradient_checkpointing, learner_compile). With all
+        of them at their defaults nothing changes: the policy's logits come from its own
+        forward (response_logits), exactly as before the options existed. Called again after
+        a config change (benchmarks switch options on one learner); compiling is for good."""
+        from learner.kernels import fuse_lora_linears, fuse_rms_norms
+
+        cfg = self.config
+        policy_base = self.policy.get_base_model()  # the CausalLM, LoRA layers inside
+        # the value model's decoder (e.g. Qwen3Model); none with a shared trunk
+        value_base = None if self._shared else self.value_model.backbone.get_base_model()
+        self._decoder = policy_base.get_decoder()
+        self._lm_head = policy_base.get_output_embeddings()
+        self._causal = cfg.learner_layout == "causal"
+        # the plain path: logits from the CausalLM's forward, all positions at once (a shared
+        # trunk needs the hidden states themselves: the decoder path)
+        self._plain_logits = not self._causal and cfg.logprob_chunk_size == 0 and not self._shared
+        fuse_lora_linears(self.policy, cfg.lora_kernel == "fused")
+        fuse_lora_linears(self.value_model, cfg.lora_kernel == "fused")
+        fuse_rms_norms(self.policy, cfg.rms_norm_kernel == "fused")
+        fuse_rms_norms(self.value_model, cfg.rms_norm_kernel == "fused")
+        bases = [policy_base] if value_base is None else [policy_base, value_base]
+        for model in bases:
+            if cfg.gradient_checkpointing:
+                # non-reentrant: the frozen embeddings' outputs need no requires_grad hook (PEFT)
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            elif model.is_gradient_checkpointing:
+                model.gradient_checkpointing_disable()
+        if cfg.learner_compile and not getattr(self, "_compiled", False):
+            # Per decoder layer: one graph serves all layers of both models (same code and
+            # shapes), dynamic in the sequence length so new micro-batch widths do not recompile.
+            for decoder in [base.get_decoder() for base in bases]:
+                for layer in decoder.layers:
+                    layer.compile(dynamic=True)
+            self._compiled = True
+        self._token_counts = [0, 0]  # (positions computed, real tokens) of the current update
+
+    def _count(self, plan: TrimPlan, rows: list[int]) -> None:
+        done, real = plan.cost(rows, self._causal)
+        self._token_counts[0] += done
+        self._token_counts[1] += real
+
+    def _policy_hidden(self, micro: RolloutBatch, seq_len: int) -> Tensor:
+        """(b, t, H) the policy's last hidden states that predict micro's response tokens."""
+        if self._causal:
+            return causal_response_hidden(self._decoder, micro, seq_len)
+        return response_hidden(self._decoder, micro)
+
+    def _values(self, micro: RolloutBatch, seq_len: int) -> Tensor:
+        """(b, t) float32 V(s_t) of micro's response positions (garbage on padding), from the
+        value model's own backbone (value_model: separate)."""
+        return self.value_model(micro, causal_len=seq_len if self._causal else None)
+
+    def _policy_token_stats(self, micro: RolloutBatch, seq_len: int, n_response: int, *, truncated: bool = False,
+                            full: bool = False, entropy: bool = False, values: bool = False) -> list[Tensor]:
+        """Per-token (b, t) float32 stats of the policy at micro's response tokens, 0 on
+        padding, in this order (those asked for): truncated + tempered logprobs (the
+        sampling distribution), full-softmax logprobs at temperature, entropy at temperature,
+        and (value_model: shared) the values V(s_t) from the value head on the same hidden
+        states: one trunk forward for both.
+
+        The path the speed options take: hidden states from the decoder (either layout),
+        then lm_head and the logprob math on the real response positions only (the rows'
+        extents, `n_response` of them, a host count: no sync), `logprob_chunk_size` of them
+        at a time (learner.algos.chunked_rows). Equal to the plain path's values up to float
+        rounding (tests/test_learner_speed.py)."""
+        cfg = self.config
+        hidden = self._policy_hidden(micro, seq_len)  # (b, t, H)
+        b, t, _ = hidden.shape
+        mask = micro.response_mask  # (b, t)
+        cols = torch.arange(t, device=mask.device)
+        ends = torch.where(mask, cols + 1, torch.zeros((), dtype=cols.dtype, device=mask.device)).amax(dim=1)  # (b,)
+        extent = cols[None, :] < ends[:, None]  # (b, t) each row up to its last real token
+        index = torch.nonzero_static(extent.reshape(-1), size=n_response).squeeze(-1)  # (n,) no sync
+        h = hidden.reshape(b * t, -1).index_select(0, index)  # (n, H)
+        tokens = micro.response_ids.reshape(-1).index_select(0, index)  # (n,)
+        lm_head, temperature = self._lm_head, cfg.temperature
+
+        def per_token(h: Tensor, tokens: Tensor) -> tuple[Tensor, ...]:
+            logits = lm_head(h)  # (c, V) in the model's dtype
+            out = []
+            if truncated:
+                out.append(logprobs_from_logits(logits, tokens, temperature, cfg.top_k, cfg.top_p))
+            if full:
+                out.append(logprobs_from_logits(logits, tokens, temperature))
+            if entropy:
+                out.append(entropy_from_logits(logits, torch.ones_like(tokens, dtype=torch.bool), temperature))
+            return tuple(out)
+
+        zero = torch.zeros((), device=mask.device)
+        out = []
+        if truncated or full or entropy:
+            out = [torch.where(mask, torch.zeros(b * t, device=mask.device).index_put((index,), v).view(b, t), zero)
+                   for v in chunked_rows(per_token, cfg.logprob_chunk_size, h, tokens)]
+        if values:
+            out.append(torch.where(mask, self.value_model(hidden), zero))  # (b, t) float32
+        return out
 
     # ------------------------------------------------------------------ data parallelism
     def join_group(self, init_method: str, rank: int, world_size: int, timeout_s: float = 120.0) -> None:
@@ -234,13 +381,17 @@ class Learner:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """What a resumed run needs to continue exactly: the policy adapter, the value
-        model's trainable tensors (LoRA + head), both optimisers, the global RNG (LoRA
-        dropout) and the version. CPU tensors only; no model weights of the base."""
+        model's trainable tensors (LoRA + head), both optimisers and their learning-rate
+        schedules, the KL coefficient (adaptive KL), the global RNG (LoRA dropout) and the
+        version. CPU tensors only; no model weights of the base."""
         value = {n: p.detach().to("cpu", copy=True) for n, p in self.value_model.named_parameters()
                  if p.requires_grad}
         return {"version": self.version, "policy": self.lora_weights(), "value": value,
                 "policy_optimizer": _to_cpu(self.policy_optimizer.state_dict()),
                 "value_optimizer": _to_cpu(self.value_optimizer.state_dict()),
+                "policy_scheduler": self.schedulers[0].state_dict(),
+                "value_scheduler": self.schedulers[1].state_dict(),
+                "kl_coef": self.kl_coef,
                 "rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []}
 
@@ -260,6 +411,10 @@ class Learner:
                 p.copy_(state["value"][n].to(p.device, p.dtype))
         self.policy_optimizer.load_state_dict(state["policy_optimizer"])
         self.value_optimizer.load_state_dict(state["value_optimizer"])
+        if "policy_scheduler" in state:  # checkpoints before lr_scheduler existed: constant lr
+            self.schedulers[0].load_state_dict(state["policy_scheduler"])
+            self.schedulers[1].load_state_dict(state["value_scheduler"])
+        self.kl_coef = float(state.get("kl_coef", self.config.kl_coef))
         torch.set_rng_state(state["rng"])
         if self.device.type == "cuda" and state.get("cuda_rng"):
             torch.cuda.set_rng_state_all(state["cuda_rng"])
@@ -294,10 +449,21 @@ class Learner:
 
         out = RolloutScores(zeros() if logprobs else None, zeros() if full else None,
                             zeros() if entropy else None, zeros() if values else None)
-        for rows, micro in rollout_micro_batches(batch, cfg.micro_batch_size, plan):
+        for rows, micro in rollout_micro_batches(batch, cfg.micro_batch_size, plan, sort=cfg.learner_sort_by_length):
             t = micro.response_ids.shape[1]
             mask = micro.response_mask
-            if logprobs or full or entropy:
+            seq_len = plan.seq_len(rows)
+            self._count(plan, rows)
+            shared_values = values and self._shared  # from the same trunk forward as the logprobs
+            if (logprobs or full or entropy or shared_values) and not self._plain_logits:
+                stats = iter(self._policy_token_stats(micro, seq_len, plan.response_tokens(rows),
+                                                      truncated=logprobs, full=full, entropy=entropy,
+                                                      values=shared_values))
+                for name, wanted in (("logprobs", logprobs), ("full_logprobs", full), ("entropy", entropy),
+                                     ("values", shared_values)):
+                    if wanted:
+                        getattr(out, name)[rows, :t] = next(stats)
+            elif logprobs or full or entropy:
                 logits = response_logits(self.policy, micro)  # (b, t, V)
                 if logprobs:
                     out.logprobs[rows, :t] = logprobs_from_logits(
@@ -308,14 +474,15 @@ class Learner:
                 if entropy:
                     out.entropy[rows, :t] = entropy_from_logits(logits, mask, cfg.temperature)
                 del logits
-            if values:
-                v = self.value_model(micro)  # (b, t)
+            if values and not self._shared:
+                v = self._values(micro, seq_len)  # (b, t)
                 out.values[rows, :t] = torch.where(mask, v, torch.zeros((), device=v.device))
         return out
 
     # ------------------------------------------------------------------ input checks
-    def _check_inputs(self, batch: RolloutBatch, ref_logprobs: Tensor, scores: Tensor) -> None:
-        allowed = 1 if self.config.overlap_generation else 0
+    def _check_inputs(self, batch: RolloutBatch, ref_logprobs: Tensor, scores: Tensor,
+                      max_staleness: Optional[int] = None) -> None:
+        allowed = max_staleness if max_staleness is not None else (1 if self.config.overlap_generation else 0)
         if not 0 <= self.version - batch.adapter_version <= allowed:
             raise StaleRolloutsError(
                 f"stale rollouts: the batch was sampled with LoRA adapter version {batch.adapter_version} "
@@ -357,7 +524,8 @@ class Learner:
         return batch, torch.where(keep, scores, torch.zeros(())), len(rows)
 
     # ------------------------------------------------------------------ the update
-    def update(self, batch: RolloutBatch, ref_logprobs: Tensor, scores: Tensor) -> tuple[dict, dict[str, Tensor]]:
+    def update(self, batch: RolloutBatch, ref_logprobs: Tensor, scores: Tensor,
+               max_staleness: Optional[int] = None) -> tuple[dict, dict[str, Tensor]]:
         """One PPO update on one step's rollouts.
 
         Args:
@@ -365,6 +533,8 @@ class Learner:
             ref_logprobs: (B, T) reference logprobs of the response tokens (full softmax at
                 temperature); padding ignored.
             scores: (B,) sequence scores (NaN = dropped sample when nonfinite_reward=drop).
+            max_staleness: how many versions behind the learner the batch may be (the driver
+                says; None = 1 with overlap_generation, else 0).
 
         Returns:
             (stats, lora_weights): the new adapter (version + 1, see lora_weights) and floats:
@@ -379,11 +549,14 @@ class Learner:
             checks: gen_logprob_max_abs_diff (generator vs learner logprob of the sampled
               tokens), truncated_tokens (sampled tokens outside the learner's top-k/top-p,
               left out of the policy loss), dropped_samples (non-finite scores, "drop" mode);
-            tokens (real response tokens), learner_forward_s (step 1), update_s, version.
+            tokens (real response tokens), learner_forward_s (step 1), update_s, version,
+              kl_coef (the KL coefficient this step used; the adaptive controller then moves
+              it for the next), learning_rate (the policy's at the step's first optimiser step).
         """
         cfg = self.config
         t_start = time.perf_counter()
-        self._check_inputs(batch, ref_logprobs, scores)
+        self._token_counts = [0, 0]
+        self._check_inputs(batch, ref_logprobs, scores, max_staleness)
         batch, scores, dropped = self._drop_nonfinite(batch, scores)
         plan = TrimPlan.of(batch)  # per-row extents on the host, read once
         n_tokens = int(batch.response_mask.sum())
@@ -395,7 +568,8 @@ class Learner:
 
         # 1. Old logprobs / values: no-grad forward in eval mode. Truncated + tempered logprobs
         #    for the PPO ratio; full-softmax logprobs at temperature for the KL; old values.
-        fwd = self._group_rollout_pass(batch, plan, logprobs=True, full=True, entropy=True, values=True)
+        with cached_casts(self.policy, self.value_model):  # no weight changes in this pass
+            fwd = self._group_rollout_pass(batch, plan, logprobs=True, full=True, entropy=True, values=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # only to time the forward honestly
         forward_s = time.perf_counter() - t_start
@@ -414,7 +588,7 @@ class Learner:
             # 2. KL_t between policy and reference (k1 = logp - logp_ref by default).
             kl = kl_penalty(fwd.full_logprobs, ref_logprobs, cfg.kl_estimator, mask=mask)  # (B, T)
             # 3. Shaped rewards: score on the last real token, -beta * KL_t on every token.
-            rewards = shape_rewards(scores, kl, mask, cfg.kl_coef, cfg.reward_shaping)  # (B, T)
+            rewards = shape_rewards(scores, kl, mask, self.kl_coef, cfg.reward_shaping)  # (B, T)
             reward_sums = rewards.sum(dim=1)  # (B,) before any whitening, for the stats
             # 4. Optional reward whitening (scale only, N+; off by default).
             if cfg.whiten_rewards:
@@ -432,10 +606,13 @@ class Learner:
             ref_logprobs=ref_logprobs, kl=kl, rewards=rewards, values=values, advantages=advantages,
             returns=returns)
         self.last_experience = experience
-        buffer = ExperienceBuffer(experience, cfg.effective_mini_batch_size, cfg.micro_batch_size, plan)
+        buffer = ExperienceBuffer(experience, cfg.effective_mini_batch_size, cfg.micro_batch_size, plan,
+                                  sort=cfg.learner_sort_by_length)
 
         # 7. PPO epochs x shuffled minibatches x micro-batches: value loss and PPO-clip.
-        ppo = self._ppo_epochs(buffer)
+        learning_rate = self.policy_optimizer.param_groups[0]["lr"]  # the step's first (scheduled) lr
+        with cached_casts(self.policy, self.value_model):  # cleared after every optimiser step
+            ppo = self._ppo_epochs(buffer)
 
         # 8. New version; stats (one host sync) and the new adapter for the generator.
         self.version += 1
@@ -463,9 +640,13 @@ class Learner:
         names = list(tensors)
         numbers = torch.stack([tensors[k].detach().float().reshape(()) for k in names]).tolist()  # the sync
         stats = dict(zip(names, numbers))
+        done, real = self._token_counts
         stats.update(dropped_samples=float(dropped), tokens=float(n_tokens), learner_forward_s=forward_s,
-                     stale_versions=float(stale),
+                     padded_token_ratio=done / max(real, 1),
+                     stale_versions=float(stale), kl_coef=self.kl_coef, learning_rate=learning_rate,
                      update_s=time.perf_counter() - t_start, version=self.version)
+        if cfg.kl_target is not None:  # 9. adaptive KL: the next step's beta from this step's KL
+            self.kl_coef = adaptive_kl_coef(self.kl_coef, stats["kl"], cfg.kl_target, cfg.kl_horizon, len(batch))
         # Every member holds the same adapter; only rank 0's copy goes to the generators.
         return stats, (self.lora_weights() if self.rank == 0 else {})
 
@@ -493,7 +674,7 @@ class Learner:
         n_steps = 0
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
 
-        self.policy.train()  # LoRA dropout applies (lora_dropout=0: the first ratio is exactly 1)
+        self.policy.train()  # dropout applies only with ppo_dropout (else the first ratio is exactly 1)
         self.value_model.train()
         self.policy_optimizer.zero_grad(set_to_none=True)
         self.value_optimizer.zero_grad(set_to_none=True)
@@ -503,9 +684,11 @@ class Learner:
                 pg_norm = self._normalizer(exp.policy_mask[index])
                 v_norm = self._normalizer(exp.mask[index])
                 local = index[self.rank::self.world_size]  # this member's rows (all of them alone)
-                for micro in (buffer.micro_batches(local) if len(local) else ()):
+                for rows in (buffer.micro_rows(local) if len(local) else ()):
+                    micro = buffer.micro_batch(rows)
+                    self._count(buffer.plan, rows)
                     pg_loss, v_loss, st = self._micro_losses(micro, pg_norm, v_norm)
-                    (pg_loss + v_loss).backward()
+                    (pg_loss + self._vf_weight * v_loss).backward()
                     n_pg = micro.policy_mask.sum()
                     n_v = micro.mask.sum()
                     sums["policy_loss"] += pg_loss.detach()
@@ -525,6 +708,9 @@ class Learner:
                 sums["value_grad_norm"] += torch.nn.utils.clip_grad_norm_(self.value_params, max_norm)
                 self.policy_optimizer.step()
                 self.value_optimizer.step()
+                for scheduler in self.schedulers:
+                    scheduler.step()
+                clear_casts(self.policy, self.value_model)  # the adapters just changed
                 self.policy_optimizer.zero_grad(set_to_none=True)
                 self.value_optimizer.zero_grad(set_to_none=True)
                 n_steps += 1
@@ -546,16 +732,24 @@ class Learner:
         """Policy loss (PPO-clip - entropy bonus) and value loss of one trimmed micro-batch,
         each normalised by its minibatch's token (or row) count."""
         cfg = self.config
-        logits = response_logits(self.policy, mb.rollouts)  # (b, t, V), train mode
-        logp = logprobs_from_logits(logits, mb.rollouts.response_ids, cfg.temperature, cfg.top_k, cfg.top_p,
-                                    mask=mb.policy_mask)  # (b, t) float32
+        if self._plain_logits:
+            logits = response_logits(self.policy, mb.rollouts)  # (b, t, V), train mode
+            logp = logprobs_from_logits(logits, mb.rollouts.response_ids, cfg.temperature, cfg.top_k, cfg.top_p,
+                                        mask=mb.policy_mask)  # (b, t) float32
+            ent = entropy_from_logits(logits, mb.mask, cfg.temperature) if cfg.entropy_coef > 0 else None  # (b, t)
+            del logits
+        else:
+            want_entropy = cfg.entropy_coef > 0
+            stats = self._policy_token_stats(mb.rollouts, mb.seq_len, mb.response_tokens, truncated=True,
+                                             entropy=want_entropy, values=self._shared)
+            logp = torch.where(mb.policy_mask, stats[0], torch.zeros((), device=stats[0].device))  # (b, t)
+            ent = stats[1] if want_entropy else None
         pg_loss, pg_stats = ppo_clip_loss(logp, mb.old_logprobs, mb.advantages, mb.policy_mask,
                                           cfg.clip_epsilon, cfg.loss_agg, pg_norm)
-        if cfg.entropy_coef > 0:
-            ent = entropy_from_logits(logits, mb.mask, cfg.temperature)  # (b, t)
+        if ent is not None:
             pg_loss = pg_loss - cfg.entropy_coef * agg_loss(ent, mb.mask, cfg.loss_agg, v_norm)
-        del logits
-        new_values = self.value_model(mb.rollouts)  # (b, t) float32
+        # (b, t) float32: the shared trunk's from the forward above, else the value model's own
+        new_values = stats[-1] if self._shared else self._values(mb.rollouts, mb.seq_len)
         v_loss, v_stats = value_loss(new_values, mb.returns, mb.mask, mb.values, cfg.value_clip,
                                      cfg.loss_agg, v_norm)
         return pg_loss, v_loss, {**pg_stats, **v_stats}

@@ -1,7 +1,8 @@
 """The two stages before PPO: supervised fine-tuning (SFT) and a Bradley-Terry reward model.
 
-Both are plain single-process training loops (no Ray): on the embedded default they take
-seconds to a minute on the CPU; on the real path they run on one GPU. Both write a normal
+Both are plain single-process training loops (no Ray here: the pipeline runs each as a Ray
+task, ppo_ray.placement.run_stage): on the embedded default they take seconds to a minute
+on the CPU; on the real path they run on one GPU. Both write a normal
 HF directory (safetensors weights + tokenizer) that the PPO stage loads by path.
 
 - SFT: a full fine-tune of the base model on (prompt, " " + summary + EOS), the loss on the
@@ -24,6 +25,7 @@ micro-batch, the default, computes exactly the unaccumulated loss).
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -37,6 +39,8 @@ from learner.algos import logprobs_from_logits, masked_mean
 from learner.buffer import rollouts_to
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.modeling import DTYPES, last_token_hidden, load_causal_lm, load_tokenizer, pick_device, response_logits
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -112,10 +116,31 @@ def _step(model, opt, sched, max_grad_norm: float) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def _bar(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
+class _Progress:
+    """A stage's progress as log lines (about ten per stage, with the latest postfix), not a
+    terminal bar: the stages run as Ray tasks whose output reaches the driver line by line."""
 
-    return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True)
+    def __init__(self, total: int, desc: str, enabled: bool):
+        self.total, self.desc, self.enabled, self.done, self.postfix = total, desc, enabled, 0, {}
+        self.every = max(1, total // 10)
+        self.t0 = time.perf_counter()
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if self.enabled and (self.done % self.every == 0 or self.done == self.total):
+            extra = "".join(f"  {k} {v}" for k, v in self.postfix.items())
+            log.info("%s step %d/%d%s  %.0f s", self.desc, self.done, self.total, extra,
+                     time.perf_counter() - self.t0)
+
+    def set_postfix(self, **values: str) -> None:
+        self.postfix = values
+
+    def close(self) -> None:
+        pass
+
+
+def _bar(total: int, desc: str, enabled: bool) -> _Progress:
+    return _Progress(total, desc, enabled)
 
 
 # ----------------------------------------------------------------------------- SFT

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ppo_ray.batch import RolloutBatch
-from ppo_ray.modeling import DTYPES, load_reward_model, resolve_model_path, response_hidden
+from ppo_ray.modeling import DTYPES, causal_response_hidden, load_reward_model, resolve_model_path, response_hidden
 
 
 def is_sequence_classifier(path: str) -> bool:
@@ -84,9 +84,34 @@ class ValueModel(nn.Module):
                 self.head.bias.zero_()
         self.eval()
 
-    def forward(self, batch: RolloutBatch) -> Tensor:
-        hidden = response_hidden(self.backbone, batch)  # (B, T, H), backbone dtype
+    def forward(self, batch: RolloutBatch, causal_len: Optional[int] = None) -> Tensor:
+        """causal_len: None = the masked forward over the left-padded layout; an int = the
+        causal layout of that width (ppo_ray.modeling.causal_response_hidden)."""
+        if causal_len is None:
+            hidden = response_hidden(self.backbone, batch)  # (B, T, H), backbone dtype
+        else:
+            hidden = causal_response_hidden(self.backbone, batch, causal_len)  # (B, T, H)
         return self.head(hidden.float()).squeeze(-1)  # (B, T) float32
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+
+class ValueHead(nn.Module):
+    """value_model: shared: V(s_t) = head(the policy's last hidden state at t); no backbone
+    of its own (the learner feeds it the policy's hidden states). Zero-initialised, as
+    ValueModel's head from a causal LM (V = 0 at the start; see there)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.head = nn.Linear(hidden_size, 1, dtype=torch.float32)  # (H,) -> scalar
+        with torch.no_grad():
+            self.head.weight.zero_()
+            self.head.bias.zero_()
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """(..., H) hidden states in any dtype -> (...) float32 values."""
+        return self.head(hidden.float()).squeeze(-1)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]

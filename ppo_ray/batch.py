@@ -75,6 +75,35 @@ class RolloutBatch:
         position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)     # (B, P+T)
         return input_ids, attention_mask, position_ids
 
+    def causal_sequences(self, length: int) -> tuple[Tensor, Tensor]:
+        """The rows moved to the left edge, for a forward with no attention mask.
+
+        Row i's real tokens are one contiguous run in cat(prompt, response): columns
+        [P - p_i, P + r_i). Shifted to start at column 0, with whatever follows them
+        (padding, or the end of the row repeated) after, a plain causal forward gives every
+        real token exactly the attention and positions (0, 1, ...) of the masked forward
+        over the left-padded layout: a causal query never sees the columns after it. So no
+        attention mask is needed, and SDPA can run its causal flash kernel.
+
+        Args:
+            length: columns to keep, >= max_i (p_i + r_i) (host-side, so that building
+                the layout never waits for the device).
+
+        Returns:
+            input_ids (B, length) long, and predict (B, T) long: the column whose output
+            predicts response token t (p_i - 1 + t; clamped into [0, length) on padding,
+            where it means nothing).
+        """
+        p = self.prompt_len
+        seq = torch.cat([self.prompt_ids, self.response_ids], dim=1)                 # (B, P+T)
+        start = p - self.prompt_mask.sum(dim=1, keepdim=True)                        # (B, 1) = P - p_i
+        cols = torch.arange(length, device=seq.device)
+        index = (start + cols).clamp(max=seq.shape[1] - 1)                           # (B, length)
+        input_ids = seq.gather(1, index)                                             # (B, length)
+        t = self.response_ids.shape[1]
+        predict = (p - 1 - start) + torch.arange(t, device=seq.device)               # (B, T) = p_i - 1 + t
+        return input_ids, predict.clamp(0, length - 1)
+
     # ------------------------------------------------------------------ reshaping
     def select(self, index: Tensor | Sequence[int]) -> "RolloutBatch":
         """Rows `index` (in that order)."""

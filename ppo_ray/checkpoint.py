@@ -6,10 +6,12 @@ Layout (one directory per checkpoint, under ``<run_dir>/checkpoints``)::
       step-000010/
         adapter/                 the policy LoRA in PEFT format (PeftModel / vLLM load it)
         value.safetensors        the value model's trainable tensors (LoRA + head)
-        optimizer.pt             both Adam states (torch.save; loaded with weights_only=True)
+        optimizer.pt             both Adam states, their lr schedules, the KL coefficient (torch.save;
+                                 loaded with weights_only=True)
         rng.pt                   the learner's RNG state (LoRA dropout) and the data-order RNG
         trainer.json             step, adapter version, data cursor, metrics lines written
-        config.yaml              the run's config
+        config.yaml              the run's config (paths inside the run directory relative to it)
+        checksums.json           sha256 of every file above, written last
       latest                     the name of the newest complete checkpoint ("step-000010")
 
 Atomicity: a checkpoint is written into a hidden temporary directory next to its final
@@ -19,14 +21,27 @@ any point leaves ``latest`` naming a complete checkpoint; half-written temp dire
 removed by the next save. Nothing is loaded with pickle: tensors are safetensors, optimiser
 and RNG states go through ``torch.load(weights_only=True)``.
 
+Integrity: a file damaged after the fact (an interrupted copy, a full disk, bit rot) fails
+its checksum on load. Loading a run directory then falls back to the newest intact
+checkpoint with a warning naming the damaged file; loading one named checkpoint stops with
+a CheckpointError naming it. Checkpoints written before checksums existed load unchecked.
+
 Compatibility: resuming with a config that changes what the checkpoint's tensors mean
 (model, LoRA shape, value model, dtype) is refused with an error naming the fields;
 run-length fields (steps, eval_every, checkpoint_every, ...) may change.
+
+Portability: the pipeline's PPO config names parts of the run directory (model_name =
+<run_dir>/sft, the reward model, the prompts file). The checkpoint's config.yaml stores such
+paths relative to the run directory (``${run_dir}/sft``), and paths are compared resolved,
+so a run directory that is moved, copied or mounted elsewhere (another node, another
+cluster) resumes where it now is.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -42,9 +57,15 @@ from ppo_ray.config import PPOConfig
 MUST_MATCH = (
     "model_name", "ref_model_name", "reward_model_name", "value_model_name", "reward_funcs",
     "reward_weights", "lora_r", "lora_alpha", "lora_target_modules", "dtype", "seed", "batch_size",
-    "dataset", "prompt_column", "temperature", "top_k", "top_p", "max_new_tokens",
+    "dataset", "prompt_column", "temperature", "top_k", "top_p", "max_new_tokens", "apply_chat_template",
 )
 LATEST = "latest"
+CHECKSUMS = "checksums.json"
+# Config fields that may name a path inside the run directory (the pipeline's PPO stage).
+PATH_FIELDS = ("model_name", "ref_model_name", "reward_model_name", "value_model_name", "dataset")
+RUN_DIR = "${run_dir}"
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -57,6 +78,65 @@ def checkpoint_root(run_dir: str | Path) -> Path:
 
 def step_name(step: int) -> str:
     return f"step-{step:06d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_checksums(ckpt: Path) -> None:
+    sums = {p.relative_to(ckpt).as_posix(): _sha256(p) for p in sorted(ckpt.rglob("*"))
+            if p.is_file() and p.name != CHECKSUMS}
+    (ckpt / CHECKSUMS).write_text(json.dumps(sums, indent=1))
+
+
+def verify_checkpoint(ckpt: Path) -> None:
+    """CheckpointError naming the first file that is missing or fails its checksum. A
+    checkpoint without checksums.json (written before they existed) passes unchecked."""
+    sums_path = ckpt / CHECKSUMS
+    if not sums_path.is_file():
+        if (ckpt / "trainer.json").is_file():
+            log.warning("checkpoint %s has no %s (written by an older version): loaded unverified", ckpt, CHECKSUMS)
+            return
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete: no trainer.json")
+    try:
+        sums = json.loads(sums_path.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {ckpt}: {sums_path} is damaged ({e})") from e
+    for name, digest in sums.items():
+        path = ckpt / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {ckpt} is damaged: {path} is missing")
+        if _sha256(path) != digest:
+            raise CheckpointError(f"checkpoint {ckpt} is damaged: {path} fails its sha256 checksum "
+                                  f"({path.stat().st_size} bytes; an interrupted copy or a full disk?)")
+
+
+def _portable(config: PPOConfig, run_dir: Path) -> PPOConfig:
+    """`config` with paths inside `run_dir` written relative to it (${run_dir}/...)."""
+    root = run_dir.resolve()
+    changes = {}
+    for name in PATH_FIELDS:
+        value = getattr(config, name)
+        if not value or value.startswith(RUN_DIR):
+            continue
+        try:
+            rel = Path(value).resolve().relative_to(root)
+        except ValueError:  # outside the run directory (or not a path): kept as written
+            continue
+        changes[name] = f"{RUN_DIR}/{rel.as_posix()}"
+    return config.replace(**changes) if changes else config
+
+
+def _localized(config: PPOConfig, run_dir: Path) -> PPOConfig:
+    """`config` with ${run_dir} replaced by where the run directory is now."""
+    changes = {name: str(run_dir / getattr(config, name)[len(RUN_DIR):].lstrip("/"))
+               for name in PATH_FIELDS if (getattr(config, name) or "").startswith(RUN_DIR)}
+    return config.replace(**changes) if changes else config
 
 
 def _fsync_tree(path: Path) -> None:
@@ -96,14 +176,17 @@ def save_checkpoint(run_dir: str | Path, *, config: PPOConfig, learner_state: di
         write_lora_adapter(tmp / "adapter", learner_state["policy"], base_model=model_dir, r=config.lora_r,
                            lora_alpha=config.lora_alpha, target_modules=list(config.lora_target_modules))
         save_file({k: v.contiguous() for k, v in learner_state["value"].items()}, str(tmp / "value.safetensors"))
-        torch.save({"policy": learner_state["policy_optimizer"], "value": learner_state["value_optimizer"]},
+        torch.save({"policy": learner_state["policy_optimizer"], "value": learner_state["value_optimizer"],
+                    "policy_scheduler": learner_state["policy_scheduler"],
+                    "value_scheduler": learner_state["value_scheduler"], "kl_coef": learner_state["kl_coef"]},
                    tmp / "optimizer.pt")
         torch.save({"learner": learner_state["rng"], "learner_cuda": learner_state.get("cuda_rng", []),
                     "data": trainer_state["data_rng"]}, tmp / "rng.pt")
         meta = {k: v for k, v in trainer_state.items() if k != "data_rng"}
         meta["version"] = int(learner_state["version"])
         (tmp / "trainer.json").write_text(json.dumps(meta, indent=1))
-        config.to_yaml(tmp / "config.yaml")
+        _portable(config, Path(run_dir)).to_yaml(tmp / "config.yaml")
+        _write_checksums(tmp)
         _fsync_tree(tmp)
         final = root / name
         if final.exists():  # the same step written again (a run resumed from an older checkpoint)
@@ -126,27 +209,59 @@ def save_checkpoint(run_dir: str | Path, *, config: PPOConfig, learner_state: di
     return final
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or a run directory / checkpoints folder -> its latest checkpoint."""
+def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
+    """A checkpoint directory, or a run directory / checkpoints folder -> its newest intact
+    checkpoint. A damaged newest checkpoint (checksums) is skipped with a warning naming the
+    damaged file, for the next older intact one; a named checkpoint that is damaged, or a
+    run with none intact, is a CheckpointError naming the file."""
     path = Path(path)
-    if (path / "trainer.json").is_file():
+    if (path / "trainer.json").is_file() or (path / CHECKSUMS).is_file():
+        if verify:
+            verify_checkpoint(path)
         return path
     for root in (checkpoint_root(path), path):
         pointer = root / LATEST
-        if pointer.is_file():
-            ckpt = root / pointer.read_text().strip()
-            if not (ckpt / "trainer.json").is_file():
-                raise CheckpointError(f"{pointer} names {ckpt.name}, which is missing or incomplete")
+        if not pointer.is_file():
+            continue
+        named = root / pointer.read_text().strip()
+        # newest first: the one `latest` names, then the others by step (names sort by step)
+        candidates = [named] + sorted((p for p in root.glob("step-*") if p.is_dir() and p != named), reverse=True)
+        problems = []
+        for ckpt in candidates:
+            try:
+                if not (ckpt / "trainer.json").is_file():
+                    raise CheckpointError(f"{pointer} names {ckpt.name}, which is missing or incomplete"
+                                          if ckpt == named else f"checkpoint {ckpt} is incomplete: no trainer.json")
+                if verify:
+                    verify_checkpoint(ckpt)
+            except CheckpointError as e:
+                problems.append(str(e))
+                continue
+            if problems:
+                log.warning("%s; resuming from the newest intact checkpoint, %s", "; ".join(problems), ckpt)
             return ckpt
+        raise CheckpointError("no intact checkpoint in " + str(root) + ": " + "; ".join(problems))
     if not path.exists():
         raise CheckpointError(f"--resume {path}: no such file or directory")
     raise CheckpointError(f"--resume {path}: no checkpoint there (expected a step-NNNNNN directory "
                           f"with trainer.json, or a run directory with checkpoints/{LATEST})")
 
 
+def _same_path(a: Any, b: Any) -> bool:
+    if a == b:
+        return True
+    if not isinstance(a, str) or not isinstance(b, str):
+        return False
+    return Path(a).resolve() == Path(b).resolve()
+
+
 def check_compatible(saved: PPOConfig, config: PPOConfig, where: Path) -> None:
+    def same(k: str) -> bool:
+        a, b = getattr(saved, k), getattr(config, k)
+        return _same_path(a, b) if k in PATH_FIELDS else a == b
+
     diffs = [f"{k}: checkpoint {getattr(saved, k)!r} vs now {getattr(config, k)!r}"
-             for k in MUST_MATCH if getattr(saved, k) != getattr(config, k)]
+             for k in MUST_MATCH if not same(k)]
     if diffs:
         raise CheckpointError(f"checkpoint {where} was written by a run with a different config; "
                               f"refusing to mix them: " + "; ".join(diffs))
@@ -158,7 +273,7 @@ def load_checkpoint(path: str | Path, config: Optional[PPOConfig] = None) -> tup
 
     ckpt = resolve_checkpoint(path)
     try:
-        saved = PPOConfig.from_yaml(ckpt / "config.yaml")
+        saved = _localized(PPOConfig.from_yaml(ckpt / "config.yaml"), ckpt.parent.parent)
     except Exception as e:
         raise CheckpointError(f"checkpoint {ckpt}: unreadable config.yaml: {e}") from e
     if config is not None:
@@ -174,6 +289,9 @@ def load_checkpoint(path: str | Path, config: Optional[PPOConfig] = None) -> tup
             "policy_optimizer": optim["policy"], "value_optimizer": optim["value"],
             "rng": rng["learner"], "cuda_rng": rng.get("learner_cuda", []),
         }
+        # learning-rate schedules and the adaptive KL coefficient (absent in checkpoints
+        # written before they existed: the learner then keeps its fresh ones)
+        learner_state.update({k: optim[k] for k in ("policy_scheduler", "value_scheduler", "kl_coef") if k in optim})
     except (OSError, KeyError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint {ckpt} is incomplete or corrupt: {e}") from e
     trainer_state = {**meta, "data_rng": rng["data"]}

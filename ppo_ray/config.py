@@ -30,6 +30,9 @@ import yaml
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# logprob_gap_check's default threshold (nats) per dtype: float32 generator and learner agree to
+# ~5e-6 (benchmarks/RESULTS.md); a half-precision logit's rounding alone moves a logprob by ~0.1.
+LOGPROB_GAP_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.5, "float16": 0.5}
 # Local data files (ppo_ray.tldr reads these; anything else is a folder or a hub id).
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -42,6 +45,11 @@ TINY_MODEL = "embedded:tiny"
 # nothing heavy. The generator serves rank r with the smallest of these >= r, and vLLM loads
 # an adapter of any rank up to max_lora_rank, so every lora_r up to the largest one works.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+# Experiment trackers (report_to) and logging levels (log_level).
+REPORT_TO = ("tensorboard", "wandb")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 class ConfigError(ValueError):
@@ -58,7 +66,7 @@ class PPOConfig:
     lora_alpha: int = 32
     """LoRA scaling numerator: the update is (lora_alpha / lora_r) * B @ A."""
     lora_dropout: float = 0.1
-    """Dropout on the LoRA input during training (the N+ recipe uses 0: it breaks ratio == 1)."""
+    """LoRA dropout of the policy and value adapters' PEFT config (saved with the adapter). PPO's forwards apply it only with ppo_dropout: true; by default they run without dropout, so the first minibatch's ratio is exactly 1."""
     learning_rate: float = 1e-5
     """Adam learning rate of the policy LoRA."""
     value_learning_rate: float = 1e-4
@@ -92,7 +100,11 @@ class PPOConfig:
     reward_weights: list[float] = field(default_factory=list)
     """Weights of [reward model, *reward_funcs] in the summed score; empty = all 1.0."""
     value_model_name: Optional[str] = None
-    """Base of the value model; None = model_name. (N+ initialises it from the reward model.)"""
+    """Base of the value model; None = model_name. (N+ initialises it from the reward model.) Only with value_model: separate."""
+    value_model: str = "separate"
+    """separate: the value model has its own backbone (+ LoRA + head), as in the seeds and N+; shared: a value head on the policy's trunk, so one forward gives both logprobs and values (half the learner's forward/backward work; the value loss, weighted by vf_coef, then also trains the policy's LoRA)."""
+    vf_coef: float = 0.1
+    """value_model: shared only: weight of the value loss in the loss that trains the shared LoRA (TRL / N+'s 0.1). With separate models each has its own Adam, which makes a weight moot."""
     lora_target_modules: list[str] = field(default_factory=lambda: list(ALL_PROJECTIONS))
     """Modules that receive LoRA adapters (default: all attention and MLP projections)."""
     dtype: str = "float32"
@@ -121,10 +133,38 @@ class PPOConfig:
     """Score that replaces the reward of a response with no EOS (N+ uses -1); None = off."""
     entropy_coef: float = 0.0
     """Entropy bonus weight in the policy loss."""
+    kl_target: Optional[float] = None
+    """Adaptive KL controller (Ziegler et al. 2019): the per-sequence KL to the reference (the `kl` stat) that the controller steers toward by scaling the KL coefficient after every step, starting from kl_coef; None = off (the fixed kl_coef of the seeds). OpenRLHF's --kl_target, verl's kl_ctrl.type: adaptive."""
+    kl_horizon: int = 10000
+    """Adaptive KL controller's horizon in rollouts: each step multiplies the coefficient by 1 + clip(kl / kl_target - 1, -0.2, 0.2) * batch_size / kl_horizon."""
+    lr_scheduler: str = "constant"
+    """Learning-rate schedule of the PPO optimisers (policy and value): constant, or linear (decay to 0 over the run's steps x ppo_epochs x minibatches optimiser steps, the N+ recipe). Saved and restored with checkpoints."""
     loss_agg: str = "token_mean"
     """Loss aggregation: token_mean (over all real tokens of a minibatch) or seq_mean_token_mean."""
     nonfinite_reward: str = "error"
     """What a NaN/inf score does: error (names the prompt) or drop (sample masked out and counted)."""
+    ppo_dropout: bool = False
+    """Apply dropout (lora_dropout and the models' own) in the learner's PPO forwards. Off by default, as in the N+ recipe and TRL (disable_dropout): the old logprobs come from a dropout-free pass, so dropout in the training forward alone would put the first minibatch's ratio off 1 (measured: 1.004 with lora_dropout 0.1)."""
+    logprob_gap_check: str = "warn"
+    """The generator-vs-learner check on every fresh step: the largest |generator logprob - learner logprob| of a sampled token (same weights, same version) above logprob_gap_tolerance means the generator sampled from another policy (stale KV, a lost sync). warn (log it, count it on the dashboard), error (stop the run) or off."""
+    logprob_gap_tolerance: Optional[float] = None
+    """Threshold of logprob_gap_check in nats; None = by dtype: 1e-3 for float32, 0.5 for bfloat16 and float16 (their rounding alone moves a logprob by ~0.1)."""
+
+    # ---------------------------------------------------------------- learner speed (same math; defaults = the plain path)
+    learner_sort_by_length: bool = False
+    """Learner micro-batches of length-sorted rows (longest first) instead of the shuffled order, in the no-grad pass and within each minibatch, so each micro-batch pays for little padding; the accumulated gradient is the same up to float summation order."""
+    learner_layout: str = "masked"
+    """How the learner lays out a micro-batch: masked (left-padded prompts and an attention mask) or causal (each row's real tokens from column 0, padding after them, no attention mask: SDPA's causal flash kernel; the real tokens' outputs equal masked's up to float rounding)."""
+    logprob_chunk_size: int = 0
+    """Learner logprobs from the policy's hidden states through lm_head this many real response tokens at a time, each chunk's full-vocabulary logits recomputed in the backward (activation checkpoint) instead of kept; padding positions skip lm_head. 0 = the plain path (all positions' logits at once)."""
+    rms_norm_kernel: str = "hf"
+    """RMSNorm forward in the learner's models (Qwen2/3, Llama, Mistral norms): hf (the model's own: 8 elementwise kernels) or fused (torch.nn.functional.rms_norm, one kernel). Equal in float32 up to rounding."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward (policy and value models, PPO epochs only): less memory for bigger micro-batches, one more forward of compute."""
+    lora_kernel: str = "peft"
+    """LoRA forward in the learner's models: peft (PEFT's: float32 adapters upcast the input and output of every projection under bfloat16) or fused (base output + s*(x@A^T)@B^T in one addmm, in the model's dtype; adapters stay float32 master weights). Equal in float32 up to rounding."""
+    learner_compile: bool = False
+    """torch.compile each decoder layer of the learner's policy and value models (dynamic shapes; the first micro-batches pay the compile)."""
 
     # ---------------------------------------------------------------- prompts and data
     max_prompt_length: int = 512
@@ -135,6 +175,8 @@ class PPOConfig:
     """Prompt dataset: "bundled" (the embedded TL;DR-style task), a local JSONL/parquet file, or a hub id."""
     prompt_column: str = "prompt"
     """Column that holds the prompt text."""
+    apply_chat_template: bool = False
+    """Format each PPO prompt as one user message with the tokenizer's chat template (and its generation prompt) before tokenising, as OpenRLHF's --apply_chat_template: for instruct models. The tokenizer must have a chat template. Reward functions then see the formatted prompt text."""
     sft_dataset: str = "bundled"
     """SFT data, also the pipeline's PPO prompts: "bundled" (ppo_ray/tldr_synth.py), or TL;DR SFT-schema data (id, subreddit, title, post, summary): a hub id, a local folder of {split}.jsonl/.parquet, or a file path containing "{split}"."""
     preference_dataset: str = "bundled"
@@ -163,10 +205,18 @@ class PPOConfig:
     """Batch size of the SFT and reward-model stages."""
     stage_dtype: Optional[str] = None
     """Dtype of the SFT and reward-model full fine-tunes; None = dtype (float32 keeps the small AdamW steps that bfloat16 weights round away)."""
+    stage_num_cpus: Optional[float] = None
+    """CPUs reserved for the SFT / reward-model stage's Ray task; None = learner_num_cpus."""
+    stage_num_gpus: Optional[float] = None
+    """GPUs reserved for the SFT / reward-model stage's Ray task (it trains on a GPU when it has one); None = learner_num_gpus."""
+    stage_resources: Optional[dict[str, float]] = None
+    """Custom Ray resources of the SFT / reward-model stage's task (see generator_resources); None = learner_resources."""
     eval_every: int = 5
     """Score held-out samples with the gold judge every N PPO steps (bundled task; 0 = only at the ends)."""
     eval_size: int = 64
     """Held-out prompts per evaluation."""
+    eval_samples: int = 4
+    """Prompts whose response and reward are appended to <run_dir>/eval_samples.jsonl and TensorBoard at every evaluation (every eval_every steps and at the end): held-out prompts in the pipeline, the first prompts of `dataset` in a plain PPO run; 0 = off."""
 
     # ---------------------------------------------------------------- run
     seed: int = 0
@@ -175,8 +225,14 @@ class PPOConfig:
     """PPO steps that train() runs."""
     output_dir: str = "runs"
     """Parent folder of run directories."""
-    checkpoint_every: int = 0
-    """Checkpoint every N steps (and at the end) into <run_dir>/checkpoints; 0 = only at the end."""
+    log_level: str = "info"
+    """Python logging level of the driver and the stage tasks: debug, info (one line per PPO step), warning or error. Below debug, Ray's, vLLM's and transformers' own messages are cut to errors."""
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers that receive each step's scalars and the eval samples: tensorboard (event files in <run_dir>/tensorboard), wandb (needs `pip install wandb`; its own WANDB_* environment), or [] for none."""
+    checkpoint_every: int = 50
+    """Checkpoint every N steps into <run_dir>/checkpoints (and at the end, and after checkpoint_every_minutes); 0 = no step rule."""
+    checkpoint_every_minutes: float = 30.0
+    """Also checkpoint when this many minutes have passed since the last checkpoint (or the run's start); 0 = no time rule."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep (older ones are deleted after a new one is complete)."""
     max_actor_restarts: int = 3
@@ -221,6 +277,10 @@ class PPOConfig:
     """KV-cache size for vLLM on the CPU in GiB; None = a small default."""
     vllm_gpu_memory_utilization: float = 0.3
     """Fraction of GPU memory vLLM may take on a GPU (it shares the device with the learner by default)."""
+    vllm_enforce_eager: Optional[bool] = None
+    """vLLM's enforce_eager: True = no CUDA graphs / torch.compile (fast engine start, slower decode); None = eager on the CPU (no graphs there), graphs on a GPU."""
+    model_transfer: str = "ray"
+    """How a model directory on the driver's node (the pipeline's sft/ and rm/, a local path, the embedded model) reaches actors and stage tasks on other nodes: ray (its files go through Ray's object store into a per-node cache, keyed by content hash; no shared storage needed) or path (every node reads the same path: shared storage, checked on every node before any actor starts)."""
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -231,6 +291,8 @@ class PPOConfig:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             setattr(self, f.name, _coerce(f.name, getattr(self, f.name), hints[f.name]))
+        if [t.lower() for t in self.report_to] == ["none"]:  # TRL's spelling of "no trackers"
+            self.report_to = []
 
     def _validate(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
@@ -265,10 +327,18 @@ class PPOConfig:
         need(self.value_clip is None or self.value_clip > 0, "value_clip", "must be > 0 or null")
         need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or null")
         need(self.entropy_coef >= 0, "entropy_coef", "must be >= 0")
+        need(self.vf_coef > 0, "vf_coef", "must be > 0")
+        need(self.value_model == "separate" or self.value_model_name is None, "value_model_name",
+             "must be null with value_model: shared (the value head sits on the policy's trunk)")
+        need(self.logprob_chunk_size >= 0, "logprob_chunk_size", "must be >= 0 (0 = all positions at once)")
         need(self.missing_eos_penalty is None or math.isfinite(self.missing_eos_penalty), "missing_eos_penalty",
              "must be finite or null")
         need(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
         need(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+        need(math.isfinite(self.checkpoint_every_minutes) and self.checkpoint_every_minutes >= 0,
+             "checkpoint_every_minutes", "must be >= 0 (0 = no time rule)")
+        need(self.logprob_gap_tolerance is None or self.logprob_gap_tolerance > 0, "logprob_gap_tolerance",
+             "must be > 0 or null (null = by dtype)")
         need(self.max_actor_restarts >= 0, "max_actor_restarts", "must be >= 0")
         need(self.max_step_retries >= 0, "max_step_retries", "must be >= 0")
         need(self.vllm_kv_cache_gib is None or self.vllm_kv_cache_gib > 0, "vllm_kv_cache_gib", "must be > 0 or null")
@@ -276,8 +346,8 @@ class PPOConfig:
         for name in ("generator_num_cpus", "generator_num_gpus", "learner_num_cpus", "learner_num_gpus",
                      "scorer_num_cpus", "scorer_num_gpus"):
             need(getattr(self, name) >= 0, name, "must be >= 0")
-        for name in ("generator_resources", "learner_resources", "scorer_resources"):
-            for key, amount in getattr(self, name).items():
+        for name in ("generator_resources", "learner_resources", "scorer_resources", "stage_resources"):
+            for key, amount in (getattr(self, name) or {}).items():
                 # CPU and GPU have their own fields; Ray refuses them in `resources` too.
                 need(key not in ("CPU", "GPU", "memory", "object_store_memory"), name,
                      f"{key!r} is not a custom resource (use the *_num_cpus / *_num_gpus fields)")
@@ -285,15 +355,34 @@ class PPOConfig:
                 # Ray counts resources in units of 1e-4 and rejects finer amounts.
                 need(math.isfinite(amount) and amount >= 1e-4, name, f"{key}: amounts must be finite and >= 0.0001")
         need(self.placement_timeout_s > 0, "placement_timeout_s", "must be > 0")
+        need(self.kl_target is None or (math.isfinite(self.kl_target) and self.kl_target > 0), "kl_target",
+             "must be > 0 or null (null = fixed kl_coef)")
+        # one step multiplies the coefficient by 1 + e * batch_size / kl_horizon with |e| <= 0.2:
+        # a horizon below the batch size could flip its sign
+        need(self.kl_horizon >= self.batch_size, "kl_horizon",
+             f"must be >= batch_size={self.batch_size} (a step then changes the coefficient by at most 20%)")
+        need(self.eval_samples >= 0, "eval_samples", "must be >= 0 (0 = off)")
+        for name in ("stage_num_cpus", "stage_num_gpus"):
+            need(getattr(self, name) is None or getattr(self, name) >= 0, name, "must be >= 0 or null")
+        for tracker in self.report_to:
+            need(tracker in REPORT_TO, "report_to", f"{tracker!r}: trackers are {list(REPORT_TO)} ([] = none)")
         choices = {
             "kl_estimator": ("k1", "k2", "k3"),
             "reward_shaping": ("last_token", "every_token"),
             "loss_agg": ("token_mean", "seq_mean_token_mean"),
             "nonfinite_reward": ("error", "drop"),
+            "logprob_gap_check": ("warn", "error", "off"),
+            "value_model": ("separate", "shared"),
             "prompt_truncation": ("error", "left"),
             "lora_sync": ("adapter", "merged"),
             "placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
             "dtype": ("float32", "bfloat16", "float16"),
+            "learner_layout": ("masked", "causal"),
+            "lora_kernel": ("peft", "fused"),
+            "rms_norm_kernel": ("hf", "fused"),
+            "lr_scheduler": ("constant", "linear"),
+            "log_level": LOG_LEVELS,
+            "model_transfer": ("ray", "path"),
         }
         for name, allowed in choices.items():
             need(getattr(self, name) in allowed, name, f"must be one of {list(allowed)}")
@@ -333,6 +422,21 @@ class PPOConfig:
     @property
     def effective_mini_batch_size(self) -> int:
         return self.mini_batch_size or self.batch_size
+
+    @property
+    def logprob_gap_limit(self) -> float:
+        """logprob_gap_tolerance, or its default for the dtype (see the field)."""
+        if self.logprob_gap_tolerance is not None:
+            return self.logprob_gap_tolerance
+        return LOGPROB_GAP_TOLERANCE[self.dtype]
+
+    @property
+    def stage_demand(self) -> tuple[float, float, dict[str, float]]:
+        """(CPUs, GPUs, custom resources) of an SFT / reward-model stage task: the stage_*
+        fields, each defaulting to the learner's."""
+        return (self.learner_num_cpus if self.stage_num_cpus is None else self.stage_num_cpus,
+                self.learner_num_gpus if self.stage_num_gpus is None else self.stage_num_gpus,
+                dict(self.learner_resources if self.stage_resources is None else self.stage_resources))
 
     @property
     def lora_scaling(self) -> float:

@@ -18,8 +18,22 @@ class DataError(ValueError):
     """A prompt data file or dataset that cannot be used; the message names it (and the row)."""
 
 
+def check_chat_template(tokenizer, model_name: str) -> None:
+    """apply_chat_template needs a tokenizer that has a chat template (ValueError naming the model)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"apply_chat_template is true but the tokenizer of {model_name!r} has no chat template "
+                         "(a base model?): set apply_chat_template: false, or use an instruct model's tokenizer")
+
+
+def chat_format(tokenizer, prompts: Sequence[str]) -> list[str]:
+    """Each prompt as one user message through the tokenizer's chat template, with the
+    template's generation prompt (the assistant turn's opening) after it."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                          add_generation_prompt=True) for p in prompts]
+
+
 def encode_prompts(tokenizer, prompts: Sequence[str], max_prompt_length: int,
-                   truncation: str = "error", *, index_offset: int = 0) -> list[list[int]]:
+                   truncation: str = "error", *, index_offset: int = 0, chat_template: bool = False) -> list[list[int]]:
     """Validate and tokenize prompt texts: B texts -> B lists of token ids.
 
     No special tokens are added (Qwen3 base adds none; a BOS here would be a token the
@@ -32,7 +46,9 @@ def encode_prompts(tokenizer, prompts: Sequence[str], max_prompt_length: int,
     ``truncation="left"`` keeps the LAST ``max_prompt_length`` tokens: the end of a prompt
     (e.g. "TL;DR:") sits next to the response and matters most (the N+ recipe cuts the
     post, never the instruction). Nothing is mangled silently. ``index_offset`` is added to
-    the indices in messages (a chunk of a larger list).
+    the indices in messages (a chunk of a larger list). ``chat_template`` formats each prompt
+    with the tokenizer's chat template first (chat_format; config.apply_chat_template), and
+    max_prompt_length then counts the template's tokens too.
     """
     if truncation not in TRUNCATION_MODES:
         raise ValueError(f"prompt truncation must be one of {list(TRUNCATION_MODES)}, got {truncation!r}")
@@ -49,6 +65,9 @@ def encode_prompts(tokenizer, prompts: Sequence[str], max_prompt_length: int,
         if not p.strip():
             raise ValueError(f"prompt {index_offset + i} is empty or whitespace only: {p!r}")
 
+    if chat_template:
+        prompts = chat_format(tokenizer, prompts)
+    # the template's special tokens (<|im_start|>, ...) are parsed from the text as tokens
     encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     out: list[list[int]] = []
     for i, ids in enumerate(encoded):
@@ -153,12 +172,15 @@ def load_prompts(config, tokenizer=None) -> list[str]:
             raise DataError(f"dataset {name!r} has no column {config.prompt_column!r} (columns: {ds.column_names})")
         prompts = column([{config.prompt_column: v} for v in ds[config.prompt_column]], config.prompt_column, name)
     if tokenizer is not None:
+        if config.apply_chat_template:
+            check_chat_template(tokenizer, config.model_name)
         if not prompts:
             raise DataError(f"dataset {name!r} has no rows")
         try:  # in chunks: the ids of a whole dataset would be GBs of Python ints
             for start in range(0, len(prompts), CHECK_CHUNK):
                 encode_prompts(tokenizer, prompts[start:start + CHECK_CHUNK], config.max_prompt_length,
-                               config.prompt_truncation, index_offset=start)
+                               config.prompt_truncation, index_offset=start,
+                               chat_template=config.apply_chat_template)
         except ValueError as e:  # "prompt i ...": i is the row index in the dataset
             raise DataError(f"dataset {name!r} column {config.prompt_column!r}: {e}") from e
     return prompts

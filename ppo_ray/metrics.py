@@ -3,6 +3,7 @@
     metrics = TrainingMetrics(run=trainer.namespace)   # after ray.init / init_ray
     metrics.record_step(out)                           # out = PPOTrainer.ppo_step(...)
     metrics.record_retry("generator")                  # a caller retried a failed actor call
+    metrics.record_logprob_gap("merged")               # a step failed the generator-vs-learner check
 
 Each node's Ray exports what its processes record on that node's Prometheus endpoint
 (`ray start --metrics-export-port P` -> http://<node>:P/metrics), with Ray's `ray_` prefix:
@@ -39,11 +40,19 @@ STEP_GAUGES: dict[str, str] = {
     "entropy": "mean entropy of the policy over response tokens",
     "explained_variance": "explained variance of the value predictions",
     "tokens_per_s": "generated response tokens per second of step wall time",
+    "response_tokens": "response tokens generated in the step (EOS included, padding not)",
     "adapter_version": "LoRA adapter version the generators hold after the step",
+    "shaped_reward_mean": "mean per-sequence shaped return of the step: score - beta * summed KL",
+    "kl_coef": "beta, the KL coefficient the step used (moves with the adaptive controller, kl_target)",
+    "learning_rate": "the policy's learning rate at the step's first optimiser step (lr_scheduler)",
+    "stale_versions": "adapter versions the step's rollouts were behind the learner (overlap_generation: 0 or 1)",
+    "gold_val": "held-out gold-judge score of the policy, at evaluation steps (bundled task; keeps its last value)",
+    "eval_reward_mean": "mean reward of the eval samples, at evaluation steps (keeps its last value)",
 }
 PHASE_PREFIX, PHASE_SUFFIX = "time/", "_s"
 PHASE_GAUGE = "ppo_phase_seconds"  # one gauge, tagged phase=generate|reference|reward|...
 RETRY_COUNTER = "ppo_retries"      # exported as ray_ppo_retries_total
+GAP_COUNTER = "ppo_logprob_gap_exceeded"  # exported as ray_ppo_logprob_gap_exceeded_total
 
 _PROM_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 
@@ -70,6 +79,9 @@ class TrainingMetrics:
                              tag_keys=("run", "phase"))
         self._retries = Counter(RETRY_COUNTER, description="actor calls retried after a failure, by role",
                                 tag_keys=("run", "role"))
+        self._gaps = Counter(GAP_COUNTER, description="steps whose generator-vs-learner logprob gap exceeded "
+                             "logprob_gap_tolerance (the generator sampled from another policy)",
+                             tag_keys=("run", "lora_sync"))
 
     def record_step(self, out: Mapping[str, object]) -> dict[str, float]:
         """Set the gauges from one ppo_step output. Missing, non-numeric and non-finite values
@@ -90,6 +102,11 @@ class TrainingMetrics:
                     self._phases.set(value, tags={"run": self.run, "phase": phase})
                     recorded[f"{PHASE_GAUGE}{{phase={phase}}}"] = value
         return recorded
+
+    def record_logprob_gap(self, lora_sync: str) -> None:
+        """Count a step whose generator-vs-learner logprob gap exceeded the tolerance
+        (config.logprob_gap_check), tagged with the sync mode."""
+        self._gaps.inc(1.0, tags={"run": self.run, "lora_sync": lora_sync})
 
     def record_retry(self, role: str, n: int = 1) -> None:
         """Count `n` retried calls to the actor `role` (generator-0, learner, reference, reward).

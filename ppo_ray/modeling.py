@@ -37,6 +37,59 @@ def resolve_model_path(name: str) -> str:
     return str(path) if path.exists() else name
 
 
+class ContextLengthError(ValueError):
+    """A model whose context window cannot hold max_prompt_length + max_new_tokens tokens."""
+
+
+def _config_json(name: str) -> Path | None:
+    """config.json of a local model directory, or of a hub id already in the local HF cache
+    (the driver's tokenizer load fetches it); None otherwise (nothing is downloaded here)."""
+    if Path(name).is_dir():
+        return Path(name) / "config.json"
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(name, "config.json")
+    except Exception:  # noqa: BLE001 - not a hub id either
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def max_positions(name: str) -> int | None:
+    """The model's context window from its config.json (max_position_embeddings, or the
+    text config's for a multimodal model); None when it does not say or cannot be read."""
+    import json
+
+    path = _config_json(name)
+    if path is None:
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = cfg.get("text_config", cfg)
+    value = cfg.get("max_position_embeddings")
+    return int(value) if isinstance(value, int) else None
+
+
+def check_context_length(max_prompt_length: int, max_new_tokens: int, models: dict[str, str]) -> None:
+    """ContextLengthError naming the fields and the model's limit when a model's context window
+    (max_position_embeddings) is shorter than max_prompt_length + max_new_tokens: the vLLM
+    engine would refuse max_model_len in the generator's constructor, and the learner and the
+    scorers would see positions the model never learned. `models` maps a config field name
+    (model_name, ...) to its resolved path or hub id; a hub id whose config.json is not in the
+    local HF cache is skipped."""
+    need = max_prompt_length + max_new_tokens
+    for field, path in models.items():
+        limit = max_positions(path) if path else None
+        if limit is not None and limit < need:
+            raise ContextLengthError(
+                f"{field} {path!r} has max_position_embeddings={limit} (its config.json), below "
+                f"max_prompt_length ({max_prompt_length}) + max_new_tokens ({max_new_tokens}) = {need}: lower "
+                f"max_prompt_length (with prompt_truncation: left for longer prompts) or max_new_tokens so that "
+                f"they add up to at most {limit}, or use a model with a longer context")
+
+
 # A pad distinct from EOS, taken from the tokenizer's EXISTING tokens when it declares none
 # (or declares EOS as pad, as the Qwen base tokenizers do: Qwen2.5-*, Qwen3-*-Base ship
 # pad_token == eos_token == "<|endoftext|>"). An existing token needs no embedding resize, so
@@ -133,6 +186,23 @@ def response_hidden(backbone, batch: RolloutBatch) -> Tensor:
                    use_cache=False)
     p, t = batch.prompt_len, batch.response_ids.shape[1]
     return out.last_hidden_state[:, p - 1: p - 1 + t]  # (B, T, H)
+
+
+def causal_response_hidden(model, batch: RolloutBatch, length: int) -> Tensor:
+    """``response_hidden`` by a forward with no attention mask: (B, T, H).
+
+    ``model`` returns ``last_hidden_state`` (a decoder: the policy's ``get_decoder()``, the
+    value backbone). The rows are laid out by ``RolloutBatch.causal_sequences(length)``
+    (real tokens from column 0, padding after them), so the forward is plain causal
+    attention at positions 0.. (SDPA's flash kernel; no mask to build or read), and the
+    real tokens' states equal the masked forward's. ``length``: host-side max real length.
+    Positions of padding response tokens hold a state of some column (garbage by design;
+    every consumer masks them).
+    """
+    input_ids, predict = batch.causal_sequences(length)  # (B, L), (B, T)
+    out = model(input_ids=input_ids, use_cache=False)     # positions 0..L-1, causal, no mask
+    hidden = out.last_hidden_state                        # (B, L, H)
+    return hidden.gather(1, predict.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
 
 
 def last_token_hidden(backbone, batch: RolloutBatch) -> Tensor:

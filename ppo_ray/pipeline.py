@@ -150,14 +150,16 @@ def _stage_settings(config: PPOConfig, epochs: int, learning_rate: float):
 
 
 def run_sft(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
-    from learner.stages import train_sft
+    """SFT as a Ray task on a node with the config's stage resources (placement.run_stage):
+    the driver tokenises the data, the task trains, run_dir/sft is written on the driver's node."""
     from ppo_ray.modeling import load_tokenizer, resolve_model_path
+    from ppo_ray.placement import run_stage
 
     base = resolve_model_path(config.model_name)
     tok = load_tokenizer(base)
     train, val = sft_ids(config, data_dir, tok, "train"), sft_ids(config, data_dir, tok, "eval")
     settings = _stage_settings(config, config.sft_epochs, config.sft_learning_rate)
-    stats = train_sft(base, train.queries, train.responses, run_dir / "sft", settings,
+    stats = run_stage(config, "sft", base, (train.queries, train.responses), settings, run_dir / "sft",
                       val=(val.queries, val.responses))
     if config.uses_bundled_data:  # the SFT policy's fact copying, greedy, on validation posts (gold judge)
         from ppo_ray.tldr_eval import sft_copy_report
@@ -168,17 +170,18 @@ def run_sft(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
 
 
 def run_rm(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
-    from learner.stages import train_reward_model
+    """The reward model as a Ray task, like run_sft; run_dir/rm is written on the driver's node."""
     from ppo_ray.modeling import load_tokenizer
+    from ppo_ray.placement import run_stage
 
     sft = str(run_dir / "sft")
     tok = load_tokenizer(sft)
     train, val = preference_ids(config, data_dir, tok, "train"), preference_ids(config, data_dir, tok, "eval")
     settings = _stage_settings(config, config.rm_epochs, config.rm_learning_rate)
-    stats = train_reward_model(sft, train.queries, train.chosen, train.rejected, run_dir / "rm", settings,
-                               val=(val.queries, val.chosen, val.rejected))
-    correct = stats.pop("rm_val_correct")
-    if config.uses_bundled_data:  # can the RM guide PPO? (ppo_ray/tldr_eval.py; gold judge, validation split)
+    stats = run_stage(config, "rm", sft, (train.queries, train.chosen, train.rejected), settings, run_dir / "rm",
+                      val=(val.queries, val.chosen, val.rejected))
+    correct = stats.pop("rm_val_correct", None)
+    if config.uses_bundled_data and correct is not None:  # can the RM guide PPO? (ppo_ray/tldr_eval.py; gold judge, validation split)
         from ppo_ray.tldr_eval import accuracy_by_kind, reward_model_report
 
         path = data_dir / "preferences_validation.jsonl"
@@ -276,7 +279,7 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
     with ppo_trainer(cfg, run_dir, resume) as trainer:
         # the SFT policy itself, on the test prompts and (for any selection) the validation prompts
         sft = before_training(trainer, run_dir, lambda: {**judge(trainer, test_rows), "val": judge(trainer, val_rows)})
-        trainer.train(prompts, metrics_path=metrics, evaluate=evaluate)
+        trainer.train(prompts, metrics_path=metrics, evaluate=evaluate, eval_prompts=[r["prompt"] for r in val_rows])
         ppo = judge(trainer, test_rows)  # same sampling seeds as the SFT evaluation
         ppo_val = judge(trainer, val_rows)
         trainer.save_adapter(run_dir / "adapter")
@@ -326,7 +329,7 @@ def run_ppo_real(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optio
     metrics = run_dir / "metrics.jsonl"
     with ppo_trainer(cfg, run_dir, resume) as trainer:
         sft_texts = before_training(trainer, run_dir, lambda: trainer.generate(held_out))["texts"]
-        trainer.train(prompts, metrics_path=metrics)
+        trainer.train(prompts, metrics_path=metrics, eval_prompts=held_out)
         ppo_texts = trainer.generate(held_out)["texts"]  # same sampling seeds as before training
         trainer.save_adapter(run_dir / "adapter")
     history = read_metrics(metrics)

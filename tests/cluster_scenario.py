@@ -9,17 +9,28 @@ cannot share a process with the test session's local Ray, hence a script:
 1. fail-fast (seconds) (before any actor starts): a custom resource no node has; an actor larger than
    every node; STRICT_PACK of more CPUs than one node has; STRICT_SPREAD of more bundles
    than nodes.
-2. train (about a minute on 2 cores: two vLLM engines start): a PPOTrainer with 2 generator replicas pinned to node B, 2 learners and both scorers
-   pinned to node A (generator_resources / learner_resources / scorer_resources), 2 steps;
-   then where every actor runs, the versions, prompt order across replicas, the
-   generators' logprobs against the learners', and where a restarted actor comes back.
+2. train (about a minute on 2 cores: two vLLM engines start): the SFT and reward-model
+   stages as Ray tasks pinned to node B (stage_resources), their outputs written into the
+   run directory by the driver on node A; then a PPOTrainer on those models (policy and
+   reference = sft/, reward and value = rm/) with 2 generator replicas pinned to node B, 2
+   learners and both scorers pinned to node A (generator_resources / learner_resources /
+   scorer_resources), 2 steps; then where every actor runs and which directory it loaded its
+   model from, the versions, prompt order across replicas, the generators' logprobs against
+   the learners', and where a restarted actor comes back.
+
+Each node has its own model cache (PPO_RAY_MODEL_CACHE in its raylet's environment): a
+model directory reaches a node other than the driver's only through Ray's object store
+(model_transfer: ray), so what node B loads comes from node B's cache, never from the
+run directory, as on a cluster without shared storage.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,9 +78,12 @@ def main(mode: str) -> dict:
     from ppo_ray.trainer import PPOTrainer
 
     t_start = time.perf_counter()
+    caches = {name: tempfile.mkdtemp(prefix=f"ppo-cache-{name}-") for name in ("node_a", "node_b")}
     cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=2, resources={"node_a": 10}, include_dashboard=False, object_store_memory=300 << 20))
-    cluster.add_node(num_cpus=2, resources={"node_b": 10}, object_store_memory=300 << 20)
+        num_cpus=2, resources={"node_a": 10}, include_dashboard=False, object_store_memory=300 << 20,
+        env_vars={"PPO_RAY_MODEL_CACHE": caches["node_a"]}))
+    cluster.add_node(num_cpus=2, resources={"node_b": 10}, object_store_memory=300 << 20,
+                     env_vars={"PPO_RAY_MODEL_CACHE": caches["node_b"]})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     result: dict = {}
@@ -88,23 +102,59 @@ def main(mode: str) -> dict:
             result["fail_fast"] = fail_fast_cases(PPOTrainer, ClusterError, config)
             result["fail_fast_s"] = time.perf_counter() - t_start
         if mode in ("train", "all"):
-            result.update(train(PPOTrainer, config, labels))
+            result.update(train(PPOTrainer, config, labels, caches))
     finally:
         ray.shutdown()
         cluster.shutdown()
+        for path in caches.values():
+            shutil.rmtree(path, ignore_errors=True)
     result["total_s"] = time.perf_counter() - t_start
     return result
 
 
-def train(PPOTrainer, config, labels: dict[str, str]) -> dict:
+def stages(config, run_dir: Path) -> dict:
+    """SFT then the reward model, each a Ray task pinned to node B by stage_resources, on a
+    few bundled prompts (a plumbing check: 16 examples, one epoch)."""
+    from learner.stages import TrainSettings
+    from ppo_ray.data import bundled_prompts, encode_prompts
+    from ppo_ray.modeling import load_tokenizer, resolve_model_path
+    from ppo_ray.placement import run_stage
+
+    cfg = config(stage_resources={"node_b": 1}, stage_num_cpus=1.0)
+    base = resolve_model_path(cfg.model_name)
+    tok = load_tokenizer(base)
+    queries = encode_prompts(tok, bundled_prompts()[:16], 64, "left")
+    eos = tok.eos_token_id
+    good = [tok(" a short summary", add_special_tokens=False)["input_ids"] + [eos]] * len(queries)
+    bad = [tok(" no", add_special_tokens=False)["input_ids"] + [eos]] * len(queries)
+    settings = TrainSettings(epochs=1, learning_rate=1e-3, batch_size=8, seed=0)
+    t0 = time.perf_counter()
+    sft = run_stage(cfg, "sft", base, (queries, good), settings, run_dir / "sft")
+    rm = run_stage(cfg, "rm", str(run_dir / "sft"), (queries, good, bad), settings, run_dir / "rm")
+    return {"stages_s": time.perf_counter() - t0, "sft_steps": sft["sft_steps"], "rm_steps": rm["rm_steps"],
+            "stage_outputs": sorted(p.name for p in run_dir.iterdir() if (p / "config.json").is_file())}
+
+
+def cache_entries(caches: dict[str, str]) -> dict[str, int]:
+    """Complete model entries in each node's cache."""
+    return {name: sum(1 for p in Path(path).iterdir() if (p / ".complete").is_file()) for name, path in caches.items()}
+
+
+def train(PPOTrainer, config, labels: dict[str, str], caches: dict[str, str]) -> dict:
     import ray
 
     from ppo_ray.data import bundled_prompts, encode_prompts
 
     result: dict = {}
+    run_dir = Path(tempfile.mkdtemp(prefix="ppo-run-"))
+    result.update(stages(config, run_dir))
+    # node B received the base model (for SFT) and sft/ (for RM): its cache holds both
+    result["cache_after_stages"] = cache_entries(caches)
     # Fractional CPUs: 2 x 0.5 on each node of 2 (virtual) CPUs.
     t0 = time.perf_counter()
     trainer = PPOTrainer(config(
+        model_name=str(run_dir / "sft"), reward_model_name=str(run_dir / "rm"), value_model_name=str(run_dir / "rm"),
+        reward_funcs=[], reward_weights=[],
         num_generators=2, num_learners=2, generator_num_cpus=0.5, learner_num_cpus=0.5,
         generator_resources={"node_b": 1}, learner_resources={"node_a": 1}, scorer_resources={"node_a": 0.1},
         placement_timeout_s=60.0))
@@ -112,6 +162,16 @@ def train(PPOTrainer, config, labels: dict[str, str]) -> dict:
     try:
         roles = trainer.roles
         result["actor_nodes"] = {name: labels[node_of(actor)] for name, actor in zip(roles.names(), roles.all())}
+
+        def loaded_from(actor) -> str:
+            path = ray.get(actor.__ray_call__.remote(lambda self: self.model_dir))
+            for name, cache in caches.items():
+                if str(path).startswith(cache):
+                    return f"cache:{name}"
+            return "run_dir" if str(path).startswith(str(run_dir)) else str(path)
+
+        result["loaded_from"] = {name: loaded_from(actor) for name, actor in zip(roles.names(), roles.all())}
+        result["cache_after_start"] = cache_entries(caches)
 
         prompts = bundled_prompts()[:PROMPTS]
         t0 = time.perf_counter()
@@ -174,6 +234,7 @@ def train(PPOTrainer, config, labels: dict[str, str]) -> dict:
                                       "group_id": roles.placement_group.id.hex()}
     finally:
         trainer.shutdown()
+        shutil.rmtree(run_dir, ignore_errors=True)
     # shutdown removed the placement group (and so freed its reservations)
     time.sleep(1.0)
     states = [t["state"] for t in ray.util.placement_group_table().values()]

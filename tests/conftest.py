@@ -72,19 +72,29 @@ def tiny_test_config(**overrides):
     """configs/tiny.yaml with small, fast settings for tests."""
     from ppo_ray.config import PPOConfig
 
+    # logprob_gap_check: error: a generator that samples from another policy than the
+    # learner's (stale KV, a lost sync) fails the test instead of a warning in its log.
     base = dict(batch_size=8, max_new_tokens=12, ppo_epochs=2, micro_batch_size=4,
-                prompt_truncation="error", max_prompt_length=400, vllm_kv_cache_gib=0.25)
+                prompt_truncation="error", max_prompt_length=400, vllm_kv_cache_gib=0.25,
+                logprob_gap_check="error")
     base.update(overrides)
     return PPOConfig.from_yaml(TESTS_DIR.parent / "configs" / "tiny.yaml", **base)
 
 
 @pytest.fixture(scope="session")
-def tiny_trainer(ray_session, tiny_model_dir):
+def tiny_trainer(ray_session, tiny_model_dir, tmp_path_factory):
     """ONE PPOTrainer (one vLLM generator actor, reference, reward and learner actors) over
     the tiny model, shared by the Ray tests of a session. Tests that step it must not
     assume a particular starting step."""
     from ppo_ray.trainer import PPOTrainer
 
-    trainer = PPOTrainer(tiny_test_config())
+    # max_actor_restarts: tests/test_faults.py's matrix (-m slow) restarts each role up to
+    # a dozen times on this one trainer; the default 3 would leave it with a dead generator.
+    trainer = PPOTrainer(tiny_test_config(max_actor_restarts=100))
+    # Its state before any step, for tests whose claim needs a fresh policy whatever ran
+    # before them on this shared trainer: trainer.restore(trainer.initial_checkpoint).
+    trainer.run_dir = tmp_path_factory.mktemp("tiny-trainer-initial")
+    trainer.initial_checkpoint = trainer.save_checkpoint()
+    trainer.run_dir = None
     yield trainer
     trainer.shutdown()

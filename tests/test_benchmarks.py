@@ -87,6 +87,22 @@ def test_step_benchmark_cli_arguments():
         build_config("tiny", ["--kl_coeff", "0.2"])
 
 
+def test_peer_preset_is_the_single_process_comparisons_work(tiny_model_dir):
+    """The preset of the comparison with a single-process trainer: 64 prompts of <= 60
+    tokens, 16 new tokens at temperature 0.7, 1 epoch over 1 minibatch, a reward model of
+    the policy's shape (a real sequence classifier: the reward actor's checks pass) and a
+    separate value model."""
+    from actors.reward import check_reward_model
+    from benchmarks.step import build_config
+
+    config = build_config("peer")
+    assert (config.batch_size, config.max_new_tokens, config.max_prompt_length, config.temperature) == (64, 16, 60, 0.7)
+    assert (config.top_k, config.top_p, config.ppo_epochs, config.effective_mini_batch_size) == (0, 1.0, 1, 64)
+    assert config.reward_funcs == [] and config.value_model == "separate"
+    check_reward_model(config.reward_model_name)
+    assert build_config("peer").reward_model_name == config.reward_model_name  # built once, then reused
+
+
 @pytest.mark.slow
 def test_step_benchmark_command(tmp_path):
     """The documented command, as a user runs it: JSON on stdout and in --out."""
@@ -123,3 +139,42 @@ def test_gpu_step_benchmark_on_cpu(tmp_path):
     for key in ("reference_actor_s", "lora_merge_s", "generate_merged_s"):
         assert run[key] > 0, key
     assert result["parameters"] > 0 and result["model_shape"]["vocab_size"] == 151936
+    assert summary["padded_token_ratio"]["median"] >= 1.0 and summary["update_flop"]["median"] > 0
+    assert "mfu_update" not in summary  # no GPU, no peak rate
+
+
+def test_gpu_step_passes_learner_options_and_counts_flops():
+    """Unknown --options go to PPOConfig (the learner speed options); learner_flops' formula
+    on a shape small enough to count by hand."""
+    from benchmarks.gpu_step import learner_flops, parse_args, peak_flops
+
+    args = parse_args(["--batch_sizes", "64", "--learner_layout", "causal", "--logprob_chunk_size", "512"])
+    assert args.batch_sizes == [64] and args.config_overrides == ["--learner_layout", "causal",
+                                                                  "--logprob_chunk_size", "512"]
+    assert peak_flops("NVIDIA H100 80GB HBM3") == peak_flops("NVIDIA H200") == 989.4e12
+    shape = dict(hidden_size=4, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
+                 num_key_value_heads=1, head_dim=4, vocab_size=10)
+    flops = learner_flops(shape, [2], [1], ppo_epochs=1, lora_r=1, lora_targets=["q_proj"])
+    # matmul params 4*4*4 + 3*4*8 = 160; 3 tokens: base 2*160*3 = 960, LoRA 2*1*(4+4)*3 = 48,
+    # attention 2*4*3*4 = 96, lm_head 2*4*10*1 = 80 (policy only)
+    assert flops["matmul_parameters"] == 160 and flops["real_tokens"] == 3
+    assert flops["learner_forward"] == 2 * (960 + 48 + 96) + 80
+    assert flops["update"] == flops["learner_forward"] + 2 * (960 + 2 * 48 + 2 * 96) + 80
+
+
+def test_learner_profile_on_cpu(tmp_path):
+    """benchmarks/learner_profile.py on its miniature: the plain path and the speed options
+    on one learner, each with its phases, padding ratio and split timings."""
+    from benchmarks.learner_profile import main
+
+    out = tmp_path / "learner.json"
+    result = main(["--model", "test", "--batch_size", "4", "--variants", "base,all_mb2", "--split", "all_mb2",
+                   "--profile", "none", "--prompt_len", "4:9", "--response_len", "2:3", "--device", "cpu",
+                   "--out", str(out)])
+    assert json.loads(out.read_text())["variants"].keys() == {"base", "all_mb2"}
+    base, fast = result["variants"]["base"], result["variants"]["all_mb2"]
+    for row in (base, fast):
+        assert "error" not in row and row["update_s"] > 0 and row["learner_forward_s"] > 0
+        assert row["padded_token_ratio"] >= 1.0
+    assert fast["split"]["policy_fwd_bwd_s"] > 0 and fast["split"]["micro_batch_rows"] == 2
+    assert result["flops"]["update"] > result["flops"]["learner_forward"] > 0

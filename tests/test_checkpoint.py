@@ -1,9 +1,9 @@
-"""Checkpoints, exact resume and surviving actor failures, on real Ray actors (vLLM generator,
-HF scorers, PEFT learner) with the tiny model.
+"""Checkpoints and exact resume, on real Ray actors (vLLM generator, HF scorers, PEFT
+learner) with the tiny model. (Actor failures: tests/test_faults.py.)
 
 One trainer for the module (engine start dominates): a straight 4-step run with checkpoints
 at steps 2 and 4 is the reference; every other test restores the step-2 checkpoint into a
-fresh run directory and runs steps 3-4 again, with or without an actor killed mid-step.
+fresh run directory and runs steps 3-4 again.
 
 Tolerance: none. The run is float32 on the CPU, every prompt's sampling seed is
 (run seed, step, prompt index), the PPO minibatch shuffle is seeded by (seed, version), and
@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
-import time
 
 import pytest
-import ray
 
 from ppo_ray.checkpoint import CheckpointError
 from ppo_ray.data import bundled_prompts
@@ -104,43 +101,86 @@ def test_resume_refuses_another_config_or_dataset(run, tmp_path):
     assert trainer.step == 2
 
 
-def kill_during_next_step(trainer, actor, delay_s=0.3):
-    """Kill `actor` (Ray may restart it) `delay_s` into the next ppo_step call."""
-    started = threading.Event()
-    original = trainer.ppo_step
+# ------------------------------------------------------------------ files: damage and moves
+def _small_checkpoints(tmp_path, steps=(1, 2), **config):
+    """Checkpoints of a fresh tiny learner (no Ray) at `steps` in tmp_path/run."""
+    import torch
 
-    def marked(prompts):
-        started.set()
-        return original(prompts)
+    from learner.learner import Learner
+    from ppo_ray.checkpoint import save_checkpoint
+    from ppo_ray.config import PPOConfig
+    from ppo_ray.modeling import resolve_model_path
 
-    trainer.ppo_step = marked
-
-    def killer():
-        started.wait(timeout=300)
-        time.sleep(delay_s)
-        ray.kill(actor, no_restart=False)
-
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
-    return thread, original
+    torch.set_num_threads(1)
+    run_dir = tmp_path / "run"
+    cfg = PPOConfig(model_name="embedded:tiny", lora_r=4, lora_alpha=8, **config)
+    learner = Learner(cfg, resolve_model_path(cfg.model_name))
+    for step in steps:
+        save_checkpoint(run_dir, config=cfg, learner_state=learner.state_dict(), model_dir="base",
+                        trainer_state={"step": step, "order": [step], "data_rng": torch.Generator().get_state()})
+    return run_dir, cfg
 
 
-@pytest.mark.parametrize("role", ["reference", "generator-0", "learner"])
-def test_an_actor_killed_mid_step_is_restarted_and_the_run_completes(run, tmp_path, role):
-    trainer, straight, run_dir = run
+def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_is_used(tmp_path, caplog):
+    from ppo_ray.checkpoint import load_checkpoint
+
+    run_dir, cfg = _small_checkpoints(tmp_path)
+    latest = run_dir / "checkpoints" / "step-000002"
+    value = latest / "value.safetensors"
+    value.write_bytes(value.read_bytes()[: value.stat().st_size // 2])  # as an interrupted copy leaves it
+    with caplog.at_level("WARNING", logger="ppo_ray.checkpoint"):
+        ckpt, _, state = load_checkpoint(run_dir, cfg)
+    assert ckpt.name == "step-000001" and state["step"] == 1
+    assert "value.safetensors fails its sha256 checksum" in caplog.text and "step-000001" in caplog.text
+    # the damaged checkpoint itself, asked for by name: an error naming the file
+    with pytest.raises(CheckpointError, match=r"step-000002/value.safetensors fails its sha256 checksum"):
+        load_checkpoint(latest, cfg)
+    (run_dir / "checkpoints" / "step-000001" / "trainer.json").unlink()
+    with pytest.raises(CheckpointError, match=r"no intact checkpoint .*step-000001 is incomplete: no trainer.json"):
+        load_checkpoint(run_dir, cfg)
+
+
+def test_a_moved_run_directory_resumes(tmp_path):
+    """The pipeline's PPO config names parts of the run directory (model_name = <run>/sft):
+    the checkpoint stores them relative to it, so a copy elsewhere resumes (it was refused:
+    "model_name: checkpoint 'runs/<time>/sft' vs now '/elsewhere/sft'")."""
+    import yaml
+
+    from ppo_ray.checkpoint import load_checkpoint
+
+    run_dir = tmp_path / "run"
+    run_dir, cfg = _small_checkpoints(tmp_path, steps=(1,), dataset=str(tmp_path / "run" / "data" / "p.jsonl"))
+    cfg = cfg.replace(model_name=str(run_dir / "sft"))  # as pipeline.ppo_config writes it
+    from ppo_ray.checkpoint import save_checkpoint
+    _, learner_state, trainer_state = load_checkpoint(run_dir)
+    save_checkpoint(run_dir, config=cfg, learner_state=learner_state, model_dir="base",
+                    trainer_state={**trainer_state, "step": 2})
+    saved = yaml.safe_load((run_dir / "checkpoints" / "step-000002" / "config.yaml").read_text())
+    assert saved["model_name"] == "${run_dir}/sft" and saved["dataset"] == "${run_dir}/data/p.jsonl"
+    elsewhere = tmp_path / "mounted" / "elsewhere"
+    shutil.copytree(run_dir, elsewhere)
+    moved = cfg.replace(model_name=str(elsewhere / "sft"), dataset=str(elsewhere / "data" / "p.jsonl"))
+    ckpt, _, state = load_checkpoint(elsewhere, moved)
+    assert ckpt.parent.parent == elsewhere and state["step"] == 2
+    with pytest.raises(CheckpointError, match="model_name"):  # another model is still another model
+        load_checkpoint(elsewhere, moved.replace(model_name=str(tmp_path / "other" / "sft")))
+
+
+def test_real_runs_checkpoint_periodically_by_default():
+    from ppo_ray.config import PPOConfig
+
+    cfg = PPOConfig()
+    assert cfg.checkpoint_every > 0 and cfg.checkpoint_every_minutes > 0 and cfg.keep_checkpoints >= 1
+
+
+def test_the_time_rule_checkpoints_without_the_step_rule(run, tmp_path):
+    trainer, _, run_dir = run
     from_step_two(trainer, run_dir, tmp_path)
-    actor = {"reference": trainer.roles.reference, "generator-0": trainer.roles.generators[0],
-             "learner": trainer.roles.learner}[role]
-    before = len(trainer.retries)
-    thread, original = kill_during_next_step(trainer, actor)
+    base = trainer.config
+    trainer.config = base.replace(checkpoint_every=0, checkpoint_every_minutes=1e-9, keep_checkpoints=5)
     try:
-        resumed = trainer.train(bundled_prompts(), metrics_path=tmp_path / "metrics.jsonl", progress=False)
+        trainer.train(bundled_prompts(), progress=False)
     finally:
-        trainer.ppo_step = original
-        thread.join(timeout=60)
-    failures = trainer.retries[before:]
-    assert failures and failures[0]["role"] == role and failures[0]["step"] == 3, failures
-    # no lost and no duplicated step, and the same numbers as without the failure (a dead
-    # learner rolled back to the step-2 checkpoint and redid step 3)
-    assert_same_steps(resumed, straight)
-    assert metrics_steps(tmp_path / "metrics.jsonl") == [3, 4]
+        trainer.config = base
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert names == ["step-000002", "step-000003", "step-000004"]

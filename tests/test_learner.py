@@ -7,6 +7,7 @@ the policy itself with HF generate; gen_logprobs are the learner's own logprobs.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import replace
 
@@ -27,7 +28,7 @@ STAT_KEYS = {
     "score_mean", "reward_mean", "advantage_mean", "return_mean", "value_mean",
     "policy_grad_norm", "value_grad_norm", "gen_logprob_max_abs_diff", "truncated_tokens",
     "dropped_samples", "tokens", "learner_forward_s", "update_s", "version", "outside_support_frac",
-    "behaviour_logprob_gap", "stale_versions",
+    "behaviour_logprob_gap", "stale_versions", "padded_token_ratio", "kl_coef", "learning_rate",
 }
 
 
@@ -142,7 +143,11 @@ def value_params(learner: Learner) -> dict:
 # ------------------------------------------------------------------ the update
 def test_update_runs_and_changes_only_lora(tiny_path, special):
     learner = Learner(make_config(), tiny_path)
+    with torch.no_grad():  # a head that is not 0, so the old values below say something
+        learner.value_model.head.weight.copy_(torch.randn(learner.value_model.head.weight.shape,
+                                                          generator=torch.Generator().manual_seed(7)))
     batch, ref, scores = rollout_inputs(learner, random_batch(special))
+    value_model_before = copy.deepcopy(learner.value_model)
     base_before = {n: p.detach().clone() for n, p in learner.policy.named_parameters() if not p.requires_grad}
     vbase_before = {n: p.detach().clone() for n, p in learner.value_model.named_parameters()
                     if not p.requires_grad}
@@ -158,15 +163,9 @@ def test_update_runs_and_changes_only_lora(tiny_path, special):
     assert stats["tokens"] == float(batch.response_mask.sum())
     assert stats["truncated_tokens"] == 0 and stats["gen_logprob_max_abs_diff"] < 1e-5
     assert stats["kl"] != 0.0
-    # The wiring of steps 2-6: rewards = score on the last token - beta * KL_t; whitened
-    # (returns - values) are the advantages.
-    from learner.algos import masked_whiten
-
+    # The wiring of steps 2-6, against computations that share no code with the learner's.
     exp, mask = learner.last_experience, batch.response_mask
-    kl_coef = learner.config.kl_coef
-    assert torch.allclose(exp.rewards.sum(1), scores - kl_coef * exp.kl.sum(1), atol=1e-5)
-    assert torch.allclose(masked_whiten(exp.returns - exp.values, mask), exp.advantages, atol=1e-4)
-    assert (exp.values[~mask] == 0).all() and (exp.advantages[~mask] == 0).all()
+    check_wiring(learner.config, value_model_before, batch, scores, exp)
     # Exported adapter: PEFT key format, CPU, contiguous copies, and it changed.
     assert weights.keys() == lora_before.keys()
     assert all(k.startswith("base_model.model.") and (".lora_A.weight" in k or ".lora_B.weight" in k)
@@ -183,6 +182,48 @@ def test_update_runs_and_changes_only_lora(tiny_path, special):
             assert torch.equal(p, vbase_before[n]), n
     assert not torch.equal(learner.value_model.head.weight, head_before)
     assert learner.lora_config() == {"r": 4, "lora_alpha": 8, "target_modules": list(learner.config.lora_target_modules)}
+
+
+def check_wiring(cfg: PPOConfig, vm: ValueModel, batch: RolloutBatch, scores, exp) -> None:
+    """Steps 2-6 of the update, recomputed row by row with plain loops:
+    * rewards: -beta * KL_t on every real token, plus the score on the row's LAST real token
+      (an index found here, not the learner's), 0 on padding;
+    * old values: V(s_t) from `vm` (the value model before the update) run on the unpadded
+      state prompt + response[:t] alone (no batch, no padding, no position-id arithmetic),
+      0 on padding;
+    * advantages: GAE by the reverse loop of the paper (delta_t = r_t + gamma V_{t+1} - V_t,
+      A_t = delta_t + gamma lam A_{t+1}, nothing after the last real token), returns
+      A_t + V_t, then whitened with the mean and unbiased std of all real tokens."""
+    beta, gamma, lam = cfg.kl_coef, cfg.gamma, cfg.lam
+    mask = batch.response_mask
+    raw = torch.zeros_like(exp.advantages, dtype=torch.float64)
+    for i in range(len(batch)):
+        n = int(mask[i].sum())
+        last = max(t for t in range(mask.shape[1]) if mask[i, t])
+        assert n == last + 1  # responses are right-padded
+        want = [-beta * float(exp.kl[i, t]) for t in range(n)]
+        want[last] += float(scores[i])
+        assert torch.allclose(exp.rewards[i, :n].double(), torch.tensor(want, dtype=torch.float64), atol=1e-6)
+        assert (exp.rewards[i, n:] == 0).all() and (exp.values[i, n:] == 0).all()
+        prompt = batch.prompt_ids[i][batch.prompt_mask[i]].tolist()
+        response = batch.response_ids[i, :n].tolist()
+        if i < 3:  # the forward per state is slow-ish: three rows, every state
+            with torch.no_grad():
+                for t in range(n):
+                    ids = torch.tensor([prompt + response[:t]])
+                    hidden = vm.backbone(input_ids=ids, use_cache=False).last_hidden_state[0, -1]
+                    assert abs(float(vm.head(hidden.float())) - float(exp.values[i, t])) < 1e-4, (i, t)
+        adv, values = 0.0, exp.values[i].double()
+        for t in reversed(range(n)):
+            next_value = float(values[t + 1]) if t + 1 < n else 0.0
+            delta = float(exp.rewards[i, t]) + gamma * next_value - float(values[t])
+            adv = delta + gamma * lam * adv
+            raw[i, t] = adv
+    assert torch.allclose(exp.returns.double()[mask], (raw + exp.values.double())[mask], atol=1e-5)
+    real = raw[mask]
+    whitened = (raw - real.mean()) / real.std(unbiased=True)
+    assert torch.allclose(exp.advantages.double()[mask], whitened[mask], atol=1e-4)
+    assert (exp.advantages[~mask] == 0).all()
 
 
 def test_first_ratio_is_one_and_logprobs_match_direct_peft_forward(tiny_path, special):
@@ -241,6 +282,26 @@ def test_first_ratio_is_one_with_top_p_and_several_minibatches(tiny_path, specia
     stats, _ = learner.update(batch, ref, scores)
     assert stats["truncated_tokens"] == 0
     assert abs(stats["first_minibatch_ratio_mean"] - 1.0) < 1e-4
+
+
+@pytest.mark.parametrize("ppo_dropout", [False, True])
+def test_first_ratio_is_one_at_every_step_with_the_seeds_defaults(tiny_path, special, ppo_dropout):
+    """PPOConfig's own defaults (the seeds': lora_dropout 0.1, top-k 50, top-p 0.95, 4 epochs):
+    the old logprobs come from a dropout-free pass, so the PPO forward must be dropout-free
+    too, or the first minibatch's ratio is off 1 before any update (1.00008 at step 2 here).
+    ppo_dropout: true puts dropout back into the training forward: then it is not 1."""
+    cfg = PPOConfig(model_name=TINY, ppo_dropout=ppo_dropout)
+    assert cfg.lora_dropout == 0.1
+    learner = Learner(cfg, tiny_path)
+    for step in range(2):
+        batch = sampled_batch(learner, special, n=cfg.batch_size, t=cfg.max_new_tokens, seed=step)
+        batch, ref, scores = rollout_inputs(learner, batch, seed=step)
+        stats, _ = learner.update(batch, ref, scores)
+        gap = abs(stats["first_minibatch_ratio_mean"] - 1.0)
+        if ppo_dropout and step > 0:  # at step 1 LoRA B is 0: dropout on its input changes nothing
+            assert gap > 1e-5, f"step {step + 1}: dropout did not reach the PPO forward"
+        else:
+            assert gap < 1e-6, f"step {step + 1}: first minibatch ratio {stats['first_minibatch_ratio_mean']!r}"
 
 
 def test_stale_version_is_an_error_naming_both_versions(tiny_path, special):
@@ -465,7 +526,7 @@ def test_state_dict_through_a_checkpoint_resumes_bit_for_bit(tiny_path, special,
     (safetensors + weights_only torch.load) and runs update 2. Same weights, same stats."""
     from ppo_ray.checkpoint import load_checkpoint, save_checkpoint
 
-    cfg = make_config(lora_dropout=0.1, seed=3)
+    cfg = make_config(lora_dropout=0.1, ppo_dropout=True, seed=3)
     a = Learner(cfg, tiny_path)
     a.update(*rollout_inputs(a, random_batch(special, seed=1), seed=1))
     save_checkpoint(tmp_path, config=cfg, learner_state=a.state_dict(), model_dir=tiny_path,

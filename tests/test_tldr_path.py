@@ -81,8 +81,9 @@ def data(tmp_path_factory) -> Path:
 
 
 def tiny_args(data: Path, **overrides) -> list[str]:
-    """The Qwen3 preset on the embedded tiny model, float32 on the CPU, tiny stages."""
-    fields = dict(model_name="embedded:tiny", dtype="float32", stage_dtype="null",
+    """The Qwen3 preset on the embedded tiny model, float32 on the CPU, tiny stages (their Ray
+    tasks reserve no GPU: the preset's learner_num_gpus would)."""
+    fields = dict(model_name="embedded:tiny", dtype="float32", stage_dtype="null", stage_num_gpus=0,
                   sft_dataset=str(data / "sft"), preference_dataset=str(data / "prefs_{split}.parquet"),
                   max_prompt_length=256, max_new_tokens=24, sft_epochs=1, rm_epochs=1, stage_batch_size=8,
                   sft_learning_rate=1e-3, rm_learning_rate=3e-4)

@@ -101,7 +101,11 @@ def test_bad_prompts_fail_clearly_and_leave_state_intact(tiny_trainer):
 
 
 def test_ppo_learns_a_simple_reward(tiny_trainer):
-    """letter_e_fraction (share of 'e' in the completion): mean reward rises clearly."""
+    """letter_e_fraction (share of 'e' in the completion): mean reward rises clearly, from the
+    untrained policy (the shared trainer is first put back to its initial state, so what other
+    tests did to it does not matter)."""
+    tiny_trainer.restore(tiny_trainer.initial_checkpoint)
+    assert tiny_trainer.step == 0 and tiny_trainer.version == 0
     history = tiny_trainer.train(bundled_prompts(), steps=24, progress=False)
     rewards = [h["reward_mean"] for h in history]
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
@@ -150,3 +154,27 @@ def test_overlap_mode_with_merged_sync(ray_session, tiny_model_dir):
     assert history[0]["gen_logprob_max_abs_diff"] < 1e-4  # merged vLLM weights vs PEFT
     assert all(h["behaviour_logprob_gap"] > 1e-4 for h in history[1:])
     assert all(math.isfinite(h["kl"]) and math.isfinite(h["policy_loss"]) for h in history)
+
+
+def test_the_logprob_guard_stops_or_warns(tiny_trainer, caplog):
+    """The generator-vs-learner check: a gap above the tolerance is an error naming the step
+    and the sync mode (the learner, which had already stepped, is put back: the trainer stays
+    at its version), or a warning. A tolerance below float32 agreement (~5e-6) trips it."""
+    from ppo_ray.trainer import LogprobGapError
+
+    base = tiny_trainer.config
+    version = tiny_trainer.version
+    try:
+        tiny_trainer.config = base.replace(logprob_gap_tolerance=1e-12, logprob_gap_check="error")
+        with pytest.raises(LogprobGapError, match=rf"step {tiny_trainer.step + 1}: .* lora_sync=adapter"):
+            tiny_trainer.ppo_step(bundled_prompts()[:4])
+        assert tiny_trainer.version == version
+        assert ray.get(tiny_trainer.roles.learner.version.remote()) == version
+        tiny_trainer.config = base.replace(logprob_gap_tolerance=1e-12, logprob_gap_check="warn")
+        with caplog.at_level("WARNING", logger="ppo_ray.trainer"):
+            out = tiny_trainer.ppo_step(bundled_prompts()[:4])
+        assert out["adapter_version"] == version + 1
+        assert "differ from the learner's" in caplog.text
+    finally:
+        tiny_trainer.config = base
+    assert base.logprob_gap_check == "error" and base.logprob_gap_limit == 1e-3  # what the other tests run with

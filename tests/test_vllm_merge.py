@@ -75,3 +75,36 @@ def test_merged_sync_matches_peft(merged_generator, tiny_model_dir):
     assert (gen.sequence_logprobs(prompt, cont) - base_lp).abs().max() < TOL
     with pytest.raises(ValueError, match="not newer"):
         gen.load_adapter(0, zero)
+
+
+# Prompts over two KV blocks (the CPU block is 128 tokens; GPUs use 16): whole blocks of them
+# are cached by the first generate and would be reused by the second.
+LONG_PROMPTS = ["SUBREDDIT: r/advice\n\nTITLE: the same long post twice\n\nPOST: " + f"story {i}: "
+                + "we talked about it again and again, for weeks. " * 24 + "\n\nTL;DR:" for i in range(3)]
+
+
+@pytest.mark.parametrize("mode", ["adapter", "merged"])
+def test_sampled_logprobs_after_a_sync_use_the_new_weights_on_cached_prompts(
+        mode, vllm_llm, merged_generator, tiny_model_dir):
+    """generate, sync a new version, generate the SAME long prompts again: the sampled
+    tokens' logprobs must be the new version's (HF + PEFT), not KV from the old weights'
+    prefix cache. Before the merged sync reset the cache, the gap here was ~1 nat."""
+    from actors.generator import Generator
+
+    llm = vllm_llm if mode == "adapter" else merged_generator.llm
+    gen = Generator(llm, model_dir=tiny_model_dir, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=12,
+                    seed=0, max_prompt_length=512, lora_r=8, lora_alpha=16, lora_sync=mode)
+    try:
+        block = llm.llm_engine.vllm_config.cache_config.block_size
+        lengths = [len(ids) for ids in gen._encode(LONG_PROMPTS)[0]]
+        assert min(lengths) >= 2 * block, (lengths, block)
+        peft_model = make_peft(tiny_model_dir)
+        gen.load_adapter(1, randomize_lora(peft_model, seed=11))
+        gen.generate(LONG_PROMPTS, step=0)  # fills the prefix cache under version 1
+        gen.load_adapter(2, randomize_lora(peft_model, seed=12))  # peft_model now holds version 2
+        batch = gen.generate(LONG_PROMPTS, step=1)
+        assert batch.adapter_version == 2
+        diff = (hf_logprobs(peft_model, batch) - batch.gen_logprobs).abs()[batch.response_mask]
+        assert diff.max() < TOL, f"{mode}: max |vLLM - HF+PEFT| at the new version {diff.max():.2e}"
+    finally:
+        gen.close()

@@ -1,0 +1,101 @@
+"""Console logging: our own lines through Python logging, the libraries' quieted.
+
+    setup_logging("info")          # launch.py, and each stage task on its worker
+    env = quiet_env("info")        # environment of every actor / task process
+
+A run's console at the default level `info` is our lines (the run directory, the run tag,
+one line per PPO step, stage progress, warnings) and little else: Ray's, vLLM's and
+transformers' own messages are cut to errors and their progress bars turned off. At
+`debug` everything comes back. A variable the user set in the driver's environment always
+wins (VLLM_LOGGING_LEVEL=INFO python launch.py ...).
+
+Bottom layer: imports nothing of ours, and not ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+DATE_FORMAT = "%H:%M:%S"
+# Libraries' loggers that talk at INFO in a healthy run (Ray's start-up, HTTP clients, filelock).
+NOISY_LOGGERS = ("ray", "urllib3", "filelock", "httpx", "datasets", "transformers", "torch", "vllm", "absl")
+
+
+def level_number(level: str) -> int:
+    return getattr(logging, level.upper())
+
+
+def setup_logging(level: str = "info", stream=None) -> None:
+    """Root logger at `level`, one handler to stderr (replacing ours from an earlier call,
+    never a caller's own handlers), libraries' loggers at WARNING unless `level` is debug."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "_ppo_ray", False):
+            root.removeHandler(handler)
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(logging.Formatter(FORMAT, DATE_FORMAT))
+    handler._ppo_ray = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(level_number(level))
+    quiet = level_number(level) > logging.DEBUG
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING if quiet else logging.NOTSET)
+
+
+def quiet_libraries(level: str = "info") -> None:
+    """In a worker process, before the libraries are imported: their loggers at WARNING (or
+    ERROR for vLLM) unless debug. Some of vLLM's import-time warnings are emitted before it
+    configures its logger, and Python's last-resort handler would print them bare."""
+    if level_number(level) <= logging.DEBUG:
+        return
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR if name == "vllm" else logging.WARNING)
+
+
+def quiet_env(level: str = "info") -> dict[str, str]:
+    """Environment variables that keep the libraries in a worker process quiet at `level`
+    (all of them back at debug); values already set in this process's environment win."""
+    debug = level_number(level) <= logging.DEBUG
+    env = {
+        # vLLM's per-engine warnings (Triton, NUMA, eager mode, LoRA tokenizers) and loader bars
+        "VLLM_LOGGING_LEVEL": "INFO" if debug else "ERROR",
+        # transformers' "Loading weights" bars and hub download bars
+        "HF_HUB_DISABLE_PROGRESS_BARS": "0" if debug else "1",
+        "TRANSFORMERS_VERBOSITY": "info" if debug else "error",
+        # torch's C++ warnings (NUMA binding) and libraries' FutureWarnings
+        "TORCH_CPP_LOG_LEVEL": "INFO" if debug else "ERROR",
+        "PYTHONWARNINGS": "default" if debug else "ignore",
+        # Rust tokenizers warn (and may deadlock) when a process forks after using them
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    return {key: os.environ.get(key, value) for key, value in env.items()}
+
+
+def ray_logging_level(level: str) -> int:
+    """Ray's own logger in the driver: its INFO start-up lines and the token-auth notice only
+    at debug (we log the dashboard address ourselves)."""
+    return logging.DEBUG if level_number(level) <= logging.DEBUG else logging.ERROR
+
+
+def format_step(out: dict, total: int | None = None) -> str:
+    """One PPO step's console line: step, reward, KL (and beta when it moves), losses, the
+    gold score when the step was evaluated, step seconds, tokens/s."""
+    def num(key: str, fmt: str) -> str:
+        value = out.get(key)
+        return format(value, fmt) if isinstance(value, (int, float)) else "-"
+
+    parts = [f"step {out['step']}" + (f"/{total}" if total else ""),
+             f"reward {num('reward_mean', '+.4f')}", f"kl {num('kl', '.4f')}"]
+    if "kl_coef" in out:
+        parts.append(f"beta {num('kl_coef', '.4g')}")
+    parts += [f"policy_loss {num('policy_loss', '+.4f')}", f"value_loss {num('value_loss', '.4f')}"]
+    for key, label in (("gold_val", "gold_val"), ("eval_reward_mean", "eval_reward")):
+        if key in out:
+            parts.append(f"{label} {num(key, '.3f')}")
+    if out.get("stale_versions"):
+        parts.append(f"stale {num('stale_versions', '.0f')}")
+    parts += [f"{num('time/step_s', '.2f')} s", f"{num('tokens_per_s', '.0f')} tok/s"]
+    return "  ".join(parts)

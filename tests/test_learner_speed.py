@@ -1,0 +1,336 @@
+"""The learner's speed options compute what the plain path computes (float32, CPU).
+
+Each option of ppo_ray.config's "learner speed" block is checked against the plain path
+(all options at their defaults) on the embedded tiny Qwen3 with non-zero LoRA B matrices
+(so the adapters matter), left-padded prompts and responses of different lengths:
+
+* learner_layout=causal (rows moved to column 0, no attention mask) == masked;
+* logprob_chunk_size (lm_head + logprobs a chunk of real tokens at a time, recomputed in
+  the backward) == all positions at once, values and gradients;
+* lora_kernel=fused == PEFT's LoRA forward, values and gradients, also with the casts
+  cached across micro-batches; rms_norm_kernel=fused == HF's RMSNorm;
+* learner_sort_by_length (length-sorted micro-batches) and gradient_checkpointing give the
+  same update;
+* all of them together give the same update (stats and new weights within 1e-5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from learner.algos import chunked_rows, logprobs_from_logits
+from learner.buffer import TrimPlan
+from learner.learner import Learner
+from ppo_ray.config import ConfigError, PPOConfig
+from test_learner import make_config, random_batch, rollout_inputs, special, tiny_path  # noqa: F401 (fixtures)
+
+TOL = 1e-5
+FAST = dict(learner_layout="causal", learner_sort_by_length=True, lora_kernel="fused", rms_norm_kernel="fused",
+            logprob_chunk_size=7)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def learner_with(tiny_path, **options) -> Learner:
+    """A tiny learner whose LoRA B matrices are random (B = 0 would hide the adapters)."""
+    learner = Learner(make_config(**options), tiny_path)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in [*learner.policy.named_parameters(), *learner.value_model.named_parameters()]:
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return learner
+
+
+def passes(learner: Learner, batch):
+    out = learner._rollout_pass(batch, logprobs=True, full=True, entropy=True, values=True)
+    return {"logprobs": out.logprobs, "full": out.full_logprobs, "entropy": out.entropy, "values": out.values}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def batch(special):
+    return random_batch(special, n=8, p=10, t=16, seed=3)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_path, batch):
+    """The plain path's no-grad pass and one update (from the same starting weights)."""
+    learner = learner_with(tiny_path)
+    b, ref, scores = rollout_inputs(learner, batch)
+    before = passes(learner, b)
+    stats, weights = learner.update(b, ref, scores)
+    return b, ref, scores, before, stats, weights
+
+
+def test_causal_sequences_move_each_row_to_column_zero(special):
+    batch = random_batch(special, n=5, p=6, t=4, seed=1)
+    plan = TrimPlan.of(batch)
+    length = plan.seq_len(range(5))
+    ids, predict = batch.causal_sequences(length)
+    for i in range(5):
+        real = torch.cat([batch.prompt_ids[i][batch.prompt_mask[i]], batch.response_ids[i][batch.response_mask[i]]])
+        assert ids[i, :len(real)].tolist() == real.tolist()  # real tokens first, in order
+        p_i = int(batch.prompt_mask[i].sum())
+        for t in range(int(batch.response_mask[i].sum())):
+            assert int(predict[i, t]) == p_i - 1 + t  # the column that predicts response token t
+            assert int(ids[i, predict[i, t] + 1]) == int(batch.response_ids[i, t])
+    assert int(predict.max()) < length
+
+
+@pytest.mark.parametrize("options", [dict(learner_layout="causal"), dict(logprob_chunk_size=5),
+                                     dict(lora_kernel="fused"), dict(rms_norm_kernel="fused"),
+                                     dict(learner_sort_by_length=True), FAST],
+                         ids=["causal", "chunked", "fused_lora", "fused_norm", "sorted", "all"])
+def test_no_grad_pass_equals_plain(tiny_path, plain, options):
+    """Old logprobs (truncated), full logprobs, entropy and values of every real token."""
+    b, _, _, before, _, _ = plain
+    assert max_diff(passes(learner_with(tiny_path, **options), b), before) < TOL
+
+
+@pytest.mark.parametrize("options", [dict(learner_layout="causal"), dict(logprob_chunk_size=5),
+                                     dict(lora_kernel="fused"), dict(learner_sort_by_length=True),
+                                     dict(gradient_checkpointing=True), FAST],
+                         ids=["causal", "chunked", "fused_lora", "sorted", "checkpointed", "all"])
+def test_update_equals_plain(tiny_path, plain, options):
+    """Two PPO epochs x two minibatches x micro-batches of 2: every stat and the new
+    adapter equal the plain path's (float32, float summation order only)."""
+    b, ref, scores, _, stats, weights = plain
+    fast_stats, fast_weights = learner_with(tiny_path, **options).update(b, ref, scores)
+    assert max((fast_weights[k] - weights[k]).abs().max().item() for k in weights) < TOL
+    for key, value in stats.items():
+        if key in ("learner_forward_s", "update_s", "padded_token_ratio"):
+            continue
+        assert fast_stats[key] == pytest.approx(value, abs=TOL, rel=TOL), key
+
+
+def test_checkpointed_and_chunked_gradients_equal_plain(tiny_path, plain):
+    """One micro-batch's policy + value loss gradients, with every speed option and
+    gradient checkpointing, equal the plain path's."""
+    b, ref, scores, _, _, _ = plain
+
+    def grads(**options) -> dict:
+        learner = learner_with(tiny_path, **options)
+        learner.update(b, ref, scores)  # builds last_experience (and steps, identically on both)
+        from learner.buffer import ExperienceBuffer
+
+        exp = learner.last_experience
+        buffer = ExperienceBuffer(exp, len(exp), 4, TrimPlan.of(exp.rollouts), sort=learner.config.learner_sort_by_length)
+        learner.policy.train()
+        learner.value_model.train()
+        norm = exp.mask.sum().float()
+        for rows in buffer.micro_rows(torch.arange(len(exp))):
+            pg, v, _ = learner._micro_losses(buffer.micro_batch(rows), norm, norm)
+            (pg + v).backward()
+        return {n: p.grad.clone() for n, p in [*learner.policy.named_parameters(),
+                                              *learner.value_model.named_parameters()] if p.requires_grad}
+
+    base, fast = grads(), grads(**FAST, gradient_checkpointing=True)
+    assert base.keys() == fast.keys()
+    assert max((base[k] - fast[k]).abs().max().item() for k in base) < TOL
+    assert max(g.abs().max().item() for g in base.values()) > 1e-4  # the gradients are not all zero
+
+
+def test_chunked_rows_equal_one_pass_values_and_gradients():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(23, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g)
+    tokens = (hidden @ weight.T).topk(3).indices[:, 2].detach()  # inside the top-10 support
+
+    def fn(h, tok):
+        logits = h @ weight.T  # (c, V)
+        return logprobs_from_logits(logits, tok, 0.7, top_k=10), logprobs_from_logits(logits, tok, 0.7)
+
+    full = fn(hidden, tokens)
+    grad_full = torch.autograd.grad(sum(x.sum() for x in full), hidden)[0]
+    chunked = chunked_rows(fn, 5, hidden, tokens)
+    grad_chunked = torch.autograd.grad(sum(x.sum() for x in chunked), hidden)[0]
+    for a, b in zip(full, chunked):
+        assert (a - b).abs().max() < 1e-6
+    assert (grad_full - grad_chunked).abs().max() < 1e-6
+
+
+def test_fused_lora_equals_peft_with_cached_casts(tiny_path):
+    """bfloat16 model, float32 adapters (PEFT's default): the fused forward's outputs and
+    float32 adapter gradients match PEFT's up to bf16 rounding; with the cast cache open over
+    two micro-batches the gradients are the same as without it; with the adapter disabled
+    it is the base model."""
+    from learner.kernels import cached_casts, fuse_lora_linears
+    from peft import LoraConfig, get_peft_model
+    from ppo_ray.modeling import load_causal_lm
+
+    def model():
+        torch.manual_seed(0)
+        m = get_peft_model(load_causal_lm(tiny_path, "bfloat16"), LoraConfig(r=4, lora_alpha=8, target_modules=[
+            "q_proj", "v_proj", "down_proj"]))
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+        assert all(p.dtype == torch.float32 for n, p in m.named_parameters() if "lora_" in n)
+        return m
+
+    ids = torch.randint(0, 300, (2, 2, 9), generator=torch.Generator().manual_seed(1))
+
+    def run(m, cache: bool):
+        outs = []
+        with cached_casts(m) if cache else torch.enable_grad():
+            for x in ids:  # two micro-batches, one backward each
+                logits = m(input_ids=x).logits.float()
+                logits.square().mean().backward()
+                outs.append(logits.detach())
+        return outs, {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
+
+    peft_out, peft_grads = run(model(), cache=False)
+    fused = model()
+    assert fuse_lora_linears(fused) == 3 * 2  # 3 targets x 2 layers
+    fused_out, fused_grads = run(fused, cache=False)
+    fused2 = model()
+    fuse_lora_linears(fused2)
+    cached_out, cached_grads = run(fused2, cache=True)
+    def rel(a, b) -> float:  # bf16 compute vs PEFT's float32 LoRA: equal up to bf16 rounding
+        return float((a - b).norm() / b.norm())
+
+    for a, b in zip(fused_out, peft_out):
+        assert rel(a, b) < 0.02
+    for k in peft_grads:
+        assert rel(fused_grads[k], peft_grads[k]) < 0.05, k
+        assert torch.equal(cached_grads[k], fused_grads[k]), k  # the cache changes nothing
+    with torch.no_grad(), fused.disable_adapter():
+        base_logits = fused(input_ids=ids[0]).logits
+    with torch.no_grad():
+        plain = load_causal_lm(tiny_path, "bfloat16")(input_ids=ids[0]).logits
+    assert torch.equal(base_logits, plain)
+
+
+def test_padded_token_ratio_counts_the_layouts(tiny_path, plain, batch):
+    """padded_token_ratio = positions computed / real tokens over the no-grad pass and the
+    epochs: >= 1, and the sorted causal layout pays for less padding than the plain one."""
+    b, ref, scores, _, stats, _ = plain
+    fast_stats, _ = learner_with(tiny_path, learner_layout="causal", learner_sort_by_length=True).update(b, ref, scores)
+    assert 1.0 <= fast_stats["padded_token_ratio"] < stats["padded_token_ratio"]
+    plan = TrimPlan.of(b)
+    rows = list(range(len(b)))
+    done, real = plan.cost(rows, causal=False)
+    assert real == int(b.prompt_mask.sum() + b.response_mask.sum())
+    assert done == len(b) * (plan.prompt_len - min(plan.prompt_start) + max(plan.response_end))
+    assert plan.cost(rows, causal=True)[0] == len(b) * max(plan.length(i) for i in rows)
+
+
+def test_compile_option_compiles_every_decoder_layer(tiny_path, monkeypatch):
+    """learner_compile wraps each decoder layer of both models (torch.compile itself is
+    measured on the GPU, benchmarks/RESULTS.md; here only the wiring, without compiling)."""
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compiled.append((self, kw)))
+    learner = Learner(make_config(learner_compile=True), tiny_path)
+    layers = [*learner._decoder.layers, *learner.value_model.backbone.get_base_model().layers]
+    assert [m for m, _ in compiled] == layers and all(kw == {"dynamic": True} for _, kw in compiled)
+
+
+@pytest.mark.parametrize("field, value", [("learner_layout", "packed"), ("lora_kernel", "triton"),
+                                          ("rms_norm_kernel", "x"), ("logprob_chunk_size", -1)])
+def test_speed_options_are_validated(field, value):
+    with pytest.raises(ConfigError, match=field):
+        PPOConfig(**{field: value})
+
+
+def test_defaults_are_the_plain_path():
+    cfg = PPOConfig()
+    assert (cfg.learner_layout, cfg.learner_sort_by_length, cfg.logprob_chunk_size, cfg.lora_kernel,
+            cfg.rms_norm_kernel, cfg.gradient_checkpointing, cfg.learner_compile) == \
+        ("masked", False, 0, "peft", "hf", False, False)
+
+
+# ------------------------------------------------------------------ value_model: shared
+def shared_learner(tiny_path, **options) -> Learner:
+    """value_model: shared, with random LoRA B matrices and a random value head."""
+    learner = learner_with(tiny_path, value_model="shared", **options)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        learner.value_model.head.weight.copy_(0.1 * torch.randn(learner.value_model.head.weight.shape, generator=g))
+        learner.value_model.head.bias.fill_(0.3)
+    return learner
+
+
+@pytest.mark.parametrize("options", [{}, FAST], ids=["plain", "fast"])
+def test_shared_trunk_pass_equals_two_forwards(tiny_path, batch, options):
+    """One trunk forward for logprobs and values == the policy's own forward (the plain
+    path's logits) plus a second, independent forward for the hidden states under the head:
+    the same weights give the same numbers."""
+    learner = shared_learner(tiny_path, **options)
+    b = replace(batch, adapter_version=0)
+    out = passes(learner, b)
+    mask = b.response_mask
+    cfg = learner.config
+    # 1. logprobs from the CausalLM's own forward (logits), as the separate-model learner computes them
+    from ppo_ray.modeling import response_hidden, response_logits
+
+    with torch.no_grad():
+        logits = response_logits(learner.policy, b)  # (B, T, V)
+        hidden = response_hidden(learner.policy.get_base_model().get_decoder(), b)  # (B, T, H), a second forward
+    want_lp = logprobs_from_logits(logits, b.response_ids, cfg.temperature, cfg.top_k, cfg.top_p, mask=mask)
+    want_v = learner.value_model.head(hidden.float()).squeeze(-1)
+    assert (out["logprobs"] - want_lp)[mask].abs().max() < TOL
+    assert (out["values"] - want_v)[mask].abs().max() < TOL
+    assert (out["values"][~mask] == 0).all() and out["values"][mask].abs().max() > 0.1  # the head is not 0
+    assert not hasattr(learner.value_model, "backbone")  # no second model in memory
+
+
+def test_shared_trunk_update_trains_lora_with_the_weighted_value_loss(tiny_path, batch):
+    """The value loss reaches the shared LoRA with weight vf_coef: the first LoRA gradient is
+    g_policy + vf_coef * g_value, affine in vf_coef (checked at 0.1, 0.2, 0.3), with a
+    g_value that is not 0; the ratio still starts at 1."""
+    grads = {}
+    for coef in (0.1, 0.2, 0.3):
+        learner = shared_learner(tiny_path, vf_coef=coef, ppo_epochs=1, mini_batch_size=8, max_grad_norm=None)
+        b, ref, scores = rollout_inputs(learner, batch)
+        captured = {}
+        original = learner.policy_optimizer.step
+
+        def spy(*a, **k):
+            if not captured:
+                captured.update({id(p): p.grad.detach().clone() for p in learner.policy_params if p.grad is not None})
+            return original(*a, **k)
+
+        learner.policy_optimizer.step = spy
+        stats, _ = learner.update(b, ref, scores)
+        assert stats["value_loss"] > 0 and abs(stats["first_minibatch_ratio_mean"] - 1) < 1e-6
+        grads[coef] = torch.cat([g.reshape(-1) for g in captured.values()]).double()
+    g_value = (grads[0.2] - grads[0.1]) / 0.1
+    assert g_value.abs().max() > 1e-3 * grads[0.1].abs().max()
+    # float32 sums: the residual is ~4e-7 on gradients of ~0.6
+    assert (grads[0.3] - (grads[0.1] + 0.2 * g_value)).abs().max() < 1e-5 * grads[0.1].abs().max().clamp(min=1)
+
+
+def test_shared_trunk_micro_batching_and_fast_options_give_the_same_update(tiny_path, batch):
+    results = []
+    for options in ({"micro_batch_size": 2}, {"micro_batch_size": 4}, {"micro_batch_size": 3, **FAST}):
+        learner = shared_learner(tiny_path, **options)
+        b, ref, scores = rollout_inputs(learner, batch)
+        stats, weights = learner.update(b, ref, scores)
+        results.append((stats, weights, learner.value_model.head.weight.detach().clone()))
+    (s0, w0, h0), *rest = results
+    for stats, weights, head in rest:
+        assert max((weights[k] - w0[k]).abs().max().item() for k in w0) < TOL
+        assert (head - h0).abs().max() < TOL
+        for key in ("policy_loss", "value_loss", "approx_kl", "explained_variance"):
+            assert stats[key] == pytest.approx(s0[key], abs=1e-5), key
+
+
+def test_shared_trunk_refuses_a_value_model_of_its_own():
+    with pytest.raises(ConfigError, match="value_model_name.*must be null with value_model: shared"):
+        PPOConfig(value_model="shared", value_model_name="rm")
+    with pytest.raises(ConfigError, match="value_model"):
+        PPOConfig(value_model="twin")

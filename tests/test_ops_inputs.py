@@ -1,0 +1,167 @@
+"""Issue 15's input checks and options, without Ray: the context-length error (before any
+actor starts, and before launch.py writes anything), apply_chat_template on the tiny
+tokenizer with a template set, vllm_enforce_eager's default, the trust notice of config
+files (--help, and the reward functions a --resume imports).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+import launch
+from ppo_ray.config import PPOConfig
+from ppo_ray.modeling import ContextLengthError, check_context_length, resolve_model_path
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny.yaml"
+CHAT = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def short_model(tmp_path_factory) -> Path:
+    """The tiny model with a context window of 64 positions (config.json's
+    max_position_embeddings): weights unchanged, only the limit the checks read."""
+    src = Path(resolve_model_path("embedded:tiny"))
+    dst = tmp_path_factory.mktemp("short") / "model"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["max_position_embeddings"] = 64
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+# ----------------------------------------------------------------------------- context length
+def test_context_length_error_names_both_fields_and_the_limit(short_model):
+    check_context_length(48, 16, {"model_name": str(short_model)})  # 64 fits exactly
+    with pytest.raises(ContextLengthError) as info:
+        check_context_length(60, 16, {"model_name": str(short_model)})
+    message = str(info.value)
+    assert f"model_name {str(short_model)!r} has max_position_embeddings=64" in message
+    assert "max_prompt_length (60) + max_new_tokens (16) = 76" in message and "at most 64" in message
+    check_context_length(4096, 4096, {"model_name": "some-org/not-downloaded"})  # unknown: left to the hub load
+
+
+def test_trainer_refuses_a_short_model_before_ray(short_model, monkeypatch):
+    """PPOTrainer checks every model's window before init_ray (no actor, no Ray)."""
+    import ppo_ray.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "init_ray", lambda **kw: pytest.fail("Ray started"))
+    config = PPOConfig.from_yaml(TINY, model_name=str(short_model), max_prompt_length=60, max_new_tokens=16)
+    with pytest.raises(ContextLengthError, match=r"max_prompt_length \(60\) \+ max_new_tokens \(16\) = 76"):
+        trainer_module.PPOTrainer(config)
+
+
+def test_launch_refuses_a_short_model_before_writing(short_model, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code = launch.main(["ppo", "--config", str(TINY), "--model_name", str(short_model), "--max_prompt_length", "60",
+                        "--max_new_tokens", "16", "--run_dir", str(run_dir)])
+    assert code == 2 and not run_dir.exists()
+    err = capsys.readouterr().err
+    assert err.startswith("error: model_name") and "max_position_embeddings=64" in err and "Traceback" not in err
+    # the pipeline checks the base model before SFT, too
+    code = launch.main(["sft", "--model_name", str(short_model), "--max_prompt_length", "60", "--max_new_tokens",
+                        "16", "--run_dir", str(run_dir)])
+    assert code == 2 and not run_dir.exists() and "max_position_embeddings=64" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- chat template
+def test_apply_chat_template_formats_each_prompt_as_a_user_turn():
+    from ppo_ray.data import check_chat_template, encode_prompts
+    from ppo_ray.modeling import load_tokenizer
+
+    tok = load_tokenizer(resolve_model_path("embedded:tiny"))
+    with pytest.raises(ValueError, match="has no chat template"):
+        check_chat_template(tok, "embedded:tiny")
+    tok.chat_template = CHAT
+    check_chat_template(tok, "embedded:tiny")
+    prompts = ["Summarise: the cat sat.", "TL;DR:"]
+    plain = encode_prompts(tok, prompts, 256)
+    chat = encode_prompts(tok, prompts, 256, chat_template=True)
+    expected = [tok(f"<|user|>{p}\n<|assistant|>", add_special_tokens=False)["input_ids"] for p in prompts]
+    assert chat == expected and chat != plain
+    # max_prompt_length counts the template's tokens
+    with pytest.raises(ValueError, match="prompt 0 is"):
+        encode_prompts(tok, prompts, len(plain[0]), chat_template=True)
+
+
+def test_apply_chat_template_is_checked_at_load_and_refused_for_the_pipeline(capsys, tmp_path):
+    from ppo_ray.data import load_prompts
+    from ppo_ray.modeling import load_tokenizer
+
+    config = PPOConfig.from_yaml(TINY, apply_chat_template=True)
+    tok = load_tokenizer(resolve_model_path("embedded:tiny"))
+    with pytest.raises(ValueError, match="apply_chat_template is true but the tokenizer of 'embedded:tiny' has no"):
+        load_prompts(config, tok)
+    tok.chat_template = CHAT
+    assert len(load_prompts(config, tok)) > 0
+    code = launch.main(["sft", "--apply_chat_template", "true", "--run_dir", str(tmp_path / "r")])
+    assert code == 2 and "apply_chat_template formats the PPO prompts" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- vLLM eager mode
+def test_vllm_enforce_eager_default_eager_on_cpu_graphs_on_gpu(monkeypatch):
+    from actors import vllm_engine
+    from actors.generator import Generator
+
+    assert vllm_engine.resolve_enforce_eager(None, on_cpu=True) is True
+    assert vllm_engine.resolve_enforce_eager(None, on_cpu=False) is False
+    assert vllm_engine.resolve_enforce_eager(True, on_cpu=False) is True
+    assert vllm_engine.resolve_enforce_eager(False, on_cpu=True) is False
+    seen = {}
+
+    def fake_build_llm(model_dir, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(vllm_engine, "build_llm", fake_build_llm)
+    for value in (None, True, False):
+        with pytest.raises(RuntimeError, match="stop here"):
+            Generator.from_config(PPOConfig.from_yaml(TINY, vllm_enforce_eager=value), "unused")
+        assert seen["enforce_eager"] is value  # the config's choice reaches build_llm, resolved there
+
+
+# ----------------------------------------------------------------------------- trusted configs
+def test_help_says_config_files_are_trusted(capsys):
+    assert launch.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Trusted input: a config file" in out and "reward_funcs is\nimported and run" in out
+    assert "its reward_funcs are imported and run" in out and "--log_level ('info')" in out
+
+
+def test_resume_names_the_reward_functions_it_will_import(tmp_path, caplog):
+    """--resume reloads the run's saved config: the reward functions it imports are named
+    before anything is imported (here one that does not exist: the run then stops, exit 2)."""
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoints" / "step-000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer.json").write_text("{}")  # enough for resolve_checkpoint (an unverified old one)
+    (run_dir / "checkpoints" / "latest").write_text("step-000001\n")
+    config = PPOConfig.from_yaml(TINY, reward_funcs=["ppo_ray.rewards:letter_e_fraction", "my_rewards:secret_sauce"],
+                                 reward_weights=[1.0, 1.0])
+    config.to_yaml(run_dir / "config-ppo.yaml")
+    with caplog.at_level(logging.WARNING):
+        code = launch.main(["ppo", "--resume", str(run_dir)])
+    assert code == 2
+    notice = [r.getMessage() for r in caplog.records if "reward functions" in r.getMessage()]
+    assert notice and "ppo_ray.rewards:letter_e_fraction, my_rewards:secret_sauce" in notice[0]
+    assert "trusted input" in notice[0]
+
+
+def test_a_stage_that_asks_for_gpus_the_cluster_lacks_fails_fast(ray_session, tmp_path):
+    """The SFT stage's task reserves the learner's GPUs by default: on a cluster without GPUs
+    that is a ClusterError naming the stage and the fields, before anything trains."""
+    from learner.stages import TrainSettings
+    from ppo_ray.placement import ClusterError, run_stage
+
+    config = PPOConfig.from_yaml(TINY, learner_num_gpus=0.5, placement_timeout_s=5.0)
+    with pytest.raises(ClusterError, match=r"asks for 0.5 GPUs for the sft stage's task \(stage_num_gpus, by "
+                                           r"default learner_num_gpus\) but the Ray cluster has 0"):
+        run_stage(config, "sft", resolve_model_path("embedded:tiny"), ([[1, 2]], [[3, 4]]), TrainSettings(),
+                  tmp_path / "sft")
+    assert not (tmp_path / "sft").exists()
