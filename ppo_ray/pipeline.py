@@ -82,7 +82,7 @@ def sft_ids(config: PPOConfig, data_dir: Path, tok, part: str) -> SFTIds:
     """SFT (query ids, response ids + EOS) of one part, from the bundled task or sft_dataset."""
     if config.uses_bundled_data:
         path = data_dir / f"sft_{'train' if part == 'train' else 'validation'}.jsonl"
-        rows = read_rows(path)
+        rows = read_rows(path)[: config.data_max_rows]
         q, r = _encode(tok, column(rows, "prompt", str(path)), column(rows, "summary", str(path)))
         return SFTIds(q, r, {})
     from ppo_ray.tldr import load_sft
@@ -100,7 +100,7 @@ def preference_ids(config: PPOConfig, data_dir: Path, tok, part: str) -> Prefere
     preference_dataset (chosen = summaries[choice]; CNN/DM rows skipped)."""
     if config.uses_bundled_data:
         path = data_dir / f"preferences_{'train' if part == 'train' else 'validation'}.jsonl"
-        rows = read_rows(path)
+        rows = read_rows(path)[: config.data_max_rows]
         prompts = column(rows, "prompt", str(path))
         q, c = _encode(tok, prompts, column(rows, "chosen", str(path)))
         _, r = _encode(tok, prompts, column(rows, "rejected", str(path)))

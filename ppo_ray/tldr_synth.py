@@ -10,7 +10,7 @@ Public API::
     generate_task(seed=0, n_train=2000, n_val=200, n_test=200, ideal_fraction=1.0) -> {"train"|"validation"|"test": [example]}
     write_task(out_dir, seed=0, n_train=2000, n_val=200, n_test=200, ideal_fraction=1.0) -> {file name: Path}
     pretraining_documents(n, seed=0, ideal_fraction=1.0) -> [str]   # the embedded model's corpus part
-    in_pretraining_pool(subreddit, person, template) -> bool
+    in_pretraining_pool(subreddit, person, template, quantity) -> bool
     gold_details(example, summary, ended_with_eos) -> GoldScore
     gold_score(example, summary, ended_with_eos) -> float            # in [0, 1]
     gold_compare(example, a, b, eos_a=True, eos_b=True) -> 1 | 0 | -1
@@ -45,15 +45,15 @@ are dropped until it fits), which is <= 120 tokens; reference summaries are 5-9 
 test split is drawn first, then validation, then train, from one
 ``random.Random(seed)``: changing ``n_train`` leaves the evaluation splits unchanged.
 
-Two pools of facts: a fixed hash puts about one (subreddit, person, event template) triple
-in three into the PRETRAINING pool (``in_pretraining_pool``). ``generate_task`` draws only
-from the other, the task pool, for every seed; ``pretraining_documents`` (the embedded
-model's pretraining corpus) only from the pretraining pool, with the quantity drawn afresh
-for every document. So no SFT, validation or test post of any seed shares its person and
-event with a pretraining document, and in pretraining the quantity is independent of
-everything but the post's own sentence: copying it is the only way to predict it (a pool
-split by the whole tuple, quantity included, let the model learn which quantities go with
-a person and event, and it then wrote those instead of the post's: 29% right after SFT).
+Two pools of facts: a fixed hash puts about one (subreddit, person, event template,
+quantity) tuple in three into the PRETRAINING pool (``in_pretraining_pool``).
+``generate_task`` draws only from the other, the task pool, for every seed;
+``pretraining_documents`` (the embedded model's pretraining corpus) only from the
+pretraining pool. So no SFT, validation or test post of any seed shares its facts with a
+pretraining document, while every person and event is seen in pretraining with other
+quantities. (Splitting by person and event instead, so that the task's person-event pairs
+are never seen, gave a model that copies quantities less well: 90% right after SFT on ideal
+references instead of 96.5%, issue 13 in benchmarks/RESULTS.md.)
 
 Reference quality (``ideal_fraction``, config ``bundled_ideal_fraction``): by default
 (``generate_task``'s own, and ``PPOConfig``'s) every reference is the ideal summary; the
@@ -152,9 +152,9 @@ __all__ = [
 
 SPLITS = ("train", "validation", "test")
 
-# The default job's reference quality (config bundled_ideal_fraction, configs/tldr-tiny.yaml)
-# and the embedded tldr model's pretraining mix (ppo_ray/tldr_model.py): 30% of the posters'
-# TL;DRs state every key fact, the rest leave one out. generate_task's own default stays 1.0.
+# The default job's reference quality (config bundled_ideal_fraction, configs/tldr-tiny.yaml;
+# a test keeps the two equal): 30% of the posters' TL;DRs state every key fact, the rest
+# leave one out. generate_task's own default stays 1.0.
 DEFAULT_IDEAL_FRACTION = 0.3
 
 # Prompt budget in characters, so that the generator needs no tokenizer: <= 120 tokens
@@ -467,24 +467,22 @@ def fact_alternatives(example: Mapping) -> dict[str, list[str]]:
 # --------------------------------------------------------------------------- the generator
 
 
-# The triples (subreddit, person, event template) are split once and for all into two
-# pools: about one in PRETRAIN_POOL_SHARE belongs to the pretraining pool, whose posts only
-# the embedded model's pretraining corpus uses (pretraining_documents), and the rest to the
-# task pool, the only one generate_task draws from, for every seed (module docstring).
+# The tuples (subreddit, person, event template, quantity) are split once and for all into
+# two pools: about one in PRETRAIN_POOL_SHARE belongs to the pretraining pool, whose posts
+# only the embedded model's pretraining corpus uses (pretraining_documents), and the rest
+# to the task pool, the only one generate_task draws from, for every seed (module docstring).
 PRETRAIN_POOL_SHARE = 3
 
 
-def in_pretraining_pool(subreddit: str, person: str, template: str) -> bool:
-    """Whether the (subreddit, person, event template) triple belongs to the pretraining
-    pool (a fixed hash of the triple)."""
-    digest = hashlib.sha256("|".join((subreddit, person, template)).encode()).digest()
+def in_pretraining_pool(subreddit: str, person: str, template: str, quantity: str) -> bool:
+    """Whether the fact tuple belongs to the pretraining pool (a fixed hash of the tuple)."""
+    digest = hashlib.sha256("|".join((subreddit, person, template, quantity)).encode()).digest()
     return digest[0] % PRETRAIN_POOL_SHARE == 0
 
 
 def _make_post(rng: random.Random, subreddit: str, used: set, pretraining: bool = False) -> dict:
     """One example without its summaries; its (subreddit, person, event, quantity) is not in
-    `used` and its (subreddit, person, event template) is in the task pool (`pretraining`:
-    the pretraining pool).
+    `used` and is in the task pool (`pretraining`: the pretraining pool).
 
     Private keys (leading "_") keep what the summaries are built from.
     """
@@ -494,7 +492,7 @@ def _make_post(rng: random.Random, subreddit: str, used: set, pretraining: bool 
         template, kind = rng.choice(table["events"])
         q = _quantity(rng, kind)
         if (subreddit, person, template, q) not in used and in_pretraining_pool(
-                subreddit, person, template) == pretraining:
+                subreddit, person, template, q) == pretraining:
             used.add((subreddit, person, template, q))
             break
     else:
@@ -672,22 +670,27 @@ def generate_task(seed: int = 0, n_train: int = 2000, n_val: int = 200, n_test: 
 
 def pretraining_documents(n: int, seed: int = 0, ideal_fraction: float = 1.0) -> list[str]:
     """`n` task-format documents for pretraining the embedded model: a post of the
-    PRETRAINING pool (never a person and event any generate_task split can hold) in the prompt format,
+    PRETRAINING pool (never a tuple any generate_task split can hold) in the prompt format,
     followed by its poster's TL;DR, ideal with probability `ideal_fraction` and otherwise
     leaving a fact out, as generate_task's references do; no EOS (the builder appends it).
 
-    Each document draws its (subreddit, person, event template) from the pool and its
-    quantity afresh, so a triple comes back with other quantities (and its own title,
-    sentences and distractors). Deterministic in (n, seed, ideal_fraction).
+    The pool holds ~2,500 tuples, so a tuple comes back in several posts (each time with
+    its own title, sentences and distractors): the posts are drawn in rounds, each round
+    using a tuple at most once. Deterministic in (n, seed, ideal_fraction).
     """
     if not 0.0 <= ideal_fraction <= 1.0:
         raise ValueError(f"ideal_fraction must be in [0, 1], got {ideal_fraction!r}")
     rng = random.Random(f"pretraining-{seed}")
     ref_rng = random.Random(f"pretraining-{seed}-references")
     subreddits = sorted(_SUBREDDITS)
+    used: set = set()
     docs: list[str] = []
     while len(docs) < n:
-        ex = _make_post(rng, rng.choice(subreddits), set(), pretraining=True)
+        try:
+            ex = _make_post(rng, rng.choice(subreddits), used, pretraining=True)
+        except ValueError:  # a subreddit's share of the pool is used up: a new round
+            used = set()
+            continue
         ideal = _summary(rng, ex["_slots"]["p"], ex["_slots"]["E"], _SUMMARY_FORMS[0])
         docs.append(ex["prompt"] + (ideal if ref_rng.random() < ideal_fraction else _flawed_summary(ref_rng, ex)))
     return docs
