@@ -228,17 +228,28 @@ def rm_scores(model, batch: RolloutBatch) -> Tensor:
     return model.score(last_token_hidden(backbone, batch)).float().squeeze(-1)
 
 
-def preference_accuracy(model, queries, chosen, rejected, pad: int, eos: int, batch_size: int = 64) -> float:
-    """Fraction of pairs scored chosen > rejected (batches go to the model's device)."""
+def score_responses(model, queries, responses, pad: int, eos: int, batch_size: int = 64) -> Tensor:
+    """(N,) reward-model scores of (query, response) id lists, on the CPU (batches go to the
+    model's device)."""
     device = next(model.parameters()).device
-    correct = 0
+    out = []
     with torch.no_grad():
         for i in range(0, len(queries), batch_size):
-            q = list(queries[i:i + batch_size])
-            rc = rm_scores(model, rollouts_to(pack(q, chosen[i:i + batch_size], pad, eos).trimmed(), device))
-            rr = rm_scores(model, rollouts_to(pack(q, rejected[i:i + batch_size], pad, eos).trimmed(), device))
-            correct += int((rc > rr).sum())
-    return correct / max(len(queries), 1)
+            batch = pack(list(queries[i:i + batch_size]), list(responses[i:i + batch_size]), pad, eos).trimmed()
+            out.append(rm_scores(model, rollouts_to(batch, device)).cpu())
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+def preference_correct(model, queries, chosen, rejected, pad: int, eos: int, batch_size: int = 64) -> list[bool]:
+    """Per pair: whether the model scores chosen > rejected."""
+    rc = score_responses(model, queries, chosen, pad, eos, batch_size)
+    rr = score_responses(model, queries, rejected, pad, eos, batch_size)
+    return (rc > rr).tolist()
+
+
+def preference_accuracy(model, queries, chosen, rejected, pad: int, eos: int, batch_size: int = 64) -> float:
+    """Fraction of pairs scored chosen > rejected."""
+    return sum(preference_correct(model, queries, chosen, rejected, pad, eos, batch_size)) / max(len(queries), 1)
 
 
 def rm_backward(model, queries, chosen, rejected, rows: list[int], pad: int, eos: int,
@@ -292,7 +303,9 @@ def train_reward_model(base_model: str, queries, chosen, rejected, out_dir: str 
              "rm_train_accuracy_last": float(torch.stack(accs[-10:]).mean()),
              "rm_steps": len(losses), "rm_seconds": time.perf_counter() - t0}
     if val is not None:
-        stats["rm_val_accuracy"] = preference_accuracy(model, *val, pad=pad, eos=eos)
+        correct = preference_correct(model, *val, pad=pad, eos=eos)
+        stats["rm_val_accuracy"] = sum(correct) / max(len(correct), 1)
+        stats["rm_val_correct"] = correct  # per pair, for accuracy by pair kind (the caller pops it)
     _save(model, tok, Path(out_dir))
     del model, opt, sched  # the scheduler holds the optimiser, which holds the parameters
     _release(device)

@@ -60,7 +60,7 @@ class ConfigError(ValueError):
 class PPOConfig:
     # ---------------------------------------------------------------- the seeds' fields
     model_name: str = "Qwen/Qwen3-0.6B-Base"
-    """Policy base model: a hub id, a local HF directory, or "embedded:tiny" / "embedded:small"."""
+    """Policy base model: a hub id, a local HF directory, or "embedded:tldr" (the committed default-job model, ppo_ray/tldr_model.py), "embedded:tiny" / "embedded:small" (ppo_ray/tiny_model.py)."""
     lora_r: int = 16
     """LoRA rank of the policy (and value) adapters."""
     lora_alpha: int = 32
@@ -188,7 +188,7 @@ class PPOConfig:
     eval_split: str = "validation"
     """Split for the SFT validation loss, the reward model's accuracy and PPO's held-out samples."""
     data_max_rows: Optional[int] = None
-    """Read at most this many rows per split of sft_dataset / preference_dataset (quick runs); None = all."""
+    """Read at most this many rows per split of sft_dataset / preference_dataset, or of the bundled task's SFT and preference files (quick runs); None = all."""
     bundled_ideal_fraction: float = 1.0
     """Bundled task only: fraction of the posters' reference TL;DRs (SFT data) that state every key fact; the rest leave one out (ppo_ray/tldr_synth.py). 1.0 = every reference is ideal."""
 

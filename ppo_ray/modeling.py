@@ -1,6 +1,6 @@
 """Loading HF models and the one forward every role uses to score response tokens.
 
-Bottom layer: imports torch/transformers and ppo_ray.batch / ppo_ray.tiny_model only.
+Bottom layer: imports torch/transformers and ppo_ray.batch / ppo_ray.tiny_model / ppo_ray.tldr_model only.
 """
 
 from __future__ import annotations
@@ -20,9 +20,14 @@ EMBEDDED_PREFIX = "embedded:"
 
 
 def resolve_model_path(name: str) -> str:
-    """A hub id or a local directory is returned as is; "embedded:tiny" / "embedded:small"
-    is built (once, cached) by ppo_ray.tiny_model and its directory returned."""
+    """A hub id or a local directory is returned as is; "embedded:tldr" is the committed
+    model of ppo_ray.tldr_model (the default job's); "embedded:tiny" / "embedded:small" is
+    built (once, cached) by ppo_ray.tiny_model; either way its directory is returned."""
     if name.startswith(EMBEDDED_PREFIX):
+        from ppo_ray.tldr_model import MODEL_NAME, model_dir
+
+        if name == MODEL_NAME:
+            return str(model_dir())
         from ppo_ray.tiny_model import build_tiny_model
 
         return str(build_tiny_model(size=name[len(EMBEDDED_PREFIX):]))

@@ -82,7 +82,7 @@ def sft_ids(config: PPOConfig, data_dir: Path, tok, part: str) -> SFTIds:
     """SFT (query ids, response ids + EOS) of one part, from the bundled task or sft_dataset."""
     if config.uses_bundled_data:
         path = data_dir / f"sft_{'train' if part == 'train' else 'validation'}.jsonl"
-        rows = read_rows(path)
+        rows = read_rows(path)[: config.data_max_rows]
         q, r = _encode(tok, column(rows, "prompt", str(path)), column(rows, "summary", str(path)))
         return SFTIds(q, r, {})
     from ppo_ray.tldr import load_sft
@@ -100,7 +100,7 @@ def preference_ids(config: PPOConfig, data_dir: Path, tok, part: str) -> Prefere
     preference_dataset (chosen = summaries[choice]; CNN/DM rows skipped)."""
     if config.uses_bundled_data:
         path = data_dir / f"preferences_{'train' if part == 'train' else 'validation'}.jsonl"
-        rows = read_rows(path)
+        rows = read_rows(path)[: config.data_max_rows]
         prompts = column(rows, "prompt", str(path))
         q, c = _encode(tok, prompts, column(rows, "chosen", str(path)))
         _, r = _encode(tok, prompts, column(rows, "rejected", str(path)))
@@ -161,6 +161,11 @@ def run_sft(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
     settings = _stage_settings(config, config.sft_epochs, config.sft_learning_rate)
     stats = run_stage(config, "sft", base, (train.queries, train.responses), settings, run_dir / "sft",
                       val=(val.queries, val.responses))
+    if config.uses_bundled_data:  # the SFT policy's fact copying, greedy, on validation posts (gold judge)
+        from ppo_ray.tldr_eval import sft_copy_report
+
+        rows = read_rows(data_dir / "prompts_validation.jsonl")[: config.eval_size]
+        stats["sft_copy_greedy_val"] = sft_copy_report(str(run_dir / "sft"), rows, config.max_new_tokens)
     return {**train.info, **val.info, **stats}
 
 
@@ -175,7 +180,21 @@ def run_rm(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
     settings = _stage_settings(config, config.rm_epochs, config.rm_learning_rate)
     stats = run_stage(config, "rm", sft, (train.queries, train.chosen, train.rejected), settings, run_dir / "rm",
                       val=(val.queries, val.chosen, val.rejected))
+    correct = stats.pop("rm_val_correct", None)
+    if config.uses_bundled_data and correct is not None:  # can the RM guide PPO? (ppo_ray/tldr_eval.py; gold judge, validation split)
+        from ppo_ray.tldr_eval import accuracy_by_kind, reward_model_report
+
+        path = data_dir / "preferences_validation.jsonl"
+        kinds = column(read_rows(path), "kind", str(path))
+        stats["rm_val_accuracy_by_kind"] = accuracy_by_kind(correct, kinds)
+        rows = read_rows(data_dir / "prompts_validation.jsonl")[: config.eval_size]
+        stats[f"rm_best_of_{BEST_OF_N}_val"] = reward_model_report(
+            sft, str(run_dir / "rm"), rows, n=BEST_OF_N, temperature=config.temperature,
+            max_new_tokens=config.max_new_tokens, missing_eos_penalty=config.missing_eos_penalty, seed=config.seed)
     return {**train.info, **val.info, **stats}
+
+
+BEST_OF_N = 8  # the reward model's best-of-n diagnostic (run_rm)
 
 
 def ppo_config(config: PPOConfig, run_dir: Path, data_dir: Path) -> PPOConfig:
@@ -237,7 +256,7 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
     if not config.uses_bundled_data:  # real data: no gold judge, see run_ppo_real
         return run_ppo_real(config, run_dir, data_dir, resume)
     from ppo_ray.data import load_prompts
-    from ppo_ray.tldr_synth import gold_score
+    from ppo_ray.tldr_synth import copy_accuracy, gold_score
 
     cfg = ppo_config(config, run_dir, data_dir)
     test_rows = read_rows(data_dir / "prompts_test.jsonl")[: cfg.eval_size]
@@ -258,26 +277,42 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
 
     prompts = load_prompts(cfg, load_tokenizer(cfg.model_name))  # every prompt checked before actors start
     with ppo_trainer(cfg, run_dir, resume) as trainer:
-        sft = before_training(trainer, run_dir, lambda: judge(trainer, test_rows))  # the SFT policy itself
+        # the SFT policy itself, on the test prompts and (for any selection) the validation prompts
+        sft = before_training(trainer, run_dir, lambda: {**judge(trainer, test_rows), "val": judge(trainer, val_rows)})
         trainer.train(prompts, metrics_path=metrics, evaluate=evaluate, eval_prompts=[r["prompt"] for r in val_rows])
         ppo = judge(trainer, test_rows)  # same sampling seeds as the SFT evaluation
+        ppo_val = judge(trainer, val_rows)
         trainer.save_adapter(run_dir / "adapter")
 
     history = read_metrics(metrics)
     sft_gold, ppo_gold = sft["gold"], ppo["gold"]
-    wins = [1.0 if p > s else 0.5 if p == s else 0.0 for p, s in zip(ppo_gold, sft_gold)]
     report = {
         "gold_test_sft": sum(sft_gold) / len(sft_gold),
         "gold_test_ppo": sum(ppo_gold) / len(ppo_gold),
-        "win_rate_ppo_vs_sft": sum(wins) / len(wins),
+        "win_rate_ppo_vs_sft": _win_rate(ppo_gold, sft_gold),
         "final_kl": history[-1]["kl"],
         "final_reward": history[-1]["reward_mean"],
         "ppo_steps": len(history),
         "eval_prompts": len(test_rows),
+        # the same test samples, fact by fact (tldr_synth.copy_accuracy)
+        "copy_test_sft": copy_accuracy(test_rows, sft["texts"]),
+        "copy_test_ppo": copy_accuracy(test_rows, ppo["texts"]),
     }
+    if "val" in sft:  # validation prompts: what hyperparameters may be chosen by (the test split never)
+        report.update({"gold_val_sft": _mean(sft["val"]["gold"]), "gold_val_ppo": _mean(ppo_val["gold"]),
+                       "win_rate_val_ppo_vs_sft": _win_rate(ppo_val["gold"], sft["val"]["gold"])})
     write_samples(run_dir / "samples.md", test_rows, sft["texts"], sft_gold, ppo["texts"], ppo_gold)
     plot_curves(metrics, run_dir / "curves.png")
     return report
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _win_rate(a: list[float], b: list[float]) -> float:
+    """Fraction of prompts where gold score `a` beats `b`; ties count half."""
+    return _mean([1.0 if x > y else 0.5 if x == y else 0.0 for x, y in zip(a, b)])
 
 
 def run_ppo_real(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[str | Path] = None) -> dict:

@@ -99,6 +99,7 @@ import copy
 import errno
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import re
@@ -119,6 +120,8 @@ __all__ = [
     "default_cache_dir",
     "tldr_examples",
 ]
+
+log = logging.getLogger(__name__)
 
 # Bump whenever the builder's output changes for the same preset and corpus.
 # 2: the "tiny" preset is pretrained on the bundled corpus (see _pretrain).
@@ -290,7 +293,9 @@ def _is_complete(path: pathlib.Path, digest: str) -> bool:
 # --------------------------------------------------------------------------- building
 
 
-def _train_tokenizer(preset: dict[str, Any]):
+def _train_tokenizer(preset: dict[str, Any], documents: list[str] | None = None):
+    """Byte-level BPE of ``preset["vocab_size"]`` tokens (EOS and pad last) trained on
+    `documents` (default: the bundled corpus)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     n_special = 2
@@ -305,7 +310,7 @@ def _train_tokenizer(preset: dict[str, Any]):
         special_tokens=[],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(corpus_documents(), trainer=trainer)
+    tok.train_from_iterator(corpus_documents() if documents is None else documents, trainer=trainer)
     if tok.get_vocab_size() != preset["vocab_size"] - n_special:
         raise RuntimeError(
             f"BPE training produced {tok.get_vocab_size()} tokens, expected "
@@ -322,10 +327,13 @@ def _train_tokenizer(preset: dict[str, Any]):
     return tok
 
 
-def _pretrain_documents(raw_tok, preset: dict[str, Any], eos_id: int) -> list[list[int]]:
-    """The corpus documents as token ids, each followed by EOS (cut to ``pretrain_max_len``)."""
+def _pretrain_documents(raw_tok, preset: dict[str, Any], eos_id: int,
+                        documents: list[str] | None = None) -> list[list[int]]:
+    """The documents (default: the bundled corpus') as token ids, each followed by EOS (cut
+    to ``pretrain_max_len``)."""
     max_len = int(preset["pretrain_max_len"])
-    return [(raw_tok.encode(d).ids + [eos_id])[:max_len] for d in corpus_documents()]
+    docs = corpus_documents() if documents is None else documents
+    return [(e.ids + [eos_id])[:max_len] for e in raw_tok.encode_batch(docs)]
 
 
 def _pretrain_batches(docs: list[list[int]], preset: dict[str, Any], gen, pad_id: int):
@@ -375,13 +383,16 @@ def _corpus_stats(model, docs: list[list[int]], pad_id: int) -> dict[str, float]
     return {"loss": loss_sum / n, "entropy": ent_sum / n, "max_p_pad": max_pad}
 
 
-def _pretrain(model, raw_tok, preset: dict[str, Any], eos_id: int, pad_id: int) -> dict[str, Any]:
+def _pretrain(model, raw_tok, preset: dict[str, Any], eos_id: int, pad_id: int,
+              documents: list[str] | None = None, stats_documents: int | None = None) -> dict[str, Any]:
     """Train ``model`` in place for ``preset["pretrain_steps"]`` steps of next-token
-    prediction on the corpus documents; returns statistics for the build info.
+    prediction on `documents` (default: the bundled corpus); returns statistics for the
+    build info, measured on the first `stats_documents` documents (default: all).
 
     Deterministic: data order from a local generator, no dropout (Qwen3's attention
-    dropout is 0), one CPU thread (the thread count can change float reductions). The
-    global torch RNG and thread count are restored afterwards.
+    dropout is 0), a fixed CPU thread count (``preset["pretrain_threads"]``, default one:
+    the thread count can change float reductions). The global torch RNG and thread count
+    are restored afterwards.
     """
     import math
 
@@ -389,13 +400,14 @@ def _pretrain(model, raw_tok, preset: dict[str, Any], eos_id: int, pad_id: int) 
     import torch.nn.functional as F
 
     steps = int(preset["pretrain_steps"])
-    docs = _pretrain_documents(raw_tok, preset, eos_id)
+    docs = _pretrain_documents(raw_tok, preset, eos_id, documents)
+    stats_docs = docs[:stats_documents] if stats_documents else docs
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(preset.get("pretrain_threads", 1)))
     try:
         with torch.random.fork_rng(devices=[]):
             model.eval()
-            before = _corpus_stats(model, docs, pad_id)
+            before = _corpus_stats(model, stats_docs, pad_id)
             emb = model.get_input_embeddings().weight  # == lm_head.weight (tied)
             matrices = [p for n, p in model.named_parameters() if p.ndim >= 2 and p is not emb]
             vectors = [p for p in model.parameters() if p.ndim < 2]
@@ -432,8 +444,10 @@ def _pretrain(model, raw_tok, preset: dict[str, Any], eos_id: int, pad_id: int) 
                 torch.nn.utils.clip_grad_norm_(model.parameters(), float(preset["pretrain_grad_clip"]))
                 opt.step()
                 train_losses.append(loss.item())
+                if (step + 1) % 100 == 0:  # python -m ppo_ray.tldr_model shows these (a long build)
+                    log.info("pretraining step %d/%d: loss %.4f", step + 1, steps, sum(train_losses[-100:]) / 100)
             model.eval()
-            after = _corpus_stats(model, docs, pad_id)
+            after = _corpus_stats(model, stats_docs, pad_id)
     finally:
         torch.set_num_threads(threads)
     r6 = lambda v: round(float(v), 6)  # noqa: E731
@@ -452,11 +466,25 @@ def _pretrain(model, raw_tok, preset: dict[str, Any], eos_id: int, pad_id: int) 
 
 def _write_model(dest: pathlib.Path, size: str, digest: str) -> None:
     """Build everything into the (existing, empty) directory ``dest``."""
+    model, pretrain_stats = build_model_files(dest, _preset(size))
+    info = _build_info(size)
+    info["content_hash"] = digest
+    info["num_parameters"] = sum(p.numel() for p in model.parameters())
+    info["pretrain"] = pretrain_stats
+    (dest / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+
+
+def build_model_files(dest: pathlib.Path, preset: dict[str, Any], documents: list[str] | None = None,
+                      stats_documents: int | None = None):
+    """Tokenizer, seeded init and pretraining (when ``preset["pretrain_steps"]`` > 0) on
+    `documents` (default: the bundled corpus), written to ``dest`` with ``save_pretrained``
+    (config, generation config, safetensors weights, tokenizer). Returns (the model,
+    pretraining statistics or None). Shared by this module's presets and
+    ppo_ray.tldr_model."""
     import torch
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-    preset = _preset(size)
-    raw_tok = _train_tokenizer(preset)
+    raw_tok = _train_tokenizer(preset, documents)
     eos_id = raw_tok.token_to_id(EOS_TOKEN)
     pad_id = raw_tok.token_to_id(PAD_TOKEN)
     assert eos_id != pad_id
@@ -513,19 +541,15 @@ def _write_model(dest: pathlib.Path, size: str, digest: str) -> None:
         # HF zero-initialises the padding_idx row of the embedding; do the same.
         model.get_input_embeddings().weight[pad_id].zero_()
     model = model.to(torch.float32)
-    pretrain_stats = _pretrain(model, raw_tok, preset, eos_id, pad_id) if preset["pretrain_steps"] > 0 else None
+    pretrain_stats = (_pretrain(model, raw_tok, preset, eos_id, pad_id, documents, stats_documents)
+                      if preset["pretrain_steps"] > 0 else None)
     model = model.eval()
 
     model.generation_config = GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id)
 
     model.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
-
-    info = _build_info(size)
-    info["content_hash"] = digest
-    info["num_parameters"] = sum(p.numel() for p in model.parameters())
-    info["pretrain"] = pretrain_stats
-    (dest / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    return model, pretrain_stats
 
 
 def _remove_stale_temps(parent: pathlib.Path, prefix: str, max_age_s: float = 3600.0) -> None:

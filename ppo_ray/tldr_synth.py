@@ -1,18 +1,22 @@
 """A bundled, deterministic Reddit-TL;DR-style task and its gold judge.
 
-The embedded default job runs SFT -> reward model -> PPO on a 2-core CPU with the tiny
-(361K-parameter) model, so it needs a summarisation task that such a model can learn in
-minutes and that can be scored without a human or an LLM judge. This module builds one
+The embedded default job runs SFT -> reward model -> PPO on a 2-core CPU with a
+3.4M-parameter model (ppo_ray/tldr_model.py), so it needs a summarisation task that such
+a model can learn in minutes and that can be scored without a human or an LLM judge. This module builds one
 from templates, and a programmatic GOLD JUDGE for it. Pure Python, no torch.
 
 Public API::
 
     generate_task(seed=0, n_train=2000, n_val=200, n_test=200, ideal_fraction=1.0) -> {"train"|"validation"|"test": [example]}
     write_task(out_dir, seed=0, n_train=2000, n_val=200, n_test=200, ideal_fraction=1.0) -> {file name: Path}
+    pretraining_documents(n, seed=0, ideal_fraction=1.0) -> [str]   # the embedded model's corpus part
+    in_pretraining_pool(subreddit, person, template, quantity) -> bool
     gold_details(example, summary, ended_with_eos) -> GoldScore
     gold_score(example, summary, ended_with_eos) -> float            # in [0, 1]
     gold_compare(example, a, b, eos_a=True, eos_b=True) -> 1 | 0 | -1
     win_rate(examples, summaries_a, eos_a, summaries_b, eos_b) -> float
+    fact_outcomes(example, summary) -> {"person"|"event"|"quantity": "right"|"wrong"|"missing"}
+    copy_accuracy(examples, summaries) -> {fact: {right, wrong, missing, right_when_stated}, "all_right", "n"}
 
 The task
 --------
@@ -41,8 +45,19 @@ are dropped until it fits), which is <= 120 tokens; reference summaries are 5-9 
 test split is drawn first, then validation, then train, from one
 ``random.Random(seed)``: changing ``n_train`` leaves the evaluation splits unchanged.
 
-Reference quality (``ideal_fraction``, config ``bundled_ideal_fraction``): by default every
-reference is the ideal summary. Real TL;DRs are written by the posters and are of mixed
+Two pools of facts: a fixed hash puts about one (subreddit, person, event template,
+quantity) tuple in three into the PRETRAINING pool (``in_pretraining_pool``).
+``generate_task`` draws only from the other, the task pool, for every seed;
+``pretraining_documents`` (the embedded model's pretraining corpus) only from the
+pretraining pool. So no SFT, validation or test post of any seed shares its facts with a
+pretraining document, while every person and event is seen in pretraining with other
+quantities. (Splitting by person and event instead, so that the task's person-event pairs
+are never seen, gave a model that copies quantities less well: 90% right after SFT on ideal
+references instead of 96.5%, issue 13 in benchmarks/RESULTS.md.)
+
+Reference quality (``ideal_fraction``, config ``bundled_ideal_fraction``): by default
+(``generate_task``'s own, and ``PPOConfig``'s) every reference is the ideal summary; the
+default job (configs/tldr-tiny.yaml) uses ``DEFAULT_IDEAL_FRACTION`` = 0.3. Real TL;DRs are written by the posters and are of mixed
 quality, which is why RLHF can beat SFT on them; with ``ideal_fraction < 1`` each
 reference is ideal with that probability and otherwise leaves one fact out, as a poster
 might (the person as a pronoun, no quantity, or the title copied; gold about 1/3-2/3, nothing
@@ -103,6 +118,7 @@ Importing this module has no side effects.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -113,13 +129,20 @@ from typing import Mapping, Sequence
 from ppo_ray.data import TLDR_PROMPT
 
 __all__ = [
+    "DEFAULT_IDEAL_FRACTION",
     "MAX_PROMPT_CHARS",
     "MAX_WORDS",
+    "FACT_NAMES",
     "SPLITS",
     "STOPWORDS",
     "UNITS",
     "GoldScore",
+    "copy_accuracy",
+    "fact_alternatives",
+    "fact_outcomes",
     "generate_task",
+    "in_pretraining_pool",
+    "pretraining_documents",
     "gold_compare",
     "gold_details",
     "gold_score",
@@ -128,6 +151,11 @@ __all__ = [
 ]
 
 SPLITS = ("train", "validation", "test")
+
+# The default job's reference quality (config bundled_ideal_fraction, configs/tldr-tiny.yaml;
+# a test keeps the two equal): 30% of the posters' TL;DRs state every key fact, the rest
+# leave one out. generate_task's own default stays 1.0.
+DEFAULT_IDEAL_FRACTION = 0.3
 
 # Prompt budget in characters, so that the generator needs no tokenizer: <= 120 tokens
 # with the tiny model's tokenizer (tests measure it).
@@ -380,11 +408,81 @@ def win_rate(examples: Sequence[Mapping], summaries_a: Sequence[str], eos_a: Seq
     return 0.5 + 0.5 * total / n  # win = +1, tie = 0, loss = -1 -> (wins + ties / 2) / n
 
 
+FACT_NAMES = ("person", "event", "quantity")
+
+
+def fact_outcomes(example: Mapping, summary: str) -> dict[str, str]:
+    """Per key fact ("person", "event", "quantity"): "right" (stated as the judge's coverage
+    counts it), "wrong" (not stated, but another value of that slot is: a person or event
+    of the slot tables, or any quantity) or "missing". Evaluation only, like the judge."""
+    ws = _words(summary)
+    wset = frozenset(ws)
+    person, event, quantity = example["facts"]
+    out = {}
+    for name, fact, keys in (("person", person, _PERSON_KEYS), ("event", event, _EVENT_KEYS)):
+        if _fact_present(fact, ws, wset):
+            out[name] = "right"
+        else:
+            out[name] = "wrong" if any(k <= wset for k in keys) else "missing"
+    out["quantity"] = ("right" if _fact_present(quantity, ws, wset)
+                       else "wrong" if _quantities(ws) else "missing")
+    return out
+
+
+def copy_accuracy(examples: Sequence[Mapping], summaries: Sequence[str]) -> dict:
+    """Fact copying over summaries of `examples`: per fact the fractions right / wrong /
+    missing and ``right_when_stated`` (right / (right + wrong)), and ``all_right``, the
+    fraction of summaries with every fact right (see :func:`fact_outcomes`)."""
+    if not examples or len(examples) != len(summaries):
+        raise ValueError(f"copy_accuracy needs equal non-zero lengths, got {len(examples)} and {len(summaries)}")
+    outcomes = [fact_outcomes(ex, s) for ex, s in zip(examples, summaries)]
+    n = len(outcomes)
+    report: dict = {}
+    for name in FACT_NAMES:
+        counts = {k: sum(o[name] == k for o in outcomes) for k in ("right", "wrong", "missing")}
+        stated = counts["right"] + counts["wrong"]
+        report[name] = {**{k: v / n for k, v in counts.items()},
+                        "right_when_stated": counts["right"] / stated if stated else None}
+    report["all_right"] = sum(all(v == "right" for v in o.values()) for o in outcomes) / n
+    report["n"] = n
+    return report
+
+
+def fact_alternatives(example: Mapping) -> dict[str, list[str]]:
+    """Other values of the person and quantity slots, for probing whether a model copies
+    them from the post: every other person of the example's subreddit, and every other
+    quantity of the same kind that shares the number or the unit ("3 weeks": "2 weeks" ..
+    "9 weeks", "3 days", "3 months", "3 years"; "$300": "$200" .. "$900")."""
+    person, _, q = example["facts"]
+    people = [p for p, _ in _SUBREDDITS[example["subreddit"]]["people"] if p != person]
+    if q.startswith("$"):
+        quantities = [f"${n}00" for n in range(2, 10)]
+    else:
+        number, unit = q.split(" ")
+        quantities = [f"{n} {unit}" for n in range(2, 10)] + [f"{number} {u}" for u in _TIME_UNITS
+                                                               if unit in _TIME_UNITS]
+    return {"person": people, "quantity": sorted(set(quantities) - {q})}
+
+
 # --------------------------------------------------------------------------- the generator
 
 
-def _make_post(rng: random.Random, subreddit: str, used: set) -> dict:
-    """One example without its summaries; its (subreddit, person, event, quantity) is not in `used`.
+# The tuples (subreddit, person, event template, quantity) are split once and for all into
+# two pools: about one in PRETRAIN_POOL_SHARE belongs to the pretraining pool, whose posts
+# only the embedded model's pretraining corpus uses (pretraining_documents), and the rest
+# to the task pool, the only one generate_task draws from, for every seed (module docstring).
+PRETRAIN_POOL_SHARE = 3
+
+
+def in_pretraining_pool(subreddit: str, person: str, template: str, quantity: str) -> bool:
+    """Whether the fact tuple belongs to the pretraining pool (a fixed hash of the tuple)."""
+    digest = hashlib.sha256("|".join((subreddit, person, template, quantity)).encode()).digest()
+    return digest[0] % PRETRAIN_POOL_SHARE == 0
+
+
+def _make_post(rng: random.Random, subreddit: str, used: set, pretraining: bool = False) -> dict:
+    """One example without its summaries; its (subreddit, person, event, quantity) is not in
+    `used` and is in the task pool (`pretraining`: the pretraining pool).
 
     Private keys (leading "_") keep what the summaries are built from.
     """
@@ -393,7 +491,8 @@ def _make_post(rng: random.Random, subreddit: str, used: set) -> dict:
         person, gender = rng.choice(table["people"])
         template, kind = rng.choice(table["events"])
         q = _quantity(rng, kind)
-        if (subreddit, person, template, q) not in used:
+        if (subreddit, person, template, q) not in used and in_pretraining_pool(
+                subreddit, person, template, q) == pretraining:
             used.add((subreddit, person, template, q))
             break
     else:
@@ -544,8 +643,9 @@ def generate_task(seed: int = 0, n_train: int = 2000, n_val: int = 200, n_test: 
     poster's TL;DR that leaves a fact out (module docstring).
     Deterministic in `seed` (one local random.Random); test is drawn first, then
     validation, then train, so the evaluation splits do not depend on n_train. The slot
-    tables hold ~7,600 distinct (subreddit, person, event, quantity) tuples; up to ~5,000
-    examples in all are fine, more may raise ValueError (a subreddit runs out).
+    tables hold ~7,600 distinct (subreddit, person, event, quantity) tuples, ~5,100 of them
+    in the task pool (the rest are the pretraining corpus'); up to ~3,300 examples in all
+    are fine, more may raise ValueError (a subreddit runs out).
     """
     if not 0.0 <= ideal_fraction <= 1.0:
         raise ValueError(f"ideal_fraction must be in [0, 1], got {ideal_fraction!r}")
@@ -566,6 +666,34 @@ def generate_task(seed: int = 0, n_train: int = 2000, n_val: int = 200, n_test: 
                          "chosen": ex["chosen"], "rejected": ex["rejected"], "kind": ex["kind"]})
         out[split] = rows
     return {split: out[split] for split in SPLITS}
+
+
+def pretraining_documents(n: int, seed: int = 0, ideal_fraction: float = 1.0) -> list[str]:
+    """`n` task-format documents for pretraining the embedded model: a post of the
+    PRETRAINING pool (never a tuple any generate_task split can hold) in the prompt format,
+    followed by its poster's TL;DR, ideal with probability `ideal_fraction` and otherwise
+    leaving a fact out, as generate_task's references do; no EOS (the builder appends it).
+
+    The pool holds ~2,500 tuples, so a tuple comes back in several posts (each time with
+    its own title, sentences and distractors): the posts are drawn in rounds, each round
+    using a tuple at most once. Deterministic in (n, seed, ideal_fraction).
+    """
+    if not 0.0 <= ideal_fraction <= 1.0:
+        raise ValueError(f"ideal_fraction must be in [0, 1], got {ideal_fraction!r}")
+    rng = random.Random(f"pretraining-{seed}")
+    ref_rng = random.Random(f"pretraining-{seed}-references")
+    subreddits = sorted(_SUBREDDITS)
+    used: set = set()
+    docs: list[str] = []
+    while len(docs) < n:
+        try:
+            ex = _make_post(rng, rng.choice(subreddits), used, pretraining=True)
+        except ValueError:  # a subreddit's share of the pool is used up: a new round
+            used = set()
+            continue
+        ideal = _summary(rng, ex["_slots"]["p"], ex["_slots"]["E"], _SUMMARY_FORMS[0])
+        docs.append(ex["prompt"] + (ideal if ref_rng.random() < ideal_fraction else _flawed_summary(ref_rng, ex)))
+    return docs
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:

@@ -107,7 +107,7 @@ def test_all_stages_end_to_end_on_the_bundled_task(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "launch.py"), "--run_dir", str(run_dir), "--steps", "2",
          "--sft_epochs", "1", "--rm_epochs", "1", "--eval_size", "8", "--eval_every", "1",
-         "--vllm_kv_cache_gib", "0.25"],
+         "--vllm_kv_cache_gib", "0.25", "--data_max_rows", "256"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
