@@ -302,7 +302,7 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
         report.update({"gold_val_sft": _mean(sft["val"]["gold"]), "gold_val_ppo": _mean(ppo_val["gold"]),
                        "win_rate_val_ppo_vs_sft": _win_rate(ppo_val["gold"], sft["val"]["gold"])})
     write_samples(run_dir / "samples.md", test_rows, sft["texts"], sft_gold, ppo["texts"], ppo_gold)
-    plot_curves(metrics, run_dir / "curves.png")
+    plot_curves(metrics, run_dir / "curves.png", report.get("gold_val_sft"))
     return report
 
 
@@ -371,7 +371,9 @@ def write_samples(path: Path, rows, sft_texts, sft_gold, ppo_texts, ppo_gold, n:
     path.write_text("# Held-out summaries before (SFT) and after PPO\n\n" + "\n".join(lines) + "\n")
 
 
-def plot_curves(metrics_path: Path, out_path: Path) -> None:
+def plot_curves(metrics_path: Path, out_path: Path, gold_before: Optional[float] = None) -> None:
+    """The run's curves over PPO steps; `gold_before` (the SFT policy's held-out gold on the
+    same validation prompts) is drawn as step 0 of the gold panel, so the gain reads off it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -380,12 +382,16 @@ def plot_curves(metrics_path: Path, out_path: Path) -> None:
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     steps = [r["step"] for r in rows]
     panels = [("reward_mean", "reward-model score"), ("kl", "KL to SFT (nats/seq)"),
-              ("gold_val", "gold score (held-out)"), ("policy_loss", "policy loss"),
+              ("gold_val", "gold score (held-out validation)"), ("policy_loss", "policy loss"),
               ("value_loss", "value loss"), ("clipfrac", "clip fraction")]
     fig, axes = plt.subplots(2, 3, figsize=(12, 6))
     for ax, (key, title) in zip(axes.flat, panels):
         pts = [(s, r[key]) for s, r in zip(steps, rows) if key in r and r[key] is not None
                and math.isfinite(r[key])]
+        if key == "gold_val" and gold_before is not None:
+            pts = [(0, gold_before)] + pts
+            ax.axhline(gold_before, color="grey", linestyle="--", linewidth=1, label="SFT (step 0)")
+            ax.legend(loc="lower right")
         if pts:
             ax.plot(*zip(*pts), marker="o" if key == "gold_val" else None)
         ax.set_title(title)
