@@ -8,7 +8,7 @@ stronger one. Its output is COMMITTED in ``ppo_ray/assets/tldr_model/`` (about 1
 fresh machine loads it as it loads any Hugging Face directory and never pays for the
 pretraining; ``model_name: embedded:tldr`` names it (ppo_ray.modeling.resolve_model_path).
 
-Rebuild it (one command; about 9 minutes on 2 CPU threads)::
+Rebuild it (one command; 780 s on the 2-CPU development VM)::
 
     python -m ppo_ray.tldr_model --out ppo_ray/assets/tldr_model
 
@@ -29,10 +29,11 @@ What it is (``PRESET``):
   1.0). The task's quality mix (0.3, as the default job's SFT references) was tried
   first, as issue 13 suggested, so that the base model would not already write complete
   summaries: that model did not learn to copy quantities (after SFT on ideal references,
-  30.5% of quantities right, 69.5% a wrong number), while with ideal TL;DRs it is 90-96.5%
+  30.5% of quantities right, 69.5% a wrong number), while with ideal TL;DRs it is 88%
   (benchmarks/RESULTS.md). What the base model knows does not decide what PPO can add:
-  SFT on the default job's mixed references makes the policy leave facts out as often as
-  they do, and PPO has to win the complete summaries back from the reward model.
+  SFT on the default job's mixed references makes the policy leave facts out (the quantity
+  in 39-42% of its test samples), and PPO has to win the complete summaries back from the
+  reward model.
 * Pretraining: ``pretrain_steps`` steps of ``pretrain_batch_docs`` documents, one per
   row, next-token loss, AdamW with warmup and cosine decay, the tied embedding at 5x the
   learning rate (tiny_model._pretrain, shared code).

@@ -52,8 +52,8 @@ quantity) tuple in three into the PRETRAINING pool (``in_pretraining_pool``).
 pretraining pool. So no SFT, validation or test post of any seed shares its facts with a
 pretraining document, while every person and event is seen in pretraining with other
 quantities. (Splitting by person and event instead, so that the task's person-event pairs
-are never seen, gave a model that copies quantities less well: 90% right after SFT on ideal
-references instead of 96.5%, issue 13 in benchmarks/RESULTS.md.)
+are never seen in pretraining, copied about as well: quantities 90% right after SFT on
+ideal references, against 88% for this split; benchmarks/RESULTS.md, issue 13.)
 
 Reference quality (``ideal_fraction``, config ``bundled_ideal_fraction``): by default
 (``generate_task``'s own, and ``PPOConfig``'s) every reference is the ideal summary; the
