@@ -148,6 +148,7 @@ def ray_head():
 
 
 # ----------------------------------------------------------------------------- submit + metrics
+@pytest.mark.slow  # ~150 s: a local head, submit.sh and Prometheus; the preflight and manifests run by default
 def test_submitted_job_exports_ppo_metrics(ray_head, tmp_path):
     run_dir = tmp_path / "run"
     sid = f"ppo-deploy-test-{uuid.uuid4().hex[:8]}"
@@ -256,7 +257,9 @@ def test_runtime_env_ships_the_code_and_not_the_venv(tmp_path):
                    "learner/learner.py", "configs/tiny.yaml"):
         assert needed in names, needed
     assert not [n for n in names if n.split("/")[0] in (".venv", ".git", "runs") or "__pycache__" in n]
-    assert package.stat().st_size < 5 * 2**20
+    # the code plus the committed default model (ppo_ray/assets/tldr_model, 14 MB: the default
+    # job needs it on the cluster); Ray's own upload limit is 512 MiB
+    assert package.stat().st_size < 20 * 2**20
 
 
 def test_cluster_launcher_config_is_valid_for_ray():

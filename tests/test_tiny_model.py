@@ -57,6 +57,7 @@ def prompts_ids(tokenizer):
 # --------------------------------------------------------------------------- building
 
 
+@pytest.mark.slow  # ~75 s; the committed default model has its own slow rebuild test
 def test_rebuild_is_bit_identical(tiny_model_dir, tmp_path):
     """Rebuilding into two fresh directories gives the same bytes as the cached build."""
     ref = _file_hashes(tiny_model_dir)

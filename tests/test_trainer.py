@@ -132,6 +132,7 @@ def test_bad_reward_functions_are_named(tiny_trainer, fn, match):
     ray.kill(host)
 
 
+@pytest.mark.slow  # ~75 s; overlap with a fault runs by default in tests/test_faults.py
 def test_overlap_mode_with_merged_sync(ray_session, tiny_model_dir):
     """overlap_generation: step k+1 is generated while the learner trains on step k, so from
     step 2 on the rollouts are one adapter version behind and the ratio is taken against the
