@@ -235,10 +235,15 @@ def train(PPOTrainer, config, labels: dict[str, str], caches: dict[str, str]) ->
     finally:
         trainer.shutdown()
         shutil.rmtree(run_dir, ignore_errors=True)
-    # shutdown removed the placement group (and so freed its reservations)
-    time.sleep(1.0)
-    states = [t["state"] for t in ray.util.placement_group_table().values()]
-    result["groups_left"] = [s for s in states if s != "REMOVED"]
+    # shutdown removed the placement group (and so freed its reservations); the removal is
+    # asynchronous: wait for it (up to 30 s), then report what is left
+    deadline = time.monotonic() + 30
+    while True:
+        states = [t["state"] for t in ray.util.placement_group_table().values()]
+        result["groups_left"] = [s for s in states if s != "REMOVED"]
+        if not result["groups_left"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     return result
 
 
