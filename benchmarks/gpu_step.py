@@ -131,7 +131,7 @@ def peak_flops(gpu_name: str) -> Optional[float]:
 
 
 def learner_flops(shape: dict, prompt_lens: Sequence[int], response_lens: Sequence[int], ppo_epochs: int,
-                  lora_r: int, lora_targets: Sequence[str]) -> dict[str, float]:
+                  lora_r: int, lora_targets: Sequence[str], models: int = 2) -> dict[str, float]:
     """Model FLOPs of Learner.update on REAL tokens (padding counts as waste, not work).
 
     Per row of n = p + r tokens and per model (policy, value; same shape), with N = the
@@ -143,7 +143,8 @@ def learner_flops(shape: dict, prompt_lens: Sequence[int], response_lens: Sequen
                   and lm_head matmuls, 2x its LoRA matmuls (input and A/B gradients), 2x its
                   attention matmuls (dQ, dK, dV, dP); recomputation (checkpointing) not counted
     learner_forward = one forward of both models (the no-grad pass), update = ppo_epochs x
-    (forward + backward) of both models. The value head (H -> 1) is left out (< 1e-5)."""
+    (forward + backward) of both models. The value head (H -> 1) is left out (< 1e-5).
+    `models` = 1 for ``value_model: shared`` (one trunk gives logprobs and values)."""
     h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
     proj = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
@@ -155,8 +156,8 @@ def learner_flops(shape: dict, prompt_lens: Sequence[int], response_lens: Sequen
     head = 2 * h * shape["vocab_size"] * sum(response_lens)
     base = 2 * n_mat * tokens
     fwd_one = base + lora * tokens + attn  # one model's forward, without lm_head
-    forward = 2 * fwd_one + head
-    backward = 2 * (base + 2 * lora * tokens + 2 * attn) + head
+    forward = models * fwd_one + head
+    backward = models * (base + 2 * lora * tokens + 2 * attn) + head
     return {"learner_forward": float(forward), "update": float(ppo_epochs * (forward + backward)),
             "matmul_parameters": float(n_mat), "real_tokens": float(tokens)}
 
@@ -224,7 +225,8 @@ def measure_batch(baseline, reference, batch_size: int, args, timer: Timer, dead
         row["padded_token_ratio"] = stats["padded_token_ratio"]
         cfg = baseline.learner.config
         flops = learner_flops(args.shape, batch.prompt_mask.sum(1).tolist(), batch.response_mask.sum(1).tolist(),
-                              cfg.ppo_epochs, cfg.lora_r, cfg.lora_target_modules)
+                              cfg.ppo_epochs, cfg.lora_r, cfg.lora_target_modules,
+                              models=1 if cfg.value_model == "shared" else 2)
         row.update(update_flop=flops["update"], learner_forward_flop=flops["learner_forward"])
         if args.peak:
             row["mfu_update"] = flops["update"] / row["update"] / args.peak
@@ -245,7 +247,7 @@ def measure_batch(baseline, reference, batch_size: int, args, timer: Timer, dead
         if i >= args.warmup:
             per_step.append(row)
         last = (texts, ids, batch)
-    if last and time.perf_counter() < deadline:
+    if last and args.extras and time.perf_counter() < deadline:
         texts, ids, batch = last
         policy = baseline.learner.policy
         _, extras["reference_actor_s"], extras["mem/reference_actor_peak_gib"] = timer(reference.logprobs, batch)
@@ -279,11 +281,14 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--time_budget_s", type=float, default=420.0,
                    help="start no new step after this many seconds (the JSON keeps what was measured)")
+    p.add_argument("--extras", default="true", choices=("true", "false"),
+                   help="after the steps, the one-off phases (reference actor, LoRA merge, generate_merged)")
     p.add_argument("--out", default=None)
     args, args.config_overrides = p.parse_known_args(argv)  # the rest: --field value for PPOConfig
     lo, _, hi = args.prompt_len.partition(":")
     args.prompt_len = (int(lo), int(hi or lo))
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    args.extras = args.extras == "true"
     return args
 
 
@@ -331,7 +336,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                                                               "top_p", "max_new_tokens", "learner_layout",
                                                               "learner_sort_by_length", "logprob_chunk_size",
                                                               "lora_kernel", "rms_norm_kernel",
-                                                              "gradient_checkpointing", "learner_compile")})
+                                                              "gradient_checkpointing", "learner_compile",
+                                                              "value_model")})
         save()
         timer = Timer(device)
         for b in args.batch_sizes:

@@ -186,6 +186,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODELS))
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--ppo_epochs", type=int, default=1)
+    p.add_argument("--value_model", default="separate", choices=("separate", "shared"),
+                   help="shared: the value head on the policy's trunk (one forward per micro-batch)")
     p.add_argument("--variants", default="base,fused,causal,sort,chunk,all,all_mb16,all_mb32,all_mb64,all_gc_mb64")
     p.add_argument("--profile", default="base,all", help="variants to also run under torch.profiler (CUDA only)")
     p.add_argument("--split", default="base,all", help="variants whose policy/value micro-batch is timed apart")
@@ -228,17 +230,20 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="ppo_ray_learner_profile_") as tmp:
         lm_dir, rm_dir = write_models(Path(tmp), shape, "bfloat16", device)
         config, _ = parse_overrides(["--config", str(PRESET), "--model_name", str(lm_dir),
-                                     "--reward_model_name", str(rm_dir), "--value_model_name", str(rm_dir),
-                                     "--batch_size", str(args.batch_size), "--ppo_epochs", str(args.ppo_epochs)])
+                                     "--reward_model_name", str(rm_dir), "--batch_size", str(args.batch_size),
+                                     "--ppo_epochs", str(args.ppo_epochs), "--value_model", args.value_model,
+                                     "--value_model_name", str(rm_dir) if args.value_model == "separate" else "null"])
         learner = Learner(config, str(lm_dir), str(rm_dir), device=device)
-        result["attn_implementation"] = {"policy": learner.policy.config._attn_implementation,
-                                         "value": learner.value_model.backbone.config._attn_implementation}
+        result["attn_implementation"] = {"policy": learner.policy.config._attn_implementation}
+        if args.value_model == "separate":
+            result["attn_implementation"]["value"] = learner.value_model.backbone.config._attn_implementation
         batch = synthetic_batch(args.batch_size, args.prompt_len, args.response_len, shape["vocab_size"])
         ref = torch.zeros(batch.response_ids.shape)
         scores = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
         plens, rlens = batch.prompt_mask.sum(1).tolist(), batch.response_mask.sum(1).tolist()
-        flops = learner_flops(shape, plens, rlens, config.ppo_epochs, config.lora_r, config.lora_target_modules)
-        result.update(setup_s=time.perf_counter() - t_start, flops=flops, batch_size=args.batch_size,
+        flops = learner_flops(shape, plens, rlens, config.ppo_epochs, config.lora_r, config.lora_target_modules,
+                              models=1 if args.value_model == "shared" else 2)
+        result.update(value_model=args.value_model, setup_s=time.perf_counter() - t_start, flops=flops, batch_size=args.batch_size,
                       ppo_epochs=config.ppo_epochs, mean_prompt=sum(plens) / len(plens),
                       mean_response=sum(rlens) / len(rlens))
         save()

@@ -160,6 +160,10 @@ def test_gpu_step_passes_learner_options_and_counts_flops():
     assert flops["matmul_parameters"] == 160 and flops["real_tokens"] == 3
     assert flops["learner_forward"] == 2 * (960 + 48 + 96) + 80
     assert flops["update"] == flops["learner_forward"] + 2 * (960 + 2 * 48 + 2 * 96) + 80
+    shared = learner_flops(shape, [2], [1], ppo_epochs=1, lora_r=1, lora_targets=["q_proj"], models=1)
+    assert shared["learner_forward"] == (960 + 48 + 96) + 80  # value_model: shared, one trunk
+    assert shared["update"] == shared["learner_forward"] + (960 + 2 * 48 + 2 * 96) + 80
+    assert parse_args(["--extras", "false"]).extras is False and parse_args([]).extras is True
 
 
 def test_learner_profile_on_cpu(tmp_path):
