@@ -95,17 +95,14 @@ def check_context(config) -> None:
 
 def plain_ppo_inputs(config) -> list[str]:
     """The plain PPO stage's cheap checks, before anything is written or started: the reward
-    functions import, the reward model is one (config.json), and every prompt of
-    config.dataset is usable (not empty, within max_prompt_length unless truncated).
-    Returns the prompts."""
-    from actors.reward import check_reward_model, import_reward_fn
+    sources (ppo_ray.rewards.check_reward_sources: the functions import, the reward model is
+    one by its config.json), and every prompt of config.dataset is usable (not empty, within
+    max_prompt_length unless truncated). Returns the prompts."""
     from ppo_ray.data import load_prompts
     from ppo_ray.modeling import load_tokenizer
+    from ppo_ray.rewards import check_reward_sources
 
-    for spec in config.reward_funcs:
-        import_reward_fn(spec)
-    if config.reward_model_name is not None:
-        check_reward_model(config.reward_model_name)
+    check_reward_sources(config.reward_model_name, config.reward_funcs, config.reward_weights)
     return load_prompts(config, load_tokenizer(config.model_name))
 
 
@@ -204,11 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     if stage == "ppo" and not has_reward and not (run_dir / "rm").is_dir():
         print(f"error: stage 'ppo' needs {run_dir / 'rm'} from stage 'rm' (pass --run_dir)", file=sys.stderr)
         return 2
-    from actors.reward import RewardError
     from ppo_ray.checkpoint import CheckpointError
     from ppo_ray.data import DataError
     from ppo_ray.modeling import ContextLengthError
     from ppo_ray.placement import ClusterError
+    from ppo_ray.rewards import RewardError
     from ppo_ray.tldr import TLDRDataError
     from ppo_ray.tracking import TrackerError, check_trackers, read_run_file
 

@@ -24,7 +24,7 @@ What vLLM 0.32 does, read from its source and checked by tests/test_generator.py
   ``Sampler.forward`` / ``TopKTopPSampler.forward_cpu`` (``vllm/v1/sample/sampler.py``,
   ``vllm/v1/sample/ops/topk_topp_sampler.py``) return exactly one entry per step: the
   sampled token's ``log_softmax(truncate_topk_topp(logits_f32 / temperature))``, which
-  ``learner.algos.logprobs_from_logits`` reproduces.
+  ``ppo_ray.logprobs.logprobs_from_logits`` reproduces.
 * Prompt logprobs (``sequence_logprobs``) IGNORE temperature, top-k, top-p and the
   logprobs mode's "processed" part: ``GPUModelRunner._get_prompt_logprobs_dict``
   (``vllm/v1/worker/gpu_model_runner.py``, also the CPU runner's) computes
@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from ppo_ray.batch import RolloutBatch
-from ppo_ray.config import ALL_PROJECTIONS, VLLM_LORA_RANKS, PPOConfig
+from ppo_ray.config import ALL_PROJECTIONS, MIN_TEMPERATURE, VLLM_LORA_RANKS, PPOConfig
 from ppo_ray.data import encode_prompts
 from ppo_ray.modeling import load_tokenizer, resolve_model_path, write_lora_adapter
 
@@ -131,10 +131,8 @@ class Generator:
             raise ValueError("the vLLM engine was built without enable_lora=True: it cannot take adapters")
         if lora_sync == "merged" and llm.llm_engine.vllm_config.parallel_config.worker_extension_cls != MERGED_WORKER:
             raise ValueError(f"lora_sync='merged' needs an engine built with worker_extension_cls={MERGED_WORKER!r}")
-        if temperature < 1e-2:
-            # vLLM samples greedily below 1e-5 and clamps (1e-5, 1e-2) up; neither is the
-            # distribution whose logprobs the learner reproduces.
-            raise ValueError(f"temperature must be >= 0.01 for PPO sampling, got {temperature}")
+        if temperature < MIN_TEMPERATURE:  # vLLM clamps or samples greedily below it (ppo_ray.config)
+            raise ValueError(f"temperature must be >= {MIN_TEMPERATURE} for PPO sampling, got {temperature}")
         if prompt_truncation not in ("error", "left"):
             raise ValueError(f"prompt_truncation must be 'error' or 'left', got {prompt_truncation!r}")
         if max_new_tokens < 1:
@@ -292,32 +290,14 @@ class Generator:
             logprobs.append(lps)
             finish_reasons.append(c.finish_reason)
 
-        b = len(prompt_ids)
-        p = max(len(x) for x in prompt_ids)
-        t = max(1, max(len(x) for x in responses))
-        prompt_t = torch.full((b, p), self.pad_token_id, dtype=torch.long)   # (B, P) left-padded
-        prompt_m = torch.zeros((b, p), dtype=torch.bool)
-        resp_t = torch.full((b, t), self.pad_token_id, dtype=torch.long)     # (B, T) right-padded
-        resp_m = torch.zeros((b, t), dtype=torch.bool)
-        gen_lp = torch.zeros((b, t), dtype=torch.float32)
-        for i, (pi, ri, li) in enumerate(zip(prompt_ids, responses, logprobs)):
-            prompt_t[i, p - len(pi):] = torch.tensor(pi, dtype=torch.long)
-            prompt_m[i, p - len(pi):] = True
-            if ri:
-                resp_t[i, :len(ri)] = torch.tensor(ri, dtype=torch.long)
-                resp_m[i, :len(ri)] = True  # vLLM stops at the first EOS: every returned token is real
-                gen_lp[i, :len(li)] = torch.tensor(li, dtype=torch.float32)
-        if not torch.isfinite(gen_lp).all():
-            raise RuntimeError("vLLM returned a non-finite logprob for a sampled token")
-
         texts = self.tokenizer.batch_decode([r[:-1] if fr == "stop" else r for r, fr in zip(responses, finish_reasons)],
                                             skip_special_tokens=True)
-        batch = RolloutBatch(
-            prompt_ids=prompt_t, prompt_mask=prompt_m, response_ids=resp_t, response_mask=resp_m,
-            gen_logprobs=gen_lp, adapter_version=version,
-            pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id,
-            prompts=prompt_texts, responses=texts, finish_reasons=finish_reasons,
-        )
+        # vLLM stops at the first EOS: every returned token is real
+        batch = RolloutBatch.from_tokens(prompt_ids, responses, self.pad_token_id, self.eos_token_id,
+                                         gen_logprobs=logprobs, adapter_version=version,
+                                         prompts=prompt_texts, responses=texts, finish_reasons=finish_reasons)
+        if not torch.isfinite(batch.gen_logprobs).all():
+            raise RuntimeError("vLLM returned a non-finite logprob for a sampled token")
         self.last_seconds = time.perf_counter() - t0
         return batch
 

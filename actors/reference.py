@@ -14,9 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from learner.algos import logprobs_from_logits
-from learner.buffer import rollouts_to
-from ppo_ray.batch import RolloutBatch
+from ppo_ray.batch import RolloutBatch, rollout_micro_batches
+from ppo_ray.logprobs import logprobs_from_logits
 from ppo_ray.modeling import load_causal_lm, pick_device, response_logits
 
 
@@ -26,9 +25,8 @@ def full_response_logprobs(model, batch: RolloutBatch, temperature: float, micro
     """(B, T) float32 CPU full-softmax logprobs at `temperature` of batch.response_ids under
     `model` (on `device`), over trimmed micro-batches; 0 on padding."""
     out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)  # (B, T)
-    for start in range(0, len(batch), micro_batch_size):
-        rows = list(range(start, min(start + micro_batch_size, len(batch))))
-        micro = rollouts_to(batch.select(rows).trimmed(), device)
+    for rows, micro in rollout_micro_batches(batch, micro_batch_size):
+        micro = micro.to(device)
         logits = response_logits(model, micro)  # (b, t, V)
         t = micro.response_ids.shape[1]
         out[rows, :t] = logprobs_from_logits(logits, micro.response_ids, temperature,

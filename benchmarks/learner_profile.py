@@ -116,8 +116,9 @@ def split_timing(learner, batch, sync: Sync, reps: int = 3) -> dict:
 
     import torch
 
-    from learner.algos import logprobs_from_logits
-    from learner.buffer import ExperienceBuffer, TrimPlan
+    from learner.buffer import ExperienceBuffer
+    from ppo_ray.batch import TrimPlan
+    from ppo_ray.logprobs import logprobs_from_logits
     from ppo_ray.modeling import response_logits
 
     cfg = learner.config

@@ -31,8 +31,10 @@ References cited in comments:
 * [Ziegler] Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences",
   section 2.2: the adaptive KL coefficient (OpenRLHF ``AdaptiveKLController``, verl
   ``AdaptiveKLController``, TRL's ``adap_kl_ctrl``).
-* [vLLM] ``vllm/v1/sample/sampler.py`` and ``vllm/v1/sample/ops/topk_topp_sampler.py``
-  (vLLM 0.32), for :func:`logprobs_from_logits`.
+
+Token log-probs and entropy under the sampler's distribution (``logprobs_from_logits``,
+``entropy_from_logits``, the vLLM sampler emulation) live in ``ppo_ray/logprobs.py``: the
+reference scorer uses them too.
 """
 
 from __future__ import annotations
@@ -42,12 +44,9 @@ from collections.abc import Sequence
 import torch
 import torch.utils.checkpoint
 
-Tensor = torch.Tensor
+from ppo_ray.batch import check_mask
 
-# vLLM clamps 0 < temperature < 1e-2 up to 1e-2 (SamplingParams.__post_init__, _MAX_TEMP)
-# and treats temperature < 1e-5 as greedy; neither is the sampling distribution that
-# logprobs_from_logits reproduces, so we refuse such temperatures instead of guessing.
-_MIN_TEMPERATURE = 1e-2
+Tensor = torch.Tensor
 
 KL_KINDS = ("k1", "k2", "k3")
 REWARD_MODES = ("last_token", "every_token")
@@ -57,14 +56,6 @@ LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean")
 # --------------------------------------------------------------------------------------
 # masks and reductions
 # --------------------------------------------------------------------------------------
-
-
-def _check_mask(mask: Tensor) -> Tensor:
-    if mask.dtype != torch.bool:
-        raise TypeError(
-            f"mask must be a bool tensor (True = real response token), got {mask.dtype}"
-        )
-    return mask
 
 
 def first_true_indices(bools: Tensor) -> Tensor:
@@ -140,7 +131,7 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = Non
         The masked mean; 0 (not NaN) where no position is True. Masked entries of ``x``
         (even NaN/inf) do not affect the value or the gradient.
     """
-    mask = _check_mask(mask).expand_as(x)
+    mask = check_mask(mask).expand_as(x)
     total = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
     if dim is None:
         total, count = total.sum(), mask.sum()
@@ -162,7 +153,7 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
         The variance; 0 when fewer than 1 (biased) or 2 (unbiased) positions are True
         (where TRL raises, we return 0 so a degenerate micro-batch cannot NaN a run).
     """
-    mask = _check_mask(mask).expand_as(x)
+    mask = check_mask(mask).expand_as(x)
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     x = torch.where(mask, x, zero)
     mean = masked_mean(x, mask)
@@ -188,7 +179,7 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     Returns:
         ``(B, T)``, 0 at masked positions.
     """
-    mask = _check_mask(mask).expand_as(x)
+    mask = check_mask(mask).expand_as(x)
     # Select first: in (x - mean) * rsqrt(var) the backward multiplies the incoming
     # gradient (0 at masked positions) by x - mean, and 0 * nan = nan would reach var.
     x = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
@@ -228,7 +219,7 @@ def agg_loss(
     Returns:
         0-dim tensor.
     """
-    mask = _check_mask(mask)
+    mask = check_mask(mask)
     if mode == "token_mean":
         if normalizer is None:
             return masked_mean(loss_mat, mask)
@@ -245,193 +236,8 @@ def agg_loss(
 
 
 # --------------------------------------------------------------------------------------
-# log-probs and entropy from logits
+# chunked evaluation
 # --------------------------------------------------------------------------------------
-
-
-def _float_scaled_logits(
-    logits: Tensor, temperature: float, mask: Tensor | None
-) -> tuple[Tensor, bool]:
-    """float32 ``logits / temperature``, rows at masked positions replaced by 0.
-
-    Makes at most one (B, T, V) copy: ``.float()`` of bf16 input is the copy and the
-    rest happens in place on it; float32 input is copied once by the first op that needs
-    to change it. Returns ``(x, owned)``; ``owned`` = x is such a private copy (safe to
-    modify in place), False when x is the caller's ``logits`` itself.
-    """
-    if temperature < _MIN_TEMPERATURE:
-        raise ValueError(
-            f"temperature must be >= {_MIN_TEMPERATURE} (got {temperature}): vLLM treats "
-            "temperature < 1e-5 as greedy and clamps (0, 1e-2) up to 1e-2, neither of "
-            "which is a sampling distribution to take log-probs under"
-        )
-    x = logits.float()  # vLLM: logits.to(torch.float32) before any processing
-    owned = x is not logits
-    if temperature != 1.0:
-        # vLLM Sampler.apply_temperature divides by a float32 *tensor* (true division).
-        # Divide by a float32 device tensor too: a Python scalar divisor may be turned
-        # into multiplication by its reciprocal (CUDA), which rounds differently.
-        temp = torch.full((1,), temperature, dtype=torch.float32, device=x.device)
-        x = x.div_(temp) if owned else x / temp
-        owned = True
-    if mask is not None:
-        # Padding rows may hold NaN/inf logits; a uniform row keeps log_softmax and its
-        # backward finite there (their gradient is then exactly 0, not 0 * NaN).
-        keep_row = _check_mask(mask).unsqueeze(-1)
-        if owned:
-            x = x.masked_fill_(~keep_row, 0.0)
-        else:
-            x = torch.where(keep_row, x, torch.zeros((), dtype=x.dtype, device=x.device))
-            owned = True
-    return x, owned
-
-
-def _vllm_top_k_top_p_keep(x: Tensor, top_k: int | None, top_p: float | None) -> Tensor:
-    """Which vocab entries survive vLLM's top-k/top-p truncation (bool, shape of ``x``).
-
-    Mirrors ``apply_top_k_top_p_pytorch`` / ``apply_top_k_only`` from
-    ``vllm/v1/sample/ops/topk_topp_sampler.py`` (vLLM 0.32) op for op on rows of
-    ``x`` (float32, already temperature-scaled); see :func:`logprobs_from_logits`.
-    """
-    V = x.size(-1)
-    rows = x.reshape(-1, V)
-    if top_p is None:
-        # apply_top_k_only (the path vLLM takes for top-k without top-p on CPU; the sort
-        # path below computes the same threshold): mask logits strictly below the k-th
-        # largest logit, so every token tied with the k-th largest is kept (>= k kept).
-        kth = rows.topk(top_k, dim=-1).values[:, top_k - 1 :]
-        keep = ~(rows < kth)
-        return keep.reshape(x.shape)
-
-    logits_sort, logits_idx = rows.sort(dim=-1, descending=False)
-    keep_sort = torch.ones_like(logits_sort, dtype=torch.bool)
-    if top_k is not None:
-        # Ascending sort: the k-th largest logit is at index V - k; drop strictly smaller.
-        kth = logits_sort[:, V - top_k : V - top_k + 1]
-        below = logits_sort < kth
-        logits_sort.masked_fill_(below, float("-inf"))
-        keep_sort &= ~below
-    # Top-p over the temperature-scaled, top-k-truncated distribution (renormalised by
-    # this softmax). Ascending cumulative mass; drop a token when the mass at or below
-    # it is <= 1 - p, i.e. keep the smallest top set whose mass reaches p. vLLM's p is a
-    # float32 tensor, so 1 - p is computed in float32 here too.
-    probs_sum = logits_sort.softmax(dim=-1)
-    probs_sum = torch.cumsum(probs_sum, dim=-1, out=probs_sum)
-    one_minus_p = 1 - torch.full((1, 1), top_p, dtype=torch.float32, device=x.device)
-    top_p_drop = probs_sum <= one_minus_p
-    top_p_drop[:, -1] = False  # vLLM: "at least one" -- the largest logit always stays
-    keep_sort &= ~top_p_drop
-    # Back to vocab order (vLLM scatters the masked sorted logits back with logits_idx).
-    keep = torch.empty_like(keep_sort).scatter_(-1, logits_idx, keep_sort)
-    return keep.reshape(x.shape)
-
-
-def logprobs_from_logits(
-    logits: Tensor,
-    tokens: Tensor,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    mask: Tensor | None = None,
-) -> Tensor:
-    """Log-probs of ``tokens`` under the sampling distribution vLLM samples from.
-
-    ``log softmax(truncate(logits / temperature))[tokens]`` in float32, equal (up to
-    float rounding of the final log-softmax, ~1e-6) to what vLLM returns with
-    ``logprobs_mode="processed_logprobs"`` for the same logits and sampling params.
-
-    Mirrors vLLM 0.32: ``Sampler.forward`` / ``Sampler.sample`` /
-    ``Sampler.apply_temperature`` (``vllm/v1/sample/sampler.py``): logits to float32,
-    divide by temperature; then ``TopKTopPSampler.forward_native`` / ``forward_cpu`` ->
-    ``apply_top_k_top_p`` -> ``apply_top_k_top_p_pytorch`` / ``apply_top_k_only``
-    (``vllm/v1/sample/ops/topk_topp_sampler.py``): top-k, then top-p over the
-    top-k-truncated, temperature-scaled distribution; dropped tokens get -inf logits;
-    then ``log_softmax(dim=-1, dtype=float32)`` renormalises over the kept tokens.
-    Semantics copied:
-
-    * top-k keeps every token whose logit is >= the k-th largest logit (ties with the
-      k-th are all kept, so possibly more than k). ``top_k`` in ``{None, 0, -1}`` or
-      ``>= V`` disables it (vLLM ``InputBatch.add_request``).
-    * top-p sorts ascending, cumsums the softmax, drops tokens with cumulative mass
-      ``<= 1 - p`` (float32), and always keeps the largest-logit token (vLLM's "at
-      least one"). ``top_p`` of None or 1.0 disables it.
-
-    Known divergence: on CUDA builds with Triton, vLLM uses
-    ``apply_top_k_top_p_triton`` (``ops/topk_topp_triton.py``), which keeps *exactly* k
-    tokens on ties at the k-th logit (lowest vocab index first), picks the top-p cut by
-    a pivot search, and rounds differently; it can disagree with this reference only for
-    tokens exactly at the truncation boundary. A sampled token dropped by our mask gets
-    logprob -inf.
-
-    Not mirrored (must be off in the rollout engine): min_p, penalties, logit bias,
-    bad words, allowed-token lists, custom logits processors; greedy sampling
-    (temperature < 1e-2 raises ValueError).
-
-    Args:
-        logits: float ``(B, T, V)`` (bf16/fp16/fp32); position ``t`` predicts
-            ``tokens[:, t]`` (the caller has already shifted by one).
-        tokens: long ``(B, T)``.
-        temperature: sampling temperature (> 0).
-        top_k, top_p: vLLM's sampling params.
-        mask: optional bool ``(B, T)``, True = real token; if given, logits and tokens at
-            masked positions are ignored (may be garbage/out of range) and the output
-            there is 0 with zero gradient.
-
-    Returns:
-        float32 ``(B, T)``.
-
-    Memory: without truncation, one float32 copy of the logits at most (only for
-    non-fp32 input or temperature != 1) plus the log-sum-exp workspace -- log-probs come
-    from ``gather - logsumexp``, the full log-softmax is never materialised. With top-p,
-    the sort needs (B, T, V) values + indices, as in vLLM.
-    """
-    V = logits.size(-1)
-    if top_k is not None and (
-        isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1
-    ):
-        raise ValueError(f"top_k must be an int: 0 or -1 (off) or >= 1, got {top_k!r}")
-    if top_p is not None and not (0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    use_k = top_k is not None and 0 < top_k < V
-    use_p = top_p is not None and top_p < 1.0
-
-    x, owned = _float_scaled_logits(logits, temperature, mask)
-    tokens = tokens.long()
-    if mask is not None:
-        tokens = torch.where(mask, tokens, torch.zeros_like(tokens))  # pads may be >= V
-    if use_k or use_p:
-        with torch.no_grad():
-            keep = _vllm_top_k_top_p_keep(
-                x.detach(), top_k if use_k else None, top_p if use_p else None
-            )
-        # Dropped tokens -> -inf, exactly like vLLM's masked logits; the log-sum-exp
-        # below then renormalises over the kept tokens. Gradient flows to kept logits.
-        x = x.masked_fill_(~keep, float("-inf")) if owned else x.masked_fill(~keep, float("-inf"))
-    token_logits = x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    logp = token_logits - torch.logsumexp(x, dim=-1)
-    if mask is not None:
-        logp = torch.where(mask, logp, torch.zeros((), dtype=logp.dtype, device=logp.device))
-    return logp
-
-
-def entropy_from_logits(logits: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
-    """Per-token entropy of ``softmax(logits / temperature)`` (no top-k/top-p).
-
-    ``H = logsumexp(x) - sum_v softmax(x)_v * x_v``, computed in float32. The caller
-    reduces it, e.g. ``masked_mean(entropy, mask)``.
-
-    Args:
-        logits: float ``(B, T, V)``.
-        mask: bool ``(B, T)``, True = real token; masked rows may hold garbage.
-
-    Returns:
-        float32 ``(B, T)``, 0 at masked positions (with zero gradient there).
-    """
-    x, _ = _float_scaled_logits(logits, temperature, mask)
-    probs = torch.softmax(x, dim=-1)
-    # einsum contracts V without materialising probs * x.
-    entropy = torch.logsumexp(x, dim=-1) - torch.einsum("...v,...v->...", probs, x)
-    return torch.where(mask, entropy, torch.zeros((), dtype=entropy.dtype, device=entropy.device))
 
 
 def chunked_rows(fn, chunk_size: int, *inputs: Tensor) -> tuple[Tensor, ...]:
@@ -496,7 +302,7 @@ def kl_penalty(
     log_ratio = logprobs - ref_logprobs
     if mask is not None:
         zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
-        log_ratio = torch.where(_check_mask(mask), log_ratio, zero)
+        log_ratio = torch.where(check_mask(mask), log_ratio, zero)
     if kind == "k1":
         return log_ratio
     if kind == "k2":
@@ -532,7 +338,7 @@ def shape_rewards(
         ``(B, T)``; 0 at masked positions. A row with no real tokens is all zeros (its
         score is dropped: there is no token to carry it).
     """
-    mask = _check_mask(mask)
+    mask = check_mask(mask)
     zero = torch.zeros((), dtype=kl.dtype, device=kl.device)
     kl = torch.where(mask, kl, zero)  # select first (kl_coef may be a tensor with grad)
     score_bt = scores.to(kl.dtype).unsqueeze(-1).expand_as(kl)
@@ -588,7 +394,7 @@ def compute_td_errors(rewards: Tensor, values: Tensor, mask: Tensor, gamma: floa
     Returns:
         ``(B, T)``, 0 at masked positions.
     """
-    mask = _check_mask(mask)
+    mask = check_mask(mask)
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     r = torch.where(mask, rewards, zero)
     v = torch.where(mask, values, zero)
@@ -616,7 +422,7 @@ def compute_gae_advantages(
     Returns:
         ``(B, T)``, 0 at masked positions.
     """
-    mask = _check_mask(mask)
+    mask = check_mask(mask)
     deltas = compute_td_errors(rewards, values, mask, gamma)
     T = deltas.size(-1)
     zero = torch.zeros((), dtype=deltas.dtype, device=deltas.device)
@@ -644,7 +450,7 @@ def compute_returns(advantages: Tensor, values: Tensor, mask: Tensor | None = No
     if mask is None:
         return returns
     zero = torch.zeros((), dtype=returns.dtype, device=returns.device)
-    return torch.where(_check_mask(mask), returns, zero)
+    return torch.where(check_mask(mask), returns, zero)
 
 
 # --------------------------------------------------------------------------------------
@@ -688,7 +494,7 @@ def ppo_clip_loss(
         ``"ratio_mean"``, ``"ratio_max"``, ``"ratio_min"``: of rho (max/min are 0 when there
         is no real token).
     """
-    mask = _check_mask(mask)
+    mask = check_mask(mask)
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     logratio = torch.where(mask, logprobs - old_logprobs, zero)
     ratio = torch.exp(logratio)
@@ -748,7 +554,7 @@ def value_loss(
         ``(loss, stats)``; ``stats["vf_clipfrac"]``: fraction of real tokens where the
         clipped term is the active (strictly larger) one; 0 without clipping.
     """
-    mask = _check_mask(mask)
+    mask = check_mask(mask)
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     v = torch.where(mask, values, zero)
     g = torch.where(mask, returns.to(values.dtype), zero)
@@ -781,7 +587,7 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     Returns:
         0-dim tensor; NaN when ``Var[G] == 0`` (undefined, as in [CleanRL]/SB3).
     """
-    mask = _check_mask(mask)
+    mask = check_mask(mask)
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     v = torch.where(mask, values, zero)
     g = torch.where(mask, returns.to(values.dtype), zero)

@@ -11,7 +11,7 @@ micro-batching, the optimisers and the bookkeeping.
 
 Choices, and where they come from:
 * Old logprobs use the generator's exact sampling distribution: logits / temperature,
-  then the same top-k / top-p truncation (learner.algos.logprobs_from_logits mirrors
+  then the same top-k / top-p truncation (ppo_ray.logprobs.logprobs_from_logits mirrors
   vLLM). The PPO ratio is between two such truncated distributions, so the first
   minibatch has ratio == 1 exactly (float32, no dropout).
 * The KL to the reference uses the full softmax at temperature for both sides, as the
@@ -53,21 +53,20 @@ from learner.algos import (
     chunked_rows,
     compute_gae_advantages,
     compute_returns,
-    entropy_from_logits,
     explained_variance,
     kl_penalty,
-    logprobs_from_logits,
     masked_mean,
     masked_whiten,
     ppo_clip_loss,
     shape_rewards,
     value_loss,
 )
-from learner.buffer import Experience, ExperienceBuffer, TrimPlan, rollout_micro_batches, rollouts_to
+from learner.buffer import Experience, ExperienceBuffer
 from learner.kernels import cached_casts, clear_casts
 from learner.value_model import ValueHead, ValueModel
-from ppo_ray.batch import RolloutBatch
+from ppo_ray.batch import RolloutBatch, TrimPlan, rollout_micro_batches
 from ppo_ray.config import PPOConfig
+from ppo_ray.logprobs import entropy_from_logits, logprobs_from_logits
 from ppo_ray.modeling import causal_response_hidden, load_causal_lm, pick_device, response_hidden, response_logits
 
 ADAM_EPS = 1e-5  # N+ (summarize_from_feedback_details ppo.py: eps=1e-5)
@@ -440,7 +439,7 @@ class Learner:
         """Eval-mode, no-grad forwards over trimmed micro-batches (rows in order)."""
         cfg = self.config
         plan = plan or TrimPlan.of(batch)
-        batch = rollouts_to(batch, self.device)
+        batch = batch.to(self.device)
         self.policy.eval()
         self.value_model.eval()
 
@@ -560,7 +559,7 @@ class Learner:
         batch, scores, dropped = self._drop_nonfinite(batch, scores)
         plan = TrimPlan.of(batch)  # per-row extents on the host, read once
         n_tokens = int(batch.response_mask.sum())
-        batch = rollouts_to(batch, self.device)
+        batch = batch.to(self.device)
         ref_logprobs = ref_logprobs.to(self.device, torch.float32)
         scores = scores.to(self.device)
         mask = batch.response_mask  # (B, T) bool

@@ -35,10 +35,11 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from learner.algos import logprobs_from_logits, masked_mean
-from learner.buffer import rollouts_to
+from learner.algos import masked_mean
 from ppo_ray.batch import RolloutBatch
-from ppo_ray.modeling import DTYPES, last_token_hidden, load_causal_lm, load_tokenizer, pick_device, response_logits
+from ppo_ray.logprobs import logprobs_from_logits
+from ppo_ray.modeling import (DTYPES, load_causal_lm, load_tokenizer, pick_device, response_logits, reward_scores,
+                              rm_scores)
 
 log = logging.getLogger(__name__)
 
@@ -64,18 +65,6 @@ class TrainSettings:
 
     def torch_device(self) -> torch.device:
         return pick_device(self.device)
-
-
-def pack(queries: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad: int, eos: int) -> RolloutBatch:
-    """Token lists -> a RolloutBatch (prompts left-padded, responses right-padded)."""
-    p = max(map(len, queries))
-    t = max(map(len, responses))
-    return RolloutBatch(
-        prompt_ids=torch.tensor([[pad] * (p - len(q)) + list(q) for q in queries]),
-        prompt_mask=torch.tensor([[False] * (p - len(q)) + [True] * len(q) for q in queries]),
-        response_ids=torch.tensor([list(r) + [pad] * (t - len(r)) for r in responses]),
-        response_mask=torch.tensor([[True] * len(r) + [False] * (t - len(r)) for r in responses]),
-        gen_logprobs=torch.zeros(len(queries), t), adapter_version=0, pad_token_id=pad, eos_token_id=eos)
 
 
 def _batches(n: int, batch_size: int, gen: torch.Generator) -> list[list[int]]:
@@ -158,8 +147,8 @@ def sft_backward(model, queries: Sequence[Sequence[int]], responses: Sequence[Se
     n_tokens = sum(len(responses[i]) for i in rows)
     total = None
     for part in _micro(rows, micro_batch_size):
-        batch = rollouts_to(pack([queries[i] for i in part], [responses[i] for i in part], pad, eos).trimmed(),
-                            device)
+        batch = RolloutBatch.from_tokens([queries[i] for i in part], [responses[i] for i in part], pad,
+                                         eos).trimmed().to(device)
         # micro-batch token mean x its share of the step's tokens (exactly 1.0 for one micro-batch)
         loss = sft_loss(model, batch) * (sum(len(responses[i]) for i in part) / n_tokens)
         loss.backward()
@@ -198,7 +187,7 @@ def train_sft(base_model: str, queries: Sequence[Sequence[int]], responses: Sequ
     if val is not None:
         with torch.no_grad():
             vq, vr = val
-            vals = [sft_loss(model, rollouts_to(pack(vq[i:i + 64], vr[i:i + 64], pad, eos).trimmed(), device))
+            vals = [sft_loss(model, RolloutBatch.from_tokens(vq[i:i + 64], vr[i:i + 64], pad, eos).trimmed().to(device))
                     for i in range(0, len(vq), 64)]
         stats["sft_val_loss"] = float(torch.stack(vals).mean())
     _save(model, tok, Path(out_dir))
@@ -222,28 +211,13 @@ def load_reward_model_for_training(base_model: str, dtype: str, seed: int):
     return model, tok
 
 
-def rm_scores(model, batch: RolloutBatch) -> Tensor:
-    """(B,) scores at each row's last real token."""
-    backbone = getattr(model, model.base_model_prefix)
-    return model.score(last_token_hidden(backbone, batch)).float().squeeze(-1)
-
-
-def score_responses(model, queries, responses, pad: int, eos: int, batch_size: int = 64) -> Tensor:
-    """(N,) reward-model scores of (query, response) id lists, on the CPU (batches go to the
-    model's device)."""
-    device = next(model.parameters()).device
-    out = []
-    with torch.no_grad():
-        for i in range(0, len(queries), batch_size):
-            batch = pack(list(queries[i:i + batch_size]), list(responses[i:i + batch_size]), pad, eos).trimmed()
-            out.append(rm_scores(model, rollouts_to(batch, device)).cpu())
-    return torch.cat(out) if out else torch.zeros(0)
-
-
 def preference_correct(model, queries, chosen, rejected, pad: int, eos: int, batch_size: int = 64) -> list[bool]:
     """Per pair: whether the model scores chosen > rejected."""
-    rc = score_responses(model, queries, chosen, pad, eos, batch_size)
-    rr = score_responses(model, queries, rejected, pad, eos, batch_size)
+    if not queries:
+        return []
+    device = next(model.parameters()).device
+    rc = reward_scores(model, RolloutBatch.from_tokens(queries, chosen, pad, eos), batch_size, device)
+    rr = reward_scores(model, RolloutBatch.from_tokens(queries, rejected, pad, eos), batch_size, device)
     return (rc > rr).tolist()
 
 
@@ -261,8 +235,9 @@ def rm_backward(model, queries, chosen, rejected, rows: list[int], pad: int, eos
     for part in _micro(rows, micro_batch_size):
         q = [queries[i] for i in part]
         # chosen and rejected in one forward: 2b rows sharing the query padding
-        batch = pack(q + q, [chosen[i] for i in part] + [rejected[i] for i in part], pad, eos).trimmed()
-        r = rm_scores(model, rollouts_to(batch, device))  # (2b,)
+        batch = RolloutBatch.from_tokens(q + q, [chosen[i] for i in part] + [rejected[i] for i in part], pad,
+                                         eos).trimmed()
+        r = rm_scores(model, batch.to(device))  # (2b,)
         rc, rr = r[: len(part)], r[len(part):]
         # micro-batch mean x its share of the step's pairs (exactly 1.0 for one micro-batch)
         loss = -torch.nn.functional.logsigmoid(rc - rr).mean() * (len(part) / len(rows))

@@ -9,15 +9,52 @@ Layout (the one every role uses; OpenRLHF's `Experience` and the N+ TL;DR code u
 so every prompt ends at column P-1 and every response starts at column P, and the logits
 that predict response token t sit at sequence column P-1+t. Masks are bool, True on real
 tokens; a response is real up to and including its first EOS (pad is never EOS).
+
+Also here, because they are about this layout and every role uses them: padding token
+lists into it (`pad_rows`, `RolloutBatch.from_tokens`), moving it to a device
+(`RolloutBatch.to`), trimming padding (`RolloutBatch.trimmed`, `TrimPlan`) and the
+trimmed micro-batches of a scoring pass (`rollout_micro_batches`).
+
+Trimming: drop prompt columns that are padding in every row (on the left) and response
+columns that are padding in every row (on the right), keeping at least one response
+column. Dropping prompt columns changes P but not the response columns, so a (B, T)
+per-token tensor aligned with response_ids only loses right columns. TrimPlan keeps the
+per-row extents on the host, so trimming a micro-batch never reads a device tensor back
+(no per-micro-batch synchronisation).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+
+
+def check_mask(mask: Tensor) -> Tensor:
+    """`mask` itself, after checking it is bool (the one mask convention: True = real token)."""
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor (True = real response token), got {mask.dtype}")
+    return mask
+
+
+def pad_rows(rows: Sequence[Sequence[int] | Sequence[float] | Tensor], value: int | float | bool, side: str,
+             dtype: torch.dtype = torch.long, min_width: int = 0) -> Tensor:
+    """(B, L) tensor of `rows` padded with `value` on `side` ("left" or "right") to the
+    longest row (at least `min_width` columns); torch's pad_sequence does the padding."""
+    padded = pad_sequence([torch.as_tensor(r, dtype=dtype) for r in rows], batch_first=True,
+                          padding_value=value, padding_side=side)  # (B, L)
+    if padded.shape[1] < min_width:
+        extra = min_width - padded.shape[1]
+        padded = torch.nn.functional.pad(padded, (extra, 0) if side == "left" else (0, extra), value=value)
+    return padded
+
+
+def _real(rows: Sequence[Sequence]) -> list[Tensor]:
+    """True for every element of each row (the rows' masks before padding)."""
+    return [torch.ones(len(r), dtype=torch.bool) for r in rows]
 
 
 @dataclass
@@ -45,6 +82,25 @@ class RolloutBatch:
                 f"{tuple(self.response_mask.shape)}, gen_logprobs {tuple(self.gen_logprobs.shape)}")
         if self.pad_token_id == self.eos_token_id:
             raise ValueError("pad_token_id equals eos_token_id: pad must be a distinct token")
+
+    @staticmethod
+    def from_tokens(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_token_id: int,
+                    eos_token_id: int, gen_logprobs: Optional[Sequence[Sequence[float]]] = None,
+                    adapter_version: int = 0, **texts: list[str]) -> "RolloutBatch":
+        """Token lists -> a RolloutBatch: prompts left-padded, responses right-padded (at
+        least one response column), every given token real; gen_logprobs per response
+        token (0 when not given, and on padding). `texts`: prompts, responses, finish_reasons."""
+        response_t = pad_rows(response_ids, pad_token_id, "right", min_width=1)  # (B, T)
+        t = response_t.shape[1]
+        logprobs = (pad_rows(gen_logprobs, 0.0, "right", torch.float32, min_width=t) if gen_logprobs is not None
+                    else torch.zeros(len(response_ids), t))
+        return RolloutBatch(
+            prompt_ids=pad_rows(prompt_ids, pad_token_id, "left"),                                 # (B, P)
+            prompt_mask=pad_rows(_real(prompt_ids), False, "left", torch.bool),                   # (B, P)
+            response_ids=response_t,
+            response_mask=pad_rows(_real(response_ids), False, "right", torch.bool, min_width=1),  # (B, T)
+            gen_logprobs=logprobs,                                                                # (B, T)
+            adapter_version=adapter_version, pad_token_id=pad_token_id, eos_token_id=eos_token_id, **texts)
 
     # ------------------------------------------------------------------ views
     def __len__(self) -> int:
@@ -119,11 +175,21 @@ class RolloutBatch:
             finish_reasons=[self.finish_reasons[i] for i in rows] if self.finish_reasons else [],
         )
 
-    def trimmed(self) -> "RolloutBatch":
-        """Drop prompt columns that are padding in every row (left) and response columns
-        that are padding in every row (right): a micro-batch pays only for its longest row."""
-        p_keep = int(self.prompt_mask.any(dim=0).nonzero().min()) if self.prompt_mask.any() else self.prompt_len
-        t_keep = int(self.response_mask.any(dim=0).nonzero().max()) + 1 if self.response_mask.any() else 1
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        """The batch with its tensors on `device` (lists and ints unchanged)."""
+        return replace(
+            self,
+            prompt_ids=self.prompt_ids.to(device), prompt_mask=self.prompt_mask.to(device),
+            response_ids=self.response_ids.to(device), response_mask=self.response_mask.to(device),
+            gen_logprobs=self.gen_logprobs.to(device),
+        )
+
+    def trimmed(self, p_keep: Optional[int] = None, t_keep: Optional[int] = None) -> "RolloutBatch":
+        """Prompt columns from `p_keep` on, response columns [0, `t_keep`) (see the module
+        docstring). Without widths, this batch's own (TrimPlan.widths over all its rows,
+        which reads the masks to the host): a micro-batch pays only for its longest row."""
+        if p_keep is None or t_keep is None:
+            p_keep, t_keep = TrimPlan.of(self).widths(range(len(self)))
         return replace(
             self,
             prompt_ids=self.prompt_ids[:, p_keep:], prompt_mask=self.prompt_mask[:, p_keep:],
@@ -189,3 +255,79 @@ class RolloutBatch:
                     pair[name] = float(x[i, t])
                 pairs.append(pair)
         return pairs
+
+
+@dataclass(frozen=True)
+class TrimPlan:
+    """Per-row extents, on the host, from which any subset's trimmed widths follow."""
+
+    prompt_start: list[int]  # B: first real prompt column of each row (P if none)
+    response_end: list[int]  # B: last real response column + 1 of each row (0 if none)
+    prompt_len: int          # P
+    response_len: int        # T
+
+    @staticmethod
+    def of(batch: RolloutBatch) -> "TrimPlan":
+        """Read the masks once (one host transfer if they live on a device)."""
+        pm, rm = batch.prompt_mask.cpu(), batch.response_mask.cpu()
+        p, t = pm.shape[1], rm.shape[1]
+        cols_p = torch.arange(p).expand_as(pm)
+        cols_t = torch.arange(t).expand_as(rm)
+        start = torch.where(pm, cols_p, torch.full_like(cols_p, p)).amin(dim=1) if p else torch.zeros(len(pm), dtype=torch.long)
+        end = torch.where(rm, cols_t + 1, torch.zeros_like(cols_t)).amax(dim=1) if t else torch.zeros(len(rm), dtype=torch.long)
+        return TrimPlan(start.tolist(), end.tolist(), p, t)
+
+    def widths(self, rows: Sequence[int]) -> tuple[int, int]:
+        """(first prompt column kept, response columns kept) for these rows: the first
+        column any of them has a real prompt token in (P if none), and their last real
+        response column + 1 (at least one response column)."""
+        p_keep = min((self.prompt_start[i] for i in rows), default=self.prompt_len)
+        t_keep = max(1, max((self.response_end[i] for i in rows), default=0))
+        return p_keep, t_keep
+
+    def length(self, row: int) -> int:
+        """Real tokens of a row: prompt + response up to its last real token."""
+        return self.prompt_len - self.prompt_start[row] + self.response_end[row]
+
+    def seq_len(self, rows: Sequence[int]) -> int:
+        """The causal layout's width for these rows (RolloutBatch.causal_sequences): the
+        longest row's real tokens, at least 1."""
+        return max(1, max(self.length(i) for i in rows))
+
+    def response_tokens(self, rows: Sequence[int]) -> int:
+        """Response positions up to each row's last real token, summed over the rows."""
+        return sum(self.response_end[i] for i in rows)
+
+    def by_length(self, rows: Sequence[int]) -> list[int]:
+        """The rows sorted by real length, longest first (stable), so that consecutive
+        micro-batches hold rows of similar length and pay for little padding; longest first
+        so the first micro-batch allocates the most memory the others then reuse."""
+        return sorted(rows, key=lambda i: -self.length(i))
+
+    def cost(self, rows: Sequence[int], causal: bool) -> tuple[int, int]:
+        """(token positions a forward over these rows computes, real tokens among them):
+        width x rows with the masked layout's trimmed widths or the causal layout's."""
+        if causal:
+            width = self.seq_len(rows)
+        else:
+            p_keep, t_keep = self.widths(rows)
+            width = self.prompt_len - p_keep + t_keep
+        return width * len(rows), sum(self.length(i) for i in rows)
+
+
+def split_rows(index: Tensor, size: int) -> list[Tensor]:
+    """Consecutive chunks of `size` rows of a 1-D index tensor (the last may be shorter)."""
+    return list(torch.split(index, size))
+
+
+def rollout_micro_batches(batch: RolloutBatch, size: int, plan: TrimPlan | None = None,
+                          sort: bool = False) -> Iterator[tuple[list[int], RolloutBatch]]:
+    """(rows, trimmed micro-batch) over rows 0..B-1, `size` rows at a time: a no-grad
+    scoring pass (the reference and reward scorers, the learner's pass before the PPO
+    epochs). In row order, or longest first (`sort`, TrimPlan.by_length); the caller
+    writes results back by `rows`."""
+    plan = plan or TrimPlan.of(batch)
+    order = plan.by_length(range(len(batch))) if sort else list(range(len(batch)))
+    for chunk in split_rows(torch.tensor(order, dtype=torch.long), size):
+        rows = chunk.tolist()
+        yield rows, batch.select(rows).trimmed(*plan.widths(rows))

@@ -46,6 +46,13 @@ TINY_MODEL = "embedded:tiny"
 # an adapter of any rank up to max_lora_rank, so every lora_r up to the largest one works.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
+# The temperature floor, the one home of the rule (validate(), the generator and
+# ppo_ray.logprobs read it): vLLM clamps 0 < temperature < 1e-2 up to 1e-2
+# (SamplingParams.__post_init__, _MAX_TEMP) and treats temperature < 1e-5 as greedy;
+# neither is the sampling distribution whose logprobs the learner reproduces, so such
+# temperatures are refused instead of guessed at.
+MIN_TEMPERATURE = 1e-2
+
 
 # Experiment trackers (report_to) and logging levels (log_level).
 REPORT_TO = ("tensorboard", "wandb")
@@ -303,9 +310,8 @@ class PPOConfig:
             need(0.0 <= getattr(self, name) <= 1.0, name, "must be in [0, 1]")
         need(self.clip_epsilon > 0, "clip_epsilon", "must be > 0")
         need(self.kl_coef >= 0, "kl_coef", "must be >= 0")
-        # vLLM clamps temperatures below 0.01 up to 0.01 and treats < 1e-5 as greedy: neither
-        # is a distribution whose logprobs the learner can reproduce.
-        need(self.temperature >= 0.01, "temperature", "must be >= 0.01 (PPO samples; greedy is not a policy)")
+        need(self.temperature >= MIN_TEMPERATURE, "temperature",
+             f"must be >= {MIN_TEMPERATURE} (PPO samples; greedy is not a policy)")
         need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         need(self.top_k == -1 or self.top_k >= 0, "top_k", "must be >= 0 (0 or -1 = off)")
         for name in ("batch_size", "lora_r", "lora_alpha", "max_new_tokens", "ppo_epochs", "sft_epochs",

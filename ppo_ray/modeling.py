@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ppo_ray.batch import RolloutBatch
+from ppo_ray.batch import RolloutBatch, rollout_micro_batches
+from ppo_ray.rewards import check_reward_model
 
 log = logging.getLogger(__name__)
 
@@ -216,18 +217,31 @@ def last_token_hidden(backbone, batch: RolloutBatch) -> Tensor:
     return out.last_hidden_state[rows, last]  # (B, H)
 
 
+def rm_scores(model, batch: RolloutBatch) -> Tensor:
+    """(B,) float32 scores of a reward model (AutoModelForSequenceClassification,
+    num_labels=1) at each row's last real token, on the model's device (autograd as the
+    caller has it: the RM stage trains through it)."""
+    backbone = getattr(model, model.base_model_prefix)
+    return model.score(last_token_hidden(backbone, batch)).float().squeeze(-1)
+
+
+@torch.no_grad()
+def reward_scores(model, batch: RolloutBatch, micro_batch_size: int, device: torch.device | str) -> Tensor:
+    """(B,) float32 CPU reward-model scores of a batch (on any device), over trimmed
+    micro-batches of `micro_batch_size` rows moved to `device`: the reward actor's and the
+    evaluations' RM scoring."""
+    out = [rm_scores(model, micro.to(device)).cpu() for _, micro in rollout_micro_batches(batch, micro_batch_size)]
+    return torch.cat(out) if out else torch.zeros(0)
+
+
 def load_reward_model(name: str, dtype: str = "float32"):
     """A sequence-classification reward model (num_labels=1) in eval mode, with its
-    backbone and its `score` head checked, or a clear error naming the path."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    config.json (ppo_ray.rewards.check_reward_model: RewardError), backbone and `score`
+    head checked, or a clear error naming the path."""
+    from transformers import AutoModelForSequenceClassification
 
+    check_reward_model(name)
     path = resolve_model_path(name)
-    try:
-        cfg = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"reward model {name!r} is not a loadable model: {e}") from e
-    if getattr(cfg, "num_labels", 1) != 1:
-        raise ValueError(f"reward model {name!r} has num_labels={cfg.num_labels}; a reward model needs 1")
     model, info = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=DTYPES[dtype],
                                                                      output_loading_info=True)
     if not hasattr(model, "score") or not hasattr(model, model.base_model_prefix):

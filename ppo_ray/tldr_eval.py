@@ -23,6 +23,8 @@ from typing import Sequence
 
 import torch
 
+from ppo_ray.batch import pad_rows
+
 
 def hf_sample(model, tok, prompts: Sequence[str], *, n: int = 1, temperature: float = 0.0,
               max_new_tokens: int, seed: int = 0, batch_size: int = 64) -> tuple[list[list[str]], list[list[bool]]]:
@@ -42,10 +44,9 @@ def hf_sample(model, tok, prompts: Sequence[str], *, n: int = 1, temperature: fl
         for start in range(0, len(prompts), batch_size):
             chunk = list(prompts[start:start + batch_size])
             ids = [tok(p, add_special_tokens=False)["input_ids"] for p in chunk]
-            width = max(map(len, ids))
-            input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])  # left-padded (B, P)
-            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
-            out = model.generate(input_ids=input_ids, attention_mask=mask, **gen)[:, width:]  # (B * n, T)
+            input_ids = pad_rows(ids, pad, "left")  # (B, P) left-padded
+            mask = pad_rows([[1] * len(x) for x in ids], 0, "left")  # (B, P)
+            out = model.generate(input_ids=input_ids, attention_mask=mask, **gen)[:, input_ids.shape[1]:]  # (B * n, T)
             for row, resp in enumerate(out.tolist()):
                 i = start + row // (n if temperature > 0 else 1)
                 stop = resp.index(eos) if eos in resp else None
@@ -101,8 +102,8 @@ def reward_model_report(sft_dir: str, rm_dir: str, rows: Sequence[dict], *, n: i
                         max_new_tokens: int, missing_eos_penalty: float | None, seed: int) -> dict:
     """Best-of-`n` on the SFT policy's samples of `rows` (see the module docstring). A sample
     without EOS gets `missing_eos_penalty` as its RM score, as in PPO."""
-    from learner.stages import score_responses
-    from ppo_ray.modeling import load_causal_lm, load_reward_model, load_tokenizer
+    from ppo_ray.batch import RolloutBatch
+    from ppo_ray.modeling import load_causal_lm, load_reward_model, load_tokenizer, reward_scores
     from ppo_ray.tldr_synth import gold_score
 
     tok = load_tokenizer(sft_dir)
@@ -118,7 +119,8 @@ def reward_model_report(sft_dir: str, rm_dir: str, rows: Sequence[dict], *, n: i
         for t in ts:
             queries.append(q)
             responses.append(tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
-    flat = score_responses(rm, queries, responses, tok.pad_token_id, tok.eos_token_id).tolist()
+    batch = RolloutBatch.from_tokens(queries, responses, tok.pad_token_id, tok.eos_token_id)
+    flat = reward_scores(rm, batch, 64, next(rm.parameters()).device).tolist()
     scores = [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
     if missing_eos_penalty is not None:
         scores = [[s if e else missing_eos_penalty for s, e in zip(ss, es)] for ss, es in zip(scores, ended)]
@@ -134,7 +136,7 @@ def copy_probe(model_dir: str, rows: Sequence[dict]) -> dict[str, float]:
     tldr_synth.fact_alternatives. Returns per slot the fraction of examples whose true
     summary (EOS included) is the most likely. Pretraining alone should make this high:
     the committed model's test checks it."""
-    from learner.stages import pack
+    from ppo_ray.batch import RolloutBatch
     from ppo_ray.modeling import load_causal_lm, load_tokenizer, response_logits
     from ppo_ray.tldr_synth import fact_alternatives
 
@@ -151,7 +153,7 @@ def copy_probe(model_dir: str, rows: Sequence[dict]) -> dict[str, float]:
             texts = [summary] + [summary.replace(cased, a, 1) for a in alts]
             q = tok(row["prompt"], add_special_tokens=False)["input_ids"]
             rs = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
-            batch = pack([q] * len(rs), rs, tok.pad_token_id, tok.eos_token_id)
+            batch = RolloutBatch.from_tokens([q] * len(rs), rs, tok.pad_token_id, tok.eos_token_id)
             with torch.no_grad():
                 logp = torch.log_softmax(response_logits(model, batch).float(), dim=-1)  # (N, T, V)
                 token_logp = logp.gather(-1, batch.response_ids[..., None]).squeeze(-1)  # (N, T)

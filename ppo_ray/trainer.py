@@ -42,6 +42,7 @@ from ppo_ray.logs import format_step
 from ppo_ray.metrics import TrainingMetrics
 from ppo_ray.modeling import check_context_length, load_tokenizer, resolve_model_path
 from ppo_ray.placement import Roles, create_roles, form_learner_group, init_ray, split_evenly
+from ppo_ray.rewards import check_reward_sources
 from ppo_ray.tracking import Trackers, check_trackers, update_run_file
 
 
@@ -121,14 +122,8 @@ class PPOTrainer:
     def __init__(self, config: PPOConfig, *, run_dir: str | Path | None = None):
         self.config = config
         # Everything that can fail cheaply fails before any actor starts.
-        from actors.reward import check_reward_model, import_reward_fn
-
-        for spec in config.reward_funcs:
-            import_reward_fn(spec)
-        if config.reward_model_name is None and not config.reward_funcs:
-            raise ValueError("no reward source: set reward_model_name and/or reward_funcs in the config")
-        if config.reward_model_name is not None:
-            check_reward_model(config.reward_model_name)  # its config.json: a causal LM is refused here
+        # the reward sources (RewardError naming one): its config.json refuses a causal LM here
+        check_reward_sources(config.reward_model_name, config.reward_funcs, config.reward_weights)
         self.model_dir = resolve_model_path(config.model_name)
         self.ref_model_dir = resolve_model_path(config.ref_model_name or config.model_name)
         self.reward_model_dir = resolve_model_path(config.reward_model_name) if config.reward_model_name else None

@@ -1,4 +1,4 @@
-"""Pins the PPO math in learner/algos.py (CPU, fast).
+"""Pins the PPO math in learner/algos.py and the token log-probs of ppo_ray/logprobs.py (CPU, fast).
 
 Hand-worked values, vectorised-vs-naive-loop equivalence on random right-padded
 batches, invariance to garbage at masked positions (values and gradients), and the
@@ -17,11 +17,9 @@ from learner.algos import (
     compute_gae_advantages,
     compute_returns,
     compute_td_errors,
-    entropy_from_logits,
     explained_variance,
     first_true_indices,
     kl_penalty,
-    logprobs_from_logits,
     masked_mean,
     masked_var,
     masked_whiten,
@@ -30,6 +28,7 @@ from learner.algos import (
     shape_rewards,
     value_loss,
 )
+from ppo_ray.logprobs import entropy_from_logits, logprobs_from_logits
 
 F64 = torch.float64
 

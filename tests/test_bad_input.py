@@ -12,8 +12,8 @@ subprocess run, and every run here stops before Ray starts.
 | 4 | dataset without the prompt column (or a non-str value) | `data.column` (DataError: file, row, columns), at load | test_missing_prompt_column; test_tldr_path.py::test_missing_column_exits_2_naming_file_row_and_column (SFT data) |
 | 5 | empty prompts | `data.load_prompts(config, tokenizer)` at load (launch.py, before writing); `data.encode_prompts` at every step | test_empty_and_overlong_prompts_found_at_load, test_launch_rejects_bad_data_before_writing; test_generator.py::test_encode_prompts_errors, test_trainer.py::test_bad_prompts_fail_clearly_and_leave_state_intact |
 | 6 | over-long prompts (prompt_truncation=error) | as 5 | as 5 |
-| 7 | reward model path that is not a reward model: no config.json, a file, a broken config.json, num_labels != 1, a causal LM | `modeling.resolve_model_path` (FileNotFoundError), `reward.check_reward_model` (config.json; top of `PPOTrainer.__init__` and launch.py), `modeling.load_reward_model` (weights: no trained `score`) | test_reward_model_paths_that_are_not_reward_models, test_causal_lm_checkpoint_is_not_a_reward_model, test_trainer_checks_reward_sources_before_ray, test_launch_rejects_a_causal_lm_reward_model; test_scorers.py::test_reward_sources_are_checked |
-| 8 | reward function raises, returns NaN, the wrong number of values, not numbers; does not import | `RewardScorer.function_scores` / `.score` (RewardError naming the function); import at the top of `PPOTrainer.__init__` | test_bad_reward_functions_without_ray, test_trainer_checks_reward_sources_before_ray; test_trainer.py::test_bad_reward_functions_are_named (in a Ray actor), test_scorers.py::test_nonfinite_scores_error_or_drop, test_scorers.py::test_reward_sources_are_checked |
+| 7 | reward model path that is not a reward model: no config.json, a file, a broken config.json, num_labels != 1, a causal LM | `modeling.resolve_model_path` (FileNotFoundError), `rewards.check_reward_model` via `rewards.check_reward_sources` (config.json; top of `PPOTrainer.__init__`, launch.py and `RewardScorer`; RewardError), `modeling.load_reward_model` (weights: no trained `score`) | test_reward_model_paths_that_are_not_reward_models, test_causal_lm_checkpoint_is_not_a_reward_model, test_trainer_checks_reward_sources_before_ray, test_launch_rejects_a_causal_lm_reward_model; test_scorers.py::test_reward_sources_are_checked |
+| 8 | reward function raises, returns NaN, the wrong number of values, not numbers; does not import | `RewardScorer.function_scores` / `.score` (RewardError naming the function); import in `rewards.check_reward_sources` (top of `PPOTrainer.__init__`, launch.py, `RewardScorer`) | test_bad_reward_functions_without_ray, test_trainer_checks_reward_sources_before_ray; test_trainer.py::test_bad_reward_functions_are_named (in a Ray actor), test_scorers.py::test_nonfinite_scores_error_or_drop, test_scorers.py::test_reward_sources_are_checked |
 | 9 | LoRA rank the vLLM generator cannot serve | `PPOConfig._validate`: lora_r <= 512 (`VLLM_LORA_RANKS`, vLLM's `MaxLoRARanks`) | test_lora_rank_above_vllms_largest_is_refused, test_lora_rank_set_matches_vllm |
 | 10 | RAY_ADDRESS where nothing listens, a dashboard URL, not host:port | `placement.check_ray_address` (TCP connect, 5 s bound) in `init_ray`, and in launch.py before writing | test_check_ray_address, test_init_ray_fails_fast_without_calling_ray_init, test_launch_subprocess_ray_address_nowhere; test_deploy.py::test_submit_fails_fast_when_nothing_listens (deploy/submit.sh) |
 | 11 | a model whose max_position_embeddings < max_prompt_length + max_new_tokens (issue 15) | `modeling.check_context_length` in launch.py before writing (the pipeline: the base model) and at the top of `PPOTrainer.__init__`, before Ray | test_ops_inputs.py::test_context_length_error_names_both_fields_and_the_limit, test_trainer_refuses_a_short_model_before_ray, test_launch_refuses_a_short_model_before_writing |
@@ -257,7 +257,7 @@ def causal_lm_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 def test_reward_model_paths_that_are_not_reward_models(tmp_path, causal_lm_dir):
-    from actors.reward import RewardError, check_reward_model
+    from ppo_ray.rewards import RewardError, check_reward_model
 
     with pytest.raises(FileNotFoundError, match="exists but is not a model directory"):
         check_reward_model(str(tmp_path))  # a directory without config.json
@@ -277,7 +277,8 @@ def test_reward_model_paths_that_are_not_reward_models(tmp_path, causal_lm_dir):
 
 
 def test_causal_lm_checkpoint_is_not_a_reward_model(tmp_path, causal_lm_dir):
-    from actors.reward import RewardError, RewardScorer, check_reward_model
+    from actors.reward import RewardScorer
+    from ppo_ray.rewards import RewardError, check_reward_model
     from ppo_ray.modeling import load_reward_model
 
     with pytest.raises(RewardError, match=r"is a Qwen3ForCausalLM checkpoint, not a sequence-classification"):
@@ -311,7 +312,7 @@ def _fail_if_ray_starts(monkeypatch):
     (dict(reward_funcs=["ppo_ray.rewards:nope"], reward_weights=[]), "RewardError", "has no callable 'nope'"),
     (dict(reward_funcs=[], reward_weights=[], reward_model_name="CAUSAL"), "RewardError", "Qwen3ForCausalLM"),
     (dict(reward_funcs=[], reward_weights=[], reward_model_name="DIR"), "FileNotFoundError", "not a model directory"),
-    (dict(reward_funcs=[], reward_weights=[]), "ValueError", "no reward source"),
+    (dict(reward_funcs=[], reward_weights=[]), "RewardError", "no reward source"),
 ])
 def test_trainer_checks_reward_sources_before_ray(monkeypatch, tmp_path, causal_lm_dir, changes, error, match):
     PPOTrainer = _fail_if_ray_starts(monkeypatch)
@@ -350,7 +351,8 @@ def _texts_batch(n: int):
     ("reward_fns:not_numbers", r"reward function 'reward_fns:not_numbers' must return a list of 8 numbers"),
 ])
 def test_bad_reward_functions_without_ray(fn, match):
-    from actors.reward import RewardError, RewardScorer
+    from actors.reward import RewardScorer
+    from ppo_ray.rewards import RewardError
 
     with pytest.raises(RewardError, match=match):
         RewardScorer(None, [fn]).score(_texts_batch(8))

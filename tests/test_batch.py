@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ppo_ray.batch import RolloutBatch
+from ppo_ray.batch import RolloutBatch, TrimPlan, pad_rows
 
 PAD, EOS = 9, 8
 
@@ -30,6 +30,34 @@ def test_sequences_positions_and_eos():
     assert att[1].tolist() == [False, False, True, True, True, True]
     assert b.has_eos.tolist() == [True, False]
     assert b.response_lengths.tolist() == [2, 3]
+
+
+def test_from_tokens_builds_the_layout():
+    """RolloutBatch.from_tokens (pad_sequence underneath) gives the hand-built layout of make()."""
+    prompts, responses = [[1, 2, 3], [4]], [[5, EOS], [6, 7, 1]]
+    want = make(prompts, responses, version=3)
+    lps = [want.gen_logprobs[i, :len(r)].tolist() for i, r in enumerate(responses)]
+    got = RolloutBatch.from_tokens(prompts, responses, PAD, EOS, gen_logprobs=lps, adapter_version=3,
+                                   prompts=want.prompts, responses=want.responses, finish_reasons=want.finish_reasons)
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "gen_logprobs"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert (got.adapter_version, got.prompts, got.finish_reasons) == (3, want.prompts, want.finish_reasons)
+    # no logprobs: zeros; all responses empty: still one (padding) response column
+    empty = RolloutBatch.from_tokens([[1], [2, 3]], [[], []], PAD, EOS)
+    assert empty.response_ids.tolist() == [[PAD], [PAD]] and not empty.response_mask.any()
+    assert empty.gen_logprobs.tolist() == [[0.0], [0.0]]
+    assert pad_rows([[1], [2, 3]], 0, "left", min_width=3).tolist() == [[0, 0, 1], [0, 2, 3]]
+
+
+def test_trimmed_widths_come_from_the_trim_plan():
+    b = make([[1, 2, 3], [4], [5, 6]], [[5, EOS], [6, 7, 1, EOS], [2]])
+    plan = TrimPlan.of(b)
+    for rows in ([0], [1], [2], [1, 2], [0, 1, 2]):
+        sub = b.select(rows)
+        assert sub.trimmed().prompt_ids.shape[1] == max(len(([1, 2, 3], [4], [5, 6])[i]) for i in rows)
+        p_keep, t_keep = plan.widths(rows)
+        assert torch.equal(sub.trimmed().response_ids, sub.trimmed(p_keep, t_keep).response_ids)
+        assert torch.equal(sub.trimmed().prompt_ids, b.select(rows).prompt_ids[:, p_keep:])
 
 
 def test_pad_equal_to_eos_is_refused():

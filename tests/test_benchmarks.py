@@ -92,7 +92,7 @@ def test_peer_preset_is_the_single_process_comparisons_work(tiny_model_dir):
     tokens, 16 new tokens at temperature 0.7, 1 epoch over 1 minibatch, a reward model of
     the policy's shape (a real sequence classifier: the reward actor's checks pass) and a
     separate value model."""
-    from actors.reward import check_reward_model
+    from ppo_ray.rewards import check_reward_model
     from benchmarks.step import build_config
 
     config = build_config("peer")

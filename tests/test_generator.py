@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from learner.algos import logprobs_from_logits
+from ppo_ray.logprobs import logprobs_from_logits
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import ALL_PROJECTIONS
 from ppo_ray.data import encode_prompts

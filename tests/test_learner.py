@@ -14,7 +14,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from learner.buffer import Experience, ExperienceBuffer, TrimPlan, rollout_micro_batches
+from learner.buffer import Experience, ExperienceBuffer
+from ppo_ray.batch import TrimPlan, rollout_micro_batches
 from learner.learner import Learner, StaleRolloutsError
 from learner.value_model import ValueModel
 from ppo_ray.batch import RolloutBatch

@@ -21,8 +21,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from learner.algos import chunked_rows, logprobs_from_logits
-from learner.buffer import TrimPlan
+from learner.algos import chunked_rows
+from ppo_ray.batch import TrimPlan
+from ppo_ray.logprobs import logprobs_from_logits
 from learner.learner import Learner
 from ppo_ray.config import ConfigError, PPOConfig
 from test_learner import make_config, random_batch, rollout_inputs, special, tiny_path  # noqa: F401 (fixtures)

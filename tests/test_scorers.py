@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from actors.reference import ReferenceScorer
-from actors.reward import RewardError, RewardScorer, import_reward_fn
+from actors.reward import RewardScorer
 from ppo_ray.batch import RolloutBatch
+from ppo_ray.rewards import RewardError, import_reward_fn
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ PAIRS = [
 
 
 def test_reference_logprobs_match_hf_and_ignore_padding(tiny_model_dir, tok):
-    from learner.algos import logprobs_from_logits
+    from ppo_ray.logprobs import logprobs_from_logits
     from ppo_ray.modeling import load_causal_lm
 
     ref = ReferenceScorer(str(tiny_model_dir), temperature=0.7, micro_batch_size=2)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.stages import (TrainSettings, load_reward_model_for_training, pack, preference_accuracy, rm_backward,
-                            sft_backward, sft_loss, train_reward_model, train_sft)
+from learner.stages import (TrainSettings, load_reward_model_for_training, preference_accuracy, rm_backward, sft_backward,
+                            sft_loss, train_reward_model, train_sft)
+from ppo_ray.batch import RolloutBatch
 from ppo_ray.modeling import load_causal_lm, load_tokenizer
 from ppo_ray.tldr_synth import generate_task
 
@@ -30,7 +31,7 @@ def sft_dir(tiny_model_dir, task, tmp_path_factory):
     out = tmp_path_factory.mktemp("sft")
     settings = TrainSettings(epochs=2, learning_rate=1e-3, batch_size=16, progress=False)
     with torch.no_grad():  # the base model's held-out loss, for comparison
-        before = float(sft_loss(load_causal_lm(str(tiny_model_dir)), pack(vq, vr, tok.pad_token_id, tok.eos_token_id)))
+        before = float(sft_loss(load_causal_lm(str(tiny_model_dir)), RolloutBatch.from_tokens(vq, vr, tok.pad_token_id, tok.eos_token_id)))
     stats = train_sft(str(tiny_model_dir), q, r, out, settings, val=(vq, vr))
     return out, before, stats
 
@@ -103,7 +104,7 @@ def test_sft_accumulated_gradient_equals_the_full_batch_gradient(tiny_model_dir,
     results = {m: (sft_backward(model, q, r, list(range(8)), tok.pad_token_id, tok.eos_token_id, m, cpu),
                    grads(model)) for m in (None, 3, 1)}
     full_loss, full_grads = results[None]
-    assert torch.equal(full_loss, sft_loss(model, pack(q, r, tok.pad_token_id, tok.eos_token_id).trimmed()).detach())
+    assert torch.equal(full_loss, sft_loss(model, RolloutBatch.from_tokens(q, r, tok.pad_token_id, tok.eos_token_id).trimmed()).detach())
     for m in (3, 1):
         loss, g = results[m]
         assert abs(float(loss) - float(full_loss)) < 1e-5, m

@@ -121,7 +121,7 @@ def test_ppo_learns_a_simple_reward(tiny_trainer):
 ])
 def test_bad_reward_functions_are_named(tiny_trainer, fn, match):
     """A reward actor with a misbehaving function, fed the trainer's real rollouts."""
-    from actors.reward import RewardError
+    from ppo_ray.rewards import RewardError
     from ppo_ray.placement import RewardHost
 
     host = ray.remote(RewardHost).remote(tiny_trainer.config.replace(reward_funcs=[fn]), None)
