@@ -139,26 +139,16 @@ def write_data(config: PPOConfig, run_dir: Path) -> Path:
     return data_dir
 
 
-def _stage_settings(config: PPOConfig, epochs: int, learning_rate: float):
-    from learner.stages import TrainSettings
-
-    # micro_batch_size: the PPO micro-batch also bounds the stages' forward/backward (RM: pairs; memory only:
-    # the stages accumulate gradients up to stage_batch_size); the device is TrainSettings' auto.
-    return TrainSettings(epochs=epochs, learning_rate=learning_rate, batch_size=config.stage_batch_size,
-                         seed=config.seed, dtype=config.stage_dtype or config.dtype,
-                         micro_batch_size=config.micro_batch_size)
-
-
 def run_sft(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
     """SFT as a Ray task on a node with the config's stage resources (placement.run_stage):
     the driver tokenises the data, the task trains, run_dir/sft is written on the driver's node."""
     from ppo_ray.modeling import load_tokenizer, resolve_model_path
-    from ppo_ray.placement import run_stage
+    from ppo_ray.placement import run_stage, stage_settings
 
     base = resolve_model_path(config.model_name)
     tok = load_tokenizer(base)
     train, val = sft_ids(config, data_dir, tok, "train"), sft_ids(config, data_dir, tok, "eval")
-    settings = _stage_settings(config, config.sft_epochs, config.sft_learning_rate)
+    settings = stage_settings(config, config.sft_epochs, config.sft_learning_rate)
     stats = run_stage(config, "sft", base, (train.queries, train.responses), settings, run_dir / "sft",
                       val=(val.queries, val.responses))
     if config.uses_bundled_data:  # the SFT policy's fact copying, greedy, on validation posts (gold judge)
@@ -172,12 +162,12 @@ def run_sft(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
 def run_rm(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
     """The reward model as a Ray task, like run_sft; run_dir/rm is written on the driver's node."""
     from ppo_ray.modeling import load_tokenizer
-    from ppo_ray.placement import run_stage
+    from ppo_ray.placement import run_stage, stage_settings
 
     sft = str(run_dir / "sft")
     tok = load_tokenizer(sft)
     train, val = preference_ids(config, data_dir, tok, "train"), preference_ids(config, data_dir, tok, "eval")
-    settings = _stage_settings(config, config.rm_epochs, config.rm_learning_rate)
+    settings = stage_settings(config, config.rm_epochs, config.rm_learning_rate)
     stats = run_stage(config, "rm", sft, (train.queries, train.chosen, train.rejected), settings, run_dir / "rm",
                       val=(val.queries, val.chosen, val.rejected))
     correct = stats.pop("rm_val_correct", None)
