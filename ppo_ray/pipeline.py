@@ -246,7 +246,7 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
     if not config.uses_bundled_data:  # real data: no gold judge, see run_ppo_real
         return run_ppo_real(config, run_dir, data_dir, resume)
     from ppo_ray.data import load_prompts
-    from ppo_ray.tldr_synth import copy_accuracy, gold_score
+    from ppo_ray.tldr_synth import copy_accuracy, gold_score, win_rate
 
     cfg = ppo_config(config, run_dir, data_dir)
     test_rows = read_rows(data_dir / "prompts_test.jsonl")[: cfg.eval_size]
@@ -279,7 +279,7 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
     report = {
         "gold_test_sft": sum(sft_gold) / len(sft_gold),
         "gold_test_ppo": sum(ppo_gold) / len(ppo_gold),
-        "win_rate_ppo_vs_sft": _win_rate(ppo_gold, sft_gold),
+        "win_rate_ppo_vs_sft": win_rate(ppo_gold, sft_gold),
         "final_kl": history[-1]["kl"],
         "final_reward": history[-1]["reward_mean"],
         "ppo_steps": len(history),
@@ -290,7 +290,7 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
     }
     if "val" in sft:  # validation prompts: what hyperparameters may be chosen by (the test split never)
         report.update({"gold_val_sft": _mean(sft["val"]["gold"]), "gold_val_ppo": _mean(ppo_val["gold"]),
-                       "win_rate_val_ppo_vs_sft": _win_rate(ppo_val["gold"], sft["val"]["gold"])})
+                       "win_rate_val_ppo_vs_sft": win_rate(ppo_val["gold"], sft["val"]["gold"])})
     write_samples(run_dir / "samples.md", test_rows, sft["texts"], sft_gold, ppo["texts"], ppo_gold)
     plot_curves(metrics, run_dir / "curves.png", report.get("gold_val_sft"))
     return report
@@ -298,11 +298,6 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
-
-
-def _win_rate(a: list[float], b: list[float]) -> float:
-    """Fraction of prompts where gold score `a` beats `b`; ties count half."""
-    return _mean([1.0 if x > y else 0.5 if x == y else 0.0 for x, y in zip(a, b)])
 
 
 def run_ppo_real(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[str | Path] = None) -> dict:

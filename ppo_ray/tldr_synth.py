@@ -14,7 +14,7 @@ Public API::
     gold_details(example, summary, ended_with_eos) -> GoldScore
     gold_score(example, summary, ended_with_eos) -> float            # in [0, 1]
     gold_compare(example, a, b, eos_a=True, eos_b=True) -> 1 | 0 | -1
-    win_rate(examples, summaries_a, eos_a, summaries_b, eos_b) -> float
+    win_rate(scores_a, scores_b) -> float                            # gold scores; ties count half
     fact_outcomes(example, summary) -> {"person"|"event"|"quantity": "right"|"wrong"|"missing"}
     copy_accuracy(examples, summaries) -> {fact: {right, wrong, missing, right_when_stated}, "all_right", "n"}
 
@@ -383,28 +383,33 @@ def gold_score(example: Mapping, summary: str, ended_with_eos: bool) -> float:
     return gold_details(example, summary, ended_with_eos).score
 
 
+# Two gold scores within this are a tie: the judge's sums of fractions can differ in the
+# last bits between summaries that score the same.
 _TIE_EPS = 1e-9
+
+
+def _compare_scores(x: float, y: float) -> int:
+    """1 if gold score x beats y, -1 if it loses, 0 on a tie (|x - y| <= _TIE_EPS)."""
+    d = x - y
+    return 0 if abs(d) <= _TIE_EPS else (1 if d > 0 else -1)
 
 
 def gold_compare(example: Mapping, a: str, b: str, eos_a: bool = True, eos_b: bool = True) -> int:
     """1 if summary `a` scores higher than `b` by the gold judge, -1 if lower, 0 on a tie."""
-    d = gold_score(example, a, eos_a) - gold_score(example, b, eos_b)
-    return 0 if abs(d) <= _TIE_EPS else (1 if d > 0 else -1)
+    return _compare_scores(gold_score(example, a, eos_a), gold_score(example, b, eos_b))
 
 
-def win_rate(examples: Sequence[Mapping], summaries_a: Sequence[str], eos_a: Sequence[bool],
-             summaries_b: Sequence[str], eos_b: Sequence[bool]) -> float:
-    """Fraction of examples where `a` beats `b` by the gold judge; ties count half.
+def win_rate(scores_a: Sequence[float], scores_b: Sequence[float]) -> float:
+    """Fraction of examples where gold score `a` beats `b`; ties count half (the one home of
+    the rule: the pipeline's win_rate_ppo_vs_sft and its validation twin call it).
 
-    E.g. PPO vs SFT samples on the test prompts, or a policy vs the reference summaries
-    (pass ``[True] * n`` as the references' eos). 0.5 means no difference.
+    E.g. the gold scores of PPO vs SFT samples on the same test prompts, or of a policy vs
+    the reference summaries. 0.5 means no difference.
     """
-    n = len(examples)
-    if not n or not (len(summaries_a) == len(eos_a) == len(summaries_b) == len(eos_b) == n):
-        raise ValueError(f"win_rate needs equal non-zero lengths, got {n} examples, {len(summaries_a)}/"
-                         f"{len(eos_a)} a, {len(summaries_b)}/{len(eos_b)} b")
-    total = sum(gold_compare(ex, a, b, ea, eb)
-                for ex, a, ea, b, eb in zip(examples, summaries_a, eos_a, summaries_b, eos_b))
+    n = len(scores_a)
+    if not n or len(scores_b) != n:
+        raise ValueError(f"win_rate needs equal non-zero lengths, got {n} and {len(scores_b)} scores")
+    total = sum(_compare_scores(x, y) for x, y in zip(scores_a, scores_b))
     return 0.5 + 0.5 * total / n  # win = +1, tie = 0, loss = -1 -> (wins + ties / 2) / n
 
 

@@ -185,11 +185,14 @@ def test_gold_compare_and_win_rate():
     exs = [EXAMPLE] * 4
     a = [REF, REF, " My sister lost her job.", REF]
     b = [" She lost her job.", REF, REF, REF]
+    gold_a = [gold_score(ex, s, e) for ex, s, e in zip(exs, a, [True, True, True, False])]
+    gold_b = [gold_score(ex, s, True) for ex, s in zip(exs, b)]
     # win, tie, loss, and a loss by cut-off: (1 + 0.5 + 0 + 0) / 4
-    assert win_rate(exs, a, [True, True, True, False], b, [True] * 4) == pytest.approx(1.5 / 4)
-    assert win_rate(exs, b, [True] * 4, a, [True, True, True, False]) == pytest.approx(2.5 / 4)
+    assert win_rate(gold_a, gold_b) == pytest.approx(1.5 / 4)
+    assert win_rate(gold_b, gold_a) == pytest.approx(2.5 / 4)
+    assert win_rate([0.3], [0.1 + 0.2]) == 0.5  # equal up to float rounding: a tie, as in gold_compare
     with pytest.raises(ValueError):
-        win_rate(exs, a, [True] * 3, b, [True] * 4)
+        win_rate(gold_a[:3], gold_b)
 
 
 def test_gold_needs_a_tldr_prompt_when_no_post():
