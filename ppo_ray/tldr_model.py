@@ -85,13 +85,14 @@ PRESET: dict[str, Any] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "intermediate_size": 768,
-    "pretrain_steps": 2400,
+    "pretrain_steps": 4800,
     "pretrain_batch_docs": 16,
     "pretrain_warmup_steps": 50,
     "pretrain_threads": 2,
     "task_documents": 12000,  # tldr_synth.pretraining_documents(n, seed, ideal_fraction)
     "task_seed": 0,
     "task_ideal_fraction": 1.0,  # ideal TL;DRs (see the module docstring)
+    "task_hard_fraction": 1.0,  # every post with a number outside the key sentence (see the docstring)
     "stats_documents": 400,  # corpus statistics in the build info: the first N documents
 }
 
@@ -116,7 +117,8 @@ def pretraining_corpus(preset: dict[str, Any] | None = None) -> list[str]:
 
     p = preset or _preset()
     return tiny_model.corpus_documents() + pretraining_documents(
-        p["task_documents"], seed=p["task_seed"], ideal_fraction=p["task_ideal_fraction"])
+        p["task_documents"], seed=p["task_seed"], ideal_fraction=p["task_ideal_fraction"],
+        hard_fraction=p["task_hard_fraction"])
 
 
 def _digest(texts: list[str]) -> str:

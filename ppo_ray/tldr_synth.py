@@ -673,18 +673,27 @@ def generate_task(seed: int = 0, n_train: int = 2000, n_val: int = 200, n_test: 
     return {split: out[split] for split in SPLITS}
 
 
-def pretraining_documents(n: int, seed: int = 0, ideal_fraction: float = 1.0) -> list[str]:
+def pretraining_documents(n: int, seed: int = 0, ideal_fraction: float = 1.0,
+                          hard_fraction: float = 0.0) -> list[str]:
     """`n` task-format documents for pretraining the embedded model: a post of the
     PRETRAINING pool (never a tuple any generate_task split can hold) in the prompt format,
     followed by its poster's TL;DR, ideal with probability `ideal_fraction` and otherwise
     leaving a fact out, as generate_task's references do; no EOS (the builder appends it).
 
+    `hard_fraction`: the share of posts that must hold a number outside the key sentence
+    (a distractor's "I have worked here 4 years", "I make $200 a week", an age): a drawn
+    post without one is redrawn with this probability. The task's own posts have such a
+    number in ~60% of cases; the summaries' copy errors are almost all that number taken
+    for the key quantity (benchmarks/RESULTS.md), so the embedded model is pretrained on
+    them more often.
+
     The pool holds ~2,500 tuples, so a tuple comes back in several posts (each time with
     its own title, sentences and distractors): the posts are drawn in rounds, each round
     using a tuple at most once. Deterministic in (n, seed, ideal_fraction).
     """
-    if not 0.0 <= ideal_fraction <= 1.0:
-        raise ValueError(f"ideal_fraction must be in [0, 1], got {ideal_fraction!r}")
+    for name, value in (("ideal_fraction", ideal_fraction), ("hard_fraction", hard_fraction)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value!r}")
     rng = random.Random(f"pretraining-{seed}")
     ref_rng = random.Random(f"pretraining-{seed}-references")
     subreddits = sorted(_SUBREDDITS)
@@ -696,6 +705,9 @@ def pretraining_documents(n: int, seed: int = 0, ideal_fraction: float = 1.0) ->
         except ValueError:  # a subreddit's share of the pool is used up: a new round
             used = set()
             continue
+        if hard_fraction and rng.random() < hard_fraction and not any(
+                any(ch.isdigit() for ch in sentence) for sentence in ex["_extra"]):
+            continue  # redrawn: no number outside the key sentence
         ideal = _summary(rng, ex["_slots"]["p"], ex["_slots"]["E"], _SUMMARY_FORMS[0])
         docs.append(ex["prompt"] + (ideal if ref_rng.random() < ideal_fraction else _flawed_summary(ref_rng, ex)))
     return docs
