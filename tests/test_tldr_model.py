@@ -97,7 +97,7 @@ def test_pretrained_model_copies_facts():
 
 @pytest.mark.slow
 def test_rebuild_gives_the_committed_weights(tmp_path, info):
-    """The documented command rebuilds the committed bytes (about 13 minutes on 2 threads).
+    """The documented command rebuilds the committed bytes (about 26-33 minutes on 2 threads).
     Only meaningful with the recorded library versions on a CPU like the recorded one."""
     import hashlib
 
