@@ -8,18 +8,7 @@
 #      B=64 (warm-up) then B=512, no one-off phases (generate_merged ran out of memory before).
 # JSON and logs under $OUT (default benchmarks/results/gpu). MODEL=test B_STEP=4,8 for a dry run on the CPU.
 set -uo pipefail
-OUT=${OUT:-benchmarks/results/gpu}
-PY=${PYTHON:-python3}
-MODEL=${MODEL:-qwen3-0.6b}
-B_PROFILE=${B_PROFILE:-64}
-B_STEP=${B_STEP:-64,512}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-mkdir -p "$OUT"
-start=$(date +%s)
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null | tee "$OUT/gpu.txt"
-FAST=(--learner_layout causal --learner_sort_by_length true --lora_kernel fused --rms_norm_kernel fused
-      --logprob_chunk_size 1024)
-quiet() { grep -v "Loading weights\|Writing model"; }
+source "$(dirname "$0")/gpu_env.sh" 64,512
 
 timeout "${T1:-140}" $PY -m benchmarks.learner_profile --model "$MODEL" --batch_size "$B_PROFILE" --ppo_epochs 1 \
     --variants all_mb32,all_compile_mb32 --profile none --split none --time_budget_s 120 \

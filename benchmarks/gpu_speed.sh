@@ -7,17 +7,7 @@
 #   3. learner_profile with learner_compile at that micro-batch (the compile's cost is the warm-up).
 # JSON and logs under $OUT (default benchmarks/results/gpu). MODEL=test and small B* for a dry run on the CPU.
 set -uo pipefail
-OUT=${OUT:-benchmarks/results/gpu}
-PY=${PYTHON:-python3}
-MODEL=${MODEL:-qwen3-0.6b}
-B_PROFILE=${B_PROFILE:-64}
-B_STEP=${B_STEP:-64,64,512}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-mkdir -p "$OUT"
-start=$(date +%s)
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null | tee "$OUT/gpu.txt"
-FAST=(--learner_layout causal --learner_sort_by_length true --lora_kernel fused --rms_norm_kernel fused
-      --logprob_chunk_size 1024)
+source "$(dirname "$0")/gpu_env.sh" 64,64,512
 
 timeout "${T1:-90}" $PY -m benchmarks.learner_profile --model "$MODEL" --batch_size "$B_PROFILE" --ppo_epochs 1 \
     --variants base,all,all_mb16,all_mb32,all_mb64,all_gc_mb64 --profile none --split none \
