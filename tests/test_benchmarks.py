@@ -38,22 +38,20 @@ def check_report(result: dict, steps: int) -> None:
             assert all(math.isfinite(v) for v in s.values()), (k, s)
             assert s["min"] <= s["median"] <= s["max"], (k, s)
             assert s["min"] > 0, (k, s)  # every timed phase took time; tokens were generated
-    # The overhead is a remainder (step - critical path): finite, and a small part of the step.
-    assert math.isfinite(ours["summary"]["overhead"]["median"])
+    # The overhead is the step's wall time outside its timed phases: the actors' own timings
+    # fit inside the driver's wall time of the step (no phase counted twice, none longer than
+    # the step), and the engine's part of the sync fits inside the driver's sync.
     for step in ours["per_step"]:
-        assert abs(step["sync"] - step["sync_transfer"] - step["sync_engine"]) < 1e-9
-        critical = (step["generate"] + max(step["reference"], step["reward"]) + step["learner_forward"]
-                    + step["update"] + step["prefetch_wait"] + step["sync"])
-        assert abs(step["step"] - critical - step["overhead"]) < 1e-9
+        assert 0 <= step["overhead"] < step["step"], step
+        assert step["sync_engine"] <= step["sync"], step
     for name in ("generator-0", "reference", "reward", "learner"):
         assert ours["memory"][name]["peak_rss_mib"] > 0
     assert ours["memory"]["generator-0"]["children_peak_rss_mib"] > 0  # the vLLM engine core process
     assert base["memory"]["process"]["peak_rss_mib"] > 0
     assert base["torch_threads"] >= 1
     ratio = result["ratio"]
-    assert ratio["step"] == pytest.approx(ours["summary"]["step"]["median"] / base["summary"]["step"]["median"])
-    for k in ("generate", "reference", "reward", "learner_forward", "update"):
-        assert ratio[k] > 0
+    for k in ("step", "generate", "reference", "reward", "learner_forward", "update"):
+        assert math.isfinite(ratio[k]) and ratio[k] > 0, (k, ratio)
     assert result["load_before"]["load_average"] and result["machine"]["cpus"] >= 1
     json.dumps(result)  # the report is JSON
 
