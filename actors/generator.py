@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from ppo_ray.batch import RolloutBatch
-from ppo_ray.config import ALL_PROJECTIONS, MIN_TEMPERATURE, VLLM_LORA_RANKS, PPOConfig
+from ppo_ray.config import ALL_PROJECTIONS, MIN_TEMPERATURE, TRUNCATION_MODES, VLLM_LORA_RANKS, PPOConfig
 from ppo_ray.data import encode_prompts
 from ppo_ray.modeling import load_tokenizer, resolve_model_path, write_lora_adapter
 
@@ -133,8 +133,8 @@ class Generator:
             raise ValueError(f"lora_sync='merged' needs an engine built with worker_extension_cls={MERGED_WORKER!r}")
         if temperature < MIN_TEMPERATURE:  # vLLM clamps or samples greedily below it (ppo_ray.config)
             raise ValueError(f"temperature must be >= {MIN_TEMPERATURE} for PPO sampling, got {temperature}")
-        if prompt_truncation not in ("error", "left"):
-            raise ValueError(f"prompt_truncation must be 'error' or 'left', got {prompt_truncation!r}")
+        if prompt_truncation not in TRUNCATION_MODES:
+            raise ValueError(f"prompt_truncation must be one of {list(TRUNCATION_MODES)}, got {prompt_truncation!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if lora_sync == "adapter":

@@ -45,12 +45,10 @@ import torch
 import torch.utils.checkpoint
 
 from ppo_ray.batch import check_mask
+from ppo_ray.config import KL_KINDS, LOSS_AGG_MODES, REWARD_MODES
 
 Tensor = torch.Tensor
 
-KL_KINDS = ("k1", "k2", "k3")
-REWARD_MODES = ("last_token", "every_token")
-LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean")
 
 
 # --------------------------------------------------------------------------------------

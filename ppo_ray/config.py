@@ -30,10 +30,15 @@ import yaml
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# The choices of the config's enumerated fields that other modules also check (one home):
+KL_KINDS = ("k1", "k2", "k3")  # kl_estimator; learner.algos.kl_penalty
+REWARD_MODES = ("last_token", "every_token")  # reward_shaping; learner.algos.shape_rewards
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean")  # loss_agg; learner.algos.agg_loss
+TRUNCATION_MODES = ("error", "left")  # prompt_truncation; ppo_ray.data, the generator
 # logprob_gap_check's default threshold (nats) per dtype: float32 generator and learner agree to
 # ~5e-6 (benchmarks/RESULTS.md); a half-precision logit's rounding alone moves a logprob by ~0.1.
 LOGPROB_GAP_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.5, "float16": 0.5}
-# Local data files (ppo_ray.tldr reads these; anything else is a folder or a hub id).
+# Local data files (ppo_ray.data and ppo_ray.tldr read these; anything else is a folder or a hub id).
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 # Stand-in for the embedded tiny model (built on first use by ppo_ray.tiny_model).
@@ -373,16 +378,16 @@ class PPOConfig:
         for tracker in self.report_to:
             need(tracker in REPORT_TO, "report_to", f"{tracker!r}: trackers are {list(REPORT_TO)} ([] = none)")
         choices = {
-            "kl_estimator": ("k1", "k2", "k3"),
-            "reward_shaping": ("last_token", "every_token"),
-            "loss_agg": ("token_mean", "seq_mean_token_mean"),
+            "kl_estimator": KL_KINDS,
+            "reward_shaping": REWARD_MODES,
+            "loss_agg": LOSS_AGG_MODES,
             "nonfinite_reward": ("error", "drop"),
             "logprob_gap_check": ("warn", "error", "off"),
             "value_model": ("separate", "shared"),
-            "prompt_truncation": ("error", "left"),
+            "prompt_truncation": TRUNCATION_MODES,
             "lora_sync": ("adapter", "merged"),
             "placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
-            "dtype": ("float32", "bfloat16", "float16"),
+            "dtype": DTYPE_NAMES,
             "learner_layout": ("masked", "causal"),
             "lora_kernel": ("peft", "fused"),
             "rms_norm_kernel": ("hf", "fused"),

@@ -1,6 +1,7 @@
 """Prompt data: where prompts come from, and their validation and encoding.
 
-Bottom layer: imports only ppo_ray.tiny_model (for the bundled prompts).
+Bottom layer: imports only ppo_ray.config (the truncation modes, the data file suffixes) and
+ppo_ray.tiny_model (for the bundled prompts).
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-TRUNCATION_MODES = ("error", "left")
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+from ppo_ray.config import DATA_FILE_SUFFIXES, TRUNCATION_MODES
+
 CHECK_CHUNK = 4096  # prompts tokenized at a time by load_prompts' check
 
 
@@ -146,7 +147,7 @@ def _is_local_path(name: str) -> bool:
     path no hub id looks like (absolute, ./ ../ ~, or more than one '/': hub ids are
     "name" or "org/name"). Such a name that does not exist is a FileNotFoundError, not a
     hub lookup that fails with a network error."""
-    return (Path(name).suffix in DATA_SUFFIXES or Path(name).exists() or name.startswith(("/", ".", "~"))
+    return (Path(name).suffix in DATA_FILE_SUFFIXES or Path(name).exists() or name.startswith(("/", ".", "~"))
             or name.count("/") > 1)
 
 

@@ -76,6 +76,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Iterable, Iterator, NamedTuple, Optional, Sequence, TypeVar
 
+from ppo_ray.config import DATA_FILE_SUFFIXES
 from ppo_ray.data import TLDR_PROMPT, read_rows
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,6 @@ MAX_RM_RESPONSE_LENGTH = 169
 
 LONG_RESPONSE_MODES = ("drop", "error")
 CNNDM_MODES = ("skip", "error")
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 _CHUNK = 1024  # rows tokenized per batched tokenizer call
 
 
@@ -325,7 +325,7 @@ def format_response(tokenizer, summary: str, max_response_length: int = MAX_SFT_
 
 def _is_local(source: str) -> bool:
     p = Path(source)
-    return p.suffix in LOCAL_SUFFIXES or p.exists()
+    return p.suffix in DATA_FILE_SUFFIXES or p.exists()
 
 
 def _open(source: str | Path, split: str, config_name: Optional[str],
@@ -337,7 +337,7 @@ def _open(source: str | Path, split: str, config_name: Optional[str],
     if _is_local(source):
         path = Path(source)
         if path.is_dir():
-            found = [path / f"{split}{s}" for s in LOCAL_SUFFIXES if (path / f"{split}{s}").is_file()]
+            found = [path / f"{split}{s}" for s in DATA_FILE_SUFFIXES if (path / f"{split}{s}").is_file()]
             if not found:
                 raise FileNotFoundError(f"data directory {source!r} has no {split}.jsonl / {split}.parquet / "
                                         f"{split}.json for split {split!r}")
