@@ -59,7 +59,7 @@ from torch import Tensor
 
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import ALL_PROJECTIONS, MIN_TEMPERATURE, TRUNCATION_MODES, VLLM_LORA_RANKS, PPOConfig
-from ppo_ray.data import encode_prompts
+from ppo_ray.data import encode_prompts, fit_prompt
 from ppo_ray.modeling import load_tokenizer, resolve_model_path, write_lora_adapter
 
 # vLLM worker extension that merges LoRA weights in place (lora_sync="merged").
@@ -222,13 +222,7 @@ class Generator:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-            if len(ids) > self.max_prompt_length:
-                if self.prompt_truncation != "left":
-                    raise ValueError(
-                        f"prompt {i} is {len(ids)} tokens long, over max_prompt_length={self.max_prompt_length}; "
-                        "shorten it, raise max_prompt_length, or set prompt_truncation: left")
-                ids = ids[-self.max_prompt_length:]
-            ids_list.append(ids)
+            ids_list.append(fit_prompt(ids, self.max_prompt_length, self.prompt_truncation, i))
         return ids_list, self.tokenizer.batch_decode(ids_list)
 
     # ------------------------------------------------------------------ rollouts

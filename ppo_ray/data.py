@@ -70,18 +70,21 @@ def encode_prompts(tokenizer, prompts: Sequence[str], max_prompt_length: int,
         prompts = chat_format(tokenizer, prompts)
     # the template's special tokens (<|im_start|>, ...) are parsed from the text as tokens
     encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    out: list[list[int]] = []
-    for i, ids in enumerate(encoded):
-        ids = list(ids)
-        if len(ids) > max_prompt_length:
-            if truncation == "error":
-                raise ValueError(
-                    f"prompt {index_offset + i} is {len(ids)} tokens long, over max_prompt_length={max_prompt_length}; "
-                    "shorten it, raise max_prompt_length, or set prompt_truncation: left "
-                    "(keeps the last max_prompt_length tokens)")
-            ids = ids[-max_prompt_length:]
-        out.append(ids)
-    return out
+    return [fit_prompt(list(ids), max_prompt_length, truncation, index_offset + i) for i, ids in enumerate(encoded)]
+
+
+def fit_prompt(ids: list[int], max_prompt_length: int, truncation: str, index: int) -> list[int]:
+    """The prompt-length rule, in one place (encode_prompts and the generator's token-id
+    prompts): a prompt over ``max_prompt_length`` tokens is an error naming prompt `index`,
+    or with ``truncation="left"`` keeps its last ``max_prompt_length`` tokens."""
+    if len(ids) <= max_prompt_length:
+        return ids
+    if truncation != "left":
+        raise ValueError(
+            f"prompt {index} is {len(ids)} tokens long, over max_prompt_length={max_prompt_length}; "
+            "shorten it, raise max_prompt_length, or set prompt_truncation: left "
+            "(keeps the last max_prompt_length tokens)")
+    return ids[-max_prompt_length:]
 
 
 TLDR_PROMPT = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
