@@ -64,7 +64,7 @@ from learner.algos import (
 from learner.buffer import Experience, ExperienceBuffer
 from learner.kernels import cached_casts, clear_casts
 from learner.value_model import ValueHead, ValueModel
-from ppo_ray.batch import RolloutBatch, TrimPlan, rollout_micro_batches
+from ppo_ray.batch import RolloutBatch, TrimPlan, fresh_enough, rollout_micro_batches, staleness_limit
 from ppo_ray.config import PPOConfig
 from ppo_ray.logprobs import entropy_from_logits, logprobs_from_logits
 from ppo_ray.modeling import causal_response_hidden, load_causal_lm, pick_device, response_hidden, response_logits
@@ -481,8 +481,8 @@ class Learner:
     # ------------------------------------------------------------------ input checks
     def _check_inputs(self, batch: RolloutBatch, ref_logprobs: Tensor, scores: Tensor,
                       max_staleness: Optional[int] = None) -> None:
-        allowed = max_staleness if max_staleness is not None else (1 if self.config.overlap_generation else 0)
-        if not 0 <= self.version - batch.adapter_version <= allowed:
+        allowed = max_staleness if max_staleness is not None else staleness_limit(self.config.overlap_generation)
+        if not fresh_enough(batch.adapter_version, self.version, allowed):
             raise StaleRolloutsError(
                 f"stale rollouts: the batch was sampled with LoRA adapter version {batch.adapter_version} "
                 f"but the learner is at version {self.version}"

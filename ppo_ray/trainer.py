@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 import ray
 import torch
 
+from ppo_ray.batch import fresh_enough, staleness_limit
 from ppo_ray.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ppo_ray.config import PPOConfig
 from ppo_ray.data import check_chat_template, encode_prompts
@@ -237,16 +238,15 @@ class PPOTrainer:
         # 5-11. The learner: old logprobs/values, KL, shaped rewards, TD, GAE, returns, PPO.
         # Every learner of the group gets the same refs and takes its own shard of the rows;
         # rank 0's stats, weights and state speak for the group (all hold the same adapter).
-        overlap = self.config.overlap_generation
+        limit = staleness_limit(self.config.overlap_generation)
         updates = [learner.update.remote(ref_logprobs, scores_ref, *parts, expected_version=self.version,
-                                         max_staleness=int(overlap)) for learner in roles.learners]
+                                         max_staleness=limit) for learner in roles.learners]
         if upcoming is not None:  # overlap: the next step generates while the learner trains
             upcoming = self._submit(replace(upcoming, version=self.version))
 
         summaries = ray.get(current.summaries)
         versions = {s["version"] for s in summaries}
-        allowed = {self.version, self.version - 1} if overlap else {self.version}
-        if versions != {current.version} or current.version not in allowed:
+        if versions != {current.version} or not fresh_enough(current.version, self.version, limit):
             raise StaleAdapterError(f"generators sampled with adapter versions {sorted(versions)} "
                                     f"but the learner is at version {self.version}")
         stats = self._learner_stats([u[0] for u in updates])  # raises a learner's own error (e.g. stale rollouts)

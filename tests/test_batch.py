@@ -98,3 +98,13 @@ def test_sa_pairs_view():
     assert pairs[1] == {"prompt_index": 0, "t": 1, "state": [1, 2, 5], "action": EOS,
                         "logprob": pytest.approx(float(b.gen_logprobs[0, 1])), "kl": 1.0}
     assert pairs[4]["state"] == [3, 6, 7] and pairs[4]["action"] == 1 and pairs[4]["kl"] == 5.0
+
+
+def test_staleness_rule():
+    """Rollouts may be 0 versions behind the learner, or 1 with overlap_generation; never ahead."""
+    from ppo_ray.batch import fresh_enough, staleness_limit
+
+    assert staleness_limit(False) == 0 and staleness_limit(True) == 1
+    assert fresh_enough(3, 3, 0) and not fresh_enough(2, 3, 0)
+    assert fresh_enough(2, 3, 1) and not fresh_enough(1, 3, 1)
+    assert not fresh_enough(4, 3, 1)  # sampled with a newer adapter than the learner holds
