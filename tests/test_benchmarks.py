@@ -125,8 +125,10 @@ def test_gpu_step_benchmark_on_cpu(tmp_path):
 
     out = tmp_path / "gpu.json"
     result = main(["--model", "test", "--batch_sizes", "4", "--steps", "1", "--warmup", "0", "--prompt_len", "8:12",
-                   "--max_new_tokens", "4", "--device", "cpu", "--out", str(out)])
+                   "--max_new_tokens", "4", "--device", "cpu", "--out", str(out),
+                   "--learner_compile", "false"])  # the preset compiles (GPU); on the CPU that costs ~60 s
     assert json.loads(out.read_text())["runs"][0]["batch_size"] == 4
+    assert result["config"]["learner_compile"] is False
     run = result["runs"][0]
     summary = run["summary"]
     for phase in ("generate", "reference", "reward", "learner_forward", "update", "lora_export", "step"):
