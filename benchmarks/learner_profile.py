@@ -233,7 +233,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         config, _ = parse_overrides(["--config", str(PRESET), "--model_name", str(lm_dir),
                                      "--reward_model_name", str(rm_dir), "--batch_size", str(args.batch_size),
                                      "--ppo_epochs", str(args.ppo_epochs), "--value_model", args.value_model,
-                                     "--value_model_name", str(rm_dir) if args.value_model == "separate" else "null"])
+                                     "--value_model_name", str(rm_dir) if args.value_model == "separate" else "null",
+                                     # built without compiling: the variants say whether to compile
+                                     "--learner_compile", "false"])
         learner = Learner(config, str(lm_dir), str(rm_dir), device=device)
         result["attn_implementation"] = {"policy": learner.policy.config._attn_implementation}
         if args.value_model == "separate":
