@@ -220,9 +220,9 @@ def measure_batch(baseline, reference, batch_size: int, args, timer: Timer, dead
         ref, row["reference"], row["mem/reference_peak_gib"] = timer(baseline.reference_logprobs, batch)
         (scores, _), row["reward"], row["mem/reward_peak_gib"] = timer(baseline.reward.score, batch)
         (stats, _), upd, row["mem/update_peak_gib"] = timer(baseline.learner.update, batch, ref, scores)
-        row["learner_forward"] = stats["learner_forward_s"]
+        row["learner_forward"] = stats.learner_forward_s
         row["update"] = upd - row["learner_forward"]
-        row["padded_token_ratio"] = stats["padded_token_ratio"]
+        row["padded_token_ratio"] = stats.padded_token_ratio
         cfg = baseline.learner.config
         flops = learner_flops(args.shape, batch.prompt_mask.sum(1).tolist(), batch.response_mask.sum(1).tolist(),
                               cfg.ppo_epochs, cfg.lora_r, cfg.lora_target_modules,

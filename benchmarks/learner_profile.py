@@ -104,9 +104,9 @@ def run_update(learner, batch, ref, scores, sync: Sync) -> dict:
     t0 = time.perf_counter()
     stats, _ = learner.update(replace(batch, adapter_version=learner.version), ref, scores)
     total = sync.now() - t0
-    return {"learner_forward_s": stats["learner_forward_s"], "update_s": total - stats["learner_forward_s"],
-            "total_s": total, "peak_gib": sync.peak_gib(), "padded_token_ratio": stats["padded_token_ratio"],
-            "policy_loss": stats["policy_loss"], "first_minibatch_ratio_mean": stats["first_minibatch_ratio_mean"]}
+    return {"learner_forward_s": stats.learner_forward_s, "update_s": total - stats.learner_forward_s,
+            "total_s": total, "peak_gib": sync.peak_gib(), "padded_token_ratio": stats.padded_token_ratio,
+            "policy_loss": stats.policy_loss, "first_minibatch_ratio_mean": stats.first_minibatch_ratio_mean}
 
 
 def split_timing(learner, batch, sync: Sync, reps: int = 3) -> dict:

@@ -166,25 +166,26 @@ def summarise(per_step: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     return {k: spread([s[k] for s in per_step]) for k in per_step[0]}
 
 
-def ours_phases(out: dict, overlap: bool = False) -> dict[str, float]:
-    """One ppo_step result -> the phases of the module docstring (seconds) and throughput.
-    overlap: the step's rollouts were generated during the previous step (overlap mode), so
-    generation is off its critical path and prefetch_wait (the driver waiting for the next
-    step's generation after the learner finished) is on it."""
-    gen, ref, rew = out["time/generate_s"], out["time/reference_s"], out["time/reward_s"]
-    fwd = out["time/learner_forward_s"]
-    upd = out["time/update_s"] - fwd  # the learner's update_s includes its forward
-    sync, write, register = out["time/sync_s"], out["time/sync_write_s"], out["time/sync_register_s"]
-    wait = out.get("time/prefetch_wait_s", 0.0)
-    step = out["time/step_s"]
+def ours_phases(out, overlap: bool = False) -> dict[str, float]:
+    """One ppo_step result (ppo_ray.stats.StepResult) -> the phases of the module docstring
+    (seconds) and throughput. overlap: the step's rollouts were generated during the previous
+    step (overlap mode), so generation is off its critical path and prefetch_wait (the driver
+    waiting for the next step's generation after the learner finished) is on it."""
+    t = out.timing
+    gen, ref, rew = t.generate_s, t.reference_s, t.reward_s
+    fwd = t.learner_forward_s
+    upd = t.update_s - fwd  # the learner's update_s includes its forward
+    sync, write, register = t.sync_s, t.sync_write_s, t.sync_register_s
+    wait = t.prefetch_wait_s
+    step = t.step_s
     critical = (0.0 if overlap else gen) + max(ref, rew) + fwd + upd + wait + sync
-    tokens = float(out["response_tokens"])
+    tokens = float(out.response_tokens)
     return {
         "generate": gen, "reference": ref, "reward": rew, "learner_forward": fwd, "update": upd,
         "prefetch_wait": wait, "sync": sync, "sync_transfer": sync - write - register,
         "sync_engine": write + register, "sync_write": write, "sync_register": register,
         "overhead": step - critical, "step": step,
-        "response_tokens": tokens, "tokens_per_s": tokens / step, "samples_per_s": len(out["rewards"]) / step,
+        "response_tokens": tokens, "tokens_per_s": tokens / step, "samples_per_s": len(out.rewards) / step,
         "generate_tokens_per_s": tokens / gen if gen > 0 else math.nan,
     }
 
@@ -326,7 +327,7 @@ def measure_trainer(trainer, batches: Sequence[Sequence[str]], warmup: int) -> d
         for i, batch in enumerate(batches):
             outs.append(trainer.ppo_step(batch))
             print(f"[benchmarks] ours: step {i + 1}/{len(batches)}{' (warm-up)' if i < warmup else ''} "
-                  f"{outs[-1]['time/step_s']:.2f} s", file=sys.stderr, flush=True)
+                  f"{outs[-1].timing.step_s:.2f} s", file=sys.stderr, flush=True)
     per_step = [ours_phases(out, overlap) for out in outs[warmup:]]
     return {"per_step": per_step, "summary": summarise(per_step), "overlap": overlap}
 
@@ -450,7 +451,7 @@ class Baseline:
         t4 = sync()
         tokens = float(batch.response_mask.sum())
         step_s = t4 - t0
-        fwd = stats["learner_forward_s"]
+        fwd = stats.learner_forward_s
         phases = {"generate": t1 - t0, "reference": t2 - t1, "reward": t3 - t2, "learner_forward": fwd,
                   "update": (t4 - t3) - fwd, "sync": 0.0, "step": step_s}
         phases["overhead"] = step_s - sum(phases[k] for k in ("generate", "reference", "reward", "learner_forward",

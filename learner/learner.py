@@ -68,6 +68,7 @@ from ppo_ray.batch import RolloutBatch, TrimPlan, fresh_enough, rollout_micro_ba
 from ppo_ray.config import PPOConfig
 from ppo_ray.logprobs import entropy_from_logits, logprobs_from_logits
 from ppo_ray.modeling import causal_response_hidden, load_causal_lm, pick_device, response_hidden, response_logits
+from ppo_ray.stats import LearnerStats
 
 ADAM_EPS = 1e-5  # N+ (summarize_from_feedback_details ppo.py: eps=1e-5)
 
@@ -524,7 +525,7 @@ class Learner:
 
     # ------------------------------------------------------------------ the update
     def update(self, batch: RolloutBatch, ref_logprobs: Tensor, scores: Tensor,
-               max_staleness: Optional[int] = None) -> tuple[dict, dict[str, Tensor]]:
+               max_staleness: Optional[int] = None) -> tuple[LearnerStats, dict[str, Tensor]]:
         """One PPO update on one step's rollouts.
 
         Args:
@@ -536,21 +537,10 @@ class Learner:
                 says; None = 1 with overlap_generation, else 0).
 
         Returns:
-            (stats, lora_weights): the new adapter (version + 1, see lora_weights) and floats:
-            PPO epochs (means over real tokens, or over minibatches for losses/norms):
-              policy_loss, value_loss, approx_kl, clipfrac, ratio_mean, vf_clipfrac,
-              policy_grad_norm / value_grad_norm (before clipping),
-              first_minibatch_ratio_mean (before any optimiser step; 1 with no dropout);
-            rollouts (step 1-6): entropy (of the rollout policy, per token), kl (mean over
-              sequences of sum_t KL_t), kl_per_token, score_mean, reward_mean (shaped, summed
-              per sequence, before whitening), advantage_mean (raw), return_mean, value_mean,
-              explained_variance (old values vs returns);
-            checks: gen_logprob_max_abs_diff (generator vs learner logprob of the sampled
-              tokens), truncated_tokens (sampled tokens outside the learner's top-k/top-p,
-              left out of the policy loss), dropped_samples (non-finite scores, "drop" mode);
-            tokens (real response tokens), learner_forward_s (step 1), update_s, version,
-              kl_coef (the KL coefficient this step used; the adaptive controller then moves
-              it for the next), learning_rate (the policy's at the step's first optimiser step).
+            (stats, lora_weights): the step's LearnerStats (ppo_ray/stats.py: the PPO
+            epochs' losses and diagnostics, the rollouts' KL / rewards / advantages, the
+            logprob checks, counts and seconds) and the new adapter (version + 1, see
+            lora_weights).
         """
         cfg = self.config
         t_start = time.perf_counter()
@@ -628,7 +618,7 @@ class Learner:
             "kl": masked_mean(kl.sum(dim=1), rows_kept),
             "kl_per_token": masked_mean(kl, mask),
             "score_mean": masked_mean(scores, rows_kept),
-            "reward_mean": masked_mean(reward_sums, rows_kept),
+            "shaped_reward_mean": masked_mean(reward_sums, rows_kept),
             "advantage_mean": raw_advantage_mean,
             "return_mean": masked_mean(returns, mask),
             "value_mean": masked_mean(values, mask),
@@ -638,14 +628,13 @@ class Learner:
         }
         names = list(tensors)
         numbers = torch.stack([tensors[k].detach().float().reshape(()) for k in names]).tolist()  # the sync
-        stats = dict(zip(names, numbers))
         done, real = self._token_counts
-        stats.update(dropped_samples=float(dropped), tokens=float(n_tokens), learner_forward_s=forward_s,
-                     padded_token_ratio=done / max(real, 1),
-                     stale_versions=float(stale), kl_coef=self.kl_coef, learning_rate=learning_rate,
-                     update_s=time.perf_counter() - t_start, version=self.version)
+        stats = LearnerStats(**dict(zip(names, numbers)), dropped_samples=float(dropped), tokens=float(n_tokens),
+                             padded_token_ratio=done / max(real, 1), stale_versions=float(stale),
+                             kl_coef=self.kl_coef, learning_rate=learning_rate, learner_forward_s=forward_s,
+                             update_s=time.perf_counter() - t_start, version=self.version)
         if cfg.kl_target is not None:  # 9. adaptive KL: the next step's beta from this step's KL
-            self.kl_coef = adaptive_kl_coef(self.kl_coef, stats["kl"], cfg.kl_target, cfg.kl_horizon, len(batch))
+            self.kl_coef = adaptive_kl_coef(self.kl_coef, stats.kl, cfg.kl_target, cfg.kl_horizon, len(batch))
         # Every member holds the same adapter; only rank 0's copy goes to the generators.
         return stats, (self.lora_weights() if self.rank == 0 else {})
 

@@ -188,3 +188,43 @@ def load_prompts(config, tokenizer=None) -> list[str]:
         except ValueError as e:  # "prompt i ...": i is the row index in the dataset
             raise DataError(f"dataset {name!r} column {config.prompt_column!r}: {e}") from e
     return prompts
+
+
+class PromptCursor:
+    """Which prompts the next batches hold: the rest of this epoch's shuffled order and the
+    RNG (seeded with the run seed) that shuffles the next epoch. Checkpointed with the run,
+    with the fingerprint of the prompt list it indexes."""
+
+    def __init__(self, seed: int):
+        import torch
+
+        self.order: list[int] = []
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def draw(self, n_prompts: int, batch_size: int) -> list[int]:
+        """`batch_size` prompt indices, drawn without replacement, reshuffled every epoch."""
+        import torch
+
+        while len(self.order) < batch_size:
+            self.order += torch.randperm(n_prompts, generator=self.rng).tolist()
+        rows, self.order = self.order[:batch_size], self.order[batch_size:]
+        return rows
+
+    def state(self) -> tuple:
+        """(order, RNG state): what a checkpoint keeps and set_state puts back."""
+        return list(self.order), self.rng.get_state()
+
+    def set_state(self, state: tuple) -> None:
+        self.order = list(state[0])
+        self.rng.set_state(state[1])
+
+
+def prompts_fingerprint(prompts: Sequence[str]) -> str:
+    """sha256 of a prompt list (its length and every prompt): the identity of the list a
+    PromptCursor indexes, checked when a checkpointed run resumes."""
+    import hashlib
+
+    h = hashlib.sha256(str(len(prompts)).encode())
+    for p in prompts:
+        h.update(hashlib.sha256(p.encode()).digest())
+    return h.hexdigest()

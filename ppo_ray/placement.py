@@ -2,8 +2,9 @@
 
 The role classes (actors.generator.Generator, actors.reference.ReferenceScorer,
 actors.reward.RewardScorer, learner.learner.Learner) know nothing of Ray; the hosts below
-wrap each in a Ray actor, keep its methods' results as ObjectRefs, and time them. Only this
-module and ppo_ray.trainer import ray.
+wrap each in a Ray actor, keep its methods' results as ObjectRefs, and time them. The
+driver's calls to the running actors are ppo_ray.roles.Roles' methods. Only this module and
+ppo_ray.roles import ray.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from pathlib import Path
 from typing import Optional
 
 import ray
-from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -24,6 +24,7 @@ from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import PPOConfig
 from ppo_ray.faults import FaultPoints, StateLostError, fault_point
 from ppo_ray.logs import quiet_env, quiet_libraries, ray_logging_level
+from ppo_ray.roles import Roles, form_learner_group, role_names
 
 log = logging.getLogger(__name__)
 
@@ -352,45 +353,6 @@ class LearnerHost(FaultPoints):
 
 
 # ----------------------------------------------------------------------------- creation
-def role_names(num_generators: int, num_learners: int) -> list[str]:
-    """Role names in Roles.all()'s order, as in the actor names ppo/<role>."""
-    learners = ["learner"] if num_learners == 1 else [f"learner-{i}" for i in range(num_learners)]
-    return [f"generator-{i}" for i in range(num_generators)] + ["reference", "reward", *learners]
-
-
-@dataclass
-class Roles:
-    generators: list[ActorHandle]
-    reference: ActorHandle
-    reward: ActorHandle
-    learners: list[ActorHandle]  # rank order; rank 0 exports the LoRA weights
-    placement_group: Optional[PlacementGroup] = None  # holds every actor's resources; release() removes it
-    model_store: Optional[ActorHandle] = None  # holds the shipped models' files (multi-node runs)
-
-    @property
-    def learner(self) -> ActorHandle:
-        """Rank 0 of the learner group (the only learner when num_learners is 1)."""
-        return self.learners[0]
-
-    def names(self) -> list[str]:
-        """Role names in all()'s order, as in the actor names ppo/<role>."""
-        return role_names(len(self.generators), len(self.learners))
-
-    def all(self) -> list[ActorHandle]:
-        return [*self.generators, self.reference, self.reward, *self.learners]
-
-    def release(self) -> None:
-        """Kill every actor (no restarts) and remove the placement group, which frees the
-        resources it reserved. Safe to call twice."""
-        for actor in [*self.all(), self.model_store]:
-            if actor is not None:
-                ray.kill(actor)
-        self.model_store = None
-        if self.placement_group is not None:
-            remove_placement_group(self.placement_group)
-            self.placement_group = None
-
-
 @dataclass(frozen=True)
 class Demand:
     """What one actor reserves: CPUs, GPUs (fractions allowed) and custom resources."""
@@ -586,17 +548,6 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
     return roles
 
 
-def form_learner_group(roles: Roles, timeout_s: float = 120.0) -> None:
-    """Join the learners into one torch.distributed group (rank = position in roles.learners;
-    rank 0's node hosts the rendezvous). Also re-forms it after a learner was restarted (each
-    member leaves its old group first). No-op for a single learner."""
-    if len(roles.learners) == 1:
-        return
-    address = ray.get(roles.learners[0].rendezvous_address.remote())
-    ray.get([actor.join_group.remote(address, rank, len(roles.learners), timeout_s)
-             for rank, actor in enumerate(roles.learners)])
-
-
 def wait_ready(roles: Roles) -> None:
     """Block until every actor's constructor finished (engine start, model loads), so step 1
     is timed honestly and a role that cannot start is named instead of surfacing mid-step."""
@@ -607,17 +558,6 @@ def wait_ready(roles: Roles) -> None:
             for other in roles.all():
                 ray.kill(other)
             raise ClusterError(f"actor ppo/{name} failed to start: {e}") from e
-
-
-def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
-    """[start, end) ranges that split n items into `parts` contiguous chunks (prompt order kept)."""
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + base + (i < extra)
-        out.append((start, end))
-        start = end
-    return out
 
 
 # ----------------------------------------------------------------------------- SFT / RM stages

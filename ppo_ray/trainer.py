@@ -20,40 +20,31 @@ tests/test_faults.py).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-import os
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
-
-import ray
-import torch
+from typing import Callable, Optional, Sequence
 
 from ppo_ray.batch import fresh_enough, staleness_limit
 from ppo_ray.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ppo_ray.config import PPOConfig
-from ppo_ray.data import check_chat_template, encode_prompts
-from ppo_ray.faults import Fault, StateLostError
-from ppo_ray.logs import format_step
+from ppo_ray.data import PromptCursor, check_chat_template, encode_prompts, prompts_fingerprint
+from ppo_ray.faults import Fault
 from ppo_ray.metrics import TrainingMetrics
 from ppo_ray.modeling import check_context_length, load_tokenizer, resolve_model_path
-from ppo_ray.placement import Roles, create_roles, form_learner_group, init_ray, split_evenly
+from ppo_ray.placement import create_roles, init_ray
 from ppo_ray.rewards import check_reward_sources
-from ppo_ray.tracking import Trackers, check_trackers, update_run_file
+from ppo_ray.roles import RETRYABLE, Generation, Roles, Update
+from ppo_ray.runlog import RunLog
+from ppo_ray.stats import LearnerStats, StepResult, StepTiming
+from ppo_ray.supervisor import Supervisor
+from ppo_ray.tracking import check_trackers
 
 
 log = logging.getLogger(__name__)
-
-# An actor died or is restarting (ActorDiedError and ActorUnavailableError are subclasses).
-ACTOR_ERRORS = (ray.exceptions.RayActorError,)
-# What a retry from the last committed step recovers from: those, and an actor that came
-# back from a restart without the state the step needs.
-RETRYABLE = (*ACTOR_ERRORS, StateLostError)
 
 
 class StaleAdapterError(RuntimeError):
@@ -65,41 +56,17 @@ class LogprobGapError(RuntimeError):
     adapter version (logprob_gap_check: error): the rollouts came from another policy."""
 
 
-class PromptCursor:
-    """Which prompts the next batches hold: the rest of this epoch's shuffled order and the
-    RNG (seeded with the run seed) that shuffles the next epoch. Checkpointed with the run."""
-
-    def __init__(self, seed: int):
-        self.order: list[int] = []
-        self.rng = torch.Generator().manual_seed(seed)
-
-    def draw(self, n_prompts: int, batch_size: int) -> list[int]:
-        """`batch_size` prompt indices, drawn without replacement, reshuffled every epoch."""
-        while len(self.order) < batch_size:
-            self.order += torch.randperm(n_prompts, generator=self.rng).tolist()
-        rows, self.order = self.order[:batch_size], self.order[batch_size:]
-        return rows
-
-    def state(self) -> tuple[list[int], torch.Tensor]:
-        return list(self.order), self.rng.get_state()
-
-    def set_state(self, state: tuple[list[int], torch.Tensor]) -> None:
-        self.order = list(state[0])
-        self.rng.set_state(state[1])
-
-
 @dataclass
 class Rollouts:
-    """One step's rollouts: what to generate, and (once submitted) the generators' ObjectRefs.
-    A retry reuses them while they are intact and regenerates them, with the same prompts,
-    seeds and adapter version, when they are not."""
+    """One step's rollouts: what to generate, and (once submitted) the generation in flight.
+    A retry reuses it while it is intact and regenerates it, with the same prompts, seeds and
+    adapter version, when it is not."""
 
     prompt_ids: list[list[int]]
     step: int                                # PPOTrainer.step before the step: the sampling seeds' step index
     version: int                             # the adapter version they are (to be) sampled with
     cursor: Optional[tuple] = None           # the prompt cursor before this batch was drawn
-    parts: list = field(default_factory=list)      # ObjectRef[RolloutBatch] per generator replica
-    summaries: list = field(default_factory=list)  # ObjectRef[dict] per replica (texts, version, seconds)
+    generation: Optional[Generation] = None  # the replicas' ObjectRefs once submitted
 
 
 @dataclass
@@ -109,10 +76,9 @@ class _Uncommitted:
     rollouts: Rollouts
     upcoming: Optional[Rollouts]
     summaries: list[dict]
-    stats: dict
-    weights: Any        # ObjectRef: the new LoRA weights
-    state: Any          # ObjectRef: the learner's state after the update
-    scores: torch.Tensor
+    stats: LearnerStats
+    update: Update      # its weights and state: ObjectRefs of the new LoRA and the learner's state
+    scores: list[float]
     reward_stats: dict
     reference_s: float
     t_start: float
@@ -149,27 +115,31 @@ class PPOTrainer:
             config, model_dir=self.model_dir, ref_model_dir=self.ref_model_dir,
             reward_model_dir=self.reward_model_dir, value_model_dir=self.value_model_dir,
             namespace=self.namespace)
+        self.supervisor = Supervisor(self.roles, self.metrics, config.max_step_retries)
         # The committed state: steps done, the adapter version every generator holds, and the
         # driver's copy of the learner's state (ObjectRefs in the object store, never pulled
         # here): a learner that dies is restored from it, checkpoint or not.
-        version_ref, weights_ref = self.roles.learner.current_weights.remote()
         self.step = 0
-        self.version: int = ray.get(version_ref)
+        self.version, weights_ref = self.roles.current_weights()
         self._weights = {self.version: weights_ref}  # LoRA weights of the committed version and the one before
-        self._learner_state = self.roles.learner.state_dict.remote()
+        self._learner_state = self.roles.learner_state()
         self.cursor = PromptCursor(config.seed)
         self._prompts_key: Optional[str] = None
         self._cursor_from_checkpoint = False
         self._pending: Optional[Rollouts] = None  # overlap mode: the next step's rollouts, already generating
         self._faults: list[Fault] = []
         self._last_checkpoint = time.monotonic()
-        self.retries: list[dict] = []  # {"step", "role", "where"} of every actor failure survived
+
+    @property
+    def retries(self) -> list[dict]:
+        """{"step", "role", "where"} of every actor failure survived."""
+        return self.supervisor.retries
 
     # ------------------------------------------------------------------ one step
-    def ppo_step(self, prompts: Sequence[str]) -> dict:
-        """One PPO step on `prompts` (one rollout each). Returns texts, scores, losses,
-        KL, the PPO diagnostics and per-phase seconds (all small Python values). A step
-        whose actor dies is retried from the last committed step (see _run_step)."""
+    def ppo_step(self, prompts: Sequence[str]) -> StepResult:
+        """One PPO step on `prompts` (one rollout each). Returns a StepResult: texts, scores,
+        the learner's losses and diagnostics, per-phase seconds (`result["policy_loss"]`
+        works too). A step whose actor dies is retried from the last committed step."""
         current = Rollouts(self._encode(prompts), step=self.step, version=self.version)
         return self._run_step(current)[0]
 
@@ -179,22 +149,15 @@ class PPOTrainer:
                               chat_template=cfg.apply_chat_template)
 
     def _submit(self, rollouts: Rollouts) -> Rollouts:
-        """1-2. Generate on every replica (prompt order kept; seeds follow the global index),
-        not waited for. Each replica must hold rollouts.version (else StateLostError)."""
-        gens = self.roles.generators
-        chunks = [(s, e) for s, e in split_evenly(len(rollouts.prompt_ids), len(gens)) if e > s]
-        rollouts.parts, rollouts.summaries = [], []
-        for gen, (s, e) in zip(gens, chunks):
-            batch_ref, summary_ref = gen.generate.remote(rollouts.prompt_ids[s:e], rollouts.step, s,
-                                                         expected_version=rollouts.version)
-            rollouts.parts.append(batch_ref)
-            rollouts.summaries.append(summary_ref)
+        """1-2. Generate on every replica, not waited for. Each replica must hold
+        rollouts.version (else StateLostError)."""
+        rollouts.generation = self.roles.generate(rollouts.prompt_ids, rollouts.step, rollouts.version)
         return rollouts
 
-    def _run_step(self, current: Rollouts, upcoming: Optional[Rollouts] = None) -> tuple[dict, Optional[Rollouts]]:
+    def _run_step(self, current: Rollouts, upcoming: Optional[Rollouts] = None) -> tuple[StepResult, Optional[Rollouts]]:
         """One step, supervised: attempts until one reaches the commit point, then the
         committed step's sync. `upcoming` (overlap mode) is the next step's batch, generated
-        while the learner trains. Returns (step output, upcoming rollouts in flight or done).
+        while the learner trains. Returns (the step's result, upcoming rollouts in flight).
 
         Before the commit point an actor that dies (or comes back without its state) costs a
         retry of the step from the committed state: every learner is restored from the
@@ -202,144 +165,117 @@ class PPOTrainer:
         the same prompts, seeds and adapter version, so the retried step computes exactly
         what the first attempt would have. After it, nothing retries the step: a generator
         lost in the sync or the prefetch is restarted and brought to the committed version."""
-        cfg = self.config
         self._prepare_faults(self.step + 1, current)
-        for attempt in range(cfg.max_step_retries + 1):
-            try:
-                step = self._until_commit(current, upcoming, time.perf_counter())
-                break
-            except RETRYABLE as e:
-                if attempt == cfg.max_step_retries:
-                    raise
-                self._count_retry(e, "step")
-                current = self._recover(current)
-            except Exception:
+        t_start = time.perf_counter()
+        try:
+            step = self.supervisor.run(lambda _: self._until_commit(current, upcoming, t_start), where="step",
+                                       step=self.step + 1, recover=lambda: self._recover(current))
+        except Exception as error:
+            if not isinstance(error, RETRYABLE):
                 # Not an actor failure (a stale sync, bad rewards, the logprob guard): the step
                 # fails, and the learners go back to the committed state, so the trainer stays
                 # usable at its version (a learner may have stepped already).
                 self._restore_learners(best_effort=True)
-                raise
+            raise
         self._commit(step)  # ---------------- the commit point: from here on the step is done
         upcoming = self._finish_prefetch(step.upcoming)
         t_generation_done = time.perf_counter()
         loads = self._sync_generators(self.version)
-        return self._output(step, loads, t_generation_done), upcoming
+        return self._result(step, loads, t_generation_done), upcoming
 
     def _until_commit(self, current: Rollouts, upcoming: Optional[Rollouts], t_start: float) -> _Uncommitted:
         """Steps 1-11 up to the commit point: everything the step produces, nothing committed."""
         roles = self.roles
-        if not current.summaries:
+        # 1-2. Rollouts (already in flight when prefetched or kept from a failed attempt).
+        if current.generation is None:
             self._submit(current)
-        parts = current.parts
+        parts = current.generation.parts
         # 3-4. Reference logprobs and rewards, concurrently, straight from the object store.
-        ref_logprobs = roles.reference.logprobs.remote(*parts)
-        reference_s = roles.reference.last_seconds.remote()
-        scores_ref, reward_stats_ref = roles.reward.score.remote(*parts)
+        ref_logprobs, reference_s = roles.reference_logprobs(parts)
+        scores, reward_stats = roles.score(parts)
         # 5-11. The learner: old logprobs/values, KL, shaped rewards, TD, GAE, returns, PPO.
-        # Every learner of the group gets the same refs and takes its own shard of the rows;
-        # rank 0's stats, weights and state speak for the group (all hold the same adapter).
         limit = staleness_limit(self.config.overlap_generation)
-        updates = [learner.update.remote(ref_logprobs, scores_ref, *parts, expected_version=self.version,
-                                         max_staleness=limit) for learner in roles.learners]
+        update = roles.update(ref_logprobs, scores, parts, expected_version=self.version, max_staleness=limit)
         if upcoming is not None:  # overlap: the next step generates while the learner trains
             upcoming = self._submit(replace(upcoming, version=self.version))
 
-        summaries = ray.get(current.summaries)
+        summaries = roles.fetch(current.generation.summaries)
         versions = {s["version"] for s in summaries}
         if versions != {current.version} or not fresh_enough(current.version, self.version, limit):
             raise StaleAdapterError(f"generators sampled with adapter versions {sorted(versions)} "
                                     f"but the learner is at version {self.version}")
-        stats = self._learner_stats([u[0] for u in updates])  # raises a learner's own error (e.g. stale rollouts)
-        scores, reward_stats, ref_s = ray.get([scores_ref, reward_stats_ref, reference_s])
+        stats = roles.learner_stats(update)  # raises a learner's own error (e.g. stale rollouts)
+        scores, reward_stats, ref_s = roles.fetch([scores, reward_stats, reference_s])
         t_update_done = time.perf_counter()
         self._check_logprob_gap(stats)
-        return _Uncommitted(current, upcoming, summaries, stats, updates[0][1], updates[0][2], scores, reward_stats,
-                            ref_s, t_start, t_update_done)
+        return _Uncommitted(current, upcoming, summaries, stats, update, scores.tolist(), reward_stats, ref_s,
+                            t_start, t_update_done)
 
     def _commit(self, step: _Uncommitted) -> None:
         """The step's one commit point: the step count, the version, the learner's state."""
-        new_version = int(step.stats["version"])
-        self._weights = {self.version: self._weights[self.version], new_version: step.weights}
+        new_version = step.stats.version
+        self._weights = {self.version: self._weights[self.version], new_version: step.update.weights}
         self.step += 1
         self.version = new_version
-        self._learner_state = step.state
+        self._learner_state = step.update.state
 
     def _finish_prefetch(self, upcoming: Optional[Rollouts]) -> Optional[Rollouts]:
         """Wait for the prefetched rollouts (the sync queues behind them anyway); lost ones
         are regenerated with the version they were sampled with (the one before the commit)."""
         if upcoming is None:
             return None
-        for attempt in range(self.config.max_step_retries + 1):
-            try:
-                ray.get(upcoming.summaries)
-                return upcoming
-            except RETRYABLE as e:
-                if attempt == self.config.max_step_retries:
-                    raise
-                self._count_retry(e, "prefetch", step=self.step)
-                self._wait_for_actors()
-                self._ensure_generators_at(upcoming.version)
-                self._submit(upcoming)
-        raise AssertionError("unreachable")  # pragma: no cover
+
+        def regenerate() -> None:
+            self.roles.wait_for_actors()
+            self._ensure_generators_at(upcoming.version)
+            self._submit(upcoming)
+
+        self.supervisor.run(lambda _: self.roles.fetch(upcoming.generation.summaries), where="prefetch",
+                            step=self.step, recover=regenerate)
+        return upcoming
 
     def _sync_generators(self, version: int) -> list[dict]:
         """The committed LoRA goes from the learner's object store entry to every replica; a
         replica that dies here is restarted and given it."""
         weights = self._weights[version]
-        for attempt in range(self.config.max_step_retries + 1):
-            try:
-                loads = ray.get([g.load_adapter.remote(version, weights, attempt > 0) for g in self.roles.generators])
-                break
-            except RETRYABLE as e:
-                if attempt == self.config.max_step_retries:
-                    raise
-                self._count_retry(e, "sync", step=self.step)
-                self._wait_for_actors()
+        loads = self.supervisor.run(lambda attempt: self.roles.load_adapter(version, weights, restore=attempt > 0),
+                                    where="sync", step=self.step, recover=self.roles.wait_for_actors)
         bad = [r["version"] for r in loads if r["version"] != version]
         if bad:
             raise StaleAdapterError(f"generators report adapter versions {bad} after loading {version}")
         return loads
 
-    def _output(self, step: _Uncommitted, loads: list[dict], t_generation_done: float) -> dict:
-        summaries, stats, reward_stats = step.summaries, step.stats, step.reward_stats
-        sync_s = time.perf_counter() - t_generation_done
-        wall = time.perf_counter() - step.t_start
-        tokens = sum(s["tokens"] for s in summaries)
-        return {
-            "step": self.step,
-            "generated_texts": [t for s in summaries for t in s["texts"]],
-            "finish_reasons": [f for s in summaries for f in s["finish_reasons"]],
-            "rewards": step.scores.tolist(),
-            "reward_mean": _nanmean(step.scores),
-            # the learner's reward_mean is the shaped (score - beta*KL) return per sequence
-            **{("shaped_reward_mean" if k == "reward_mean" else k): v for k, v in stats.items()
-               if not isinstance(v, (list, dict))},
-            **{k: v for k, v in reward_stats.items() if k != "reward_s"},
-            "adapter_version": self.version,
-            "time/generate_s": max(s["generate_s"] for s in summaries),
-            "time/reference_s": step.reference_s,
-            "time/reward_s": reward_stats["reward_s"],
-            "time/learner_forward_s": stats.get("learner_forward_s", math.nan),
-            "time/update_s": stats.get("update_s", math.nan),
-            "time/sync_s": sync_s,
+    def _result(self, step: _Uncommitted, loads: list[dict], t_generation_done: float) -> StepResult:
+        summaries, stats = step.summaries, step.stats
+        now = time.perf_counter()
+        reward_stats = dict(step.reward_stats)
+        timing = StepTiming(
+            generate_s=max(s["generate_s"] for s in summaries),
+            reference_s=step.reference_s,
+            reward_s=reward_stats.pop("reward_s"),
+            learner_forward_s=stats.learner_forward_s,
+            update_s=stats.update_s,
+            sync_s=now - t_generation_done,
             # overlap mode: how long the driver waited for the prefetched generation after the
             # learner finished (0 when generation is the faster of the two)
-            "time/prefetch_wait_s": t_generation_done - step.t_update_done,
+            prefetch_wait_s=t_generation_done - step.t_update_done,
             # the sync's parts on the generator side (the rest of sync_s is the object-store
             # transfer of the LoRA tensors and the actor call)
-            "time/sync_write_s": max(r["write_s"] for r in loads),
-            "time/sync_register_s": max(r["register_s"] + r["retire_s"] for r in loads),
-            "lora_sync_bytes": loads[0]["bytes"],
-            "time/step_s": wall,
-            "tokens_per_s": tokens / wall if wall > 0 else math.nan,
-            "response_tokens": tokens,
-        }
+            sync_write_s=max(r["write_s"] for r in loads),
+            sync_register_s=max(r["register_s"] + r["retire_s"] for r in loads),
+            step_s=now - step.t_start)
+        return StepResult(
+            step=self.step,
+            generated_texts=[t for s in summaries for t in s["texts"]],
+            finish_reasons=[f for s in summaries for f in s["finish_reasons"]],
+            rewards=step.scores, learner=stats, reward_parts=reward_stats, adapter_version=self.version,
+            timing=timing, lora_sync_bytes=loads[0]["bytes"], response_tokens=sum(s["tokens"] for s in summaries))
 
-    def _check_logprob_gap(self, stats: dict) -> None:
+    def _check_logprob_gap(self, stats: LearnerStats) -> None:
         """The generator and the learner must give a sampled token the same logprob at the
         same version (stale rollouts in overlap mode report NaN: another policy by design)."""
         cfg = self.config
-        gap = stats.get("gen_logprob_max_abs_diff", math.nan)
+        gap = stats.gen_logprob_max_abs_diff
         if cfg.logprob_gap_check == "off" or not math.isfinite(gap) or gap <= cfg.logprob_gap_limit:
             return
         message = (f"step {self.step + 1}: the generator's logprobs of its own samples differ from the learner's "
@@ -357,17 +293,14 @@ class PPOTrainer:
         `seed_step` gives every prompt the same sampling seed before and after training,
         so comparisons of two policies use common random numbers. With `score`, the reward
         actor scores the responses too ("rewards": one float per prompt)."""
-        gens = self.roles.generators
-        prompt_ids = self._encode(prompts)
-        chunks = [(s, e) for s, e in split_evenly(len(prompt_ids), len(gens)) if e > s]
-        calls = [gen.generate.remote(prompt_ids[s:e], seed_step, s) for gen, (s, e) in zip(gens, chunks)]
-        summaries = ray.get([summary for _, summary in calls])
+        generation = self.roles.generate(self._encode(prompts), seed_step)
+        summaries = self.roles.fetch(generation.summaries)
         out = {"texts": [t for s in summaries for t in s["texts"]],
                "finish_reasons": [f for s in summaries for f in s["finish_reasons"]],
                "version": summaries[0]["version"]}
         if score:
-            scores, _ = self.roles.reward.score.remote(*[batch for batch, _ in calls])
-            out["rewards"] = ray.get(scores).tolist()
+            scores, _ = self.roles.score(generation.parts)
+            out["rewards"] = self.roles.fetch(scores).tolist()
         return out
 
     def save_adapter(self, path: str | Path) -> Path:
@@ -377,7 +310,7 @@ class PPOTrainer:
         from ppo_ray.modeling import write_lora_adapter
 
         cfg = self.config
-        weights = ray.get(self._weights[self.version])
+        weights = self.roles.fetch(self._weights[self.version])
         return write_lora_adapter(path, weights, base_model=self.model_dir, r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
                                   target_modules=list(cfg.lora_target_modules))
 
@@ -389,7 +322,7 @@ class PPOTrainer:
         the run directory only has to be reachable from the driver's node."""
         if self.run_dir is None:
             raise ValueError("save_checkpoint needs the trainer's run_dir (PPOTrainer(config, run_dir=...))")
-        learner_state = ray.get(self._learner_state)
+        learner_state = self.roles.fetch(self._learner_state)
         # overlap mode: the next step's batch is already drawn (and generated); a resumed run
         # draws it again and generates it with the checkpoint's adapter
         order, rng = self._pending.cursor if self._pending is not None else self.cursor.state()
@@ -404,11 +337,10 @@ class PPOTrainer:
         """Continue from a checkpoint (a step-NNNNNN directory, or a run directory: its
         newest intact one). Refuses one written with an incompatible config (CheckpointError)."""
         ckpt, learner_state, state = load_checkpoint(path, self.config)
-        self._learner_state = ray.put(learner_state)
-        versions = ray.get([learner.load_state_dict.remote(self._learner_state) for learner in self.roles.learners])
-        version = versions[0]
-        self._weights = {version: ray.put(learner_state["policy"])}
-        ray.get([g.load_adapter.remote(version, self._weights[version], True) for g in self.roles.generators])
+        self._learner_state = self.roles.store(learner_state)
+        version = self.roles.restore_learners(self._learner_state, reform=False)[0]
+        self._weights = {version: self.roles.store(learner_state["policy"])}
+        self.roles.load_adapter(version, self._weights[version], restore=True)
         self.version, self.step = version, int(state["step"])
         self.cursor.set_state((state["order"], state["data_rng"]))
         self._pending = None
@@ -431,121 +363,52 @@ class PPOTrainer:
         """Arm this step's faults in their actors (they die in the named call); an idle fault
         kills its actor now and waits for Ray to restart it, so that the step's first call to
         it finds a fresh process."""
-        actors = dict(zip(self.roles.names(), self.roles.all()))
+        prefetched = current.generation is not None
         for fault in [f for f in self._faults if f.step == step]:
-            actor = actors[fault.role]
             if fault.phase == "idle":
-                try:
-                    ray.get(actor.exit_now.remote())
-                except ACTOR_ERRORS:
-                    pass  # it died, as asked
-                self._wait_for_actors()
+                self.roles.kill_now(fault.role)
                 continue
-            if fault.phase == "generate" and current.summaries:
+            if fault.phase == "generate" and prefetched:
                 raise ValueError(f"{fault}: step {step}'s rollouts were generated during step {step - 1} "
                                  f"(overlap_generation): use phase 'prefetch' at step {step - 1}")
             # this step's own generate call comes first when its rollouts are not prefetched
-            call = 2 if fault.phase == "prefetch" and not current.summaries else 1
-            ray.get(actor.arm_fault.remote(fault.method, fault.when, call))
-
-    def _learner_stats(self, refs: list) -> dict:
-        """Rank 0's update stats. In a learner group a member that dies mid-update makes the
-        others' collectives fail (a RayTaskError from a live member); the death is the cause,
-        so it is what is raised (an actor error: restart, re-form the group, restore)."""
-        try:
-            return ray.get(refs)[0]
-        except ray.exceptions.RayTaskError as error:
-            if len(refs) > 1 and not isinstance(error, RETRYABLE):
-                for ref in refs:
-                    try:
-                        ray.get(ref, timeout=300)
-                    except RETRYABLE as died:
-                        raise died from error
-                    except Exception:  # noqa: BLE001 - a member's own collective failure: look further
-                        pass
-            raise
-
-    def _role_name(self, error: BaseException) -> str:
-        role = getattr(error, "role", None)  # StateLostError names its role
-        if role:
-            return role
-        actor_id = getattr(error, "actor_id", None)
-        for name, actor in zip(self.roles.names(), self.roles.all()):
-            if actor_id and actor._actor_id.hex() == actor_id:
-                return name
-        return "unknown"
-
-    def _count_retry(self, error: BaseException, where: str, step: Optional[int] = None) -> None:
-        role = self._role_name(error)
-        step = self.step + 1 if step is None else step
-        self.metrics.record_retry(role)
-        self.retries.append({"step": step, "role": role, "where": where})
-        log.warning("step %d: actor ppo/%s failed in the %s (%s); waiting for its restart and %s",
-                    step, role, where, type(error).__name__,
-                    "retrying the step" if where == "step" else "redoing the committed step's " + where)
-
-    def _wait_for_actors(self, timeout_s: float = 900.0) -> None:
-        """Block until every role answers again (Ray re-runs a dead actor's constructor, up to
-        config.max_actor_restarts times; a role out of restarts raises here)."""
-        deadline = time.monotonic() + timeout_s
-        for actor in self.roles.all():
-            died = 0
-            while True:
-                try:
-                    ray.get(actor.__ray_ready__.remote(), timeout=max(1.0, deadline - time.monotonic()))
-                    break
-                except ray.exceptions.ActorUnavailableError:  # restarting: ask again
-                    pass
-                except ray.exceptions.ActorDiedError:
-                    # Just after a death the caller may not yet know that a restart is under
-                    # way; an actor out of restarts keeps answering ActorDiedError.
-                    died += 1
-                    if died > 5:
-                        raise
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"actors did not come back within {timeout_s:g} s")
-                time.sleep(1.0)
+            call = 2 if fault.phase == "prefetch" and not prefetched else 1
+            self.roles.arm_fault(fault.role, fault.method, fault.when, call)
 
     def _ensure_generators_at(self, version: int) -> None:
         """Give every generator that holds another version (a restarted one: the base model)
         the committed adapter `version` (the current one or, overlap mode, the one before)."""
-        gens = self.roles.generators
-        versions = ray.get([g.version.remote() for g in gens])
-        stale = [g for g, v in zip(gens, versions) if v != version]
+        versions = self.roles.generator_versions()
+        stale = [g for g, v in zip(self.roles.generators, versions) if v != version]
         if stale:
-            ray.get([g.load_adapter.remote(version, self._weights[version], True) for g in stale])
+            self.roles.load_adapter(version, self._weights[version], restore=True, generators=stale)
 
-    def _recover(self, current: Rollouts) -> Rollouts:
+    def _recover(self, current: Rollouts) -> None:
         """Back to the committed state after a failure before the commit point: wait for the
         restarts, re-form the learner group, restore every learner from the committed state
         (a learner may have stepped, or half-stepped, before the failure), and regenerate the
-        step's rollouts if they were lost. Returns the rollouts to retry with."""
-        self._wait_for_actors()
+        step's rollouts if they were lost."""
+        self.roles.wait_for_actors()
         self._restore_learners()
         if not self._intact(current):
             self._ensure_generators_at(current.version)
             self._submit(current)  # same prompts, seeds and version: the same samples
         self._ensure_generators_at(self.version)  # queued behind that generation
-        return current
 
     def _restore_learners(self, best_effort: bool = False) -> None:
-        """Every learner back to the committed state (re-forming the group first: a restarted
-        member left it, and the others' collectives failed)."""
+        """Every learner back to the committed state."""
         try:
-            if len(self.roles.learners) > 1:
-                form_learner_group(self.roles)
-            ray.get([learner.load_state_dict.remote(self._learner_state) for learner in self.roles.learners])
+            self.roles.restore_learners(self._learner_state)
         except Exception:  # noqa: BLE001 - on the way out of a failed step: its own error is the one to raise
             if not best_effort:
                 raise
             log.exception("could not put the learners back to the committed state after a failed step")
 
-    @staticmethod
-    def _intact(rollouts: Rollouts) -> bool:
-        if not rollouts.summaries:
+    def _intact(self, rollouts: Rollouts) -> bool:
+        if rollouts.generation is None:
             return False
         try:
-            ray.get(rollouts.summaries)
+            self.roles.fetch(rollouts.generation.summaries)
             return True
         except RETRYABLE:
             return False
@@ -566,52 +429,46 @@ class PPOTrainer:
             time.monotonic() - self._last_checkpoint >= 60.0 * cfg.checkpoint_every_minutes
         return by_steps or by_time
 
-    def train(self, prompts: Sequence[str], steps: Optional[int] = None, *, progress: bool = True,
-              metrics_path: str | Path | None = None,
-              evaluate: Optional[Callable[["PPOTrainer", int], dict]] = None,
-              eval_prompts: Optional[Sequence[str]] = None) -> list[dict]:
-        """Run PPO steps on batches of config.batch_size prompts drawn without replacement
-        from `prompts`, reshuffled every epoch with the run seed: `steps` more steps, or by
-        default until the run's step count reaches config.steps (so after restore() it
-        continues the run). Each finished step is logged as one line (logging, INFO) unless
-        `progress` is False. `evaluate(trainer, step)`, if given, runs every
-        config.eval_every steps and at the end; its (small) dict is merged into that step's
-        metrics. At the same steps the first config.eval_samples of `eval_prompts` are
-        sampled with the current policy and scored by the reward actor: appended to
-        <run_dir>/eval_samples.jsonl and the trackers, their mean as eval_reward_mean. With a
-        run_dir, a checkpoint is written every config.checkpoint_every steps, every
-        config.checkpoint_every_minutes and at the end, and the trackers of
-        config.report_to (TensorBoard event files in <run_dir>/tensorboard) get every step.
-        An actor that dies is restarted and its step retried from the committed state (see
-        _run_step): no step is lost, doubled or restarted. metrics_path keeps one line per
-        step: lines past the current step (a resumed run) are dropped before appending, in
-        eval_samples.jsonl too."""
+    def _use_prompts(self, prompts: Sequence[str]) -> None:
+        """The cursor indexes `prompts`: a new list starts a new epoch over it, except after
+        restoring a checkpoint, whose cursor indexes its own list (CheckpointError)."""
         if not prompts:
             raise ValueError("train() needs a non-empty list of prompts")
-        key = _fingerprint(prompts)
+        key = prompts_fingerprint(prompts)
         if self._prompts_key is not None and self._prompts_key != key:
             if self._cursor_from_checkpoint:
                 raise CheckpointError(f"train() got a different prompt list ({len(prompts)} prompts) from the one "
                                       "the checkpoint's data cursor indexes: resume with the run's dataset")
             self.cursor.order = []  # a new prompt list: a new epoch over it
         self._prompts_key, self._cursor_from_checkpoint = key, False
+
+    def train(self, prompts: Sequence[str], steps: Optional[int] = None, *, progress: bool = True,
+              metrics_path: str | Path | None = None,
+              evaluate: Optional[Callable[["PPOTrainer", int], dict]] = None,
+              eval_prompts: Optional[Sequence[str]] = None) -> list[StepResult]:
+        """Run PPO steps on batches of config.batch_size prompts drawn without replacement
+        from `prompts`, reshuffled every epoch with the run seed: `steps` more steps, or by
+        default until the run's step count reaches config.steps (so after restore() it
+        continues the run). Each finished step is logged as one line (logging, INFO) unless
+        `progress` is False. `evaluate(trainer, step)`, if given, runs every
+        config.eval_every steps and at the end; its (small) dict is merged into that step's
+        result (StepResult.extra). At the same steps the first config.eval_samples of
+        `eval_prompts` are sampled with the current policy and scored by the reward actor:
+        appended to <run_dir>/eval_samples.jsonl and the trackers, their mean as
+        eval_reward_mean. With a run_dir, a checkpoint is written every
+        config.checkpoint_every steps, every config.checkpoint_every_minutes and at the end,
+        and the trackers of config.report_to (TensorBoard event files in
+        <run_dir>/tensorboard) get every step. An actor that dies is restarted and its step
+        retried from the committed state (see _run_step): no step is lost, doubled or
+        restarted. metrics_path keeps one line per step: lines past the current step (a
+        resumed run) are dropped before appending, in eval_samples.jsonl too."""
+        self._use_prompts(prompts)
         target = self.step + steps if steps is not None else self.config.steps
-        history: list[dict] = []
-        every = self.config.eval_every
-        samples = list(eval_prompts or [])[: self.config.eval_samples]
-        samples_path = self.run_dir / EVAL_SAMPLES if self.run_dir is not None else None
+        history: list[StepResult] = []
         saved_at = None
-        for path in (metrics_path, samples_path):
-            if path:
-                _truncate_metrics(Path(path), self.step)
-        trackers = Trackers()
-        if self.run_dir is not None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            tags = read_run_tags(self.run_dir)  # one per process that trained in this run directory
-            update_run_file(self.run_dir, run_tag=self.namespace,
-                            run_tags=tags if tags[-1:] == [self.namespace] else [*tags, self.namespace])
-            trackers = Trackers.open(self.run_dir, self.config.report_to, self.config.to_dict(), self.namespace,
-                                     first_step=self.step + 1)
+        runlog = RunLog.open(self.metrics, run_dir=self.run_dir, metrics_path=metrics_path, progress=progress,
+                             target=target, step=self.step, report_to=self.config.report_to,
+                             config=self.config.to_dict(), run_tag=self.namespace)
         self._last_checkpoint = time.monotonic()
         try:
             while self.step < target:
@@ -620,43 +477,43 @@ class PPOTrainer:
                             if self.config.overlap_generation and self.step + 1 < target else None)
                 before = self.step
                 try:
-                    out, self._pending = self._run_step(current, upcoming)
+                    result, self._pending = self._run_step(current, upcoming)
                 except BaseException:
                     # the batches drawn for what did not happen are drawn again next time
                     lost = current if self.step == before else upcoming
                     if lost is not None and lost.cursor is not None:
                         self.cursor.set_state(lost.cursor)
                     raise
-                if (every and out["step"] % every == 0) or out["step"] == target:
-                    if evaluate:
-                        out.update(evaluate(self, out["step"]))
-                    if samples:
-                        rows = self._eval_samples(samples, out["step"])
-                        out["eval_reward_mean"] = _nanmean(torch.tensor([r["reward"] for r in rows]))
-                        if samples_path is not None:
-                            with open(samples_path, "a") as f:
-                                f.writelines(json.dumps(r) + "\n" for r in rows)
-                        trackers.log_samples(out["step"], rows)
-                history.append(out)
-                self.metrics.record_step(out)
-                trackers.log_step(out)
-                if metrics_path:
-                    small = {k: v for k, v in out.items() if not isinstance(v, list)}
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps(small) + "\n")
+                if self._eval_due(result.step, target):
+                    self._evaluate(result, evaluate, eval_prompts, runlog)
+                history.append(result)
+                runlog.step(result)
                 if self.run_dir is not None and self._checkpoint_due():
                     self.save_checkpoint()
                     saved_at = self.step
-                if progress:
-                    log.info(format_step(out, target))
             if self.run_dir is not None and saved_at != self.step and history:
                 self.save_checkpoint()
         finally:
-            trackers.close()
+            runlog.close()
             if self._pending is not None:  # a stopped run: its prefetched batch is drawn again next time
                 self.cursor.set_state(self._pending.cursor)
                 self._pending = None
         return history
+
+    def _eval_due(self, step: int, target: int) -> bool:
+        every = self.config.eval_every
+        return bool(every and step % every == 0) or step == target
+
+    def _evaluate(self, result: StepResult, evaluate, eval_prompts, runlog: RunLog) -> None:
+        """The user's evaluate(trainer, step) and the eval samples, merged into the result."""
+        if evaluate:
+            result.extra.update(evaluate(self, result.step))
+        samples = list(eval_prompts or [])[: self.config.eval_samples]
+        if samples:
+            rows = self._eval_samples(samples, result.step)
+            finite = [r["reward"] for r in rows if math.isfinite(r["reward"])]
+            result.extra["eval_reward_mean"] = sum(finite) / len(finite) if finite else math.nan
+            runlog.samples(result.step, rows)
 
     def _eval_samples(self, prompts: list[str], step: int) -> list[dict]:
         """The current policy's responses to `prompts`, scored by the reward actor. The same
@@ -670,36 +527,4 @@ class PPOTrainer:
         self.roles.release()
 
 
-EVAL_SAMPLES = "eval_samples.jsonl"
 EVAL_SEED_STEP = 10**9 + 1  # sampling seeds of the eval samples: a step index no training step reaches
-
-
-def read_run_tags(run_dir: Path) -> list[str]:
-    from ppo_ray.tracking import read_run_file
-
-    return list(read_run_file(run_dir).get("run_tags", []))
-
-
-def _fingerprint(prompts: Sequence[str]) -> str:
-    h = hashlib.sha256(str(len(prompts)).encode())
-    for p in prompts:
-        h.update(hashlib.sha256(p.encode()).digest())
-    return h.hexdigest()
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metrics lines of steps after `step` (atomically: temp file + os.replace)."""
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines()
-    keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
-    if len(keep) == len(lines):
-        return
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
-
-
-def _nanmean(x: torch.Tensor) -> float:
-    finite = x[torch.isfinite(x)]
-    return float(finite.mean()) if len(finite) else math.nan

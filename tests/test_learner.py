@@ -26,7 +26,7 @@ TINY = "embedded:tiny"
 STAT_KEYS = {
     "policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "ratio_mean",
     "first_minibatch_ratio_mean", "vf_clipfrac", "explained_variance", "kl", "kl_per_token",
-    "score_mean", "reward_mean", "advantage_mean", "return_mean", "value_mean",
+    "score_mean", "shaped_reward_mean", "advantage_mean", "return_mean", "value_mean",
     "policy_grad_norm", "value_grad_norm", "gen_logprob_max_abs_diff", "truncated_tokens",
     "dropped_samples", "tokens", "learner_forward_s", "update_s", "version", "outside_support_frac",
     "behaviour_logprob_gap", "stale_versions", "padded_token_ratio", "kl_coef", "learning_rate",
@@ -158,12 +158,12 @@ def test_update_runs_and_changes_only_lora(tiny_path, special):
 
     stats, weights = learner.update(batch, ref, scores)
 
-    assert set(stats) == STAT_KEYS
-    assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in stats.values()), stats
-    assert learner.version == 1 and stats["version"] == 1
-    assert stats["tokens"] == float(batch.response_mask.sum())
-    assert stats["truncated_tokens"] == 0 and stats["gen_logprob_max_abs_diff"] < 1e-5
-    assert stats["kl"] != 0.0
+    assert set(stats.as_dict()) == STAT_KEYS
+    assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in stats.as_dict().values()), stats
+    assert learner.version == 1 and stats.version == 1
+    assert stats.tokens == float(batch.response_mask.sum())
+    assert stats.truncated_tokens == 0 and stats.gen_logprob_max_abs_diff < 1e-5
+    assert stats.kl != 0.0
     # The wiring of steps 2-6, against computations that share no code with the learner's.
     exp, mask = learner.last_experience, batch.response_mask
     check_wiring(learner.config, value_model_before, batch, scores, exp)
@@ -241,8 +241,8 @@ def test_first_ratio_is_one_and_logprobs_match_direct_peft_forward(tiny_path, sp
     _, ref, scores = rollout_inputs(learner, batch)
     full_before = learner.full_logprobs(batch)
     stats, weights = learner.update(batch, ref, scores)
-    assert stats["truncated_tokens"] == 0
-    assert abs(stats["first_minibatch_ratio_mean"] - 1.0) < 1e-4
+    assert stats.truncated_tokens == 0
+    assert abs(stats.first_minibatch_ratio_mean - 1.0) < 1e-4
     # Old logprobs are the truncated sampling distribution; KL_t uses the full softmax.
     exp, mask = learner.last_experience, batch.response_mask
     assert (exp.old_logprobs - batch.gen_logprobs)[mask].abs().max() < 1e-6
@@ -281,8 +281,8 @@ def test_first_ratio_is_one_with_top_p_and_several_minibatches(tiny_path, specia
     batch = sampled_batch(learner, special, seed=3)
     _, ref, scores = rollout_inputs(learner, batch)
     stats, _ = learner.update(batch, ref, scores)
-    assert stats["truncated_tokens"] == 0
-    assert abs(stats["first_minibatch_ratio_mean"] - 1.0) < 1e-4
+    assert stats.truncated_tokens == 0
+    assert abs(stats.first_minibatch_ratio_mean - 1.0) < 1e-4
 
 
 @pytest.mark.parametrize("ppo_dropout", [False, True])
@@ -298,7 +298,7 @@ def test_first_ratio_is_one_at_every_step_with_the_seeds_defaults(tiny_path, spe
         batch = sampled_batch(learner, special, n=cfg.batch_size, t=cfg.max_new_tokens, seed=step)
         batch, ref, scores = rollout_inputs(learner, batch, seed=step)
         stats, _ = learner.update(batch, ref, scores)
-        gap = abs(stats["first_minibatch_ratio_mean"] - 1.0)
+        gap = abs(stats.first_minibatch_ratio_mean - 1.0)
         if ppo_dropout and step > 0:  # at step 1 LoRA B is 0: dropout on its input changes nothing
             assert gap > 1e-5, f"step {step + 1}: dropout did not reach the PPO forward"
         else:
@@ -335,8 +335,8 @@ def test_nonfinite_scores_dropped_and_counted(tiny_path, special):
     batch, ref, scores = rollout_inputs(learner, random_batch(special))
     scores[2] = math.nan
     stats, _ = learner.update(batch, ref, scores)
-    assert stats["dropped_samples"] == 1
-    assert all(math.isfinite(v) for v in stats.values()), stats
+    assert stats.dropped_samples == 1
+    assert all(math.isfinite(v) for v in stats.as_dict().values()), stats
     exp = learner.last_experience
     assert not exp.mask[2].any() and (exp.advantages[2] == 0).all() and (exp.returns[2] == 0).all()
 
@@ -373,7 +373,7 @@ def test_padding_invariance(tiny_path, special):
     va, vb = value_params(a), value_params(b)
     assert max((va[k] - vb[k]).abs().max().item() for k in va) < 1e-5
     for key in ("policy_loss", "value_loss", "kl", "advantage_mean", "first_minibatch_ratio_mean"):
-        assert abs(stats_a[key] - stats_b[key]) < 1e-5, key
+        assert abs(getattr(stats_a, key) - getattr(stats_b, key)) < 1e-5, key
 
 
 def test_micro_batching_invariance(tiny_path, special):
@@ -388,8 +388,8 @@ def test_micro_batching_invariance(tiny_path, special):
     (w1, v1, s1), (w4, v4, s4) = weights
     assert max_abs_diff(w1, w4) < 1e-5
     assert max((v1[k] - v4[k]).abs().max().item() for k in v1) < 1e-5
-    assert abs(s1["policy_loss"] - s4["policy_loss"]) < 1e-5
-    assert abs(s1["value_loss"] - s4["value_loss"]) < 1e-5
+    assert abs(s1.policy_loss - s4.policy_loss) < 1e-5
+    assert abs(s1.value_loss - s4.value_loss) < 1e-5
 
 
 def test_seq_mean_token_mean_micro_batching_invariance(tiny_path, special):
@@ -416,7 +416,7 @@ def test_determinism_same_seed_same_weights(tiny_path, special):
     (wa, va, sa), (wb, vb, sb) = results
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert all(torch.equal(va[k], vb[k]) for k in va)
-    assert sa["policy_loss"] == sb["policy_loss"]
+    assert sa.policy_loss == sb.policy_loss
     other = Learner(cfg.replace(seed=8), tiny_path)
     assert max_abs_diff(other.lora_weights(), Learner(cfg, tiny_path).lora_weights()) > 0
 
@@ -543,7 +543,7 @@ def test_state_dict_through_a_checkpoint_resumes_bit_for_bit(tiny_path, special,
     stats_b, w_b = b.update(*inputs)
     assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)
     assert all(torch.equal(x, y) for x, y in zip(value_params(a).values(), value_params(b).values()))
-    assert stats_a["policy_loss"] == stats_b["policy_loss"] and stats_a["value_loss"] == stats_b["value_loss"]
+    assert stats_a.policy_loss == stats_b.policy_loss and stats_a.value_loss == stats_b.value_loss
 
 
 def test_checkpoint_of_another_shape_or_config_is_refused(tiny_path, special, tmp_path):
@@ -605,11 +605,11 @@ def test_overlap_mode_takes_one_version_stale_rollouts_with_behaviour_logprobs(t
     exp = learner.last_experience
     m = exp.policy_mask
     assert torch.equal(exp.old_logprobs[m], stale_batch.gen_logprobs[m])  # behaviour, not current
-    assert stats["stale_versions"] == 1.0
+    assert stats.stale_versions == 1.0
     gap = (current - stale_batch.gen_logprobs)[m].abs().mean().item()
-    assert gap > 1e-3 and stats["behaviour_logprob_gap"] == pytest.approx(gap, rel=1e-4)
-    assert abs(stats["first_minibatch_ratio_mean"] - 1.0) > 1e-4  # pi_current / pi_behaviour != 1
-    assert math.isnan(stats["gen_logprob_max_abs_diff"])
+    assert gap > 1e-3 and stats.behaviour_logprob_gap == pytest.approx(gap, rel=1e-4)
+    assert abs(stats.first_minibatch_ratio_mean - 1.0) > 1e-4  # pi_current / pi_behaviour != 1
+    assert math.isnan(stats.gen_logprob_max_abs_diff)
 
     with pytest.raises(StaleRolloutsError, match="version 0 but the learner is at version 2"):
         learner.update(stale_batch, ref, scores)  # two versions behind
@@ -622,5 +622,5 @@ def test_overlap_mode_takes_one_version_stale_rollouts_with_behaviour_logprobs(t
 def test_fresh_rollouts_report_zero_staleness(tiny_path, special):
     learner = Learner(make_config(overlap_generation=True), tiny_path)
     stats, _ = learner.update(*rollout_inputs(learner, sampled_batch(learner, special, seed=5), seed=5))
-    assert stats["stale_versions"] == 0.0 and stats["behaviour_logprob_gap"] == 0.0
-    assert stats["first_minibatch_ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert stats.stale_versions == 0.0 and stats.behaviour_logprob_gap == 0.0
+    assert stats.first_minibatch_ratio_mean == pytest.approx(1.0, abs=1e-6)

@@ -20,7 +20,8 @@ import ray
 from peft import set_peft_model_state_dict
 
 from learner.learner import Learner
-from ppo_ray.placement import LearnerHost, Roles, form_learner_group
+from ppo_ray.placement import LearnerHost
+from ppo_ray.roles import Roles, form_learner_group
 from test_learner import make_config, max_abs_diff, random_batch, rollout_inputs, special, tiny_path  # noqa: F401
 
 TOL = 1e-5
@@ -47,9 +48,10 @@ def test_two_learners_update_like_one(ray_session, tiny_path, special):
             for key in ("policy_loss", "value_loss", "approx_kl", "clipfrac", "kl", "entropy", "value_mean",
                         "explained_variance", "policy_grad_norm", "value_grad_norm"):
                 # kl is a per-sequence SUM of up to 16 per-token values, each off by rounding (< 8e-6)
-                assert s1[key] == pytest.approx(s2[key], abs=1e-4 if key == "kl" else TOL, rel=TOL), key
-                assert s2[key] == s3[key], key  # members agree exactly
-            assert s1["tokens"] == s2["tokens"] and s2["version"] == s3["version"] == step + 1
+                a, b, c = (getattr(s, key) for s in (s1, s2, s3))
+                assert a == pytest.approx(b, abs=1e-4 if key == "kl" else TOL, rel=TOL), key
+                assert b == c, key  # members agree exactly
+            assert s1.tokens == s2.tokens and s2.version == s3.version == step + 1
             states = ray.get([single.state_dict.remote(), *[a.state_dict.remote() for a in group]])
             for part in ("policy", "value"):
                 assert max_abs_diff(states[0][part], states[1][part]) < TOL, part
@@ -75,7 +77,7 @@ def test_a_member_without_rows_in_a_minibatch_still_steps(ray_session, tiny_path
         s1, w1, _ = ray.get(single.update.remote(ref, scores, batch))
         s2, w2, _, _, _, _ = ray.get([r for a in group for r in a.update.remote(ref, scores, batch)])
         assert max_abs_diff(w1, w2) < TOL
-        assert s1["policy_loss"] == pytest.approx(s2["policy_loss"], abs=TOL)
+        assert s1.policy_loss == pytest.approx(s2.policy_loss, abs=TOL)
     finally:
         for actor in (single, *group):
             ray.kill(actor)

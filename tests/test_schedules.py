@@ -106,16 +106,16 @@ def test_adaptive_kl_controller_moves_kl_toward_the_target_on_the_tiny_preset(ti
     low = ppo_loop(tiny_preset(kl_coef=0.5, kl_target=0.5, kl_horizon=horizon), tiny_path, steps)
     high = ppo_loop(tiny_preset(kl_coef=0.5, kl_target=25.0, kl_horizon=horizon), tiny_path, steps)
     for run, target in ((low, 0.5), (high, 25.0)):
-        kls, betas = [h["kl"] for h in run], [h["kl_coef"] for h in run]
+        kls, betas = [h.kl for h in run], [h.kl_coef for h in run]
         assert betas[0] == 0.5
         for b0, b1, kl in zip(betas, betas[1:], kls):  # the rule, applied after every step
             assert b1 == pytest.approx(adaptive_kl_coef(b0, kl, target, horizon, 8))
             assert (b1 > b0) if kl > target else (b1 < b0), (target, kls, betas)
     # the first step (KL 0, both below target) lowers both betas alike; then they part
-    assert low[-1]["kl_coef"] > 1.0 > 0.1 > high[-1]["kl_coef"]
-    late_low = sum(h["kl"] for h in low[-4:]) / 4
-    late_high = sum(h["kl"] for h in high[-4:]) / 4
-    assert late_low < 0.9 * late_high, ([h["kl"] for h in low], [h["kl"] for h in high])
+    assert low[-1].kl_coef > 1.0 > 0.1 > high[-1].kl_coef
+    late_low = sum(h.kl for h in low[-4:]) / 4
+    late_high = sum(h.kl for h in high[-4:]) / 4
+    assert late_low < 0.9 * late_high, ([h.kl for h in low], [h.kl for h in high])
 
 
 # ----------------------------------------------------------------------------- lr schedule
@@ -135,7 +135,7 @@ def test_linear_lr_decays_to_zero_and_resumes_from_a_checkpoint(tiny_path, tmp_p
             save_checkpoint(tmp_path, config=cfg, learner_state=a.state_dict(), model_dir=tiny_path,
                             trainer_state={"step": 1, "order": [], "data_rng": torch.Generator().get_state()})
         stats, _ = a.update(replace(batch, adapter_version=a.version), ref, scores)
-        lrs.append(stats["learning_rate"])
+        lrs.append(stats.learning_rate)
     total = 3 * 2 * 2
     assert lrs == pytest.approx([cfg.learning_rate * (1 - k / total) for k in (0, 4, 8)])
     assert a.policy_optimizer.param_groups[0]["lr"] == 0.0 and a.value_optimizer.param_groups[0]["lr"] == 0.0
@@ -144,12 +144,12 @@ def test_linear_lr_decays_to_zero_and_resumes_from_a_checkpoint(tiny_path, tmp_p
     _, state, _ = load_checkpoint(tmp_path, cfg)
     b.load_state_dict(state)
     stats, _ = b.update(replace(inputs[1][0], adapter_version=b.version), *inputs[1][1:])
-    assert stats["learning_rate"] == pytest.approx(lrs[1])
+    assert stats.learning_rate == pytest.approx(lrs[1])
     assert b.value_optimizer.param_groups[0]["lr"] == pytest.approx(cfg.value_learning_rate * (1 - 8 / total))
 
     constant = Learner(tiny_preset(steps=3, batch_size=4, mini_batch_size=2, micro_batch_size=2), tiny_path)
     stats, _ = constant.update(*_random_inputs(constant, tiny_path, 0))
-    assert stats["learning_rate"] == cfg.learning_rate
+    assert stats.learning_rate == cfg.learning_rate
     assert constant.policy_optimizer.param_groups[0]["lr"] == cfg.learning_rate  # the default: constant
 
 

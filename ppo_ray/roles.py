@@ -1,0 +1,243 @@
+"""The running actors of one PPO run, and every call the driver makes to them.
+
+`Roles` holds the handles (ppo_ray.placement.create_roles makes them) and is the one place
+where the driver calls an actor or waits on one: the trainer reads like the algorithm,
+these methods say which actor does each part and what travels as an ObjectRef. Nothing
+large comes back to the driver: rollouts, reference logprobs, scores, LoRA weights and the
+learner's state stay in the object store and are passed on by reference.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import ray
+from ray.actor import ActorHandle
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+from ppo_ray.faults import StateLostError
+from ppo_ray.stats import LearnerStats
+
+# An actor died or is restarting (ActorDiedError and ActorUnavailableError are subclasses).
+ACTOR_ERRORS = (ray.exceptions.RayActorError,)
+# What a retry from the last committed step recovers from: those, and an actor that came
+# back from a restart without the state the step needs.
+RETRYABLE = (*ACTOR_ERRORS, StateLostError)
+
+
+def role_names(num_generators: int, num_learners: int) -> list[str]:
+    """Role names in Roles.all()'s order, as in the actor names ppo/<role>."""
+    learners = ["learner"] if num_learners == 1 else [f"learner-{i}" for i in range(num_learners)]
+    return [f"generator-{i}" for i in range(num_generators)] + ["reference", "reward", *learners]
+
+
+def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
+    """[start, end) ranges that split n items into `parts` contiguous chunks (prompt order kept)."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + base + (i < extra)
+        out.append((start, end))
+        start = end
+    return out
+
+
+@dataclass
+class Generation:
+    """One generation call across the replicas: per replica, the ObjectRef of its
+    RolloutBatch (rows in prompt order) and of its small summary (texts, version, seconds)."""
+
+    parts: list
+    summaries: list
+
+
+@dataclass
+class Update:
+    """One learner-group update in flight: per member, the refs of (stats, new LoRA weights,
+    state after the update). Rank 0's weights and state speak for the group."""
+
+    calls: list
+
+    @property
+    def weights(self):
+        return self.calls[0][1]
+
+    @property
+    def state(self):
+        return self.calls[0][2]
+
+
+@dataclass
+class Roles:
+    generators: list[ActorHandle]
+    reference: ActorHandle
+    reward: ActorHandle
+    learners: list[ActorHandle]  # rank order; rank 0 exports the LoRA weights
+    placement_group: Optional[PlacementGroup] = None  # holds every actor's resources; release() removes it
+    model_store: Optional[ActorHandle] = None  # holds the shipped models' files (multi-node runs)
+
+    @property
+    def learner(self) -> ActorHandle:
+        """Rank 0 of the learner group (the only learner when num_learners is 1)."""
+        return self.learners[0]
+
+    def names(self) -> list[str]:
+        """Role names in all()'s order, as in the actor names ppo/<role>."""
+        return role_names(len(self.generators), len(self.learners))
+
+    def all(self) -> list[ActorHandle]:
+        return [*self.generators, self.reference, self.reward, *self.learners]
+
+    # ------------------------------------------------------------------ the object store
+    @staticmethod
+    def fetch(refs):
+        """Wait for ObjectRef(s) and return their values (small things only: the driver
+        pulls texts, scores and stats, never rollouts or weights during a step)."""
+        return ray.get(refs)
+
+    @staticmethod
+    def store(value):
+        """Put a driver-side value (a restored checkpoint's state) into the object store."""
+        return ray.put(value)
+
+    # ------------------------------------------------------------------ the step's calls
+    def generate(self, prompt_ids: Sequence[Sequence[int]], seed_step: int,
+                 expected_version: Optional[int] = None) -> Generation:
+        """Steps 1-2 on every replica, not waited for: contiguous chunks of the prompts (order
+        kept; each row's sampling seed follows (seed_step, its global index)). A replica that
+        holds another adapter version than `expected_version` raises StateLostError."""
+        chunks = [(s, e) for s, e in split_evenly(len(prompt_ids), len(self.generators)) if e > s]
+        calls = [gen.generate.remote(list(prompt_ids[s:e]), seed_step, s, expected_version=expected_version)
+                 for gen, (s, e) in zip(self.generators, chunks)]
+        return Generation([batch for batch, _ in calls], [summary for _, summary in calls])
+
+    def reference_logprobs(self, parts: list) -> tuple[Any, Any]:
+        """Step 3, not waited for: refs of the (B, T) reference logprobs and of its seconds."""
+        return self.reference.logprobs.remote(*parts), self.reference.last_seconds.remote()
+
+    def score(self, parts: list) -> tuple[Any, Any]:
+        """Step 4, not waited for: refs of the (B,) scores and of the reward stats."""
+        return self.reward.score.remote(*parts)
+
+    def update(self, ref_logprobs, scores, parts: list, expected_version: int, max_staleness: int) -> Update:
+        """Steps 5-11 on every learner, not waited for: each gets the same refs and takes its
+        own shard of the rows."""
+        return Update([learner.update.remote(ref_logprobs, scores, *parts, expected_version=expected_version,
+                                             max_staleness=max_staleness) for learner in self.learners])
+
+    def learner_stats(self, update: Update) -> LearnerStats:
+        """Wait for the update; rank 0's stats. In a learner group a member that dies
+        mid-update makes the others' collectives fail (a RayTaskError from a live member);
+        the death is the cause, so it is what is raised."""
+        refs = [call[0] for call in update.calls]
+        try:
+            return ray.get(refs)[0]
+        except ray.exceptions.RayTaskError as error:
+            if len(refs) > 1 and not isinstance(error, RETRYABLE):
+                for ref in refs:
+                    try:
+                        ray.get(ref, timeout=300)
+                    except RETRYABLE as died:
+                        raise died from error
+                    except Exception:  # noqa: BLE001 - a member's own collective failure: look further
+                        pass
+            raise
+
+    def load_adapter(self, version: int, weights, restore: bool = False,
+                     generators: Optional[list[ActorHandle]] = None) -> list[dict]:
+        """The LoRA sync: every replica (or the given ones) loads adapter `version` from the
+        object store entry `weights`; waited for. Their load reports (version, bytes, seconds)."""
+        gens = self.generators if generators is None else generators
+        return ray.get([g.load_adapter.remote(version, weights, restore) for g in gens])
+
+    def generator_versions(self) -> list[int]:
+        return ray.get([g.version.remote() for g in self.generators])
+
+    def current_weights(self) -> tuple[int, Any]:
+        """(the policy's version, ref of its LoRA weights) from rank 0."""
+        version_ref, weights_ref = self.learner.current_weights.remote()
+        return ray.get(version_ref), weights_ref
+
+    def learner_state(self):
+        """Ref of rank 0's state (adapters, value head, optimisers, RNG), left in the store."""
+        return self.learner.state_dict.remote()
+
+    def restore_learners(self, state, reform: bool = True) -> list[int]:
+        """Every learner loads `state` (a ref, or the dict), re-forming the group first (a
+        restarted member left it, and the others' collectives failed). Returns their versions."""
+        if reform and len(self.learners) > 1:
+            form_learner_group(self)
+        return ray.get([learner.load_state_dict.remote(state) for learner in self.learners])
+
+    # ------------------------------------------------------------------ faults and restarts
+    def wait_for_actors(self, timeout_s: float = 900.0) -> None:
+        """Block until every role answers again (Ray re-runs a dead actor's constructor, up to
+        config.max_actor_restarts times; a role out of restarts raises here)."""
+        deadline = time.monotonic() + timeout_s
+        for actor in self.all():
+            died = 0
+            while True:
+                try:
+                    ray.get(actor.__ray_ready__.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                    break
+                except ray.exceptions.ActorUnavailableError:  # restarting: ask again
+                    pass
+                except ray.exceptions.ActorDiedError:
+                    # Just after a death the caller may not yet know that a restart is under
+                    # way; an actor out of restarts keeps answering ActorDiedError.
+                    died += 1
+                    if died > 5:
+                        raise
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"actors did not come back within {timeout_s:g} s")
+                time.sleep(1.0)
+
+    def role_of(self, error: BaseException) -> str:
+        """The role an actor error came from ("unknown" when it names no actor of the run)."""
+        role = getattr(error, "role", None)  # StateLostError names its role
+        if role:
+            return role
+        actor_id = getattr(error, "actor_id", None)
+        for name, actor in zip(self.names(), self.all()):
+            if actor_id and actor._actor_id.hex() == actor_id:
+                return name
+        return "unknown"
+
+    def actor(self, role: str) -> ActorHandle:
+        return dict(zip(self.names(), self.all()))[role]
+
+    def kill_now(self, role: str) -> None:
+        """Tests (an idle fault): make `role`'s process exit now, and wait for its restart."""
+        try:
+            ray.get(self.actor(role).exit_now.remote())
+        except ACTOR_ERRORS:
+            pass  # it died, as asked
+        self.wait_for_actors()
+
+    def arm_fault(self, role: str, method: str, when: str, call: int) -> None:
+        ray.get(self.actor(role).arm_fault.remote(method, when, call))
+
+    def release(self) -> None:
+        """Kill every actor (no restarts) and remove the placement group, which frees the
+        resources it reserved. Safe to call twice."""
+        for actor in [*self.all(), self.model_store]:
+            if actor is not None:
+                ray.kill(actor)
+        self.model_store = None
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+
+
+def form_learner_group(roles: Roles, timeout_s: float = 120.0) -> None:
+    """Join the learners into one torch.distributed group (rank = position in roles.learners;
+    rank 0's node hosts the rendezvous). Also re-forms it after a learner was restarted (each
+    member leaves its old group first). No-op for a single learner."""
+    if len(roles.learners) == 1:
+        return
+    address = ray.get(roles.learners[0].rendezvous_address.remote())
+    ray.get([actor.join_group.remote(address, rank, len(roles.learners), timeout_s)
+             for rank, actor in enumerate(roles.learners)])
+

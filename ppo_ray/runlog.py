@@ -1,0 +1,88 @@
+"""Where each finished PPO step goes during PPOTrainer.train: the Prometheus gauges, the
+trackers (TensorBoard / wandb), <metrics_path> (one JSON line per step), the eval samples
+(<run_dir>/eval_samples.jsonl) and the console line.
+
+A resumed run first drops the lines of steps after its checkpoint from both JSONL files, so
+that every step appears once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ppo_ray.logs import format_step
+from ppo_ray.metrics import TrainingMetrics
+from ppo_ray.stats import StepResult
+from ppo_ray.tracking import Trackers, read_run_file, update_run_file
+
+log = logging.getLogger("ppo_ray.trainer")
+
+EVAL_SAMPLES = "eval_samples.jsonl"
+
+
+class RunLog:
+    def __init__(self, metrics: TrainingMetrics, *, run_dir: Optional[Path], metrics_path: Optional[Path],
+                 progress: bool, target: int):
+        self.metrics = metrics
+        self.run_dir = run_dir
+        self.metrics_path = Path(metrics_path) if metrics_path else None
+        self.samples_path = run_dir / EVAL_SAMPLES if run_dir is not None else None
+        self.progress = progress
+        self.target = target
+        self.trackers = Trackers()
+
+    @classmethod
+    def open(cls, metrics: TrainingMetrics, *, run_dir: Optional[Path], metrics_path, progress: bool, target: int,
+             step: int, report_to: Sequence[str], config: dict, run_tag: str) -> "RunLog":
+        """Truncate the JSONL files to `step` (the steps done), record this process's run tag
+        in <run_dir>/run.json and open the trackers."""
+        out = cls(metrics, run_dir=run_dir, metrics_path=metrics_path, progress=progress, target=target)
+        for path in (out.metrics_path, out.samples_path):
+            if path:
+                truncate_jsonl(path, step)
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            tags = read_run_tags(run_dir)  # one per process that trained in this run directory
+            update_run_file(run_dir, run_tag=run_tag, run_tags=tags if tags[-1:] == [run_tag] else [*tags, run_tag])
+            out.trackers = Trackers.open(run_dir, report_to, config, run_tag, first_step=step + 1)
+        return out
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        if self.samples_path is not None:
+            with open(self.samples_path, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        self.trackers.log_samples(step, rows)
+
+    def step(self, result: StepResult) -> None:
+        self.metrics.record_step(result)
+        self.trackers.log_step(result)
+        if self.metrics_path:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(result.scalars()) + "\n")
+        if self.progress:
+            log.info(format_step(result, self.target))
+
+    def close(self) -> None:
+        self.trackers.close()
+
+
+def read_run_tags(run_dir: Path) -> list[str]:
+    return list(read_run_file(run_dir).get("run_tags", []))
+
+
+def truncate_jsonl(path: Path, step: int) -> None:
+    """Drop the lines of steps after `step` (atomically: temp file + os.replace)."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(keep) == len(lines):
+        return
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
