@@ -2,7 +2,7 @@
 
 import pytest
 
-from ppo_ray.config import ConfigError, PPOConfig, parse_overrides
+from ppo_ray.config import ConfigError, PPOConfig, field_docs, field_sections, parse_overrides
 
 SEED_DEFAULTS = dict(
     model_name="Qwen/Qwen3-0.6B-Base", lora_r=16, lora_alpha=32, lora_dropout=0.1,
@@ -145,3 +145,37 @@ def test_placement_fields(tmp_path):
     ]:
         with pytest.raises(ConfigError, match=match):
             PPOConfig(**changes)
+
+
+def test_cli_syntaxes():
+    """--field value, --field=value, --field-name, YAML values (null, comma lists, flow
+    mappings, bools), positionals anywhere."""
+    cfg, pos = parse_overrides(["--kl-coef=0.05", "ppo", "--value-clip", "null", "--reward_funcs", "a:f,b:g",
+                                "--generator_resources", "{gpu_node: 0.01}", "--whiten_rewards", "true",
+                                "--missing_eos_penalty", "-1", "--top_k=-1", "--steps", "3"])
+    assert (cfg.kl_coef, cfg.value_clip, cfg.reward_funcs, cfg.generator_resources) == (
+        0.05, None, ["a:f", "b:g"], {"gpu_node": 0.01})
+    assert (cfg.whiten_rewards, cfg.missing_eos_penalty, cfg.top_k, cfg.steps, pos) == (True, -1.0, -1, 3, ["ppo"])
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--kl_coef"], r"^command-line option --kl_coef needs a value$"),
+    (["--steps", "--kl_coef", "0.1"], r"^command-line option --steps needs a value$"),
+    (["--generator_resources", "{gpu_node: 0.01"], r"^command-line option --generator_resources: '\{gpu_node"),
+    (["--kl", "0.1"], r"^command line: unknown config key --kl$"),  # no abbreviations
+    (["--kl-coeff=0.1"], r"unknown config key --kl_coeff; did you mean --kl_coef\?"),
+    (["--steps", "two"], r"^config field 'steps' = 'two' must be of type int$"),
+])
+def test_cli_errors_name_the_option(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_overrides(argv)
+
+
+def test_every_field_has_one_section_and_a_doc():
+    sections = field_sections()  # raises when a field has no section, or two
+    assert sum(len(fields) for _, fields in sections) == len(PPOConfig.field_names())
+    assert 8 <= len(sections) <= 12
+    docs = field_docs()
+    assert set(docs) == set(PPOConfig.field_names()) and all(doc.strip() for doc in docs.values())
+    assert docs["kl_coef"].startswith("beta: weight of the per-token KL penalty")
+
