@@ -1,8 +1,10 @@
 """PPOConfig: the seeds' fields and defaults, YAML + CLI loading, and clear errors."""
 
+from pathlib import Path
+
 import pytest
 
-from ppo_ray.config import ConfigError, PPOConfig, field_docs, field_sections, parse_overrides
+from ppo_ray.config import ConfigError, PPOConfig, field_docs, field_sections, fields_markdown, parse_overrides
 
 SEED_DEFAULTS = dict(
     model_name="Qwen/Qwen3-0.6B-Base", lora_r=16, lora_alpha=32, lora_dropout=0.1,
@@ -179,3 +181,11 @@ def test_every_field_has_one_section_and_a_doc():
     assert set(docs) == set(PPOConfig.field_names()) and all(doc.strip() for doc in docs.values())
     assert docs["kl_coef"].startswith("beta: weight of the per-token KL penalty")
 
+
+def test_readme_lists_every_field_by_section():
+    """README.md's Configuration tables are fields_markdown()'s output (the fields' own docs)."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = text.split("<!-- config-fields: begin -->\n", 1)[1].split("<!-- config-fields: end -->", 1)[0]
+    assert block.strip() == fields_markdown().strip(), (
+        "README.md's field tables are stale: replace them with the output of "
+        "python -c 'from ppo_ray.config import fields_markdown; print(fields_markdown())'")
