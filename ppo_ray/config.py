@@ -498,6 +498,51 @@ class PPOConfig:
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
+    def slice(self, role: str, names: Sequence[str]) -> "ConfigSlice":
+        """The fields `names` only, read-only, for one actor (`role` names it in errors): what
+        placement pickles into that actor instead of the whole config."""
+        _check_keys(dict.fromkeys(names), source=f"config slice {role!r}")
+        return ConfigSlice(role, {name: getattr(self, name) for name in names})
+
+
+class ConfigSlice:
+    """Some of a PPOConfig's fields, read-only: the part of the config one actor reads.
+
+    Reading a field outside the slice raises AttributeError naming the field and the slice
+    (add it to that role's CONFIG_FIELDS). PPOConfig's derived values (effective_mini_batch_size,
+    lora_scaling, logprob_gap_limit, ...) work when the fields they read are in the slice: they
+    run PPOConfig's own property on it (one home of each rule).
+    """
+
+    __slots__ = ("_role", "_values")
+
+    def __init__(self, role: str, values: dict[str, Any]) -> None:
+        object.__setattr__(self, "_role", role)
+        object.__setattr__(self, "_values", dict(values))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # _role / _values before __init__ (copy, pickle)
+            raise AttributeError(name)
+        if name in self._values:
+            return self._values[name]
+        derived = getattr(PPOConfig, name, None)
+        if isinstance(derived, property):
+            return derived.fget(self)
+        raise AttributeError(f"config field {name!r} is not in the {self._role} actor's config slice "
+                             f"(its fields: {', '.join(self._values)})")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"the {self._role} actor's config slice is read-only (field {name!r})")
+
+    def __reduce__(self):
+        return ConfigSlice, (self._role, self._values)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ConfigSlice) and (self._role, self._values) == (other._role, other._values)
+
+    def __repr__(self) -> str:
+        return f"ConfigSlice({self._role!r}, {self._values!r})"
+
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)

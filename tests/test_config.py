@@ -189,3 +189,51 @@ def test_readme_lists_every_field_by_section():
     assert block.strip() == fields_markdown().strip(), (
         "README.md's field tables are stale: replace them with the output of "
         "python -c 'from ppo_ray.config import fields_markdown; print(fields_markdown())'")
+
+
+def test_config_slice():
+    """An actor's part of the config: its fields, PPOConfig's derived values over them,
+    read-only, picklable; any other field is an error naming it and the slice."""
+    import pickle
+
+    part = PPOConfig(batch_size=8, mini_batch_size=4).slice("learner", ("batch_size", "mini_batch_size", "lora_r"))
+    assert (part.batch_size, part.effective_mini_batch_size) == (8, 4)
+    assert pickle.loads(pickle.dumps(part)) == part
+    with pytest.raises(AttributeError, match="'gamma' is not in the learner actor's config slice"):
+        part.gamma
+    with pytest.raises(AttributeError, match="'lora_alpha' is not in the learner"):  # lora_scaling needs it
+        part.lora_scaling
+    with pytest.raises(AttributeError, match="read-only"):
+        part.batch_size = 2
+    with pytest.raises(ConfigError, match="did you mean kl_coef"):
+        PPOConfig().slice("x", ("kl_coeff",))
+
+
+def _config_reads(cls) -> set[str]:
+    """The names read as cfg.X / config.X / self.config.X in a class's source."""
+    import ast
+    import inspect
+    import textwrap
+
+    reads = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(cls)))):
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id in ("cfg", "config")) or (
+                    isinstance(owner, ast.Attribute) and owner.attr == "config"
+                    and isinstance(owner.value, ast.Name) and owner.value.id == "self"):
+                reads.add(node.attr)
+    return reads
+
+
+def test_each_role_declares_the_config_fields_it_reads():
+    from actors.generator import Generator
+    from learner.learner import Learner
+    from ppo_ray.placement import GeneratorHost, LearnerHost, ReferenceHost, RewardHost
+
+    derived = {name for name, value in vars(PPOConfig).items() if isinstance(value, property)}
+    for host, cls in ((GeneratorHost, Generator), (LearnerHost, Learner), (ReferenceHost, ReferenceHost),
+                      (RewardHost, RewardHost)):
+        fields = set(cls.CONFIG_FIELDS)
+        assert fields <= set(PPOConfig.field_names()), cls
+        assert _config_reads(host) | _config_reads(cls) <= fields | derived, cls
