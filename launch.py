@@ -17,8 +17,9 @@ in the real TL;DR schemas; configs/qwen3-0.6b-tldr.yaml) the stages read those t
 ppo_ray/tldr.py instead of writing the bundled task, and `ppo` reports the reward model's
 score and the KL to SFT (no gold judge exists for real data).
 
-Every `--name value` is a PPOConfig field (ppo_ray/config.py); `--config FILE` loads a YAML
-preset first. `--run_dir DIR` picks the run directory (default output_dir/<time>).
+Every `--name value` is a PPOConfig field (ppo_ray/config.py; listed below by section);
+`--config FILE` loads a YAML preset first. `--run_dir DIR` picks the run directory (default
+output_dir/<time>).
 
 Console: one line per PPO step as it finishes (Python logging on stderr; --log_level debug |
 info | warning | error, default info), Ray's, vLLM's and transformers' own messages cut to
@@ -51,18 +52,6 @@ log = logging.getLogger("ppo_ray.launch")
 CONFIGS = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = CONFIGS / "tldr-tiny.yaml"
 STAGES = ("all", "sft", "rm", "ppo")
-
-
-def _pop_option(argv: list[str], name: str) -> str | None:
-    for i, arg in enumerate(argv):
-        if arg == f"--{name}" and i + 1 < len(argv):
-            value = argv[i + 1]
-            del argv[i:i + 2]
-            return value
-        if arg.startswith(f"--{name}="):
-            del argv[i]
-            return arg.split("=", 1)[1]
-    return None
 
 
 def _interrupt(signum, frame):
@@ -120,35 +109,38 @@ def run_plain_ppo(config, run_dir: Path, resume: str | None = None, prompts: lis
             "last_reward": history[-1]["reward_mean"], "final_kl": history[-1]["kl"]}
 
 
-def _config_fields_help() -> str:
-    """Every PPOConfig field as `--name (default)`, the options each stage takes."""
-    import dataclasses
+def build_parser():
+    """The command line: PPOConfig's options by section (ppo_ray.config.ConfigParser) with the
+    stages and --run_dir / --resume; `launch.py --help` prints it."""
+    from ppo_ray.config import ConfigParser
 
-    from ppo_ray.config import PPOConfig
-
-    def default(f: dataclasses.Field) -> str:
-        if f.default is not dataclasses.MISSING:
-            return repr(f.default)
-        if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            return repr(f.default_factory())  # type: ignore[misc]
-        return "required"
-
-    fields = [f"  --{f.name} ({default(f)})" for f in dataclasses.fields(PPOConfig)]
-    return ("Options (PPOConfig fields, default in brackets; README.md's Configuration explains them; "
-            "a config file is trusted input: its reward_funcs are imported and run):\n" + "\n".join(fields))
+    parser = ConfigParser(prog="launch.py", description=__doc__,
+                          usage="python launch.py [all|sft|rm|ppo] [--config FILE] [--run_dir DIR] [--resume DIR] "
+                                "[--<field> VALUE ...]",
+                          epilog=f"stages (the positional argument): {', '.join(STAGES)}; default: all (ppo with "
+                                 "--resume).\nA config file is trusted input: its reward_funcs are imported and run.")
+    parser.add_argument("--run_dir", "--run-dir", metavar="DIR",
+                        help="run directory (default: output_dir/<time>; with --resume, the checkpoint's run)")
+    parser.add_argument("--resume", metavar="DIR",
+                        help="continue the PPO stage from a run directory's latest checkpoint or one checkpoint, "
+                             "with the run's saved config (unless --config) plus the options given")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):  # also after a stage: `launch.py ppo --help`
-        print(__doc__)
-        print(_config_fields_help())
-        return 0
-    from ppo_ray.config import ConfigError, parse_overrides
+    from ppo_ray.config import ConfigError, PPOConfig
 
-    run_dir_opt = _pop_option(argv, "run_dir")
-    resume = _pop_option(argv, "resume")
-    has_config = "--config" in argv or any(a.startswith("--config=") for a in argv)
+    parser = build_parser()
+    try:
+        options, overrides, positional = parser.parse(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if options.help:  # also after a stage: `launch.py ppo --help`
+        print(parser.format_help())
+        return 0
+    run_dir_opt, resume, config_path = options.run_dir, options.resume, options.config
     if resume is not None:
         from ppo_ray.checkpoint import CheckpointError, resolve_checkpoint
 
@@ -159,12 +151,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         run_dir_opt = run_dir_opt or str(checkpoint.parent.parent)  # <run_dir>/checkpoints/step-N
         saved = [p for p in (Path(run_dir_opt) / "config-ppo.yaml", Path(run_dir_opt) / "config.yaml") if p.is_file()]
-        if not has_config and saved:  # the run's own config; overrides still apply
-            argv, has_config = ["--config", str(saved[0]), *argv], True
-    if not has_config:
-        argv = ["--config", str(DEFAULT_CONFIG), *argv]
+        if config_path is None and saved:  # the run's own config; overrides still apply
+            config_path = str(saved[0])
     try:
-        config, positional = parse_overrides(argv)
+        config = PPOConfig.from_yaml(config_path or DEFAULT_CONFIG, **overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

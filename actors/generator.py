@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from ppo_ray.batch import RolloutBatch
-from ppo_ray.config import ALL_PROJECTIONS, MIN_TEMPERATURE, TRUNCATION_MODES, VLLM_LORA_RANKS, PPOConfig
+from ppo_ray.config import ALL_PROJECTIONS, MIN_TEMPERATURE, TRUNCATION_MODES, VLLM_LORA_RANKS, ConfigSlice, PPOConfig
 from ppo_ray.data import encode_prompts, fit_prompt
 from ppo_ray.modeling import load_tokenizer, resolve_model_path, write_lora_adapter
 
@@ -92,6 +92,12 @@ class Generator:
     ``version`` is the adapter version generate() uses now: 0 = the base model (no
     adapter) until the first ``load_adapter``.
     """
+
+    # The config fields from_config reads: the generator actor gets only these (PPOConfig.slice).
+    CONFIG_FIELDS = ("model_name", "dtype", "seed", "log_level", "max_prompt_length", "prompt_truncation",
+                     "max_new_tokens", "temperature", "top_k", "top_p", "lora_r", "lora_alpha",
+                     "lora_target_modules", "lora_sync", "vllm_kv_cache_gib", "vllm_enforce_eager",
+                     "vllm_gpu_memory_utilization")
 
     def __init__(
         self,
@@ -169,7 +175,7 @@ class Generator:
         self._closed = False
 
     @classmethod
-    def from_config(cls, cfg: PPOConfig, model_dir: str | os.PathLike | None = None, **engine_overrides: Any) -> "Generator":
+    def from_config(cls, cfg: PPOConfig | ConfigSlice, model_dir: str | os.PathLike | None = None, **engine_overrides: Any) -> "Generator":
         """Build the engine (actors.vllm_engine.build_llm) and the generator from a PPOConfig.
 
         ``model_dir`` defaults to the resolved ``cfg.model_name``. ``engine_overrides`` go to

@@ -65,7 +65,7 @@ from learner.buffer import Experience, ExperienceBuffer
 from learner.kernels import cached_casts, clear_casts
 from learner.value_model import ValueHead, ValueModel
 from ppo_ray.batch import RolloutBatch, TrimPlan, fresh_enough, rollout_micro_batches, staleness_limit
-from ppo_ray.config import PPOConfig
+from ppo_ray.config import ConfigSlice, PPOConfig
 from ppo_ray.logprobs import entropy_from_logits, logprobs_from_logits
 from ppo_ray.modeling import causal_response_hidden, load_causal_lm, pick_device, response_hidden, response_logits
 from ppo_ray.stats import LearnerStats
@@ -132,7 +132,18 @@ class RolloutScores:
 class Learner:
     """Policy (base + PEFT LoRA) and value model (own backbone + LoRA + head), PPO updates."""
 
-    def __init__(self, config: PPOConfig, model_path: str, value_model_path: Optional[str] = None,
+    # The config fields the learner reads (and log_level, its actor host's): the learner actor
+    # gets only these (PPOConfig.slice); effective_mini_batch_size is derived from two of them.
+    CONFIG_FIELDS = (
+        "seed", "dtype", "log_level", "steps", "batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs",
+        "learning_rate", "value_learning_rate", "lr_scheduler", "max_grad_norm", "gamma", "lam", "clip_epsilon",
+        "value_clip", "vf_coef", "entropy_coef", "loss_agg", "whiten_advantages", "whiten_rewards", "kl_coef",
+        "kl_estimator", "kl_target", "kl_horizon", "reward_shaping", "nonfinite_reward", "overlap_generation",
+        "temperature", "top_k", "top_p", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+        "ppo_dropout", "value_model", "value_model_name", "learner_sort_by_length", "learner_layout",
+        "logprob_chunk_size", "rms_norm_kernel", "gradient_checkpointing", "lora_kernel", "learner_compile")
+
+    def __init__(self, config: PPOConfig | ConfigSlice, model_path: str, value_model_path: Optional[str] = None,
                  device: Optional[str] = None):
         from peft import LoraConfig, TaskType, get_peft_model
 

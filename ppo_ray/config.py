@@ -12,13 +12,23 @@ A config is built three ways, all validated the same way (in ``__post_init__``):
 
 Invalid values and unknown keys raise ``ConfigError`` naming the field (and, for an
 unknown key, the closest valid name). This module imports nothing of ours.
+
+The fields' docs are their attribute docstrings (``field_docs()`` reads them from the source);
+``SECTIONS`` groups the fields; ``ConfigParser`` (argparse) builds the command line from both,
+so `launch.py --help` and the README's tables (``fields_markdown()``) list every field by
+section with its type, default and doc.
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
 import dataclasses
 import difflib
+import functools
+import inspect
 import math
+import textwrap
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -488,6 +498,51 @@ class PPOConfig:
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
+    def slice(self, role: str, names: Sequence[str]) -> "ConfigSlice":
+        """The fields `names` only, read-only, for one actor (`role` names it in errors): what
+        placement pickles into that actor instead of the whole config."""
+        _check_keys(dict.fromkeys(names), source=f"config slice {role!r}")
+        return ConfigSlice(role, {name: getattr(self, name) for name in names})
+
+
+class ConfigSlice:
+    """Some of a PPOConfig's fields, read-only: the part of the config one actor reads.
+
+    Reading a field outside the slice raises AttributeError naming the field and the slice
+    (add it to that role's CONFIG_FIELDS). PPOConfig's derived values (effective_mini_batch_size,
+    lora_scaling, logprob_gap_limit, ...) work when the fields they read are in the slice: they
+    run PPOConfig's own property on it (one home of each rule).
+    """
+
+    __slots__ = ("_role", "_values")
+
+    def __init__(self, role: str, values: dict[str, Any]) -> None:
+        object.__setattr__(self, "_role", role)
+        object.__setattr__(self, "_values", dict(values))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # _role / _values before __init__ (copy, pickle)
+            raise AttributeError(name)
+        if name in self._values:
+            return self._values[name]
+        derived = getattr(PPOConfig, name, None)
+        if isinstance(derived, property):
+            return derived.fget(self)
+        raise AttributeError(f"config field {name!r} is not in the {self._role} actor's config slice "
+                             f"(its fields: {', '.join(self._values)})")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"the {self._role} actor's config slice is read-only (field {name!r})")
+
+    def __reduce__(self):
+        return ConfigSlice, (self._role, self._values)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ConfigSlice) and (self._role, self._values) == (other._role, other._values)
+
+    def __repr__(self) -> str:
+        return f"ConfigSlice({self._role!r}, {self._values!r})"
+
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
@@ -504,41 +559,184 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def parse_overrides(argv: Sequence[str]) -> tuple[PPOConfig, list[str]]:
-    """Parse `--config FILE` and `--field value` / `--field=value` pairs.
+# ---------------------------------------------------------------------- sections, docs, the CLI
+# The fields by section, for `launch.py --help` and the README's tables (the class keeps the
+# seeds' block first, so sections cut across its order). Every field is in exactly one section
+# (field_sections() checks).
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "model and LoRA": (
+        "model_name", "ref_model_name", "value_model_name", "value_model", "dtype",
+        "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"),
+    "PPO algorithm": (
+        "steps", "batch_size", "ppo_epochs", "mini_batch_size", "micro_batch_size", "learning_rate",
+        "value_learning_rate", "lr_scheduler", "gamma", "lam", "clip_epsilon", "value_clip", "vf_coef",
+        "max_grad_norm", "whiten_advantages", "whiten_rewards", "kl_coef", "kl_estimator", "kl_target",
+        "kl_horizon", "entropy_coef", "loss_agg", "ppo_dropout", "logprob_gap_check",
+        "logprob_gap_tolerance", "seed"),
+    "generation": (
+        "max_new_tokens", "temperature", "top_k", "top_p", "overlap_generation", "lora_sync",
+        "vllm_kv_cache_gib", "vllm_gpu_memory_utilization", "vllm_enforce_eager"),
+    "rewards": (
+        "reward_model_name", "reward_funcs", "reward_weights", "reward_shaping", "missing_eos_penalty",
+        "nonfinite_reward"),
+    "data": (
+        "dataset", "prompt_column", "max_prompt_length", "prompt_truncation", "apply_chat_template",
+        "sft_dataset", "preference_dataset", "preference_config", "train_split", "eval_split",
+        "data_max_rows", "bundled_ideal_fraction"),
+    "SFT and reward-model stages": (
+        "sft_epochs", "sft_learning_rate", "rm_epochs", "rm_learning_rate", "stage_batch_size",
+        "stage_dtype", "stage_num_cpus", "stage_num_gpus", "stage_resources"),
+    "evaluation": ("eval_every", "eval_size", "eval_samples"),
+    "resources and placement": (
+        "num_generators", "generator_num_cpus", "generator_num_gpus", "generator_resources",
+        "num_learners", "learner_num_cpus", "learner_num_gpus", "learner_resources",
+        "scorer_num_cpus", "scorer_num_gpus", "scorer_resources", "scorer_torch_threads",
+        "placement_strategy", "placement_timeout_s", "model_transfer"),
+    "fault tolerance": ("max_actor_restarts", "max_step_retries"),
+    "checkpoints and logging": (
+        "output_dir", "checkpoint_every", "checkpoint_every_minutes", "keep_checkpoints", "log_level",
+        "report_to"),
+    "learner speed (same math; defaults = the plain path)": (
+        "learner_sort_by_length", "learner_layout", "logprob_chunk_size", "rms_norm_kernel",
+        "gradient_checkpointing", "lora_kernel", "learner_compile"),
+}
 
-    Every `--name` must be a config field (or --config); any other is an error naming it
-    and the closest field. Values are parsed as YAML scalars (`--value_clip null`,
-    `--reward_funcs a:f,b:g`). Returns the config and the positional arguments.
+
+@functools.lru_cache(maxsize=None)
+def field_docs() -> dict[str, str]:
+    """Each field's doc: the attribute docstring under it in PPOConfig's source (their one home;
+    --help and the README's tables print them)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(PPOConfig)))
+    body = tree.body[0].body
+    return {stmt.target.id: doc.value.value for stmt, doc in zip(body, body[1:])
+            if isinstance(stmt, ast.AnnAssign) and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
+
+
+def field_sections() -> list[tuple[str, list[dataclasses.Field]]]:
+    """PPOConfig's fields grouped by SECTIONS, in SECTIONS' order."""
+    fields = {f.name: f for f in dataclasses.fields(PPOConfig)}
+    listed = [name for names in SECTIONS.values() for name in names]
+    missing, unknown = fields.keys() - set(listed), set(listed) - fields.keys()
+    twice = {name for name in listed if listed.count(name) > 1}
+    if missing or unknown or twice:
+        raise RuntimeError(f"config.SECTIONS: fields without a section {sorted(missing)}, "
+                           f"unknown {sorted(unknown)}, in two sections {sorted(twice)}")
+    return [(title, [fields[name] for name in names]) for title, names in SECTIONS.items()]
+
+
+def type_name(hint: Any) -> str:
+    """A field's type as --help and the README show it: `float|null`, `list[str]`, `{str: float}`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union:  # Optional[X]
+        return f"{type_name(next(a for a in args if a is not type(None)))}|null"
+    if origin is list:
+        return f"list[{type_name(args[0])}]"
+    if origin is dict:
+        return f"{{{type_name(args[0])}: {type_name(args[1])}}}"
+    return hint.__name__
+
+
+def default_text(f: dataclasses.Field) -> str:
+    """A field's default as YAML writes it (`null`, `true`, `[tensorboard]`, `{}`)."""
+    value = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+    return yaml.safe_dump(value, default_flow_style=True, width=math.inf).removesuffix("...\n").strip()
+
+
+def fields_markdown() -> str:
+    """The README's Configuration tables: one per section, every field with its type, default
+    and doc (tests/test_config.py checks that README.md holds exactly this)."""
+    hints, docs = typing.get_type_hints(PPOConfig), field_docs()
+    out = []
+    for title, fields in field_sections():
+        out += [f"**{title}**", "", "| field | type | default | what it does |", "|---|---|---|---|"]
+        rows = [(f"`{f.name}`", f"`{type_name(hints[f.name])}`", f"`{default_text(f)}`", docs[f.name])
+                for f in fields]
+        out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+        out.append("")
+    return "\n".join(out)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """`--name TYPE   doc (default: ...)`: a field's first spelling only (its dashed alias,
+    --name-with-dashes, works too), the description (launch.py's docstring) as written."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not action.option_strings or action.nargs == 0:
+            return super()._format_action_invocation(action)
+        return f"{action.option_strings[0]} {action.metavar}"
+
+
+def _yaml_value(text: str) -> Any:
+    """argparse `type` of a field's option: the text as a YAML scalar or flow collection
+    (`null`, `true`, `0.1`, `{gpu_node: 0.01}`); "" stays "". PPOConfig coerces it to the
+    field's type and checks it (errors name the field)."""
+    if text == "":
+        return ""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:  # argparse names the option
+        raise argparse.ArgumentTypeError(f"{text!r} is not a YAML value ({getattr(e, 'problem', None) or e})") from e
+
+
+class ConfigParser(argparse.ArgumentParser):
+    """The command line built from PPOConfig: `--config FILE`, then one `--field VALUE` option
+    per field (also spelled `--field-name`; `--field=VALUE` too), grouped by SECTIONS, each
+    with its type, default and doc in --help. Values are YAML (`--value_clip null`,
+    `--reward_funcs a:f,b:g`, `--generator_resources '{gpu_node: 0.01}'`).
+
+    Every error raises ConfigError naming the option (argparse would print and exit): an
+    unknown option names the closest field; abbreviations are not accepted (a prefix of a
+    field must not silently pick one). The caller may add options of its own (launch.py's
+    --run_dir, --resume) before parse().
     """
-    argv = list(argv)
-    config_path: Optional[str] = None
-    overrides: dict[str, Any] = {}
-    positional: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            positional.append(arg)
-            i += 1
-            continue
-        name, eq, value = arg[2:].partition("=")
-        name = name.replace("-", "_")
-        if not eq:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"command-line option --{name} needs a value")
-            value = argv[i + 1]
-            i += 1
-        i += 1
-        if name == "config":
-            config_path = value
-        else:
-            overrides[name] = yaml.safe_load(value) if value != "" else ""
-    _check_keys(overrides, source="command line", prefix="--")
-    base = read_yaml(config_path) if config_path else {}
-    _check_keys(base, source=str(config_path))
-    base.update(overrides)
-    return PPOConfig(**base), positional
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("usage", "%(prog)s [--config FILE] [--<field> VALUE ...]")
+        super().__init__(allow_abbrev=False, exit_on_error=False, add_help=False, formatter_class=_HelpFormatter,
+                         **kwargs)
+        self.add_argument("-h", "--help", action="store_true", help="show this message and exit")
+        self.add_argument("--config", metavar="FILE",
+                          help="YAML file of field: value pairs, loaded first; the --<field> options override it")
+        hints, docs = typing.get_type_hints(PPOConfig), field_docs()
+        for title, fields in field_sections():
+            group = self.add_argument_group(title)
+            for f in fields:
+                dashed = f.name.replace("_", "-")
+                group.add_argument(f"--{f.name}", *([f"--{dashed}"] if dashed != f.name else []), dest=f.name,
+                                   metavar=type_name(hints[f.name]), type=_yaml_value,
+                                   default=argparse.SUPPRESS,
+                                   help=f"{docs[f.name]} (default: {default_text(f)})".replace("%", "%%"))
+
+    def error(self, message: str) -> typing.NoReturn:  # argparse's own: it would print usage and exit
+        raise ConfigError(f"command line: {message}")
+
+    def parse(self, argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any], list[str]]:
+        """(the options that are not fields, the fields given, the positional arguments)."""
+        try:
+            args, rest = self.parse_known_args(list(argv))
+        except argparse.ArgumentError as e:
+            option = (e.argument_name or "").split("/")[0]  # argparse joins the spellings: --a_b/--a-b
+            if e.message == "expected one argument":
+                raise ConfigError(f"command-line option {option} needs a value") from None
+            raise ConfigError(f"command-line option {option}: {e.message}") from None
+        fields = set(PPOConfig.field_names())
+        overrides = {k: v for k, v in vars(args).items() if k in fields}
+        options = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in fields})
+        if options.help:
+            return options, overrides, []
+        unknown = {arg.split("=", 1)[0][2:].replace("-", "_"): None for arg in rest if arg.startswith("--")}
+        _check_keys(unknown, source="command line", prefix="--")
+        return options, overrides, rest
+
+
+def parse_overrides(argv: Sequence[str]) -> tuple[PPOConfig, list[str]]:
+    """Parse `--config FILE` and `--field value` / `--field=value` options (ConfigParser):
+    the config (the file's fields, then the options on top) and the positional arguments."""
+    options, overrides, positional = ConfigParser().parse(argv)
+    if options.config is None:
+        return PPOConfig(**overrides), positional
+    return PPOConfig.from_yaml(options.config, **overrides), positional
 
 
 # ---------------------------------------------------------------------- helpers

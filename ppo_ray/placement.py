@@ -21,7 +21,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ppo_ray.batch import RolloutBatch
-from ppo_ray.config import PPOConfig
+from ppo_ray.config import ConfigSlice, PPOConfig
 from ppo_ray.faults import FaultPoints, StateLostError, fault_point
 from ppo_ray.logs import quiet_env, quiet_libraries, ray_logging_level
 from ppo_ray.roles import Roles, form_learner_group, role_names
@@ -220,7 +220,7 @@ def _check_version(role_object, expected: int | None, what: str) -> None:
 
 
 class GeneratorHost(FaultPoints):
-    def __init__(self, config: PPOConfig, model_dir: "str | ShippedModel"):
+    def __init__(self, config: ConfigSlice, model_dir: "str | ShippedModel"):
         quiet_libraries(config.log_level)
         from actors.generator import Generator
 
@@ -261,7 +261,9 @@ def _set_torch_threads(threads: int) -> None:
 
 
 class ReferenceHost(FaultPoints):
-    def __init__(self, config: PPOConfig, model_dir: "str | ShippedModel"):
+    CONFIG_FIELDS = ("log_level", "scorer_torch_threads", "temperature", "dtype", "micro_batch_size")
+
+    def __init__(self, config: ConfigSlice, model_dir: "str | ShippedModel"):
         quiet_libraries(config.log_level)
         from actors.reference import ReferenceScorer
 
@@ -279,7 +281,10 @@ class ReferenceHost(FaultPoints):
 
 
 class RewardHost(FaultPoints):
-    def __init__(self, config: PPOConfig, reward_model_dir: "str | ShippedModel | None"):
+    CONFIG_FIELDS = ("log_level", "scorer_torch_threads", "reward_funcs", "reward_weights", "missing_eos_penalty",
+                     "nonfinite_reward", "dtype", "micro_batch_size")
+
+    def __init__(self, config: ConfigSlice, reward_model_dir: "str | ShippedModel | None"):
         quiet_libraries(config.log_level)
         from actors.reward import RewardScorer
 
@@ -297,7 +302,7 @@ class RewardHost(FaultPoints):
 
 
 class LearnerHost(FaultPoints):
-    def __init__(self, config: PPOConfig, model_dir: "str | ShippedModel", value_model_dir: "str | ShippedModel | None"):
+    def __init__(self, config: ConfigSlice, model_dir: "str | ShippedModel", value_model_dir: "str | ShippedModel | None"):
         quiet_libraries(config.log_level)
         from learner.learner import Learner
 
@@ -532,11 +537,20 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=index[i]))
 
+    # Each actor gets the config fields its role reads (CONFIG_FIELDS next to its class), not
+    # the whole config.
+    from actors.generator import Generator
+    from learner.learner import Learner
+
     n_gen = config.num_generators
-    gens = [ray.remote(GeneratorHost).options(**opts(i)).remote(config, model_dir) for i in range(n_gen)]
-    ref = ray.remote(ReferenceHost).options(**opts(n_gen)).remote(config, ref_model_dir)
-    rew = ray.remote(RewardHost).options(**opts(n_gen + 1)).remote(config, reward_model_dir)
-    learners = [ray.remote(LearnerHost).options(**opts(n_gen + 2 + i)).remote(config, model_dir, value_model_dir)
+    gen_config = config.slice("generator", Generator.CONFIG_FIELDS)
+    learner_config = config.slice("learner", Learner.CONFIG_FIELDS)
+    gens = [ray.remote(GeneratorHost).options(**opts(i)).remote(gen_config, model_dir) for i in range(n_gen)]
+    ref = ray.remote(ReferenceHost).options(**opts(n_gen)).remote(
+        config.slice("reference", ReferenceHost.CONFIG_FIELDS), ref_model_dir)
+    rew = ray.remote(RewardHost).options(**opts(n_gen + 1)).remote(
+        config.slice("reward", RewardHost.CONFIG_FIELDS), reward_model_dir)
+    learners = [ray.remote(LearnerHost).options(**opts(n_gen + 2 + i)).remote(learner_config, model_dir, value_model_dir)
                 for i in range(config.num_learners)]
     roles = Roles(gens, ref, rew, learners, pg, store)
     try:

@@ -1,8 +1,10 @@
 """PPOConfig: the seeds' fields and defaults, YAML + CLI loading, and clear errors."""
 
+from pathlib import Path
+
 import pytest
 
-from ppo_ray.config import ConfigError, PPOConfig, parse_overrides
+from ppo_ray.config import ConfigError, PPOConfig, field_docs, field_sections, fields_markdown, parse_overrides
 
 SEED_DEFAULTS = dict(
     model_name="Qwen/Qwen3-0.6B-Base", lora_r=16, lora_alpha=32, lora_dropout=0.1,
@@ -145,3 +147,93 @@ def test_placement_fields(tmp_path):
     ]:
         with pytest.raises(ConfigError, match=match):
             PPOConfig(**changes)
+
+
+def test_cli_syntaxes():
+    """--field value, --field=value, --field-name, YAML values (null, comma lists, flow
+    mappings, bools), positionals anywhere."""
+    cfg, pos = parse_overrides(["--kl-coef=0.05", "ppo", "--value-clip", "null", "--reward_funcs", "a:f,b:g",
+                                "--generator_resources", "{gpu_node: 0.01}", "--whiten_rewards", "true",
+                                "--missing_eos_penalty", "-1", "--top_k=-1", "--steps", "3"])
+    assert (cfg.kl_coef, cfg.value_clip, cfg.reward_funcs, cfg.generator_resources) == (
+        0.05, None, ["a:f", "b:g"], {"gpu_node": 0.01})
+    assert (cfg.whiten_rewards, cfg.missing_eos_penalty, cfg.top_k, cfg.steps, pos) == (True, -1.0, -1, 3, ["ppo"])
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--kl_coef"], r"^command-line option --kl_coef needs a value$"),
+    (["--steps", "--kl_coef", "0.1"], r"^command-line option --steps needs a value$"),
+    (["--generator_resources", "{gpu_node: 0.01"], r"^command-line option --generator_resources: '\{gpu_node"),
+    (["--kl", "0.1"], r"^command line: unknown config key --kl$"),  # no abbreviations
+    (["--kl-coeff=0.1"], r"unknown config key --kl_coeff; did you mean --kl_coef\?"),
+    (["--steps", "two"], r"^config field 'steps' = 'two' must be of type int$"),
+])
+def test_cli_errors_name_the_option(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_overrides(argv)
+
+
+def test_every_field_has_one_section_and_a_doc():
+    sections = field_sections()  # raises when a field has no section, or two
+    assert sum(len(fields) for _, fields in sections) == len(PPOConfig.field_names())
+    assert 8 <= len(sections) <= 12
+    docs = field_docs()
+    assert set(docs) == set(PPOConfig.field_names()) and all(doc.strip() for doc in docs.values())
+    assert docs["kl_coef"].startswith("beta: weight of the per-token KL penalty")
+
+
+def test_readme_lists_every_field_by_section():
+    """README.md's Configuration tables are fields_markdown()'s output (the fields' own docs)."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = text.split("<!-- config-fields: begin -->\n", 1)[1].split("<!-- config-fields: end -->", 1)[0]
+    assert block.strip() == fields_markdown().strip(), (
+        "README.md's field tables are stale: replace them with the output of "
+        "python -c 'from ppo_ray.config import fields_markdown; print(fields_markdown())'")
+
+
+def test_config_slice():
+    """An actor's part of the config: its fields, PPOConfig's derived values over them,
+    read-only, picklable; any other field is an error naming it and the slice."""
+    import pickle
+
+    part = PPOConfig(batch_size=8, mini_batch_size=4).slice("learner", ("batch_size", "mini_batch_size", "lora_r"))
+    assert (part.batch_size, part.effective_mini_batch_size) == (8, 4)
+    assert pickle.loads(pickle.dumps(part)) == part
+    with pytest.raises(AttributeError, match="'gamma' is not in the learner actor's config slice"):
+        part.gamma
+    with pytest.raises(AttributeError, match="'lora_alpha' is not in the learner"):  # lora_scaling needs it
+        part.lora_scaling
+    with pytest.raises(AttributeError, match="read-only"):
+        part.batch_size = 2
+    with pytest.raises(ConfigError, match="did you mean kl_coef"):
+        PPOConfig().slice("x", ("kl_coeff",))
+
+
+def _config_reads(cls) -> set[str]:
+    """The names read as cfg.X / config.X / self.config.X in a class's source."""
+    import ast
+    import inspect
+    import textwrap
+
+    reads = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(cls)))):
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id in ("cfg", "config")) or (
+                    isinstance(owner, ast.Attribute) and owner.attr == "config"
+                    and isinstance(owner.value, ast.Name) and owner.value.id == "self"):
+                reads.add(node.attr)
+    return reads
+
+
+def test_each_role_declares_the_config_fields_it_reads():
+    from actors.generator import Generator
+    from learner.learner import Learner
+    from ppo_ray.placement import GeneratorHost, LearnerHost, ReferenceHost, RewardHost
+
+    derived = {name for name, value in vars(PPOConfig).items() if isinstance(value, property)}
+    for host, cls in ((GeneratorHost, Generator), (LearnerHost, Learner), (ReferenceHost, ReferenceHost),
+                      (RewardHost, RewardHost)):
+        fields = set(cls.CONFIG_FIELDS)
+        assert fields <= set(PPOConfig.field_names()), cls
+        assert _config_reads(host) | _config_reads(cls) <= fields | derived, cls

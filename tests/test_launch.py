@@ -71,8 +71,19 @@ def test_help_after_a_stage_lists_the_options(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "ppo", "--help"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "python launch.py" in proc.stdout and re.search(r"^  --kl_coef \(0\.\d+\)$", proc.stdout, re.M)
-    assert "  --num_learners (1)" in proc.stdout
+    out = proc.stdout
+    assert "python launch.py" in out and "--run_dir DIR" in out and "--resume DIR" in out and "--config FILE" in out
+    # every field under its section, with its type, doc and default
+
+    def entry(section: str, name: str) -> str:
+        block = out.split(f"\n{section}:\n", 1)[1].split("\n\n", 1)[0]
+        return " ".join(block.split(f"  --{name} ", 1)[1].split("\n  --", 1)[0].split())
+
+    assert entry("PPO algorithm", "kl_coef").startswith("float beta: weight of the per-token KL")
+    assert entry("PPO algorithm", "kl_coef").endswith("(default: 0.1)")
+    assert entry("resources and placement", "num_learners").endswith("(default: 1)")
+    assert entry("resources and placement", "generator_resources").startswith("{str: float} Custom Ray")
+    assert entry("PPO algorithm", "value_clip").startswith("float|null Value clipping")
     assert not any(tmp_path.iterdir()), "help must not write a run directory"
 
 

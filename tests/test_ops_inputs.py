@@ -131,7 +131,7 @@ def test_help_says_config_files_are_trusted(capsys):
     assert launch.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "Trusted input: a config file" in out and "reward_funcs is\nimported and run" in out
-    assert "its reward_funcs are imported and run" in out and "--log_level ('info')" in out
+    assert "its reward_funcs are imported and run" in out and "--log_level str" in out
 
 
 def test_resume_names_the_reward_functions_it_will_import(tmp_path, caplog):
