@@ -1,0 +1,121 @@
+"""ppo_ray/data.py: where prompts come from (read_rows, column, load_prompts), their checks
+(empty, over-long, no chat template) and their encoding (encode_prompts, fit_prompt,
+chat_format). Errors name the file, the column and the row. Fast: no Ray, no actors;
+launch.py runs in-process and stops before Ray starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import launch_ppo, snapshot
+from ppo_ray.config import PPOConfig
+
+GOOD_PROMPT = "SUBREDDIT: r/advice\n\nTITLE: help\n\nPOST: my bike broke\n\nTL;DR:"
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from ppo_ray.modeling import load_tokenizer
+
+    return load_tokenizer(str(tiny_model_dir))
+
+
+# -------------------------------------------------- bad data (issue 5, items 1b, 4, 5, 6)
+def test_bad_data_files(tmp_path, tok):
+    from ppo_ray.data import DataError, load_prompts
+
+    def load(dataset: str, **kw):
+        return load_prompts(PPOConfig(dataset=dataset, **kw), tok)
+
+    with pytest.raises(FileNotFoundError, match="data file '.*nope.jsonl' does not exist"):
+        load(str(tmp_path / "nope.jsonl"))
+    # a name only a local path looks like is not looked up on the hub
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load(str(tmp_path / "no" / "such" / "dir"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load("./no_such_prompts")
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(FileNotFoundError, match="is not a file"):
+        load(str(tmp_path / "folder"))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps({"prompt": GOOD_PROMPT}) + "\n{not json\n")
+    with pytest.raises(DataError, match=r"broken.jsonl: line 2 is not valid JSON"):
+        load(str(broken))
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl: cannot be read as UTF-8 JSONL"):
+        load(str(tmp_path / "latin1.jsonl"))
+    (tmp_path / "bad.parquet").write_bytes(b"not a parquet file")
+    with pytest.raises(DataError, match=r"bad.parquet: cannot be read as parquet"):
+        load(str(tmp_path / "bad.parquet"))
+    (tmp_path / "p.csv").write_text("prompt\nhello\n")
+    with pytest.raises(DataError, match=r"unsupported format '.csv'"):
+        load(str(tmp_path / "p.csv"))
+
+
+def test_missing_prompt_column(tmp_path):
+    from ppo_ray.data import DataError, load_prompts
+
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": GOOD_PROMPT}, {"text": GOOD_PROMPT, "id": 1}])
+    with pytest.raises(DataError, match=r"p.jsonl: row 1 has no column 'prompt' \(columns: \['id', 'text'\]\)"):
+        load_prompts(PPOConfig(dataset=str(path)))
+    with pytest.raises(DataError, match=r"row 0 has no column 'query'"):
+        load_prompts(PPOConfig(dataset=str(path), prompt_column="query"))
+    path = write_jsonl(tmp_path / "q.jsonl", [{"prompt": GOOD_PROMPT}, {"prompt": 7}])
+    with pytest.raises(DataError, match=r"row 1 column 'prompt' is a int, not a str"):
+        load_prompts(PPOConfig(dataset=str(path)))
+
+
+def test_empty_and_overlong_prompts_found_at_load(tmp_path, tok, monkeypatch):
+    """Found when the dataset is loaded (every row, not only the first batch's), with the row index."""
+    from ppo_ray import data
+    from ppo_ray.data import DataError, load_prompts
+
+    monkeypatch.setattr(data, "CHECK_CHUNK", 2)  # row indices stay global across chunks
+    long_prompt = GOOD_PROMPT.replace("my bike broke", "my bike broke again " * 60)
+    n_long = len(tok(long_prompt, add_special_tokens=False)["input_ids"])
+    empty = write_jsonl(tmp_path / "empty.jsonl", [{"prompt": GOOD_PROMPT}] * 4 + [{"prompt": "  \n"}])
+    with pytest.raises(DataError, match=r"empty.jsonl' column 'prompt': prompt 4 is empty or whitespace only"):
+        load_prompts(PPOConfig(dataset=str(empty)), tok)
+    long = write_jsonl(tmp_path / "long.jsonl", [{"prompt": GOOD_PROMPT}] * 3 + [{"prompt": long_prompt}])
+    cfg = PPOConfig(dataset=str(long), max_prompt_length=64, prompt_truncation="error")
+    with pytest.raises(DataError, match=rf"prompt 3 is {n_long} tokens long, over max_prompt_length=64"):
+        load_prompts(cfg, tok)
+    assert len(load_prompts(cfg.replace(prompt_truncation="left"), tok)) == 4  # truncation: fine
+    assert len(load_prompts(cfg.replace(max_prompt_length=n_long), tok)) == 4  # at the limit: fine
+    write_jsonl(tmp_path / "none.jsonl", [])
+    with pytest.raises(DataError, match="has no rows"):
+        load_prompts(PPOConfig(dataset=str(tmp_path / "none.jsonl")), tok)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing", "data file '{path}' does not exist"),
+    ("broken", "{path}: line 2 is not valid JSON"),
+    ("no_column", "{path}: row 0 has no column 'prompt'"),
+    ("empty", "prompt 1 is empty or whitespace only"),
+    ("long", "prompt 0 is "),
+])
+def test_launch_rejects_bad_data_before_writing(tmp_path, old_run, capsys, no_ray_address, case, message):
+    path = tmp_path / f"{case}.jsonl"
+    if case == "broken":
+        path.write_text(json.dumps({"prompt": GOOD_PROMPT}) + "\n{\n")
+    elif case == "no_column":
+        write_jsonl(path, [{"text": GOOD_PROMPT}])
+    elif case == "empty":
+        write_jsonl(path, [{"prompt": GOOD_PROMPT}, {"prompt": ""}])
+    elif case == "long":
+        write_jsonl(path, [{"prompt": "word " * 400}])
+    before = snapshot(old_run)
+    code = launch_ppo(old_run, "--dataset", str(path), "--prompt_truncation", "error", "--max_prompt_length", "64")
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message.format(path=path) in err and "Traceback" not in err
+    assert snapshot(old_run) == before

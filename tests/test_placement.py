@@ -1,0 +1,75 @@
+"""ppo_ray/placement.py without a cluster: the RAY_ADDRESS check (a closed port, a dashboard
+URL, not host:port) that init_ray and launch.py run before ray.init, which would retry a bad
+address for minutes. Fast: no Ray session.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, TINY, snapshot
+
+
+def closed_port() -> int:
+    """A local TCP port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -------------------------------------------------- RAY_ADDRESS (issue 5, item 10)
+def test_check_ray_address():
+    from ppo_ray.placement import ClusterError, check_ray_address
+
+    port = closed_port()
+    with pytest.raises(ClusterError, match=rf"no Ray cluster at RAY_ADDRESS='127.0.0.1:{port}': cannot connect"):
+        check_ray_address(f"127.0.0.1:{port}")
+    with pytest.raises(ClusterError, match=rf"RAY_ADDRESS='ray://127.0.0.1:{port}': cannot connect to 127.0.0.1:{port}"):
+        check_ray_address(f"ray://127.0.0.1:{port}")  # the Ray client's address
+    with pytest.raises(ClusterError, match="no Ray cluster at RAY_ADDRESS='no-such-host.invalid:6379'"):
+        check_ray_address("no-such-host.invalid:6379")
+    with pytest.raises(ClusterError, match="is a dashboard / job-submission address"):
+        check_ray_address("http://127.0.0.1:8265")
+    for bad in ("127.0.0.1", "127.0.0.1:port"):
+        with pytest.raises(ClusterError, match="is not a host:port address"):
+            check_ray_address(bad)
+    with socket.socket() as server:  # something listens: passes
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        check_ray_address(f"127.0.0.1:{server.getsockname()[1]}")
+
+
+def test_init_ray_fails_fast_without_calling_ray_init(monkeypatch):
+    """ray.init on a closed port retries for minutes (still waiting after 300 s here): init_ray
+    must name the address without calling it."""
+    import ray
+
+    from ppo_ray import placement
+
+    def no_init(*a, **k):
+        raise AssertionError("ray.init was called")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", no_init)
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{closed_port()}")
+    with pytest.raises(placement.ClusterError, match="no Ray cluster at RAY_ADDRESS"):
+        placement.init_ray()
+
+
+def test_launch_subprocess_ray_address_nowhere(tmp_path, old_run):
+    port = closed_port()
+    before = snapshot(old_run)
+    env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    # timeout: a launch.py that fell through to ray.init would retry the address for minutes
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "ppo", "--config", str(TINY),
+                           "--run_dir", str(old_run)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"error: no Ray cluster at RAY_ADDRESS='127.0.0.1:{port}'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert snapshot(old_run) == before
