@@ -11,9 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import launch_ppo, snapshot
+import launch
+from conftest import TINY, launch_ppo, snapshot
 from ppo_ray.config import PPOConfig
+from ppo_ray.data import encode_prompts
+from ppo_ray.modeling import resolve_model_path
+from test_generator import PROMPTS
 
+CHAT = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 GOOD_PROMPT = "SUBREDDIT: r/advice\n\nTITLE: help\n\nPOST: my bike broke\n\nTL;DR:"
 
 
@@ -119,3 +125,58 @@ def test_launch_rejects_bad_data_before_writing(tmp_path, old_run, capsys, no_ra
     assert code == 2, err
     assert message.format(path=path) in err and "Traceback" not in err
     assert snapshot(old_run) == before
+
+
+# -------------------------------------------------- encoding (encode_prompts, fit_prompt)
+def test_encode_prompts_errors(tok):
+    with pytest.raises(ValueError, match="no prompts"):
+        encode_prompts(tok, [], 8)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        encode_prompts(tok, ["ok", "  \n"], 8)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        encode_prompts(tok, [""], 8)
+    with pytest.raises(ValueError, match="prompt 1 is a int"):
+        encode_prompts(tok, ["ok", 3], 8)
+    text = PROMPTS[2]
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    n = len(ids)
+    with pytest.raises(ValueError, match=f"prompt 1 is {n} tokens long, over max_prompt_length=5.*prompt_truncation: left"):
+        encode_prompts(tok, ["Hi", text], 5)
+    assert encode_prompts(tok, ["Hi", text], 5, truncation="left")[1] == ids[-5:]
+    assert encode_prompts(tok, [text], n) == [ids]  # exactly at the limit is fine
+    with pytest.raises(ValueError, match="truncation"):
+        encode_prompts(tok, [text], 5, truncation="right")
+
+
+# -------------------------------------------------- chat template (issue 15)
+def test_apply_chat_template_formats_each_prompt_as_a_user_turn():
+    from ppo_ray.data import check_chat_template, encode_prompts
+    from ppo_ray.modeling import load_tokenizer
+
+    tok = load_tokenizer(resolve_model_path("embedded:tiny"))
+    with pytest.raises(ValueError, match="has no chat template"):
+        check_chat_template(tok, "embedded:tiny")
+    tok.chat_template = CHAT
+    check_chat_template(tok, "embedded:tiny")
+    prompts = ["Summarise: the cat sat.", "TL;DR:"]
+    plain = encode_prompts(tok, prompts, 256)
+    chat = encode_prompts(tok, prompts, 256, chat_template=True)
+    expected = [tok(f"<|user|>{p}\n<|assistant|>", add_special_tokens=False)["input_ids"] for p in prompts]
+    assert chat == expected and chat != plain
+    # max_prompt_length counts the template's tokens
+    with pytest.raises(ValueError, match="prompt 0 is"):
+        encode_prompts(tok, prompts, len(plain[0]), chat_template=True)
+
+
+def test_apply_chat_template_is_checked_at_load_and_refused_for_the_pipeline(capsys, tmp_path):
+    from ppo_ray.data import load_prompts
+    from ppo_ray.modeling import load_tokenizer
+
+    config = PPOConfig.from_yaml(TINY, apply_chat_template=True)
+    tok = load_tokenizer(resolve_model_path("embedded:tiny"))
+    with pytest.raises(ValueError, match="apply_chat_template is true but the tokenizer of 'embedded:tiny' has no"):
+        load_prompts(config, tok)
+    tok.chat_template = CHAT
+    assert len(load_prompts(config, tok)) > 0
+    code = launch.main(["sft", "--apply_chat_template", "true", "--run_dir", str(tmp_path / "r")])
+    assert code == 2 and "apply_chat_template formats the PPO prompts" in capsys.readouterr().err

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TINY, snapshot
+from conftest import ROOT, TINY, snapshot, tiny_test_config
+from ppo_ray.placement import plan_bundles, role_demands
 
 
 def closed_port() -> int:
@@ -73,3 +74,22 @@ def test_launch_subprocess_ray_address_nowhere(tmp_path, old_run):
     assert f"error: no Ray cluster at RAY_ADDRESS='127.0.0.1:{port}'" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert snapshot(old_run) == before
+
+
+# -------------------------------------------------- the bundle plan
+def test_one_bundle_per_actor_that_reserves_something():
+    """Ray refuses empty bundles: scorers that reserve nothing (scorer_num_cpus 0, the
+    default) get bundle index -1 (any bundle of the group) and no bundle of their own."""
+    config = tiny_test_config(num_generators=2, num_learners=2, generator_num_gpus=0.25,
+                              learner_resources={"gpu_node": 0.01})
+    demands = role_demands(config)
+    assert [d.role for d in demands] == ["generator-0", "generator-1", "reference", "reward",
+                                         "learner-0", "learner-1"]
+    bundles, index = plan_bundles(demands)
+    assert bundles == [{"CPU": 1.0, "GPU": 0.25}] * 2 + [{"CPU": 1.0, "gpu_node": 0.01}] * 2
+    assert index == [0, 1, -1, -1, 2, 3]
+    bundles, index = plan_bundles(role_demands(config.replace(scorer_num_gpus=0.1)))
+    assert bundles[2:4] == [{"GPU": 0.1}] * 2 and index == [0, 1, 2, 3, 4, 5]
+    # nothing reserved at all: one tiny anchor bundle, every actor in "any bundle"
+    nothing = tiny_test_config(generator_num_cpus=0, learner_num_cpus=0)
+    assert plan_bundles(role_demands(nothing)) == ([{"CPU": 1e-4}], [-1, -1, -1, -1])
