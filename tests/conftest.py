@@ -12,6 +12,8 @@
 * marker ``slow``: long tests; deselect with ``-m "not slow"``.
 * ``old_run``, ``no_ray_address``, ``snapshot``, ``launch_ppo``: for the tests of several
   modules that a rejected launch.py command leaves a run directory as it was.
+* ``read_events``, ``text_at``: TensorBoard's reader over a run's event files
+  (test_tracking.py, test_monitoring.py).
 
 vLLM spawns its engine processes, so engines are only ever built inside fixtures,
 never at import time.
@@ -80,6 +82,21 @@ def launch_ppo(run: pathlib.Path, *args: str) -> int:
 @pytest.fixture
 def no_ray_address(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+# --------------------------------------------------------------------------- TensorBoard
+def read_events(log_dir: pathlib.Path):
+    """TensorBoard's own reader over every event file of a run (purges applied)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def text_at(acc, tag: str) -> dict[int, str]:
+    """Text summaries (add_text) by step: TensorBoard stores them as string tensors."""
+    return {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag)}
 
 
 @pytest.fixture(scope="session")
