@@ -180,3 +180,50 @@ def test_apply_chat_template_is_checked_at_load_and_refused_for_the_pipeline(cap
     assert len(load_prompts(config, tok)) > 0
     code = launch.main(["sft", "--apply_chat_template", "true", "--run_dir", str(tmp_path / "r")])
     assert code == 2 and "apply_chat_template formats the PPO prompts" in capsys.readouterr().err
+
+
+# -------------------------------------------------- the rules as pure functions
+def test_fit_prompt_keeps_a_prompt_at_the_limit_cuts_left_or_names_the_prompt():
+    from ppo_ray.data import fit_prompt
+
+    ids = [11, 12, 13, 14, 15]
+    assert fit_prompt(ids, 5, "error", 0) == ids
+    assert fit_prompt(ids, 3, "left", 0) == [13, 14, 15]  # the end sits next to the response
+    with pytest.raises(ValueError, match=r"^prompt 7 is 5 tokens long, over max_prompt_length=3;"):
+        fit_prompt(ids, 3, "error", 7)
+
+
+def test_encode_prompts_rejects_a_single_str_and_names_rows_with_the_offset(tok):
+    with pytest.raises(ValueError, match="a single str"):
+        encode_prompts(tok, GOOD_PROMPT, 64)
+    with pytest.raises(ValueError, match="max_prompt_length must be >= 1, got 0"):
+        encode_prompts(tok, [GOOD_PROMPT], 0)
+    with pytest.raises(ValueError, match="prompt 41 is empty"):  # a chunk of a larger list
+        encode_prompts(tok, [GOOD_PROMPT, " "], 64, index_offset=40)
+
+
+def test_read_rows_skips_blank_lines_refuses_non_objects_and_reads_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ppo_ray.data import DataError, read_rows
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n\n   \n{"prompt": "b", "n": 2}\n')
+    assert read_rows(path) == [{"prompt": "a"}, {"prompt": "b", "n": 2}]
+    path.write_text('{"prompt": "a"}\n[1, 2]\n')
+    with pytest.raises(DataError, match=r"p.jsonl: line 2 is a list, not an object"):
+        read_rows(path)
+    pq.write_table(pa.table({"prompt": ["x", "y"], "n": [1, 2]}), tmp_path / "p.parquet")
+    assert read_rows(tmp_path / "p.parquet") == [{"prompt": "x", "n": 1}, {"prompt": "y", "n": 2}]
+
+
+@pytest.mark.parametrize("name,local", [
+    ("org/name", False), ("name", False),  # hub ids
+    ("a/b/c", True), ("./x", True), ("../x", True), ("~/x", True), ("/abs/x", True), ("x.jsonl", True),
+    ("x.parquet", True),
+])
+def test_a_name_only_a_path_looks_like_is_not_looked_up_on_the_hub(name, local):
+    from ppo_ray.data import _is_local_path
+
+    assert _is_local_path(name) is local

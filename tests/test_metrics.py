@@ -21,3 +21,14 @@ def test_metric_names_are_prometheus_names_and_bad_values_are_skipped():
         "adapter_version": 3, "generated_texts": ["x"], "time/generate_s": 1.25, "time/sync_s": float("nan")})
     assert recorded == {"ppo_step": 3.0, "ppo_kl": 0.5, "ppo_adapter_version": 3.0,
                         "ppo_phase_seconds{phase=generate}": 1.25}
+
+
+def test_record_step_sets_only_finite_numbers_and_phase_keys_of_the_time_s_form():
+    recorded = TrainingMetrics(run="unit").record_step({
+        "step": True, "kl": "0.5", "entropy": 2, "time/generate": 1.0, "timing/x_s": 2.0, "time/sync_s": 3})
+    # a bool is not a number here; "time/generate" lacks the _s suffix, "timing/x_s" the time/ prefix
+    assert recorded == {"ppo_entropy": 2.0, "ppo_phase_seconds{phase=sync}": 3.0}
+
+
+def test_metric_name_replaces_what_prometheus_does_not_allow():
+    assert metric_name("eval/gold-val score") == "ppo_eval_gold_val_score"

@@ -93,3 +93,40 @@ def test_one_bundle_per_actor_that_reserves_something():
     # nothing reserved at all: one tiny anchor bundle, every actor in "any bundle"
     nothing = tiny_test_config(generator_num_cpus=0, learner_num_cpus=0)
     assert plan_bundles(role_demands(nothing)) == ([{"CPU": 1e-4}], [-1, -1, -1, -1])
+
+
+# -------------------------------------------------- roles, bundles, splits, stage settings
+def test_role_names_follow_roles_all_order():
+    from ppo_ray.placement import role_names
+
+    assert role_names(2, 1) == ["generator-0", "generator-1", "reference", "reward", "learner"]
+    assert role_names(1, 2) == ["generator-0", "reference", "reward", "learner-0", "learner-1"]
+
+
+def test_a_demands_bundle_drops_what_it_does_not_reserve():
+    from ppo_ray.placement import Demand
+
+    assert Demand("reward", 0.0, 0.5, {"gpu_node": 0.0, "big": 1.0}).bundle() == {"GPU": 0.5, "big": 1.0}
+    assert Demand("reference", 0.0, 0.0, {}).bundle() == {}
+
+
+@pytest.mark.parametrize("n,parts,expected", [
+    (10, 3, [(0, 4), (4, 7), (7, 10)]),  # the first n % parts chunks get one more
+    (2, 4, [(0, 1), (1, 2), (2, 2), (2, 2)]),  # more parts than items: empty tail chunks
+    (6, 1, [(0, 6)]),
+])
+def test_split_evenly_covers_every_item_once_in_order(n, parts, expected):
+    from ppo_ray.placement import split_evenly
+
+    assert split_evenly(n, parts) == expected
+
+
+def test_stage_settings_take_the_configs_stage_fields():
+    from ppo_ray.config import PPOConfig
+    from ppo_ray.placement import stage_settings
+
+    config = PPOConfig(stage_batch_size=8, seed=5, dtype="bfloat16", micro_batch_size=2)
+    s = stage_settings(config, epochs=3, learning_rate=2e-5)
+    assert (s.epochs, s.learning_rate, s.batch_size, s.seed, s.micro_batch_size) == (3, 2e-5, 8, 5, 2)
+    assert s.dtype == "bfloat16"  # stage_dtype unset: the run's dtype
+    assert stage_settings(config.replace(stage_dtype="float32"), 1, 1e-4).dtype == "float32"
