@@ -10,6 +10,10 @@
   ``logprobs_mode="processed_logprobs"``. Tests must not change engine-wide state
   they do not restore (e.g. remove the LoRA adapters they add).
 * marker ``slow``: long tests; deselect with ``-m "not slow"``.
+* ``old_run``, ``no_ray_address``, ``snapshot``, ``launch_ppo``: for the tests of several
+  modules that a rejected launch.py command leaves a run directory as it was.
+* ``read_events``, ``text_at``: TensorBoard's reader over a run's event files
+  (test_tracking.py, test_monitoring.py).
 
 vLLM spawns its engine processes, so engines are only ever built inside fixtures,
 never at import time.
@@ -46,6 +50,53 @@ def vllm_llm(tiny_model_dir: pathlib.Path):
 
 
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
+ROOT = TESTS_DIR.parent
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+# --------------------------------------------------------------------------- rejected commands
+def snapshot(directory: pathlib.Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under `directory`: relative path -> (bytes, mtime_ns)."""
+    return {str(p.relative_to(directory)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def old_run(tmp_path) -> pathlib.Path:
+    """A run directory with a previous run's files, which a rejected command must not touch."""
+    run = tmp_path / "old-run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config-ppo.yaml").write_text("kl_coef: 0.1\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n')
+    (run / "checkpoints" / "latest").write_text("step-000001\n")
+    return run
+
+
+def launch_ppo(run: pathlib.Path, *args: str) -> int:
+    """launch.py ppo on configs/tiny.yaml (a programmatic reward) in `run`, RAY_ADDRESS unset."""
+    import launch
+
+    return launch.main(["ppo", "--config", str(TINY), "--run_dir", str(run), *args])
+
+
+@pytest.fixture
+def no_ray_address(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+# --------------------------------------------------------------------------- TensorBoard
+def read_events(log_dir: pathlib.Path):
+    """TensorBoard's own reader over every event file of a run (purges applied)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def text_at(acc, tag: str) -> dict[int, str]:
+    """Text summaries (add_text) by step: TensorBoard stores them as string tensors."""
+    return {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag)}
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,9 @@
 """Placement on a Ray cluster (issue 7): one placement group, a bundle per actor, roles
 pinned to nodes by custom resources, and fail-fast errors instead of pending actors.
 
-* The fast tests run on the session's local Ray (one node): the bundle plan, and the
-  errors for a custom resource nobody has and for a strategy the cluster cannot satisfy.
+* The fast test runs on the session's local Ray (one node): the errors for a custom
+  resource nobody has and for a strategy the cluster cannot satisfy. The bundle plan
+  (no Ray) is tested in test_placement.py.
 * The two-node test runs tests/cluster_scenario.py in a subprocess: a
   ray.cluster_utils.Cluster cannot share a process with the session's Ray.
 """
@@ -19,27 +20,9 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_test_config
-from ppo_ray.placement import ClusterError, plan_bundles, role_demands
+from ppo_ray.placement import ClusterError
 
 TESTS = Path(__file__).resolve().parent
-
-
-def test_one_bundle_per_actor_that_reserves_something():
-    """Ray refuses empty bundles: scorers that reserve nothing (scorer_num_cpus 0, the
-    default) get bundle index -1 (any bundle of the group) and no bundle of their own."""
-    config = tiny_test_config(num_generators=2, num_learners=2, generator_num_gpus=0.25,
-                              learner_resources={"gpu_node": 0.01})
-    demands = role_demands(config)
-    assert [d.role for d in demands] == ["generator-0", "generator-1", "reference", "reward",
-                                         "learner-0", "learner-1"]
-    bundles, index = plan_bundles(demands)
-    assert bundles == [{"CPU": 1.0, "GPU": 0.25}] * 2 + [{"CPU": 1.0, "gpu_node": 0.01}] * 2
-    assert index == [0, 1, -1, -1, 2, 3]
-    bundles, index = plan_bundles(role_demands(config.replace(scorer_num_gpus=0.1)))
-    assert bundles[2:4] == [{"GPU": 0.1}] * 2 and index == [0, 1, 2, 3, 4, 5]
-    # nothing reserved at all: one tiny anchor bundle, every actor in "any bundle"
-    nothing = tiny_test_config(generator_num_cpus=0, learner_num_cpus=0)
-    assert plan_bundles(role_demands(nothing)) == ([{"CPU": 1e-4}], [-1, -1, -1, -1])
 
 
 def test_placement_fails_fast_on_one_node(ray_session, tiny_model_dir):

@@ -1,10 +1,20 @@
-"""PPOConfig: the seeds' fields and defaults, YAML + CLI loading, and clear errors."""
+"""PPOConfig: the seeds' fields and defaults, YAML + CLI loading, and clear errors; launch.py
+refusing a bad config file, value or key before it writes anything (issue 5, items 1a, 2, 3,
+9: no Ray, launch.py in-process except one subprocess run)."""
 
+import ast
+import importlib.util
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from ppo_ray.config import ConfigError, PPOConfig, field_docs, field_sections, fields_markdown, parse_overrides
+import launch
+from conftest import ROOT, launch_ppo, snapshot
+from ppo_ray.config import (VLLM_LORA_RANKS, ConfigError, PPOConfig, field_docs, field_sections, fields_markdown,
+                            parse_overrides)
 
 SEED_DEFAULTS = dict(
     model_name="Qwen/Qwen3-0.6B-Base", lora_r=16, lora_alpha=32, lora_dropout=0.1,
@@ -237,3 +247,79 @@ def test_each_role_declares_the_config_fields_it_reads():
         fields = set(cls.CONFIG_FIELDS)
         assert fields <= set(PPOConfig.field_names()), cls
         assert _config_reads(host) | _config_reads(cls) <= fields | derived, cls
+
+
+# -------------------------------------------------- launch.py with a bad config file (issue 5, item 1a)
+@pytest.mark.parametrize("content,match", [
+    (None, "config file '.*nope.yaml' does not exist"),
+    ("kl_coef: [0.1\n", "is not valid YAML"),
+    ("- 1\n- 2\n", "must hold a mapping"),
+    (b"\xff\xfe\x00garbage", "cannot be read"),  # not UTF-8 (chmod 000 does not stop root)
+    ("directory", "does not exist \\(or is not a file\\)"),
+])
+def test_launch_rejects_bad_config_files(tmp_path, old_run, capsys, content, match):
+    path = tmp_path / "nope.yaml"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content == "directory":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    before = snapshot(old_run)
+    assert launch.main(["ppo", "--config", str(path), "--run_dir", str(old_run)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert re.search(match, err), err
+    assert snapshot(old_run) == before
+
+
+def test_launch_subprocess_missing_config(tmp_path):
+    """The CLI as a user runs it: one line on stderr, exit code 2, nothing written."""
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--config", "nope.yaml"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "error: config file 'nope.yaml' does not exist (or is not a file)"
+    assert not any(tmp_path.iterdir())
+
+
+# -------------------------------------------------- launch.py with a bad value or key (issue 5, items 2, 3)
+@pytest.mark.parametrize("args,message", [
+    (["--gamma", "2"], "config field 'gamma' = 2.0 is invalid"),
+    (["--kl_coeff", "0.1"], "unknown config key --kl_coeff; did you mean --kl_coef?"),
+    (["--lora_r", "1024"], "config field 'lora_r' = 1024 is invalid"),
+    (["--missing_eos_penalty", ".inf"], "'missing_eos_penalty'"),
+    (["--dataset", ""], "'dataset'"),
+])
+def test_launch_rejected_config_leaves_run_dir_untouched(old_run, capsys, no_ray_address, args, message):
+    before = snapshot(old_run)
+    assert launch_ppo(old_run, *args) == 2
+    assert message in capsys.readouterr().err
+    assert snapshot(old_run) == before
+
+
+def test_unknown_key_in_a_yaml_file_names_file_and_key(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("model_name: embedded:tiny\nlearning_rat: 1e-5\n")
+    assert launch.main(["ppo", "--config", str(path), "--run_dir", str(tmp_path / "run")]) == 2
+    assert f"{path}: unknown config key learning_rat; did you mean learning_rate?" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+# -------------------------------------------------- LoRA rank vLLM can serve (issue 5, item 9)
+def test_lora_rank_above_vllms_largest_is_refused():
+    with pytest.raises(ConfigError, match=r"'lora_r' = 513 is invalid: must be <= 512.*\[1, 8, 16, 32, 64, 128, 256, 320, 512\]"):
+        PPOConfig(lora_r=513)
+    for r in (1, 4, 16, 100, 512):  # any rank up to 512: the generator rounds max_lora_rank up
+        assert PPOConfig(lora_r=r).lora_r == r
+
+
+def test_lora_rank_set_matches_vllm():
+    """The copy in ppo_ray.config (the generator uses it too) equals vLLM's MaxLoRARanks,
+    read from vllm/config/lora.py's source (importing vllm takes ~15 s here)."""
+    spec = importlib.util.find_spec("vllm")
+    source = Path(spec.origin).parent / "config" / "lora.py"
+    tree = ast.parse(source.read_text())
+    values = [ast.literal_eval(node.value.slice) for node in ast.walk(tree)
+              if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MaxLoRARanks" for t in node.targets)]
+    assert values, f"MaxLoRARanks not found in {source}"
+    assert tuple(values[0]) == VLLM_LORA_RANKS

@@ -264,26 +264,6 @@ def test_lora_sync(make_generator, tiny_model_dir, hf_model, tokenizer, vllm_llm
 
 
 # ---------------------------------------------------------------------------- prompts
-def test_encode_prompts_errors(tokenizer):
-    with pytest.raises(ValueError, match="no prompts"):
-        encode_prompts(tokenizer, [], 8)
-    with pytest.raises(ValueError, match="prompt 1 is empty"):
-        encode_prompts(tokenizer, ["ok", "  \n"], 8)
-    with pytest.raises(ValueError, match="prompt 0 is empty"):
-        encode_prompts(tokenizer, [""], 8)
-    with pytest.raises(ValueError, match="prompt 1 is a int"):
-        encode_prompts(tokenizer, ["ok", 3], 8)
-    text = PROMPTS[2]
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    n = len(ids)
-    with pytest.raises(ValueError, match=f"prompt 1 is {n} tokens long, over max_prompt_length=5.*prompt_truncation: left"):
-        encode_prompts(tokenizer, ["Hi", text], 5)
-    assert encode_prompts(tokenizer, ["Hi", text], 5, truncation="left")[1] == ids[-5:]
-    assert encode_prompts(tokenizer, [text], n) == [ids]  # exactly at the limit is fine
-    with pytest.raises(ValueError, match="truncation"):
-        encode_prompts(tokenizer, [text], 5, truncation="right")
-
-
 def test_batch_larger_than_one_prefill_step(make_generator, vllm_llm):
     """More prompt tokens than the scheduler prefills in one step: vLLM 0.32 on the CPU
     crashes on chunked prefills of seeded requests, so the generator groups the batch;

@@ -1,101 +1,29 @@
-"""Monitoring a run: the per-step log line, TensorBoard event files read back with
-TensorBoard's own reader, wandb (a stand-in module: the package is not installed here),
-the eval samples, the run tag, the exported gauges and the Grafana dashboard.
+"""Monitoring a run end to end: the trainer's TensorBoard event files read back with
+TensorBoard's own reader, the eval samples, the run tag, and the Grafana dashboard against
+the exported gauges. The modules' own tests: test_logs.py (the per-step log line),
+test_tracking.py (TensorBoard resume, wandb, the samples table), test_metrics.py.
 
 The trainer test steps the suite's shared tiny trainer twice with a run directory (about
-10 s); everything else runs without Ray.
+10 s); the dashboard test runs without Ray.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import re
-import sys
-import types
 from pathlib import Path
 
 import pytest
 
-from ppo_ray.logs import format_step, quiet_env, setup_logging
+from conftest import read_events, text_at
 from ppo_ray.metrics import GAP_COUNTER, PHASE_GAUGE, RETRY_COUNTER, STEP_GAUGES, metric_name
-from ppo_ray.tracking import Trackers, read_run_file, samples_markdown, scalars
+from ppo_ray.tracking import read_run_file, scalars
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "ppo-ray.json"
 
 
-def read_events(log_dir: Path):
-    """TensorBoard's own reader over every event file of a run (purges applied)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    return acc
-
-
-def text_at(acc, tag: str) -> dict[int, str]:
-    """Text summaries (add_text) by step: TensorBoard stores them as string tensors."""
-    return {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag)}
-
-
-# ----------------------------------------------------------------------------- the console line
-def test_one_log_line_per_step_names_the_numbers_a_user_watches():
-    out = {"step": 3, "reward_mean": 0.5, "kl": 1.25, "kl_coef": 0.05, "policy_loss": -0.01, "value_loss": 0.2,
-           "gold_val": 0.61, "time/step_s": 2.5, "tokens_per_s": 96.0}
-    line = format_step(out, total=20)
-    assert line == ("step 3/20  reward +0.5000  kl 1.2500  beta 0.05  policy_loss -0.0100  value_loss 0.2000  "
-                    "gold_val 0.610  2.50 s  96 tok/s")
-    not_evaluated = {k: v for k, v in out.items() if k != "gold_val"}
-    assert "gold" not in format_step(not_evaluated) and format_step(not_evaluated).startswith("step 3  reward")
-
-
-@pytest.fixture
-def root_logger():
-    """The root logger's and the libraries' levels and handlers, put back afterwards."""
-    root = logging.getLogger()
-    saved = root.level, list(root.handlers), {n: logging.getLogger(n).level for n in ("ray", "vllm")}
-    yield root
-    root.setLevel(saved[0])
-    root.handlers[:] = saved[1]
-    for name, level in saved[2].items():
-        logging.getLogger(name).setLevel(level)
-
-
-def test_logging_setup_and_quiet_libraries(monkeypatch, capsys, root_logger):
-    import io
-
-    stream = io.StringIO()
-    setup_logging("info", stream=stream)
-    logging.getLogger("ppo_ray.trainer").info("hello")
-    logging.getLogger("ray").info("ray's own start-up line")
-    assert "INFO ppo_ray.trainer: hello" in stream.getvalue() and "start-up" not in stream.getvalue()
-    setup_logging("warning", stream=stream)  # replaces its own handler, does not add a second
-    assert root_logger.level == logging.WARNING and sum(getattr(h, "_ppo_ray", False) for h in root_logger.handlers) == 1
-    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
-    assert quiet_env("info")["VLLM_LOGGING_LEVEL"] == "ERROR" and quiet_env("debug")["VLLM_LOGGING_LEVEL"] == "INFO"
-    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
-    assert quiet_env("info")["VLLM_LOGGING_LEVEL"] == "DEBUG"  # the user's own setting wins
-
-
 # ----------------------------------------------------------------------------- TensorBoard
-def test_tensorboard_resume_purges_the_steps_after_the_checkpoint(tmp_path):
-    """A run logs steps 1-3, is resumed from a step-2 checkpoint and logs 3-4 again:
-    TensorBoard's reader shows each step once, step 3 from the resumed run."""
-    first = Trackers.open(tmp_path, ["tensorboard"], {"seed": 0}, "ppo-first", first_step=1)
-    for step in (1, 2, 3):
-        first.log_step({"step": step, "reward_mean": float(step), "time/step_s": 1.0})
-    first.close()
-    second = Trackers.open(tmp_path, ["tensorboard"], {"seed": 0}, "ppo-second", first_step=3)
-    for step in (3, 4):
-        second.log_step({"step": step, "reward_mean": 10.0 * step, "time/step_s": 1.0})
-    second.close()
-    acc = read_events(tmp_path / "tensorboard")
-    assert [(e.step, e.value) for e in acc.Scalars("train/reward_mean")] == [(1, 1.0), (2, 2.0), (3, 30.0),
-                                                                             (4, 40.0)]
-    assert text_at(acc, "run/tag/text_summary") == {0: "ppo-first"}
-
-
 def test_train_writes_tensorboard_eval_samples_and_the_run_tag(tiny_trainer, tmp_path):
     """Two steps of the shared tiny trainer with a run directory: every scalar of
     metrics.jsonl is in the event files at its step (read back with TensorBoard's reader),
@@ -131,58 +59,6 @@ def test_train_writes_tensorboard_eval_samples_and_the_run_tag(tiny_trainer, tmp
     assert table.startswith("| prompt | response | reward |") and rows[0]["response"].replace("|", "\\|")[:20] in table
 
     assert read_run_file(tmp_path)["run_tag"] == trainer.namespace and trainer.namespace.startswith("ppo-")
-
-
-# ----------------------------------------------------------------------------- wandb
-class FakeWandb(types.ModuleType):
-    """The slice of the wandb API the trackers use, recording the calls."""
-
-    def __init__(self):
-        super().__init__("wandb")
-        self.inits, self.logs, self.finished = [], [], 0
-
-    def init(self, **kwargs):
-        self.inits.append(kwargs)
-        run = types.SimpleNamespace(id=kwargs.get("id") or "abc123")
-        run.log = lambda values, step: self.logs.append((step, values))
-        run.finish = lambda: setattr(self, "finished", self.finished + 1)
-        return run
-
-    class Table:
-        def __init__(self, columns, data):
-            self.columns, self.data = columns, data
-
-
-def test_wandb_gets_the_config_the_steps_and_the_samples_and_resumes_its_run(tmp_path, monkeypatch):
-    fake = FakeWandb()
-    monkeypatch.setitem(sys.modules, "wandb", fake)
-    monkeypatch.setenv("WANDB_PROJECT", "my-project")
-    trackers = Trackers.open(tmp_path, ["wandb"], {"kl_coef": 0.05}, "ppo-1234", first_step=1)
-    trackers.log_step({"step": 1, "reward_mean": 0.5, "generated_texts": ["x"], "kl": float("nan")})
-    trackers.log_samples(1, [{"prompt": "p", "response": "r", "reward": 1.0}])
-    trackers.close()
-    assert fake.inits[0]["project"] == "my-project" and fake.inits[0]["config"]["run_tag"] == "ppo-1234"
-    assert fake.logs[0] == (1, {"train/reward_mean": 0.5})  # no texts, no NaN
-    table = fake.logs[1][1]["eval/samples"]
-    assert table.columns == ["prompt", "response", "reward"] and table.data == [["p", "r", 1.0]]
-    assert fake.finished == 1 and read_run_file(tmp_path)["wandb_id"] == "abc123"
-    Trackers.open(tmp_path, ["wandb"], {}, "ppo-5678", first_step=2).close()  # a resumed run
-    assert fake.inits[1]["id"] == "abc123" and fake.inits[1]["resume"] == "allow"
-
-
-def test_a_missing_tracker_package_is_named_before_anything_starts(monkeypatch):
-    from ppo_ray.tracking import TrackerError, check_trackers
-
-    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
-    with pytest.raises(TrackerError, match=r"report_to names 'wandb', but the package 'wandb' is not installed "
-                                           r"\(pip install wandb\)"):
-        check_trackers(["tensorboard", "wandb"])
-    check_trackers(["tensorboard"])
-
-
-def test_samples_table_escapes_cells():
-    assert samples_markdown([{"prompt": "a|b\nc", "response": "r", "reward": 0.25}]) == (
-        "| prompt | response | reward |\n|---|---|---|\n| a\\|b c | r | 0.2500 |")
 
 
 # ----------------------------------------------------------------------------- Grafana

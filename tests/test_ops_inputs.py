@@ -1,7 +1,7 @@
 """Issue 15's input checks and options, without Ray: the context-length error (before any
-actor starts, and before launch.py writes anything), apply_chat_template on the tiny
-tokenizer with a template set, vllm_enforce_eager's default, the trust notice of config
-files (--help, and the reward functions a --resume imports).
+actor starts, and before launch.py writes anything), vllm_enforce_eager's default, the
+trust notice of config files (--help, and the reward functions a --resume imports).
+apply_chat_template's tests are in test_data.py.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from ppo_ray.modeling import ContextLengthError, check_context_length, resolve_m
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"
-CHAT = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -68,40 +66,6 @@ def test_launch_refuses_a_short_model_before_writing(short_model, tmp_path, caps
     code = launch.main(["sft", "--model_name", str(short_model), "--max_prompt_length", "60", "--max_new_tokens",
                         "16", "--run_dir", str(run_dir)])
     assert code == 2 and not run_dir.exists() and "max_position_embeddings=64" in capsys.readouterr().err
-
-
-# ----------------------------------------------------------------------------- chat template
-def test_apply_chat_template_formats_each_prompt_as_a_user_turn():
-    from ppo_ray.data import check_chat_template, encode_prompts
-    from ppo_ray.modeling import load_tokenizer
-
-    tok = load_tokenizer(resolve_model_path("embedded:tiny"))
-    with pytest.raises(ValueError, match="has no chat template"):
-        check_chat_template(tok, "embedded:tiny")
-    tok.chat_template = CHAT
-    check_chat_template(tok, "embedded:tiny")
-    prompts = ["Summarise: the cat sat.", "TL;DR:"]
-    plain = encode_prompts(tok, prompts, 256)
-    chat = encode_prompts(tok, prompts, 256, chat_template=True)
-    expected = [tok(f"<|user|>{p}\n<|assistant|>", add_special_tokens=False)["input_ids"] for p in prompts]
-    assert chat == expected and chat != plain
-    # max_prompt_length counts the template's tokens
-    with pytest.raises(ValueError, match="prompt 0 is"):
-        encode_prompts(tok, prompts, len(plain[0]), chat_template=True)
-
-
-def test_apply_chat_template_is_checked_at_load_and_refused_for_the_pipeline(capsys, tmp_path):
-    from ppo_ray.data import load_prompts
-    from ppo_ray.modeling import load_tokenizer
-
-    config = PPOConfig.from_yaml(TINY, apply_chat_template=True)
-    tok = load_tokenizer(resolve_model_path("embedded:tiny"))
-    with pytest.raises(ValueError, match="apply_chat_template is true but the tokenizer of 'embedded:tiny' has no"):
-        load_prompts(config, tok)
-    tok.chat_template = CHAT
-    assert len(load_prompts(config, tok)) > 0
-    code = launch.main(["sft", "--apply_chat_template", "true", "--run_dir", str(tmp_path / "r")])
-    assert code == 2 and "apply_chat_template formats the PPO prompts" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- vLLM eager mode

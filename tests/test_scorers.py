@@ -1,4 +1,6 @@
-"""The reference and reward scorers as plain classes (no Ray), on the tiny model."""
+"""The reference and reward scorers as plain classes (no Ray), on the tiny model; a reward
+function that raises, returns NaN, the wrong number of values or not numbers is a RewardError
+naming it (issue 5, item 8)."""
 
 from __future__ import annotations
 
@@ -126,3 +128,28 @@ def test_reward_sources_are_checked(tmp_path, tiny_model_dir):
         RewardScorer(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="not a model directory"):
         RewardScorer(str(tmp_path.parent))
+
+
+# -------------------------------------------------- bad reward functions (issue 5, item 8)
+def _texts_batch(n: int):
+    from ppo_ray.batch import RolloutBatch
+
+    return RolloutBatch(
+        prompt_ids=torch.full((n, 2), 5), prompt_mask=torch.ones(n, 2, dtype=torch.bool),
+        response_ids=torch.full((n, 3), 6), response_mask=torch.ones(n, 3, dtype=torch.bool),
+        gen_logprobs=torch.zeros(n, 3), adapter_version=0, pad_token_id=0, eos_token_id=1,
+        prompts=[f"p{i}" for i in range(n)], responses=[f"r{i}" for i in range(n)])
+
+
+@pytest.mark.parametrize("fn,match", [
+    ("reward_fns:raises", r"reward function 'reward_fns:raises' raised RuntimeError: this reward function always fails"),
+    ("reward_fns:wrong_length", r"reward function 'reward_fns:wrong_length' returned 9 values for 8 prompts"),
+    ("reward_fns:nan_at_two", r"reward source 'reward_fns:nan_at_two' gave non-finite score nan for prompt index 2"),
+    ("reward_fns:not_numbers", r"reward function 'reward_fns:not_numbers' must return a list of 8 numbers"),
+])
+def test_bad_reward_functions_without_ray(fn, match):
+    from actors.reward import RewardScorer
+    from ppo_ray.rewards import RewardError
+
+    with pytest.raises(RewardError, match=match):
+        RewardScorer(None, [fn]).score(_texts_batch(8))

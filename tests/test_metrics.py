@@ -1,0 +1,34 @@
+"""ppo_ray/metrics.py: Prometheus names for the step's keys, and what TrainingMetrics.record_step
+sets (finite numbers only). Ray's metric objects work without a Ray session, so no Ray starts;
+what reaches a head's Prometheus endpoint is test_deploy.py's test_submitted_job_exports_ppo_metrics.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ppo_ray.metrics import STEP_GAUGES, TrainingMetrics, metric_name
+
+PROM_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+def test_metric_names_are_prometheus_names_and_bad_values_are_skipped():
+    for key in STEP_GAUGES:
+        assert PROM_NAME.fullmatch(metric_name(key)), key
+    assert metric_name("time/sync_write_s") == "ppo_time_sync_write_s"
+    recorded = TrainingMetrics(run="unit").record_step({
+        "step": 3, "kl": 0.5, "reward_mean": float("nan"), "clipfrac": float("inf"), "policy_loss": None,
+        "adapter_version": 3, "generated_texts": ["x"], "time/generate_s": 1.25, "time/sync_s": float("nan")})
+    assert recorded == {"ppo_step": 3.0, "ppo_kl": 0.5, "ppo_adapter_version": 3.0,
+                        "ppo_phase_seconds{phase=generate}": 1.25}
+
+
+def test_record_step_sets_only_finite_numbers_and_phase_keys_of_the_time_s_form():
+    recorded = TrainingMetrics(run="unit").record_step({
+        "step": True, "kl": "0.5", "entropy": 2, "time/generate": 1.0, "timing/x_s": 2.0, "time/sync_s": 3})
+    # a bool is not a number here; "time/generate" lacks the _s suffix, "timing/x_s" the time/ prefix
+    assert recorded == {"ppo_entropy": 2.0, "ppo_phase_seconds{phase=sync}": 3.0}
+
+
+def test_metric_name_replaces_what_prometheus_does_not_allow():
+    assert metric_name("eval/gold-val score") == "ppo_eval_gold_val_score"

@@ -1,0 +1,132 @@
+"""ppo_ray/placement.py without a cluster: the RAY_ADDRESS check (a closed port, a dashboard
+URL, not host:port) that init_ray and launch.py run before ray.init, which would retry a bad
+address for minutes. Fast: no Ray session.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, TINY, snapshot, tiny_test_config
+from ppo_ray.placement import plan_bundles, role_demands
+
+
+def closed_port() -> int:
+    """A local TCP port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -------------------------------------------------- RAY_ADDRESS (issue 5, item 10)
+def test_check_ray_address():
+    from ppo_ray.placement import ClusterError, check_ray_address
+
+    port = closed_port()
+    with pytest.raises(ClusterError, match=rf"no Ray cluster at RAY_ADDRESS='127.0.0.1:{port}': cannot connect"):
+        check_ray_address(f"127.0.0.1:{port}")
+    with pytest.raises(ClusterError, match=rf"RAY_ADDRESS='ray://127.0.0.1:{port}': cannot connect to 127.0.0.1:{port}"):
+        check_ray_address(f"ray://127.0.0.1:{port}")  # the Ray client's address
+    with pytest.raises(ClusterError, match="no Ray cluster at RAY_ADDRESS='no-such-host.invalid:6379'"):
+        check_ray_address("no-such-host.invalid:6379")
+    with pytest.raises(ClusterError, match="is a dashboard / job-submission address"):
+        check_ray_address("http://127.0.0.1:8265")
+    for bad in ("127.0.0.1", "127.0.0.1:port"):
+        with pytest.raises(ClusterError, match="is not a host:port address"):
+            check_ray_address(bad)
+    with socket.socket() as server:  # something listens: passes
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        check_ray_address(f"127.0.0.1:{server.getsockname()[1]}")
+
+
+def test_init_ray_fails_fast_without_calling_ray_init(monkeypatch):
+    """ray.init on a closed port retries for minutes (still waiting after 300 s here): init_ray
+    must name the address without calling it."""
+    import ray
+
+    from ppo_ray import placement
+
+    def no_init(*a, **k):
+        raise AssertionError("ray.init was called")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", no_init)
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{closed_port()}")
+    with pytest.raises(placement.ClusterError, match="no Ray cluster at RAY_ADDRESS"):
+        placement.init_ray()
+
+
+def test_launch_subprocess_ray_address_nowhere(tmp_path, old_run):
+    port = closed_port()
+    before = snapshot(old_run)
+    env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    # timeout: a launch.py that fell through to ray.init would retry the address for minutes
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "ppo", "--config", str(TINY),
+                           "--run_dir", str(old_run)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"error: no Ray cluster at RAY_ADDRESS='127.0.0.1:{port}'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert snapshot(old_run) == before
+
+
+# -------------------------------------------------- the bundle plan
+def test_one_bundle_per_actor_that_reserves_something():
+    """Ray refuses empty bundles: scorers that reserve nothing (scorer_num_cpus 0, the
+    default) get bundle index -1 (any bundle of the group) and no bundle of their own."""
+    config = tiny_test_config(num_generators=2, num_learners=2, generator_num_gpus=0.25,
+                              learner_resources={"gpu_node": 0.01})
+    demands = role_demands(config)
+    assert [d.role for d in demands] == ["generator-0", "generator-1", "reference", "reward",
+                                         "learner-0", "learner-1"]
+    bundles, index = plan_bundles(demands)
+    assert bundles == [{"CPU": 1.0, "GPU": 0.25}] * 2 + [{"CPU": 1.0, "gpu_node": 0.01}] * 2
+    assert index == [0, 1, -1, -1, 2, 3]
+    bundles, index = plan_bundles(role_demands(config.replace(scorer_num_gpus=0.1)))
+    assert bundles[2:4] == [{"GPU": 0.1}] * 2 and index == [0, 1, 2, 3, 4, 5]
+    # nothing reserved at all: one tiny anchor bundle, every actor in "any bundle"
+    nothing = tiny_test_config(generator_num_cpus=0, learner_num_cpus=0)
+    assert plan_bundles(role_demands(nothing)) == ([{"CPU": 1e-4}], [-1, -1, -1, -1])
+
+
+# -------------------------------------------------- roles, bundles, splits, stage settings
+def test_role_names_follow_roles_all_order():
+    from ppo_ray.placement import role_names
+
+    assert role_names(2, 1) == ["generator-0", "generator-1", "reference", "reward", "learner"]
+    assert role_names(1, 2) == ["generator-0", "reference", "reward", "learner-0", "learner-1"]
+
+
+def test_a_demands_bundle_drops_what_it_does_not_reserve():
+    from ppo_ray.placement import Demand
+
+    assert Demand("reward", 0.0, 0.5, {"gpu_node": 0.0, "big": 1.0}).bundle() == {"GPU": 0.5, "big": 1.0}
+    assert Demand("reference", 0.0, 0.0, {}).bundle() == {}
+
+
+@pytest.mark.parametrize("n,parts,expected", [
+    (10, 3, [(0, 4), (4, 7), (7, 10)]),  # the first n % parts chunks get one more
+    (2, 4, [(0, 1), (1, 2), (2, 2), (2, 2)]),  # more parts than items: empty tail chunks
+    (6, 1, [(0, 6)]),
+])
+def test_split_evenly_covers_every_item_once_in_order(n, parts, expected):
+    from ppo_ray.placement import split_evenly
+
+    assert split_evenly(n, parts) == expected
+
+
+def test_stage_settings_take_the_configs_stage_fields():
+    from ppo_ray.config import PPOConfig
+    from ppo_ray.placement import stage_settings
+
+    config = PPOConfig(stage_batch_size=8, seed=5, dtype="bfloat16", micro_batch_size=2)
+    s = stage_settings(config, epochs=3, learning_rate=2e-5)
+    assert (s.epochs, s.learning_rate, s.batch_size, s.seed, s.micro_batch_size) == (3, 2e-5, 8, 5, 2)
+    assert s.dtype == "bfloat16"  # stage_dtype unset: the run's dtype
+    assert stage_settings(config.replace(stage_dtype="float32"), 1, 1e-4).dtype == "float32"

@@ -1,0 +1,85 @@
+"""ppo_ray/tracking.py without a trainer: TensorBoard event files read back with TensorBoard's
+own reader (a resumed run purges the steps after its checkpoint), wandb (a stand-in module:
+the package is not installed here), a missing tracker package named before anything starts,
+the samples table. No Ray; the trainer's own writes are test_monitoring.py's.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from conftest import read_events, text_at
+from ppo_ray.tracking import Trackers, read_run_file, samples_markdown
+
+
+# -------------------------------------------------- TensorBoard
+def test_tensorboard_resume_purges_the_steps_after_the_checkpoint(tmp_path):
+    """A run logs steps 1-3, is resumed from a step-2 checkpoint and logs 3-4 again:
+    TensorBoard's reader shows each step once, step 3 from the resumed run."""
+    first = Trackers.open(tmp_path, ["tensorboard"], {"seed": 0}, "ppo-first", first_step=1)
+    for step in (1, 2, 3):
+        first.log_step({"step": step, "reward_mean": float(step), "time/step_s": 1.0})
+    first.close()
+    second = Trackers.open(tmp_path, ["tensorboard"], {"seed": 0}, "ppo-second", first_step=3)
+    for step in (3, 4):
+        second.log_step({"step": step, "reward_mean": 10.0 * step, "time/step_s": 1.0})
+    second.close()
+    acc = read_events(tmp_path / "tensorboard")
+    assert [(e.step, e.value) for e in acc.Scalars("train/reward_mean")] == [(1, 1.0), (2, 2.0), (3, 30.0),
+                                                                             (4, 40.0)]
+    assert text_at(acc, "run/tag/text_summary") == {0: "ppo-first"}
+
+
+# -------------------------------------------------- wandb
+class FakeWandb(types.ModuleType):
+    """The slice of the wandb API the trackers use, recording the calls."""
+
+    def __init__(self):
+        super().__init__("wandb")
+        self.inits, self.logs, self.finished = [], [], 0
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        run = types.SimpleNamespace(id=kwargs.get("id") or "abc123")
+        run.log = lambda values, step: self.logs.append((step, values))
+        run.finish = lambda: setattr(self, "finished", self.finished + 1)
+        return run
+
+    class Table:
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+
+
+def test_wandb_gets_the_config_the_steps_and_the_samples_and_resumes_its_run(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setenv("WANDB_PROJECT", "my-project")
+    trackers = Trackers.open(tmp_path, ["wandb"], {"kl_coef": 0.05}, "ppo-1234", first_step=1)
+    trackers.log_step({"step": 1, "reward_mean": 0.5, "generated_texts": ["x"], "kl": float("nan")})
+    trackers.log_samples(1, [{"prompt": "p", "response": "r", "reward": 1.0}])
+    trackers.close()
+    assert fake.inits[0]["project"] == "my-project" and fake.inits[0]["config"]["run_tag"] == "ppo-1234"
+    assert fake.logs[0] == (1, {"train/reward_mean": 0.5})  # no texts, no NaN
+    table = fake.logs[1][1]["eval/samples"]
+    assert table.columns == ["prompt", "response", "reward"] and table.data == [["p", "r", 1.0]]
+    assert fake.finished == 1 and read_run_file(tmp_path)["wandb_id"] == "abc123"
+    Trackers.open(tmp_path, ["wandb"], {}, "ppo-5678", first_step=2).close()  # a resumed run
+    assert fake.inits[1]["id"] == "abc123" and fake.inits[1]["resume"] == "allow"
+
+
+def test_a_missing_tracker_package_is_named_before_anything_starts(monkeypatch):
+    from ppo_ray.tracking import TrackerError, check_trackers
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    with pytest.raises(TrackerError, match=r"report_to names 'wandb', but the package 'wandb' is not installed "
+                                           r"\(pip install wandb\)"):
+        check_trackers(["tensorboard", "wandb"])
+    check_trackers(["tensorboard"])
+
+
+def test_samples_table_escapes_cells():
+    assert samples_markdown([{"prompt": "a|b\nc", "response": "r", "reward": 0.25}]) == (
+        "| prompt | response | reward |\n|---|---|---|\n| a\\|b c | r | 0.2500 |")
