@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import ray
 from ray.actor import ActorHandle
@@ -24,6 +24,9 @@ from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import PPOConfig
 from ppo_ray.faults import FaultPoints, StateLostError, fault_point
 from ppo_ray.logs import quiet_env, quiet_libraries, ray_logging_level
+
+if TYPE_CHECKING:
+    from ppo_ray.modeling import LoraWeights
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +244,7 @@ class GeneratorHost(FaultPoints):
         return batch, summary
 
     @fault_point
-    def load_adapter(self, version: int, weights: dict, restore: bool = False) -> dict:
+    def load_adapter(self, version: int, weights: LoraWeights, restore: bool = False) -> dict:
         return {"version": version, **self.generator.load_adapter(version, weights, restore=restore)}
 
     def sequence_logprobs(self, prompt_ids: list[int], continuation_ids: list[int]):
@@ -318,8 +321,9 @@ class LearnerHost(FaultPoints):
         return rank
 
     @ray.method(num_returns=2)
-    def current_weights(self) -> tuple[int, dict]:
-        """(version, LoRA weights) of the policy now: what a (re)started generator needs."""
+    def current_weights(self) -> tuple[int, LoraWeights]:
+        """(version, LoRA weights with their spec) of the policy now: what a (re)started
+        generator needs."""
         return self.learner.version, self.learner.lora_weights()
 
     @fault_point
