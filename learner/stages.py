@@ -140,10 +140,12 @@ def _train(model, n_rows: int, backward: Callable[[list[int]], dict[str, Tensor]
     accumulates the step's gradient and returns its detached statistics ({"loss": ...}); then
     one clipped optimiser step. Every 10 steps the progress line shows `postfix(history)`.
     Returns each statistic, one tensor per step; the model is left in eval mode."""
+    from transformers import get_linear_schedule_with_warmup
+
     opt = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.0)
     gen = torch.Generator().manual_seed(settings.seed)
     steps = settings.epochs * math.ceil(n_rows / settings.batch_size)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1.0 - s / max(steps, 1)))
+    sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=0, num_training_steps=steps)
     history: dict[str, list[Tensor]] = {}
     bar = _bar(steps, desc, settings.progress)
     model.train()
