@@ -58,9 +58,9 @@ import torch
 from torch import Tensor
 
 from ppo_ray.batch import RolloutBatch
-from ppo_ray.config import ALL_PROJECTIONS, MIN_TEMPERATURE, TRUNCATION_MODES, VLLM_LORA_RANKS, ConfigSlice, PPOConfig
+from ppo_ray.config import MIN_TEMPERATURE, TRUNCATION_MODES, VLLM_LORA_RANKS, ConfigSlice, PPOConfig
 from ppo_ray.data import encode_prompts, fit_prompt
-from ppo_ray.modeling import load_tokenizer, resolve_model_path, write_lora_adapter
+from ppo_ray.modeling import LoraWeights, load_tokenizer, resolve_model_path, write_lora_adapter
 
 # vLLM worker extension that merges LoRA weights in place (lora_sync="merged").
 MERGED_WORKER = "actors.vllm_merge.MergedLoRAWorker"
@@ -95,8 +95,7 @@ class Generator:
 
     # The config fields from_config reads: the generator actor gets only these (PPOConfig.slice).
     CONFIG_FIELDS = ("model_name", "dtype", "seed", "log_level", "max_prompt_length", "prompt_truncation",
-                     "max_new_tokens", "temperature", "top_k", "top_p", "lora_r", "lora_alpha",
-                     "lora_target_modules", "lora_sync", "vllm_kv_cache_gib", "vllm_enforce_eager",
+                     "max_new_tokens", "temperature", "top_k", "top_p", "lora_r", "lora_sync", "vllm_kv_cache_gib", "vllm_enforce_eager",
                      "vllm_gpu_memory_utilization")
 
     def __init__(
@@ -112,9 +111,6 @@ class Generator:
         seed: int = 0,
         max_prompt_length: int = 512,
         prompt_truncation: str = "error",
-        lora_r: int = 16,
-        lora_alpha: int = 32,
-        lora_target_modules: Sequence[str] = ALL_PROJECTIONS,
         adapter_root: str | os.PathLike | None = None,
         lora_sync: str = "adapter",
     ):
@@ -125,6 +121,8 @@ class Generator:
         the engine's own weights; the engine is this generator's alone).
         ``tokenizer``: the HF tokenizer of the model (loaded from ``model_dir`` if None).
         ``model_dir``: the base model directory (default: the one the engine serves).
+        The LoRA rank, alpha and targets are not set here: they come with each adapter's
+        weights (LoraWeights.spec, load_adapter).
         """
         model_config = llm.llm_engine.model_config
         if model_config.logprobs_mode != "processed_logprobs":
@@ -143,10 +141,6 @@ class Generator:
             raise ValueError(f"prompt_truncation must be one of {list(TRUNCATION_MODES)}, got {prompt_truncation!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if lora_sync == "adapter":
-            max_rank = llm.llm_engine.vllm_config.lora_config.max_lora_rank
-            if lora_r > max_rank:
-                raise ValueError(f"lora_r={lora_r} is above the engine's max_lora_rank={max_rank}")
         self.lora_sync = lora_sync
 
         self.llm = llm
@@ -162,9 +156,6 @@ class Generator:
         self.seed = int(seed)
         self.max_prompt_length = int(max_prompt_length)
         self.prompt_truncation = prompt_truncation
-        self.lora_r = int(lora_r)
-        self.lora_alpha = int(lora_alpha)
-        self.lora_target_modules = list(lora_target_modules)
 
         # Every adapter version lives in its own subdirectory of this one; at most one
         # exists at a time (the current one).
@@ -205,7 +196,6 @@ class Generator:
             llm, model_dir=model_dir,
             temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
             seed=cfg.seed, max_prompt_length=cfg.max_prompt_length, prompt_truncation=cfg.prompt_truncation,
-            lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_target_modules=cfg.lora_target_modules,
             lora_sync=cfg.lora_sync,
         )
 
@@ -346,12 +336,15 @@ class Generator:
         return torch.tensor([row[tok].logprob for tok, row in zip(continuation_ids, rows)], dtype=torch.float32)
 
     # ------------------------------------------------------------------ LoRA sync
-    def load_adapter(self, version: int, weights: dict[str, Tensor], *, restore: bool = False) -> dict[str, float]:
+    def load_adapter(self, version: int, weights: LoraWeights, *, restore: bool = False) -> dict[str, float]:
         """Make LoRA ``version`` current: write it, register it with the engine, retire the old one.
 
-        ``weights``: PEFT ``get_peft_model_state_dict(model)`` (adapter_model.safetensors
-        keys, e.g. ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``:
-        A (r, in), B (out, r)). ``version`` must be above the current one.
+        ``weights``: the learner's adapter (Learner.lora_weights): PEFT
+        ``get_peft_model_state_dict(model)`` tensors (adapter_model.safetensors keys, e.g.
+        ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``: A (r, in),
+        B (out, r)) and the spec (r, lora_alpha, targets) that says what they mean: the
+        adapter_config.json and the merge's scaling come from it. ``version`` must be above
+        the current one.
 
         Returns timings in seconds: write_s (safetensors + adapter_config.json into a
         /dev/shm temp dir), register_s (engine add_lora: the worker reads and validates
@@ -367,15 +360,14 @@ class Generator:
         if version <= self.version and not restore:
             raise ValueError(f"adapter version {version!r} is not newer than the current version {self.version}: "
                              "versions must increase strictly (a stale or repeated sync)")
-        tensors = self._check_lora_weights(weights)
+        weights = self._check_lora_weights(weights)
         if self.lora_sync == "merged":
-            return self._merge(version, tensors)
+            return self._merge(version, weights)
 
         t0 = time.perf_counter()
         path = Path(tempfile.mkdtemp(prefix=f"v{version}_", dir=self.adapter_root))
         try:
-            write_lora_adapter(path, tensors, base_model=self.model_dir, r=self.lora_r,
-                               lora_alpha=self.lora_alpha, target_modules=self.lora_target_modules)
+            write_lora_adapter(path, weights, base_model=self.model_dir)
             t1 = time.perf_counter()
             request = LoRARequest(f"v{version}", next(_LORA_IDS), str(path))
             # Load now (not lazily at the next generate), so a broken adapter fails here.
@@ -391,24 +383,23 @@ class Generator:
             self._retire(previous)
         self._reset_prefix_cache(version)
         t3 = time.perf_counter()
-        return {"write_s": t1 - t0, "register_s": t2 - t1, "retire_s": t3 - t2,
-                "bytes": float(sum(v.numel() * v.element_size() for v in tensors.values()))}
+        return {"write_s": t1 - t0, "register_s": t2 - t1, "retire_s": t3 - t2, "bytes": float(weights.nbytes)}
 
-    def _merge(self, version: int, tensors: dict[str, Tensor]) -> dict[str, float]:
+    def _merge(self, version: int, weights: LoraWeights) -> dict[str, float]:
         """lora_sync="merged": W = W0 + (alpha / r) B A into the engine's weights (actors.vllm_merge)."""
         t0 = time.perf_counter()
         try:
             from actors.vllm_merge import pack_tensors
 
             self.llm.collective_rpc("ppo_merge_lora",
-                                    args=(pack_tensors(tensors), self.lora_alpha / self.lora_r, self.model_dir))
+                                    args=(pack_tensors(weights.tensors), weights.spec.scaling, self.model_dir))
         except Exception as e:
             raise RuntimeError(f"merging LoRA adapter version {version} into the vLLM weights failed: {e}") from e
         t1 = time.perf_counter()
         self._reset_prefix_cache(version)
         self.version = version
         return {"write_s": 0.0, "register_s": t1 - t0, "retire_s": time.perf_counter() - t1,
-                "bytes": float(sum(v.numel() * v.element_size() for v in tensors.values()))}
+                "bytes": float(weights.nbytes)}
 
     def _reset_prefix_cache(self, version: int) -> None:
         """Empty vLLM's prefix cache after a new version is in place.
@@ -430,13 +421,19 @@ class Generator:
             raise RuntimeError(f"after loading LoRA adapter version {version}: vLLM refused to reset its prefix "
                                "cache (requests still running?); its KV blocks would hold another policy's keys")
 
-    def _check_lora_weights(self, weights: dict[str, Tensor]) -> dict[str, Tensor]:
-        """CPU, contiguous copies of the A/B tensors; their rank must be lora_r (vLLM
-        scales by lora_alpha / r from the config, so a rank mismatch would be silent)."""
-        if not weights:
+    def _check_lora_weights(self, weights: LoraWeights) -> LoraWeights:
+        """The adapter with CPU, contiguous copies of its A/B tensors; their rank must be the
+        spec's r (vLLM scales by lora_alpha / r from adapter_config.json, so a rank mismatch
+        would be silent), and in adapter mode at most the engine's max_lora_rank."""
+        r = weights.spec.r
+        if not weights.tensors:
             raise ValueError("load_adapter got no LoRA weights")
+        if self.lora_sync == "adapter":
+            max_rank = self.llm.llm_engine.vllm_config.lora_config.max_lora_rank
+            if r > max_rank:
+                raise ValueError(f"the adapter's lora_r={r} is above the engine's max_lora_rank={max_rank}")
         out: dict[str, Tensor] = {}
-        for k, v in weights.items():
+        for k, v in weights.tensors.items():
             if not isinstance(v, Tensor):
                 raise ValueError(f"LoRA weight {k!r} is a {type(v).__name__}, not a tensor")
             if k.endswith("lora_A.weight"):
@@ -446,12 +443,12 @@ class Generator:
             else:
                 raise ValueError(f"unexpected LoRA weight {k!r}: expected PEFT lora_A/lora_B keys "
                                  "(get_peft_model_state_dict)")
-            if v.ndim != 2 or rank != self.lora_r:
-                raise ValueError(f"LoRA weight {k!r} has shape {tuple(v.shape)}, not rank lora_r={self.lora_r}")
+            if v.ndim != 2 or rank != r:
+                raise ValueError(f"LoRA weight {k!r} has shape {tuple(v.shape)}, not rank lora_r={r} (its spec)")
             if not torch.isfinite(v).all():
                 raise ValueError(f"LoRA weight {k!r} has non-finite values")
             out[k] = v.detach().to("cpu").contiguous()
-        return out
+        return LoraWeights(out, weights.spec)
 
     def _retire(self, request) -> None:
         # The LRU cache may already have evicted it (max_loras=1): the return value is moot.

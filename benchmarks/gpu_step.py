@@ -238,7 +238,7 @@ def measure_batch(baseline, reference, batch_size: int, args, timer: Timer, dead
         row.update(response_tokens=tokens, prompt_tokens=float(batch.prompt_mask.sum()),
                    tokens_per_s=tokens / row["step"], generate_tokens_per_s=tokens / row["generate"],
                    samples_per_s=batch_size / row["step"], eos_fraction=float(batch.has_eos.float().mean()),
-                   lora_mib=sum(w.numel() * w.element_size() for w in weights.values()) / 2**20)
+                   lora_mib=weights.nbytes / 2**20)
         print(f"[gpu_step] B={batch_size} step {i + 1}/{n}{' (warm-up)' if i < args.warmup else ''}: "
               + " ".join(f"{k}={row[k]:.3f}" for k in ("generate", "reference", "reward", "learner_forward",
                                                          "update", "lora_export", "step", "padded_token_ratio",

@@ -67,7 +67,8 @@ from learner.value_model import ValueHead, ValueModel
 from ppo_ray.batch import RolloutBatch, TrimPlan, fresh_enough, rollout_micro_batches, staleness_limit
 from ppo_ray.config import ConfigSlice, PPOConfig
 from ppo_ray.logprobs import entropy_from_logits, logprobs_from_logits
-from ppo_ray.modeling import causal_response_hidden, load_causal_lm, pick_device, response_hidden, response_logits
+from ppo_ray.modeling import (LoraSpec, LoraWeights, causal_response_hidden, load_causal_lm, pick_device,
+                              response_hidden, response_logits)
 from ppo_ray.stats import LearnerStats
 
 ADAM_EPS = 1e-5  # N+ (summarize_from_feedback_details ppo.py: eps=1e-5)
@@ -375,23 +376,21 @@ class Learner:
         return out
 
     # ------------------------------------------------------------------ LoRA export
-    def lora_weights(self) -> dict[str, Tensor]:
-        """The policy adapter in adapter_model.safetensors format (PEFT key names, e.g.
-        base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight): CPU copies,
-        contiguous, float32 master weights (the generator casts to its own dtype)."""
+    def lora_weights(self) -> LoraWeights:
+        """The policy adapter as it travels to the generators and checkpoints: tensors in
+        adapter_model.safetensors format (PEFT key names, e.g.
+        base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight; CPU copies,
+        contiguous, float32 master weights: the generator casts to its own dtype) and the
+        spec of the policy's own PEFT config (r, lora_alpha, targets)."""
         from peft import get_peft_model_state_dict
 
         state = get_peft_model_state_dict(self.policy)
-        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
-
-    def lora_config(self) -> dict:
-        """What the generator needs to build a LoRA request / merge: r, lora_alpha, targets."""
-        return {"r": self.config.lora_r, "lora_alpha": self.config.lora_alpha,
-                "target_modules": list(self.config.lora_target_modules)}
+        return LoraWeights({k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()},
+                           LoraSpec.of(self.policy.peft_config["default"]))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """What a resumed run needs to continue exactly: the policy adapter, the value
+        """What a resumed run needs to continue exactly: the policy adapter (LoraWeights), the value
         model's trainable tensors (LoRA + head), both optimisers and their learning-rate
         schedules, the KL coefficient (adaptive KL), the global RNG (LoRA dropout) and the
         version. CPU tensors only; no model weights of the base."""
@@ -408,13 +407,21 @@ class Learner:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`'s output. A checkpoint of another shape (LoRA rank, target
-        modules, model) is refused naming the first mismatching tensor; nothing is changed then."""
+        modules, model) is refused naming the first mismatching tensor, one of another
+        lora_alpha naming the two; nothing is changed then. lora_dropout may differ (it does
+        not change what the tensors mean)."""
         from peft import set_peft_model_state_dict
 
-        _check_tensors("policy adapter", self.lora_weights(), state["policy"])
+        policy: LoraWeights = state["policy"]
+        own = self.lora_weights()
+        _check_tensors("policy adapter", own.tensors, policy.tensors)
+        theirs = dataclasses.replace(policy.spec, lora_dropout=own.spec.lora_dropout)
+        if theirs != own.spec:
+            raise CheckpointMismatchError(f"checkpoint's policy adapter is {policy.spec}, this run's is {own.spec} "
+                                          "(different lora_alpha or lora_target_modules?)")
         mine = {n: p for n, p in self.value_model.named_parameters() if p.requires_grad}
         _check_tensors("value model", {n: p.detach() for n, p in mine.items()}, state["value"])
-        result = set_peft_model_state_dict(self.policy, state["policy"])
+        result = set_peft_model_state_dict(self.policy, policy.tensors)
         if getattr(result, "unexpected_keys", None):
             raise CheckpointMismatchError(f"policy adapter: unexpected keys {result.unexpected_keys[:5]}")
         with torch.no_grad():

@@ -30,7 +30,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -132,6 +132,37 @@ def _bar(total: int, desc: str, enabled: bool) -> _Progress:
     return _Progress(total, desc, enabled)
 
 
+def _train(model, n_rows: int, backward: Callable[[list[int]], dict[str, Tensor]], settings: TrainSettings,
+           desc: str, postfix: Callable[[dict[str, list[Tensor]]], dict[str, str]]) -> dict[str, list[Tensor]]:
+    """The stages' training loop: AdamW (no weight decay), the learning rate decayed linearly
+    to 0 over the run, settings.epochs passes over `n_rows` rows in shuffled batches of
+    settings.batch_size (the order from settings.seed alone). Per batch, `backward(rows)`
+    accumulates the step's gradient and returns its detached statistics ({"loss": ...}); then
+    one clipped optimiser step. Every 10 steps the progress line shows `postfix(history)`.
+    Returns each statistic, one tensor per step; the model is left in eval mode."""
+    from transformers import get_linear_schedule_with_warmup
+
+    opt = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(settings.seed)
+    steps = settings.epochs * math.ceil(n_rows / settings.batch_size)
+    sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=0, num_training_steps=steps)
+    history: dict[str, list[Tensor]] = {}
+    bar = _bar(steps, desc, settings.progress)
+    model.train()
+    for _ in range(settings.epochs):
+        for rows in _batches(n_rows, settings.batch_size, gen):
+            stats = backward(rows)
+            _step(model, opt, sched, settings.max_grad_norm)
+            for name, value in stats.items():
+                history.setdefault(name, []).append(value)
+            bar.update(1)
+            if len(history["loss"]) % 10 == 0:
+                bar.set_postfix(**postfix(history))
+    bar.close()
+    model.eval()
+    return history  # the optimiser and the schedule (which holds it) go with this frame
+
+
 # ----------------------------------------------------------------------------- SFT
 def sft_loss(model, batch: RolloutBatch) -> Tensor:
     """Mean negative log-likelihood of the response tokens (EOS included)."""
@@ -165,23 +196,12 @@ def train_sft(base_model: str, queries: Sequence[Sequence[int]], responses: Sequ
     tok = load_tokenizer(base_model)
     model = load_causal_lm(base_model, settings.dtype).to(device)
     pad, eos = tok.pad_token_id, tok.eos_token_id
-    opt = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(settings.seed)
-    steps = settings.epochs * math.ceil(len(queries) / settings.batch_size)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1.0 - s / max(steps, 1)))
-    t0, losses = time.perf_counter(), []
-    bar = _bar(steps, "SFT", settings.progress)
-    model.train()
-    for _ in range(settings.epochs):
-        for rows in _batches(len(queries), settings.batch_size, gen):
-            loss = sft_backward(model, queries, responses, rows, pad, eos, settings.micro_batch_size, device)
-            _step(model, opt, sched, settings.max_grad_norm)
-            losses.append(loss)
-            bar.update(1)
-            if len(losses) % 10 == 0:
-                bar.set_postfix(loss=f"{float(losses[-1]):.3f}")
-    bar.close()
-    model.eval()
+    t0 = time.perf_counter()
+    losses = _train(
+        model, len(queries),
+        lambda rows: {"loss": sft_backward(model, queries, responses, rows, pad, eos, settings.micro_batch_size,
+                                           device)},
+        settings, "SFT", lambda h: {"loss": f"{float(h['loss'][-1]):.3f}"})["loss"]
     stats = {"sft_train_loss_first": float(losses[0]), "sft_train_loss_last": float(torch.stack(losses[-10:]).mean()),
              "sft_steps": len(losses), "sft_seconds": time.perf_counter() - t0}
     if val is not None:
@@ -191,7 +211,7 @@ def train_sft(base_model: str, queries: Sequence[Sequence[int]], responses: Sequ
                     for i in range(0, len(vq), 64)]
         stats["sft_val_loss"] = float(torch.stack(vals).mean())
     _save(model, tok, Path(out_dir))
-    del model, opt, sched  # the scheduler holds the optimiser, which holds the parameters
+    del model  # before _release: the parameters are what it gives back (the optimiser went with _train)
     _release(device)
     return stats
 
@@ -255,25 +275,15 @@ def train_reward_model(base_model: str, queries, chosen, rejected, out_dir: str 
     model, tok = load_reward_model_for_training(base_model, settings.dtype, settings.seed)
     model.to(device)
     pad, eos = tok.pad_token_id, tok.eos_token_id
-    opt = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(settings.seed)
-    steps = settings.epochs * math.ceil(len(queries) / settings.batch_size)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1.0 - s / max(steps, 1)))
-    t0, losses, accs = time.perf_counter(), [], []
-    bar = _bar(steps, "RM", settings.progress)
-    model.train()
-    for _ in range(settings.epochs):
-        for rows in _batches(len(queries), settings.batch_size, gen):
-            loss, acc = rm_backward(model, queries, chosen, rejected, rows, pad, eos, settings.micro_batch_size,
-                                    device)
-            _step(model, opt, sched, settings.max_grad_norm)
-            losses.append(loss)
-            accs.append(acc)
-            bar.update(1)
-            if len(losses) % 10 == 0:
-                bar.set_postfix(loss=f"{float(losses[-1]):.3f}", acc=f"{float(torch.stack(accs[-10:]).mean()):.2f}")
-    bar.close()
-    model.eval()
+
+    def backward(rows: list[int]) -> dict[str, Tensor]:
+        loss, acc = rm_backward(model, queries, chosen, rejected, rows, pad, eos, settings.micro_batch_size, device)
+        return {"loss": loss, "acc": acc}
+
+    t0 = time.perf_counter()
+    history = _train(model, len(queries), backward, settings, "RM", lambda h: {
+        "loss": f"{float(h['loss'][-1]):.3f}", "acc": f"{float(torch.stack(h['acc'][-10:]).mean()):.2f}"})
+    losses, accs = history["loss"], history["acc"]
     stats = {"rm_train_loss_last": float(torch.stack(losses[-10:]).mean()),
              "rm_train_accuracy_last": float(torch.stack(accs[-10:]).mean()),
              "rm_steps": len(losses), "rm_seconds": time.perf_counter() - t0}
@@ -282,6 +292,6 @@ def train_reward_model(base_model: str, queries, chosen, rejected, out_dir: str 
         stats["rm_val_accuracy"] = sum(correct) / max(len(correct), 1)
         stats["rm_val_correct"] = correct  # per pair, for accuracy by pair kind (the caller pops it)
     _save(model, tok, Path(out_dir))
-    del model, opt, sched  # the scheduler holds the optimiser, which holds the parameters
+    del model  # before _release: the parameters are what it gives back (the optimiser went with _train)
     _release(device)
     return stats

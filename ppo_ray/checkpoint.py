@@ -173,8 +173,7 @@ def save_checkpoint(run_dir: str | Path, *, config: PPOConfig, learner_state: di
     tmp = root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        write_lora_adapter(tmp / "adapter", learner_state["policy"], base_model=model_dir, r=config.lora_r,
-                           lora_alpha=config.lora_alpha, target_modules=list(config.lora_target_modules))
+        write_lora_adapter(tmp / "adapter", learner_state["policy"], base_model=model_dir)
         save_file({k: v.contiguous() for k, v in learner_state["value"].items()}, str(tmp / "value.safetensors"))
         torch.save({"policy": learner_state["policy_optimizer"], "value": learner_state["value_optimizer"],
                     "policy_scheduler": learner_state["policy_scheduler"],
@@ -271,6 +270,8 @@ def load_checkpoint(path: str | Path, config: Optional[PPOConfig] = None) -> tup
     """(checkpoint dir, learner_state, trainer_state); with `config`, refuse an incompatible one."""
     from safetensors.torch import load_file
 
+    from ppo_ray.modeling import read_lora_adapter
+
     ckpt = resolve_checkpoint(path)
     try:
         saved = _localized(PPOConfig.from_yaml(ckpt / "config.yaml"), ckpt.parent.parent)
@@ -284,7 +285,7 @@ def load_checkpoint(path: str | Path, config: Optional[PPOConfig] = None) -> tup
         rng = torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=True)
         learner_state = {
             "version": int(meta["version"]),
-            "policy": load_file(str(ckpt / "adapter" / "adapter_model.safetensors")),
+            "policy": read_lora_adapter(ckpt / "adapter"),
             "value": load_file(str(ckpt / "value.safetensors")),
             "policy_optimizer": optim["policy"], "value_optimizer": optim["value"],
             "rng": rng["learner"], "cuda_rng": rng.get("learner_cuda", []),

@@ -6,6 +6,7 @@ Bottom layer: imports torch/transformers and ppo_ray.batch / ppo_ray.tiny_model 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -254,24 +255,73 @@ def load_reward_model(name: str, dtype: str = "float32"):
     return model
 
 
-def write_lora_adapter(path: str | Path, tensors: dict[str, Tensor], *, base_model: str, r: int,
-                       lora_alpha: int, target_modules: list[str]) -> Path:
-    """Write a PEFT LoRA adapter directory (adapter_model.safetensors + adapter_config.json)
-    that PeftModel.from_pretrained and vLLM's LoRARequest both load. `tensors` are
-    get_peft_model_state_dict() keys; returns the directory."""
-    import json
+@dataclass(frozen=True)
+class LoraSpec:
+    """What a LoRA adapter's tensors mean: the part of the PEFT LoraConfig that travels with
+    the weights (LoraWeights), so the side that loads them (generator, checkpoint, saved
+    adapter) reads r and alpha from the adapter itself, never from a config of its own."""
 
+    r: int
+    lora_alpha: int
+    target_modules: tuple[str, ...]  # module names, sorted (PEFT keeps them as a set)
+    lora_dropout: float = 0.0
+
+    @property
+    def scaling(self) -> float:
+        """The factor on B @ A in W = W0 + scaling * B @ A (plain LoRA, no rsLoRA)."""
+        return self.lora_alpha / self.r
+
+    @classmethod
+    def of(cls, config) -> "LoraSpec":
+        """The spec of a peft LoraConfig (e.g. ``peft_model.peft_config["default"]``)."""
+        return cls(int(config.r), int(config.lora_alpha), tuple(sorted(config.target_modules)),
+                   float(config.lora_dropout))
+
+    def peft_config(self, base_model: str | None = None):
+        """The peft LoraConfig of a causal-LM adapter with this spec (bias none, default init;
+        inference_mode as PeftModel.save_pretrained writes it)."""
+        from peft import LoraConfig, TaskType
+
+        return LoraConfig(r=self.r, lora_alpha=self.lora_alpha, target_modules=list(self.target_modules),
+                          lora_dropout=self.lora_dropout, bias="none", task_type=TaskType.CAUSAL_LM,
+                          base_model_name_or_path=base_model, inference_mode=True)
+
+
+@dataclass
+class LoraWeights:
+    """A LoRA adapter as it travels between actors: the tensors and the spec that says what
+    they mean. ``tensors``: get_peft_model_state_dict() keys (adapter_model.safetensors
+    names, e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight: A (r, in),
+    B (out, r)), CPU tensors."""
+
+    tensors: dict[str, Tensor]
+    spec: LoraSpec
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in self.tensors.values())
+
+
+def write_lora_adapter(path: str | Path, weights: LoraWeights, *, base_model: str) -> Path:
+    """Write a PEFT LoRA adapter directory (adapter_model.safetensors + adapter_config.json)
+    that PeftModel.from_pretrained and vLLM's LoRARequest both load: the config is PEFT's
+    own (LoraConfig.save_pretrained) from ``weights.spec``; returns the directory."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in weights.tensors.items()},
               str(path / "adapter_model.safetensors"))
-    config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": r, "lora_alpha": lora_alpha, "target_modules": list(target_modules),
-        "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "use_dora": False,
-        "fan_in_fan_out": False, "init_lora_weights": True, "modules_to_save": None,
-    }
-    (path / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    weights.spec.peft_config(base_model).save_pretrained(str(path))
     return path
+
+
+def read_lora_adapter(path: str | Path) -> LoraWeights:
+    """The adapter directory that write_lora_adapter (or PEFT's save_pretrained) wrote:
+    tensors from its safetensors file, spec from its adapter_config.json."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    return LoraWeights(load_file(str(path / "adapter_model.safetensors")),
+                       LoraSpec.of(LoraConfig.from_pretrained(str(path))))

@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -25,6 +25,9 @@ from ppo_ray.config import ConfigSlice, PPOConfig
 from ppo_ray.faults import FaultPoints, StateLostError, fault_point
 from ppo_ray.logs import quiet_env, quiet_libraries, ray_logging_level
 from ppo_ray.roles import Roles, form_learner_group, role_names
+
+if TYPE_CHECKING:
+    from ppo_ray.modeling import LoraWeights
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +245,7 @@ class GeneratorHost(FaultPoints):
         return batch, summary
 
     @fault_point
-    def load_adapter(self, version: int, weights: dict, restore: bool = False) -> dict:
+    def load_adapter(self, version: int, weights: LoraWeights, restore: bool = False) -> dict:
         return {"version": version, **self.generator.load_adapter(version, weights, restore=restore)}
 
     def sequence_logprobs(self, prompt_ids: list[int], continuation_ids: list[int]):
@@ -324,8 +327,9 @@ class LearnerHost(FaultPoints):
         return rank
 
     @ray.method(num_returns=2)
-    def current_weights(self) -> tuple[int, dict]:
-        """(version, LoRA weights) of the policy now: what a (re)started generator needs."""
+    def current_weights(self) -> tuple[int, LoraWeights]:
+        """(version, LoRA weights with their spec) of the policy now: what a (re)started
+        generator needs."""
         return self.learner.version, self.learner.lora_weights()
 
     @fault_point

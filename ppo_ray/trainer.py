@@ -309,10 +309,7 @@ class PPOTrainer:
         object store: no storage shared with the learner's node is needed)."""
         from ppo_ray.modeling import write_lora_adapter
 
-        cfg = self.config
-        weights = self.roles.fetch(self._weights[self.version])
-        return write_lora_adapter(path, weights, base_model=self.model_dir, r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
-                                  target_modules=list(cfg.lora_target_modules))
+        return write_lora_adapter(path, self.roles.fetch(self._weights[self.version]), base_model=self.model_dir)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:

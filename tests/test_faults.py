@@ -65,7 +65,7 @@ def _cases():
 
 def _final_adapter(trainer) -> dict:
     _, weights = trainer.roles.learner.current_weights.remote()
-    return ray.get(weights)
+    return ray.get(weights).tensors
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from ppo_ray.logprobs import logprobs_from_logits
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import ALL_PROJECTIONS
 from ppo_ray.data import encode_prompts
-from ppo_ray.modeling import load_causal_lm, load_tokenizer, response_logits
+from ppo_ray.modeling import LoraSpec, LoraWeights, load_causal_lm, load_tokenizer, response_logits
 
 TOL = 1e-4
 PROMPTS = [
@@ -178,9 +178,9 @@ def make_peft(tiny_model_dir):
     return get_peft_model(base, cfg).eval()
 
 
-def randomize_lora(model, seed: int) -> dict[str, torch.Tensor]:
+def randomize_lora(model, seed: int) -> LoraWeights:
     """Random non-zero A and B (PEFT starts with B = 0, i.e. no change); returns the
-    adapter state dict as the learner would ship it."""
+    adapter as the learner ships it (state dict and spec)."""
     from peft import get_peft_model_state_dict
 
     g = torch.Generator().manual_seed(seed)
@@ -188,12 +188,13 @@ def randomize_lora(model, seed: int) -> dict[str, torch.Tensor]:
         for name, param in model.named_parameters():
             if "lora_A" in name or "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=g) * 0.1)
-    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+    return LoraWeights({k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()},
+                       LoraSpec.of(model.peft_config["default"]))
 
 
 def test_lora_sync(make_generator, tiny_model_dir, hf_model, tokenizer, vllm_llm):
     engine = vllm_llm.llm_engine
-    gen = make_generator(lora_r=8, lora_alpha=16, max_new_tokens=16)
+    gen = make_generator(max_new_tokens=16)
     peft_model = make_peft(tiny_model_dir)
     prompt = tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
     cont = tokenizer(" My friend stopped calling me.", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -203,7 +204,8 @@ def test_lora_sync(make_generator, tiny_model_dir, hf_model, tokenizer, vllm_llm
     assert (gen.sequence_logprobs(prompt, cont) - base_lp).abs().max() < TOL
 
     w1 = randomize_lora(peft_model, seed=1)
-    assert len(w1) == 2 * 7 * 2 and all(".lora_A.weight" in k or ".lora_B.weight" in k for k in w1)
+    assert len(w1.tensors) == 2 * 7 * 2 and all(".lora_A.weight" in k or ".lora_B.weight" in k for k in w1.tensors)
+    assert w1.spec == LoraSpec(8, 16, tuple(sorted(ALL_PROJECTIONS)), 0.0)
     timings = gen.load_adapter(1, w1)
     assert set(timings) >= {"write_s", "register_s", "retire_s"} and gen.version == 1
     assert set(engine.list_loras()) == {gen._lora_request.lora_int_id}
@@ -237,12 +239,16 @@ def test_lora_sync(make_generator, tiny_model_dir, hf_model, tokenizer, vllm_llm
     assert gen.version == 2
 
     # a broken adapter fails in load_adapter (not silently at the next generate)
-    bad = {k.replace("q_proj", "qq_proj"): v for k, v in w1.items()}
+    bad = LoraWeights({k.replace("q_proj", "qq_proj"): v for k, v in w1.tensors.items()}, w1.spec)
     with pytest.raises(RuntimeError, match="version 3"):
         gen.load_adapter(3, bad)
-    wrong_rank = {k: v[:4] if ".lora_A." in k else v[:, :4] for k, v in w1.items()}
+    wrong_rank = LoraWeights({k: v[:4] if ".lora_A." in k else v[:, :4] for k, v in w1.tensors.items()}, w1.spec)
     with pytest.raises(ValueError, match="rank lora_r=8"):
         gen.load_adapter(3, wrong_rank)
+    wide = LoraWeights({k: v.repeat(4, 1) if ".lora_A." in k else v.repeat(1, 4) for k, v in w1.tensors.items()},
+                       LoraSpec(32, 64, w1.spec.target_modules))
+    with pytest.raises(ValueError, match="lora_r=32 is above the engine's max_lora_rank=16"):
+        gen.load_adapter(3, wide)
     assert gen.version == 2 and len(list(gen.adapter_root.iterdir())) == 1
     assert (gen.sequence_logprobs(prompt, cont) - v2_lp).abs().max() < TOL
 
@@ -251,6 +257,18 @@ def test_lora_sync(make_generator, tiny_model_dir, hf_model, tokenizer, vllm_llm
         gen.load_adapter(v, w1 if v % 2 else w2)
         assert len(set(engine.list_loras())) <= 1 and len(list(gen.adapter_root.iterdir())) == 1
     assert (gen.sequence_logprobs(prompt, cont) - v2_lp).abs().max() < TOL  # v12 = w2
+
+    # r and alpha come with the weights: the same tensors with alpha x 2 are another policy,
+    # the one PEFT computes with that config
+    from peft import get_peft_model, set_peft_model_state_dict
+
+    doubled = LoraWeights(w2.tensors, LoraSpec(8, 32, w2.spec.target_modules))
+    peft_doubled = get_peft_model(load_causal_lm(str(tiny_model_dir)), doubled.spec.peft_config()).eval()
+    set_peft_model_state_dict(peft_doubled, doubled.tensors)
+    gen.load_adapter(13, doubled)
+    v2_alpha_lp = continuation_logprobs(peft_doubled, prompt, cont)
+    assert (gen.sequence_logprobs(prompt, cont) - v2_alpha_lp).abs().max() < TOL
+    assert (v2_alpha_lp - v2_lp).abs().max() > 0.05
 
     # restore (a rollback to a checkpoint after a learner restart) may go back in versions
     gen.load_adapter(1, w1, restore=True)

@@ -20,7 +20,7 @@ from learner.learner import Learner, StaleRolloutsError
 from learner.value_model import ValueModel
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import PPOConfig
-from ppo_ray.modeling import resolve_model_path
+from ppo_ray.modeling import LoraSpec, resolve_model_path
 
 TINY = "embedded:tiny"
 STAT_KEYS = {
@@ -152,11 +152,12 @@ def test_update_runs_and_changes_only_lora(tiny_path, special):
     base_before = {n: p.detach().clone() for n, p in learner.policy.named_parameters() if not p.requires_grad}
     vbase_before = {n: p.detach().clone() for n, p in learner.value_model.named_parameters()
                     if not p.requires_grad}
-    lora_before = learner.lora_weights()
+    lora_before = learner.lora_weights().tensors
     head_before = learner.value_model.head.weight.detach().clone()
     assert learner.version == 0
 
-    stats, weights = learner.update(batch, ref, scores)
+    stats, adapter = learner.update(batch, ref, scores)
+    weights = adapter.tensors
 
     assert set(stats.as_dict()) == STAT_KEYS
     assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in stats.as_dict().values()), stats
@@ -173,7 +174,7 @@ def test_update_runs_and_changes_only_lora(tiny_path, special):
                for k in weights)
     assert all(v.device.type == "cpu" and v.is_contiguous() for v in weights.values())
     assert max_abs_diff(weights, lora_before) > 0
-    assert all(weights[k].data_ptr() != p.data_ptr() for k, p in learner.lora_weights().items())
+    assert all(weights[k].data_ptr() != p.data_ptr() for k, p in learner.lora_weights().tensors.items())
     # Only LoRA (and the value head) moved; base weights are bit-identical.
     for n, p in learner.policy.named_parameters():
         if not p.requires_grad:
@@ -182,7 +183,8 @@ def test_update_runs_and_changes_only_lora(tiny_path, special):
         if not p.requires_grad:
             assert torch.equal(p, vbase_before[n]), n
     assert not torch.equal(learner.value_model.head.weight, head_before)
-    assert learner.lora_config() == {"r": 4, "lora_alpha": 8, "target_modules": list(learner.config.lora_target_modules)}
+    # ... and it travels with its spec, read from the policy's PEFT config
+    assert adapter.spec == LoraSpec(4, 8, tuple(sorted(learner.config.lora_target_modules)), 0.0)
 
 
 def check_wiring(cfg: PPOConfig, vm: ValueModel, batch: RolloutBatch, scores, exp) -> None:
@@ -252,7 +254,7 @@ def test_first_ratio_is_one_and_logprobs_match_direct_peft_forward(tiny_path, sp
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_path), LoraConfig(
         r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=list(cfg.lora_target_modules),
         bias="none", task_type=TaskType.CAUSAL_LM)).eval()
-    set_peft_model_state_dict(model, weights)
+    set_peft_model_state_dict(model, weights.tensors)
     ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1)                      # (B, P+T)
     attn = torch.cat([batch.prompt_mask, batch.response_mask], dim=1)
     pos = (attn.long().cumsum(1) - 1).clamp(min=0)
@@ -369,7 +371,7 @@ def test_padding_invariance(tiny_path, special):
         x, y = getattr(ea, name), getattr(eb, name)
         assert (x - y[:, :t]).abs().max() < 1e-5, name
         assert (y[:, t:] == 0).all(), name
-    assert max_abs_diff(w_a, w_b) < 1e-5
+    assert max_abs_diff(w_a.tensors, w_b.tensors) < 1e-5
     va, vb = value_params(a), value_params(b)
     assert max((va[k] - vb[k]).abs().max().item() for k in va) < 1e-5
     for key in ("policy_loss", "value_loss", "kl", "advantage_mean", "first_minibatch_ratio_mean"):
@@ -384,7 +386,7 @@ def test_micro_batching_invariance(tiny_path, special):
         learner = Learner(make_config(mini_batch_size=4, micro_batch_size=micro, ppo_epochs=2), tiny_path)
         batch, ref, scores = rollout_inputs(learner, random_batch(special, seed=1), seed=1)
         stats, w = learner.update(batch, ref, scores)
-        weights.append((w, value_params(learner), stats))
+        weights.append((w.tensors, value_params(learner), stats))
     (w1, v1, s1), (w4, v4, s4) = weights
     assert max_abs_diff(w1, w4) < 1e-5
     assert max((v1[k] - v4[k]).abs().max().item() for k in v1) < 1e-5
@@ -398,7 +400,7 @@ def test_seq_mean_token_mean_micro_batching_invariance(tiny_path, special):
         learner = Learner(make_config(mini_batch_size=4, micro_batch_size=micro, loss_agg="seq_mean_token_mean"),
                           tiny_path)
         batch, ref, scores = rollout_inputs(learner, random_batch(special, seed=2), seed=2)
-        weights.append(learner.update(batch, ref, scores)[1])
+        weights.append(learner.update(batch, ref, scores)[1].tensors)
     assert max_abs_diff(weights[0], weights[1]) < 1e-5
 
 
@@ -412,13 +414,13 @@ def test_determinism_same_seed_same_weights(tiny_path, special):
         stats, w = learner.update(batch, ref, scores)
         batch2, ref2, scores2 = rollout_inputs(learner, random_batch(special, seed=5), seed=5)
         stats2, w2 = learner.update(batch2, ref2, scores2)
-        results.append((w2, value_params(learner), stats2))
+        results.append((w2.tensors, value_params(learner), stats2))
     (wa, va, sa), (wb, vb, sb) = results
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert all(torch.equal(va[k], vb[k]) for k in va)
     assert sa.policy_loss == sb.policy_loss
     other = Learner(cfg.replace(seed=8), tiny_path)
-    assert max_abs_diff(other.lora_weights(), Learner(cfg, tiny_path).lora_weights()) > 0
+    assert max_abs_diff(other.lora_weights().tensors, Learner(cfg, tiny_path).lora_weights().tensors) > 0
 
 
 def test_positive_score_raises_those_rows_logprob(tiny_path, special):
@@ -541,7 +543,7 @@ def test_state_dict_through_a_checkpoint_resumes_bit_for_bit(tiny_path, special,
     b.load_state_dict(learner_state)
     assert b.version == 1
     stats_b, w_b = b.update(*inputs)
-    assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)
+    assert all(torch.equal(w_a.tensors[k], w_b.tensors[k]) for k in w_a.tensors)
     assert all(torch.equal(x, y) for x, y in zip(value_params(a).values(), value_params(b).values()))
     assert stats_a.policy_loss == stats_b.policy_loss and stats_a.value_loss == stats_b.value_loss
 
@@ -559,10 +561,15 @@ def test_checkpoint_of_another_shape_or_config_is_refused(tiny_path, special, tm
     # the tensors themselves are checked too (e.g. a checkpoint loaded without its config)
     _, state, _ = load_checkpoint(tmp_path)
     wide = Learner(cfg.replace(lora_r=8, lora_alpha=16), tiny_path)
-    before = wide.lora_weights()
+    before = wide.lora_weights().tensors
     with pytest.raises(CheckpointMismatchError, match=r"shape .* lora_r"):
         wide.load_state_dict(state)
-    assert max_abs_diff(before, wide.lora_weights()) == 0  # nothing changed
+    assert max_abs_diff(before, wide.lora_weights().tensors) == 0  # nothing changed
+    # the adapter's spec travels with it (adapter_config.json): another alpha is refused too
+    assert state["policy"].spec == a.lora_weights().spec
+    strong = Learner(cfg.replace(lora_alpha=16), tiny_path)
+    with pytest.raises(CheckpointMismatchError, match="lora_alpha=8.*lora_alpha=16"):
+        strong.load_state_dict(state)
     with pytest.raises(CheckpointError, match="no checkpoint there"):
         load_checkpoint(tmp_path / "checkpoints" / "step-000000" / "adapter")
 

@@ -73,7 +73,7 @@ def plain(tiny_path, batch):
     b, ref, scores = rollout_inputs(learner, batch)
     before = passes(learner, b)
     stats, weights = learner.update(b, ref, scores)
-    return b, ref, scores, before, stats, weights
+    return b, ref, scores, before, stats, weights.tensors
 
 
 def test_causal_sequences_move_each_row_to_column_zero(special):
@@ -110,7 +110,7 @@ def test_update_equals_plain(tiny_path, plain, options):
     adapter equal the plain path's (float32, float summation order only)."""
     b, ref, scores, _, stats, weights = plain
     fast_stats, fast_weights = learner_with(tiny_path, **options).update(b, ref, scores)
-    assert max((fast_weights[k] - weights[k]).abs().max().item() for k in weights) < TOL
+    assert max((fast_weights.tensors[k] - weights[k]).abs().max().item() for k in weights) < TOL
     for key, value in stats.as_dict().items():
         if key in ("learner_forward_s", "update_s", "padded_token_ratio"):
             continue
@@ -321,7 +321,7 @@ def test_shared_trunk_micro_batching_and_fast_options_give_the_same_update(tiny_
         learner = shared_learner(tiny_path, **options)
         b, ref, scores = rollout_inputs(learner, batch)
         stats, weights = learner.update(b, ref, scores)
-        results.append((stats, weights, learner.value_model.head.weight.detach().clone()))
+        results.append((stats, weights.tensors, learner.value_model.head.weight.detach().clone()))
     (s0, w0, h0), *rest = results
     for stats, weights, head in rest:
         assert max((weights[k] - w0[k]).abs().max().item() for k in w0) < TOL

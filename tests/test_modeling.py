@@ -106,3 +106,32 @@ def test_sft_and_rm_checkpoints_keep_the_chosen_pad(tiny_model_dir, tmp_path):
         assert json.loads((out / "config.json").read_text())["pad_token_id"] == tok.pad_token_id, stage
         saved = load_tokenizer(str(out))
         assert (saved.pad_token_id, saved.eos_token_id) == (tok.pad_token_id, tok.eos_token_id), stage
+
+
+def test_lora_adapter_written_with_peft_config_loads_in_peft_with_its_spec(tiny_model_dir, tmp_path):
+    """write_lora_adapter: adapter_config.json is PEFT's own (LoraConfig.save_pretrained) from
+    the spec that travels with the tensors; PeftModel loads the directory with that r, alpha
+    and targets and the same tensors, and read_lora_adapter gives back what was written."""
+    import torch
+    from peft import PeftModel, get_peft_model, get_peft_model_state_dict
+
+    from ppo_ray.modeling import LoraSpec, LoraWeights, load_causal_lm, read_lora_adapter, write_lora_adapter
+
+    spec = LoraSpec(r=4, lora_alpha=12, target_modules=("q_proj", "v_proj"), lora_dropout=0.1)
+    model = get_peft_model(load_causal_lm(str(tiny_model_dir)), spec.peft_config())
+    g = torch.Generator().manual_seed(0)
+    weights = LoraWeights({k: torch.randn(v.shape, generator=g) for k, v in get_peft_model_state_dict(model).items()},
+                          LoraSpec.of(model.peft_config["default"]))
+    assert weights.spec == spec
+    path = write_lora_adapter(tmp_path / "adapter", weights, base_model=str(tiny_model_dir))
+
+    config = json.loads((path / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["task_type"], config["r"], config["lora_alpha"]) == ("LORA", "CAUSAL_LM", 4, 12)
+    assert sorted(config["target_modules"]) == ["q_proj", "v_proj"] and config["base_model_name_or_path"] == str(tiny_model_dir)
+    loaded = PeftModel.from_pretrained(load_causal_lm(str(tiny_model_dir)), str(path))
+    assert LoraSpec.of(loaded.peft_config["default"]) == spec
+    state = get_peft_model_state_dict(loaded)
+    assert state.keys() == weights.tensors.keys() and all(torch.equal(state[k], v) for k, v in weights.tensors.items())
+    back = read_lora_adapter(path)
+    assert back.spec == spec and all(torch.equal(back.tensors[k], v) for k, v in weights.tensors.items())
+    assert back.nbytes == weights.nbytes == sum(v.numel() * 4 for v in weights.tensors.values())

@@ -146,3 +146,25 @@ def test_train_sft_with_micro_batches_matches_one_batch(tiny_model_dir, task, tm
         weights.append(load_causal_lm(str(tmp_path / str(m))).state_dict())
     assert max_diff(*weights) < 0.1 * lr
     assert max_diff(weights[0], load_causal_lm(str(tiny_model_dir)).state_dict()) > 0.5 * lr  # it did train
+
+
+@pytest.mark.parametrize("steps", [1, 3, 7, 10, 40, 137, 1000])
+def test_stage_lr_schedule_is_the_hand_written_linear_decay(steps):
+    """The stages' schedule (transformers' linear, no warmup) gives the lr of the hand-written
+    LambdaLR it replaced, max(0, 1 - s / steps) x lr, at every step and past the end, to one
+    unit in the last place of lr. Not bit for bit: transformers computes (steps - s) / steps,
+    which rounds differently from 1 - s / steps in about a third of the steps."""
+    import math
+
+    from transformers import get_linear_schedule_with_warmup
+
+    lr = 3e-4
+    ours, old = (torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr) for _ in range(2))
+    ours_sched = get_linear_schedule_with_warmup(ours, num_warmup_steps=0, num_training_steps=steps)
+    old_sched = torch.optim.lr_scheduler.LambdaLR(old, lambda s: max(0.0, 1.0 - s / max(steps, 1)))
+    for s in range(steps + 2):
+        a, b = ours.param_groups[0]["lr"], old.param_groups[0]["lr"]
+        assert abs(a - b) <= math.ulp(lr), (s, a, b)
+        assert a == lr * max(0.0, (steps - s) / steps)
+        ours.step(), old.step()
+        ours_sched.step(), old_sched.step()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ppo_ray.modeling import LoraWeights
 from test_generator import PROMPTS, TOL, continuation_logprobs, hf_logprobs, make_peft, randomize_lora
 
 
@@ -18,9 +19,10 @@ def test_merged_weights_equal_peft_merge(tiny_model_dir):
 
     peft_model = make_peft(tiny_model_dir)
     lora = randomize_lora(peft_model, seed=5)
-    names = {base_weight_name(k) for k in lora}
+    names = {base_weight_name(k) for k in lora.tensors}
     assert "model.layers.0.self_attn.q_proj.weight" in names and len(names) == 14
-    merged = dict(merged_weights(read_base_weights(tiny_model_dir, names), lora, scale=16 / 8))
+    merged = dict(merged_weights(read_base_weights(tiny_model_dir, names), lora.tensors, scale=lora.spec.scaling))
+    assert lora.spec.scaling == 16 / 8
     reference = peft_model.merge_and_unload().state_dict()
     for name, w in merged.items():
         assert (w - reference[name]).abs().max() < 1e-6, name
@@ -35,7 +37,7 @@ def merged_generator(tiny_model_dir):
 
     llm = build_llm(tiny_model_dir, dtype="float32", seed=0, worker_extension_cls=MERGED_WORKER)
     gen = Generator(llm, model_dir=tiny_model_dir, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=16,
-                    seed=0, max_prompt_length=64, lora_r=8, lora_alpha=16, lora_sync="merged")
+                    seed=0, max_prompt_length=64, lora_sync="merged")
     yield gen
     gen.close()
     try:
@@ -56,7 +58,8 @@ def test_merged_sync_matches_peft(merged_generator, tiny_model_dir):
     base_lp = continuation_logprobs(hf, prompt, cont)
     assert (gen.sequence_logprobs(prompt, cont) - base_lp).abs().max() < TOL
 
-    zero = {k: torch.zeros_like(v) if ".lora_B." in k else v for k, v in randomize_lora(peft_model, seed=1).items()}
+    w = randomize_lora(peft_model, seed=1)
+    zero = LoraWeights({k: torch.zeros_like(v) if ".lora_B." in k else v for k, v in w.tensors.items()}, w.spec)
     for version, seed in ((1, 1), (2, 2)):
         w = randomize_lora(peft_model, seed=seed)
         out = gen.load_adapter(version, w)
@@ -93,7 +96,7 @@ def test_sampled_logprobs_after_a_sync_use_the_new_weights_on_cached_prompts(
 
     llm = vllm_llm if mode == "adapter" else merged_generator.llm
     gen = Generator(llm, model_dir=tiny_model_dir, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=12,
-                    seed=0, max_prompt_length=512, lora_r=8, lora_alpha=16, lora_sync=mode)
+                    seed=0, max_prompt_length=512, lora_sync=mode)
     try:
         block = llm.llm_engine.vllm_config.cache_config.block_size
         lengths = [len(ids) for ids in gen._encode(LONG_PROMPTS)[0]]
