@@ -95,8 +95,8 @@ class Generator:
 
     # The config fields from_config reads: the generator actor gets only these (PPOConfig.slice).
     CONFIG_FIELDS = ("model_name", "dtype", "seed", "log_level", "max_prompt_length", "prompt_truncation",
-                     "max_new_tokens", "temperature", "top_k", "top_p", "lora_r", "lora_sync", "vllm_kv_cache_gib", "vllm_enforce_eager",
-                     "vllm_gpu_memory_utilization")
+                     "max_new_tokens", "temperature", "top_k", "top_p", "lora_r", "lora_sync", "vllm_kv_cache_gib",
+                     "vllm_enforce_eager", "vllm_gpu_memory_utilization")
 
     def __init__(
         self,
