@@ -14,7 +14,7 @@ default) runs sft, rm and ppo and prints the report.
 
 The real path: with `sft_dataset` / `preference_dataset` set (hub ids, or local JSONL/parquet
 in the real TL;DR schemas; configs/qwen3-0.6b-tldr.yaml) the stages read those through
-ppo_ray/tldr.py instead of writing the bundled task, and `ppo` reports the reward model's
+ppo_ray/tasks/tldr.py instead of writing the bundled task, and `ppo` reports the reward model's
 score and the KL to SFT (no gold judge exists for real data).
 
 Every `--name value` is a PPOConfig field (ppo_ray/config.py; listed below by section);
@@ -97,7 +97,7 @@ def plain_ppo_inputs(config) -> list[str]:
 
 def run_plain_ppo(config, run_dir: Path, resume: str | None = None, prompts: list[str] | None = None) -> dict:
     """PPO on config.model_name and config.dataset with the config's own reward sources."""
-    from ppo_ray.pipeline import ppo_trainer, read_metrics
+    from ppo_ray.tasks.pipeline import ppo_trainer, read_metrics
 
     prompts = plain_ppo_inputs(config) if prompts is None else prompts
     # the eval samples of a plain run: the dataset's first prompts (it has no held-out split)
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     from ppo_ray.modeling import ContextLengthError
     from ppo_ray.placement import ClusterError
     from ppo_ray.rewards import RewardError
-    from ppo_ray.tldr import TLDRDataError
+    from ppo_ray.tasks.tldr import TLDRDataError
     from ppo_ray.tracking import TrackerError, check_trackers, read_run_file
 
     # Cheap checks of what the stage needs, before anything is written (a rejected command
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from ppo_ray import pipeline
+    from ppo_ray.tasks import pipeline
 
     ray_was_up = ray.is_initialized()  # an in-process caller's Ray is left running
     report: dict = {"run_dir": str(run_dir)}

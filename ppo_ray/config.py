@@ -48,7 +48,7 @@ TRUNCATION_MODES = ("error", "left")  # prompt_truncation; ppo_ray.data, the gen
 # logprob_gap_check's default threshold (nats) per dtype: float32 generator and learner agree to
 # ~5e-6 (benchmarks/RESULTS.md); a half-precision logit's rounding alone moves a logprob by ~0.1.
 LOGPROB_GAP_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.5, "float16": 0.5}
-# Local data files (ppo_ray.data and ppo_ray.tldr read these; anything else is a folder or a hub id).
+# Local data files (ppo_ray.data and ppo_ray.tasks.tldr read these; anything else is a folder or a hub id).
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 # Stand-in for the embedded tiny model (built on first use by ppo_ray.tiny_model).
@@ -200,7 +200,7 @@ class PPOConfig:
     apply_chat_template: bool = False
     """Format each PPO prompt as one user message with the tokenizer's chat template (and its generation prompt) before tokenising, as OpenRLHF's --apply_chat_template: for instruct models. The tokenizer must have a chat template. Reward functions then see the formatted prompt text."""
     sft_dataset: str = "bundled"
-    """SFT data, also the pipeline's PPO prompts: "bundled" (ppo_ray/tldr_synth.py), or TL;DR SFT-schema data (id, subreddit, title, post, summary): a hub id, a local folder of {split}.jsonl/.parquet, or a file path containing "{split}"."""
+    """SFT data, also the pipeline's PPO prompts: "bundled" (ppo_ray/tasks/tldr_synth.py), or TL;DR SFT-schema data (id, subreddit, title, post, summary): a hub id, a local folder of {split}.jsonl/.parquet, or a file path containing "{split}"."""
     preference_dataset: str = "bundled"
     """Reward-model pairs: "bundled", or summarize_from_feedback comparisons-schema data (info, summaries, choice): a hub id, a local folder, or a file path containing "{split}"."""
     preference_config: Optional[str] = "comparisons"
@@ -212,7 +212,7 @@ class PPOConfig:
     data_max_rows: Optional[int] = None
     """Read at most this many rows per split of sft_dataset / preference_dataset, or of the bundled task's SFT and preference files (quick runs); None = all."""
     bundled_ideal_fraction: float = 1.0
-    """Bundled task only: fraction of the posters' reference TL;DRs (SFT data) that state every key fact; the rest leave one out (ppo_ray/tldr_synth.py). 1.0 = every reference is ideal."""
+    """Bundled task only: fraction of the posters' reference TL;DRs (SFT data) that state every key fact; the rest leave one out (ppo_ray/tasks/tldr_synth.py). 1.0 = every reference is ideal."""
 
     # ---------------------------------------------------------------- SFT and reward-model stages
     sft_epochs: int = 3

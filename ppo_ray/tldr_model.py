@@ -1,7 +1,7 @@
 """The embedded model of the default job: a 3.4M-parameter Qwen3-architecture LM that copies facts.
 
 The default pipeline (configs/tldr-tiny.yaml: SFT -> reward model -> PPO on the bundled
-TL;DR-style task, ppo_ray/tldr_synth.py) needs a policy that copies a post's facts
+TL;DR-style task, ppo_ray/tasks/tldr_synth.py) needs a policy that copies a post's facts
 reliably; the 361K-parameter test model of ppo_ray/tiny_model.py copies a post's quantity
 right in only ~60% of its summaries (benchmarks/RESULTS.md). This module builds the
 stronger one. Its output is COMMITTED in ``ppo_ray/assets/tldr_model/`` (about 14 MB), so a
@@ -120,7 +120,7 @@ def model_dir() -> pathlib.Path:
 
 def pretraining_corpus(preset: dict[str, Any] | None = None) -> list[str]:
     """The pretraining documents: the bundled corpus, then the task-format documents."""
-    from ppo_ray.tldr_synth import pretraining_documents
+    from ppo_ray.tasks.tldr_synth import pretraining_documents
 
     p = preset or _preset()
     return tiny_model.corpus_documents() + pretraining_documents(
@@ -138,7 +138,7 @@ def _digest(texts: list[str]) -> str:
 
 def _known_texts() -> list[tuple[str, str]]:
     """(prompt, response) pairs: test-split prompts (seed 0) with their ideal summaries."""
-    from ppo_ray.tldr_synth import generate_task
+    from ppo_ray.tasks.tldr_synth import generate_task
 
     rows = generate_task(seed=0, n_train=0, n_val=0, n_test=_KNOWN_EXAMPLES)["test"]
     return [(row["prompt"], row["summary"]) for row in rows]

@@ -1,4 +1,4 @@
-"""ppo_ray/pipeline.py without Ray: the bundled task's data written for a run, the PPO stage's
+"""ppo_ray/tasks/pipeline.py without Ray: the bundled task's data written for a run, the PPO stage's
 config, the cached before-training evaluation, the report files (samples.md, curves.png).
 The stages themselves run end to end in test_launch.py and test_tldr_path.py.
 """
@@ -12,7 +12,7 @@ import pytest
 
 def test_pipeline_writes_the_configured_reference_quality(tmp_path):
     from ppo_ray.config import PPOConfig
-    from ppo_ray.pipeline import write_data
+    from ppo_ray.tasks.pipeline import write_data
 
     ideal = [json.loads(x)["summary"] for x in
              (write_data(PPOConfig(), tmp_path / "a") / "sft_train.jsonl").read_text().splitlines()]
@@ -24,7 +24,7 @@ def test_pipeline_writes_the_configured_reference_quality(tmp_path):
 
 def test_named_datasets_write_no_data_directory(tmp_path):
     from ppo_ray.config import PPOConfig
-    from ppo_ray.pipeline import write_data
+    from ppo_ray.tasks.pipeline import write_data
 
     data_dir = write_data(PPOConfig(sft_dataset="org/sft", preference_dataset="org/prefs"), tmp_path)
     assert data_dir == tmp_path / "data" and not data_dir.exists()
@@ -32,7 +32,7 @@ def test_named_datasets_write_no_data_directory(tmp_path):
 
 def test_real_split_fills_the_split_into_a_path_pattern():
     from ppo_ray.config import PPOConfig
-    from ppo_ray.pipeline import _real_split
+    from ppo_ray.tasks.pipeline import _real_split
 
     config = PPOConfig(train_split="tr", eval_split="va")
     assert _real_split(config, "data/{split}.jsonl", "train") == ("data/tr.jsonl", "tr")
@@ -41,7 +41,7 @@ def test_real_split_fills_the_split_into_a_path_pattern():
 
 def test_ppo_config_points_the_stage_at_the_runs_sft_and_rm(tmp_path):
     from ppo_ray.config import PPOConfig
-    from ppo_ray.pipeline import ppo_config
+    from ppo_ray.tasks.pipeline import ppo_config
 
     run, data = tmp_path / "run", tmp_path / "run" / "data"
     cfg = ppo_config(PPOConfig(reward_funcs=["ppo_ray.rewards:brevity"], reward_weights=[1.0]), run, data)
@@ -54,7 +54,7 @@ def test_ppo_config_points_the_stage_at_the_runs_sft_and_rm(tmp_path):
 def test_the_before_training_evaluation_is_computed_once_and_kept(tmp_path):
     from types import SimpleNamespace
 
-    from ppo_ray.pipeline import BEFORE_EVAL, before_training
+    from ppo_ray.tasks.pipeline import BEFORE_EVAL, before_training
 
     calls = []
 
@@ -72,14 +72,14 @@ def test_the_before_training_evaluation_is_computed_once_and_kept(tmp_path):
 
 
 def test_read_metrics_skips_blank_lines(tmp_path):
-    from ppo_ray.pipeline import read_metrics
+    from ppo_ray.tasks.pipeline import read_metrics
 
     (tmp_path / "m.jsonl").write_text('{"step": 1}\n\n{"step": 2}\n  \n')
     assert read_metrics(tmp_path / "m.jsonl") == [{"step": 1}, {"step": 2}]
 
 
 def test_samples_tables_escape_cells_and_keep_n_rows(tmp_path):
-    from ppo_ray.pipeline import write_held_out_texts, write_samples
+    from ppo_ray.tasks.pipeline import write_held_out_texts, write_samples
 
     prompts = ["SUBREDDIT: r/a\n\nPOST: my | post\nline two\n\nTL;DR:", "no post field"] * 2
     write_held_out_texts(tmp_path / "h.md", prompts, ["s|1", "s2"] * 2, ["p\n1", "p2"] * 2, n=2)
@@ -93,7 +93,7 @@ def test_samples_tables_escape_cells_and_keep_n_rows(tmp_path):
 
 
 def test_plot_curves_writes_a_png_from_gappy_metrics(tmp_path):
-    from ppo_ray.pipeline import plot_curves
+    from ppo_ray.tasks.pipeline import plot_curves
 
     rows = [{"step": 1, "reward_mean": 0.1, "kl": float("nan")}, {"step": 2, "reward_mean": 0.3, "gold_val": 0.6}]
     (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

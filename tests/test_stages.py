@@ -9,7 +9,7 @@ from learner.stages import (TrainSettings, load_reward_model_for_training, prefe
                             sft_loss, train_reward_model, train_sft)
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.modeling import load_causal_lm, load_tokenizer
-from ppo_ray.tldr_synth import generate_task
+from ppo_ray.tasks.tldr_synth import generate_task
 
 
 @pytest.fixture(scope="module")

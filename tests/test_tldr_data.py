@@ -1,4 +1,4 @@
-"""ppo_ray.tldr: the real TL;DR data path, on small local files in the hub schemas (no network)."""
+"""ppo_ray.tasks.tldr: the real TL;DR data path, on small local files in the hub schemas (no network)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ppo_ray import tldr
+from ppo_ray.tasks import tldr
 from ppo_ray.data import encode_prompts
-from ppo_ray.tldr import (PreferenceExample, ResponseTooLongError, SFTExample, TLDRDataError, format_query,
+from ppo_ray.tasks.tldr import (PreferenceExample, ResponseTooLongError, SFTExample, TLDRDataError, format_query,
                           format_response, load_preferences, load_prompts, load_queries, load_sft)
 
 

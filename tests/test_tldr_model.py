@@ -85,8 +85,8 @@ def test_build_is_recorded(info):
 def test_pretrained_model_copies_facts():
     """Before any SFT, the model prefers the post's own person and quantity over every
     alternative (tldr_eval.copy_probe) on held-out validation posts."""
-    from ppo_ray.tldr_eval import copy_probe
-    from ppo_ray.tldr_synth import generate_task
+    from ppo_ray.tasks.tldr_eval import copy_probe
+    from ppo_ray.tasks.tldr_synth import generate_task
 
     rows = generate_task(seed=0, n_train=0, n_val=40, n_test=0)["validation"]
     acc = copy_probe(str(DIR), rows)
@@ -118,7 +118,7 @@ def test_the_default_job_uses_this_model_and_mixed_references():
     from pathlib import Path
 
     from ppo_ray.config import PPOConfig
-    from ppo_ray.tldr_synth import DEFAULT_IDEAL_FRACTION
+    from ppo_ray.tasks.tldr_synth import DEFAULT_IDEAL_FRACTION
 
     config = PPOConfig.from_yaml(Path(__file__).resolve().parents[1] / "configs" / "tldr-tiny.yaml")
     assert config.model_name == tldr_model.MODEL_NAME

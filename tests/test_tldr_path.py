@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import launch
-from ppo_ray import tldr
+from ppo_ray.tasks import tldr
 from ppo_ray.config import ConfigError, PPOConfig
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -60,7 +60,7 @@ def sft_copy_report(model_dir: str, rows: Sequence[dict], max_new_tokens: int) -
     """Greedy summaries of `rows` (prompts_*.jsonl rows: prompt, facts) by the model in
     `model_dir`: tldr_synth.copy_accuracy plus the mean gold score."""
     from ppo_ray.modeling import load_causal_lm, load_tokenizer
-    from ppo_ray.tldr_synth import copy_accuracy, gold_score
+    from ppo_ray.tasks.tldr_synth import copy_accuracy, gold_score
 
     tok = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir)
@@ -104,7 +104,7 @@ def reward_model_report(sft_dir: str, rm_dir: str, rows: Sequence[dict], *, n: i
     without EOS gets `missing_eos_penalty` as its RM score, as in PPO."""
     from ppo_ray.batch import RolloutBatch
     from ppo_ray.modeling import load_causal_lm, load_reward_model, load_tokenizer, reward_scores
-    from ppo_ray.tldr_synth import gold_score
+    from ppo_ray.tasks.tldr_synth import gold_score
 
     tok = load_tokenizer(sft_dir)
     policy = load_causal_lm(sft_dir)
@@ -138,7 +138,7 @@ def copy_probe(model_dir: str, rows: Sequence[dict]) -> dict[str, float]:
     the committed model's test checks it."""
     from ppo_ray.batch import RolloutBatch
     from ppo_ray.modeling import load_causal_lm, load_tokenizer, response_logits
-    from ppo_ray.tldr_synth import fact_alternatives
+    from ppo_ray.tasks.tldr_synth import fact_alternatives
 
     tok = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir)

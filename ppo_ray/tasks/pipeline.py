@@ -11,11 +11,11 @@
       samples.md           before/after summaries of held-out prompts
       report.json          the summary printed at the end
 
-The gold judge (ppo_ray.tldr_synth) is used only here, to evaluate: SFT learns from the
+The gold judge (ppo_ray.tasks.tldr_synth) is used only here, to evaluate: SFT learns from the
 reference summaries, the reward model from the preference pairs, PPO from the reward model.
 
 The real path: when the config names datasets (sft_dataset, preference_dataset: hub ids or
-local JSONL/parquet in the TL;DR schemas) the same stages read them through ppo_ray.tldr
+local JSONL/parquet in the TL;DR schemas) the same stages read them through ppo_ray.tasks.tldr
 (N+ formatting) instead of the bundled files, and PPO's prompts are the SFT data's queries,
 as in the recipe. Real data has no gold judge: run_ppo then reports the reward model's score
 and the KL to SFT, and samples.md holds held-out summaries to read.
@@ -42,7 +42,7 @@ def _encode(tok, prompts, responses):
 
 # ----------------------------------------------------------------------------- data sources
 # Each stage takes token ids from one of two sources: the bundled task's files in data_dir,
-# or the datasets the config names (sft_dataset / preference_dataset, read by ppo_ray.tldr).
+# or the datasets the config names (sft_dataset / preference_dataset, read by ppo_ray.tasks.tldr).
 # `part` is "train" or "eval": the bundled files' train / validation splits, or the config's
 # train_split / eval_split.
 
@@ -68,7 +68,7 @@ def _real_split(config: PPOConfig, source: str, part: str) -> tuple[str, str]:
 
 def _load_info(stage: str, part: str, data) -> dict:
     """Counts of one tldr load for the stage's report; an empty load is an error naming the source."""
-    from ppo_ray.tldr import TLDRDataError
+    from ppo_ray.tasks.tldr import TLDRDataError
 
     if not len(data):
         raise TLDRDataError(f"{data.source}: no usable examples for stage {stage!r} ({data.rows} rows read, "
@@ -85,7 +85,7 @@ def sft_ids(config: PPOConfig, data_dir: Path, tok, part: str) -> SFTIds:
         rows = read_rows(path)[: config.data_max_rows]
         q, r = _encode(tok, column(rows, "prompt", str(path)), column(rows, "summary", str(path)))
         return SFTIds(q, r, {})
-    from ppo_ray.tldr import load_sft
+    from ppo_ray.tasks.tldr import load_sft
 
     source, split = _real_split(config, config.sft_dataset, part)
     # N+: SFT targets no longer than the rollouts (53 tokens, EOS counted); longer ones are dropped.
@@ -105,7 +105,7 @@ def preference_ids(config: PPOConfig, data_dir: Path, tok, part: str) -> Prefere
         q, c = _encode(tok, prompts, column(rows, "chosen", str(path)))
         _, r = _encode(tok, prompts, column(rows, "rejected", str(path)))
         return PreferenceIds(q, c, r, {})
-    from ppo_ray.tldr import load_preferences
+    from ppo_ray.tasks.tldr import load_preferences
 
     source, split = _real_split(config, config.preference_dataset, part)
     data = load_preferences(source, split, tok, config_name=config.preference_config,
@@ -118,7 +118,7 @@ def preference_ids(config: PPOConfig, data_dir: Path, tok, part: str) -> Prefere
 def real_prompts(config: PPOConfig, tok, part: str, max_rows: int | None = None) -> list[str]:
     """PPO prompt texts of the real path: sft_dataset's queries (the recipe's PPO reads the SFT
     data's queries), each cut to fit max_prompt_length tokens."""
-    from ppo_ray.tldr import load_queries
+    from ppo_ray.tasks.tldr import load_queries
 
     source, split = _real_split(config, config.sft_dataset, part)
     limits = [n for n in (config.data_max_rows, max_rows) if n is not None]
@@ -133,7 +133,7 @@ def write_data(config: PPOConfig, run_dir: Path) -> Path:
     data_dir = run_dir / "data"
     if not config.uses_bundled_data:  # named datasets are read where they are
         return data_dir
-    from ppo_ray.tldr_synth import write_task
+    from ppo_ray.tasks.tldr_synth import write_task
 
     write_task(data_dir, seed=config.seed, ideal_fraction=config.bundled_ideal_fraction)
     return data_dir
@@ -152,7 +152,7 @@ def run_sft(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
     stats = run_stage(config, "sft", base, (train.queries, train.responses), settings, run_dir / "sft",
                       val=(val.queries, val.responses))
     if config.uses_bundled_data:  # the SFT policy's fact copying, greedy, on validation posts (gold judge)
-        from ppo_ray.tldr_eval import sft_copy_report
+        from ppo_ray.tasks.tldr_eval import sft_copy_report
 
         rows = read_rows(data_dir / "prompts_validation.jsonl")[: config.eval_size]
         stats["sft_copy_greedy_val"] = sft_copy_report(str(run_dir / "sft"), rows, config.max_new_tokens)
@@ -171,8 +171,8 @@ def run_rm(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
     stats = run_stage(config, "rm", sft, (train.queries, train.chosen, train.rejected), settings, run_dir / "rm",
                       val=(val.queries, val.chosen, val.rejected))
     correct = stats.pop("rm_val_correct", None)
-    if config.uses_bundled_data and correct is not None:  # can the RM guide PPO? (ppo_ray/tldr_eval.py; gold judge, validation split)
-        from ppo_ray.tldr_eval import accuracy_by_kind, reward_model_report
+    if config.uses_bundled_data and correct is not None:  # can the RM guide PPO? (ppo_ray/tasks/tldr_eval.py; gold judge, validation split)
+        from ppo_ray.tasks.tldr_eval import accuracy_by_kind, reward_model_report
 
         path = data_dir / "preferences_validation.jsonl"
         kinds = column(read_rows(path), "kind", str(path))
@@ -246,7 +246,7 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
     if not config.uses_bundled_data:  # real data: no gold judge, see run_ppo_real
         return run_ppo_real(config, run_dir, data_dir, resume)
     from ppo_ray.data import load_prompts
-    from ppo_ray.tldr_synth import copy_accuracy, gold_score, win_rate
+    from ppo_ray.tasks.tldr_synth import copy_accuracy, gold_score, win_rate
 
     cfg = ppo_config(config, run_dir, data_dir)
     test_rows = read_rows(data_dir / "prompts_test.jsonl")[: cfg.eval_size]
