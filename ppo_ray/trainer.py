@@ -124,7 +124,8 @@ class PPOTrainer:
         self._weights = {self.version: weights_ref}  # LoRA weights of the committed version and the one before
         self._learner_state = self.roles.learner_state()
         self.cursor = PromptCursor(config.seed)
-        self._prompts_key: Optional[str] = None
+        self._prompts_key: Optional[str] = None  # fingerprint of the list the cursor indexes
+        self._prompt_ids: tuple[Optional[str], list[list[int]]] = (None, [])  # (fingerprint, its prompts encoded once)
         self._cursor_from_checkpoint = False
         self._pending: Optional[Rollouts] = None  # overlap mode: the next step's rollouts, already generating
         self._faults: list[Fault] = []
@@ -411,13 +412,13 @@ class PPOTrainer:
             return False
 
     # ------------------------------------------------------------------ many steps
-    def _draw(self, prompts: Sequence[str], ahead: int = 0) -> Rollouts:
-        """The next config.batch_size prompts, as rollouts of step self.step + ahead + 1 to be
-        sampled with the current version."""
+    def _draw(self, ahead: int = 0) -> Rollouts:
+        """The next config.batch_size prompts (of train()'s list, encoded once), as rollouts of
+        step self.step + ahead + 1 to be sampled with the current version."""
         cursor = self.cursor.state()
-        rows = self.cursor.draw(len(prompts), self.config.batch_size)
-        return Rollouts(self._encode([prompts[i] for i in rows]), step=self.step + ahead, version=self.version,
-                        cursor=cursor)
+        ids = self._prompt_ids[1]
+        rows = self.cursor.draw(len(ids), self.config.batch_size)
+        return Rollouts([ids[i] for i in rows], step=self.step + ahead, version=self.version, cursor=cursor)
 
     def _checkpoint_due(self) -> bool:
         cfg = self.config
@@ -428,10 +429,14 @@ class PPOTrainer:
 
     def _use_prompts(self, prompts: Sequence[str]) -> None:
         """The cursor indexes `prompts`: a new list starts a new epoch over it, except after
-        restoring a checkpoint, whose cursor indexes its own list (CheckpointError)."""
+        restoring a checkpoint, whose cursor indexes its own list (CheckpointError). The list
+        is encoded (and checked: a bad prompt is named by its index) once, here, not at
+        every step."""
         if not prompts:
             raise ValueError("train() needs a non-empty list of prompts")
         key = prompts_fingerprint(prompts)
+        if self._prompt_ids[0] != key:
+            self._prompt_ids = (key, self._encode(prompts))
         if self._prompts_key is not None and self._prompts_key != key:
             if self._cursor_from_checkpoint:
                 raise CheckpointError(f"train() got a different prompt list ({len(prompts)} prompts) from the one "
@@ -469,8 +474,8 @@ class PPOTrainer:
         self._last_checkpoint = time.monotonic()
         try:
             while self.step < target:
-                current, self._pending = self._pending or self._draw(prompts), None
-                upcoming = (self._draw(prompts, ahead=1)
+                current, self._pending = self._pending or self._draw(), None
+                upcoming = (self._draw(ahead=1)
                             if self.config.overlap_generation and self.step + 1 < target else None)
                 before = self.step
                 try:
