@@ -96,29 +96,11 @@ def test_one_bundle_per_actor_that_reserves_something():
 
 
 # -------------------------------------------------- roles, bundles, splits, stage settings
-def test_role_names_follow_roles_all_order():
-    from ppo_ray.placement import role_names
-
-    assert role_names(2, 1) == ["generator-0", "generator-1", "reference", "reward", "learner"]
-    assert role_names(1, 2) == ["generator-0", "reference", "reward", "learner-0", "learner-1"]
-
-
 def test_a_demands_bundle_drops_what_it_does_not_reserve():
     from ppo_ray.placement import Demand
 
     assert Demand("reward", 0.0, 0.5, {"gpu_node": 0.0, "big": 1.0}).bundle() == {"GPU": 0.5, "big": 1.0}
     assert Demand("reference", 0.0, 0.0, {}).bundle() == {}
-
-
-@pytest.mark.parametrize("n,parts,expected", [
-    (10, 3, [(0, 4), (4, 7), (7, 10)]),  # the first n % parts chunks get one more
-    (2, 4, [(0, 1), (1, 2), (2, 2), (2, 2)]),  # more parts than items: empty tail chunks
-    (6, 1, [(0, 6)]),
-])
-def test_split_evenly_covers_every_item_once_in_order(n, parts, expected):
-    from ppo_ray.placement import split_evenly
-
-    assert split_evenly(n, parts) == expected
 
 
 def test_stage_settings_take_the_configs_stage_fields():

@@ -1,0 +1,65 @@
+"""ppo_ray/stats.py: the typed step. StepResult's flat record (the JSONL's columns), its
+read-only Mapping view for the seeds' keys, and the names that mean one thing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from ppo_ray.stats import LearnerStats, StepResult, StepTiming
+
+
+def learner_stats(**changes) -> LearnerStats:
+    values = {f.name: float(i) for i, f in enumerate(dataclasses.fields(LearnerStats))}
+    values["version"] = 3
+    return LearnerStats(**{**values, **changes})
+
+
+def step_result(rewards=(1.0, float("nan"), 3.0), **changes) -> StepResult:
+    timing = StepTiming(generate_s=1.0, reference_s=0.5, reward_s=0.25, learner_forward_s=0.5, update_s=2.0,
+                        sync_s=0.1, prefetch_wait_s=0.0, sync_write_s=0.02, sync_register_s=0.03, step_s=4.0)
+    return StepResult(step=3, generated_texts=["a", "b", "c"], finish_reasons=["stop"] * 3, rewards=list(rewards),
+                      learner=learner_stats(), reward_parts={"score/reward_model": 2.0, "dropped_nonfinite": 1.0},
+                      adapter_version=3, timing=timing, lora_sync_bytes=1024, response_tokens=20, **changes)
+
+
+def test_the_seeds_keys_read_like_a_dict():
+    result = step_result()
+    assert result["generated_texts"] == ["a", "b", "c"]
+    assert result["rewards"][0] == 1.0 and math.isnan(result["rewards"][1])
+    assert result["policy_loss"] == result.learner.policy_loss == 0.0
+    assert result["value_loss"] == result.learner.value_loss
+    assert "time/update_s" in result and result.get("missing") is None
+    with pytest.raises(KeyError):
+        result["missing"]
+    with pytest.raises(TypeError):
+        result["kl"] = 0.0  # read-only: a step's record is what the step computed
+
+
+def test_reward_mean_is_the_scores_and_shaped_reward_mean_the_learners():
+    result = step_result(rewards=(1.0, float("nan"), 3.0))
+    assert result.reward_mean == 2.0 == result["reward_mean"]  # NaN (a dropped sample) left out
+    assert result["shaped_reward_mean"] == result.learner.shaped_reward_mean
+    assert "reward_mean" not in result.learner.as_dict()
+    assert math.isnan(step_result(rewards=(float("nan"),)).reward_mean)
+
+
+def test_as_dict_is_the_flat_record_and_scalars_drop_the_lists():
+    result = step_result()
+    record = result.as_dict()
+    assert record["time/step_s"] == 4.0 and record["tokens_per_s"] == 5.0
+    assert record["score/reward_model"] == 2.0 and record["adapter_version"] == 3
+    assert set(dataclasses.asdict(result.learner)) <= set(record)
+    small = result.scalars()
+    assert "generated_texts" not in small and "rewards" not in small and small["step"] == 3
+    json.dumps(small)  # one JSONL line
+
+
+def test_extra_holds_the_evaluations_merged_by_train():
+    result = step_result()
+    result.extra.update(gold_val=0.9, eval_reward_mean=0.5)
+    assert result["gold_val"] == 0.9 and result.scalars()["eval_reward_mean"] == 0.5
+    assert len(result) == len(result.as_dict())

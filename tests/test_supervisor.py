@@ -1,0 +1,61 @@
+"""ppo_ray/supervisor.py: the one retry rule of the step, the prefetch and the sync, with
+stand-ins for the roles and the metrics (the real actor deaths run in test_faults.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ppo_ray.faults import StateLostError
+from ppo_ray.supervisor import Supervisor
+
+
+class FakeRoles:
+    def role_of(self, error):
+        return getattr(error, "role", "unknown")
+
+
+class FakeMetrics:
+    def __init__(self):
+        self.retried = []
+
+    def record_retry(self, role):
+        self.retried.append(role)
+
+
+def test_an_actor_failure_costs_one_retry_after_the_recovery():
+    metrics, recovered, attempts = FakeMetrics(), [], []
+    supervisor = Supervisor(FakeRoles(), metrics, max_retries=2)
+
+    def attempt(i):
+        attempts.append(i)
+        if i < 2:
+            raise StateLostError("generator-0", "came back without its adapter")
+        return "done"
+
+    assert supervisor.run(attempt, where="sync", step=4, recover=lambda: recovered.append(len(attempts))) == "done"
+    assert attempts == [0, 1, 2] and recovered == [1, 2]
+    assert supervisor.retries == [{"step": 4, "role": "generator-0", "where": "sync"}] * 2
+    assert metrics.retried == ["generator-0", "generator-0"]
+
+
+def test_out_of_retries_the_failure_is_raised():
+    supervisor = Supervisor(FakeRoles(), FakeMetrics(), max_retries=1)
+
+    def attempt(i):
+        raise StateLostError("learner", f"attempt {i}")
+
+    with pytest.raises(StateLostError, match="attempt 1"):
+        supervisor.run(attempt, where="step", step=1, recover=lambda: None)
+    assert len(supervisor.retries) == 1
+
+
+def test_other_errors_are_the_callers():
+    supervisor = Supervisor(FakeRoles(), FakeMetrics(), max_retries=3)
+    recovered = []
+
+    def attempt(i):
+        raise ValueError("bad reward")
+
+    with pytest.raises(ValueError, match="bad reward"):
+        supervisor.run(attempt, where="step", step=1, recover=lambda: recovered.append(1))
+    assert recovered == [] and supervisor.retries == []
