@@ -155,6 +155,24 @@ class Roles:
     def generator_versions(self) -> list[int]:
         return ray.get([g.version.remote() for g in self.generators])
 
+    def bring_generators_to(self, version: int, weights) -> None:
+        """Give every generator that holds another version (a restarted one: the base model)
+        adapter `version` from the object store entry `weights`."""
+        stale = [g for g, v in zip(self.generators, self.generator_versions()) if v != version]
+        if stale:
+            self.load_adapter(version, weights, restore=True, generators=stale)
+
+    @staticmethod
+    def intact(generation: Optional[Generation]) -> bool:
+        """Whether a generation's results are all still there (no replica died making them)."""
+        if generation is None:
+            return False
+        try:
+            ray.get(generation.summaries)
+            return True
+        except RETRYABLE:
+            return False
+
     def current_weights(self) -> tuple[int, Any]:
         """(the policy's version, ref of its LoRA weights) from rank 0."""
         version_ref, weights_ref = self.learner.current_weights.remote()

@@ -228,7 +228,7 @@ class PPOTrainer:
 
         def regenerate() -> None:
             self.roles.wait_for_actors()
-            self._ensure_generators_at(upcoming.version)
+            self.roles.bring_generators_to(upcoming.version, self._weights[upcoming.version])
             self._submit(upcoming)
 
         self.supervisor.run(lambda _: self.roles.fetch(upcoming.generation.summaries), where="prefetch",
@@ -373,14 +373,6 @@ class PPOTrainer:
             call = 2 if fault.phase == "prefetch" and not prefetched else 1
             self.roles.arm_fault(fault.role, fault.method, fault.when, call)
 
-    def _ensure_generators_at(self, version: int) -> None:
-        """Give every generator that holds another version (a restarted one: the base model)
-        the committed adapter `version` (the current one or, overlap mode, the one before)."""
-        versions = self.roles.generator_versions()
-        stale = [g for g, v in zip(self.roles.generators, versions) if v != version]
-        if stale:
-            self.roles.load_adapter(version, self._weights[version], restore=True, generators=stale)
-
     def _recover(self, current: Rollouts) -> None:
         """Back to the committed state after a failure before the commit point: wait for the
         restarts, re-form the learner group, restore every learner from the committed state
@@ -388,10 +380,10 @@ class PPOTrainer:
         step's rollouts if they were lost."""
         self.roles.wait_for_actors()
         self._restore_learners()
-        if not self._intact(current):
-            self._ensure_generators_at(current.version)
+        if not self.roles.intact(current.generation):
+            self.roles.bring_generators_to(current.version, self._weights[current.version])
             self._submit(current)  # same prompts, seeds and version: the same samples
-        self._ensure_generators_at(self.version)  # queued behind that generation
+        self.roles.bring_generators_to(self.version, self._weights[self.version])  # queued behind that generation
 
     def _restore_learners(self, best_effort: bool = False) -> None:
         """Every learner back to the committed state."""
@@ -401,15 +393,6 @@ class PPOTrainer:
             if not best_effort:
                 raise
             log.exception("could not put the learners back to the committed state after a failed step")
-
-    def _intact(self, rollouts: Rollouts) -> bool:
-        if rollouts.generation is None:
-            return False
-        try:
-            self.roles.fetch(rollouts.generation.summaries)
-            return True
-        except RETRYABLE:
-            return False
 
     # ------------------------------------------------------------------ many steps
     def _draw(self, ahead: int = 0) -> Rollouts:
