@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ppo_ray import tldr_synth as T
+from ppo_ray.tasks import tldr_synth as T
 from ppo_ray.data import TLDR_PROMPT, read_rows
 from ppo_ray.tasks.tldr_synth import (MAX_WORDS, SPLITS, generate_task, gold_compare, gold_details, gold_score, win_rate,
                                 write_task)
