@@ -126,7 +126,7 @@ class PPOConfig:
     value_model: str = "separate"
     """separate: the value model has its own backbone (+ LoRA + head), as in the seeds and N+; shared: a value head on the policy's trunk, so one forward gives both logprobs and values (half the learner's forward/backward work; the value loss, weighted by vf_coef, then also trains the policy's LoRA)."""
     vf_coef: float = 0.1
-    """value_model: shared only: weight of the value loss in the loss that trains the shared LoRA (TRL / N+'s 0.1). With separate models each has its own Adam, which makes a weight moot."""
+    """value_model: shared only: weight of the value loss in the loss that trains the shared LoRA (TRL / N+'s 0.1). With separate models each has its own Adam, which makes a weight moot. On the bundled task 0.02 learned about as well as separate models and 0.1 / 0.5 clearly worse (benchmarks/RESULTS.md, issue 16)."""
     lora_target_modules: list[str] = field(default_factory=lambda: list(ALL_PROJECTIONS))
     """Modules that receive LoRA adapters (default: all attention and MLP projections)."""
     dtype: str = "float32"
