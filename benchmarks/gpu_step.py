@@ -194,6 +194,7 @@ class Timer:
     def __call__(self, fn, *args, **kwargs) -> tuple[Any, float, Optional[float]]:
         self.now()  # the queued work before the phase is not the phase's
         if self.cuda:
+            self.torch.cuda.empty_cache()  # the last phase's cached blocks: one phase's peak at a time
             self.torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         value = fn(*args, **kwargs)
@@ -281,6 +282,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--time_budget_s", type=float, default=420.0,
                    help="start no new step after this many seconds (the JSON keeps what was measured)")
+    p.add_argument("--generate_cache", default="dynamic", choices=("dynamic", "static"),
+                   help="HF generate's KV cache: dynamic (its default: grown by concatenation every token) or "
+                        "static (allocated once for prompt + max_new_tokens)")
     p.add_argument("--extras", default="true", choices=("true", "false"),
                    help="after the steps, the one-off phases (reference actor, LoRA merge, generate_merged)")
     p.add_argument("--out", default=None)
@@ -326,6 +330,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                                      *(["--micro_batch_size", str(args.micro_batch_size)]
                                        if args.micro_batch_size else []), *args.config_overrides])
         baseline = Baseline(config, device=device)
+        baseline.generate_cache = None if args.generate_cache == "dynamic" else args.generate_cache
         reference = ReferenceScorer(str(lm_dir), temperature=config.temperature, dtype=config.dtype,
                                     micro_batch_size=config.micro_batch_size, device=device)
         n_params = sum(p.numel() for p in reference.model.parameters())
@@ -337,7 +342,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                                                               "learner_sort_by_length", "logprob_chunk_size",
                                                               "lora_kernel", "rms_norm_kernel",
                                                               "gradient_checkpointing", "learner_compile",
-                                                              "value_model")})
+                                                              "value_model")}, generate_cache=args.generate_cache)
         save()
         timer = Timer(device)
         for b in args.batch_sizes:

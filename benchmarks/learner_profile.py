@@ -54,6 +54,9 @@ for _mb in (2, 8, 16, 32, 64, 128):
     VARIANTS[f"all_mb{_mb}"] = dict(FAST, micro_batch_size=_mb)
     VARIANTS[f"all_gc_mb{_mb}"] = dict(FAST, micro_batch_size=_mb, gradient_checkpointing=True)
     VARIANTS[f"all_compile_mb{_mb}"] = dict(FAST, micro_batch_size=_mb, learner_compile=True)
+    # lora_kernel: merged instead of fused (one GEMM with W + s B A per projection)
+    VARIANTS[f"merged_mb{_mb}"] = dict(FAST, lora_kernel="merged", micro_batch_size=_mb)
+    VARIANTS[f"merged_compile_mb{_mb}"] = dict(FAST, lora_kernel="merged", micro_batch_size=_mb, learner_compile=True)
 
 
 def synthetic_batch(batch_size: int, prompt_len: tuple[int, int], response_len: tuple[int, int], vocab: int,

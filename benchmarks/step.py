@@ -372,6 +372,7 @@ class Baseline:
 
         self.config = config
         self.device = device
+        self.generate_cache: Optional[str] = None  # HF generate's cache_implementation (None: its default)
         model_dir = resolve_model_path(config.model_name)
         value_dir = resolve_model_path(config.value_model_name) if config.value_model_name else None
         self.tokenizer = load_tokenizer(model_dir)
@@ -401,22 +402,32 @@ class Baseline:
         torch.manual_seed(cfg.seed * 1_000_003 + step)
         policy = self.learner.policy
         policy.eval()
-        with torch.no_grad():
+        # learner_compile compiles the policy's decoder layers for the learner's shapes; every
+        # new decode shape would recompile them (the real generator is vLLM, not compiled here)
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             out = policy.generate(
                 input_ids=prompt_ids.to(self.device), attention_mask=prompt_mask.long().to(self.device), do_sample=True,
                 temperature=cfg.temperature, top_k=cfg.top_k if cfg.top_k > 0 else 0, top_p=cfg.top_p,
                 max_new_tokens=cfg.max_new_tokens, eos_token_id=eos, pad_token_id=pad,
-                output_scores=True, return_dict_in_generate=True)
-        response = out.sequences[:, p:].cpu()  # (B, T) HF pads finished rows with pad
+                output_scores=True, return_dict_in_generate=True,
+                **({"cache_implementation": self.generate_cache} if self.generate_cache else {}))
+        response = out.sequences[:, p:]  # (B, T) HF pads finished rows with pad
         t = response.shape[1]
+        # The processed scores (after temperature / top-k / top-p) are what was sampled from;
+        # one step at a time (all of them at once are B x T x V float32: 16.5 GB at B=512).
+        scores = list(out.scores)
+        del out
+        logprobs = torch.empty(response.shape, dtype=torch.float32)
+        for j in range(t):
+            step_scores = scores[j]
+            scores[j] = None
+            logprobs[:, j] = torch.log_softmax(step_scores.float(), dim=-1).gather(
+                -1, response[:, j:j + 1]).squeeze(-1).cpu()
+        del scores, step_scores
+        response = response.cpu()
         is_eos = response == eos
         first_eos = torch.where(is_eos, torch.arange(t), torch.full_like(response, t)).amin(dim=1)  # (B,)
         response_mask = torch.arange(t)[None, :] <= first_eos[:, None]  # up to and including EOS
-        # The processed scores (after temperature / top-k / top-p) are what was sampled from.
-        scores = torch.stack(out.scores, dim=1).float()  # (B, T, V)
-        logprobs = torch.log_softmax(scores, dim=-1).gather(
-            -1, response[..., None].to(scores.device)).squeeze(-1).cpu()  # (B, T)
-        del scores, out
         gen_logprobs = torch.where(response_mask, logprobs, torch.zeros(()))
         has_eos = first_eos < t
         lengths = response_mask.sum(dim=1)

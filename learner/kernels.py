@@ -1,5 +1,5 @@
 """Leaner forwards for the learner's models: PEFT's LoRA Linear layers (``lora_kernel:
-fused``) and the decoders' RMSNorms (``rms_norm_kernel: fused``).
+fused | merged``) and the decoders' RMSNorms (``rms_norm_kernel: fused``).
 
 Why (benchmarks/RESULTS.md, the learner profile of 2026-11-26 on an H100): the learner's
 update is bound by the host issuing ~100k small kernels per update, not by the GPU's
@@ -35,6 +35,23 @@ every micro-batch's backward) into the float32 parameters. With a
 float32 model it is PEFT's computation with the addition folded into the GEMM (equal up to
 float rounding: tests/test_learner_speed.py). Only vanilla LoRA on nn.Linear is handled
 (no DoRA, no lora_bias, one active adapter); other cases fall back to PEFT's forward.
+
+``merged`` goes one step further: the forward is one GEMM with the merged weight, and the
+backward computes the adapters' gradients from the factors (``_MergedLoRA``)::
+
+    W' = W + s B A                                # (out, in), one addmm per forward, rounded once
+    result = x @ W'^T                             # no LoRA kernels in the forward at all
+    backward: dx = g @ W'                         # the base and LoRA input gradients in one GEMM
+              dB = s g^T (x A^T),  dA = s (g B)^T x
+
+so per projection the forward loses the (N, r) GEMM and the addmm that reads and rewrites
+the (N, out) output, and the backward loses the (N, in) LoRA input gradient and its sum
+with the base's. In float32 it is PEFT's function up to float rounding; under bfloat16 the
+forward sees W + s B A rounded to bfloat16 once (as mixed-precision full fine-tuning sees
+its float32 master weights: a change of A, B below half a bfloat16 ulp of W is invisible
+to the forward until it accumulates), while the gradients stay those of the factors and
+the masters stay float32. Active LoRA dropout (the learner's PPO forwards run without it by
+default, ``learner_dropout``) falls back to the fused forward, whose dropout is on x only.
 """
 
 from __future__ import annotations
@@ -63,6 +80,30 @@ def _cast(self, which: str, name: str, dtype: torch.dtype) -> Tensor:
     return cache[key]
 
 
+class _MergedLoRA(torch.autograd.Function):
+    """y = x @ (W + s B A)^T + bias with the gradients of x, A and B (W and bias frozen);
+    see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias, a: Tensor, b: Tensor, scale: float) -> Tensor:
+        merged = torch.addmm(weight, b, a, alpha=scale)  # (out, in) in the weight's dtype
+        ctx.save_for_backward(x, merged, a, b)
+        ctx.scale = scale
+        return torch.nn.functional.linear(x, merged, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, merged, a, b = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])  # (N, out)
+        x2 = x.reshape(-1, x.shape[-1])  # (N, in)
+        dx = (g @ merged).view(x.shape) if ctx.needs_input_grad[0] else None
+        da = db = None
+        if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
+            db = (g.t() @ (x2 @ a.t())).mul_(ctx.scale)  # (out, r) = s g^T (x A^T)
+            da = ((g @ b).t() @ x2).mul_(ctx.scale)  # (r, in) = s (g B)^T x
+        return dx, None, None, da, db, None
+
+
 def _fused_forward(self, x: Tensor, *args, **kwargs) -> Tensor:
     adapters = self.active_adapters
     if (self.disable_adapters or self.merged or len(adapters) != 1 or kwargs.get("adapter_names") is not None
@@ -70,6 +111,14 @@ def _fused_forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         return type(self).forward(self, x, *args, **kwargs)  # PEFT's own path
     name = adapters[0]
     kwargs.pop("adapter_names", None)
+    base = self.base_layer
+    if (self.__dict__.get("_lora_kernel") == "merged" and not args and not kwargs
+            and isinstance(self.lora_dropout[name], torch.nn.Identity | torch.nn.Dropout)
+            and not (self.lora_dropout[name].training and getattr(self.lora_dropout[name], "p", 0.0) > 0)
+            and not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)):
+        dtype = base.weight.dtype
+        return _MergedLoRA.apply(x.to(dtype), base.weight, base.bias, _cast(self, "lora_A", name, dtype),
+                                 _cast(self, "lora_B", name, dtype), float(self.scaling[name]))
     result = self.base_layer(x, *args, **kwargs)  # (..., out) in the base's dtype
     dtype = result.dtype
     a = _cast(self, "lora_A", name, dtype)  # (r, in)
@@ -80,25 +129,29 @@ def _fused_forward(self, x: Tensor, *args, **kwargs) -> Tensor:
     return out.view(result.shape)
 
 
-def fuse_lora_linears(model: torch.nn.Module, fused: bool = True) -> int:
-    """Give every PEFT LoRA ``Linear`` in ``model`` the fused forward (an instance-level
-    override; PEFT's merge / unmerge / disable_adapter still work, the last by falling back
-    to PEFT's forward), or with ``fused=False`` take it away again. Returns how many layers
-    were changed; refuses LoRA variants."""
+def fuse_lora_linears(model: torch.nn.Module, kernel: str = "fused") -> int:
+    """Give every PEFT LoRA ``Linear`` in ``model`` the ``fused`` or ``merged`` forward (an
+    instance-level override; PEFT's merge / unmerge / disable_adapter still work, the last by
+    falling back to PEFT's forward), or with ``kernel="peft"`` take it away again. Returns
+    how many layers were changed; refuses LoRA variants."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
+    if kernel not in ("peft", "fused", "merged"):
+        raise ValueError(f"lora kernel must be peft, fused or merged, not {kernel!r}")
     n = 0
     for module_name, module in model.named_modules():
         if not isinstance(module, LoraLinear):
             continue
-        if not fused:
+        if kernel == "peft":
+            module.__dict__.pop("_lora_kernel", None)
             n += module.__dict__.pop("forward", None) is not None
             continue
         if getattr(module, "lora_variant", None) or any(getattr(module, "lora_bias", {}).values()) \
                 or any(getattr(module, "use_dora", {}).values()):
-            raise ValueError(f"lora_kernel=fused handles vanilla LoRA only; {module_name} uses a variant "
+            raise ValueError(f"lora_kernel={kernel} handles vanilla LoRA only; {module_name} uses a variant "
                              f"(DoRA / lora_bias): use lora_kernel=peft")
         module.forward = types.MethodType(_fused_forward, module)
+        module.__dict__["_lora_kernel"] = kernel
         n += 1
     return n
 

@@ -223,8 +223,8 @@ class Learner:
         # the plain path: logits from the CausalLM's forward, all positions at once (a shared
         # trunk needs the hidden states themselves: the decoder path)
         self._plain_logits = not self._causal and cfg.logprob_chunk_size == 0 and not self._shared
-        fuse_lora_linears(self.policy, cfg.lora_kernel == "fused")
-        fuse_lora_linears(self.value_model, cfg.lora_kernel == "fused")
+        fuse_lora_linears(self.policy, cfg.lora_kernel)
+        fuse_lora_linears(self.value_model, cfg.lora_kernel)
         fuse_rms_norms(self.policy, cfg.rms_norm_kernel == "fused")
         fuse_rms_norms(self.value_model, cfg.rms_norm_kernel == "fused")
         bases = [policy_base] if value_base is None else [policy_base, value_base]

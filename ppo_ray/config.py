@@ -184,7 +184,7 @@ class PPOConfig:
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward (policy and value models, PPO epochs only): less memory for bigger micro-batches, one more forward of compute."""
     lora_kernel: str = "peft"
-    """LoRA forward in the learner's models: peft (PEFT's: float32 adapters upcast the input and output of every projection under bfloat16) or fused (base output + s*(x@A^T)@B^T in one addmm, in the model's dtype; adapters stay float32 master weights). Equal in float32 up to rounding."""
+    """LoRA forward in the learner's models: peft (PEFT's: float32 adapters upcast the input and output of every projection under bfloat16), fused (base output + s*(x@A^T)@B^T in one addmm, in the model's dtype; adapters stay float32 master weights) or merged (one GEMM with W + s*B@A, the adapters' gradients from the factors: no LoRA kernels in the forward; under bfloat16 the forward sees the merged weight rounded once, as mixed precision sees master weights). Equal in float32 up to rounding."""
     learner_compile: bool = False
     """torch.compile each decoder layer of the learner's policy and value models (dynamic shapes; the first micro-batches pay the compile)."""
 
@@ -399,7 +399,7 @@ class PPOConfig:
             "placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
             "dtype": DTYPE_NAMES,
             "learner_layout": ("masked", "causal"),
-            "lora_kernel": ("peft", "fused"),
+            "lora_kernel": ("peft", "fused", "merged"),
             "rms_norm_kernel": ("hf", "fused"),
             "lr_scheduler": ("constant", "linear"),
             "log_level": LOG_LEVELS,

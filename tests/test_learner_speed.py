@@ -8,7 +8,8 @@ Each option of ppo_ray.config's "learner speed" block is checked against the pla
 * logprob_chunk_size (lm_head + logprobs a chunk of real tokens at a time, recomputed in
   the backward) == all positions at once, values and gradients;
 * lora_kernel=fused == PEFT's LoRA forward, values and gradients, also with the casts
-  cached across micro-batches; rms_norm_kernel=fused == HF's RMSNorm;
+  cached across micro-batches; lora_kernel=merged (one GEMM with W + s B A, the factors'
+  gradients by hand) likewise; rms_norm_kernel=fused == HF's RMSNorm;
 * learner_sort_by_length (length-sorted micro-batches) and gradient_checkpointing give the
   same update;
 * all of them together give the same update (stats and new weights within 1e-5).
@@ -92,9 +93,9 @@ def test_causal_sequences_move_each_row_to_column_zero(special):
 
 
 @pytest.mark.parametrize("options", [dict(learner_layout="causal"), dict(logprob_chunk_size=5),
-                                     dict(lora_kernel="fused"), dict(rms_norm_kernel="fused"),
-                                     dict(learner_sort_by_length=True), FAST],
-                         ids=["causal", "chunked", "fused_lora", "fused_norm", "sorted", "all"])
+                                     dict(lora_kernel="fused"), dict(lora_kernel="merged"),
+                                     dict(rms_norm_kernel="fused"), dict(learner_sort_by_length=True), FAST],
+                         ids=["causal", "chunked", "fused_lora", "merged_lora", "fused_norm", "sorted", "all"])
 def test_no_grad_pass_equals_plain(tiny_path, plain, options):
     """Old logprobs (truncated), full logprobs, entropy and values of every real token."""
     b, _, _, before, _, _ = plain
@@ -102,9 +103,11 @@ def test_no_grad_pass_equals_plain(tiny_path, plain, options):
 
 
 @pytest.mark.parametrize("options", [dict(learner_layout="causal"), dict(logprob_chunk_size=5),
-                                     dict(lora_kernel="fused"), dict(learner_sort_by_length=True),
-                                     dict(gradient_checkpointing=True), FAST],
-                         ids=["causal", "chunked", "fused_lora", "sorted", "checkpointed", "all"])
+                                     dict(lora_kernel="fused"), dict(lora_kernel="merged"),
+                                     dict(learner_sort_by_length=True), dict(gradient_checkpointing=True), FAST,
+                                     dict(FAST, lora_kernel="merged", gradient_checkpointing=True)],
+                         ids=["causal", "chunked", "fused_lora", "merged_lora", "sorted", "checkpointed", "all",
+                              "all_merged_checkpointed"])
 def test_update_equals_plain(tiny_path, plain, options):
     """Two PPO epochs x two minibatches x micro-batches of 2: every stat and the new
     adapter equal the plain path's (float32, float summation order only)."""
@@ -201,14 +204,21 @@ def test_fused_lora_equals_peft_with_cached_casts(tiny_path):
     fused2 = model()
     fuse_lora_linears(fused2)
     cached_out, cached_grads = run(fused2, cache=True)
+    merged = model()
+    assert fuse_lora_linears(merged, "merged") == 3 * 2
+    merged_out, merged_grads = run(merged, cache=True)
     def rel(a, b) -> float:  # bf16 compute vs PEFT's float32 LoRA: equal up to bf16 rounding
         return float((a - b).norm() / b.norm())
 
-    for a, b in zip(fused_out, peft_out):
+    for a, b, c in zip(fused_out, peft_out, merged_out):
         assert rel(a, b) < 0.02
+        assert rel(c, b) < 0.02  # W + s B A rounded to bf16 once
     for k in peft_grads:
         assert rel(fused_grads[k], peft_grads[k]) < 0.05, k
+        assert rel(merged_grads[k], peft_grads[k]) < 0.05, k
         assert torch.equal(cached_grads[k], fused_grads[k]), k  # the cache changes nothing
+    assert fuse_lora_linears(merged, "peft") == 3 * 2 and "_lora_kernel" not in vars(merged.base_model.model.model
+                                                                                        .layers[0].self_attn.q_proj)
     with torch.no_grad(), fused.disable_adapter():
         base_logits = fused(input_ids=ids[0]).logits
     with torch.no_grad():
@@ -335,3 +345,16 @@ def test_shared_trunk_refuses_a_value_model_of_its_own():
         PPOConfig(value_model="shared", value_model_name="rm")
     with pytest.raises(ConfigError, match="value_model"):
         PPOConfig(value_model="twin")
+
+
+def test_merged_lora_runs_in_the_learners_forwards(tiny_path, plain, monkeypatch):
+    """lora_kernel=merged is not silently PEFT's or the fused path: the no-grad pass and the
+    PPO epochs go through _MergedLoRA (dropout is off in the learner's forwards by default)."""
+    import learner.kernels as kernels
+
+    calls = []
+    apply = kernels._MergedLoRA.apply
+    monkeypatch.setattr(kernels._MergedLoRA, "apply", lambda *a: calls.append(torch.is_grad_enabled()) or apply(*a))
+    b, ref, scores, _, _, _ = plain
+    learner_with(tiny_path, lora_kernel="merged").update(b, ref, scores)
+    assert False in calls and True in calls  # the no-grad pass and the epochs
