@@ -162,6 +162,43 @@ def split_timing(learner, batch, sync: Sync, reps: int = 3) -> dict:
     return out
 
 
+def sync_report(learner, batch, ref, scores, path: Path) -> dict:
+    """One update with CUDA's sync debug mode on: every operation that makes the host wait
+    for the GPU (an .item(), a device-to-host copy, ...) warns; the distinct Python stacks
+    and their counts go to `path` (a host that waits cannot queue work ahead of the GPU)."""
+    import collections
+    import traceback
+    import warnings
+
+    import torch
+
+    stacks: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" in str(message):
+            frames = [f for f in traceback.format_stack()[:-1] if "/warnings.py" not in f]
+            stacks["".join(frames[-12:])] += 1
+
+    before = warnings.showwarning
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                learner.update(replace(batch, adapter_version=learner.version), ref, scores)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = before
+    lines = [f"{sum(stacks.values())} synchronizing calls in one update, {len(stacks)} distinct stacks"]
+    for stack, n in stacks.most_common(25):
+        lines += [f"\n===== {n} x", stack]
+    path.write_text("\n".join(lines))
+    return {"sync_calls": sum(stacks.values()), "sync_stacks": len(stacks)}
+
+
 def profile_update(learner, batch, ref, scores, path: Path) -> dict:
     """One update under torch.profiler: top CUDA kernels and top CPU ops to `path`; the
     sum of kernel time vs the wall time (how busy the GPU is)."""
@@ -199,6 +236,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--response_len", default="53:53")
     p.add_argument("--device", default=None)
     p.add_argument("--time_budget_s", type=float, default=240.0)
+    p.add_argument("--sync_report", default="", help="variants whose host-GPU syncs are listed (CUDA only; "
+                   "to --trace_dir as syncs_<variant>.txt)")
+    p.add_argument("--skip_guards", default="", help="variants also timed under torch.compiler.set_stance("
+                   "skip_guard_eval_unsafe=True) (the compiled layers' guard checks skipped after the warm-up)")
+    p.add_argument("--no_cudnn_sdpa", action="store_true",
+                   help="torch.backends.cuda.enable_cudnn_sdp(False): SDPA's flash kernel instead of cuDNN's")
     p.add_argument("--out", default=None)
     p.add_argument("--trace_dir", default=None)
     args = p.parse_args(argv)
@@ -220,11 +263,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     deadline = t_start + args.time_budget_s
     device = str(pick_device(args.device))
     sync = Sync(device)
+    if args.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     shape = MODELS[args.model]
     info = machine(device)
     peak = peak_flops(info.get("gpu", ""))
     result: dict[str, Any] = {"command": "python -m benchmarks.learner_profile " + " ".join(
-        sys.argv[1:] if argv is None else argv), "machine": info, "peak_bf16_flops": peak, "variants": {}}
+        sys.argv[1:] if argv is None else argv), "machine": info, "peak_bf16_flops": peak,
+        "cudnn_sdpa": not args.no_cudnn_sdpa, "variants": {}}
 
     def save() -> None:
         if args.out:
@@ -273,6 +319,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                     row["mfu_update"] = flops["update"] / row["update_s"] / peak
                     row["mfu_learner"] = (flops["update"] + flops["learner_forward"]) / row["total_s"] / peak
                     row["tflops_update"] = flops["update"] / row["update_s"] / 1e12
+                if name in args.skip_guards.split(","):
+                    with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                        skip = run_update(learner, batch, ref, scores, sync)
+                    row.update({f"skip_guards_{k}": v for k, v in skip.items() if k.endswith("_s")})
+                if name in args.sync_report.split(",") and device.startswith("cuda") and args.trace_dir:
+                    Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+                    row.update(sync_report(learner, batch, ref, scores, Path(args.trace_dir) / f"syncs_{name}.txt"))
                 if name in args.split.split(","):
                     row["split"] = split_timing(learner, batch, sync)
                 if name in args.profile.split(",") and device.startswith("cuda") and args.trace_dir:
@@ -289,7 +342,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             print(f"[learner_profile] {name}: " + " ".join(
                 f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
                 if k in ("learner_forward_s", "update_s", "peak_gib", "padded_token_ratio", "mfu_update",
-                         "mfu_learner", "warmup_wall_s", "error")), file=sys.stderr, flush=True)
+                         "mfu_learner", "warmup_wall_s", "skip_guards_update_s", "skip_guards_learner_forward_s",
+                         "sync_calls", "error")), file=sys.stderr, flush=True)
             save()
     result["total_s"] = time.perf_counter() - t_start
     save()

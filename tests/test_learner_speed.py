@@ -358,3 +358,22 @@ def test_merged_lora_runs_in_the_learners_forwards(tiny_path, plain, monkeypatch
     b, ref, scores, _, _, _ = plain
     learner_with(tiny_path, lora_kernel="merged").update(b, ref, scores)
     assert False in calls and True in calls  # the no-grad pass and the epochs
+
+
+def test_lora_export_in_one_flat_copy_equals_per_tensor_copies():
+    """learner._tensors_to_cpu's one-transfer path (what a GPU learner takes): the same values,
+    shapes, dtypes and key order as per-tensor copies, each tensor contiguous with its own
+    storage (safetensors refuses shared storage) and not the source's."""
+    from learner.learner import _tensors_to_cpu as _to_cpu
+
+    g = torch.Generator().manual_seed(0)
+    src = {"a": torch.randn(4, 3, generator=g), "b": torch.randn(2, 5, generator=g).t(),
+           "c": torch.randn(7, generator=g).to(torch.bfloat16), "d": torch.randn(3, 1, generator=g)}
+    flat, plain = _to_cpu(src, flat=True), _to_cpu(src)
+    assert list(flat) == list(src) == list(plain)
+    for k in src:
+        assert torch.equal(flat[k], src[k]) and torch.equal(plain[k], src[k])
+        assert flat[k].dtype == src[k].dtype and flat[k].is_contiguous()
+        assert flat[k].untyped_storage().data_ptr() != src[k].untyped_storage().data_ptr()
+    ptrs = [flat[k].untyped_storage().data_ptr() for k in flat]
+    assert len(set(ptrs)) == len(ptrs)
