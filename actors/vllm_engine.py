@@ -47,16 +47,17 @@ CPU thread binding
     already set (set ``VLLM_CPU_OMP_THREADS_BIND`` yourself, e.g. per Ray actor, to
     override; ``nobind`` disables binding). The variable is set only while the
     engine starts, then restored.
-The engine core in this process (CPU)
-    On the CPU, ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (unless the variable is already set):
-    vLLM's V1 engine core then runs in the calling process (here, the generator's Ray
-    actor) instead of a spawned process that talks to it over ZMQ every step. Measured on
-    the 2-core VM (tiny model, 64 prompts x 40-60 tokens, 16 new tokens, per-request seeds,
-    processed logprobs, ``detokenize=False``, median of 5 after 2 warm-ups, alternating
-    runs): ``llm.generate`` 0.33-0.34 s -> 0.18-0.23 s, the engine start 21-22 s -> 4 s
-    (no second Python process to import vLLM and torch into). HF ``generate`` on the same
-    work: 0.157 s. The two processes competed for the two cores at every step. On a GPU
-    vLLM's default (a separate engine-core process) is kept: not measured there.
+The engine core's process
+    vLLM's default is kept here: the V1 engine core (and on the CPU its worker) run in
+    spawned processes. ppo_ray.placement starts a CPU-only generator actor with
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` instead (unless the driver's environment sets it),
+    so its engine core runs in the actor's own process. Measured on the 2-core VM
+    (``benchmarks.generate_cpu``, the tiny model, 64 prompts x 16 tokens): ``generate``
+    0.33-0.34 s -> 0.18-0.23 s, engine start 21-22 s -> 4 s; in the trainer 45 -> 22 s of
+    start. Not the default for every caller, because in-process vLLM changes its process:
+    after binding its threads the CPU worker makes ``torch.set_num_threads`` a no-op, and it
+    seeds the global random generators. That is harmless in an actor that only generates,
+    and wrong in a test session or a script that also trains.
 ``enable_lora`` / ``max_lora_rank`` / ``max_loras``
     Needed to serve PEFT adapters with ``LoRARequest``. An engine built with LoRA
     enabled gives the same outputs as without when no adapter is requested.
@@ -188,8 +189,6 @@ def build_llm(
             )
         if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_list()
-        if "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     else:
         if kv_cache_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * _GIB)

@@ -7,9 +7,10 @@ logprobs, no detokenisation: what the generator asks for).
 
 Each run builds one engine (or loads the model once), generates twice to warm up, then
 `--repeats` times; prints JSON with the times, their median and the engine's start.
-``--engine_core process`` sets VLLM_ENABLE_V1_MULTIPROCESSING=1 (vLLM's own default: the
-engine core in a spawned process); ``inproc`` leaves build_llm's CPU default (in this
-process). One engine per process: compare modes in separate runs, alternating.
+``--engine_core inproc`` sets VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine core in this
+process: what ppo_ray.placement gives a CPU generator actor), ``process`` sets it to 1
+(vLLM's and build_llm's default: a spawned engine-core process). One engine per process:
+compare modes in separate runs, alternating.
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2, help="torch threads of HF generate")
     args = p.parse_args()
-    if args.engine_core == "process":
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if args.engine_core == "inproc" else "1"
 
     import torch
 

@@ -532,6 +532,11 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
         # vLLM's, transformers' and torch's own messages cut to errors unless log_level is
         # debug (ppo_ray.logs.quiet_env; a variable set in the driver's environment wins).
         env = quiet_env(config.log_level)
+        if d.role.startswith("generator") and not d.gpus:
+            # the vLLM engine core in the actor's own process (actors.vllm_engine: on 2 CPU
+            # cores 1.5-1.9x faster generation, 4 s instead of 21 s to start); the driver's
+            # environment wins
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # max_restarts: Ray re-runs a dead actor's constructor (the trainer then re-syncs its
         # adapter / restores the learner's checkpoint and retries the step); calls are not
         # retried by Ray itself (max_task_retries=0): the trainer decides what is safe to redo.
