@@ -179,19 +179,14 @@ def sync_report(learner, batch, ref, scores, path: Path) -> dict:
             frames = [f for f in traceback.format_stack()[:-1] if "/warnings.py" not in f]
             stacks["".join(frames[-12:])] += 1
 
-    before = warnings.showwarning
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                learner.update(replace(batch, adapter_version=learner.version), ref, scores)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = before
+    with warnings.catch_warnings():  # restores the filters and showwarning on exit
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            learner.update(replace(batch, adapter_version=learner.version), ref, scores)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     lines = [f"{sum(stacks.values())} synchronizing calls in one update, {len(stacks)} distinct stacks"]
     for stack, n in stacks.most_common(25):
         lines += [f"\n===== {n} x", stack]

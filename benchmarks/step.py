@@ -417,14 +417,11 @@ class Baseline:
         # one step at a time (all of them at once are B x T x V float32: 16.5 GB at B=512).
         scores = list(out.scores)
         del out
-        logprobs = torch.empty(response.shape, dtype=torch.float32)
+        logprobs = torch.empty(response.shape, dtype=torch.float32, device=response.device)
         for j in range(t):
-            step_scores = scores[j]
-            scores[j] = None
-            logprobs[:, j] = torch.log_softmax(step_scores.float(), dim=-1).gather(
-                -1, response[:, j:j + 1]).squeeze(-1).cpu()
-        del scores, step_scores
-        response = response.cpu()
+            logprobs[:, j] = torch.log_softmax(scores[j].float(), dim=-1).gather(-1, response[:, j:j + 1]).squeeze(-1)
+            scores[j] = None  # freed as we go
+        logprobs, response = logprobs.cpu(), response.cpu()
         is_eos = response == eos
         first_eos = torch.where(is_eos, torch.arange(t), torch.full_like(response, t)).amin(dim=1)  # (B,)
         response_mask = torch.arange(t)[None, :] <= first_eos[:, None]  # up to and including EOS

@@ -51,7 +51,7 @@ forward sees W + s B A rounded to bfloat16 once (as mixed-precision full fine-tu
 its float32 master weights: a change of A, B below half a bfloat16 ulp of W is invisible
 to the forward until it accumulates), while the gradients stay those of the factors and
 the masters stay float32. Active LoRA dropout (the learner's PPO forwards run without it by
-default, ``learner_dropout``) falls back to the fused forward, whose dropout is on x only.
+default, ``ppo_dropout``) falls back to the fused forward, whose dropout is on x only.
 """
 
 from __future__ import annotations
@@ -111,10 +111,10 @@ def _fused_forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         return type(self).forward(self, x, *args, **kwargs)  # PEFT's own path
     name = adapters[0]
     kwargs.pop("adapter_names", None)
-    base = self.base_layer
-    if (self.__dict__.get("_lora_kernel") == "merged" and not args and not kwargs
-            and isinstance(self.lora_dropout[name], torch.nn.Identity | torch.nn.Dropout)
-            and not (self.lora_dropout[name].training and getattr(self.lora_dropout[name], "p", 0.0) > 0)
+    base, drop = self.base_layer, self.lora_dropout[name]
+    no_dropout = isinstance(drop, torch.nn.Identity) or (isinstance(drop, torch.nn.Dropout)
+                                                          and (not drop.training or drop.p == 0))
+    if (self.__dict__.get("_lora_kernel") == "merged" and no_dropout and not args and not kwargs
             and not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)):
         dtype = base.weight.dtype
         return _MergedLoRA.apply(x.to(dtype), base.weight, base.bias, _cast(self, "lora_A", name, dtype),

@@ -130,8 +130,7 @@ class RolloutScores:
     values: Optional[Tensor]         # (B, T) float32 V(s_t)
 
 
-
-def _tensors_to_cpu(tensors: dict[str, Tensor], flat: Optional[bool] = None) -> dict[str, Tensor]:
+def _tensors_to_cpu(tensors: dict[str, Tensor], flat: bool = False) -> dict[str, Tensor]:
     """Independent contiguous CPU copies of `tensors`. Tensors on an accelerator (or all,
     with flat=True) travel as one flat copy per dtype: one device-to-host transfer (one wait
     for the device) instead of one per tensor (392 for Qwen3-0.6B's adapter, measured:
@@ -144,10 +143,11 @@ def _tensors_to_cpu(tensors: dict[str, Tensor], flat: Optional[bool] = None) -> 
         else:
             groups.setdefault(v.dtype, []).append(k)
     for keys in groups.values():
-        flat = torch.cat([tensors[k].reshape(-1) for k in keys]).cpu()
-        for k, piece in zip(keys, flat.split([tensors[k].numel() for k in keys])):
+        joined = torch.cat([tensors[k].reshape(-1) for k in keys]).cpu()
+        for k, piece in zip(keys, joined.split([tensors[k].numel() for k in keys])):
             out[k] = piece.view(tensors[k].shape).clone()
     return {k: out[k] for k in tensors}
+
 
 class Learner:
     """Policy (base + PEFT LoRA) and value model (own backbone + LoRA + head), PPO updates."""
