@@ -342,7 +342,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                                                               "learner_sort_by_length", "logprob_chunk_size",
                                                               "lora_kernel", "rms_norm_kernel",
                                                               "gradient_checkpointing", "learner_compile",
-                                                              "value_model")}, generate_cache=args.generate_cache)
+                                                              "learner_compile_scope", "value_model")}, generate_cache=args.generate_cache)
         save()
         timer = Timer(device)
         for b in args.batch_sizes:

@@ -57,6 +57,10 @@ for _mb in (2, 8, 16, 32, 64, 128):
     # lora_kernel: merged instead of fused (one GEMM with W + s B A per projection)
     VARIANTS[f"merged_mb{_mb}"] = dict(FAST, lora_kernel="merged", micro_batch_size=_mb)
     VARIANTS[f"merged_compile_mb{_mb}"] = dict(FAST, lora_kernel="merged", micro_batch_size=_mb, learner_compile=True)
+    # the whole decoder compiled as one graph (a learner's compile scope is fixed once compiled:
+    # run these in their own process, not after a layer-compiled variant)
+    VARIANTS[f"merged_dcompile_mb{_mb}"] = dict(FAST, lora_kernel="merged", micro_batch_size=_mb, learner_compile=True,
+                                                learner_compile_scope="decoder")
 
 
 def synthetic_batch(batch_size: int, prompt_len: tuple[int, int], response_len: tuple[int, int], vocab: int,

@@ -161,7 +161,8 @@ class Learner:
         "kl_estimator", "kl_target", "kl_horizon", "reward_shaping", "nonfinite_reward", "overlap_generation",
         "temperature", "top_k", "top_p", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
         "ppo_dropout", "value_model", "value_model_name", "learner_sort_by_length", "learner_layout",
-        "logprob_chunk_size", "rms_norm_kernel", "gradient_checkpointing", "lora_kernel", "learner_compile")
+        "logprob_chunk_size", "rms_norm_kernel", "gradient_checkpointing", "lora_kernel", "learner_compile",
+        "learner_compile_scope")
 
     def __init__(self, config: PPOConfig | ConfigSlice, model_path: str, value_model_path: Optional[str] = None,
                  device: Optional[str] = None):
@@ -226,7 +227,7 @@ class Learner:
     def _speed_options(self) -> None:
         """Apply the config's learner speed options (ppo_ray.config: learner_layout,
         learner_sort_by_length, logprob_chunk_size, lora_kernel, rms_norm_kernel,
-        gradient_checkpointing, learner_compile). With all
+        gradient_checkpointing, learner_compile, learner_compile_scope). With all
         of them at their defaults nothing changes: the policy's logits come from its own
         forward (response_logits), exactly as before the options existed. Called again after
         a config change (benchmarks switch options on one learner); compiling is for good."""
@@ -253,13 +254,23 @@ class Learner:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             elif model.is_gradient_checkpointing:
                 model.gradient_checkpointing_disable()
-        if cfg.learner_compile and not getattr(self, "_compiled", False):
-            # Per decoder layer: one graph serves all layers of both models (same code and
-            # shapes), dynamic in the sequence length so new micro-batch widths do not recompile.
-            for decoder in [base.get_decoder() for base in bases]:
-                for layer in decoder.layers:
-                    layer.compile(dynamic=True)
-            self._compiled = True
+        if cfg.learner_compile:
+            compiled = getattr(self, "_compiled", None)
+            if compiled is None:
+                for decoder in [base.get_decoder() for base in bases]:
+                    if cfg.learner_compile_scope == "decoder":
+                        # One graph per model's forward (and one for its backward): one guard check
+                        # and one wrapper call per micro-batch instead of one per layer.
+                        decoder.compile(dynamic=True)
+                    else:
+                        # Per decoder layer: one graph serves all layers of both models (same code
+                        # and shapes), dynamic in the sequence length so new widths do not recompile.
+                        for layer in decoder.layers:
+                            layer.compile(dynamic=True)
+                self._compiled = cfg.learner_compile_scope
+            elif compiled != cfg.learner_compile_scope:
+                raise ValueError(f"learner_compile_scope: this learner's models are compiled per {compiled}; "
+                                 f"it cannot change to {cfg.learner_compile_scope!r} (build a new Learner)")
         self._token_counts = [0, 0]  # (positions computed, real tokens) of the current update
 
     def _count(self, plan: TrimPlan, rows: list[int]) -> None:
@@ -711,8 +722,7 @@ class Learner:
                 for rows in (buffer.micro_rows(local) if len(local) else ()):
                     micro = buffer.micro_batch(rows)
                     self._count(buffer.plan, rows)
-                    pg_loss, v_loss, st = self._micro_losses(micro, pg_norm, v_norm)
-                    (pg_loss + self._vf_weight * v_loss).backward()
+                    pg_loss, v_loss, st = self._micro_backward(micro, pg_norm, v_norm)
                     n_pg = micro.policy_mask.sum()
                     n_v = micro.mask.sum()
                     sums["policy_loss"] += pg_loss.detach()
@@ -752,10 +762,28 @@ class Learner:
         out["first_minibatch_ratio_mean"] = first_ratio / first_tokens.clamp(min=1)
         return out
 
-    def _micro_losses(self, mb: Experience, pg_norm: Tensor, v_norm: Tensor) -> tuple[Tensor, Tensor, dict]:
+    def _micro_backward(self, mb: Experience, pg_norm: Tensor, v_norm: Tensor) -> tuple[Tensor, Tensor, dict]:
         """Policy loss (PPO-clip - entropy bonus) and value loss of one trimmed micro-batch,
-        each normalised by its minibatch's token (or row) count."""
+        each normalised by its minibatch's token (or row) count, and their gradients
+        accumulated. With a separate value model the policy's backward runs before the value
+        model's forward, so only one model's activations are alive at a time (the same
+        gradients: the two losses share no graph); a shared trunk takes one backward of
+        pg_loss + vf_coef * v_loss. Returns the detached losses and the stats."""
+        pg_loss, stats, new_values = self._policy_loss(mb, pg_norm, v_norm)
+        if not self._shared:
+            pg_loss.backward()
+            new_values = self._values(mb.rollouts, mb.seq_len)  # (b, t) float32, the value model's own
+        v_loss, v_stats = value_loss(new_values, mb.returns, mb.mask, mb.values, self.config.value_clip,
+                                     self.config.loss_agg, v_norm)
+        (pg_loss + self._vf_weight * v_loss if self._shared else v_loss).backward()
+        return pg_loss.detach(), v_loss.detach(), {**stats, **v_stats}
+
+    def _policy_loss(self, mb: Experience, pg_norm: Tensor, v_norm: Tensor) -> tuple[Tensor, dict, Optional[Tensor]]:
+        """One micro-batch's policy loss (PPO-clip - entropy bonus over all real tokens, v_norm)
+        and its stats, and with a shared trunk the (b, t) float32 values from the same forward
+        (else None)."""
         cfg = self.config
+        values = None
         if self._plain_logits:
             logits = response_logits(self.policy, mb.rollouts)  # (b, t, V), train mode
             logp = logprobs_from_logits(logits, mb.rollouts.response_ids, cfg.temperature, cfg.top_k, cfg.top_p,
@@ -768,12 +796,9 @@ class Learner:
                                              entropy=want_entropy, values=self._shared)
             logp = torch.where(mb.policy_mask, stats[0], torch.zeros((), device=stats[0].device))  # (b, t)
             ent = stats[1] if want_entropy else None
+            values = stats[-1] if self._shared else None
         pg_loss, pg_stats = ppo_clip_loss(logp, mb.old_logprobs, mb.advantages, mb.policy_mask,
                                           cfg.clip_epsilon, cfg.loss_agg, pg_norm)
         if ent is not None:
             pg_loss = pg_loss - cfg.entropy_coef * agg_loss(ent, mb.mask, cfg.loss_agg, v_norm)
-        # (b, t) float32: the shared trunk's from the forward above, else the value model's own
-        new_values = stats[-1] if self._shared else self._values(mb.rollouts, mb.seq_len)
-        v_loss, v_stats = value_loss(new_values, mb.returns, mb.mask, mb.values, cfg.value_clip,
-                                     cfg.loss_agg, v_norm)
-        return pg_loss, v_loss, {**pg_stats, **v_stats}
+        return pg_loss, pg_stats, values

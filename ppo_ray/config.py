@@ -186,7 +186,9 @@ class PPOConfig:
     lora_kernel: str = "peft"
     """LoRA forward in the learner's models: peft (PEFT's: float32 adapters upcast the input and output of every projection under bfloat16), fused (base output + s*(x@A^T)@B^T in one addmm, in the model's dtype; adapters stay float32 master weights) or merged (one GEMM with W + s*B@A, the adapters' gradients from the factors: no LoRA kernels in the forward; under bfloat16 the forward sees the merged weight rounded once, as mixed precision sees master weights). Equal in float32 up to rounding."""
     learner_compile: bool = False
-    """torch.compile each decoder layer of the learner's policy and value models (dynamic shapes; the first micro-batches pay the compile)."""
+    """torch.compile the learner's policy and value models (dynamic shapes; the first micro-batches pay the compile), per learner_compile_scope."""
+    learner_compile_scope: str = "layer"
+    """What learner_compile compiles: layer (each decoder layer: one small graph that all layers of both models share; the measured one) or decoder (each model's whole decoder, one graph per forward and backward: one guard check and one wrapper call per micro-batch instead of one per layer, but four whole-model compiles, two models x train/no-grad, which on an H100 had not finished the 0.6B preset's first update after 285 s; its speed is not measured yet). Fixed once compiled."""
 
     # ---------------------------------------------------------------- prompts and data
     max_prompt_length: int = 512
@@ -400,6 +402,7 @@ class PPOConfig:
             "dtype": DTYPE_NAMES,
             "learner_layout": ("masked", "causal"),
             "lora_kernel": ("peft", "fused", "merged"),
+            "learner_compile_scope": ("layer", "decoder"),
             "rms_norm_kernel": ("hf", "fused"),
             "lr_scheduler": ("constant", "linear"),
             "log_level": LOG_LEVELS,
@@ -598,7 +601,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "report_to"),
     "learner speed (same math; defaults = the plain path)": (
         "learner_sort_by_length", "learner_layout", "logprob_chunk_size", "rms_norm_kernel",
-        "gradient_checkpointing", "lora_kernel", "learner_compile"),
+        "gradient_checkpointing", "lora_kernel", "learner_compile", "learner_compile_scope"),
 }
 
 

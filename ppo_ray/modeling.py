@@ -190,6 +190,19 @@ def response_hidden(backbone, batch: RolloutBatch) -> Tensor:
     return out.last_hidden_state[:, p - 1: p - 1 + t]  # (B, T, H)
 
 
+def no_mask(config) -> dict | None:
+    """The attention-mask argument of a forward with no padding in any row (plain causal
+    attention): Transformers' prepared mask mapping with no mask for any layer type, where
+    every layer is full attention; else None (the model builds its own, e.g. sliding-window
+    masks). Under torch.compile, Transformers (with torch < 2.14) builds a full (B, 1, L, L)
+    mask instead of SDPA's is_causal when it is left to itself, which takes the causal flash
+    kernels away; the mapping skips that, and is what the eager forward builds anyway."""
+    types = getattr(config, "layer_types", None)
+    if types and all(t == "full_attention" for t in types):
+        return {"full_attention": None}
+    return None
+
+
 def causal_response_hidden(model, batch: RolloutBatch, length: int) -> Tensor:
     """``response_hidden`` by a forward with no attention mask: (B, T, H).
 
@@ -202,7 +215,8 @@ def causal_response_hidden(model, batch: RolloutBatch, length: int) -> Tensor:
     every consumer masks them).
     """
     input_ids, predict = batch.causal_sequences(length)  # (B, L), (B, T)
-    out = model(input_ids=input_ids, use_cache=False)     # positions 0..L-1, causal, no mask
+    out = model(input_ids=input_ids, attention_mask=no_mask(model.config),  # positions 0..L-1, causal
+                use_cache=False)
     hidden = out.last_hidden_state                        # (B, L, H)
     return hidden.gather(1, predict.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
 

@@ -136,8 +136,7 @@ def test_checkpointed_and_chunked_gradients_equal_plain(tiny_path, plain):
         learner.value_model.train()
         norm = exp.mask.sum().float()
         for rows in buffer.micro_rows(torch.arange(len(exp))):
-            pg, v, _ = learner._micro_losses(buffer.micro_batch(rows), norm, norm)
-            (pg + v).backward()
+            learner._micro_backward(buffer.micro_batch(rows), norm, norm)
         return {n: p.grad.clone() for n, p in [*learner.policy.named_parameters(),
                                               *learner.value_model.named_parameters()] if p.requires_grad}
 
@@ -250,8 +249,68 @@ def test_compile_option_compiles_every_decoder_layer(tiny_path, monkeypatch):
     assert [m for m, _ in compiled] == layers and all(kw == {"dynamic": True} for _, kw in compiled)
 
 
+def test_compile_scope_decoder_compiles_each_models_decoder_once(tiny_path, monkeypatch):
+    """learner_compile_scope: decoder wraps each model's whole decoder (one graph per
+    forward), not its layers; the scope cannot change once compiled."""
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compiled.append((self, kw)))
+    learner = Learner(make_config(learner_compile=True, learner_compile_scope="decoder"), tiny_path)
+    decoders = [learner._decoder, learner.value_model.backbone.get_base_model()]
+    assert [m for m, _ in compiled] == decoders and all(kw == {"dynamic": True} for _, kw in compiled)
+    learner._speed_options()  # the same scope again: nothing more is compiled
+    assert len(compiled) == 2
+    learner.config = learner.config.replace(learner_compile_scope="layer")
+    with pytest.raises(ValueError, match="learner_compile_scope.*per decoder"):
+        learner._speed_options()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scope", ["decoder", "layer"])
+def test_compiled_update_equals_plain(tiny_path, plain, scope):
+    """A real torch.compile of the learner (~30-70 s on the CPU per scope): the update with
+    every speed option equals the plain path's (float32)."""
+    b, ref, scores, _, stats, weights = plain
+    learner = learner_with(tiny_path, **FAST, learner_compile=True, learner_compile_scope=scope)
+    fast_stats, fast_weights = learner.update(b, ref, scores)
+    assert max((fast_weights.tensors[k] - weights[k]).abs().max().item() for k in weights) < TOL
+    assert fast_stats.policy_loss == pytest.approx(stats.policy_loss, abs=TOL, rel=TOL)
+    assert fast_stats.value_loss == pytest.approx(stats.value_loss, abs=TOL, rel=TOL)
+
+
+@pytest.mark.parametrize("options", [{}, FAST], ids=["plain", "all"])
+def test_separate_value_model_runs_after_the_policys_backward(tiny_path, batch, options):
+    """Memory: with a separate value model, each micro-batch's policy backward is done before
+    the value model's forward starts (only one model's activations alive at a time)."""
+    learner = learner_with(tiny_path, micro_batch_size=4, **options)
+    b, ref, scores = rollout_inputs(learner, batch)
+    policy_lora = [p for n, p in learner.policy.named_parameters() if p.requires_grad]
+    seen = []
+
+    def check(module, args):
+        if module.training:  # the PPO epochs (the no-grad pass runs in eval mode)
+            seen.append(all(p.grad is not None for p in policy_lora))
+
+    learner.value_model.register_forward_pre_hook(check)
+    learner.update(b, ref, scores)
+    assert len(seen) >= 4 and all(seen)
+
+
+def test_no_mask_only_where_every_layer_is_full_attention(tiny_path):
+    from transformers import AutoConfig
+
+    from ppo_ray.modeling import no_mask
+
+    cfg = AutoConfig.from_pretrained(tiny_path)
+    assert set(cfg.layer_types) == {"full_attention"} and no_mask(cfg) == {"full_attention": None}
+    cfg.layer_types = ["sliding_attention", "full_attention"]
+    assert no_mask(cfg) is None  # the model builds its sliding-window masks itself
+    del cfg.layer_types
+    assert no_mask(cfg) is None
+
+
 @pytest.mark.parametrize("field, value", [("learner_layout", "packed"), ("lora_kernel", "triton"),
-                                          ("rms_norm_kernel", "x"), ("logprob_chunk_size", -1)])
+                                          ("rms_norm_kernel", "x"), ("logprob_chunk_size", -1),
+                                          ("learner_compile_scope", "model")])
 def test_speed_options_are_validated(field, value):
     with pytest.raises(ConfigError, match=field):
         PPOConfig(**{field: value})
