@@ -38,7 +38,7 @@ token ids with lengths drawn uniformly from ``--prompt_len`` (the TL;DR queries 
 fit 512 tokens).
 
 Config: ``configs/qwen3-0.6b-tldr.yaml`` with model paths replaced and batch_size per run
-(ppo_epochs 4, one minibatch, the preset's micro-batch 8 unless ``--micro_batch_size``, LoRA
+(ppo_epochs 4, one minibatch, the preset's micro-batch unless ``--micro_batch_size``, LoRA
 r=16 on all 7 projections, temperature 0.7).
 
 Learner efficiency, per step: ``padded_token_ratio`` (token positions the learner's forwards
@@ -275,7 +275,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODELS))
     p.add_argument("--batch_sizes", default="64", help="comma-separated prompts per step, measured in this order")
     p.add_argument("--max_new_tokens", type=int, default=53)
-    p.add_argument("--micro_batch_size", type=int, default=None, help="default: the preset's (16)")
+    p.add_argument("--micro_batch_size", type=int, default=None, help="default: the preset's")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--prompt_len", default="300:512", help="LO:HI prompt lengths in tokens (uniform)")

@@ -138,7 +138,7 @@ class PPOConfig:
     mini_batch_size: Optional[int] = None
     """Rollouts per optimiser step; None = batch_size (one minibatch, as in the N+ recipe)."""
     micro_batch_size: int = 8
-    """Rows per forward/backward: PPO's gradient accumulation up to mini_batch_size, and the SFT / RM stages' up to stage_batch_size."""
+    """Rows per forward/backward: PPO's gradient accumulation up to mini_batch_size (and the scorers' forwards), and the SFT / RM stages' up to stage_batch_size unless stage_micro_batch_size is set."""
     value_clip: Optional[float] = 0.2
     """Value clipping range around the old values; None = no clipping."""
     max_grad_norm: Optional[float] = 1.0
@@ -227,6 +227,8 @@ class PPOConfig:
     """AdamW learning rate of the reward model (linear decay to 0)."""
     stage_batch_size: int = 16
     """Batch size of the SFT and reward-model stages."""
+    stage_micro_batch_size: Optional[int] = None
+    """Rows (RM: pairs) per forward/backward in the SFT and reward-model stages; None = micro_batch_size. The stages are full fine-tunes, so they can need a smaller micro-batch than the PPO learner's LoRA update."""
     stage_dtype: Optional[str] = None
     """Dtype of the SFT and reward-model full fine-tunes; None = dtype (float32 keeps the small AdamW steps that bfloat16 weights round away)."""
     stage_num_cpus: Optional[float] = None
@@ -434,6 +436,8 @@ class PPOConfig:
                  "a local file holds one split: put {split} in the path (data/sft_{split}.jsonl) or name a "
                  f"folder holding {self.train_split}.jsonl and {self.eval_split}.jsonl (or .parquet)")
         need(self.data_max_rows is None or self.data_max_rows >= 1, "data_max_rows", "must be >= 1 or null")
+        need(self.stage_micro_batch_size is None or self.stage_micro_batch_size >= 1, "stage_micro_batch_size",
+             "must be >= 1 or null")
         need(self.stage_dtype is None or self.stage_dtype in DTYPE_NAMES, "stage_dtype",
              f"must be one of {list(DTYPE_NAMES)} or null")
 
@@ -588,7 +592,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "data_max_rows", "bundled_ideal_fraction"),
     "SFT and reward-model stages": (
         "sft_epochs", "sft_learning_rate", "rm_epochs", "rm_learning_rate", "stage_batch_size",
-        "stage_dtype", "stage_num_cpus", "stage_num_gpus", "stage_resources"),
+        "stage_micro_batch_size", "stage_dtype", "stage_num_cpus", "stage_num_gpus", "stage_resources"),
     "evaluation": ("eval_every", "eval_size", "eval_samples"),
     "resources and placement": (
         "num_generators", "generator_num_cpus", "generator_num_gpus", "generator_resources",

@@ -587,14 +587,14 @@ def wait_ready(roles: Roles) -> None:
 def stage_settings(config: PPOConfig, epochs: int, learning_rate: float):
     """learner.stages.TrainSettings for a stage of the pipeline (built here, the top layer,
     so that the pipeline does not import learner/): the config's stage batch size, seed and
-    dtype. micro_batch_size: the PPO micro-batch also bounds the stages' forward/backward
-    (RM: pairs; memory only: the stages accumulate gradients up to stage_batch_size); the
-    device is TrainSettings' auto."""
+    dtype. micro_batch_size: stage_micro_batch_size, else the PPO micro-batch, bounds the
+    stages' forward/backward (RM: pairs; memory only: the stages accumulate gradients up to
+    stage_batch_size); the device is TrainSettings' auto."""
     from learner.stages import TrainSettings
 
     return TrainSettings(epochs=epochs, learning_rate=learning_rate, batch_size=config.stage_batch_size,
                          seed=config.seed, dtype=config.stage_dtype or config.dtype,
-                         micro_batch_size=config.micro_batch_size)
+                         micro_batch_size=config.stage_micro_batch_size or config.micro_batch_size)
 
 
 def run_stage(config: PPOConfig, stage: str, base_model: str, data: tuple, settings, out_dir: str | os.PathLike,

@@ -112,3 +112,4 @@ def test_stage_settings_take_the_configs_stage_fields():
     assert (s.epochs, s.learning_rate, s.batch_size, s.seed, s.micro_batch_size) == (3, 2e-5, 8, 5, 2)
     assert s.dtype == "bfloat16"  # stage_dtype unset: the run's dtype
     assert stage_settings(config.replace(stage_dtype="float32"), 1, 1e-4).dtype == "float32"
+    assert stage_settings(config.replace(stage_micro_batch_size=1), 1, 1e-4).micro_batch_size == 1
