@@ -97,10 +97,13 @@ def _packed_groups(model) -> dict[str, list[str]]:
     return groups
 
 
-def _load_cpu(model, merged: dict[str, torch.Tensor], base: dict[str, torch.Tensor]) -> None:
+def _load_cpu(model, merged: dict[str, torch.Tensor], base: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
     """vLLM on the CPU packs each linear layer's weight for oneDNN after loading and frees
     the original (load_weights cannot write into it again), so rebuild each touched layer's
-    (fused) weight, set it, and let vLLM pack it again. Tensor parallelism 1 only."""
+    (fused) weight in the engine's `dtype`, set it, and let vLLM pack it again. The cast
+    matters: the merge comes in the checkpoint's dtype (e.g. float32 files under a bfloat16
+    engine), and a weight packed in another dtype than the activations gives garbage
+    (non-finite logprobs). Tensor parallelism 1 only."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     packed = getattr(model, "packed_modules_mapping", {})
@@ -111,7 +114,7 @@ def _load_cpu(model, merged: dict[str, torch.Tensor], base: dict[str, torch.Tens
         hf = [f"{prefix}.{part}.weight" for part in packed.get(leaf, [leaf])]
         if not any(n in merged for n in hf):
             continue
-        fused = torch.cat([merged.get(n, base.get(n)) for n in hf], dim=0)
+        fused = torch.cat([merged.get(n, base.get(n)) for n in hf], dim=0).to(dtype)
         module.weight = torch.nn.Parameter(fused.contiguous(), requires_grad=False)
         dispatch_cpu_unquantized_gemm(module, remove_weight=True)
 
@@ -139,7 +142,7 @@ class MergedLoRAWorker:
         if current_platform.is_cpu():
             if self.vllm_config.parallel_config.tensor_parallel_size != 1:
                 raise ValueError("lora_sync='merged' on the CPU supports tensor_parallel_size 1 only")
-            _load_cpu(model, dict(merged), base)
+            _load_cpu(model, dict(merged), base, self.vllm_config.model_config.dtype)
         else:
             model.load_weights(iter(merged))
         return len(merged)

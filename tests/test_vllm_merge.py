@@ -111,3 +111,37 @@ def test_sampled_logprobs_after_a_sync_use_the_new_weights_on_cached_prompts(
         assert diff.max() < TOL, f"{mode}: max |vLLM - HF+PEFT| at the new version {diff.max():.2e}"
     finally:
         gen.close()
+
+
+def test_merged_sync_into_a_bfloat16_engine_from_float32_files(tiny_model_dir):
+    """A bfloat16 engine on float32 safetensors (the main job's SFT model under --dtype
+    bfloat16): the merge is cast to the engine's dtype before vLLM packs it again. Without
+    the cast the CPU engine packed float32 weights for bfloat16 activations and sampled
+    tokens with non-finite logprobs from the first synced version on."""
+    from actors.generator import MERGED_WORKER, Generator
+    from actors.vllm_engine import build_llm
+    from ppo_ray.modeling import load_causal_lm, load_tokenizer
+
+    llm = build_llm(tiny_model_dir, dtype="bfloat16", seed=0, worker_extension_cls=MERGED_WORKER)
+    gen = Generator(llm, model_dir=tiny_model_dir, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=16,
+                    seed=0, max_prompt_length=64, lora_sync="merged")
+    try:
+        tok = load_tokenizer(str(tiny_model_dir))
+        prompt = tok(PROMPTS[0], add_special_tokens=False)["input_ids"]
+        cont = tok(" My friend stopped calling me.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        base_lp = continuation_logprobs(load_causal_lm(str(tiny_model_dir)), prompt, cont)  # float32
+        peft_model = make_peft(tiny_model_dir)
+        gen.load_adapter(1, randomize_lora(peft_model, seed=1))
+        got = gen.sequence_logprobs(prompt, cont)
+        want = continuation_logprobs(peft_model, prompt, cont)  # float32 HF + PEFT, version 1
+        assert torch.isfinite(got).all()
+        # bfloat16 rounding only: far closer to the adapted model than to the base
+        assert (got - want).abs().mean() < 0.25 * (got - base_lp).abs().mean(), (got, want, base_lp)
+        batch = gen.generate(PROMPTS * 2, step=1)  # raises on a non-finite sampled logprob
+        assert batch.adapter_version == 1 and torch.isfinite(batch.gen_logprobs[batch.response_mask]).all()
+    finally:
+        gen.close()
+        try:
+            llm.llm_engine.engine_core.shutdown(timeout=10)
+        except Exception:  # pragma: no cover - best effort
+            pass
