@@ -185,9 +185,6 @@ class Learner:
                 value_model_path or config.value_model_name or model_path, lora_r=config.lora_r,
                 lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                 target_modules=config.lora_target_modules, dtype=config.dtype, seed=config.seed)
-        # the value loss's weight in the backward: separate models have their own Adam each (a
-        # weight would be normalised away); a shared trunk's LoRA gets vf_coef of it
-        self._vf_weight = config.vf_coef if self._shared else 1.0
         if not config.ppo_dropout:
             # PPO's forwards without dropout (N+; TRL's disable_dropout): the old logprobs come
             # from a dropout-free pass, so dropout in the training forward alone would put the
@@ -775,7 +772,9 @@ class Learner:
             new_values = self._values(mb.rollouts, mb.seq_len)  # (b, t) float32, the value model's own
         v_loss, v_stats = value_loss(new_values, mb.returns, mb.mask, mb.values, self.config.value_clip,
                                      self.config.loss_agg, v_norm)
-        (pg_loss + self._vf_weight * v_loss if self._shared else v_loss).backward()
+        # vf_coef weighs the value loss only on a shared trunk: separate models have an Adam each,
+        # which would normalise a weight away
+        (pg_loss + self.config.vf_coef * v_loss if self._shared else v_loss).backward()
         return pg_loss.detach(), v_loss.detach(), {**stats, **v_stats}
 
     def _policy_loss(self, mb: Experience, pg_norm: Tensor, v_norm: Tensor) -> tuple[Tensor, dict, Optional[Tensor]]:
