@@ -162,7 +162,8 @@ class Learner:
         "temperature", "top_k", "top_p", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
         "ppo_dropout", "value_model", "value_model_name", "learner_sort_by_length", "learner_layout",
         "logprob_chunk_size", "rms_norm_kernel", "gradient_checkpointing", "lora_kernel", "learner_compile",
-        "learner_compile_scope")
+        "learner_compile_scope",
+        "old_logprobs", "old_logprobs_check_every")
 
     def __init__(self, config: PPOConfig | ConfigSlice, model_path: str, value_model_path: Optional[str] = None,
                  device: Optional[str] = None):
@@ -523,6 +524,27 @@ class Learner:
                 out.values[rows, :t] = torch.where(mask, v, torch.zeros((), device=v.device))
         return out
 
+    def recomputes_old_logprobs(self) -> bool:
+        """Whether this version's update runs the policy's no-grad pass: always with
+        old_logprobs: learner; with generator at versions 0, N, 2N, ... (N =
+        old_logprobs_check_every), where the generator-vs-learner check runs (a function of
+        the version, so a resumed or retried step does what the uninterrupted run did)."""
+        cfg = self.config
+        return cfg.old_logprobs == "learner" or self.version % cfg.old_logprobs_check_every == 0
+
+    def _generator_logprobs(self, batch: RolloutBatch, fwd: RolloutScores) -> RolloutScores:
+        """fwd (values only) completed from the generator's logprobs of the sampled tokens
+        (old_logprobs: generator; untruncated sampling, so they are the full-softmax
+        logprobs at temperature too), 0 on padding; entropy = their negation, whose mean over
+        tokens is an unbiased estimate of the rollout policy's mean entropy (E_x~p[-log p(x)])."""
+        gen = torch.where(batch.response_mask, batch.gen_logprobs.to(self.device, torch.float32),
+                          torch.zeros((), device=self.device))  # (B, T)
+        bad = (batch.response_mask & ~torch.isfinite(gen)).any(dim=1).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(f"old_logprobs: generator: the generator's logprobs are not finite on real response "
+                             f"tokens of rows {bad[:10]}")
+        return replace(fwd, logprobs=gen, full_logprobs=gen, entropy=-gen)
+
     # ------------------------------------------------------------------ input checks
     def _check_inputs(self, batch: RolloutBatch, ref_logprobs: Tensor, scores: Tensor,
                       max_staleness: Optional[int] = None) -> None:
@@ -601,8 +623,14 @@ class Learner:
 
         # 1. Old logprobs / values: no-grad forward in eval mode. Truncated + tempered logprobs
         #    for the PPO ratio; full-softmax logprobs at temperature for the KL; old values.
+        #    (old_logprobs: generator: the generator's logprobs stand in for the policy's, which
+        #    the learner then recomputes only at every old_logprobs_check_every-th version.)
+        recompute = self.recomputes_old_logprobs()
         with cached_casts(self.policy, self.value_model):  # no weight changes in this pass
-            fwd = self._group_rollout_pass(batch, plan, logprobs=True, full=True, entropy=True, values=True)
+            fwd = self._group_rollout_pass(batch, plan, logprobs=recompute, full=recompute, entropy=recompute,
+                                           values=True)
+        if not recompute:
+            fwd = self._generator_logprobs(batch, fwd)
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # only to time the forward honestly
         forward_s = time.perf_counter() - t_start
@@ -617,6 +645,8 @@ class Learner:
             policy_mask = mask & finite_old  # tokens with a defined PPO ratio
             old_logprobs = torch.where(policy_mask, behaviour, torch.zeros((), device=self.device))
             behaviour_gap = masked_mean((fwd.logprobs - behaviour).abs(), policy_mask & torch.isfinite(fwd.logprobs))
+            if not recompute:  # no current-policy logprobs to compare with
+                behaviour_gap = torch.full((), math.nan, device=self.device) if stale else torch.zeros((), device=self.device)
             values = fwd.values
             # 2. KL_t between policy and reference (k1 = logp - logp_ref by default).
             kl = kl_penalty(fwd.full_logprobs, ref_logprobs, cfg.kl_estimator, mask=mask)  # (B, T)
@@ -653,7 +683,7 @@ class Learner:
         # policy is not the one that sampled; behaviour_logprob_gap measures that distance)
         gen_diff = torch.where(policy_mask, (batch.gen_logprobs.float() - fwd.logprobs).abs(),
                                torch.zeros((), device=self.device))
-        if stale:
+        if stale or not recompute:  # other weights, or nothing recomputed to compare with
             gen_diff = torch.full((), math.nan, device=self.device)
         tensors = {
             **ppo,

@@ -171,6 +171,10 @@ class PPOConfig:
     """The generator-vs-learner check on every fresh step: the largest |generator logprob - learner logprob| of a sampled token (same weights, same version) above logprob_gap_tolerance means the generator sampled from another policy (stale KV, a lost sync). warn (log it, count it on the dashboard), error (stop the run) or off."""
     logprob_gap_tolerance: Optional[float] = None
     """Threshold of logprob_gap_check in nats; None = by dtype: 1e-3 for float32, 0.5 for bfloat16 and float16 (their rounding alone moves a logprob by ~0.1)."""
+    old_logprobs: str = "learner"
+    """Where the rollout policy's logprobs of the sampled tokens come from (the PPO ratio's denominator and KL_t's log pi): learner (a no-grad policy forward over the rollouts at every step, the seeds' step 1) or generator (vLLM's logprobs from sampling, already in the rollouts: the learner skips the policy's no-grad forward, and its entropy stat is the sampled tokens' mean -logprob, an unbiased estimate; it still recomputes, and logprob_gap_check still runs, at every old_logprobs_check_every-th adapter version). generator needs untruncated sampling (top_k 0, top_p 1: the KL's full-softmax logprobs are then the sampled ones) and float32, where generator and learner agree to ~5e-6; under bfloat16 they differ by ~0.1 nats, so the learner recomputes. The value model's no-grad pass always runs."""
+    old_logprobs_check_every: int = 10
+    """old_logprobs: generator only: the learner recomputes the policy's logprobs (and the generator-vs-learner check runs) at adapter versions 0, N, 2N, ...; 1 = every step (no saving)."""
 
     # ---------------------------------------------------------------- learner speed (same math; defaults = the plain path)
     learner_sort_by_length: bool = False
@@ -364,6 +368,14 @@ class PPOConfig:
              "checkpoint_every_minutes", "must be >= 0 (0 = no time rule)")
         need(self.logprob_gap_tolerance is None or self.logprob_gap_tolerance > 0, "logprob_gap_tolerance",
              "must be > 0 or null (null = by dtype)")
+        need(self.old_logprobs_check_every >= 1, "old_logprobs_check_every", "must be >= 1")
+        if self.old_logprobs == "generator":
+            need(self.top_k in (0, -1) and self.top_p == 1.0, "old_logprobs",
+                 f"generator needs untruncated sampling (top_k 0 and top_p 1.0; got top_k={self.top_k}, "
+                 f"top_p={self.top_p}): KL_t needs full-softmax logprobs, which truncated sampling does not return")
+            need(self.dtype == "float32", "old_logprobs",
+                 f"generator needs dtype float32 (got {self.dtype}): in half precision vLLM's and the learner's "
+                 "logprobs differ by ~0.1 nats, so the learner must recompute them (old_logprobs: learner)")
         need(self.max_actor_restarts >= 0, "max_actor_restarts", "must be >= 0")
         need(self.max_step_retries >= 0, "max_step_retries", "must be >= 0")
         need(self.vllm_kv_cache_gib is None or self.vllm_kv_cache_gib > 0, "vllm_kv_cache_gib", "must be > 0 or null")
@@ -397,6 +409,7 @@ class PPOConfig:
             "loss_agg": LOSS_AGG_MODES,
             "nonfinite_reward": ("error", "drop"),
             "logprob_gap_check": ("warn", "error", "off"),
+            "old_logprobs": ("learner", "generator"),
             "value_model": ("separate", "shared"),
             "prompt_truncation": TRUNCATION_MODES,
             "lora_sync": ("adapter", "merged"),
@@ -579,7 +592,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "value_learning_rate", "lr_scheduler", "gamma", "lam", "clip_epsilon", "value_clip", "vf_coef",
         "max_grad_norm", "whiten_advantages", "whiten_rewards", "kl_coef", "kl_estimator", "kl_target",
         "kl_horizon", "entropy_coef", "loss_agg", "ppo_dropout", "logprob_gap_check",
-        "logprob_gap_tolerance", "seed"),
+        "logprob_gap_tolerance", "old_logprobs", "old_logprobs_check_every", "seed"),
     "generation": (
         "max_new_tokens", "temperature", "top_k", "top_p", "overlap_generation", "lora_sync",
         "vllm_kv_cache_gib", "vllm_gpu_memory_utilization", "vllm_enforce_eager"),

@@ -17,6 +17,7 @@ Each option of ppo_ray.config's "learner speed" block is checked against the pla
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -436,3 +437,70 @@ def test_lora_export_in_one_flat_copy_equals_per_tensor_copies():
         assert flat[k].untyped_storage().data_ptr() != src[k].untyped_storage().data_ptr()
     ptrs = [flat[k].untyped_storage().data_ptr() for k in flat]
     assert len(set(ptrs)) == len(ptrs)
+
+
+# ------------------------------------------------------------------ old_logprobs: generator
+@pytest.mark.parametrize("options", [{}, FAST, {"value_model": "shared", **FAST}], ids=["plain", "fast", "shared"])
+def test_generator_old_logprobs_skip_the_policys_pass_and_give_the_same_update(tiny_path, batch, options):
+    """old_logprobs: generator, with the generator's logprobs equal to the learner's (as vLLM's
+    are in float32, to ~5e-6): three updates equal old_logprobs: learner's (stats and new
+    adapters within 1e-5), and at the version between two checks (check_every 2: versions 0
+    and 2 recompute) no-grad pass computes no policy logits (lm_head; with separate models
+    no policy decoder either). Its entropy stat is then the sampled tokens' mean -logprob,
+    and the generator-vs-learner gap is not measured (NaN)."""
+    shared = options.get("value_model") == "shared"
+    runs = {}
+    for mode in ("learner", "generator"):
+        make = shared_learner if shared else learner_with
+        opts = {k: v for k, v in options.items() if k != "value_model"} if shared else options
+        learner = make(tiny_path, old_logprobs=mode, old_logprobs_check_every=2, **opts)
+        no_grad_calls = {"lm_head": 0, "decoder": 0}
+        for name, module in (("lm_head", learner._lm_head), ("decoder", learner._decoder)):
+            module.register_forward_hook(
+                lambda m, a, o, name=name: no_grad_calls.__setitem__(name, no_grad_calls[name]
+                                                                     + (not torch.is_grad_enabled())))
+        runs[mode] = []
+        for version in range(3):
+            b, ref, scores = rollout_inputs(learner, batch, seed=version)  # gen_logprobs = the learner's
+            for name in no_grad_calls:
+                no_grad_calls[name] = 0
+            stats, weights = learner.update(b, ref, scores)
+            gen = b.gen_logprobs[b.response_mask]
+            runs[mode].append((stats, weights.tensors, dict(no_grad_calls), -gen.mean().item()))
+    for version, ((s_l, w_l, calls_l, _), (s_g, w_g, calls_g, estimate)) in enumerate(zip(runs["learner"],
+                                                                                         runs["generator"])):
+        assert max((w_g[k] - w_l[k]).abs().max().item() for k in w_l) < TOL, version
+        for key in ("policy_loss", "value_loss", "approx_kl", "clipfrac", "kl", "kl_per_token", "explained_variance",
+                    "shaped_reward_mean", "advantage_mean", "return_mean", "value_mean",
+                    "first_minibatch_ratio_mean", "policy_grad_norm", "value_grad_norm"):
+            assert getattr(s_g, key) == pytest.approx(getattr(s_l, key), abs=TOL), (version, key)
+        assert calls_l["lm_head"] > 0 and math.isfinite(s_l.gen_logprob_max_abs_diff)
+        if version == 1:  # between checks: the generator's logprobs
+            assert calls_g["lm_head"] == 0 and (shared or calls_g["decoder"] == 0)
+            assert math.isnan(s_g.gen_logprob_max_abs_diff) and s_g.behaviour_logprob_gap == 0
+            assert s_g.entropy == pytest.approx(estimate, abs=TOL)
+        else:  # a check: the learner recomputes, as with old_logprobs: learner
+            assert calls_g == calls_l
+            assert s_g.gen_logprob_max_abs_diff < 1e-5 and s_g.entropy == pytest.approx(s_l.entropy, abs=TOL)
+
+
+def test_generator_old_logprobs_refuse_non_finite_generator_logprobs(tiny_path, batch):
+    learner = learner_with(tiny_path, old_logprobs="generator")
+    learner.version = 1  # between checks (every 10)
+    b, ref, scores = rollout_inputs(learner, batch)
+    gen = b.gen_logprobs.clone()
+    gen[3, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"generator's logprobs are not finite .* rows \[3\]"):
+        learner.update(replace(b, gen_logprobs=gen), ref, scores)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"top_k": 50, "top_p": 1.0}, r"'old_logprobs' .*untruncated sampling .*top_k=50"),
+    ({"top_k": 0, "top_p": 0.95}, r"'old_logprobs' .*top_p=0.95"),
+    ({"top_k": 0, "top_p": 1.0, "dtype": "bfloat16"}, r"'old_logprobs' .*float32 \(got bfloat16\)"),
+    ({"old_logprobs": "learner", "old_logprobs_check_every": 0}, r"'old_logprobs_check_every' .*must be >= 1"),
+])
+def test_generator_old_logprobs_are_validated(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        PPOConfig(**{"old_logprobs": "generator", **overrides})
+    PPOConfig(old_logprobs="generator", top_k=-1, top_p=1.0)  # -1 is off too

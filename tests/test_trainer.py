@@ -157,6 +157,28 @@ def test_overlap_mode_with_merged_sync(ray_session, tiny_model_dir):
     assert all(math.isfinite(h["kl"]) and math.isfinite(h["policy_loss"]) for h in history)
 
 
+def test_old_logprobs_from_the_generator(ray_session, tiny_model_dir):
+    """old_logprobs: generator on the real system: between checks the learner takes vLLM's
+    logprobs as the old policy's (no generator-vs-learner gap is measured: NaN), and they
+    are the policy's own: the first minibatch's ratio, the learner's training forward over
+    vLLM's logprobs, is 1 to float32 agreement. At the checks (versions 0 and 2) the
+    learner recomputes and the guard runs (logprob_gap_check: error)."""
+    from ppo_ray.trainer import PPOTrainer
+
+    trainer = PPOTrainer(tiny_test_config(old_logprobs="generator", old_logprobs_check_every=2, top_k=0, top_p=1.0,
+                                          steps=3))
+    try:
+        history = trainer.train(bundled_prompts(), progress=False)
+    finally:
+        trainer.shutdown()
+    assert [h["adapter_version"] for h in history] == [1, 2, 3]
+    gaps = [h["gen_logprob_max_abs_diff"] for h in history]
+    assert gaps[0] < 1e-4 and math.isnan(gaps[1]) and gaps[2] < 1e-4, gaps
+    for h in history:
+        assert h["first_minibatch_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert math.isfinite(h["kl"]) and math.isfinite(h["policy_loss"]) and h["entropy"] > 0
+
+
 def test_the_logprob_guard_stops_or_warns(tiny_trainer, caplog):
     """The generator-vs-learner check: a gap above the tolerance is an error naming the step
     and the sync mode (the learner, which had already stepped, is put back: the trainer stays
