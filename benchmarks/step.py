@@ -520,7 +520,8 @@ def ratios(ours: dict, base: dict) -> dict:
 def describe(config) -> dict:
     keys = ("model_name", "batch_size", "max_new_tokens", "num_generators", "ppo_epochs", "micro_batch_size",
             "dtype", "lora_r", "lora_target_modules", "temperature", "top_k", "top_p", "reward_funcs",
-            "max_prompt_length", "generator_num_cpus", "learner_num_cpus", "scorer_num_cpus", "vllm_kv_cache_gib")
+            "max_prompt_length", "generator_num_cpus", "learner_num_cpus", "scorer_num_cpus", "vllm_kv_cache_gib",
+            "lora_sync", "old_logprobs")
     return {k: getattr(config, k) for k in (*keys, "overlap_generation") if hasattr(config, k)}
 
 

@@ -494,6 +494,21 @@ def test_generator_old_logprobs_refuse_non_finite_generator_logprobs(tiny_path, 
         learner.update(replace(b, gen_logprobs=gen), ref, scores)
 
 
+def test_generator_old_logprobs_with_stale_rollouts(tiny_path, batch):
+    """overlap_generation: rollouts one version behind, between checks: the ratio's
+    denominator and KL_t use the generator's (behaviour) logprobs; nothing of the current
+    policy is recomputed, so the behaviour gap is not measured."""
+    learner = learner_with(tiny_path, old_logprobs="generator", overlap_generation=True)
+    b, ref, scores = rollout_inputs(learner, batch)  # sampled at version 0
+    learner.update(b, ref, scores)  # version 0 -> 1 (a check)
+    stats, _ = learner.update(b, ref, scores)  # version 1, rollouts of version 0
+    assert stats.stale_versions == 1 and math.isnan(stats.behaviour_logprob_gap)
+    assert math.isnan(stats.gen_logprob_max_abs_diff)
+    assert all(math.isfinite(getattr(stats, k)) for k in ("policy_loss", "value_loss", "kl", "entropy"))
+    gen = b.gen_logprobs[b.response_mask]
+    assert stats.entropy == pytest.approx(-gen.mean().item(), abs=TOL)
+
+
 @pytest.mark.parametrize("overrides, match", [
     ({"top_k": 50, "top_p": 1.0}, r"'old_logprobs' .*untruncated sampling .*top_k=50"),
     ({"top_k": 0, "top_p": 0.95}, r"'old_logprobs' .*top_p=0.95"),
