@@ -57,6 +57,9 @@ for _mb in (2, 8, 16, 32, 64, 128):
     # lora_kernel: merged instead of fused (one GEMM with W + s B A per projection)
     VARIANTS[f"merged_mb{_mb}"] = dict(FAST, lora_kernel="merged", micro_batch_size=_mb)
     VARIANTS[f"merged_compile_mb{_mb}"] = dict(FAST, lora_kernel="merged", micro_batch_size=_mb, learner_compile=True)
+    # ... with gradient checkpointing: one more forward of work, for micro-batches that fit only then
+    VARIANTS[f"merged_compile_gc_mb{_mb}"] = dict(FAST, lora_kernel="merged", micro_batch_size=_mb, learner_compile=True,
+                                                  gradient_checkpointing=True)
     # the whole decoder compiled as one graph (a learner's compile scope is fixed once compiled:
     # run these in their own process, not after a layer-compiled variant)
     VARIANTS[f"merged_dcompile_mb{_mb}"] = dict(FAST, lora_kernel="merged", micro_batch_size=_mb, learner_compile=True,
@@ -244,6 +247,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--out", default=None)
     p.add_argument("--trace_dir", default=None)
     args = p.parse_args(argv)
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:  # before any model loads: a one-call device budget cannot afford a late KeyError
+        p.error(f"unknown --variants {unknown}; known: {', '.join(VARIANTS)}")
     for name in ("prompt_len", "response_len"):
         lo, _, hi = getattr(args, name).partition(":")
         setattr(args, name, (int(lo), int(hi or lo)))

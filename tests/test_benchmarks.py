@@ -188,3 +188,14 @@ def test_learner_profile_on_cpu(tmp_path):
         assert row["padded_token_ratio"] >= 1.0
     assert fast["split"]["policy_fwd_bwd_s"] > 0 and fast["split"]["micro_batch_rows"] == 2
     assert result["flops"]["update"] > result["flops"]["learner_forward"] > 0
+
+
+def test_learner_profile_refuses_unknown_variants_before_loading_a_model(capsys):
+    """A one-call device check cannot afford a typo found after the model loads."""
+    from benchmarks.learner_profile import VARIANTS, parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--variants", "merged_compile_mb64,merged_compile_gc_mb4"])
+    assert "unknown --variants ['merged_compile_gc_mb4']" in capsys.readouterr().err
+    assert parse_args(["--variants", "merged_compile_gc_mb128"]).variants == "merged_compile_gc_mb128"
+    assert VARIANTS["merged_compile_gc_mb128"]["gradient_checkpointing"] is True
