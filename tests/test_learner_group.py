@@ -31,8 +31,12 @@ def learner_actor(config, path):
     return ray.remote(LearnerHost).options(num_cpus=0).remote(config, path, None)
 
 
-def test_two_learners_update_like_one(ray_session, tiny_path, special):
-    config = make_config(batch_size=6, mini_batch_size=3, micro_batch_size=2, ppo_epochs=2)
+@pytest.mark.parametrize("old_logprobs", ["learner", "generator"])
+def test_two_learners_update_like_one(ray_session, tiny_path, special, old_logprobs):
+    """Also with old_logprobs: generator (check_every 2: step 0 recomputes, step 1 takes the
+    rollouts' logprobs and the members run only the value model's pass)."""
+    config = make_config(batch_size=6, mini_batch_size=3, micro_batch_size=2, ppo_epochs=2,
+                         old_logprobs=old_logprobs, old_logprobs_check_every=2)
     single = learner_actor(config, tiny_path)
     group = [learner_actor(config, tiny_path) for _ in range(2)]
     form_learner_group(Roles([], None, None, group))
