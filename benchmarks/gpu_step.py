@@ -79,7 +79,10 @@ QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, n
 # A miniature with the same special-token ids, for tests on the CPU.
 TEST_MODEL = dict(QWEN3_0_6B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16)
-MODELS = {"qwen3-0.6b": QWEN3_0_6B, "test": TEST_MODEL}
+# The miniature at Qwen3-0.6B's depth (28 layers): compile-time probes on the CPU (a whole-decoder
+# compile's cost follows the layer count, not the width).
+TEST_DEEP_MODEL = dict(TEST_MODEL, num_hidden_layers=28)
+MODELS = {"qwen3-0.6b": QWEN3_0_6B, "test": TEST_MODEL, "test-deep": TEST_DEEP_MODEL}
 EOS_ID, PAD_ID = 151643, 151662  # <|endoftext|>, <|fim_pad|>
 
 
