@@ -192,7 +192,7 @@ class PPOConfig:
     learner_compile: bool = False
     """torch.compile the learner's policy and value models (dynamic shapes; the first micro-batches pay the compile), per learner_compile_scope."""
     learner_compile_scope: str = "layer"
-    """What learner_compile compiles: layer (each decoder layer: one small graph that all layers of both models share; the measured one) or decoder (each model's whole decoder, one graph per forward and backward: one guard check and one wrapper call per micro-batch instead of one per layer, but four whole-model compiles, two models x train/no-grad, which on an H100 had not finished the 0.6B preset's first update after 285 s; its speed is not measured yet). Fixed once compiled."""
+    """What learner_compile compiles: layer (each decoder layer: one small graph that all layers of both models share; the measured one) or decoder (each model's whole decoder, one graph per forward and backward: one guard check and one wrapper call per micro-batch instead of one per layer, but four whole-model compiles, two models x train/no-grad, which on an H100 had not finished the 0.6B preset's first update after 285 s and on the CPU at the same depth took 12.8 minutes; its speed is not measured yet). Fixed once compiled."""
 
     # ---------------------------------------------------------------- prompts and data
     max_prompt_length: int = 512
