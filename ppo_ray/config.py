@@ -288,7 +288,7 @@ class PPOConfig:
     scorer_num_gpus: float = 0.0
     """GPUs per scorer actor."""
     scorer_torch_threads: int = 0
-    """torch CPU threads in each scorer actor; 0 = Ray's default (OMP_NUM_THREADS from scorer_num_cpus: 1 thread when it reserves under 2 CPUs). In the synchronous step the scorers run while the generator and the learner wait, so on a CPU machine they can use the cores those reserve."""
+    """torch CPU threads in each scorer actor; 0 = Ray's default (OMP_NUM_THREADS from scorer_num_cpus: 1 thread when it reserves under 2 CPUs). In the synchronous step the scorers run while the generator and the learner wait, so on a CPU machine they can use the cores those reserve. The reference and reward actors run at the same time, so keep twice this within those cores: on 2 cores, 2 threads each made both 3x slower (benchmarks/RESULTS.md, old_logprobs section)."""
     placement_strategy: str = "PACK"
     """Ray placement-group strategy for the actors' bundles (one per actor): PACK (as few nodes as possible), SPREAD, STRICT_PACK (one node) or STRICT_SPREAD (one node per actor)."""
     generator_resources: dict[str, float] = field(default_factory=dict)
