@@ -644,9 +644,11 @@ class Learner:
             finite_old = torch.isfinite(behaviour)
             policy_mask = mask & finite_old  # tokens with a defined PPO ratio
             old_logprobs = torch.where(policy_mask, behaviour, torch.zeros((), device=self.device))
-            behaviour_gap = masked_mean((fwd.logprobs - behaviour).abs(), policy_mask & torch.isfinite(fwd.logprobs))
-            if not recompute:  # no current-policy logprobs to compare with
-                behaviour_gap = torch.full((), math.nan, device=self.device) if stale else torch.zeros((), device=self.device)
+            if recompute:
+                behaviour_gap = masked_mean((fwd.logprobs - behaviour).abs(),
+                                            policy_mask & torch.isfinite(fwd.logprobs))
+            else:  # the behaviour policy's logprobs are all there is: 0 by definition, unknown if stale
+                behaviour_gap = torch.full((), math.nan if stale else 0.0, device=self.device)
             values = fwd.values
             # 2. KL_t between policy and reference (k1 = logp - logp_ref by default).
             kl = kl_penalty(fwd.full_logprobs, ref_logprobs, cfg.kl_estimator, mask=mask)  # (B, T)
