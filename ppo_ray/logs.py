@@ -62,6 +62,9 @@ def quiet_env(level: str = "info") -> dict[str, str]:
     env = {
         # vLLM's per-engine warnings (Triton, NUMA, eager mode, LoRA tokenizers) and loader bars
         "VLLM_LOGGING_LEVEL": "INFO" if debug else "ERROR",
+        # ... on stderr, not vLLM's default stdout: Ray forwards an actor's stdout to the driver's,
+        # where a command's results go (benchmarks.step's JSON)
+        "VLLM_LOGGING_STREAM": "ext://sys.stderr",
         # transformers' "Loading weights" bars and hub download bars
         "HF_HUB_DISABLE_PROGRESS_BARS": "0" if debug else "1",
         "TRANSFORMERS_VERBOSITY": "info" if debug else "error",

@@ -43,6 +43,8 @@ def test_logging_setup_and_quiet_libraries(monkeypatch, capsys, root_logger):
     setup_logging("warning", stream=stream)  # replaces its own handler, does not add a second
     assert root_logger.level == logging.WARNING and sum(getattr(h, "_ppo_ray", False) for h in root_logger.handlers) == 1
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    monkeypatch.delenv("VLLM_LOGGING_STREAM", raising=False)
     assert quiet_env("info")["VLLM_LOGGING_LEVEL"] == "ERROR" and quiet_env("debug")["VLLM_LOGGING_LEVEL"] == "INFO"
+    assert quiet_env("debug")["VLLM_LOGGING_STREAM"] == "ext://sys.stderr"  # the driver's stdout stays its results'
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
     assert quiet_env("info")["VLLM_LOGGING_LEVEL"] == "DEBUG"  # the user's own setting wins
