@@ -49,6 +49,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "chunk": dict(logprob_chunk_size=1024),
     "all": FAST,
 }
+EAGER_HEAD: set[str] = set()  # variants whose learner keeps learner.learner.head_token_stats eager
 for _mb in (2, 8, 16, 32, 64, 128):
     VARIANTS[f"base_mb{_mb}"] = dict(micro_batch_size=_mb)
     VARIANTS[f"all_mb{_mb}"] = dict(FAST, micro_batch_size=_mb)
@@ -57,6 +58,9 @@ for _mb in (2, 8, 16, 32, 64, 128):
     # lora_kernel: merged instead of fused (one GEMM with W + s B A per projection)
     VARIANTS[f"merged_mb{_mb}"] = dict(FAST, lora_kernel="merged", micro_batch_size=_mb)
     VARIANTS[f"merged_compile_mb{_mb}"] = dict(FAST, lora_kernel="merged", micro_batch_size=_mb, learner_compile=True)
+    # ... with the lm_head + logprob math left eager (as before learner_compile compiled it): A/B
+    VARIANTS[f"merged_compile_eagerhead_mb{_mb}"] = dict(VARIANTS[f"merged_compile_mb{_mb}"])
+    EAGER_HEAD.add(f"merged_compile_eagerhead_mb{_mb}")
     # ... with gradient checkpointing: one more forward of work, for micro-batches that fit only then
     VARIANTS[f"merged_compile_gc_mb{_mb}"] = dict(FAST, lora_kernel="merged", micro_batch_size=_mb, learner_compile=True,
                                                   gradient_checkpointing=True)
@@ -259,7 +263,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     import torch
 
-    from learner.learner import Learner
+    from learner.learner import Learner, head_token_stats
     from ppo_ray.config import parse_overrides
     from ppo_ray.modeling import pick_device
 
@@ -315,6 +319,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             try:
                 learner.config = config.replace(**{**PLAIN, **VARIANTS[name]})
                 learner._speed_options()
+                if name in EAGER_HEAD:
+                    learner._head_stats = head_token_stats
                 t0 = time.perf_counter()
                 row["warmup"] = run_update(learner, batch, ref, scores, sync)
                 row["warmup_wall_s"] = time.perf_counter() - t0

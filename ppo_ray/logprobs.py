@@ -205,3 +205,46 @@ def entropy_from_logits(logits: Tensor, mask: Tensor, temperature: float = 1.0) 
     # einsum contracts V without materialising probs * x.
     entropy = torch.logsumexp(x, dim=-1) - torch.einsum("...v,...v->...", probs, x)
     return torch.where(mask, entropy, torch.zeros((), dtype=entropy.dtype, device=entropy.device))
+
+
+def token_stats_from_logits(
+    logits: Tensor,
+    tokens: Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    *,
+    truncated: bool = False,
+    full: bool = False,
+    entropy: bool = False,
+) -> tuple[Tensor, ...]:
+    """Those asked for, in this order: :func:`logprobs_from_logits` with ``top_k`` /
+    ``top_p`` (the sampling distribution), the same without truncation (the full softmax at
+    temperature), :func:`entropy_from_logits`; each float32, of ``logits``' leading shape.
+    No mask: every position is real (the learner passes only real response positions).
+
+    Equal to calling those functions one by one (the same ops on the same float32 values:
+    bit for bit in the forward), with the work they share done once: one float32 copy of ``logits / temperature``, one log-sum-exp for the
+    full logprobs and the entropy, and the truncated logprobs taken from the full ones when
+    top-k / top-p are off (they are the same distribution then). Separate calls pass over
+    the ``(..., V)`` logits about three times as often.
+    """
+    V = logits.size(-1)
+    cut = (top_k is not None and 0 < top_k < V) or (top_p is not None and top_p < 1.0)
+    out: list[Tensor] = []
+    if truncated and cut:
+        out.append(logprobs_from_logits(logits, tokens, temperature, top_k, top_p))
+    if not (full or entropy or (truncated and not cut)):
+        return tuple(out)
+    x, _ = _float_scaled_logits(logits, temperature, None)
+    lse = torch.logsumexp(x, dim=-1)
+    if full or (truncated and not cut):
+        logp = x.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1) - lse
+        if truncated and not cut:
+            out.append(logp)
+        if full:
+            out.append(logp)
+    if entropy:
+        probs = torch.softmax(x, dim=-1)  # entropy_from_logits' ops, so its rounding too
+        out.append(lse - torch.einsum("...v,...v->...", probs, x))
+    return tuple(out)

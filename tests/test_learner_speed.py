@@ -26,7 +26,7 @@ import torch
 from learner.algos import chunked_rows
 from ppo_ray.batch import TrimPlan
 from ppo_ray.logprobs import logprobs_from_logits
-from learner.learner import Learner
+from learner.learner import Learner, head_token_stats
 from ppo_ray.config import ConfigError, PPOConfig
 from test_learner import make_config, random_batch, rollout_inputs, special, tiny_path  # noqa: F401 (fixtures)
 
@@ -166,6 +166,28 @@ def test_chunked_rows_equal_one_pass_values_and_gradients():
     assert (grad_full - grad_chunked).abs().max() < 1e-6
 
 
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (10, 0.9)], ids=["full", "truncated"])
+def test_compiled_head_stats_equal_eager_values_and_gradients(top_k, top_p):
+    """learner_compile's lm_head + logprob math (one torch.compile graph, dynamic widths)
+    equals the eager ops, chunked and checkpointed as the learner runs it: the truncated and
+    full logprobs and the entropy, and the hidden states' gradient (float32)."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(23, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g)
+    rank = 2 if top_p == 1.0 else 0  # a sampled token inside the truncated support
+    tokens = (hidden @ weight.T).topk(3).indices[:, rank].detach()
+    what = (0.7, top_k, top_p, True, True, True)
+    compiled = torch.compile(head_token_stats, dynamic=True)
+    results = []
+    for fn in (head_token_stats, compiled):
+        out = chunked_rows(lambda h, tok: fn(h, weight, tok, *what), 5, hidden, tokens)  # widths 5 and 3
+        grad = torch.autograd.grad(sum(x.sum() for x in out), hidden)[0]
+        results.append((*[x.detach() for x in out], grad))
+    assert all(torch.isfinite(x).all() for x in results[0])
+    for a, b in zip(*results):
+        assert (a - b).abs().max() < 1e-5
+
 def test_fused_lora_equals_peft_with_cached_casts(tiny_path):
     """bfloat16 model, float32 adapters (PEFT's default): the fused forward's outputs and
     float32 adapter gradients match PEFT's up to bf16 rounding; with the cast cache open over
@@ -248,6 +270,8 @@ def test_compile_option_compiles_every_decoder_layer(tiny_path, monkeypatch):
     learner = Learner(make_config(learner_compile=True), tiny_path)
     layers = [*learner._decoder.layers, *learner.value_model.backbone.get_base_model().layers]
     assert [m for m, _ in compiled] == layers and all(kw == {"dynamic": True} for _, kw in compiled)
+    assert learner._head_stats is not head_token_stats  # the lm_head + logprob math: torch.compile'd
+    assert Learner(make_config(), tiny_path)._head_stats is head_token_stats
 
 
 def test_compile_scope_decoder_compiles_each_models_decoder_once(tiny_path, monkeypatch):

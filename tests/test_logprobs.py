@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from ppo_ray.logprobs import entropy_from_logits, logprobs_from_logits
+from ppo_ray.logprobs import entropy_from_logits, logprobs_from_logits, token_stats_from_logits
 
 
 def brute_vllm_logprobs(logits_row, temperature, top_k, top_p):
@@ -171,6 +171,39 @@ def test_entropy_from_logits():
     uniform = entropy_from_logits(torch.zeros(1, 1, 8, dtype=torch.bfloat16), one)
     assert uniform.item() == pytest.approx(math.log(8), abs=1e-6)
 
+
+
+@pytest.mark.parametrize("top_k,top_p", [(None, None), (0, 1.0), (4, None), (None, 0.8), (5, 0.9)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_stats_equal_the_separate_functions(top_k, top_p, dtype):
+    """token_stats_from_logits (the learner's head, its shared work done once) gives each
+    subset of (truncated, full, entropy), in that order, equal to the separate functions:
+    values bit for bit, the logits' gradients up to rounding."""
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(3, 5, 12, generator=g) * 3).to(dtype)
+    tokens = logits.float().argmax(-1)  # always inside the truncated support
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    separate = {"truncated": lambda x: logprobs_from_logits(x, tokens, 0.7, top_k, top_p),
+                "full": lambda x: logprobs_from_logits(x, tokens, 0.7),
+                "entropy": lambda x: entropy_from_logits(x, mask, 0.7)}
+    for which in [("truncated",), ("full",), ("entropy",), ("truncated", "entropy"), ("truncated", "full", "entropy")]:
+        results = []
+        for fn in (lambda x: [separate[w](x) for w in which],
+                   lambda x: token_stats_from_logits(x, tokens, 0.7, top_k, top_p, **{w: True for w in which})):
+            x = logits.clone().requires_grad_(True)
+            out = fn(x)
+            grad = torch.autograd.grad(sum((o * (i + 1)).sum() for i, o in enumerate(out)), x)[0]
+            results.append([*[o.detach() for o in out], grad.float()])
+        assert len(results[1]) == len(which) + 1
+        for a, b in zip(results[0][:-1], results[1][:-1]):
+            assert torch.equal(a, b), which  # the same ops on the same float32 values
+        for a, b in zip(*results):
+            # float32 rounding (the entropy is lse - E[x], ~13 - ~13 here); bfloat16 logits'
+            # gradients: the separate functions add theirs in bfloat16, one float32 copy adds
+            # them before its one rounding (a bfloat16 ulp, 2^-8, of the largest terms)
+            atol = 1e-2 * a.abs().max().item() if dtype == torch.bfloat16 and a is results[0][-1] else 5e-5
+            assert a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-4, atol=atol), which
+    assert token_stats_from_logits(logits, tokens) == ()
 
 # ----------------------------------------------------------------------------------------
 # against vLLM's own sampler function (no engine: 40 cases in ~1.5 s; importing vLLM takes
