@@ -1,28 +1,35 @@
 #!/usr/bin/env bash
-# Issue 16's sixth GPU check, in one call (stages bounded by `timeout`): micro-batch 128 under
-# gradient checkpointing (one more forward of work, half the host's calls per token; the fifth
-# check found the host's ~1.1-1.3 ms per compiled layer call the limit), lora_kernel merged,
-# learner_compile (layer scope), the speed options on, B=512, 4 epochs (the preset's shape):
-#   1. the preset's separate value model;
-#   2. the shared trunk.
-# Not the decoder compile scope: on the CPU at Qwen3-0.6B's depth (the test-deep model) one
-# model's whole-decoder forward + backward took 277 s to compile against 17 s per layer, and
-# the learner needs four such graphs, more than one device call (benchmarks/RESULTS.md).
-# JSON and the log under $OUT (default benchmarks/results/gpu). MODEL=test B_BIG=8 MB=8 for a
-# dry run on the CPU (micro-batches: learner_profile.VARIANTS).
+# Issue 16's next GPU check, in one call (stages bounded by `timeout`): the B=512 step with
+# learner_compile's compiled lm_head + logprob math (gpu_head.sh measured the update alone:
+# 13.37 -> 12.21 s), lora_kernel merged, the speed options on, micro-batch 64:
+#   1. benchmarks.gpu_step, value_model shared: B=64 (warm-up, the compile) then B=512, HF
+#      generate (the stand-in for vLLM) with a static KV cache, no one-off phases; the 20 s target;
+#   2. the same with the preset's separate value model;
+#   3. the update alone, separate: the head eager (now ppo_ray.logprobs.token_stats_from_logits,
+#      its shared work done once) vs compiled, one process, if time is left.
+# JSON and the log under $OUT (default benchmarks/results/gpu). MODEL=test B_STEP=4,8 B_BIG=8 MB=8
+# for a dry run on the CPU.
 set -uo pipefail
-source "$(dirname "$0")/gpu_env.sh" 512
+source "$(dirname "$0")/gpu_env.sh" 64,512
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 B_BIG=${B_BIG:-512}
-MB=${MB:-128}
-profile() {  # $1 timeout s, $2 value model, $3 JSON name
-    timeout "$1" $PY -m benchmarks.learner_profile --model "$MODEL" --batch_size "$B_BIG" --ppo_epochs 4 \
-        --value_model "$2" --variants "merged_compile_gc_mb$MB" --profile none --split none \
-        --time_budget_s $(( $1 - 40 )) --out "$OUT/$3.json" 2>&1 | quiet
+MB=${MB:-64}
+step() {  # $1 timeout s, $2 JSON name, then the value model's flags
+    local t=$1 name=$2; shift 2
+    timeout "$t" $PY -m benchmarks.gpu_step --model "$MODEL" --batch_sizes "$B_STEP" --steps 1 --warmup 0 \
+        --extras false --generate_cache static --micro_batch_size "$MB" "${FAST[@]}" --lora_kernel merged \
+        --learner_compile true "$@" --time_budget_s $(( t - 20 )) --out "$OUT/$name.json" 2>&1 | quiet \
+        | grep "^\[gpu_step\]\|Error"
 }
 {
-profile "${T1:-270}" separate b512_separate_gc_mb$MB
+step "${T1:-200}" step_shared --value_model shared --value_model_name null
 echo "[gpu_next] stage 1 done ($(( $(date +%s) - start )) s so far)"
-profile "${T2:-200}" shared b512_shared_gc_mb$MB
+step "${T2:-200}" step_separate
+echo "[gpu_next] stage 2 done ($(( $(date +%s) - start )) s so far)"
+if (( $(date +%s) - start < ${T3_BEFORE:-400} )); then
+    timeout "${T3:-150}" $PY -m benchmarks.learner_profile --model "$MODEL" --batch_size "$B_BIG" --ppo_epochs 4 \
+        --variants "merged_compile_eagerhead_mb$MB,merged_compile_mb$MB" --profile none --split none \
+        --time_budget_s 120 --out "$OUT/b512_separate_head.json" 2>&1 | quiet
+fi
 echo "[gpu_next] done ($(( $(date +%s) - start )) s)"
 } 2>&1 | tee "$OUT/log.txt"
