@@ -224,10 +224,11 @@ def token_stats_from_logits(
     No mask: every position is real (the learner passes only real response positions).
 
     Equal to calling those functions one by one (the same ops on the same float32 values:
-    bit for bit in the forward), with the work they share done once: one float32 copy of ``logits / temperature``, one log-sum-exp for the
-    full logprobs and the entropy, and the truncated logprobs taken from the full ones when
-    top-k / top-p are off (they are the same distribution then). Separate calls pass over
-    the ``(..., V)`` logits about three times as often.
+    bit for bit in the forward), with the work they share done once: one float32 copy of
+    ``logits / temperature``, one log-sum-exp for the full logprobs and the entropy, and the
+    truncated logprobs taken from the full ones when top-k / top-p are off (they are the
+    same distribution then). Separate calls pass over the ``(..., V)`` logits about three
+    times as often.
     """
     V = logits.size(-1)
     cut = (top_k is not None and 0 < top_k < V) or (top_p is not None and top_p < 1.0)
