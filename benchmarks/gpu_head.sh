@@ -2,9 +2,9 @@
 # Issue 16's GPU check of 2026-11-27 (RESULTS.md: "fifth session", 3.), in one call (stages
 # bounded by `timeout`). A profile before it found the micro-batch-64 update GPU-bound (kernel
 # time ~ wall time, torch.profiler) with ~8% of its kernel time in float32 passes over the
-# (c, V) logits; learner_compile now compiles the
-# lm_head + logprob math too (learner.learner.head_token_stats). B=512, 4 epochs (the preset's
-# shape), lora_kernel merged, learner_compile, the speed options on, micro-batch 64:
+# (c, V) logits; learner_compile now compiles the lm_head + logprob math too
+# (learner.learner.head_token_stats). B=512, 4 epochs (the preset's shape), lora_kernel merged,
+# learner_compile, the speed options on, micro-batch 64:
 #   1. separate value model: the head eager (before) then compiled (after), one process;
 #   2. the shared trunk, head compiled;
 #   3. separate, head compiled, cuDNN's SDPA off (PyTorch's flash kernel).

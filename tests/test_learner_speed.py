@@ -166,7 +166,6 @@ def test_chunked_rows_equal_one_pass_values_and_gradients():
     assert (grad_full - grad_chunked).abs().max() < 1e-6
 
 
-
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (10, 0.9)], ids=["full", "truncated"])
 def test_compiled_head_stats_equal_eager_values_and_gradients(top_k, top_p):
     """learner_compile's lm_head + logprob math (one torch.compile graph, dynamic widths)
@@ -187,6 +186,7 @@ def test_compiled_head_stats_equal_eager_values_and_gradients(top_k, top_p):
     assert all(torch.isfinite(x).all() for x in results[0])
     for a, b in zip(*results):
         assert (a - b).abs().max() < 1e-5
+
 
 def test_fused_lora_equals_peft_with_cached_casts(tiny_path):
     """bfloat16 model, float32 adapters (PEFT's default): the fused forward's outputs and

@@ -172,7 +172,6 @@ def test_entropy_from_logits():
     assert uniform.item() == pytest.approx(math.log(8), abs=1e-6)
 
 
-
 @pytest.mark.parametrize("top_k,top_p", [(None, None), (0, 1.0), (4, None), (None, 0.8), (5, 0.9)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_token_stats_equal_the_separate_functions(top_k, top_p, dtype):
@@ -204,6 +203,7 @@ def test_token_stats_equal_the_separate_functions(top_k, top_p, dtype):
             atol = 1e-2 * a.abs().max().item() if dtype == torch.bfloat16 and a is results[0][-1] else 5e-5
             assert a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-4, atol=atol), which
     assert token_stats_from_logits(logits, tokens) == ()
+
 
 # ----------------------------------------------------------------------------------------
 # against vLLM's own sampler function (no engine: 40 cases in ~1.5 s; importing vLLM takes
