@@ -383,6 +383,8 @@ def test_shared_trunk_pass_equals_two_forwards(tiny_path, batch, options):
     assert not hasattr(learner.value_model, "backbone")  # no second model in memory
 
 
+# the spy below replaces optimizer.step, which torch's LR scheduler notices and warns about
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden:UserWarning")
 def test_shared_trunk_update_trains_lora_with_the_weighted_value_loss(tiny_path, batch):
     """The value loss reaches the shared LoRA with weight vf_coef: the first LoRA gradient is
     g_policy + vf_coef * g_value, affine in vf_coef (checked at 0.1, 0.2, 0.3), with a
