@@ -5,14 +5,15 @@
 #   1. benchmarks.gpu_step, value_model shared: B=64 (warm-up, the compile) then B=512, HF
 #      generate (the stand-in for vLLM) with a static KV cache, no one-off phases; the 20 s target;
 #   2. the same with the preset's separate value model;
-#   3. the update alone, separate: the head eager (now ppo_ray.logprobs.token_stats_from_logits,
-#      its shared work done once) vs compiled, one process, if time is left.
-# JSON and the log under $OUT (default benchmarks/results/gpu). MODEL=test B_STEP=4,8 B_BIG=8 MB=8
-# for a dry run on the CPU.
+#   3. where the kernel time goes now (the compiled head): the fifth session's profile again
+#      (B=128, 1 epoch, micro-batch 64, torch.profiler), with learner_profile's kernel
+#      categories (GEMMs, the LoRA factors' small GEMMs, attention, Inductor, eager ATen,
+#      copies) in the JSON and the log, the top kernels in $OUT/profile_*.txt; if time is left.
+# JSON and the log under $OUT (default benchmarks/results/gpu). MODEL=test B_STEP=4,8 MB=8
+# B_PROFILE_NEXT=8 for a dry run on the CPU.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh" 64,512
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-B_BIG=${B_BIG:-512}
 MB=${MB:-64}
 step() {  # $1 timeout s, $2 JSON name, then the value model's flags
     local t=$1 name=$2; shift 2
@@ -27,9 +28,9 @@ echo "[gpu_next] stage 1 done ($(( $(date +%s) - start )) s so far)"
 step "${T2:-200}" step_separate
 echo "[gpu_next] stage 2 done ($(( $(date +%s) - start )) s so far)"
 if (( $(date +%s) - start < ${T3_BEFORE:-400} )); then
-    timeout "${T3:-150}" $PY -m benchmarks.learner_profile --model "$MODEL" --batch_size "$B_BIG" --ppo_epochs 4 \
-        --variants "merged_compile_eagerhead_mb$MB,merged_compile_mb$MB" --profile none --split none \
-        --time_budget_s 120 --out "$OUT/b512_separate_head.json" 2>&1 | quiet
+    timeout "${T3:-150}" $PY -m benchmarks.learner_profile --model "$MODEL" --batch_size "${B_PROFILE_NEXT:-128}" \
+        --ppo_epochs 1 --variants "merged_compile_mb$MB" --profile "merged_compile_mb$MB" --split none \
+        --trace_dir "$OUT" --time_budget_s 120 --out "$OUT/profile_mb$MB.json" 2>&1 | quiet
 fi
 echo "[gpu_next] done ($(( $(date +%s) - start )) s)"
 } 2>&1 | tee "$OUT/log.txt"

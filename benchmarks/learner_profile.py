@@ -16,13 +16,16 @@ pass + ppo_epochs over the batch), and reports the phases, the MFU (benchmarks.g
 learner_flops over the card's bf16 peak), the padded-vs-real token ratio and peak memory.
 ``split`` times one micro-batch's policy and value forward+backward separately. Variants in
 --profile also run under torch.profiler: the top CUDA kernels and the top CPU ops go to
---trace_dir as text. JSON (rewritten after every variant) in --out.
+--trace_dir as text, and the kernel time by category (kernel_breakdown: GEMMs, the LoRA
+factors' small GEMMs, attention, Inductor, eager ATen, copies) to the JSON and the log.
+JSON (rewritten after every variant) in --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
@@ -205,6 +208,44 @@ def sync_report(learner, batch, ref, scores, path: Path) -> dict:
     return {"sync_calls": sum(stacks.values()), "sync_stacks": len(stacks)}
 
 
+# GPU kernel names -> what they are (torch 2.11 / CUDA 13 on an H100: cuBLASLt's nvjet GEMMs,
+# cuDNN's fused attention, Inductor's triton_* kernels, ATen's own eager kernels)
+_NVJET_TILE = re.compile(r"nvjet_\w*?_tst_(\d+)x(\d+)_")
+
+
+def kernel_category(name: str) -> str:
+    """The category of one CUDA kernel, by its name: gemm (cuBLAS / CUTLASS), gemm_small (a
+    GEMM with a tile side <= 64 or split-K: the LoRA factors' memory-bound (N, r) products),
+    attention (cuDNN / flash SDPA and their helper kernels), inductor (triton_*: the compiled
+    graphs' fused elementwise and reductions), aten (eager ATen kernels: casts, the logits'
+    float32 passes when the head is not compiled), copy (memcpy / memset), other."""
+    low = name.lower()
+    if low.startswith("triton_"):
+        return "inductor"
+    if low.startswith("memcpy") or low.startswith("memset"):
+        return "copy"
+    if "sdpa" in low or "fmha" in low or "flash" in low or "attention" in low or low.startswith("void cudnn::"):
+        return "attention"
+    tile = _NVJET_TILE.search(low)
+    if tile or "gemm" in low or "cutlass" in low or "xmma" in low or "cublas" in low:
+        small = "splitk" in low or (tile is not None and min(int(tile[1]), int(tile[2])) <= 64)
+        return "gemm_small" if small else "gemm"
+    if "at::native::" in low:
+        return "aten"
+    return "other"
+
+
+def kernel_breakdown(kernels: Sequence[tuple[str, float]]) -> dict[str, dict[str, float]]:
+    """(kernel name, seconds) pairs -> {category: {"s": seconds, "share": of all kernel time}},
+    largest first (kernel_category)."""
+    total = sum(s for _, s in kernels) or 1.0
+    sums: dict[str, float] = {}
+    for name, seconds in kernels:
+        sums[kernel_category(name)] = sums.get(kernel_category(name), 0.0) + seconds
+    return {cat: {"s": round(s, 4), "share": round(s / total, 4)}
+            for cat, s in sorted(sums.items(), key=lambda kv: -kv[1])}
+
+
 def profile_update(learner, batch, ref, scores, path: Path) -> dict:
     """One update under torch.profiler: top CUDA kernels and top CPU ops to `path`; the
     sum of kernel time vs the wall time (how busy the GPU is)."""
@@ -218,13 +259,19 @@ def profile_update(learner, batch, ref, scores, path: Path) -> dict:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     events = prof.key_averages()
-    kernel_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = [(e.key, e.self_device_time_total / 1e6) for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+    kernel_us = sum(s for _, s in kernels) * 1e6
+    shares = kernel_breakdown(kernels)
     text = [f"wall {wall:.3f} s (with profiler overhead), GPU kernel time {kernel_us / 1e6:.3f} s",
+            "kernel time by category: " + ", ".join(f"{c} {v['s']:.3f} s ({v['share']:.1%})" for c, v in shares.items()),
             events.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=90),
             events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=90)]
     path.write_text("\n\n".join(text))
-    top = sorted((e for e in events if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)[:25]
-    return {"profiled_wall_s": wall, "kernel_s": kernel_us / 1e6,
+    # kernels only (the ops that launch them, e.g. aten::mm, are in the text's tables)
+    top = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0),
+                 key=lambda e: -e.self_device_time_total)[:25]
+    return {"profiled_wall_s": wall, "kernel_s": kernel_us / 1e6, "kernel_shares": shares,
             "top_kernels": [[e.key[:120], round(e.self_device_time_total / 1e6, 4), e.count] for e in top]}
 
 
@@ -355,6 +402,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                 if k in ("learner_forward_s", "update_s", "peak_gib", "padded_token_ratio", "mfu_update",
                          "mfu_learner", "warmup_wall_s", "skip_guards_update_s", "skip_guards_learner_forward_s",
                          "sync_calls", "error")), file=sys.stderr, flush=True)
+            if "profile" in row:
+                print(f"[learner_profile] {name} kernel time {row['profile']['kernel_s']:.3f} s: " + ", ".join(
+                    f"{c} {v['share']:.1%}" for c, v in row["profile"]["kernel_shares"].items()),
+                    file=sys.stderr, flush=True)
             save()
     result["total_s"] = time.perf_counter() - t_start
     save()

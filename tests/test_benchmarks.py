@@ -199,3 +199,32 @@ def test_learner_profile_refuses_unknown_variants_before_loading_a_model(capsys)
     assert "unknown --variants ['merged_compile_gc_mb4']" in capsys.readouterr().err
     assert parse_args(["--variants", "merged_compile_gc_mb128"]).variants == "merged_compile_gc_mb128"
     assert VARIANTS["merged_compile_gc_mb128"]["gradient_checkpointing"] is True
+
+
+def test_profile_kernel_categories_on_an_h100_profiles_names():
+    """The profile's breakdown sorts kernels as the fifth GPU session's trace needed by hand
+    (names from that trace, torch 2.11 on an H100)."""
+    from benchmarks.learner_profile import kernel_breakdown, kernel_category
+
+    names = {
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT": "gemm",
+        "nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN": "gemm",
+        "nvjet_sm90_tst_64x32_64x16_2x1_v_bz_splitK_NTT": "gemm_small",
+        "nvjet_sm90_tst_16x192_64x8_1x4_h_bz_TNN": "gemm_small",
+        "nvjet_sm90_tst_128x256_64x4_1x2_h_bz_coopA_NNN": "gemm",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "gemm",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1_cga": "attention",
+        "void cudnn::fusion::compute_dot_do_o_specialized<true, 128>(void const*, void const*, v": "attention",
+        "void cudnn::fusion::fmha_reduce_head<true>(void const*, void*, unsigned int, unsigned i": "attention",
+        "triton_poi_fused__unsafe_view_mul_silu_7": "inductor",
+        "triton_per_fused__fused_rms_norm__scaled_dot_product_cudnn_attention__unsafe_view_add_c": "inductor",
+        "Memcpy DtoH (Device -> Pageable)": "copy",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::exp_kernel_cuda(at::Tenso": "aten",
+        "void some_library::unknown_kernel<float>(float*)": "other",
+    }
+    assert {n: kernel_category(n) for n in names} == names
+    shares = kernel_breakdown([("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", 0.6),
+                               ("nvjet_sm90_tst_16x192_64x8_1x4_h_bz_TNN", 0.1), ("triton_poi_fused_add_0", 0.2),
+                               ("triton_per_fused_rms_1", 0.1)])
+    assert list(shares) == ["gemm", "inductor", "gemm_small"]
+    assert shares["inductor"] == {"s": 0.3, "share": 0.3} and shares["gemm"]["share"] == 0.6
