@@ -215,7 +215,8 @@ _NVJET_TILE = re.compile(r"nvjet_\w*?_tst_(\d+)x(\d+)_")
 
 def kernel_category(name: str) -> str:
     """The category of one CUDA kernel, by its name: gemm (cuBLAS / CUTLASS), gemm_small (a
-    GEMM with a tile side <= 64 or split-K: the LoRA factors' memory-bound (N, r) products),
+    GEMM with a tile side <= 64 or split-K: the LoRA factors' memory-bound (N, r) products,
+    by a heuristic on cuBLASLt's tile names that held in the fifth session's trace),
     attention (cuDNN / flash SDPA and their helper kernels), inductor (triton_*: the compiled
     graphs' fused elementwise and reductions), aten (eager ATen kernels: casts, the logits'
     float32 passes when the head is not compiled), copy (memcpy / memset), other."""
@@ -241,7 +242,8 @@ def kernel_breakdown(kernels: Sequence[tuple[str, float]]) -> dict[str, dict[str
     total = sum(s for _, s in kernels) or 1.0
     sums: dict[str, float] = {}
     for name, seconds in kernels:
-        sums[kernel_category(name)] = sums.get(kernel_category(name), 0.0) + seconds
+        cat = kernel_category(name)
+        sums[cat] = sums.get(cat, 0.0) + seconds
     return {cat: {"s": round(s, 4), "share": round(s / total, 4)}
             for cat, s in sorted(sums.items(), key=lambda kv: -kv[1])}
 

@@ -201,7 +201,7 @@ def test_learner_profile_refuses_unknown_variants_before_loading_a_model(capsys)
     assert VARIANTS["merged_compile_gc_mb128"]["gradient_checkpointing"] is True
 
 
-def test_profile_kernel_categories_on_an_h100_profiles_names():
+def test_profile_kernel_categories_of_h100_kernel_names():
     """The profile's breakdown sorts kernels as the fifth GPU session's trace needed by hand
     (names from that trace, torch 2.11 on an H100)."""
     from benchmarks.learner_profile import kernel_breakdown, kernel_category
