@@ -36,6 +36,13 @@ Checkpoints: the PPO stage writes <run_dir>/checkpoints/step-N every checkpoint_
 and at the end. `launch.py ppo --resume DIR` (a run directory or one checkpoint) continues
 from it with the run's saved config (plus any overrides, e.g. a larger --steps); Ctrl-C or
 `ray job stop` leaves the last checkpoint intact.
+
+A run directory is never written over: a fresh stage into a --run_dir that holds that
+stage's outputs stops before writing anything. `--resume auto` continues whatever the
+run directory holds (finished stages are skipped, PPO resumes from its newest intact
+checkpoint, an unfinished stage starts again) and starts a new run when it holds none: the
+same command can be re-applied (a RayJob, a restarted cluster). `--overwrite` starts over,
+moving the old outputs to <run_dir>/replaced/<time>/.
 """
 
 from __future__ import annotations
@@ -109,6 +116,40 @@ def run_plain_ppo(config, run_dir: Path, resume: str | None = None, prompts: lis
             "last_reward": history[-1]["reward_mean"], "final_kl": history[-1]["kl"]}
 
 
+def plan_run_dir(run_dir: Path, stage: str, stages: tuple[str, ...], resume: str | None,
+                 overwrite: bool) -> tuple[dict, str | None]:
+    """What the run directory's contents mean for this command, decided before anything is
+    written: (the stages already finished, to be skipped; the PPO checkpoint to resume).
+
+    A fresh stage into a run directory that holds its outputs is a RunDirError (naming
+    --resume and --overwrite); --overwrite moves them aside; --resume auto skips the stages
+    that finished, resumes PPO from its newest intact checkpoint, and moves an unfinished
+    stage's partial outputs aside before that stage starts again."""
+    from ppo_ray.checkpoint import checkpoint_root, resolve_checkpoint
+    from ppo_ray.rundir import check_fresh, forget_done, held_outputs, move_aside, stages_done
+
+    if overwrite:
+        move_aside(run_dir, held_outputs(run_dir, [stage]), why="overwrite")
+        forget_done(run_dir, stages)
+        return {}, None
+    if resume is None:
+        check_fresh(run_dir, stage)
+        return {}, None
+    if resume != "auto":
+        return {}, resume
+    done = {name: stats for name, stats in stages_done(run_dir).items() if name in stages}
+    checkpoint = None
+    if "ppo" in stages and any(checkpoint_root(run_dir).glob("step-*")):
+        checkpoint = resolve_checkpoint(run_dir)
+        done.pop("ppo", None)  # a finished PPO stage resumes too: it trains to config.steps and reports again
+    unfinished = [name for name in stages if name not in done and not (name == "ppo" and checkpoint)]
+    move_aside(run_dir, held_outputs(run_dir, unfinished), why="unfinished")
+    log.info("--resume auto in %s: %s", run_dir, "; ".join(
+        [f"{', '.join(done)} finished"] * bool(done) + [f"PPO resumes from {checkpoint}"] * bool(checkpoint)
+        + [f"{', '.join(unfinished)} start{'s' * (len(unfinished) == 1)}"] * bool(unfinished)))
+    return done, str(checkpoint) if checkpoint else None
+
+
 def build_parser():
     """The command line: PPOConfig's options by section (ppo_ray.config.ConfigParser) with the
     stages and --run_dir / --resume; `launch.py --help` prints it."""
@@ -121,9 +162,14 @@ def build_parser():
                                  "--resume).\nA config file is trusted input: its reward_funcs are imported and run.")
     parser.add_argument("--run_dir", "--run-dir", metavar="DIR",
                         help="run directory (default: output_dir/<time>; with --resume, the checkpoint's run)")
-    parser.add_argument("--resume", metavar="DIR",
+    parser.add_argument("--resume", metavar="DIR|auto",
                         help="continue the PPO stage from a run directory's latest checkpoint or one checkpoint, "
-                             "with the run's saved config (unless --config) plus the options given")
+                             "with the run's saved config (unless --config) plus the options given; 'auto': "
+                             "continue whatever --run_dir holds (finished stages skipped, PPO from its checkpoint), "
+                             "or start when it holds nothing")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start the stage over in a --run_dir that holds its outputs (they are moved to "
+                             "<run_dir>/replaced/<time>/, not deleted)")
     return parser
 
 
@@ -141,7 +187,19 @@ def main(argv: list[str] | None = None) -> int:
         print(parser.format_help())
         return 0
     run_dir_opt, resume, config_path = options.run_dir, options.resume, options.config
-    if resume is not None:
+    auto = resume == "auto"
+    if resume is not None and options.overwrite:
+        print("error: --overwrite starts the run over; --resume continues it: give one of them", file=sys.stderr)
+        return 2
+    if auto:
+        if run_dir_opt is None:
+            print("error: --resume auto continues the run in --run_dir, or starts one there: pass --run_dir",
+                  file=sys.stderr)
+            return 2
+        saved = [p for p in (Path(run_dir_opt) / "config.yaml", Path(run_dir_opt) / "config-ppo.yaml") if p.is_file()]
+        if config_path is None and saved:  # the run's own config; overrides still apply
+            config_path = str(saved[0])
+    elif resume is not None:
         from ppo_ray.checkpoint import CheckpointError, resolve_checkpoint
 
         try:
@@ -165,11 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         # a run directory's saved config is reloaded and its reward functions imported: say which
         log.warning("resuming with the run's saved config: it imports and runs the reward functions %s "
                     "(config files are trusted input, like a Python script)", ", ".join(config.reward_funcs))
-    stage = positional[0] if positional else ("ppo" if resume is not None else "all")
+    stage = positional[0] if positional else ("ppo" if resume is not None and not auto else "all")
     if stage not in STAGES or len(positional) > 1:
         print(f"error: unknown stage {' '.join(positional)!r}; stages: {', '.join(STAGES)}", file=sys.stderr)
         return 2
-    if resume is not None and stage != "ppo":
+    if resume is not None and not auto and stage != "ppo":
         print(f"error: --resume continues the PPO stage; stage {stage!r} cannot resume (use: launch.py ppo --resume "
               f"{resume})", file=sys.stderr)
         return 2
@@ -196,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     from ppo_ray.modeling import ContextLengthError
     from ppo_ray.placement import ClusterError
     from ppo_ray.rewards import RewardError
+    from ppo_ray.rundir import RunDirError, mark_done
     from ppo_ray.tasks.tldr import TLDRDataError
     from ppo_ray.tracking import TrackerError, check_trackers, read_run_file
 
@@ -209,7 +268,11 @@ def main(argv: list[str] | None = None) -> int:
             check_ray_address()
         if stage == "ppo" and has_reward:
             prompts = plain_ppo_inputs(config)
-    except (ClusterError, RewardError, FileNotFoundError, DataError, ContextLengthError, TrackerError) as e:
+        # last of the checks: a fresh stage never writes over what the run directory holds
+        stages = ("sft", "rm", "ppo") if stage == "all" and not has_reward else (stage,)
+        done, resume = plan_run_dir(run_dir, stage, stages, resume, options.overwrite)
+    except (ClusterError, RewardError, FileNotFoundError, DataError, ContextLengthError, TrackerError,
+            RunDirError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -230,16 +293,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if stage == "ppo" and has_reward:
             report.update(run_plain_ppo(config, run_dir, resume, prompts))
+            mark_done(run_dir, "ppo", report)
         else:
             data_dir = pipeline.write_data(config, run_dir)
-            if stage in ("all", "sft"):
-                report.update(pipeline.run_sft(config, run_dir, data_dir))
-            if stage in ("all", "rm"):
-                report.update(pipeline.run_rm(config, run_dir, data_dir))
-            if stage in ("all", "ppo"):
-                report.update(pipeline.run_ppo(config, run_dir, data_dir, resume))
+            run = {"sft": lambda: pipeline.run_sft(config, run_dir, data_dir),
+                   "rm": lambda: pipeline.run_rm(config, run_dir, data_dir),
+                   "ppo": lambda: pipeline.run_ppo(config, run_dir, data_dir, resume)}
+            for name in stages:
+                if name in done:  # --resume auto: finished in an earlier attempt
+                    log.info("stage %s: finished earlier in %s, skipped", name, run_dir)
+                    report.update(done[name])
+                    continue
+                stats = run[name]()
+                mark_done(run_dir, name, stats)
+                report.update(stats)
     except (ClusterError, RewardError, FileNotFoundError, TLDRDataError, CheckpointError, DataError,
-            ContextLengthError) as e:
+            ContextLengthError, RunDirError) as e:
         # expected, user-fixable problems: the message names the bad thing; no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,18 @@ Layout (one directory per checkpoint, under ``<run_dir>/checkpoints``)::
         config.yaml              the run's config (paths inside the run directory relative to it)
         checksums.json           sha256 of every file above, written last
       latest                     the name of the newest complete checkpoint ("step-000010")
+      abandoned/<time>-.../      checkpoints of a branch that a resume from an older one left
+
+Lineage: trainer.json records the run the checkpoint belongs to (``run_id``: drawn by a
+fresh run, kept by a resumed one), its own ``checkpoint_id`` and the checkpoint it continues
+from (``parent``, ``parent_id``). The run's history is the chain of parents from the newest
+checkpoint. Pruning keeps the newest ``keep`` checkpoints of that chain and deletes nothing
+else; a damaged newest checkpoint (or a missing or damaged ``latest``) falls back along the
+chain only, never to a checkpoint of another run or of an abandoned branch. Resuming from
+an older checkpoint of the run (:func:`branch_from`) moves the checkpoints that do not lead
+to it aside, into ``checkpoints/abandoned/``, and says so: nothing is deleted that the new
+branch did not supersede, and the checkpoint it resumed from is pruned only once a newer
+one of the new branch is written and verified.
 
 Atomicity: a checkpoint is written into a hidden temporary directory next to its final
 place, every file fsynced, then renamed into place (a rename within one filesystem is
@@ -43,10 +55,13 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -60,7 +75,9 @@ MUST_MATCH = (
     "dataset", "prompt_column", "temperature", "top_k", "top_p", "max_new_tokens", "apply_chat_template",
 )
 LATEST = "latest"
+ABANDONED = "abandoned"
 CHECKSUMS = "checksums.json"
+STEP_NAME = re.compile(r"step-\d{6,}")  # what `latest` may name: a checkpoint directly under checkpoints/
 # Config fields that may name a path inside the run directory (the pipeline's PPO stage).
 PATH_FIELDS = ("model_name", "ref_model_name", "reward_model_name", "value_model_name", "dataset")
 RUN_DIR = "${run_dir}"
@@ -78,6 +95,99 @@ def checkpoint_root(run_dir: str | Path) -> Path:
 
 def step_name(step: int) -> str:
     return f"step-{step:06d}"
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """Where the next checkpoint of a run sits in its history: the run it belongs to and the
+    checkpoint it continues from (None: the run's first)."""
+
+    run_id: str
+    parent: Optional[str] = None      # the checkpoint's directory name, e.g. "step-000010"
+    parent_id: Optional[str] = None   # its checkpoint_id (a name alone can be reused by another branch)
+
+    @classmethod
+    def fresh(cls) -> "Lineage":
+        return cls(run_id=uuid.uuid4().hex[:12])
+
+    @classmethod
+    def after(cls, ckpt: Path) -> "Lineage":
+        """The lineage of a checkpoint written after `ckpt` (a resume or the next save). A
+        checkpoint written before lineage existed starts a new run id."""
+        meta = read_meta(ckpt) or {}
+        return cls(run_id=meta.get("run_id") or uuid.uuid4().hex[:12], parent=ckpt.name,
+                   parent_id=meta.get("checkpoint_id"))
+
+
+def read_meta(ckpt: Path) -> Optional[dict]:
+    """A checkpoint's trainer.json, or None when it is missing or unreadable."""
+    try:
+        meta = json.loads((Path(ckpt) / "trainer.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _steps(root: Path) -> list[Path]:
+    """The checkpoint directories directly under `root`, newest step first."""
+    return sorted((p for p in root.glob("step-*") if p.is_dir() and STEP_NAME.fullmatch(p.name)), reverse=True)
+
+
+def ancestry(ckpt: Path, unreadable: bool = False) -> list[Path]:
+    """`ckpt` and the checkpoints it continues from that are still beside it, newest first
+    (follows parent/parent_id; stops at a parent that is gone, moved or of another id).
+    `unreadable`: also end the chain with a parent whose trainer.json cannot be read (its id
+    unknown: a candidate that resume will name as damaged, never one to prune)."""
+    chain, seen = [ckpt], {ckpt.name}
+    meta = read_meta(ckpt) or {}
+    while meta.get("parent") and meta["parent"] not in seen and STEP_NAME.fullmatch(str(meta["parent"])):
+        parent = ckpt.parent / meta["parent"]
+        parent_meta = read_meta(parent)
+        if parent_meta is None and unreadable and parent.is_dir():
+            chain.append(parent)
+            break
+        if parent_meta is None or parent_meta.get("checkpoint_id") != meta.get("parent_id"):
+            break
+        chain.append(parent)
+        seen.add(parent.name)
+        meta = parent_meta
+    return chain
+
+
+def run_ids(run_dir: str | Path) -> set[Optional[str]]:
+    """The run ids of the checkpoints in a run directory (None for one without lineage)."""
+    return {(read_meta(p) or {}).get("run_id") for p in _steps(checkpoint_root(run_dir))}
+
+
+def _move_aside(root: Path, ckpts: list[Path], why: str) -> Optional[Path]:
+    """Move `ckpts` into root/abandoned/<time>-<why>/ (never deleted); returns that folder."""
+    if not ckpts:
+        return None
+    where = root / ABANDONED / f"{time.strftime('%Y%m%d-%H%M%S')}-{why}-{uuid.uuid4().hex[:4]}"
+    where.mkdir(parents=True)
+    for ckpt in ckpts:
+        ckpt.rename(where / ckpt.name)
+    _fsync_dir(root)
+    return where
+
+
+def branch_from(ckpt: Path) -> Optional[Path]:
+    """Make `ckpt` the head of its run directory's history, as a resume from it does: the
+    checkpoints of the same run that do not lead to it (a branch the resume abandons, e.g.
+    step-20 when resuming from step-10) move to checkpoints/abandoned/ (logged), and
+    `latest` names `ckpt`. Checkpoints of other runs are left where they are. Returns the
+    folder they went to (None: nothing to move)."""
+    ckpt = Path(ckpt)
+    root = ckpt.parent
+    run_id = (read_meta(ckpt) or {}).get("run_id")
+    keep = {p.name for p in ancestry(ckpt)}
+    off = [p for p in _steps(root) if p.name not in keep and (read_meta(p) or {}).get("run_id") == run_id]
+    where = _move_aside(root, off, f"after-{ckpt.name}")
+    if where is not None:
+        log.warning("resuming from %s: the checkpoints of the branch it abandons (%s) were moved to %s",
+                    ckpt, ", ".join(p.name for p in off), where)
+    _write_latest(root, ckpt.name)
+    return where
 
 
 def _sha256(path: Path) -> str:
@@ -159,14 +269,19 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, *, config: PPOConfig, learner_state: dict, trainer_state: dict,
-                    model_dir: str, keep: int = 2) -> Path:
-    """Write one checkpoint atomically and point ``latest`` at it; keep the newest `keep`."""
+                    model_dir: str, keep: int = 2, lineage: Optional[Lineage] = None) -> Path:
+    """Write one checkpoint atomically, verify it, point ``latest`` at it, and prune its
+    history to the newest `keep`. `lineage` says which run and checkpoint it continues (the
+    trainer knows); None = the one ``latest`` names, or a new run when there is none."""
     from safetensors.torch import save_file
 
     from ppo_ray.modeling import write_lora_adapter
 
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
+    if lineage is None:
+        head = _pointed(root)
+        lineage = Lineage.after(head) if head is not None and read_meta(head) is not None else Lineage.fresh()
     for stale in root.glob(".tmp-*"):  # an earlier crash's half-written checkpoint
         shutil.rmtree(stale, ignore_errors=True)
     name = step_name(int(trainer_state["step"]))
@@ -183,61 +298,94 @@ def save_checkpoint(run_dir: str | Path, *, config: PPOConfig, learner_state: di
                     "data": trainer_state["data_rng"]}, tmp / "rng.pt")
         meta = {k: v for k, v in trainer_state.items() if k != "data_rng"}
         meta["version"] = int(learner_state["version"])
+        meta.update(run_id=lineage.run_id, checkpoint_id=uuid.uuid4().hex[:12], parent=lineage.parent,
+                    parent_id=lineage.parent_id, saved_at=time.time())
         (tmp / "trainer.json").write_text(json.dumps(meta, indent=1))
         _portable(config, Path(run_dir)).to_yaml(tmp / "config.yaml")
         _write_checksums(tmp)
         _fsync_tree(tmp)
         final = root / name
-        if final.exists():  # the same step written again (a run resumed from an older checkpoint)
-            trash = root / f".tmp-old-{name}-{uuid.uuid4().hex[:8]}"
-            final.rename(trash)
-            shutil.rmtree(trash, ignore_errors=True)
+        if final.exists():  # a checkpoint of this name that is not this one's parent: kept aside
+            where = _move_aside(root, [final], f"replaced-{name}")
+            log.warning("%s already held a checkpoint that this one does not continue: moved to %s", final, where)
         tmp.rename(final)
         _fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    verify_checkpoint(final)  # what pruning relies on: the new head reads back intact
+    _write_latest(root, name)
+    for old in ancestry(final)[max(keep, 1):]:  # only this run's history, never another branch
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_latest(root: Path, name: str) -> None:
     pointer = root / f".tmp-latest-{uuid.uuid4().hex[:8]}"
     pointer.write_text(name + "\n")
     with open(pointer, "rb") as f:
         os.fsync(f.fileno())
     os.replace(pointer, root / LATEST)
     _fsync_dir(root)
-    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-max(keep, 1)]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+
+
+def _pointed(root: Path) -> Optional[Path]:
+    """The checkpoint `latest` names, or None when `latest` is missing or names something
+    that is not a checkpoint directly under `root` (it cannot point elsewhere)."""
+    try:
+        name = (root / LATEST).read_text().strip()
+    except OSError:
+        return None
+    if not STEP_NAME.fullmatch(name):
+        log.warning("%s names %r, which is not a checkpoint of %s: ignored", root / LATEST, name[:200], root)
+        return None
+    return root / name
 
 
 def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
-    """A checkpoint directory, or a run directory / checkpoints folder -> its newest intact
-    checkpoint. A damaged newest checkpoint (checksums) is skipped with a warning naming the
-    damaged file, for the next older intact one; a named checkpoint that is damaged, or a
-    run with none intact, is a CheckpointError naming the file."""
+    """A checkpoint directory, or a run directory / checkpoints folder -> the newest intact
+    checkpoint of its run's history. That history is the chain of parents from the
+    checkpoint ``latest`` names, or, when ``latest`` is missing, damaged or names a missing
+    checkpoint (a crash before the first pointer, a lost file), from the newest checkpoint
+    written. A damaged checkpoint is skipped with a warning naming the damaged file, for the
+    next one back in the chain; a named checkpoint that is damaged, or a run with none
+    intact, is a CheckpointError naming the file."""
     path = Path(path)
     if (path / "trainer.json").is_file() or (path / CHECKSUMS).is_file():
         if verify:
             verify_checkpoint(path)
         return path
     for root in (checkpoint_root(path), path):
-        pointer = root / LATEST
-        if not pointer.is_file():
+        if not root.is_dir() or not ((root / LATEST).exists() or _steps(root)):
             continue
-        named = root / pointer.read_text().strip()
-        # newest first: the one `latest` names, then the others by step (names sort by step)
-        candidates = [named] + sorted((p for p in root.glob("step-*") if p.is_dir() and p != named), reverse=True)
         problems = []
+        head = _pointed(root)
+        if head is not None and read_meta(head) is None:
+            problems.append(f"{root / LATEST} names {head.name}, which is missing or incomplete")
+            head = None
+        if head is None:
+            if (root / LATEST).exists() and not problems:
+                problems.append(f"{root / LATEST} is damaged")
+            written = [(meta.get("saved_at", 0.0), p) for p in _steps(root) if (meta := read_meta(p)) is not None]
+            head = max(written, key=lambda t: (t[0], t[1].name))[1] if written else None
+        if head is None:
+            problems.append("no checkpoint with a trainer.json")
+            candidates: list[Path] = []
+        elif "run_id" in (read_meta(head) or {}):
+            candidates = ancestry(head, unreadable=True)
+        else:  # written before lineage existed: every such checkpoint, newest step first
+            candidates = [head] + [p for p in _steps(root) if p != head and "run_id" not in (read_meta(p) or {})]
         for ckpt in candidates:
             try:
                 if not (ckpt / "trainer.json").is_file():
-                    raise CheckpointError(f"{pointer} names {ckpt.name}, which is missing or incomplete"
-                                          if ckpt == named else f"checkpoint {ckpt} is incomplete: no trainer.json")
+                    raise CheckpointError(f"checkpoint {ckpt} is incomplete: no trainer.json")
                 if verify:
                     verify_checkpoint(ckpt)
             except CheckpointError as e:
                 problems.append(str(e))
                 continue
             if problems:
-                log.warning("%s; resuming from the newest intact checkpoint, %s", "; ".join(problems), ckpt)
+                log.warning("%s; resuming from the newest intact checkpoint of the run, %s", "; ".join(problems), ckpt)
             return ckpt
         raise CheckpointError("no intact checkpoint in " + str(root) + ": " + "; ".join(problems))
     if not path.exists():
@@ -279,21 +427,33 @@ def load_checkpoint(path: str | Path, config: Optional[PPOConfig] = None) -> tup
         raise CheckpointError(f"checkpoint {ckpt}: unreadable config.yaml: {e}") from e
     if config is not None:
         check_compatible(saved, config, ckpt)
+    def read(name: str, load: Callable[[Path], Any]) -> Any:
+        try:
+            return load(ckpt / name)
+        except Exception as e:  # noqa: BLE001 - any failure to read a file (unpickling, safetensors, I/O) names it
+            raise CheckpointError(f"checkpoint {ckpt} is incomplete or corrupt: {ckpt / name} cannot be read "
+                                  f"({type(e).__name__}: {e})") from e
+
+    def torch_file(p: Path) -> Any:
+        return torch.load(p, map_location="cpu", weights_only=True)
+
+    meta: dict[str, Any] = read("trainer.json", lambda p: json.loads(p.read_text()))
+    optim = read("optimizer.pt", torch_file)
+    rng = read("rng.pt", torch_file)
     try:
-        meta: dict[str, Any] = json.loads((ckpt / "trainer.json").read_text())
-        optim = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
-        rng = torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=True)
         learner_state = {
             "version": int(meta["version"]),
-            "policy": read_lora_adapter(ckpt / "adapter"),
-            "value": load_file(str(ckpt / "value.safetensors")),
+            "policy": read("adapter", read_lora_adapter),
+            "value": read("value.safetensors", lambda p: load_file(str(p))),
             "policy_optimizer": optim["policy"], "value_optimizer": optim["value"],
             "rng": rng["learner"], "cuda_rng": rng.get("learner_cuda", []),
         }
         # learning-rate schedules and the adaptive KL coefficient (absent in checkpoints
         # written before they existed: the learner then keeps its fresh ones)
         learner_state.update({k: optim[k] for k in ("policy_scheduler", "value_scheduler", "kl_coef") if k in optim})
-    except (OSError, KeyError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint {ckpt} is incomplete or corrupt: {e}") from e
-    trainer_state = {**meta, "data_rng": rng["data"]}
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete or corrupt: missing or bad entry {e}") from e
+    # the step where the learning-rate schedule ends: the saved config's steps for checkpoints
+    # written before the trainer recorded it
+    trainer_state = {"planned_steps": saved.steps, **meta, "data_rng": rng["data"]}
     return ckpt, learner_state, trainer_state

@@ -202,18 +202,18 @@ def ppo_config(config: PPOConfig, run_dir: Path, data_dir: Path) -> PPOConfig:
 
 @contextmanager
 def ppo_trainer(cfg: PPOConfig, run_dir: Path, resume: Optional[str | Path] = None) -> Iterator:
-    """A PPOTrainer for a PPO stage in `run_dir`: fresh (metrics.jsonl and the cached
-    before-training evaluation restart) or resumed from a checkpoint (`resume`: a run
+    """A PPOTrainer for a PPO stage in `run_dir`: fresh (the run directory must hold no PPO
+    run: RunDirError before any actor starts) or resumed from a checkpoint (`resume`: a run
     directory or a checkpoint). Shut down on exit, whatever happens."""
+    from ppo_ray.rundir import check_fresh
     from ppo_ray.trainer import PPOTrainer
 
+    if resume is None:
+        check_fresh(run_dir, "ppo")
     trainer = PPOTrainer(cfg, run_dir=run_dir)  # a failure to start leaves the old run's files alone
     try:
         if resume is not None:
             trainer.restore(resume)
-        else:  # a rerun of the stage starts a fresh curve
-            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-            (run_dir / BEFORE_EVAL).unlink(missing_ok=True)
         yield trainer
     finally:
         trainer.shutdown()

@@ -1,0 +1,205 @@
+"""Nothing lost: a fresh run never writes over a run, checkpoints know their lineage, and a
+damaged newest checkpoint (or `latest`) falls back along the run's own history only.
+
+The checkpoint files are real (a tiny learner's state through ppo_ray.checkpoint); no Ray.
+Each case replays what a user did: a re-applied job, a resume from an older checkpoint,
+a crash before the first `latest`, a damaged or redirected `latest`, a corrupt file.
+(The end-to-end re-applied job, killed mid-run and started again: tests/test_launch.py.)
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+import launch
+from conftest import launch_ppo, snapshot
+from ppo_ray.checkpoint import (CheckpointError, Lineage, ancestry, branch_from, load_checkpoint,
+                                resolve_checkpoint, save_checkpoint)
+from ppo_ray.rundir import RunDirError, held_outputs, mark_done, stages_done
+
+
+@pytest.fixture(scope="module")
+def learner_state():
+    import torch
+
+    from learner.learner import Learner
+    from ppo_ray.config import PPOConfig
+    from ppo_ray.modeling import resolve_model_path
+
+    cfg = PPOConfig(model_name="embedded:tiny", lora_r=4, lora_alpha=8)
+    return cfg, Learner(cfg, resolve_model_path(cfg.model_name)).state_dict(), torch.Generator().get_state()
+
+
+def save(run_dir, learner_state, step, lineage=None, keep=10):
+    cfg, state, rng = learner_state
+    return save_checkpoint(run_dir, config=cfg, learner_state=state, model_dir="base", keep=keep, lineage=lineage,
+                           trainer_state={"step": step, "order": [step], "data_rng": rng})
+
+
+def run_of(run_dir, learner_state, steps, keep=10):
+    """A run's checkpoints at `steps`, saved as the trainer saves them (lineage carried on)."""
+    lineage = Lineage.fresh()
+    for step in steps:
+        lineage = Lineage.after(save(run_dir, learner_state, step, lineage, keep))
+    return lineage
+
+
+def names(root):
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
+
+
+# ------------------------------------------------------------------ lineage and pruning
+def test_checkpoints_record_their_lineage(tmp_path, learner_state):
+    run_of(tmp_path, learner_state, (1, 2, 3))
+    root = tmp_path / "checkpoints"
+    metas = [json.loads((root / f"step-00000{i}" / "trainer.json").read_text()) for i in (1, 2, 3)]
+    assert len({m["run_id"] for m in metas}) == 1 and len({m["checkpoint_id"] for m in metas}) == 3
+    assert metas[0]["parent"] is None
+    assert (metas[2]["parent"], metas[2]["parent_id"]) == ("step-000002", metas[1]["checkpoint_id"])
+    assert [p.name for p in ancestry(root / "step-000003")] == ["step-000003", "step-000002", "step-000001"]
+
+
+def test_resume_from_an_older_checkpoint_moves_the_abandoned_branch_aside(tmp_path, learner_state, caplog):
+    """Resume from step-10 with step-20 present, save step-12: step-20 was pruned by name
+    before ({12, 20} kept, 10 deleted; damage 12 and resume picked 20, the abandoned run).
+    Now 20 is moved aside (logged), 10 stays until 12 is written, and a damaged 12 falls
+    back to 10."""
+    run_of(tmp_path, learner_state, (10, 20), keep=2)
+    root = tmp_path / "checkpoints"
+    with caplog.at_level("WARNING", logger="ppo_ray.checkpoint"):
+        moved = branch_from(root / "step-000010")
+    assert names(root) == ["step-000010"] and (root / "latest").read_text().strip() == "step-000010"
+    assert [p.name for p in moved.iterdir()] == ["step-000020"] and moved.parent == root / "abandoned"
+    assert str(moved) in caplog.text and "step-000020" in caplog.text
+    save(tmp_path, learner_state, 12, Lineage.after(root / "step-000010"), keep=2)
+    assert names(root) == ["step-000010", "step-000012"]
+    value = root / "step-000012" / "value.safetensors"
+    value.write_bytes(value.read_bytes()[:100])
+    assert resolve_checkpoint(tmp_path).name == "step-000010"
+
+
+def test_pruning_keeps_only_the_runs_own_history(tmp_path, learner_state):
+    """Another run's checkpoint (copied in, a higher step) is neither pruned nor a fallback."""
+    run_of(tmp_path / "other", learner_state, (50,))
+    root = tmp_path / "run" / "checkpoints"
+    root.mkdir(parents=True)
+    (tmp_path / "other" / "checkpoints" / "step-000050").rename(root / "step-000050")
+    run_of(tmp_path / "run", learner_state, (1, 2, 3), keep=1)
+    assert names(root) == ["step-000003", "step-000050"]
+    value = root / "step-000003" / "value.safetensors"
+    value.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no intact checkpoint.*step-000003"):
+        resolve_checkpoint(tmp_path / "run")
+
+
+def test_a_crash_before_the_first_latest_pointer_resumes(tmp_path, learner_state):
+    run_of(tmp_path, learner_state, (1, 2))
+    (tmp_path / "checkpoints" / "latest").unlink()
+    assert resolve_checkpoint(tmp_path).name == "step-000002"
+
+
+@pytest.mark.parametrize("pointer", ["../../elsewhere/step-000009", "/etc", "step-000009", "\x00garbage"])
+def test_a_missing_or_damaged_latest_falls_back_to_the_newest_of_the_lineage(tmp_path, learner_state, caplog, pointer):
+    run_of(tmp_path, learner_state, (1, 2))
+    outside = tmp_path / "elsewhere" / "step-000009"  # what an escaping pointer would name
+    outside.mkdir(parents=True)
+    (outside / "trainer.json").write_text("{}")
+    (tmp_path / "checkpoints" / "latest").write_text(pointer + "\n")
+    with caplog.at_level("WARNING", logger="ppo_ray.checkpoint"):
+        assert resolve_checkpoint(tmp_path).name == "step-000002"
+    assert "latest" in caplog.text
+
+
+def test_an_unreadable_file_is_a_checkpoint_error_naming_it(tmp_path, learner_state):
+    run_of(tmp_path, learner_state, (1,))
+    ckpt = tmp_path / "checkpoints" / "step-000001"
+    (ckpt / "checksums.json").unlink()  # as an older checkpoint: no checksum catches it first
+    (ckpt / "optimizer.pt").write_bytes(b"garbage, not a pickle")
+    with pytest.raises(CheckpointError, match=r"step-000001/optimizer.pt cannot be read \(UnpicklingError"):
+        load_checkpoint(ckpt)
+
+
+# ------------------------------------------------------------------ a fresh run never writes over a run
+def test_launch_refuses_a_fresh_run_into_a_used_run_directory(old_run, capsys, no_ray_address):
+    """deploy/rayjob.yaml re-applied used to re-train over the old run and delete its
+    metrics: now the command stops before writing anything and says what to do."""
+    before = snapshot(old_run)
+    assert launch_ppo(old_run) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run (checkpoints, metrics.jsonl)" in err
+    assert "--resume auto" in err and "--overwrite" in err
+    assert snapshot(old_run) == before
+
+
+def test_launch_resume_and_overwrite_together_is_an_error(old_run, capsys):
+    assert launch_ppo(old_run, "--resume", "auto", "--overwrite") == 2
+    assert "give one of them" in capsys.readouterr().err
+
+
+def test_overwrite_moves_the_old_outputs_aside(tmp_path):
+    run = tmp_path / "run"
+    (run / "sft").mkdir(parents=True)
+    (run / "sft" / "model.safetensors").write_text("sft")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "report.json").write_text("{}")
+    mark_done(run, "sft", {"sft_loss": 1.0})
+    assert launch.plan_run_dir(run, "ppo", ("ppo",), None, overwrite=True) == ({}, None)
+    assert (run / "sft" / "model.safetensors").is_file()  # another stage's output: kept
+    assert not (run / "metrics.jsonl").exists() and stages_done(run) == {"sft": {"sft_loss": 1.0}}
+    [moved] = (run / "replaced").iterdir()
+    assert (moved / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    launch.plan_run_dir(run, "all", ("sft", "rm", "ppo"), None, overwrite=True)
+    assert held_outputs(run, ["all"]) == [] and stages_done(run) == {}
+
+
+def test_resume_auto_continues_what_the_run_directory_holds(tmp_path, learner_state):
+    run = tmp_path / "run"
+    all_stages = ("sft", "rm", "ppo")
+    # nothing there: a fresh start
+    assert launch.plan_run_dir(run, "all", all_stages, "auto", False) == ({}, None)
+    # SFT finished, the RM stage was killed half-way: RM starts again, its partial output aside
+    (run / "sft").mkdir(parents=True)
+    mark_done(run, "sft", {"sft_loss": 1.0})
+    (run / "rm").mkdir()
+    (run / "rm" / "half.bin").write_text("x")
+    done, resume = launch.plan_run_dir(run, "all", all_stages, "auto", False)
+    assert done == {"sft": {"sft_loss": 1.0}} and resume is None
+    assert not (run / "rm").exists() and any((run / "replaced").rglob("half.bin"))
+    # RM finished, PPO killed after its step-2 checkpoint: PPO resumes from it
+    mark_done(run, "rm", {"rm_loss": 0.5})
+    run_of(run, learner_state, (1, 2))
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+    done, resume = launch.plan_run_dir(run, "all", all_stages, "auto", False)
+    assert set(done) == {"sft", "rm"} and resume == str(run / "checkpoints" / "step-000002")
+    assert (run / "metrics.jsonl").is_file()  # the resumed run truncates it to its step
+    # PPO killed before its first checkpoint: its partial outputs move aside, it starts again
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert launch.plan_run_dir(plain, "ppo", ("ppo",), "auto", False) == ({}, None)
+    assert not (plain / "metrics.jsonl").exists()
+
+
+def test_resume_auto_needs_a_run_directory(capsys):
+    assert launch.main(["--resume", "auto"]) == 2
+    assert "pass --run_dir" in capsys.readouterr().err
+
+
+def test_a_fresh_trainer_refuses_another_runs_checkpoints_and_metrics(tmp_path, learner_state):
+    """The library path (PPOTrainer.train) has the same rule as launch.py."""
+    from ppo_ray.trainer import PPOTrainer
+
+    run_of(tmp_path, learner_state, (1,))
+    fresh = SimpleNamespace(step=0, lineage=Lineage.fresh(), run_dir=tmp_path)
+    with pytest.raises(RunDirError, match="holds another run's checkpoints"):
+        PPOTrainer._check_fresh_run(fresh, None)
+    metrics = tmp_path / "elsewhere.jsonl"
+    metrics.write_text('{"step": 1}\n')
+    with pytest.raises(RunDirError, match="elsewhere.jsonl holds another run's steps"):
+        PPOTrainer._check_fresh_run(SimpleNamespace(step=0, lineage=Lineage.fresh(), run_dir=None), metrics)
+    resumed = SimpleNamespace(step=1, lineage=Lineage.after(tmp_path / "checkpoints" / "step-000001"),
+                              run_dir=tmp_path)
+    PPOTrainer._check_fresh_run(resumed, metrics)  # its own run: fine
