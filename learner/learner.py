@@ -74,6 +74,23 @@ from ppo_ray.stats import LearnerStats
 ADAM_EPS = 1e-5  # N+ (summarize_from_feedback_details ppo.py: eps=1e-5)
 
 
+class LRPlan:
+    """The learning-rate factor at optimiser step t (torch's LambdaLR calls it): 1 for
+    lr_scheduler constant; for linear, 1 - t / end, reaching 0 at `end` = the run's planned
+    optimiser steps (the N+ recipe's anneal). A callable object, so LambdaLR's state_dict
+    saves and restores `end` with the checkpoint. When the run's planned total changes (a
+    resume with another `steps`, train() past it; the trainer logs it), `end` moves and the
+    rate from then on is that of a run planned for the new total."""
+
+    def __init__(self, kind: str, end: int):
+        self.kind, self.end = kind, end
+
+    def __call__(self, t: int) -> float:
+        if self.kind == "constant":
+            return 1.0
+        return max(0.0, 1.0 - t / self.end) if self.end > 0 else 0.0
+
+
 class StaleRolloutsError(RuntimeError):
     """Rollouts sampled with a LoRA version other than the learner's current one."""
 
@@ -226,16 +243,29 @@ class Learner:
         self.last_experience: Optional[Experience] = None  # the latest update's per-token data (inspection)
         self.rank, self.world_size = 0, 1  # data parallelism: see join_group
 
-    def _lr_schedulers(self) -> list:
-        """transformers' schedule (lr_scheduler: constant | linear) for both optimisers, one
-        tick per optimiser step; linear reaches 0 after the run's steps x ppo_epochs x
-        minibatches optimiser steps (the N+ recipe anneals both learning rates)."""
-        from transformers import get_scheduler
-
+    @property
+    def _ticks_per_step(self) -> int:
         cfg = self.config
-        total = cfg.steps * cfg.ppo_epochs * (cfg.batch_size // cfg.effective_mini_batch_size)
-        return [get_scheduler(cfg.lr_scheduler, opt, num_warmup_steps=0, num_training_steps=total)
+        return cfg.ppo_epochs * (cfg.batch_size // cfg.effective_mini_batch_size)
+
+    def _lr_schedulers(self) -> list:
+        """The schedule (lr_scheduler: constant | linear, LRPlan) of both optimisers, one tick
+        per optimiser step; linear reaches 0 after the run's planned steps x ppo_epochs x
+        minibatches optimiser steps (the N+ recipe anneals both learning rates)."""
+        total = self.config.steps * self._ticks_per_step
+        return [torch.optim.lr_scheduler.LambdaLR(opt, LRPlan(self.config.lr_scheduler, total))
                 for opt in (self.policy_optimizer, self.value_optimizer)]
+
+    def plan_steps(self, steps: int) -> None:
+        """Make the schedule end at PPO step `steps` (the run's planned total changed; the
+        trainer logs it), from the next optimiser step on."""
+        end = steps * self._ticks_per_step
+        for scheduler in self.schedulers:
+            plan = scheduler.lr_lambdas[0]
+            if plan.end != end:
+                plan.end = end
+                for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
+                    group["lr"] = base * plan(scheduler.last_epoch)
 
     # ------------------------------------------------------------------ speed options
     def _speed_options(self) -> None:
@@ -607,7 +637,8 @@ class Learner:
 
     # ------------------------------------------------------------------ the update
     def update(self, batch: RolloutBatch, ref_logprobs: Tensor, scores: Tensor,
-               max_staleness: Optional[int] = None) -> tuple[LearnerStats, dict[str, Tensor]]:
+               max_staleness: Optional[int] = None,
+               planned_steps: Optional[int] = None) -> tuple[LearnerStats, dict[str, Tensor]]:
         """One PPO update on one step's rollouts.
 
         Args:
@@ -617,6 +648,8 @@ class Learner:
             scores: (B,) sequence scores (NaN = dropped sample when nonfinite_reward=drop).
             max_staleness: how many versions behind the learner the batch may be (the driver
                 says; None = 1 with overlap_generation, else 0).
+            planned_steps: the run's planned total of PPO steps, where the learning-rate
+                schedule ends (the driver says; None = as planned so far, config.steps at first).
 
         Returns:
             (stats, lora_weights): the step's LearnerStats (ppo_ray/stats.py: the PPO
@@ -628,6 +661,8 @@ class Learner:
         t_start = time.perf_counter()
         self._token_counts = [0, 0]
         self._check_inputs(batch, ref_logprobs, scores, max_staleness)
+        if planned_steps is not None:
+            self.plan_steps(planned_steps)
         batch, scores, dropped = self._drop_nonfinite(batch, scores)
         plan = TrimPlan.of(batch)  # per-row extents on the host, read once
         n_tokens = int(batch.response_mask.sum())

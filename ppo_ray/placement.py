@@ -335,13 +335,14 @@ class LearnerHost(FaultPoints):
     @fault_point
     @ray.method(num_returns=3)
     def update(self, ref_logprobs, scores, *parts: RolloutBatch, expected_version: int | None = None,
-               max_staleness: int | None = None):
+               max_staleness: int | None = None, planned_steps: int | None = None):
         """(stats, new LoRA weights, learner state after the update). The state (state_dict:
         adapters, value head, both Adam states, RNG; rank 0's only, every member holds the
         same) stays in the object store as the driver's copy of the step's commit: a learner
         that dies later is restored from it, with no checkpoint needed."""
         _check_version(self.learner, expected_version, "the update")
-        stats, weights = self.learner.update(RolloutBatch.cat(parts), ref_logprobs, scores, max_staleness)
+        stats, weights = self.learner.update(RolloutBatch.cat(parts), ref_logprobs, scores, max_staleness,
+                                             planned_steps)
         return stats, weights, (self.learner.state_dict() if self.learner.rank == 0 else {})
 
     def logprobs(self, *parts: RolloutBatch):

@@ -121,11 +121,13 @@ class Roles:
         """Step 4, not waited for: refs of the (B,) scores and of the reward stats."""
         return self.reward.score.remote(*parts)
 
-    def update(self, ref_logprobs, scores, parts: list, expected_version: int, max_staleness: int) -> Update:
+    def update(self, ref_logprobs, scores, parts: list, expected_version: int, max_staleness: int,
+               planned_steps: int) -> Update:
         """Steps 5-11 on every learner, not waited for: each gets the same refs and takes its
         own shard of the rows."""
         return Update([learner.update.remote(ref_logprobs, scores, *parts, expected_version=expected_version,
-                                             max_staleness=max_staleness) for learner in self.learners])
+                                             max_staleness=max_staleness, planned_steps=planned_steps)
+                       for learner in self.learners])
 
     def learner_stats(self, update: Update) -> LearnerStats:
         """Wait for the update; rank 0's stats. In a learner group a member that dies

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from ppo_ray.batch import fresh_enough, staleness_limit
-from ppo_ray.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ppo_ray.checkpoint import (CheckpointError, Lineage, branch_from, checkpoint_root, load_checkpoint, run_ids,
+                                save_checkpoint)
 from ppo_ray.config import PPOConfig
 from ppo_ray.data import PromptCursor, check_chat_template, encode_prompts, prompts_fingerprint
 from ppo_ray.faults import Fault
@@ -130,6 +131,11 @@ class PPOTrainer:
         self._pending: Optional[Rollouts] = None  # overlap mode: the next step's rollouts, already generating
         self._faults: list[Fault] = []
         self._last_checkpoint = time.monotonic()
+        # this run's history: a fresh run id, until restore() continues a checkpoint's
+        self.lineage = Lineage.fresh()
+        # the step where the learning-rate schedule ends: config.steps, unless the run is
+        # extended (a resume with more steps, train() past it: _plan_steps)
+        self.planned_steps = config.steps
 
     @property
     def retries(self) -> list[dict]:
@@ -196,7 +202,8 @@ class PPOTrainer:
         scores, reward_stats = roles.score(parts)
         # 5-11. The learner: old logprobs/values, KL, shaped rewards, TD, GAE, returns, PPO.
         limit = staleness_limit(self.config.overlap_generation)
-        update = roles.update(ref_logprobs, scores, parts, expected_version=self.version, max_staleness=limit)
+        update = roles.update(ref_logprobs, scores, parts, expected_version=self.version, max_staleness=limit,
+                              planned_steps=self.planned_steps)
         if upcoming is not None:  # overlap: the next step generates while the learner trains
             upcoming = self._submit(replace(upcoming, version=self.version))
 
@@ -325,15 +332,20 @@ class PPOTrainer:
         # draws it again and generates it with the checkpoint's adapter
         order, rng = self._pending.cursor if self._pending is not None else self.cursor.state()
         path = save_checkpoint(self.run_dir, config=self.config, learner_state=learner_state,
-                               model_dir=self.model_dir, keep=self.config.keep_checkpoints, trainer_state={
-                                   "step": self.step, "order": order, "data_rng": rng,
-                                   "prompts_sha256": self._prompts_key})
+                               model_dir=self.model_dir, keep=self.config.keep_checkpoints, lineage=self.lineage,
+                               trainer_state={"step": self.step, "order": order, "data_rng": rng,
+                                              "prompts_sha256": self._prompts_key,
+                                              "planned_steps": self.planned_steps})
+        self.lineage = Lineage.after(path)
         self._last_checkpoint = time.monotonic()
         return path
 
     def restore(self, path: str | Path) -> Path:
         """Continue from a checkpoint (a step-NNNNNN directory, or a run directory: its
-        newest intact one). Refuses one written with an incompatible config (CheckpointError)."""
+        newest intact one). Refuses one written with an incompatible config (CheckpointError).
+        The run continues the checkpoint's lineage; when the checkpoint is in this trainer's
+        run directory and newer ones of the run are there, they are the branch this resume
+        abandons: moved to checkpoints/abandoned/ (ppo_ray.checkpoint.branch_from)."""
         ckpt, learner_state, state = load_checkpoint(path, self.config)
         self._learner_state = self.roles.store(learner_state)
         version = self.roles.restore_learners(self._learner_state, reform=False)[0]
@@ -344,6 +356,12 @@ class PPOTrainer:
         self._pending = None
         self._prompts_key = state.get("prompts_sha256")
         self._cursor_from_checkpoint = self._prompts_key is not None
+        self.lineage = Lineage.after(ckpt)
+        self.planned_steps = int(state["planned_steps"])
+        if self.config.steps != self.planned_steps:
+            self._plan_steps(self.config.steps, f"resumed with steps={self.config.steps}")
+        if self.run_dir is not None and ckpt.parent.resolve() == checkpoint_root(self.run_dir).resolve():
+            branch_from(ckpt)
         log.info("resumed from %s (step %d, adapter version %d)", ckpt, self.step, self.version)
         return ckpt
 
@@ -448,7 +466,10 @@ class PPOTrainer:
         restarted. metrics_path keeps one line per step: lines past the current step (a
         resumed run) are dropped before appending, in eval_samples.jsonl too."""
         self._use_prompts(prompts)
+        self._check_fresh_run(metrics_path)
         target = self.step + steps if steps is not None else self.config.steps
+        if target > self.planned_steps:
+            self._plan_steps(target, f"train() runs to step {target}")
         history: list[StepResult] = []
         saved_at = None
         runlog = RunLog.open(self.metrics, run_dir=self.run_dir, metrics_path=metrics_path, progress=progress,
@@ -484,6 +505,32 @@ class PPOTrainer:
                 self.cursor.set_state(self._pending.cursor)
                 self._pending = None
         return history
+
+    def _plan_steps(self, steps: int, why: str) -> None:
+        """The run's planned total changes to `steps`: from the next update on, the learners'
+        learning-rate schedules are those of a run of `steps` steps (learner.learner.LRPlan),
+        and the change is logged."""
+        if self.config.lr_scheduler != "constant":
+            log.warning("%s, but the %s learning-rate schedule was planned to reach 0 at step %d: from step %d on "
+                        "it follows a run of %d steps (lr x %.3g now)", why, self.config.lr_scheduler,
+                        self.planned_steps, self.step + 1, steps, max(0.0, 1.0 - self.step / steps))
+        self.planned_steps = steps
+
+    def _check_fresh_run(self, metrics_path: str | Path | None) -> None:
+        """A run that has not started (no step, no checkpoint saved or restored) must not write
+        into another run's files: its checkpoints would be pruned by name and its metrics
+        truncated (RunDirError naming the file, before anything is written)."""
+        from ppo_ray.rundir import RunDirError
+
+        if self.step or self.lineage.parent is not None:
+            return
+        if self.run_dir is not None and run_ids(self.run_dir) - {self.lineage.run_id}:
+            raise RunDirError(f"{checkpoint_root(self.run_dir)} holds another run's checkpoints: continue it "
+                              f"(trainer.restore({str(self.run_dir)!r}), launch.py ppo --resume {self.run_dir}) or "
+                              "train in a new run directory")
+        if metrics_path is not None and Path(metrics_path).is_file() and Path(metrics_path).stat().st_size:
+            raise RunDirError(f"{metrics_path} holds another run's steps: continue that run from its checkpoint "
+                              "or write this one elsewhere")
 
     def _eval_due(self, step: int, target: int) -> bool:
         every = self.config.eval_every

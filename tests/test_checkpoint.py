@@ -24,17 +24,18 @@ from ppo_ray.data import bundled_prompts
 from conftest import tiny_test_config
 
 KEYS = ("reward_mean", "kl", "policy_loss", "value_loss", "approx_kl", "clipfrac", "entropy",
-        "explained_variance", "adapter_version", "response_tokens")
+        "explained_variance", "adapter_version", "response_tokens", "learning_rate")
 
 
 @pytest.fixture(scope="module")
 def run(ray_session, tiny_model_dir, tmp_path_factory):
-    """(trainer, straight history, run dir): 4 steps, checkpoints at 2 and 4."""
+    """(trainer, straight history, run dir): 4 steps, checkpoints at 2 and 4; the linear
+    learning-rate schedule, so that resume must restore it too."""
     from ppo_ray.trainer import PPOTrainer
 
     run_dir = tmp_path_factory.mktemp("straight")
-    trainer = PPOTrainer(tiny_test_config(steps=4, checkpoint_every=2, batch_size=8, max_new_tokens=10),
-                         run_dir=run_dir)
+    trainer = PPOTrainer(tiny_test_config(steps=4, checkpoint_every=2, batch_size=8, max_new_tokens=10,
+                                          lr_scheduler="linear"), run_dir=run_dir)
     history = trainer.train(bundled_prompts(), metrics_path=run_dir / "metrics.jsonl", progress=False)
     yield trainer, history, run_dir
     trainer.shutdown()
@@ -87,6 +88,31 @@ def test_resume_reproduces_the_straight_run(run, tmp_path):
     assert_same_steps(resumed, straight)
     assert metrics_steps(tmp_path / "metrics.jsonl") == [3, 4]
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-000004"
+
+
+def test_a_longer_run_follows_its_new_planned_total_and_says_so(run, tmp_path, caplog):
+    """Resumed at step 2 with steps=6 (the run planned 4), and train() asked for 4 more steps
+    than planned: the linear learning rate is that of a 6-step run from step 3 on (it was
+    the 4-step decay, 0 from step 5), and the change is logged."""
+    trainer, straight, run_dir = run
+    lr = trainer.config.learning_rate  # times 1 - t / T: t and T count optimiser steps, in proportion to PPO steps
+    assert [h["learning_rate"] for h in straight] == pytest.approx([lr * (1 - s / 4) for s in range(4)])
+    base = trainer.config
+    for how in ("resume", "train"):
+        trainer.config = base.replace(steps=6) if how == "resume" else base
+        new_dir = tmp_path / how
+        try:
+            with caplog.at_level("WARNING", logger="ppo_ray.trainer"):
+                from_step_two(trainer, run_dir, new_dir)
+                history = trainer.train(bundled_prompts(), steps=4, progress=False)
+        finally:
+            trainer.config = base
+        assert [h["step"] for h in history] == [3, 4, 5, 6]
+        assert [h["learning_rate"] for h in history] == pytest.approx([lr * (1 - s / 6) for s in range(2, 6)]), how
+        assert "planned to reach 0 at step 4: from step 3 on it follows a run of 6 steps" in caplog.text, how
+        caplog.clear()
+        latest = json.loads((new_dir / "checkpoints" / "step-000006" / "trainer.json").read_text())
+        assert latest["planned_steps"] == 6
 
 
 def test_resume_refuses_another_config_or_dataset(run, tmp_path):

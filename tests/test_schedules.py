@@ -183,3 +183,29 @@ def test_kl_coef_is_part_of_the_learner_state(tiny_path):
     b = Learner(cfg, tiny_path)
     b.load_state_dict(a.state_dict())
     assert b.kl_coef == a.kl_coef
+
+
+def test_the_linear_schedule_follows_the_runs_planned_total(tiny_path):
+    """train() past config.steps used to train at learning rate 0 (the decay had ended),
+    and a resume with another `steps` rescaled the decay silently. The schedule is now
+    1 - t / T for the run's planned total T, which the driver passes with every update
+    (planned_steps; it logs a change): here planned 2 steps, then extended to 4 after the
+    second. The plan travels with the learner's state (a restored learner continues it)."""
+    cfg = tiny_preset(lr_scheduler="linear", steps=2, batch_size=4, mini_batch_size=2, micro_batch_size=2,
+                      ppo_epochs=2, max_new_tokens=6)
+    a = Learner(cfg, tiny_path)
+    ticks = 2 * 2  # optimiser steps per PPO step: ppo_epochs x minibatches
+    lrs = []
+    for step, planned in enumerate((None, None, 4, 4)):
+        batch, ref, scores = _random_inputs(a, tiny_path, step)
+        stats, _ = a.update(batch, ref, scores, planned_steps=planned)
+        lrs.append(stats.learning_rate)
+        if step == 2:
+            state = a.state_dict()
+    total = [2 * ticks] * 2 + [4 * ticks] * 2
+    assert lrs == pytest.approx([cfg.learning_rate * (1 - step * ticks / t) for step, t in zip(range(4), total)])
+    assert lrs[2] > 0 and lrs[3] > 0
+    b = Learner(cfg, tiny_path)
+    b.load_state_dict(state)
+    stats, _ = b.update(*_random_inputs(b, tiny_path, 3))  # no planned_steps: the restored plan (4 steps)
+    assert stats.learning_rate == pytest.approx(lrs[3])
