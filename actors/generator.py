@@ -70,6 +70,10 @@ MERGED_WORKER = "actors.vllm_merge.MergedLoRAWorker"
 _LORA_IDS = itertools.count(1)
 
 
+PROBE_NEW_TOKENS = 8          # tokens each probe prompt samples (Generator.probe)
+PROBE_SEED_STEP = 10**9 + 2  # the probe's sampling seeds' step index: no training or eval step uses it
+
+
 def prompt_seed(run_seed: int, step: int, index: int) -> int:
     """Per-prompt sampling seed from (run seed, step, global prompt index).
 
@@ -222,20 +226,32 @@ class Generator:
         return ids_list, self.tokenizer.batch_decode(ids_list)
 
     # ------------------------------------------------------------------ rollouts
-    def sampling_params(self, seed: int):
-        """vLLM SamplingParams for one prompt: the PPO sampling settings and its own seed."""
+    def sampling_params(self, seed: int, probe: bool = False):
+        """vLLM SamplingParams for one prompt: the PPO sampling settings and its own seed.
+        `probe` (the sync check, see probe()): the same temperature with no top-k/top-p, and
+        PROBE_NEW_TOKENS tokens."""
         from vllm import SamplingParams
 
         return SamplingParams(
-            n=1, temperature=self.temperature, top_k=self.top_k if self.top_k > 0 else 0, top_p=self.top_p,
-            max_tokens=self.max_new_tokens, seed=seed,
+            n=1, temperature=self.temperature, top_k=0 if probe or self.top_k <= 0 else self.top_k,
+            top_p=1.0 if probe else self.top_p,
+            max_tokens=min(PROBE_NEW_TOKENS, self.max_new_tokens) if probe else self.max_new_tokens, seed=seed,
             logprobs=0,  # just the sampled token's (processed) logprob
             ignore_eos=True, stop_token_ids=[self.eos_token_id],  # the tokenizer's EOS is the one stop token
             detokenize=False,  # we decode with the HF tokenizer, once, below
         )
 
+    def probe(self, prompt_ids: Sequence[Sequence[int]]) -> RolloutBatch:
+        """The sync check's probe (ppo_ray.trainer): sample the fixed probe prompts with the
+        weights the engine holds now, at the PPO temperature without truncation, so that each
+        sampled token's logprob is the full tempered softmax's, which the learner recomputes
+        at the same version (Learner.sync_gap). Fixed seeds: the same weights give the same
+        tokens on every replica."""
+        return self.generate(prompt_ids, step=PROBE_SEED_STEP, probe=True)
+
     @torch.no_grad()
-    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], step: int, prompt_offset: int = 0) -> RolloutBatch:
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], step: int, prompt_offset: int = 0,
+                 probe: bool = False) -> RolloutBatch:
         """Sample one response per prompt with the current adapter.
 
         ``prompts``: B texts, or B lists of token ids. ``step`` and ``prompt_offset``
@@ -252,7 +268,8 @@ class Generator:
         t0 = time.perf_counter()
         prompt_ids, prompt_texts = self._encode(prompts)
         version, lora_request = self.version, self._lora_request
-        params = [self.sampling_params(prompt_seed(self.seed, step, prompt_offset + i)) for i in range(len(prompt_ids))]
+        params = [self.sampling_params(prompt_seed(self.seed, step, prompt_offset + i), probe)
+                  for i in range(len(prompt_ids))]
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
         outputs = []
         for start, end in self._prefill_groups(prompt_ids):

@@ -176,13 +176,14 @@ def ours_phases(out, overlap: bool = False) -> dict[str, float]:
     fwd = t.learner_forward_s
     upd = t.update_s - fwd  # the learner's update_s includes its forward
     sync, write, register = t.sync_s, t.sync_write_s, t.sync_register_s
+    check = t.sync_check_s
     wait = t.prefetch_wait_s
     step = t.step_s
-    critical = (0.0 if overlap else gen) + max(ref, rew) + fwd + upd + wait + sync
+    critical = (0.0 if overlap else gen) + max(ref, rew) + fwd + upd + wait + sync + check
     tokens = float(out.response_tokens)
     return {
         "generate": gen, "reference": ref, "reward": rew, "learner_forward": fwd, "update": upd,
-        "prefetch_wait": wait, "sync": sync, "sync_transfer": sync - write - register,
+        "prefetch_wait": wait, "sync": sync, "sync_check": check, "sync_transfer": sync - write - register,
         "sync_engine": write + register, "sync_write": write, "sync_register": register,
         "overhead": step - critical, "step": step,
         "response_tokens": tokens, "tokens_per_s": tokens / step, "samples_per_s": len(out.rewards) / step,

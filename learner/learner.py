@@ -521,6 +521,16 @@ class Learner:
         """(B, T) float32 on the CPU: full-softmax logprobs at temperature (no truncation)."""
         return self._rollout_pass(batch, full=True).full_logprobs.cpu()
 
+    def sync_gap(self, batch: RolloutBatch) -> float:
+        """The sync check (ppo_ray.trainer): the largest |generator - learner| logprob over the
+        real tokens of a probe `batch` that the generator sampled untruncated at this
+        version (Generator.probe): its logprobs are the full tempered softmax's, which
+        full_logprobs recomputes. A non-finite logprob on either side is an infinite gap."""
+        mask = batch.response_mask
+        diff = (batch.gen_logprobs.float() - self.full_logprobs(batch)).abs()
+        diff = torch.where(torch.isnan(diff), torch.full((), math.inf), diff)
+        return float(torch.where(mask, diff, torch.zeros(())).amax()) if bool(mask.any()) else 0.0
+
     def values(self, batch: RolloutBatch) -> Tensor:
         """(B, T) float32 on the CPU: V(s_t) on real tokens, 0 on padding."""
         return self._rollout_pass(batch, values=True).values.cpu()

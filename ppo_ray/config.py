@@ -167,8 +167,8 @@ class PPOConfig:
     """What a NaN/inf score does: error (names the prompt) or drop (sample masked out and counted)."""
     ppo_dropout: bool = False
     """Apply dropout (lora_dropout and the models' own) in the learner's PPO forwards. Off by default, as in the N+ recipe and TRL (disable_dropout): the old logprobs come from a dropout-free pass, so dropout in the training forward alone would put the first minibatch's ratio off 1 (measured: 1.004 with lora_dropout 0.1)."""
-    logprob_gap_check: str = "warn"
-    """The generator-vs-learner check on every fresh step (with old_logprobs: generator, at its check versions): the largest |generator logprob - learner logprob| of a sampled token (same weights, same version) above logprob_gap_tolerance means the generator sampled from another policy (stale KV, a lost sync). warn (log it, count it on the dashboard), error (stop the run) or off."""
+    logprob_gap_check: str = "resync"
+    """The generator-vs-learner checks: after every sync, in every mode, the sync check (each generator samples a small fixed probe with the version it just loaded; the learner recomputes those tokens' logprobs at the same version); on every fresh step (with old_logprobs: generator, at its check versions) the rollouts' own sampled-token logprobs too. A gap above logprob_gap_tolerance means a generator holds another policy (a lost or corrupted sync, stale KV). resync (re-load the version into the generators, check again, sample a failed step again; stop with an error if the gap persists), error (stop the run), warn (log it; the run goes on with that generator) or off (no checks). Every failure is counted on the dashboard; the probe gap is reported every step (sync_probe_gap)."""
     logprob_gap_tolerance: Optional[float] = None
     """Threshold of logprob_gap_check in nats; None = by dtype: 1e-3 for float32, 0.5 for bfloat16 and float16 (their rounding alone moves a logprob by ~0.1)."""
     old_logprobs: str = "learner"
@@ -408,7 +408,7 @@ class PPOConfig:
             "reward_shaping": REWARD_MODES,
             "loss_agg": LOSS_AGG_MODES,
             "nonfinite_reward": ("error", "drop"),
-            "logprob_gap_check": ("warn", "error", "off"),
+            "logprob_gap_check": ("resync", "error", "warn", "off"),
             "old_logprobs": ("learner", "generator"),
             "value_model": ("separate", "shared"),
             "prompt_truncation": TRUNCATION_MODES,

@@ -25,6 +25,12 @@ the result is returned (an update applied in a process that is then lost). The d
 hard exit of the actor's process (``os._exit``), as an OOM kill or a segfault would be; Ray
 restarts the actor (``max_actor_restarts``) and the armed fault is gone with the process, so
 it fires once.
+
+A bad sync, for the sync check's tests: ``BadSync(step, kind, replica)`` makes generator
+``replica``'s sync after step ``step`` go wrong without an error, once: ``previous`` keeps
+the old weights while reporting the new version (a lost sync, verl #7495), ``perturbed``
+loads the new weights with one LoRA B matrix nudged (a corrupted transfer). The trainer's
+sync check must catch it in that step and re-sync.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import os
 from dataclasses import dataclass
 
 PHASES = ("generate", "prefetch", "score", "update", "sync", "idle")
+BAD_SYNCS = ("previous", "perturbed")
 WHENS = ("before", "after")
 # The phases each role takes part in (idle: any role).
 ROLE_PHASES = {"generator": ("generate", "prefetch", "sync", "idle"), "reference": ("score", "idle"),
@@ -85,6 +92,36 @@ class Fault:
     def method(self) -> str | None:
         """The host method that dies; None for an idle kill (done by the driver)."""
         return PHASE_METHODS.get((role_kind(self.role), self.phase))
+
+
+@dataclass(frozen=True)
+class BadSync:
+    """Make generator `replica`'s sync after step `step` (1-based) a silent bad one, once."""
+
+    step: int
+    kind: str = "previous"
+    replica: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in BAD_SYNCS:
+            raise ValueError(f"bad sync kind {self.kind!r}: one of {list(BAD_SYNCS)}")
+        if self.step < 1:
+            raise ValueError(f"bad sync step {self.step}: steps count from 1")
+
+    @property
+    def role(self) -> str:
+        return f"generator-{self.replica}"
+
+
+def perturbed(weights):
+    """LoRA weights with the first B matrix nudged by 1e-2 of its own scale (BadSync "perturbed")."""
+    import torch
+
+    tensors = dict(weights.tensors)
+    key = next(k for k in sorted(tensors) if k.endswith("lora_B.weight"))
+    b = tensors[key]
+    tensors[key] = b + 1e-2 * (b.abs().max() + 1.0) * torch.ones_like(b)
+    return type(weights)(tensors, weights.spec)
 
 
 class FaultPoints:

@@ -46,6 +46,9 @@ STEP_GAUGES: dict[str, str] = {
     "kl_coef": "beta, the KL coefficient the step used (moves with the adaptive controller, kl_target)",
     "learning_rate": "the policy's learning rate at the step's first optimiser step (lr_scheduler)",
     "stale_versions": "adapter versions the step's rollouts were behind the learner (overlap_generation: 0 or 1)",
+    "sync_probe_gap": "the sync check's largest |generator - learner| logprob of the probe tokens after the step's "
+                      "sync, in nats (logprob_gap_tolerance bounds it)",
+    "sync_resyncs": "re-syncs the step needed because a generator failed the sync check (0 in a healthy run)",
     "gold_val": "held-out gold-judge score of the policy, at evaluation steps (bundled task; keeps its last value)",
     "eval_reward_mean": "mean reward of the eval samples, at evaluation steps (keeps its last value)",
 }

@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import ConfigSlice, PPOConfig
-from ppo_ray.faults import FaultPoints, StateLostError, fault_point
+from ppo_ray.faults import FaultPoints, StateLostError, fault_point, perturbed
 from ppo_ray.logs import quiet_env, quiet_libraries, ray_logging_level
 from ppo_ray.roles import Roles, form_learner_group, role_names
 
@@ -246,7 +246,23 @@ class GeneratorHost(FaultPoints):
 
     @fault_point
     def load_adapter(self, version: int, weights: LoraWeights, restore: bool = False) -> dict:
+        bad = getattr(self, "_ppo_bad_sync", None)
+        if bad is not None:  # a test's injected bad sync (ppo_ray.faults.BadSync), once
+            self._ppo_bad_sync = None
+            if bad == "previous":  # the sync is lost: the old weights stay, the new version is reported
+                self.generator.version = version
+                return {"version": version, "write_s": 0.0, "register_s": 0.0, "retire_s": 0.0, "bytes": 0.0}
+            weights = perturbed(weights)
         return {"version": version, **self.generator.load_adapter(version, weights, restore=restore)}
+
+    def arm_bad_sync(self, kind: str) -> None:
+        """Tests: make the next load_adapter a bad sync of `kind` (ppo_ray.faults.BadSync)."""
+        self._ppo_bad_sync = kind
+
+    def probe(self, prompt_ids: list[list[int]], expected_version: int) -> RolloutBatch:
+        """The sync check's probe rollouts, sampled with the adapter version just loaded."""
+        _check_version(self.generator, expected_version, "the sync check")
+        return self.generator.probe(prompt_ids)
 
     def sequence_logprobs(self, prompt_ids: list[int], continuation_ids: list[int]):
         return self.generator.sequence_logprobs(prompt_ids, continuation_ids)
@@ -350,6 +366,12 @@ class LearnerHost(FaultPoints):
 
     def full_logprobs(self, *parts: RolloutBatch):
         return self.learner.full_logprobs(RolloutBatch.cat(parts))
+
+    def sync_gaps(self, *parts: RolloutBatch, expected_version: int) -> list[float]:
+        """The sync check: per generator replica, the largest |generator - learner| logprob
+        of its probe tokens, both at `expected_version` (Learner.sync_gap)."""
+        _check_version(self.learner, expected_version, "the sync check")
+        return [self.learner.sync_gap(part) for part in parts]
 
     def version(self) -> int:
         return self.learner.version

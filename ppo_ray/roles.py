@@ -154,6 +154,16 @@ class Roles:
         gens = self.generators if generators is None else generators
         return ray.get([g.load_adapter.remote(version, weights, restore) for g in gens])
 
+    def sync_gaps(self, probe_ids: list[list[int]], version: int) -> list[float]:
+        """The sync check: every replica samples the probe prompts with the version it just
+        loaded; rank 0's learner, at the same version, recomputes their logprobs. Per
+        replica, the largest gap (the probe rollouts go replica -> learner by reference)."""
+        parts = [g.probe.remote(probe_ids, expected_version=version) for g in self.generators]
+        return ray.get(self.learner.sync_gaps.remote(*parts, expected_version=version))
+
+    def arm_bad_sync(self, role: str, kind: str) -> None:
+        ray.get(self.actor(role).arm_bad_sync.remote(kind))
+
     def generator_versions(self) -> list[int]:
         return ray.get([g.version.remote() for g in self.generators])
 

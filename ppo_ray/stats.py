@@ -74,6 +74,7 @@ class StepTiming:
     learner_forward_s: float
     update_s: float
     sync_s: float             # the committed adapter to every replica, waited for
+    sync_check_s: float       # the sync check after it (probe rollouts + the learner's logprobs; re-syncs)
     prefetch_wait_s: float    # overlap mode: the wait for the next step's rollouts after the update
     sync_write_s: float       # the generators' part of the sync: writing the adapter ...
     sync_register_s: float    # ... and registering it with vLLM (and retiring the old one)
@@ -95,6 +96,8 @@ class StepResult(Mapping):
     timing: StepTiming
     lora_sync_bytes: int
     response_tokens: int
+    sync_probe_gap: float = math.nan    # the sync check's largest generator-vs-learner probe gap (NaN: off)
+    sync_resyncs: int = 0               # re-syncs the step needed (a failed sync check or rollout check)
     extra: dict[str, Any] = field(default_factory=dict)  # evaluations merged in by train()
 
     @property
@@ -120,6 +123,8 @@ class StepResult(Mapping):
             "adapter_version": self.adapter_version,
             **{f"time/{k}": v for k, v in dataclasses.asdict(self.timing).items()},
             "lora_sync_bytes": self.lora_sync_bytes,
+            "sync_probe_gap": self.sync_probe_gap,
+            "sync_resyncs": self.sync_resyncs,
             "tokens_per_s": self.tokens_per_s,
             "response_tokens": self.response_tokens,
             **self.extra,

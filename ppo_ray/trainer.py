@@ -7,8 +7,11 @@
 Data between actors travels as ObjectRefs; the driver pulls only small things (texts,
 B scores, stats). The generator reports the adapter version it sampled with and the
 learner refuses rollouts from any other version, so a lost LoRA sync is an error, never
-a silent off-policy step; and the generator's logprobs of its samples are checked against
-the learner's at every step (logprob_gap_check).
+a silent off-policy step. After every sync, in every mode, the sync check compares what
+the generators compute with what the learner computes at the same version (a small fixed
+probe: _check_sync); on fresh steps the rollouts' own logprobs are compared too. A gap
+beyond logprob_gap_tolerance re-syncs and checks again by default (logprob_gap_check):
+nothing is sampled for training from a generator that failed the check.
 
 Faults: each step has one commit point (_commit), after the learner's update returned its
 stats, the new adapter and its state. Until then an actor's death is recovered by retrying
@@ -33,7 +36,7 @@ from ppo_ray.checkpoint import (CheckpointError, Lineage, branch_from, checkpoin
                                 save_checkpoint)
 from ppo_ray.config import PPOConfig
 from ppo_ray.data import PromptCursor, check_chat_template, encode_prompts, prompts_fingerprint
-from ppo_ray.faults import Fault
+from ppo_ray.faults import BadSync, Fault
 from ppo_ray.metrics import TrainingMetrics
 from ppo_ray.modeling import check_context_length, load_tokenizer, resolve_model_path
 from ppo_ray.placement import create_roles, init_ray
@@ -53,8 +56,30 @@ class StaleAdapterError(RuntimeError):
 
 
 class LogprobGapError(RuntimeError):
-    """The generator's logprobs of its own samples differ from the learner's for the same
-    adapter version (logprob_gap_check: error): the rollouts came from another policy."""
+    """The generator's logprobs differ from the learner's for the same adapter version beyond
+    logprob_gap_tolerance (logprob_gap_check: error, or resync when a re-sync did not mend
+    it): the generator holds another policy."""
+
+
+@dataclass(frozen=True)
+class SyncCheck:
+    """One sync check (PPOTrainer._check_sync)."""
+
+    gap: float      # largest |generator - learner| probe logprob over the replicas (NaN: check off)
+    resyncs: int    # re-syncs it took
+    seconds: float
+
+
+def sync_probe_prompts(tokenizer, seed: int, max_prompt_length: int, n: int = 4, length: int = 16) -> list[list[int]]:
+    """The sync check's fixed probe prompts: `n` prompts of `length` ordinary token ids (no
+    special tokens) drawn with the run seed. Random tokens share no prefix-cache block with
+    real prompts, so the probe neither reads KV that rollouts left nor leaves KV they reuse."""
+    import torch
+
+    special = set(tokenizer.all_special_ids)
+    vocab = [i for i in range(tokenizer.vocab_size) if i not in special]
+    rows = torch.randint(len(vocab), (n, min(length, max_prompt_length)), generator=torch.Generator().manual_seed(seed))
+    return [[vocab[i] for i in row] for row in rows.tolist()]
 
 
 @dataclass
@@ -130,6 +155,9 @@ class PPOTrainer:
         self._cursor_from_checkpoint = False
         self._pending: Optional[Rollouts] = None  # overlap mode: the next step's rollouts, already generating
         self._faults: list[Fault] = []
+        self._bad_syncs: list[BadSync] = []
+        self._resyncs = 0  # re-syncs during the current step (StepResult.sync_resyncs)
+        self._probe_ids = sync_probe_prompts(self.tokenizer, config.seed, config.max_prompt_length)
         self._last_checkpoint = time.monotonic()
         # this run's history: a fresh run id, until restore() continues a checkpoint's
         self.lineage = Lineage.fresh()
@@ -174,21 +202,38 @@ class PPOTrainer:
         lost in the sync or the prefetch is restarted and brought to the committed version."""
         self._prepare_faults(self.step + 1, current)
         t_start = time.perf_counter()
-        try:
-            step = self.supervisor.run(lambda _: self._until_commit(current, upcoming, t_start), where="step",
-                                       step=self.step + 1, recover=lambda: self._recover(current))
-        except Exception as error:
-            if not isinstance(error, RETRYABLE):
-                # Not an actor failure (a stale sync, bad rewards, the logprob guard): the step
-                # fails, and the learners go back to the committed state, so the trainer stays
-                # usable at its version (a learner may have stepped already).
-                self._restore_learners(best_effort=True)
-            raise
+        self._resyncs = 0
+        while True:
+            try:
+                step = self.supervisor.run(lambda _: self._until_commit(current, upcoming, t_start), where="step",
+                                           step=self.step + 1, recover=lambda: self._recover(current))
+                break
+            except Exception as error:
+                if not isinstance(error, RETRYABLE):
+                    # Not an actor failure (a stale sync, bad rewards, the logprob guard): the step
+                    # fails, and the learners go back to the committed state, so the trainer stays
+                    # usable at its version (a learner may have stepped already).
+                    self._restore_learners(best_effort=True)
+                if isinstance(error, LogprobGapError) and self.config.logprob_gap_check == "resync" \
+                        and not self._resyncs:
+                    # the rollouts came from a generator that does not hold the learner's policy:
+                    # re-sync, check, and sample the step again (same prompts, seeds, version)
+                    log.warning("%s: re-syncing the generators to version %d and sampling the step again",
+                                error, self.version)
+                    self._resync(self.version, list(range(len(self.roles.generators))))
+                    self._check_sync(self.version)
+                    current.generation = None
+                    continue
+                raise
         self._commit(step)  # ---------------- the commit point: from here on the step is done
         upcoming = self._finish_prefetch(step.upcoming)
         t_generation_done = time.perf_counter()
+        for bad in [b for b in self._bad_syncs if b.step == self.step]:  # tests: a silent bad sync
+            self.roles.arm_bad_sync(bad.role, bad.kind)
         loads = self._sync_generators(self.version)
-        return self._result(step, loads, t_generation_done), upcoming
+        t_sync_done = time.perf_counter()
+        check = self._check_sync(self.version)
+        return self._result(step, loads, check, t_generation_done, t_sync_done), upcoming
 
     def _until_commit(self, current: Rollouts, upcoming: Optional[Rollouts], t_start: float) -> _Uncommitted:
         """Steps 1-11 up to the commit point: everything the step produces, nothing committed."""
@@ -253,7 +298,56 @@ class PPOTrainer:
             raise StaleAdapterError(f"generators report adapter versions {bad} after loading {version}")
         return loads
 
-    def _result(self, step: _Uncommitted, loads: list[dict], t_generation_done: float) -> StepResult:
+    def _check_sync(self, version: int) -> SyncCheck:
+        """The sync check, after every sync in every mode: each generator samples the fixed
+        probe prompts (sync_probe_prompts) with the version it just loaded, untruncated at the
+        PPO temperature, and the learner at the same version recomputes those tokens'
+        logprobs (Roles.sync_gaps). The largest gap within logprob_gap_limit passes. Beyond
+        it, logprob_gap_check decides: resync (the default) loads the version again into the
+        replicas that failed (a new adapter, or merged weights rebuilt from the base) and
+        checks again, and a gap that persists is a LogprobGapError; error raises at once;
+        warn logs it. Either way the step's gap is reported (StepResult.sync_probe_gap)."""
+        cfg = self.config
+        if cfg.logprob_gap_check == "off":
+            return SyncCheck(math.nan, 0, 0.0)
+        t0 = time.perf_counter()
+        weights = self._weights[version]
+
+        def restart() -> None:  # a replica that died during the check comes back at the version
+            self.roles.wait_for_actors()
+            self.roles.bring_generators_to(version, weights)
+
+        resyncs = 0
+        while True:
+            gaps = self.supervisor.run(lambda _: self.roles.sync_gaps(self._probe_ids, version), where="sync check",
+                                       step=self.step, recover=restart)
+            gap = max(gaps)
+            if gap <= cfg.logprob_gap_limit:
+                return SyncCheck(gap, resyncs, time.perf_counter() - t0)
+            bad = [i for i, g in enumerate(gaps) if g > cfg.logprob_gap_limit]
+            self.metrics.record_logprob_gap(cfg.lora_sync)
+            message = (f"after step {self.step}: generator replica(s) {bad} compute logprobs up to {gap:.3g} nats "
+                       f"away from the learner's at the same adapter version {version} (logprob_gap_tolerance "
+                       f"{cfg.logprob_gap_limit:g} for {cfg.dtype}, lora_sync={cfg.lora_sync}): the sync did not "
+                       "deliver the learner's policy")
+            if cfg.logprob_gap_check == "warn":
+                log.warning(message)
+                return SyncCheck(gap, resyncs, time.perf_counter() - t0)
+            if cfg.logprob_gap_check == "error" or resyncs:
+                raise LogprobGapError(message + ("; it persists after a re-sync" if resyncs else ""))
+            log.warning("%s; re-syncing them", message)
+            self._resync(version, bad)
+            resyncs += 1
+
+    def _resync(self, version: int, replicas: list[int]) -> None:
+        """Load `version` again into generator `replicas` (a new adapter registration, or the
+        merged weights rebuilt from the base)."""
+        self._resyncs += 1
+        gens = [self.roles.generators[i] for i in replicas]
+        self.roles.load_adapter(version, self._weights[version], restore=True, generators=gens)
+
+    def _result(self, step: _Uncommitted, loads: list[dict], check: SyncCheck, t_generation_done: float,
+                t_sync_done: float) -> StepResult:
         summaries, stats = step.summaries, step.stats
         now = time.perf_counter()
         reward_stats = dict(step.reward_stats)
@@ -263,7 +357,8 @@ class PPOTrainer:
             reward_s=reward_stats.pop("reward_s"),
             learner_forward_s=stats.learner_forward_s,
             update_s=stats.update_s,
-            sync_s=now - t_generation_done,
+            sync_s=t_sync_done - t_generation_done,
+            sync_check_s=check.seconds,
             # overlap mode: how long the driver waited for the prefetched generation after the
             # learner finished (0 when generation is the faster of the two)
             prefetch_wait_s=t_generation_done - step.t_update_done,
@@ -277,7 +372,8 @@ class PPOTrainer:
             generated_texts=[t for s in summaries for t in s["texts"]],
             finish_reasons=[f for s in summaries for f in s["finish_reasons"]],
             rewards=step.scores, learner=stats, reward_parts=reward_stats, adapter_version=self.version,
-            timing=timing, lora_sync_bytes=loads[0]["bytes"], response_tokens=sum(s["tokens"] for s in summaries))
+            timing=timing, lora_sync_bytes=loads[0]["bytes"], response_tokens=sum(s["tokens"] for s in summaries),
+            sync_probe_gap=check.gap, sync_resyncs=self._resyncs)
 
     def _check_logprob_gap(self, stats: LearnerStats) -> None:
         """The generator and the learner must give a sampled token the same logprob at the
@@ -291,7 +387,7 @@ class PPOTrainer:
                    f"{cfg.logprob_gap_limit:g} for {cfg.dtype}), lora_sync={cfg.lora_sync}: the rollouts came from "
                    "another policy (stale KV cache? a lost sync?)")
         self.metrics.record_logprob_gap(cfg.lora_sync)
-        if cfg.logprob_gap_check == "error":
+        if cfg.logprob_gap_check in ("error", "resync"):  # resync: _run_step re-syncs and samples again
             raise LogprobGapError(message)
         log.warning(message)
 
@@ -352,6 +448,7 @@ class PPOTrainer:
         self._weights = {version: self.roles.store(learner_state["policy"])}
         self.roles.load_adapter(version, self._weights[version], restore=True)
         self.version, self.step = version, int(state["step"])
+        self._check_sync(version)
         self.cursor.set_state((state["order"], state["data_rng"]))
         self._pending = None
         self._prompts_key = state.get("prompts_sha256")
@@ -366,14 +463,15 @@ class PPOTrainer:
         return ckpt
 
     # ------------------------------------------------------------------ faults
-    def inject_faults(self, faults: Sequence[Fault]) -> None:
-        """Tests: make actors die at named points of named steps (ppo_ray.faults). Each
-        fault fires once, when its step runs."""
+    def inject_faults(self, faults: Sequence[Fault | BadSync]) -> None:
+        """Tests: make actors die at named points of named steps, or a sync go silently wrong
+        (ppo_ray.faults). Each fault fires once, when its step runs."""
         names = set(self.roles.names())
         for fault in faults:
             if fault.role not in names:
                 raise ValueError(f"fault role {fault.role!r}: this run's roles are {sorted(names)}")
-        self._faults = list(faults)
+        self._faults = [f for f in faults if isinstance(f, Fault)]
+        self._bad_syncs = [f for f in faults if isinstance(f, BadSync)]
 
     def _prepare_faults(self, step: int, current: Rollouts) -> None:
         """Arm this step's faults in their actors (they die in the named call); an idle fault

@@ -20,7 +20,8 @@ def learner_stats(**changes) -> LearnerStats:
 
 def step_result(rewards=(1.0, float("nan"), 3.0), **changes) -> StepResult:
     timing = StepTiming(generate_s=1.0, reference_s=0.5, reward_s=0.25, learner_forward_s=0.5, update_s=2.0,
-                        sync_s=0.1, prefetch_wait_s=0.0, sync_write_s=0.02, sync_register_s=0.03, step_s=4.0)
+                        sync_s=0.1, sync_check_s=0.05, prefetch_wait_s=0.0, sync_write_s=0.02, sync_register_s=0.03,
+                        step_s=4.0)
     return StepResult(step=3, generated_texts=["a", "b", "c"], finish_reasons=["stop"] * 3, rewards=list(rewards),
                       learner=learner_stats(), reward_parts={"score/reward_model": 2.0, "dropped_nonfinite": 1.0},
                       adapter_version=3, timing=timing, lora_sync_bytes=1024, response_tokens=20, **changes)

@@ -1,0 +1,141 @@
+"""The sync check has no blind spot: a bad sync is caught in the step where it happens, in
+every mode, the run repairs it (re-sync) and goes on exactly as a straight run would.
+
+A bad sync is injected with ppo_ray.faults.BadSync: generator-0's load after step 1 either
+keeps the old weights while reporting the new version ("previous": a lost sync) or loads
+the new weights with one LoRA B matrix nudged ("perturbed": a corrupted transfer). Before
+the sync check, such a sync was caught only on fresh steps whose learner recomputed the old
+logprobs; with overlap_generation (every step after the first is stale) or old_logprobs:
+generator (checked at 1 of every old_logprobs_check_every versions) it went unseen.
+
+Real Ray actors, vLLM and PEFT on the tiny model, float32 (tolerance 1e-3: generator and
+learner agree to ~1e-6 there; the injected faults move the probe's logprobs by far more).
+The default run covers the synchronous adapter-sync trainer (the session's shared one); the
+other modes (overlap, generator old logprobs, merged sync) each need their own actors and
+run with -m slow.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from conftest import tiny_test_config
+from ppo_ray.data import bundled_prompts
+from ppo_ray.faults import BadSync
+
+KEYS = ("reward_mean", "kl", "policy_loss", "value_loss", "approx_kl", "clipfrac", "entropy",
+        "explained_variance", "adapter_version", "response_tokens")
+STEPS = 3
+
+
+def three_steps(trainer, start, faults=()):
+    trainer.restore(start)
+    trainer.inject_faults(list(faults))
+    return trainer.train(bundled_prompts(), steps=STEPS, progress=False)
+
+
+def assert_same(repaired, straight):
+    for a, b in zip(repaired, straight, strict=True):
+        for k in KEYS:
+            assert a[k] == b[k], f"step {a['step']} {k}: after a repaired bad sync {a[k]!r} vs straight {b[k]!r}"
+        assert a["generated_texts"] == b["generated_texts"]
+
+
+def check_modes(trainer, start, kind):
+    """Straight, then the bad sync under resync (caught at step 1, repaired, same metrics),
+    then under warn (the injection is real: the probe's gap at step 1 is over the tolerance)."""
+    base = trainer.config
+    limit = base.logprob_gap_limit
+    try:
+        trainer.config = base.replace(logprob_gap_check="resync")
+        straight = three_steps(trainer, start)
+        repaired = three_steps(trainer, start, [BadSync(step=1, kind=kind)])
+        trainer.config = base.replace(logprob_gap_check="warn")
+        unrepaired = three_steps(trainer, start, [BadSync(step=1, kind=kind)])
+    finally:
+        trainer.config = base
+        trainer.inject_faults([])
+    assert [h["sync_resyncs"] for h in straight] == [0] * STEPS
+    assert all(h["sync_probe_gap"] <= limit for h in straight)
+    assert [h["sync_resyncs"] for h in repaired] == [1] + [0] * (STEPS - 1)  # caught in its step
+    assert all(h["sync_probe_gap"] <= limit for h in repaired)  # the gap after the re-sync
+    assert_same(repaired, straight)
+    assert unrepaired[0]["sync_probe_gap"] > limit and unrepaired[0]["sync_resyncs"] == 0
+    return straight, unrepaired
+
+
+@pytest.mark.parametrize("kind", ["previous", "perturbed"])
+def test_a_bad_sync_is_caught_in_its_step_and_repaired(tiny_trainer, kind):
+    """Synchronous steps, the learner's old logprobs, adapter sync (the shared trainer)."""
+    _, unrepaired = check_modes(tiny_trainer, tiny_trainer.initial_checkpoint, kind)
+    # left alone (warn), the wrong generator sampled step 2: its rollouts fail the rollout check
+    assert unrepaired[1]["gen_logprob_max_abs_diff"] > tiny_trainer.config.logprob_gap_limit
+
+
+def test_a_failed_rollout_check_resyncs_and_samples_the_step_again(tiny_trainer, caplog):
+    """The rollout check (fresh steps) acts too: a generator whose rollouts disagree with the
+    learner is re-synced, checked, and the step sampled again; with a gap that no re-sync
+    can mend (a tolerance below float32 agreement), the run stops with an error naming it."""
+    from ppo_ray.trainer import LogprobGapError
+
+    base = tiny_trainer.config
+    tiny_trainer.restore(tiny_trainer.initial_checkpoint)
+    try:
+        tiny_trainer.config = base.replace(logprob_gap_check="resync", logprob_gap_tolerance=1e-12)
+        with caplog.at_level("WARNING", logger="ppo_ray.trainer"), \
+                pytest.raises(LogprobGapError, match="persists after a re-sync"):
+            tiny_trainer.ppo_step(bundled_prompts()[:4])
+    finally:
+        tiny_trainer.config = base
+    assert "re-syncing the generators to version 0 and sampling the step again" in caplog.text
+    assert tiny_trainer.version == 0  # nothing committed
+
+
+def test_the_sync_check_is_cheap_and_reported(tiny_trainer):
+    """Its gap and seconds are in every step's record (metrics.jsonl, TensorBoard and the
+    Prometheus gauge ppo_sync_probe_gap take it from there)."""
+    from ppo_ray.metrics import STEP_GAUGES
+
+    out = tiny_trainer.ppo_step(bundled_prompts()[:4])
+    assert 0.0 <= out["sync_probe_gap"] <= tiny_trainer.config.logprob_gap_limit
+    assert out["sync_resyncs"] == 0 and out["time/sync_check_s"] > 0
+    assert {"sync_probe_gap", "sync_resyncs"} <= set(STEP_GAUGES)
+    base = tiny_trainer.config
+    try:
+        tiny_trainer.config = base.replace(logprob_gap_check="off")
+        off = tiny_trainer.ppo_step(bundled_prompts()[:4])
+    finally:
+        tiny_trainer.config = base
+    assert math.isnan(off["sync_probe_gap"]) and off["time/sync_check_s"] == 0.0
+
+
+MODES = [
+    pytest.param(dict(overlap_generation=True), id="overlap-learner-adapter"),
+    pytest.param(dict(overlap_generation=True, lora_sync="merged"), id="overlap-learner-merged"),
+    pytest.param(dict(old_logprobs="generator"), id="sync-generator-adapter"),
+    pytest.param(dict(old_logprobs="generator", lora_sync="merged"), id="sync-generator-merged"),
+    pytest.param(dict(overlap_generation=True, old_logprobs="generator"), id="overlap-generator-adapter"),
+    pytest.param(dict(overlap_generation=True, old_logprobs="generator", lora_sync="merged"),
+                 id="overlap-generator-merged"),
+    pytest.param(dict(lora_sync="merged"), id="sync-learner-merged"),
+]
+
+
+@pytest.mark.slow  # each mode starts its own actors (~1 min) and runs 9 steps per kind
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_catches_and_repairs_a_bad_sync(ray_session, tiny_model_dir, tmp_path, mode):
+    from ppo_ray.trainer import PPOTrainer
+
+    if mode.get("old_logprobs") == "generator":
+        mode = {**mode, "top_k": 0, "top_p": 1.0, "old_logprobs_check_every": 10}
+    trainer = PPOTrainer(tiny_test_config(**mode))
+    try:
+        trainer.run_dir = tmp_path
+        start = trainer.save_checkpoint()
+        trainer.run_dir = None
+        for kind in ("previous", "perturbed"):
+            check_modes(trainer, start, kind)
+    finally:
+        trainer.shutdown()
