@@ -282,7 +282,7 @@ def _first_fit(demands: list[tuple[float, float]], nodes: list[list[float]]) -> 
 
 
 def test_rayjob_manifest_runs_launch_py_on_a_cluster_that_fits_it():
-    from ppo_ray.config import parse_overrides
+    from ppo_ray.config import PPOConfig
 
     job = yaml.safe_load((DEPLOY / "rayjob.yaml").read_text())
     assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
@@ -294,10 +294,14 @@ def test_rayjob_manifest_runs_launch_py_on_a_cluster_that_fits_it():
     assert argv[0] == "ppo-ray", argv
     assert 'ppo-ray = "launch:main"' in (ROOT / "pyproject.toml").read_text()
     args = [a.replace("/home/ray/ppo-ray/", f"{ROOT}/") for a in argv[1:]]
-    i = args.index("--run_dir")
-    run_dir = args[i + 1]
-    config, positional = parse_overrides(args[:i] + args[i + 2:])
+    import launch
+
+    options, overrides, positional = launch.build_parser().parse(args)
     assert positional == []
+    # re-applying the RayJob (or KubeRay retrying it) continues the run in its directory
+    assert options.resume == "auto"
+    run_dir = options.run_dir
+    config = PPOConfig.from_yaml(options.config, **overrides)
     assert "COPY --chown=ray:users configs /home/ray/ppo-ray/configs" in (DEPLOY / "Dockerfile").read_text()
 
     # The run directory is on the claim of deploy/pvc.yaml, mounted on the head (the driver's pod)
