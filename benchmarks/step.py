@@ -39,6 +39,8 @@ Phases of our step (PPOTrainer.ppo_step's ``time/*`` keys; every actor times its
                      generator, plus the actor call (measured as the remainder)
       sync_engine    sync_write + sync_register: the generator writes the adapter to
                      /dev/shm and vLLM registers it (add_lora) and drops the old one
+    sync_check       the sync check after it: every replica samples the probe, the learner
+                     recomputes its logprobs (re-syncs, if any, included)
     overhead         step - critical path: everything no actor times (driver tokenisation,
                      Ray scheduling, moving the rollouts from the generator to the scorers
                      and the learner, the driver's ray.get of the results)
@@ -47,11 +49,11 @@ Phases of our step (PPOTrainer.ppo_step's ``time/*`` keys; every actor times its
 The critical path follows the data dependencies of today's synchronous step: generate,
 then reference and reward concurrently (the learner's update() takes both as arguments,
 so it starts when the later one is done), then the learner, then the sync:
-``critical = generate + max(reference, reward) + learner_forward + update + sync``.
+``critical = generate + max(reference, reward) + learner_forward + update + sync + sync_check``.
 In overlap mode (``--overlap_generation true``; the steps then run through
 ``PPOTrainer.train``, which draws its own batches of the same prompts) a step's rollouts were
 generated during the previous step, so ``critical = max(reference, reward) + learner_forward
-+ update + prefetch_wait + sync``.
++ update + prefetch_wait + sync + sync_check``.
 
 The baseline has the same phases; its sync is 0 (the policy it samples with IS the one it
 trains) and its overhead is step - the sum of its phases (batch building, tokenising).

@@ -66,8 +66,7 @@ class SyncCheck:
     """One sync check (PPOTrainer._check_sync)."""
 
     gap: float      # largest |generator - learner| probe logprob over the replicas (NaN: check off)
-    resyncs: int    # re-syncs it took
-    seconds: float
+    seconds: float  # re-syncs included
 
 
 def sync_probe_prompts(tokenizer, seed: int, max_prompt_length: int, n: int = 4, length: int = 16) -> list[list[int]]:
@@ -309,7 +308,7 @@ class PPOTrainer:
         warn logs it. Either way the step's gap is reported (StepResult.sync_probe_gap)."""
         cfg = self.config
         if cfg.logprob_gap_check == "off":
-            return SyncCheck(math.nan, 0, 0.0)
+            return SyncCheck(math.nan, 0.0)
         t0 = time.perf_counter()
         weights = self._weights[version]
 
@@ -323,7 +322,7 @@ class PPOTrainer:
                                        step=self.step, recover=restart)
             gap = max(gaps)
             if gap <= cfg.logprob_gap_limit:
-                return SyncCheck(gap, resyncs, time.perf_counter() - t0)
+                return SyncCheck(gap, time.perf_counter() - t0)
             bad = [i for i, g in enumerate(gaps) if g > cfg.logprob_gap_limit]
             self.metrics.record_logprob_gap(cfg.lora_sync)
             message = (f"after step {self.step}: generator replica(s) {bad} compute logprobs up to {gap:.3g} nats "
@@ -332,7 +331,7 @@ class PPOTrainer:
                        "deliver the learner's policy")
             if cfg.logprob_gap_check == "warn":
                 log.warning(message)
-                return SyncCheck(gap, resyncs, time.perf_counter() - t0)
+                return SyncCheck(gap, time.perf_counter() - t0)
             if cfg.logprob_gap_check == "error" or resyncs:
                 raise LogprobGapError(message + ("; it persists after a re-sync" if resyncs else ""))
             log.warning("%s; re-syncing them", message)

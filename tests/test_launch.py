@@ -58,6 +58,48 @@ def test_launch_ppo_interrupted_then_resumed(tmp_path):
     assert (run_dir / "adapter" / "adapter_config.json").is_file()
 
 
+@pytest.mark.slow
+def test_the_same_command_twice_continues_the_run(tmp_path):
+    """A re-applied job (a RayJob applied again, a restarted pod): the same command, with
+    --resume auto, is run twice and the first is killed hard (SIGKILL to its whole process
+    group, Ray included, as a lost pod) once a checkpoint exists. The second continues from
+    it: every step once in metrics.jsonl, the final checkpoint the run's last step, and the
+    first run's checkpoints its ancestors (one lineage). Before --resume auto, re-applying
+    started a fresh run over the old one. Slow (~2 min: two launch.py processes)."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    cmd = [sys.executable, str(ROOT / "launch.py"), "ppo", "--config", str(ROOT / "configs" / "tiny.yaml"),
+           "--steps", "5", "--batch_size", "4", "--checkpoint_every", "1", "--keep_checkpoints", "10",
+           "--run_dir", str(run_dir), "--vllm_kv_cache_gib", "0.25", "--resume", "auto"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if latest.is_file() and latest.read_text().strip() >= "step-000002":
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, "the run ended before it could be killed: " + proc.communicate()[1][-3000:]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    killed_at = int(latest.read_text().strip().split("-")[1])
+    assert 2 <= killed_at < 5
+
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "PPO resumes from" in proc.stderr and f"step-{killed_at:06d}" in proc.stderr
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5]
+    from ppo_ray.checkpoint import ancestry, resolve_checkpoint
+
+    head = resolve_checkpoint(run_dir)
+    assert head.name == "step-000005"
+    assert [p.name for p in ancestry(head)] == [f"step-{s:06d}" for s in (5, 4, 3, 2, 1)]
+
+
 def test_launch_resume_errors(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "ppo", "--resume", str(tmp_path / "nope")],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
