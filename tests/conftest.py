@@ -109,12 +109,14 @@ def ray_session():
 
     import ray
 
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
-    # vLLM's INFO lines from inside the generator actor drown the test output.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # The workers' environment only (the job's runtime_env, which every actor's own env_vars
+    # extend): this process's os.environ stays as it was, so a subprocess test sees the same
+    # environment whichever tests ran before it.
+    env_vars = {"PYTHONPATH": os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH", "")) if p),
+                # vLLM's INFO lines from inside the generator actor drown the test output.
+                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env_vars})
     yield ray
     ray.shutdown()
 

@@ -137,7 +137,6 @@ def _small_checkpoints(tmp_path, steps=(1, 2), **config):
     from ppo_ray.config import PPOConfig
     from ppo_ray.modeling import resolve_model_path
 
-    torch.set_num_threads(1)
     run_dir = tmp_path / "run"
     cfg = PPOConfig(model_name="embedded:tiny", lora_r=4, lora_alpha=8, **config)
     learner = Learner(cfg, resolve_model_path(cfg.model_name))

@@ -5,10 +5,9 @@ The `ray_head` fixture starts a head of its own in a subprocess (`ray start --he
 free ports, its own temp dir and auth token), so the suite's own Ray session (conftest
 `ray_session`) is untouched; it stops it by signalling that process, never with `ray stop`
 (which stops every Ray process on the machine). test_submitted_job_exports_ppo_metrics runs
-the tiny PPO job for 2 steps through deploy/submit.sh: about 80 s on the 2-core development
-VM (head start 8 s, the job 68 s, most of it actor and vLLM engine start, head stop 3 s;
-146 s once when other heavy jobs shared the two cores), under the suite's 2-minute budget
-for unmarked tests, so it is not marked slow.
+the tiny PPO job for 2 steps through deploy/submit.sh (about 80-150 s on the 2-core
+development VM: head start, actor and vLLM engine start, head stop), so it is marked slow;
+the preflight, the manifests and the fail-fast checks run by default.
 """
 
 from __future__ import annotations
@@ -200,15 +199,15 @@ def test_submitted_job_exports_ppo_metrics(ray_head, tmp_path):
 
 
 def test_submit_fails_fast_when_nothing_listens(tmp_path):
+    """Fails at its preflight, before anything is submitted (the subprocess timeout only
+    guards against a hang: the claim is the exit code and the message, not a duration)."""
     port = _free_ports(1)[0]  # bound and released: nothing listens there
-    t0 = time.monotonic()
     proc = subprocess.run([str(SUBMIT), "ppo", "--config", "configs/tiny.yaml"],
                           env=_clean_env(RAY_ADDRESS=f"http://127.0.0.1:{port}"), cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert f"no Ray cluster at RAY_ADDRESS=http://127.0.0.1:{port}" in proc.stderr
     assert "Connection refused" in proc.stderr and "ray start --head" in proc.stderr
-    assert time.monotonic() - t0 < 10
     assert not any(tmp_path.iterdir())
 
 
