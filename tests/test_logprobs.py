@@ -1,6 +1,10 @@
 """Pins the token log-probs of ppo_ray/logprobs.py (CPU, fast): logprobs_from_logits and
 entropy_from_logits against log_softmax, against a brute-force emulation of vLLM's sampler
-(temperature, top-k with ties, top-p), and against vLLM's own Sampler where vLLM is installed."""
+(temperature, top-k with ties, top-p), and against vLLM's own Sampler where vLLM is installed.
+
+Tolerances (tests/tolerances.py): a float32 logprob x - lse or entropy lse - E[x] is
+rounded at the size of the logits / temperature, through a reduction over the vocabulary:
+lp_tol(logits, temperature)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,14 @@ import pytest
 import torch
 
 from ppo_ray.logprobs import entropy_from_logits, logprobs_from_logits, token_stats_from_logits
+from tolerances import rounding_tol
+
+
+def lp_tol(logits: torch.Tensor, temperature: float = 1.0) -> float:
+    """Tolerance of a float32 logprob, entropy or probability sum computed from `logits`
+    two ways: rounding at the size of logits / temperature (at least 1: the probabilities),
+    through a reduction over the vocabulary."""
+    return rounding_tol(max(logits.float().abs().max().item() / temperature, 1.0), logits.shape[-1])
 
 
 def brute_vllm_logprobs(logits_row, temperature, top_k, top_p):
@@ -51,6 +63,7 @@ def all_token_logprobs(logits, **kwargs):
     return logprobs_from_logits(expanded, tokens, **kwargs)
 
 
+@pytest.mark.equality
 def test_logprobs_no_truncation_matches_log_softmax():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 4, 11, generator=g) * 3
@@ -59,13 +72,14 @@ def test_logprobs_no_truncation_matches_log_softmax():
         ref = torch.log_softmax(logits / temp, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         out = logprobs_from_logits(logits, tokens, temperature=temp)
         assert out.dtype == torch.float32 and out.shape == (3, 4)
-        assert torch.allclose(out, ref, atol=1e-6)
+        torch.testing.assert_close(out, ref, atol=lp_tol(logits, temp), rtol=0)
     # disabled truncation values behave like no truncation (vLLM: top_k 0/-1/>=V, top_p 1)
     base = logprobs_from_logits(logits, tokens)
     for kw in ({"top_k": 0}, {"top_k": -1}, {"top_k": 11}, {"top_k": 50}, {"top_p": 1.0}):
-        assert torch.allclose(logprobs_from_logits(logits, tokens, **kw), base, atol=1e-6)
+        torch.testing.assert_close(logprobs_from_logits(logits, tokens, **kw), base, atol=lp_tol(logits), rtol=0)
 
 
+@pytest.mark.equality
 def test_logprobs_gradient_matches_log_softmax():
     g = torch.Generator().manual_seed(1)
     logits = (torch.randn(2, 3, 9, generator=g) * 2).requires_grad_(True)
@@ -74,9 +88,11 @@ def test_logprobs_gradient_matches_log_softmax():
     ours = logits.grad.clone()
     logits.grad = None
     torch.log_softmax(logits / 0.8, -1).gather(-1, tokens.unsqueeze(-1)).sum().backward()
-    assert torch.allclose(ours, logits.grad, atol=1e-6)
+    # (onehot - softmax) / temperature: probabilities rounded through the softmax's sum
+    torch.testing.assert_close(ours, logits.grad, atol=rounding_tol(1 / 0.8, logits.shape[-1]), rtol=0)
 
 
+@pytest.mark.equality
 def test_logprobs_bf16_computed_in_float32():
     g = torch.Generator().manual_seed(2)
     logits = (torch.randn(2, 5, 64, generator=g) * 4).to(torch.bfloat16)
@@ -84,13 +100,14 @@ def test_logprobs_bf16_computed_in_float32():
     out = logprobs_from_logits(logits, tokens)
     assert out.dtype == torch.float32
     exact = torch.log_softmax(logits.double(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    assert torch.allclose(out.double(), exact, atol=1e-5)
-    assert torch.equal(out, logprobs_from_logits(logits.float(), tokens))
+    torch.testing.assert_close(out.double(), exact, atol=lp_tol(logits), rtol=0)  # float32, not bfloat16, rounding
+    assert torch.equal(out, logprobs_from_logits(logits.float(), tokens))  # the same float32 ops
     # a bf16 log_softmax would be visibly off
     in_bf16 = torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1).double()
     assert (in_bf16 - exact).abs().max() > 1e-3
 
 
+@pytest.mark.equality
 @pytest.mark.parametrize("seed", range(3))
 def test_logprobs_top_k(seed):
     g = torch.Generator().manual_seed(seed)
@@ -101,9 +118,10 @@ def test_logprobs_top_k(seed):
     in_topk = torch.zeros(N, V, dtype=torch.bool).scatter_(-1, topk_idx, True)
     assert torch.isinf(lp[~in_topk]).all() and (lp[~in_topk] < 0).all()
     assert torch.isfinite(lp[in_topk]).all()
-    assert torch.allclose(lp.exp().sum(-1), torch.ones(N), atol=1e-6)  # renormalised over kept
+    tol = lp_tol(logits, 0.9)
+    torch.testing.assert_close(lp.exp().sum(-1), torch.ones(N), atol=tol, rtol=0)  # renormalised over kept
     expected = torch.log_softmax((logits / 0.9).masked_fill(~in_topk, -math.inf), -1)
-    assert torch.allclose(lp[in_topk], expected[in_topk], atol=1e-6)
+    torch.testing.assert_close(lp[in_topk], expected[in_topk], atol=tol, rtol=0)
 
 
 def test_logprobs_top_k_ties_keep_all_tied():
@@ -112,11 +130,12 @@ def test_logprobs_top_k_ties_keep_all_tied():
     logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0, 2.0]])
     lp = all_token_logprobs(logits, top_k=2)
     assert torch.isfinite(lp[0]).tolist() == [True, False, True, True, False, True]
-    assert lp.exp().sum().item() == pytest.approx(1.0)
+    assert lp.exp().sum().item() == pytest.approx(1.0, abs=lp_tol(logits), rel=0)
     lp = all_token_logprobs(logits, top_k=2, top_p=0.999)
     assert torch.isfinite(lp[0]).tolist() == [True, False, True, True, False, True]
 
 
+@pytest.mark.equality
 @pytest.mark.parametrize("seed", range(4))
 def test_logprobs_top_p_and_top_k_top_p_match_brute_force(seed):
     g = torch.Generator().manual_seed(seed)
@@ -129,13 +148,14 @@ def test_logprobs_top_p_and_top_k_top_p_match_brute_force(seed):
         top_k = [None, None, 3, 1, 10][trial % 5]
         brute = [brute_vllm_logprobs(row.tolist(), temp, top_k, top_p) for row in logits]
         if min(margin for _, margin in brute) < 1e-4:
-            continue  # a cumulative mass within float noise of p: ill-posed, skip
+            continue  # a cumulative mass within float noise of p (~rounding_tol(1, V) < 3e-6): ill-posed, skip
         lp = all_token_logprobs(logits, temperature=temp, top_k=top_k, top_p=top_p)
         expected = torch.tensor([row for row, _ in brute], dtype=torch.float32)
         assert torch.equal(torch.isinf(lp), torch.isinf(expected)), (trial, V, top_k, top_p)
         fin = torch.isfinite(expected)
-        assert torch.allclose(lp[fin], expected[fin], atol=1e-5)
-        assert torch.allclose(lp.exp().sum(-1), torch.ones(3), atol=1e-5)
+        tol = lp_tol(logits, temp)  # float32 against the float64 brute force
+        torch.testing.assert_close(lp[fin], expected[fin], atol=tol, rtol=0)
+        torch.testing.assert_close(lp.exp().sum(-1), torch.ones(3), atol=tol, rtol=0)
         assert torch.isfinite(lp.max(-1).values).all()  # at least one token always kept
         checked += 1
     assert checked >= 8
@@ -156,6 +176,7 @@ def test_logprobs_invalid_args():
             logprobs_from_logits(logits, tokens, **bad)
 
 
+@pytest.mark.equality
 def test_entropy_from_logits():
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(2, 4, 10, generator=g) * 3
@@ -165,13 +186,14 @@ def test_entropy_from_logits():
         p = torch.softmax(logits.double() / temp, -1)
         ref = -(p * p.log()).sum(-1)
         assert h.dtype == torch.float32
-        assert torch.allclose(h.double()[m], ref[m], atol=1e-5)
+        torch.testing.assert_close(h.double()[m], ref[m], atol=lp_tol(logits, temp), rtol=0)  # float32 vs float64
         assert (h[~m] == 0).all()
     one = torch.ones(1, 1, dtype=torch.bool)
     uniform = entropy_from_logits(torch.zeros(1, 1, 8, dtype=torch.bfloat16), one)
-    assert uniform.item() == pytest.approx(math.log(8), abs=1e-6)
+    assert uniform.item() == pytest.approx(math.log(8), abs=rounding_tol(math.log(8), 8), rel=0)
 
 
+@pytest.mark.equality
 @pytest.mark.parametrize("top_k,top_p", [(None, None), (0, 1.0), (4, None), (None, 0.8), (5, 0.9)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_token_stats_equal_the_separate_functions(top_k, top_p, dtype):
@@ -196,12 +218,16 @@ def test_token_stats_equal_the_separate_functions(top_k, top_p, dtype):
         assert len(results[1]) == len(which) + 1
         for a, b in zip(results[0][:-1], results[1][:-1]):
             assert torch.equal(a, b), which  # the same ops on the same float32 values
-        for a, b in zip(*results):
-            # float32 rounding (the entropy is lse - E[x], ~13 - ~13 here); bfloat16 logits'
-            # gradients: the separate functions add theirs in bfloat16, one float32 copy adds
-            # them before its one rounding (a bfloat16 ulp, 2^-8, of the largest terms)
-            atol = 1e-2 * a.abs().max().item() if dtype == torch.bfloat16 and a is results[0][-1] else 5e-5
-            assert a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-4, atol=atol), which
+        a, b = results[0][-1], results[1][-1]  # the logits' gradients
+        if dtype == torch.bfloat16:
+            # the separate functions' gradients are bfloat16 (the logits' dtype), added in
+            # bfloat16; the shared float32 copy adds them first and rounds once: up to one
+            # bfloat16 rounding per function and per addition at the largest term's size
+            atol = rounding_tol(a.abs().max(), 2 * len(which), torch.bfloat16)
+        else:  # float32 sums over the vocabulary of terms up to (x - E[x]) / temperature
+            atol = rounding_tol(2 * logits.float().abs().max() / 0.7, logits.shape[-1]) * len(which)
+        assert a.dtype == b.dtype, which
+        torch.testing.assert_close(a, b, atol=atol, rtol=0, msg=lambda m: f"{which}: {m}")
     assert token_stats_from_logits(logits, tokens) == ()
 
 
@@ -211,6 +237,7 @@ def test_token_stats_equal_the_separate_functions(top_k, top_p, dtype):
 # ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.equality
 def test_logprobs_match_vllm_processed_logprobs():
     pytest.importorskip("vllm")
     from vllm.v1.sample.logits_processor import LogitsProcessors
@@ -250,4 +277,4 @@ def test_logprobs_match_vllm_processed_logprobs():
         ours = all_token_logprobs(logits, temperature=temp, top_k=top_k, top_p=top_p)
         assert torch.equal(torch.isinf(ref), torch.isinf(ours)), trial
         fin = torch.isfinite(ref)
-        assert torch.allclose(ours[fin], ref[fin], atol=1e-5), trial
+        torch.testing.assert_close(ours[fin], ref[fin], atol=lp_tol(logits, temp), rtol=0, msg=f"trial {trial}")

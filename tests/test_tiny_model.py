@@ -15,6 +15,7 @@ import torch
 
 from ppo_ray import tiny_model
 from ppo_ray.tiny_model import EOS_TOKEN, PAD_TOKEN, PRESETS, build_tiny_model
+from tolerances import TINY_TERMS, rounding_tol
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 LOGPROB_ATOL = 1e-4
@@ -264,6 +265,7 @@ def test_causal_lm_loads(hf_model, tokenizer):
     assert torch.isfinite(out.logits).all()
 
 
+@pytest.mark.equality
 def test_sequence_classification_loads(tiny_model_dir, tokenizer):
     from transformers import AutoModelForSequenceClassification
 
@@ -276,10 +278,12 @@ def test_sequence_classification_loads(tiny_model_dir, tokenizer):
         scores = rm(**batch).logits
         single = rm(**tokenizer(texts[:1], return_tensors="pt")).logits
     assert scores.shape == (2, 1)
-    # The score is read at the last non-pad token, so right padding does not change it.
-    torch.testing.assert_close(scores[:1], single, rtol=0, atol=1e-5)
+    # The score is read at the last non-pad token, so right padding does not change it
+    # (beyond the rounding of the tiny model's reductions at the scores' size).
+    torch.testing.assert_close(scores[:1], single, rtol=0, atol=rounding_tol(scores.abs().max(), TINY_TERMS))
 
 
+@pytest.mark.equality
 def test_peft_lora_loads(hf_model, tokenizer, tmp_path):
     from peft import LoraConfig, get_peft_model
 
@@ -293,7 +297,8 @@ def test_peft_lora_loads(hf_model, tokenizer, tmp_path):
     with torch.no_grad():
         ref = hf_model(**ids).logits
         out = peft_model(**ids).logits
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)  # B = 0 at init
+    # B = 0 at init: PEFT's forward adds zeros to the base model's (rounding of its reductions at most)
+    torch.testing.assert_close(out, ref, rtol=0, atol=rounding_tol(ref.abs().max(), TINY_TERMS))
     loss = peft_model(**ids, labels=ids["input_ids"]).loss
     loss.backward()
     peft_model.save_pretrained(tmp_path / "adapter")

@@ -3,6 +3,10 @@
 The merge math against PEFT's own merge (no vLLM), then a Generator on an engine of its own
 (worker_extension_cls, no LoRA kernels) against HF + PEFT: same logprobs as the learner's
 PEFT forward for every version, and version 0 gives the base model back.
+
+Tolerances (tests/tolerances.py): vLLM's CPU kernels and HF + PEFT are two float32
+computations of the tiny model's logprobs (logprob_tol); the merge W + s B A is rounded
+through a reduction over the rank.
 """
 
 from __future__ import annotations
@@ -11,9 +15,17 @@ import pytest
 import torch
 
 from ppo_ray.modeling import LoraWeights
-from test_generator import PROMPTS, TOL, continuation_logprobs, hf_logprobs, make_peft, randomize_lora
+from test_generator import PROMPTS, continuation_logprobs, hf_logprobs, make_peft, randomize_lora
+from tolerances import TINY_TERMS, rounding_tol
 
 
+def logprob_tol(*logprobs: torch.Tensor) -> float:
+    """Tolerance of the tiny model's float32 logprobs computed by vLLM and by HF + PEFT: the
+    rounding of its reductions at the size of the largest finite |logprob| given."""
+    return rounding_tol(max(x[torch.isfinite(x)].abs().max() for x in logprobs), TINY_TERMS)
+
+
+@pytest.mark.equality
 def test_merged_weights_equal_peft_merge(tiny_model_dir):
     from actors.vllm_merge import base_weight_name, merged_weights, read_base_weights
 
@@ -21,11 +33,15 @@ def test_merged_weights_equal_peft_merge(tiny_model_dir):
     lora = randomize_lora(peft_model, seed=5)
     names = {base_weight_name(k) for k in lora.tensors}
     assert "model.layers.0.self_attn.q_proj.weight" in names and len(names) == 14
-    merged = dict(merged_weights(read_base_weights(tiny_model_dir, names), lora.tensors, scale=lora.spec.scaling))
+    base = read_base_weights(tiny_model_dir, names)
+    merged = dict(merged_weights(base, lora.tensors, scale=lora.spec.scaling))
     assert lora.spec.scaling == 16 / 8
     reference = peft_model.merge_and_unload().state_dict()
     for name, w in merged.items():
-        assert (w - reference[name]).abs().max() < 1e-6, name
+        # W + s (B @ A): r products summed, scaled, added, at the size of W and of s B A
+        size = max(base[name].abs().max(), (reference[name] - base[name]).abs().max())
+        torch.testing.assert_close(w, reference[name], atol=rounding_tol(size, lora.spec.r + 2), rtol=0,
+                                   msg=lambda m, name=name: f"{name}: {m}")
     with pytest.raises(ValueError, match="no base weight"):
         read_base_weights(tiny_model_dir, {"model.layers.9.self_attn.q_proj.weight"})
 
@@ -46,6 +62,7 @@ def merged_generator(tiny_model_dir):
         pass
 
 
+@pytest.mark.equality
 def test_merged_sync_matches_peft(merged_generator, tiny_model_dir):
     from ppo_ray.modeling import load_causal_lm, load_tokenizer
 
@@ -56,7 +73,7 @@ def test_merged_sync_matches_peft(merged_generator, tiny_model_dir):
     prompt = tok(PROMPTS[0], add_special_tokens=False)["input_ids"]
     cont = tok(" My friend stopped calling me.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     base_lp = continuation_logprobs(hf, prompt, cont)
-    assert (gen.sequence_logprobs(prompt, cont) - base_lp).abs().max() < TOL
+    assert (gen.sequence_logprobs(prompt, cont) - base_lp).abs().max() < logprob_tol(base_lp)
 
     w = randomize_lora(peft_model, seed=1)
     zero = LoraWeights({k: torch.zeros_like(v) if ".lora_B." in k else v for k, v in w.tensors.items()}, w.spec)
@@ -66,16 +83,17 @@ def test_merged_sync_matches_peft(merged_generator, tiny_model_dir):
         assert gen.version == version and out["bytes"] > 0 and gen._lora_request is None
         lp = continuation_logprobs(peft_model, prompt, cont)
         got = gen.sequence_logprobs(prompt, cont)
-        assert (got - lp).abs().max() < TOL and (got - base_lp).abs().max() > 0.05
+        assert (got - lp).abs().max() < logprob_tol(lp) and (got - base_lp).abs().max() > 0.05
         batch = gen.generate(PROMPTS * 2, step=version)
         assert batch.adapter_version == version
         diff = (hf_logprobs(peft_model, batch) - batch.gen_logprobs).abs()[batch.response_mask]
-        assert diff.max() < TOL, f"max |vLLM merged - HF+PEFT| {diff.max():.2e}"
+        tol = logprob_tol(batch.gen_logprobs[batch.response_mask])
+        assert diff.max() < tol, f"max |vLLM merged - HF+PEFT| {diff.max():.2e} (tolerance {tol:.2e})"
 
     # back to version 0 (B = 0, a learner restarted without a checkpoint): the base weights exactly
     gen.load_adapter(0, zero, restore=True)
     assert gen.version == 0
-    assert (gen.sequence_logprobs(prompt, cont) - base_lp).abs().max() < TOL
+    assert (gen.sequence_logprobs(prompt, cont) - base_lp).abs().max() < logprob_tol(base_lp)
     with pytest.raises(ValueError, match="not newer"):
         gen.load_adapter(0, zero)
 
@@ -86,6 +104,7 @@ LONG_PROMPTS = ["SUBREDDIT: r/advice\n\nTITLE: the same long post twice\n\nPOST:
                 + "we talked about it again and again, for weeks. " * 24 + "\n\nTL;DR:" for i in range(3)]
 
 
+@pytest.mark.equality
 @pytest.mark.parametrize("mode", ["adapter", "merged"])
 def test_sampled_logprobs_after_a_sync_use_the_new_weights_on_cached_prompts(
         mode, vllm_llm, merged_generator, tiny_model_dir):
@@ -108,7 +127,8 @@ def test_sampled_logprobs_after_a_sync_use_the_new_weights_on_cached_prompts(
         batch = gen.generate(LONG_PROMPTS, step=1)
         assert batch.adapter_version == 2
         diff = (hf_logprobs(peft_model, batch) - batch.gen_logprobs).abs()[batch.response_mask]
-        assert diff.max() < TOL, f"{mode}: max |vLLM - HF+PEFT| at the new version {diff.max():.2e}"
+        tol = logprob_tol(batch.gen_logprobs[batch.response_mask])
+        assert diff.max() < tol, f"{mode}: max |vLLM - HF+PEFT| at the new version {diff.max():.2e} (tolerance {tol:.2e})"
     finally:
         gen.close()
 
