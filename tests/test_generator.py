@@ -16,8 +16,14 @@ from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import ALL_PROJECTIONS
 from ppo_ray.data import encode_prompts
 from ppo_ray.modeling import LoraSpec, LoraWeights, load_causal_lm, load_tokenizer, response_logits
+from tolerances import TINY_TERMS, rounding_tol
 
-TOL = 1e-4
+
+def tol(*logprobs: torch.Tensor) -> float:
+    """Float32 logprobs of the tiny model computed two ways (vLLM vs HF + PEFT, or two engine
+    calls): the rounding of its reductions at the size of the largest finite |logprob|."""
+    return rounding_tol(max(x[torch.isfinite(x)].abs().max() for x in logprobs), TINY_TERMS)
+
 PROMPTS = [
     "SUBREDDIT: r/relationships\n\nTITLE: My friend never calls back\n\nPOST: We used to talk every day.\n\nTL;DR:",
     "Hello",
@@ -132,19 +138,21 @@ def test_generate_token_id_prompts_and_truncation(make_generator, tokenizer):
 
 
 # ---------------------------------------------------------------------------- logprobs
+@pytest.mark.equality
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 50, 0.95)])
 def test_gen_logprobs_match_hf(make_generator, hf_model, temperature, top_k, top_p):
     gen = make_generator(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=16)
     batch = gen.generate(PROMPTS * 2, step=1)
     ref = hf_logprobs(hf_model, batch, temperature, top_k, top_p)
     diff = (ref - batch.gen_logprobs).abs()[batch.response_mask]
-    assert diff.max() < TOL, f"max |vLLM - HF| logprob difference {diff.max():.2e}"
+    assert diff.max() < tol(ref[batch.response_mask]), f"max |vLLM - HF| logprob difference {diff.max():.2e}"
     if top_k:  # the truncation matters: the full-softmax logprobs are clearly different
         full = hf_logprobs(hf_model, batch, temperature)
         assert (full - batch.gen_logprobs).abs()[batch.response_mask].max() > 0.1
 
 
 # ---------------------------------------------------------------------------- seeds
+@pytest.mark.equality
 def test_seeds(make_generator):
     gen = make_generator(max_new_tokens=12)
     copies = gen.generate([PROMPTS[1]] * 4, step=0)
@@ -162,7 +170,8 @@ def test_seeds(make_generator):
                               replica.generate(PROMPTS[2:], step=5, prompt_offset=2)])
     assert torch.equal(parts.response_ids, a.response_ids)
     assert torch.equal(parts.prompt_ids, a.prompt_ids) and torch.equal(parts.response_mask, a.response_mask)
-    assert torch.allclose(parts.gen_logprobs, a.gen_logprobs, atol=1e-5)
+    # the same samples in other batches: vLLM's CPU kernels round them differently
+    torch.testing.assert_close(parts.gen_logprobs, a.gen_logprobs, rtol=0, atol=tol(a.gen_logprobs))
     assert parts.responses == a.responses
 
     other_seed = make_generator(max_new_tokens=12, seed=1).generate(PROMPTS, step=5)
@@ -192,6 +201,7 @@ def randomize_lora(model, seed: int) -> LoraWeights:
                        LoraSpec.of(model.peft_config["default"]))
 
 
+@pytest.mark.equality
 def test_lora_sync(make_generator, tiny_model_dir, hf_model, tokenizer, vllm_llm):
     engine = vllm_llm.llm_engine
     gen = make_generator(max_new_tokens=16)
@@ -201,7 +211,7 @@ def test_lora_sync(make_generator, tiny_model_dir, hf_model, tokenizer, vllm_llm
 
     # version 0 = base model: prompt logprobs are raw log_softmax at temperature 1
     base_lp = continuation_logprobs(hf_model, prompt, cont)
-    assert (gen.sequence_logprobs(prompt, cont) - base_lp).abs().max() < TOL
+    assert (gen.sequence_logprobs(prompt, cont) - base_lp).abs().max() < tol(base_lp)
 
     w1 = randomize_lora(peft_model, seed=1)
     assert len(w1.tensors) == 2 * 7 * 2 and all(".lora_A.weight" in k or ".lora_B.weight" in k for k in w1.tensors)
@@ -212,13 +222,14 @@ def test_lora_sync(make_generator, tiny_model_dir, hf_model, tokenizer, vllm_llm
 
     v1_lp = continuation_logprobs(peft_model, prompt, cont)
     got = gen.sequence_logprobs(prompt, cont)
-    assert (got - v1_lp).abs().max() < TOL
+    assert (got - v1_lp).abs().max() < tol(v1_lp)
     assert (got - base_lp).abs().max() > 0.05, "the adapter did not change the generator's policy"
 
     batch = gen.generate(PROMPTS * 2, step=2)
     assert batch.adapter_version == 1
-    diff = (hf_logprobs(peft_model, batch) - batch.gen_logprobs).abs()[batch.response_mask]
-    assert diff.max() < TOL, f"max |vLLM+LoRA - HF+PEFT| {diff.max():.2e}"
+    ref = hf_logprobs(peft_model, batch)
+    diff = (ref - batch.gen_logprobs).abs()[batch.response_mask]
+    assert diff.max() < tol(ref[batch.response_mask]), f"max |vLLM+LoRA - HF+PEFT| {diff.max():.2e}"
 
     # version 2 replaces version 1 everywhere
     old_id, old_dir = gen._lora_request.lora_int_id, gen._lora_request.lora_path
@@ -228,7 +239,7 @@ def test_lora_sync(make_generator, tiny_model_dir, hf_model, tokenizer, vllm_llm
     assert [p.name for p in gen.adapter_root.iterdir()] == [gen._lora_request.lora_path.rsplit("/", 1)[1]]
     assert not os.path.exists(old_dir)
     v2_lp = continuation_logprobs(peft_model, prompt, cont)
-    assert (gen.sequence_logprobs(prompt, cont) - v2_lp).abs().max() < TOL
+    assert (gen.sequence_logprobs(prompt, cont) - v2_lp).abs().max() < tol(v2_lp)
     assert (v2_lp - v1_lp).abs().max() > 0.05
     assert gen.generate(PROMPTS[:1], step=3).adapter_version == 2
 
@@ -250,13 +261,13 @@ def test_lora_sync(make_generator, tiny_model_dir, hf_model, tokenizer, vllm_llm
     with pytest.raises(ValueError, match="lora_r=32 is above the engine's max_lora_rank=16"):
         gen.load_adapter(3, wide)
     assert gen.version == 2 and len(list(gen.adapter_root.iterdir())) == 1
-    assert (gen.sequence_logprobs(prompt, cont) - v2_lp).abs().max() < TOL
+    assert (gen.sequence_logprobs(prompt, cont) - v2_lp).abs().max() < tol(v2_lp)
 
     # many syncs: nothing accumulates in the engine or on disk
     for v in range(3, 13):
         gen.load_adapter(v, w1 if v % 2 else w2)
         assert len(set(engine.list_loras())) <= 1 and len(list(gen.adapter_root.iterdir())) == 1
-    assert (gen.sequence_logprobs(prompt, cont) - v2_lp).abs().max() < TOL  # v12 = w2
+    assert (gen.sequence_logprobs(prompt, cont) - v2_lp).abs().max() < tol(v2_lp)  # v12 = w2
 
     # r and alpha come with the weights: the same tensors with alpha x 2 are another policy,
     # the one PEFT computes with that config
@@ -267,13 +278,13 @@ def test_lora_sync(make_generator, tiny_model_dir, hf_model, tokenizer, vllm_llm
     set_peft_model_state_dict(peft_doubled, doubled.tensors)
     gen.load_adapter(13, doubled)
     v2_alpha_lp = continuation_logprobs(peft_doubled, prompt, cont)
-    assert (gen.sequence_logprobs(prompt, cont) - v2_alpha_lp).abs().max() < TOL
+    assert (gen.sequence_logprobs(prompt, cont) - v2_alpha_lp).abs().max() < tol(v2_alpha_lp)
     assert (v2_alpha_lp - v2_lp).abs().max() > 0.05
 
     # restore (a rollback to a checkpoint after a learner restart) may go back in versions
     gen.load_adapter(1, w1, restore=True)
     assert gen.version == 1 and len(list(gen.adapter_root.iterdir())) == 1
-    assert (gen.sequence_logprobs(prompt, cont) - v1_lp).abs().max() < TOL
+    assert (gen.sequence_logprobs(prompt, cont) - v1_lp).abs().max() < tol(v1_lp)
 
     gen.close()
     assert set(engine.list_loras()) == set() and not gen.adapter_root.exists()

@@ -15,6 +15,7 @@ import torch
 
 from ppo_ray.batch import RolloutBatch
 from conftest import tiny_test_config
+from tolerances import TINY_LOGPROB_TOL
 from ppo_ray.data import bundled_prompts, encode_prompts
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -32,9 +33,10 @@ def _assert_generator_matches_learner(trainer):
     learner_lp = ray.get(trainer.roles.learner.logprobs.remote(batch_ref))
     assert batch.adapter_version == trainer.version
     diff = (learner_lp - batch.gen_logprobs).abs()[batch.response_mask]
-    assert diff.numel() > 0 and diff.max() < 1e-4, f"max |generator - learner| logprob = {diff.max():.2e}"
+    assert diff.numel() > 0 and diff.max() < TINY_LOGPROB_TOL, f"max |generator - learner| logprob = {diff.max():.2e}"
 
 
+@pytest.mark.equality
 def test_generator_and_learner_agree_at_the_current_version(tiny_trainer):
     """Before any sync when this module runs first; the session trainer may have been
     stepped by earlier modules (e.g. test_benchmarks), and the agreement must hold at any
@@ -43,6 +45,7 @@ def test_generator_and_learner_agree_at_the_current_version(tiny_trainer):
     _assert_generator_matches_learner(tiny_trainer)
 
 
+@pytest.mark.equality
 def test_three_steps_end_to_end(tiny_trainer):
     prompts = bundled_prompts()[:8]
     for _ in range(3):
@@ -54,7 +57,7 @@ def test_three_steps_end_to_end(tiny_trainer):
         assert len(out["generated_texts"]) == len(out["rewards"]) == len(prompts)
         # ratio == 1 on the first minibatch (float32, lora_dropout 0): old logprobs are the
         # policy's own, recomputed with the generator's temperature and top-k/top-p.
-        assert abs(out["first_minibatch_ratio_mean"] - 1.0) < 1e-4
+        assert abs(out["first_minibatch_ratio_mean"] - 1.0) < TINY_LOGPROB_TOL
         # the generator that will sample the next step holds the learner's version
         versions = ray.get([g.version.remote() for g in tiny_trainer.roles.generators])
         assert versions == [ray.get(tiny_trainer.roles.learner.version.remote())] == [tiny_trainer.version]
@@ -64,6 +67,7 @@ def test_three_steps_end_to_end(tiny_trainer):
     _assert_generator_matches_learner(tiny_trainer)  # after syncs too
 
 
+@pytest.mark.equality
 def test_sync_changes_generation(tiny_trainer):
     """After a step, the generator's logprobs of a FIXED continuation equal the learner's
     for the new weights (not the old ones, not the base model's)."""
@@ -83,7 +87,7 @@ def test_sync_changes_generation(tiny_trainer):
     assert tiny_trainer.config.temperature == 1.0
     learner_after = ray.get(tiny_trainer.roles.learner.full_logprobs.remote(fixed))[0]
     base = ray.get(tiny_trainer.roles.reference.logprobs.remote(fixed))[0]
-    assert (gen_after - learner_after).abs().max() < 1e-4
+    assert (gen_after - learner_after).abs().max() < TINY_LOGPROB_TOL
     assert (gen_after - gen_before).abs().max() > 1e-3, "the sync did not change the generator's policy"
     assert (gen_after - base).abs().max() > 1e-3, "the generator still serves the base model"
 
@@ -133,6 +137,7 @@ def test_bad_reward_functions_are_named(tiny_trainer, fn, match):
     ray.kill(host)
 
 
+@pytest.mark.equality
 @pytest.mark.slow  # ~75 s; overlap with a fault runs by default in tests/test_faults.py
 def test_overlap_mode_with_merged_sync(ray_session, tiny_model_dir):
     """overlap_generation: step k+1 is generated while the learner trains on step k, so from
@@ -151,13 +156,14 @@ def test_overlap_mode_with_merged_sync(ray_session, tiny_model_dir):
     assert [h["step"] for h in history] == [1, 2, 3, 4]
     assert [h["adapter_version"] for h in history] == [1, 2, 3, 4]
     assert [h["stale_versions"] for h in history] == [0.0, 1.0, 1.0, 1.0]
-    assert history[0]["first_minibatch_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
-    assert history[0]["behaviour_logprob_gap"] < 1e-4
-    assert history[0]["gen_logprob_max_abs_diff"] < 1e-4  # merged vLLM weights vs PEFT
-    assert all(h["behaviour_logprob_gap"] > 1e-4 for h in history[1:])
+    assert history[0]["first_minibatch_ratio_mean"] == pytest.approx(1.0, abs=TINY_LOGPROB_TOL)
+    assert history[0]["behaviour_logprob_gap"] < TINY_LOGPROB_TOL
+    assert history[0]["gen_logprob_max_abs_diff"] < TINY_LOGPROB_TOL  # merged vLLM weights vs PEFT
+    assert all(h["behaviour_logprob_gap"] > TINY_LOGPROB_TOL for h in history[1:])  # one version apart
     assert all(math.isfinite(h["kl"]) and math.isfinite(h["policy_loss"]) for h in history)
 
 
+@pytest.mark.equality
 def test_old_logprobs_from_the_generator(ray_session, tiny_model_dir):
     """old_logprobs: generator on the real system: between checks the learner takes vLLM's
     logprobs as the old policy's (no generator-vs-learner gap is measured: NaN), and they
@@ -174,9 +180,9 @@ def test_old_logprobs_from_the_generator(ray_session, tiny_model_dir):
         trainer.shutdown()
     assert [h["adapter_version"] for h in history] == [1, 2, 3]
     gaps = [h["gen_logprob_max_abs_diff"] for h in history]
-    assert gaps[0] < 1e-4 and math.isnan(gaps[1]) and gaps[2] < 1e-4, gaps
+    assert gaps[0] < TINY_LOGPROB_TOL and math.isnan(gaps[1]) and gaps[2] < TINY_LOGPROB_TOL, gaps
     for h in history:
-        assert h["first_minibatch_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert h["first_minibatch_ratio_mean"] == pytest.approx(1.0, abs=TINY_LOGPROB_TOL)
         assert math.isfinite(h["kl"]) and math.isfinite(h["policy_loss"]) and h["entropy"] > 0
 
 

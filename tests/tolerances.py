@@ -87,3 +87,12 @@ def bf16_roundings(layers: int = 2) -> int:
 
 
 TINY_TERMS = decoder_terms()
+
+
+# A sampled token's |logprob| on the tiny model stays under this (a token with logprob -20
+# has probability 2e-9: never sampled in a test): the magnitude for comparisons where the
+# logprobs themselves are not at hand (a step's gen_logprob_max_abs_diff, its ratio mean).
+TINY_MAX_SAMPLED_LOGPROB = 20.0
+# One sampled token's float32 logprob on the tiny model computed two ways (vLLM vs the
+# learner, one engine call vs another): 4.8e-4; a mean of such differences is within it too.
+TINY_LOGPROB_TOL = rounding_tol(TINY_MAX_SAMPLED_LOGPROB, TINY_TERMS)
