@@ -32,7 +32,7 @@ STAGE_OUTPUTS: dict[str, tuple[str, ...]] = {
     "sft": ("sft", "report-sft.json"),
     "rm": ("rm", "report-rm.json"),
     "ppo": ("checkpoints", "metrics.jsonl", "eval_samples.jsonl", "eval-before-ppo.json", TENSORBOARD_DIR,
-            "adapter", "samples.md", "curves.png", "report-ppo.json"),
+            "adapter", "samples.md", "held_out.jsonl", "curves.png", "report-ppo.json"),
 }
 STAGE_OUTPUTS["all"] = (*STAGE_OUTPUTS["sft"], *STAGE_OUTPUTS["rm"], *STAGE_OUTPUTS["ppo"], "report.json")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -167,9 +168,24 @@ def test_all_stages_end_to_end_on_the_bundled_task(tmp_path):
     # the summary is stdout's last line (Ray's late actor log lines come before it)
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == report
     for key in ("sft_val_loss", "rm_val_accuracy", "gold_test_sft", "gold_test_ppo", "win_rate_ppo_vs_sft",
-                "final_kl"):
-        assert isinstance(report[key], float), key
+                "final_kl", "gold_val_sft", "gold_val_ppo", "win_rate_val_ppo_vs_sft"):
+        assert isinstance(report[key], float) and math.isfinite(report[key]), key
     assert report["rm_val_accuracy"] > 0.5
+    # The headline numbers are the held-out samples', recomputed here with the gold judge.
+    from ppo_ray.tasks.tldr_synth import gold_score, win_rate
+
+    held = [json.loads(x) for x in (run_dir / "held_out.jsonl").read_text().splitlines()]
+    for split, name, key in (("test", "prompts_test.jsonl", "test"), ("val", "prompts_validation.jsonl", "val")):
+        samples = [h for h in held if h["split"] == split]
+        rows = [json.loads(x) for x in (run_dir / "data" / name).read_text().splitlines()][:len(samples)]
+        assert len(samples) == 8 and [h["index"] for h in samples] == list(range(8))
+        sft = [gold_score(row, h["sft"], h["sft_stop"]) for row, h in zip(rows, samples)]
+        ppo = [gold_score(row, h["ppo"], h["ppo_stop"]) for row, h in zip(rows, samples)]
+        assert sft == [h["sft_gold"] for h in samples] and ppo == [h["ppo_gold"] for h in samples]
+        assert report[f"gold_{key}_sft"] == sum(sft) / len(sft), split
+        assert report[f"gold_{key}_ppo"] == sum(ppo) / len(ppo), split
+        win = "win_rate_ppo_vs_sft" if split == "test" else "win_rate_val_ppo_vs_sft"
+        assert report[win] == win_rate(ppo, sft), split
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and all("gold_val" in m for m in metrics)
     for name in ("curves.png", "samples.md", "config.yaml", "sft/model.safetensors", "rm/model.safetensors",

@@ -254,9 +254,9 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
 
     def judge(trainer, rows: list[dict]) -> dict:
         out = trainer.generate([row["prompt"] for row in rows])
-        golds = [gold_score(row, text, reason == "stop")
-                 for row, text, reason in zip(rows, out["texts"], out["finish_reasons"])]
-        return {"texts": out["texts"], "gold": golds}
+        stops = [reason == "stop" for reason in out["finish_reasons"]]
+        golds = [gold_score(row, text, stop) for row, text, stop in zip(rows, out["texts"], stops)]
+        return {"texts": out["texts"], "stops": stops, "gold": golds}
 
     def evaluate(trainer, step: int) -> dict:
         golds = judge(trainer, val_rows)["gold"]
@@ -291,6 +291,7 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
     if "val" in sft:  # validation prompts: what hyperparameters may be chosen by (the test split never)
         report.update({"gold_val_sft": _mean(sft["val"]["gold"]), "gold_val_ppo": _mean(ppo_val["gold"]),
                        "win_rate_val_ppo_vs_sft": win_rate(ppo_val["gold"], sft["val"]["gold"])})
+    write_held_out(run_dir / HELD_OUT, {"test": (sft, ppo), **({"val": (sft["val"], ppo_val)} if "val" in sft else {})})
     write_samples(run_dir / "samples.md", test_rows, sft["texts"], sft_gold, ppo["texts"], ppo_gold)
     plot_curves(metrics, run_dir / "curves.png", report.get("gold_val_sft"))
     return report
@@ -329,6 +330,25 @@ def run_ppo_real(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optio
         "ppo_prompts": len(prompts),
         "eval_prompts": len(held_out),
     }
+
+
+HELD_OUT = "held_out.jsonl"  # the report's gold numbers come from these samples (one line per prompt and split)
+
+
+def write_held_out(path: Path, splits: dict[str, tuple[dict, dict]]) -> None:
+    """Every held-out sample behind the report: per split ("test": data/prompts_test.jsonl's
+    first eval_size rows, "val": prompts_validation.jsonl's) and prompt index, the SFT and
+    PPO summaries, whether each ended with EOS, and their gold scores, so the headline
+    numbers can be recomputed from the texts with the judge (tests/test_launch.py does)."""
+    with open(path, "w") as f:
+        for split, (sft, ppo) in splits.items():
+            # (an SFT evaluation cached by an older version has no EOS flags: null)
+            sft_stops = sft.get("stops") or [None] * len(sft["texts"])
+            for i, (sft_text, sft_stop, sft_gold, ppo_text, ppo_stop, ppo_gold) in enumerate(zip(
+                    sft["texts"], sft_stops, sft["gold"], ppo["texts"], ppo["stops"], ppo["gold"], strict=True)):
+                f.write(json.dumps({"split": split, "index": i, "sft": sft_text, "sft_stop": sft_stop,
+                                    "sft_gold": sft_gold, "ppo": ppo_text, "ppo_stop": ppo_stop,
+                                    "ppo_gold": ppo_gold}) + "\n")
 
 
 def write_held_out_texts(path: Path, prompts, sft_texts, ppo_texts, n: int = 12) -> None:
