@@ -70,7 +70,7 @@ MERGED_WORKER = "actors.vllm_merge.MergedLoRAWorker"
 _LORA_IDS = itertools.count(1)
 
 
-PROBE_NEW_TOKENS = 8          # tokens each probe prompt samples (Generator.probe)
+PROBE_NEW_TOKENS = 4          # tokens each probe prompt samples (Generator.probe)
 PROBE_SEED_STEP = 10**9 + 2  # the probe's sampling seeds' step index: no training or eval step uses it
 
 

@@ -11,7 +11,7 @@ each of `--versions` adapter versions (LoRA B matrices drawn N(0, 0.02^2), so th
 moves the logits), the adapter is synced into the generator as a training run syncs it, then:
 
 * the sync check's probe (ppo_ray.trainer.sync_probe_prompts: 4 random-token prompts of 16
-  tokens, 8 new tokens untruncated; 3 probe seeds): Learner.sync_gap, the statistic the
+  tokens, 4 new tokens untruncated; 3 probe seeds): Learner.sync_gap, the statistic the
   check compares with the tolerance;
 * rollouts like the preset's (4 prompts of 300-512 random tokens, 53 new tokens): the
   largest |generator - learner| logprob of a sampled token, the rollout check's statistic.

