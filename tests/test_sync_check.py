@@ -139,3 +139,22 @@ def test_every_mode_catches_and_repairs_a_bad_sync(ray_session, tiny_model_dir, 
             check_modes(trainer, start, kind)
     finally:
         trainer.shutdown()
+
+
+def test_the_rollout_check_counts_tokens_outside_the_learners_support():
+    """A sampled token that the learner's top-k/top-p truncation drops has no logprob to
+    compare: it was left out of the check's maximum. Now a step whose dropped share is over
+    TRUNCATED_TOKENS_LIMIT fails the check even when the kept tokens agree."""
+    from types import SimpleNamespace
+
+    from ppo_ray.trainer import TRUNCATED_TOKENS_LIMIT, LogprobGapError, PPOTrainer
+
+    counted = []
+    trainer = SimpleNamespace(config=tiny_test_config(logprob_gap_check="error"), step=4, version=4,
+                              metrics=SimpleNamespace(record_logprob_gap=counted.append))
+    stats = SimpleNamespace(gen_logprob_max_abs_diff=1e-6, tokens=1000.0, truncated_tokens=1000 * TRUNCATED_TOKENS_LIMIT)
+    PPOTrainer._check_logprob_gap(trainer, stats)  # a boundary tie or two: fine
+    stats.truncated_tokens += 1
+    with pytest.raises(LogprobGapError, match="11 of its 1000 sampled tokens are outside the learner's"):
+        PPOTrainer._check_logprob_gap(trainer, stats)
+    assert counted == ["adapter"]
