@@ -98,13 +98,19 @@ def test_pretrained_model_copies_facts():
 @pytest.mark.slow
 def test_rebuild_gives_the_committed_weights(tmp_path, info):
     """The documented command rebuilds the committed bytes (about 26-33 minutes on 2 threads).
-    Only meaningful with the recorded library versions on a CPU like the recorded one."""
+    A bit-for-bit claim, so only with the recorded library versions on the recorded CPU
+    model: another CPU's vector kernels round the 4800 pretraining steps differently (the
+    suite's equality tests are the cross-CPU claims; ENVIRONMENT.md), so there it is skipped
+    with the reason, before the half hour is spent."""
     import hashlib
 
     from ppo_ray.tiny_model import _library_versions
 
     if _library_versions() != info["versions"]:
         pytest.skip(f"library versions {_library_versions()} differ from the build's {info['versions']}")
+    here, there = tldr_model._machine()["cpu"], info["built_on"]["cpu"]
+    if here != there:
+        pytest.skip(f"a bit-for-bit rebuild is a claim for the recorded CPU ({there}); this is {here}")
     out = tldr_model.build(tmp_path / "m")
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert hashlib.sha256((out / name).read_bytes()).digest() == hashlib.sha256(
