@@ -1,6 +1,6 @@
 """ppo-ray command line.
 
-    python launch.py                      # all stages on the bundled task (configs/tldr-tiny.yaml)
+    python launch.py                      # all stages on the bundled task (preset tldr-tiny)
     python launch.py sft --run_dir runs/x # one stage: sft, rm or ppo, in a run directory
     python launch.py ppo --config configs/tiny.yaml --steps 30 --kl_coef 0.05
     RAY_ADDRESS=... python launch.py ppo --config ...   # attach to a running cluster
@@ -18,7 +18,8 @@ ppo_ray/tasks/tldr.py instead of writing the bundled task, and `ppo` reports the
 score and the KL to SFT (no gold judge exists for real data).
 
 Every `--name value` is a PPOConfig field (ppo_ray/config.py; listed below by section);
-`--config FILE` loads a YAML preset first. `--run_dir DIR` picks the run directory (default
+`--config FILE|PRESET` loads a YAML file or a shipped preset by name first (tldr-tiny, tiny,
+qwen3-0.6b-tldr; a file that exists wins). `--run_dir DIR` picks the run directory (default
 output_dir/<time>).
 
 Console: one line per PPO step as it finishes (Python logging on stderr; --log_level debug |
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -56,8 +58,7 @@ from pathlib import Path
 
 log = logging.getLogger("ppo_ray.launch")
 
-CONFIGS = Path(__file__).resolve().parent / "configs"
-DEFAULT_CONFIG = CONFIGS / "tldr-tiny.yaml"
+DEFAULT_CONFIG = "tldr-tiny"  # a preset's name: ppo_ray/configs/tldr-tiny.yaml (ppo_ray.config.resolve_config)
 STAGES = ("all", "sft", "rm", "ppo")
 
 
@@ -156,7 +157,7 @@ def build_parser():
     from ppo_ray.config import ConfigParser
 
     parser = ConfigParser(prog="launch.py", description=__doc__,
-                          usage="python launch.py [all|sft|rm|ppo] [--config FILE] [--run_dir DIR] [--resume DIR] "
+                          usage="python launch.py [all|sft|rm|ppo] [--config FILE|PRESET] [--run_dir DIR] [--resume DIR] "
                                 "[--<field> VALUE ...]",
                           epilog=f"stages (the positional argument): {', '.join(STAGES)}; default: all (ppo with "
                                  "--resume).\nA config file is trusted input: its reward_funcs are imported and run.")
@@ -254,9 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     from ppo_ray.modeling import ContextLengthError
     from ppo_ray.placement import ClusterError
     from ppo_ray.rewards import RewardError
-    from ppo_ray.rundir import RunDirError, mark_done
-    from ppo_ray.tasks.tldr import TLDRDataError
-    from ppo_ray.tracking import TrackerError, check_trackers, read_run_file
+    from ppo_ray.rundir import RunDirError, check_writable
+    from ppo_ray.tracking import TrackerError, check_trackers
 
     # Cheap checks of what the stage needs, before anything is written (a rejected command
     # leaves an existing run directory as it was) and before Ray or any actor starts.
@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             check_ray_address()
         if stage == "ppo" and has_reward:
             prompts = plain_ppo_inputs(config)
+        check_writable(run_dir)
         # last of the checks: a fresh stage never writes over what the run directory holds
         stages = ("sft", "rm", "ppo") if stage == "all" and not has_reward else (stage,)
         done, resume = plan_run_dir(run_dir, stage, stages, resume, options.overwrite)
@@ -277,8 +278,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     run_dir.mkdir(parents=True, exist_ok=True)
+    from ppo_ray.logs import console_log
+
+    with console_log(run_dir, ["ppo-ray", *argv]) as log_path:
+        return _run(config, stage, stages, done, resume, run_dir, has_reward, prompts, log_path)
+
+
+def _run(config, stage: str, stages: tuple[str, ...], done: dict, resume, run_dir: Path, has_reward: bool,
+         prompts, log_path: Path) -> int:
+    """The stages, after the checks: the run directory exists and the console goes to log_path too."""
+    from ppo_ray.checkpoint import CheckpointError
+    from ppo_ray.data import DataError
+    from ppo_ray.modeling import ContextLengthError
+    from ppo_ray.placement import ClusterError
+    from ppo_ray.rewards import RewardError
+    from ppo_ray.rundir import RunDirError, mark_done
+    from ppo_ray.tasks.tldr import TLDRDataError
+    from ppo_ray.tracking import read_run_file
+
     config.to_yaml(run_dir / f"config{'' if stage == 'all' else '-' + stage}.yaml")
-    log.info("run directory: %s", run_dir)
+    log.info("run directory: %s (console log: %s)", run_dir, log_path.relative_to(run_dir))
 
     import ray
 
@@ -311,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
             ContextLengthError, RunDirError) as e:
         # expected, user-fixable problems: the message names the bad thing; no traceback
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except PermissionError as e:  # a folder of the run directory made unwritable mid-run
+        print(f"error: {e.strerror}: {e.filename} (this process runs as uid {os.geteuid()}, gid {os.getegid()}); "
+              "make the run directory writable by it and continue with --resume auto", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         latest = run_dir / "checkpoints" / "latest"

@@ -28,9 +28,10 @@
 #   SUBMISSION_ID         the job's id (default: Ray makes one)
 #   RUNTIME_ENV           runtime env file (default deploy/runtime_env.yaml)
 #   PREFLIGHT_TIMEOUT     seconds the reachability check waits (default 5)
-#   PREFLIGHT             1 (default): before uploading anything, run a one-line job that checks
-#                         the cluster's entrypoint `python` imports the project's dependencies;
-#                         0 skips it
+#   PREFLIGHT             1 (default): before uploading anything, run a small job that checks
+#                         the cluster's entrypoint `python` imports the project's dependencies,
+#                         and so does the Python of the Ray processes on every other node (one
+#                         zero-CPU task pinned to each); 0 skips it
 #   PREFLIGHT_MODULES     the modules it imports (default: torch transformers peft vllm ray yaml
 #                         safetensors tensorboard)
 #
@@ -122,14 +123,36 @@ PY
 if [ "${PREFLIGHT:-1}" != 0 ]; then
     modules=${PREFLIGHT_MODULES:-torch transformers peft vllm ray yaml safetensors tensorboard}
     check='import importlib, json, sys
-missing = {}
-for name in sys.argv[1:]:
-    try:
-        importlib.import_module(name)
-    except Exception as e:
-        missing[name] = f"{type(e).__name__}: {e}"
-print("PPO_RAY_PREFLIGHT " + json.dumps({"python": sys.executable, "version": sys.version.split()[0], "missing": missing}))
-sys.exit(1 if missing else 0)'
+
+def probe(names):
+    missing = {}
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as e:
+            missing[name] = f"{type(e).__name__}: {e}"
+    return {"python": sys.executable, "version": sys.version.split()[0], "missing": missing}
+
+names = sys.argv[1:]
+report = probe(names)
+report["node"], report["nodes"] = "the head", {}
+if not report["missing"]:
+    # every other node: the actors there run the Python its raylet was started with
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as on
+    ray.init(log_to_driver=False)
+    here = ray.get_runtime_context().get_node_id()
+    others = [n for n in ray.nodes() if n["Alive"] and n["NodeID"] != here]
+    remote = ray.remote(num_cpus=0, max_retries=0)(probe)
+    refs = [remote.options(scheduling_strategy=on(n["NodeID"], soft=False)).remote(names) for n in others]
+    for node, ref in zip(others, refs):
+        try:
+            report["nodes"][node["NodeManagerAddress"]] = ray.get(ref, timeout=300)
+        except Exception as e:  # the node could not run the probe at all
+            report["nodes"][node["NodeManagerAddress"]] = {"python": "its Python", "version": "?",
+                                                           "missing": {"(the probe)": f"{type(e).__name__}: {e}"}}
+print("PPO_RAY_PREFLIGHT " + json.dumps(report))
+sys.exit(1 if report["missing"] or any(r["missing"] for r in report["nodes"].values()) else 0)'
     pre_args=(--address "$ADDRESS" --entrypoint-num-cpus "${ENTRYPOINT_NUM_CPUS:-0}"
               --entrypoint-num-gpus "${ENTRYPOINT_NUM_GPUS:-0}")
     if ! out=$(ray job submit "${pre_args[@]}" -- python -c "$check" $modules 2>&1); then
@@ -143,23 +166,37 @@ if not found:
           + "\n".join(out.splitlines()[-15:]), file=sys.stderr)
     sys.exit(0)
 info = json.loads(found[-1])
-missing = "; ".join(f"{name} ({why})" for name, why in info["missing"].items())
-print(f"error: the cluster's entrypoint Python, {info['python']} (Python {info['version']}), cannot import: "
-      f"{missing}. The job runs `python launch.py` with the `python` on the PATH of the head's Ray processes: "
-      "start Ray from the environment that has the dependencies (`source .venv/bin/activate && ray start "
-      "--head ...`, or PATH=$PWD/.venv/bin:$PATH ray start ...; the README set-up makes .venv), or install them "
-      "into that Python (pip install -e '.[gpu]' or '.[cpu]'); PREFLIGHT=0 skips this check", file=sys.stderr)
+fix = ("start Ray from the environment that has the dependencies (`source .venv/bin/activate && ray start "
+       "...`, or PATH=$PWD/.venv/bin:$PATH ray start ...; the README set-up makes .venv), or install them "
+       "into that Python (pip install -e '.[gpu]' or '.[cpu]'); PREFLIGHT=0 skips this check")
+if info["missing"]:
+    missing = "; ".join(f"{name} ({why})" for name, why in info["missing"].items())
+    print(f"error: the cluster's entrypoint Python, {info['python']} (Python {info['version']}), cannot import: "
+          f"{missing}. The job runs `python launch.py` with the `python` on the PATH of the head's Ray processes: "
+          + fix, file=sys.stderr)
+for node, report in info["nodes"].items():
+    if report["missing"]:
+        missing = "; ".join(f"{name} ({why})" for name, why in report["missing"].items())
+        print(f"error: the Python of the Ray processes on node {node}, {report['python']} (Python "
+              f"{report['version']}), cannot import: {missing}. The actors placed there would fail: on that node, "
+              + fix, file=sys.stderr)
 PY
         exit 4
     fi
 fi
 
 # Relative paths resolve inside the job's copy of the working dir (in Ray's session dir).
+# The run directory is --run_dir, or the one `--resume <run_dir or checkpoint>` names.
 run_dir=""
 prev=""
 for arg in "$@"; do
-    case "$arg" in --run_dir=*) run_dir=${arg#--run_dir=} ;; esac
+    case "$arg" in
+        --run_dir=*) run_dir=${arg#--run_dir=} ;;
+        --resume=auto) ;;
+        --resume=*) [ -n "$run_dir" ] || run_dir=${arg#--resume=} ;;
+    esac
     if [ "$prev" = "--run_dir" ]; then run_dir=$arg; fi
+    if [ "$prev" = "--resume" ] && [ "$arg" != auto ] && [ -z "$run_dir" ]; then run_dir=$arg; fi
     prev=$arg
 done
 case "$run_dir" in

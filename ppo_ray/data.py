@@ -20,9 +20,10 @@ class DataError(ValueError):
 
 
 def check_chat_template(tokenizer, model_name: str) -> None:
-    """apply_chat_template needs a tokenizer that has a chat template (ValueError naming the model)."""
+    """apply_chat_template needs a tokenizer that has a chat template (DataError naming the model:
+    launch.py's preflight reports it before anything runs)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"apply_chat_template is true but the tokenizer of {model_name!r} has no chat template "
+        raise DataError(f"apply_chat_template is true but the tokenizer of {model_name!r} has no chat template "
                          "(a base model?): set apply_chat_template: false, or use an instruct model's tokenizer")
 
 

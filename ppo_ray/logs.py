@@ -2,6 +2,7 @@
 
     setup_logging("info")          # launch.py, and each stage task on its worker
     env = quiet_env("info")        # environment of every actor / task process
+    with console_log(run_dir, argv):   # launch.py: the console, also into <run_dir>/logs/
 
 A run's console at the default level `info` is our lines (the run directory, the run tag,
 one line per PPO step, stage progress, warnings) and little else: Ray's, vLLM's and
@@ -17,9 +18,15 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Sequence
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-DATE_FORMAT = "%H:%M:%S"
+DATE_FORMAT = "%Y-%m-%d %H:%M:%S"  # the date too: a run lasts days, and its job log keeps every line (local time)
 # Libraries' loggers that talk at INFO in a healthy run (Ray's start-up, HTTP clients, filelock).
 NOISY_LOGGERS = ("ray", "urllib3", "filelock", "httpx", "datasets", "transformers", "torch", "vllm", "absl")
 
@@ -102,3 +109,88 @@ def format_step(out: dict, total: int | None = None) -> str:
         parts.append(f"stale {num('stale_versions', '.0f')}")
     parts += [f"{num('time/step_s', '.2f')} s", f"{num('tokens_per_s', '.0f')} tok/s"]
     return "  ".join(parts)
+
+
+# ----------------------------------------------------------------------------- the console, kept
+LOGS_DIR = "logs"
+
+
+class _Tee:
+    """A text stream that writes to the console stream and, line by line, to a log file. A
+    progress bar's carriage-return redraws keep only their last state in the file."""
+
+    def __init__(self, stream, sink: "_LogFile"):
+        self.stream, self.sink = stream, sink
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        self.sink.write(text, self)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.sink.flush()
+
+    def __getattr__(self, name):  # isatty, fileno, encoding, ...: the console's
+        return getattr(self.stream, name)
+
+
+class _LogFile:
+    def __init__(self, path: Path):
+        self.file = open(path, "a", encoding="utf-8", buffering=1)
+        self.lock = threading.Lock()
+        self.partial: dict[int, str] = {}  # per stream: the line not yet ended
+
+    def write(self, text: str, source) -> None:
+        with self.lock:
+            pending = self.partial.pop(id(source), "") + text
+            *lines, rest = pending.split("\n")
+            for line in lines:
+                self.file.write(line.rsplit("\r", 1)[-1] + "\n")
+            if rest:
+                self.partial[id(source)] = rest
+
+    def flush(self) -> None:
+        with self.lock:
+            self.file.flush()
+
+    def close(self) -> None:
+        with self.lock:
+            for rest in self.partial.values():
+                self.file.write(rest.rsplit("\r", 1)[-1] + "\n")
+            self.partial.clear()
+            self.file.close()
+
+
+@contextmanager
+def console_log(run_dir: Path, argv: Sequence[str] = ()) -> Iterator[Path]:
+    """Everything this process prints while inside, also in <run_dir>/logs/launch-<time>.log:
+    our log lines, the lines of actors and stage tasks that Ray forwards to the driver, the
+    final report and, when the block raises, the traceback. One file per invocation, so a
+    resumed or re-applied job keeps the earlier attempts' logs; the run directory outlives
+    the cluster (a RayJob's pods are deleted after the job). Yields the file's path."""
+    folder = Path(run_dir) / LOGS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = f"launch-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    n = 1
+    while (path := folder / f"{stamp}{'' if n == 1 else f'-{n}'}.log").exists():
+        n += 1
+    sink = _LogFile(path)
+    sink.file.write(f"# {time.strftime(DATE_FORMAT)} pid {os.getpid()}: {' '.join(argv)}\n")
+    old = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Tee(old[0], sink), _Tee(old[1], sink)
+    # our logging handler writes to the stream it was given: the tee from now on
+    moved = [h for h in logging.getLogger().handlers
+             if isinstance(h, logging.StreamHandler) and h.stream in old]
+    for handler in moved:
+        handler.setStream(sys.stdout if handler.stream is old[0] else sys.stderr)
+    try:
+        yield path
+    except BaseException:
+        sink.write("".join(traceback.format_exc()), None)  # the console gets it from the caller
+        raise
+    finally:
+        for handler in moved:
+            handler.setStream(old[0] if handler.stream is sys.stdout else old[1])
+        sys.stdout, sys.stderr = old
+        sink.close()

@@ -44,17 +44,20 @@ class ContextLengthError(ValueError):
 
 
 def _config_json(name: str) -> Path | None:
-    """config.json of a local model directory, or of a hub id already in the local HF cache
-    (the driver's tokenizer load fetches it); None otherwise (nothing is downloaded here)."""
+    """config.json of a local model directory, or of a hub id: fetched from the hub (a few KB,
+    into the HF cache, which the later model load reuses), so that a fresh node checks the
+    model before any stage runs. None when it cannot be had (no network and not cached, a
+    private repo without a token, not a hub id): then the check is left to the model load."""
     if Path(name).is_dir():
         return Path(name) / "config.json"
     try:
-        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub import hf_hub_download
 
-        found = try_to_load_from_cache(name, "config.json")
-    except Exception:  # noqa: BLE001 - not a hub id either
+        return Path(hf_hub_download(name, "config.json"))
+    except Exception as e:  # noqa: BLE001 - offline, gated, missing, or not a hub id at all
+        log.warning("could not read %s's config.json from the hub (%s): its context length is not checked before "
+                    "the run; the model load will", name, type(e).__name__)
         return None
-    return Path(found) if isinstance(found, str) else None
 
 
 def max_positions(name: str) -> int | None:
@@ -79,8 +82,8 @@ def check_context_length(max_prompt_length: int, max_new_tokens: int, models: di
     (max_position_embeddings) is shorter than max_prompt_length + max_new_tokens: the vLLM
     engine would refuse max_model_len in the generator's constructor, and the learner and the
     scorers would see positions the model never learned. `models` maps a config field name
-    (model_name, ...) to its resolved path or hub id; a hub id whose config.json is not in the
-    local HF cache is skipped."""
+    (model_name, ...) to its resolved path or hub id; a hub id's config.json is fetched
+    (_config_json), and skipped with a warning when it cannot be."""
     need = max_prompt_length + max_new_tokens
     for field, path in models.items():
         limit = max_positions(path) if path else None

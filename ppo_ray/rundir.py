@@ -15,6 +15,7 @@ Bottom layer: imports nothing of ours above the tracking file helpers.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from pathlib import Path
@@ -39,6 +40,30 @@ STAGE_OUTPUTS["all"] = (*STAGE_OUTPUTS["sft"], *STAGE_OUTPUTS["rm"], *STAGE_OUTP
 
 class RunDirError(ValueError):
     """A fresh run asked to write where a run already is (names the files and the options)."""
+
+
+def check_writable(run_dir: Path) -> None:
+    """RunDirError, before anything is written, when this process cannot create or write
+    `run_dir` (and the folders it holds): names the folder, its owner and mode, and this
+    process's uid/gid. On Kubernetes a freshly provisioned volume is often root's while the
+    image runs as uid 1000: the pod's securityContext.fsGroup makes it the pod's group's."""
+    run_dir = Path(run_dir).absolute()
+    folders = [run_dir] if run_dir.is_dir() else []
+    if run_dir.is_dir():
+        folders += [p for p in run_dir.iterdir() if p.is_dir()]
+    else:
+        existing = next((p for p in run_dir.parents if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            raise RunDirError(f"cannot make run directory {run_dir}: {existing} is a file, not a folder")
+        folders = [existing] if existing is not None else []
+    for folder in folders:
+        if not os.access(folder, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+            st = folder.stat()
+            raise RunDirError(
+                f"cannot write run directory {run_dir}: {folder} (owner uid {st.st_uid} gid {st.st_gid}, mode "
+                f"{st.st_mode & 0o777:o}) is not writable by this process (uid {os.geteuid()}, gid {os.getegid()}, "
+                f"groups {sorted(os.getgroups())}). Pick a --run_dir this user can write, or make it writable "
+                "(on Kubernetes: the pod's securityContext.fsGroup, deploy/rayjob.yaml)")
 
 
 def _present(path: Path) -> bool:

@@ -14,6 +14,12 @@
   modules that a rejected launch.py command leaves a run directory as it was.
 * ``read_events``, ``text_at``: TensorBoard's reader over a run's event files
   (test_tracking.py, test_monitoring.py).
+* ``local_hub``: a stand-in for the Hugging Face hub on 127.0.0.1 serving local model
+  directories in the hub's file layout, for the code paths that fetch from the hub.
+
+No test reaches a hub: the whole session (and its subprocesses and Ray workers, which
+inherit the environment) runs with HF_HUB_OFFLINE=1, set here before anything imports
+huggingface_hub; a test that exercises a download points a subprocess at ``local_hub``.
 
 vLLM spawns its engine processes, so engines are only ever built inside fixtures,
 never at import time.
@@ -21,9 +27,14 @@ never at import time.
 
 from __future__ import annotations
 
+import os
 import pathlib
 
-import pytest
+# Before any import of huggingface_hub (it reads these once): the same for every test.
+for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ[_name] = "1"
+
+import pytest  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -116,7 +127,10 @@ def ray_session():
                 # vLLM's INFO lines from inside the generator actor drown the test output.
                 "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env_vars})
+        # address="local": always a new instance of its own, never a cluster that another
+        # process (a `ray start` of a test, a developer's head) left on this machine
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True,
+                 runtime_env={"env_vars": env_vars})
     yield ray
     ray.shutdown()
 
@@ -151,3 +165,77 @@ def tiny_trainer(ray_session, tiny_model_dir, tmp_path_factory):
     trainer.run_dir = None
     yield trainer
     trainer.shutdown()
+
+
+# --------------------------------------------------------------------------- a stand-in hub
+class LocalHub:
+    """Serves ``root/<org>/<name>/<file>`` at ``<endpoint>/<org>/<name>/resolve/<revision>/<file>``,
+    with the headers huggingface_hub's downloads read (X-Repo-Commit, ETag, Content-Length),
+    on 127.0.0.1. ``requests`` records the paths asked for. Point a subprocess at it with
+    ``env(...)`` (HF_ENDPOINT, online, a private cache)."""
+
+    def __init__(self, root: pathlib.Path, cache: pathlib.Path):
+        import hashlib
+        import http.server
+        import threading
+
+        self.root, self.cache, self.requests = root, cache, []
+        hub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _file(self):
+                hub.requests.append(self.path)
+                parts = self.path.split("?")[0].strip("/").split("/")
+                if len(parts) < 5 or parts[2] != "resolve":
+                    return None
+                path = hub.root.joinpath(parts[0], parts[1], *parts[4:])
+                return path if path.is_file() else None
+
+            def _head(self, path):
+                if path is None:
+                    self.send_response(404)
+                    self.send_header("X-Error-Code", "EntryNotFound")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return None
+                data = path.read_bytes()
+                self.send_response(200)
+                self.send_header("X-Repo-Commit", "0" * 40)
+                self.send_header("ETag", '"%s"' % hashlib.sha256(data).hexdigest())
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                return data
+
+            def do_HEAD(self):  # noqa: N802 - http.server's names
+                self._head(self._file())
+
+            def do_GET(self):  # noqa: N802
+                data = self._head(self._file())
+                if data is not None:
+                    self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def env(self, base: dict | None = None) -> dict:
+        env = dict(os.environ if base is None else base)
+        for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            env[name] = "0"
+        env.update(HF_ENDPOINT=self.endpoint, HF_HUB_CACHE=str(self.cache), HF_HUB_DISABLE_TELEMETRY="1")
+        return env
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def local_hub(tmp_path):
+    hub = LocalHub(tmp_path / "hub", tmp_path / "hub-cache")
+    yield hub
+    hub.close()

@@ -92,6 +92,8 @@ class Head:
     metrics_url: str        # the node's Prometheus endpoint
     token: str
     client_env: dict        # for submit.sh: the token file named, RAY_AUTH_MODE left unset
+    gcs: str                # 127.0.0.1:<port>, for `ray start --address` of another node
+    node_env: dict          # a node's environment: token auth on, the token file
 
 
 def _stop_head(proc: subprocess.Popen) -> None:
@@ -139,7 +141,7 @@ def ray_head():
                     pytest.fail(f"the test's Ray head did not start:\n{log_path.read_text()[-3000:]}")
                 time.sleep(0.5)
         yield Head(dashboard, f"http://127.0.0.1:{met}/metrics", token,
-                   _clean_env(RAY_AUTH_TOKEN_PATH=str(token_file)))
+                   _clean_env(RAY_AUTH_TOKEN_PATH=str(token_file)), f"127.0.0.1:{gcs}", env)
     finally:
         _stop_head(proc)
         shutil.rmtree(temp, ignore_errors=True)
@@ -247,6 +249,14 @@ def test_runtime_env_ships_the_code_and_not_the_venv(tmp_path):
     # job needs it on the cluster); Ray's own upload limit is 512 MiB
     assert package.stat().st_size < 20 * 2**20
 
+    # secrets left in a checkout stay out of the upload
+    checkout = tmp_path / "checkout"
+    (checkout / "sub").mkdir(parents=True)
+    for name in ("launch.py", ".env", "prod.env", "sub/server.pem", "sub/tls.key", "id_rsa", ".netrc"):
+        (checkout / name).write_text("x")
+    create_package(str(checkout), tmp_path / "secrets.zip", include_gitignore=False, excludes=spec["excludes"])
+    assert [n for n in zipfile.ZipFile(tmp_path / "secrets.zip").namelist() if not n.endswith("/")] == ["launch.py"]
+
 
 def test_cluster_launcher_config_is_valid_for_ray():
     # What `ray up` does first: merge the provider's defaults, validate against
@@ -262,9 +272,37 @@ def test_cluster_launcher_config_is_valid_for_ray():
         assert start and all("RAY_AUTH_MODE=token" in c for c in start)
     assert config["file_mounts"]["~/ppo-ray"] == "."
     assert any("scripts/setup.sh" in c for c in config["setup_commands"])
-    assert {"**/.venv", "**/.git"} <= set(config["rsync_exclude"])
+    # what git ignores (build/, dist/, .cache/, .venv/) and secrets never reach the nodes
+    assert config["rsync_filter"] == [".gitignore"]
+    assert {"**/.git", "**/.venv", "**/.env", "**/*.pem", "**/*.key"} <= set(config["rsync_exclude"])
     workers = [t for name, t in config["available_node_types"].items() if name != config["head_node_type"]]
     assert sum(t["min_workers"] for t in workers) >= 2  # one GPU for the generator, one for the rest
+    # every node boots a current Ubuntu (its python3 >= requires-python), never Ray's default
+    # AMI (Ubuntu 18.04, Python 3.6, CUDA 11.2)
+    for name, node_type in config["available_node_types"].items():
+        image = node_type["node_config"]["ImageId"]
+        assert re.fullmatch(r"resolve:ssm:/aws/service/deeplearning/ami/x86_64/"
+                            r"base-oss-nvidia-driver-gpu-ubuntu-2[24]\.04/latest/ami-id", image), (name, image)
+    assert any("torch.cuda.is_available()" in c for c in config["worker_setup_commands"])
+
+
+def test_cluster_launcher_start_commands_run_ray_from_the_project_venv(tmp_path):
+    """Ray's job supervisor runs the entrypoint with the `python` of the raylet's PATH: the
+    start commands, run by a shell as `ray up` runs them, must start `ray` and put `python`
+    from ~/ppo-ray/.venv. A stand-in `ray` in a stand-in venv records what it saw."""
+    config = yaml.safe_load((DEPLOY / "cluster.yaml").read_text())
+    venv_bin = tmp_path / "ppo-ray" / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").symlink_to(sys.executable)
+    (venv_bin / "ray").write_text('#!/bin/sh\necho "$1 $(command -v python) ${RAY_AUTH_MODE:-off}" >> "$HOME/seen"\n')
+    (venv_bin / "ray").chmod(0o755)
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "RAY_HEAD_IP": "127.0.0.1"}
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        (tmp_path / "seen").unlink(missing_ok=True)
+        for command in config[key]:
+            subprocess.run(["bash", "-c", command], env=env, check=True, capture_output=True, timeout=60)
+        seen = (tmp_path / "seen").read_text().split("\n")[:-1]
+        assert seen == [f"stop {venv_bin / 'python'} off", f"start {venv_bin / 'python'} token"], (key, seen)
 
 
 def _first_fit(demands: list[tuple[float, float]], nodes: list[list[float]]) -> bool:
@@ -288,20 +326,19 @@ def test_rayjob_manifest_runs_launch_py_on_a_cluster_that_fits_it():
     spec, cluster = job["spec"], job["spec"]["rayClusterSpec"]
 
     # The entrypoint is launch.py as the image installs it (the `ppo-ray` console script) with
-    # arguments launch.py accepts, and the presets from the image's config folder.
+    # arguments launch.py accepts, and a preset by name (package data: tests/test_packaging.py).
     argv = shlex.split(spec["entrypoint"])
     assert argv[0] == "ppo-ray", argv
     assert 'ppo-ray = "launch:main"' in (ROOT / "pyproject.toml").read_text()
-    args = [a.replace("/home/ray/ppo-ray/", f"{ROOT}/") for a in argv[1:]]
     import launch
 
-    options, overrides, positional = launch.build_parser().parse(args)
+    options, overrides, positional = launch.build_parser().parse(argv[1:])
     assert positional == []
+    assert options.config == "qwen3-0.6b-tldr" and "/" not in options.config
     # re-applying the RayJob (or KubeRay retrying it) continues the run in its directory
     assert options.resume == "auto"
     run_dir = options.run_dir
     config = PPOConfig.from_yaml(options.config, **overrides)
-    assert "COPY --chown=ray:users configs /home/ray/ppo-ray/configs" in (DEPLOY / "Dockerfile").read_text()
 
     # The run directory is on the claim of deploy/pvc.yaml, mounted on the head (the driver's pod)
     head = cluster["headGroupSpec"]
@@ -325,8 +362,20 @@ def test_rayjob_manifest_runs_launch_py_on_a_cluster_that_fits_it():
     assert cluster["rayVersion"] == _ray_pin()
     from_line = next(line for line in (DEPLOY / "Dockerfile").read_text().splitlines() if line.startswith("FROM"))
     assert f"rayproject/ray:{_ray_pin()}-" in from_line
-    images = {c["image"] for g in [head, *cluster["workerGroupSpecs"]] for c in g["template"]["spec"]["containers"]}
-    assert len(images) == 1
+    containers = [c for g in [head, *cluster["workerGroupSpecs"]] for c in g["template"]["spec"]["containers"]]
+    assert {c["image"] for c in containers} == {"ppo-ray"}  # set in one place: kustomization.yaml
+    assert {c["imagePullPolicy"] for c in containers} == {"Always"}  # a tag rebuilt in place is pulled
+    # the image's uid 1000 (group users, 100) can write a root-owned fresh volume
+    assert head["template"]["spec"]["securityContext"]["fsGroup"] == 100
+    assert "/home/ray/runs" in {m["mountPath"] for m in head["template"]["spec"]["containers"][0]["volumeMounts"]}
+    # a wrong image or a hung job ends instead of holding the GPUs; logs outlive the pods
+    assert 0 < spec["activeDeadlineSeconds"] <= 7 * 24 * 3600 and spec["ttlSecondsAfterFinished"] > 0
+    assert all("ephemeral-storage" in c["resources"]["requests"] for c in containers)
+    # credentials from a Secret (optional), never in runtimeEnvYAML's env_vars (the job info shows them)
+    key = next(e for e in head["template"]["spec"]["containers"][0]["env"] if e["name"] == "WANDB_API_KEY")
+    assert key["valueFrom"]["secretKeyRef"]["optional"] is True
+    env_vars = yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]
+    assert not [k for k in env_vars if re.search(r"KEY|TOKEN\b|SECRET|PASSWORD", k)]
     # The same env vars as a `ray job submit` through deploy/submit.sh.
     runtime_env = yaml.safe_load((DEPLOY / "runtime_env.yaml").read_text())
     assert yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"] == runtime_env["env_vars"]
@@ -426,6 +475,38 @@ def test_rayjob_and_its_raycluster_validate_against_the_kuberay_crds():
     assert any(e.startswith("spec/rayClusterSpec/workerGroupSpecs/0/replicas") for e in errors), errors
 
 
+def test_kustomization_sets_the_one_image_of_the_recipe():
+    """`kubectl apply -k deploy/`: the claim and the RayJob, with the image named once. Kustomize
+    rewrites every containers[].image equal to an `images:` name, so each container must use
+    exactly that name (the checks above validate the resources themselves)."""
+    kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    assert (kustomization["apiVersion"], kustomization["kind"]) == ("kustomize.config.k8s.io/v1beta1", "Kustomization")
+    assert set(kustomization) <= {"apiVersion", "kind", "resources", "images"}
+    assert kustomization["resources"] == ["pvc.yaml", "rayjob.yaml"]
+    (image,) = kustomization["images"]
+    assert set(image) <= {"name", "newName", "newTag", "digest"} and ("newTag" in image) != ("digest" in image)
+
+    def images(node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("containers", "initContainers"):
+                    yield from (c["image"] for c in value)
+                else:
+                    yield from images(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from images(value)
+
+    used = [i for name in kustomization["resources"] for i in images(yaml.safe_load((DEPLOY / name).read_text()))]
+    assert used and set(used) == {image["name"]}
+    # the claim the RayJob mounts is the one applied with it
+    pvc = yaml.safe_load((DEPLOY / "pvc.yaml").read_text())
+    job = yaml.safe_load((DEPLOY / "rayjob.yaml").read_text())
+    claims = [v["persistentVolumeClaim"]["claimName"]
+              for v in job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["volumes"]]
+    assert claims == [pvc["metadata"]["name"]]
+
+
 def test_pvc_validates_against_the_kubernetes_schema():
     schema = json.loads((SCHEMAS / "kubernetes-v1.33.0" / "persistentvolumeclaim-v1.json").read_text())
     pvc = yaml.safe_load((DEPLOY / "pvc.yaml").read_text())
@@ -436,17 +517,23 @@ def test_pvc_validates_against_the_kubernetes_schema():
 
 
 # ----------------------------------------------------------------------------- the image's lock
-def _pins(path: Path) -> dict[str, str]:
-    """name (normalised) -> version of a lock file; every requirement line must be an exact pin."""
+def _lock(path: Path) -> dict[str, tuple[str, list[str]]]:
+    """name (normalised) -> (version, sha256 hashes) of a lock file; every requirement must be
+    an exact pin, optionally followed by `--hash=sha256:...` options (continued lines joined)."""
+    text = re.sub(r"\\\n", " ", path.read_text())
     pins = {}
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
-        m = re.fullmatch(r"([A-Za-z0-9_.\-]+)==([^\s;]+)", line)
+        m = re.fullmatch(r"([A-Za-z0-9_.\-]+)==([^\s;]+)((?:\s+--hash=sha256:[0-9a-f]{64})*)", line)
         assert m, f"{path.name}: not an exact pin: {line!r}"
-        pins[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
+        pins[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = (m.group(2), re.findall(r"[0-9a-f]{64}", m.group(3)))
     return pins
+
+
+def _pins(path: Path) -> dict[str, str]:
+    return {name: version for name, (version, _) in _lock(path).items()}
 
 
 def test_docker_image_installs_the_locked_set_non_editable():
@@ -467,6 +554,10 @@ def test_docker_image_installs_the_locked_set_non_editable():
     for dep in deps + ["vllm"]:
         assert re.sub(r"[-_.]+", "-", dep).lower() in gpu, dep
     assert gpu["ray"] == _ray_pin()
+    assert "wandb" in gpu  # report_to: wandb works in the image (the `wandb` extra)
+    # the image's lock pins every file by its hash (pip's hash-checking mode then applies)
+    unhashed = [name for name, (_, hashes) in _lock(DEPLOY / "requirements-gpu.lock").items() if not hashes]
+    assert unhashed == [], unhashed
     # the tests run with the CPU lock: this environment has its versions (scripts/setup.sh
     # installs with it as constraints)
     for name in ("torch", "transformers", "peft", "ray", "numpy", "datasets", "safetensors", "matplotlib",
@@ -497,3 +588,79 @@ def test_submit_preflight_names_what_the_clusters_python_cannot_import(ray_head,
     assert f"the cluster's entrypoint Python, {BIN}/python" in proc.stderr  # the head's PATH gives the venv
     assert "source .venv/bin/activate && ray start" in proc.stderr and "PREFLIGHT=0" in proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_podmonitor_scrapes_the_metrics_port_of_every_ray_pod_of_the_rayjob():
+    """deploy/podmonitor.yaml (Prometheus Operator, after KubeRay's config/prometheus/podMonitor.yaml)
+    selects every Ray pod of rayjob.yaml, scrapes the container port where the pod's
+    metrics-export-port listens, labels the series with their cluster as Ray's dashboards
+    filter them, and carries the label README.md says kube-prometheus-stack selects by."""
+    monitor = yaml.safe_load((DEPLOY / "podmonitor.yaml").read_text())
+    assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
+    # KubeRay labels every Ray pod, head and workers, ray.io/is-ray-node: "yes" (not the RayJob's
+    # submitter); no namespaceSelector: the pods of the monitor's own namespace
+    assert monitor["spec"]["selector"] == {"matchLabels": {"ray.io/is-ray-node": "yes"}}
+    assert "namespaceSelector" not in monitor["spec"]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    cluster = yaml.safe_load((DEPLOY / "rayjob.yaml").read_text())["spec"]["rayClusterSpec"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        template = group["template"]
+        assert template.get("metadata", {}).get("labels", {}).get("ray.io/is-ray-node", "yes") == "yes"
+        ray_container = template["spec"]["containers"][0]  # KubeRay's Ray container: the first
+        ports = {p.get("name"): p["containerPort"] for p in ray_container.get("ports", [])}
+        # KubeRay's default metrics-export-port is 8080
+        assert ports.get(endpoint["port"]) == int(group["rayStartParams"].get("metrics-export-port", 8080)), (
+            group.get("groupName", "head"), ports)
+    # the label of the Cluster variable in Ray's Grafana dashboards and in deploy/grafana/ppo-ray.json
+    assert {"action": "replace", "sourceLabels": ["__meta_kubernetes_pod_label_ray_io_cluster"],
+            "targetLabel": "ray_io_cluster"} in endpoint["relabelings"]
+    dashboard = json.loads((DEPLOY / "grafana" / "ppo-ray.json").read_text())
+    assert any(v["name"] == "Cluster" and "ray_io_cluster" in v["query"]["query"]
+               for v in dashboard["templating"]["list"])
+    # kube-prometheus-stack's Prometheus selects monitors by their `release` label, as README says
+    readme = (ROOT / "README.md").read_text()
+    said = re.search(r"kube-prometheus-stack selects the PodMonitors labelled\s+with its Helm release's name; "
+                     r"the file's label is\s+`release: ([^`]+)`", readme)
+    assert said and "deploy/podmonitor.yaml" in readme, "README.md does not say which label the PodMonitor needs"
+    assert monitor["metadata"]["labels"] == {"release": said[1]}
+
+
+def test_submit_preflight_probes_every_node_not_only_the_head(ray_head, tmp_path):
+    """Actors run on the workers with the Python their raylet was started with: a second node
+    whose Python cannot import a dependency is named (its address, its Python, the module)
+    before anything is uploaded. The node is this machine again, started with a PYTHONPATH
+    that shadows `safetensors` (which Ray itself does not import) by a module that fails."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "safetensors.py").write_text("raise ImportError('this node has no working safetensors')\n")
+    ports = _free_ports(6)
+    node_env = {**ray_head.node_env, "PYTHONPATH": str(shadow)}
+    log_path = tmp_path / "node.log"
+    with open(log_path, "w") as log:
+        node = subprocess.Popen(
+            [str(BIN / "ray"), "start", f"--address={ray_head.gcs}", "--block", "--num-cpus=1",
+             f"--node-manager-port={ports[0]}", f"--object-manager-port={ports[1]}",
+             f"--metrics-export-port={ports[2]}", f"--dashboard-agent-listen-port={ports[3]}",
+             f"--dashboard-agent-grpc-port={ports[4]}", f"--runtime-env-agent-port={ports[5]}",
+             "--disable-usage-stats"],
+            env=node_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while len([n for n in json.loads(_get(f"{ray_head.dashboard}/api/v0/nodes", ray_head.token))
+                   ["data"]["result"]["result"] if n["state"] == "ALIVE"]) < 2:
+            if node.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the second node did not join:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+        env = {**ray_head.client_env, "RAY_ADDRESS": ray_head.dashboard, "PREFLIGHT_MODULES": "json safetensors"}
+        run = tmp_path / "run"
+        proc = subprocess.run([str(SUBMIT), "ppo", "--config", "configs/tiny.yaml", "--run_dir", str(run)],
+                              env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert re.search(rf"error: the Python of the Ray processes on node [0-9.]+, {re.escape(str(BIN))}/python "
+                         r"\(Python 3", proc.stderr), proc.stderr
+        assert ("cannot import: safetensors (ImportError: this node has no working safetensors)"
+                in proc.stderr), proc.stderr
+        assert "entrypoint Python" not in proc.stderr  # the head's own Python is fine
+        assert not run.exists()
+    finally:
+        _stop_head(node)

@@ -188,6 +188,11 @@ def test_all_stages_end_to_end_on_the_bundled_task(tmp_path):
         assert report[win] == win_rate(ppo, sft), split
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and all("gold_val" in m for m in metrics)
+    # the console is kept in the run directory (a RayJob's pods and their logs are deleted)
+    (log_file,) = (run_dir / "logs").glob("launch-*.log")
+    console = log_file.read_text()
+    assert f"run directory: {run_dir}" in console and "step 2/2" in console
+    assert console.rstrip().splitlines()[-1] == proc.stdout.strip().splitlines()[-1]  # the report, last
     for name in ("curves.png", "samples.md", "config.yaml", "sft/model.safetensors", "rm/model.safetensors",
                  "adapter/adapter_model.safetensors", "data/prompts_test.jsonl"):
         assert (run_dir / name).is_file(), name

@@ -3,7 +3,9 @@ levels (Ray's, vLLM's). No Ray."""
 
 from __future__ import annotations
 
+import datetime
 import logging
+import re
 
 import pytest
 
@@ -36,10 +38,14 @@ def test_logging_setup_and_quiet_libraries(monkeypatch, capsys, root_logger):
     import io
 
     stream = io.StringIO()
+    before = datetime.datetime.now().replace(microsecond=0)
     setup_logging("info", stream=stream)
     logging.getLogger("ppo_ray.trainer").info("hello")
     logging.getLogger("ray").info("ray's own start-up line")
     assert "INFO ppo_ray.trainer: hello" in stream.getvalue() and "start-up" not in stream.getvalue()
+    # the time stamp carries the date (a run lasts days): "2026-11-27 15:40:01 INFO ppo_ray.trainer: hello"
+    stamp = re.fullmatch(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) INFO ppo_ray\.trainer: hello\n", stream.getvalue())
+    assert stamp and before <= datetime.datetime.strptime(stamp[1], "%Y-%m-%d %H:%M:%S") <= datetime.datetime.now()
     setup_logging("warning", stream=stream)  # replaces its own handler, does not add a second
     assert root_logger.level == logging.WARNING and sum(getattr(h, "_ppo_ray", False) for h in root_logger.handlers) == 1
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
@@ -48,3 +54,45 @@ def test_logging_setup_and_quiet_libraries(monkeypatch, capsys, root_logger):
     assert quiet_env("debug")["VLLM_LOGGING_STREAM"] == "ext://sys.stderr"  # the driver's stdout stays its results'
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
     assert quiet_env("info")["VLLM_LOGGING_LEVEL"] == "DEBUG"  # the user's own setting wins
+
+
+def test_console_log_keeps_everything_printed_in_the_run_directory(tmp_path, root_logger, capsys):
+    """launch.py's console, also in <run_dir>/logs/: log lines, prints from any thread (Ray
+    forwards actors' and stage tasks' lines from a thread of the driver), a progress bar's
+    last state only, and the traceback of a failure; the console still gets everything and
+    the streams and handlers are put back afterwards."""
+    import sys
+    import threading
+
+    from ppo_ray.logs import console_log
+
+    setup_logging("info")
+    log = logging.getLogger("ppo_ray.test")
+    before = sys.stdout, sys.stderr
+    with pytest.raises(RuntimeError, match="the stage failed"):
+        with console_log(tmp_path, ["ppo-ray", "--run_dir", str(tmp_path)]) as path:
+            log.info("run directory: %s", tmp_path)
+            print('{"report": 1}')
+            forwarder = threading.Thread(target=lambda: print("(run_stage pid=42) epoch 1/2", file=sys.stderr))
+            forwarder.start()
+            forwarder.join()
+            sys.stderr.write("sft:  10%|#   | 1/10\rsft: 100%|####| 10/10\n")
+            sys.stderr.write("a line without its end")
+            raise RuntimeError("the stage failed")
+    assert (sys.stdout, sys.stderr) == before
+    assert all(h.stream is sys.stderr for h in logging.getLogger().handlers if getattr(h, "_ppo_ray", False))
+    assert path.parent == tmp_path / "logs" and re.fullmatch(r"launch-\d{8}-\d{6}-\d+(-\d+)?\.log", path.name)
+    lines = path.read_text().splitlines()
+    assert lines[0].startswith("# 20") and lines[0].endswith(f"ppo-ray --run_dir {tmp_path}")
+    assert re.fullmatch(rf"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d INFO ppo_ray.test: run directory: {tmp_path}", lines[1])
+    assert lines[2:6] == ['{"report": 1}', "(run_stage pid=42) epoch 1/2", "sft: 100%|####| 10/10",
+                          "Traceback (most recent call last):"]
+    assert lines[-1] == "a line without its end"  # an unfinished line is kept at the end
+    text = path.read_text()
+    assert "a line without its end" in text and "RuntimeError: the stage failed" in text and "10%" not in text
+    out, err = capsys.readouterr()
+    assert '{"report": 1}' in out and "run directory:" in err and "sft:  10%" in err  # the console is unchanged
+    # a second invocation (a resumed run) writes its own file, the first one stays
+    with console_log(tmp_path) as second:
+        print("again")
+    assert second != path and path.read_text() == text

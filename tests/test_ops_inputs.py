@@ -68,6 +68,29 @@ def test_launch_refuses_a_short_model_before_writing(short_model, tmp_path, caps
     assert code == 2 and not run_dir.exists() and "max_position_embeddings=64" in capsys.readouterr().err
 
 
+def test_launch_checks_a_hub_models_context_before_any_stage(short_model, tmp_path, local_hub):
+    """On a fresh node nothing is in the HF cache: the preflight fetches the hub model's
+    config.json (from a stand-in hub on 127.0.0.1, through huggingface_hub as from the real
+    one) and names the context-length problem before SFT and RM would have run for hours."""
+    import subprocess
+    import sys
+
+    repo = local_hub.root / "some-org" / "short-model"
+    repo.mkdir(parents=True)
+    shutil.copy(short_model / "config.json", repo / "config.json")  # only what the check needs
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "--model_name", "some-org/short-model", "--max_prompt_length", "60",
+         "--max_new_tokens", "16", "--run_dir", str(run_dir)],
+        env=local_hub.env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "error: model_name 'some-org/short-model' has max_position_embeddings=64" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and not run_dir.exists()
+    assert any(p.endswith("/some-org/short-model/resolve/main/config.json") for p in local_hub.requests)
+    # offline (the suite's own setting) and not cached: the check is skipped with a warning, not an error
+    check_context_length(4096, 4096, {"model_name": "some-org/short-model"})
+
+
 # ----------------------------------------------------------------------------- vLLM eager mode
 def test_vllm_enforce_eager_default_eager_on_cpu_graphs_on_gpu(monkeypatch):
     from actors import vllm_engine

@@ -203,3 +203,77 @@ def test_a_fresh_trainer_refuses_another_runs_checkpoints_and_metrics(tmp_path, 
     resumed = SimpleNamespace(step=1, lineage=Lineage.after(tmp_path / "checkpoints" / "step-000001"),
                               run_dir=tmp_path)
     PPOTrainer._check_fresh_run(resumed, metrics)  # its own run: fine
+
+
+# ------------------------------------------------------------------ an unwritable run directory
+def _launch_as(uid: int | None, argv: list[str], err_path) -> int:
+    """launch.main(argv) with stderr to err_path; as `uid` (effective ids, in a forked child)
+    when given. Modules are imported before the fork: the unprivileged child may not read
+    the interpreter's own folder."""
+    import os
+    import sys
+
+    if uid is None:
+        with open(err_path, "w") as err:
+            old, sys.stderr = sys.stderr, err
+            try:
+                return launch.main(argv)
+            finally:
+                sys.stderr = old
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 70
+        try:
+            err = open(err_path, "w")
+            os.setgroups([])
+            os.setegid(uid)
+            os.seteuid(uid)
+            sys.stderr = err
+            code = launch.main(argv)
+            err.flush()
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_an_unwritable_run_directory_is_an_error_naming_it_and_the_uid(tmp_path, no_ray_address):
+    """A freshly provisioned volume owned by root, and the image running as uid 1000: launch.py
+    stops before writing anything, naming the folder, its owner and the process's uid (no
+    traceback). As an unprivileged user (root may write anywhere): `nobody` (65534) when the
+    suite runs as root, else this user with the folder made read-only."""
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    config = str(Path(launch.__file__).resolve().parent / "configs" / "tldr-tiny.yaml")
+    # the same checks once in this process, stopped by a file in the way: imports what they use
+    (tmp_path / "file").write_text("x")
+    assert _launch_as(None, ["sft", "--config", config, "--run_dir", str(tmp_path / "file" / "run")],
+                      tmp_path / "err") == 2
+    assert "file is a file, not a folder" in (tmp_path / "err").read_text()
+    volume = Path(tempfile.mkdtemp(prefix="ppo-ray-volume-"))  # under /tmp: every user can reach it
+    try:
+        volume.chmod(0o755 if os.geteuid() == 0 else 0o555)  # writable by root only / by nobody
+        run_dir = volume / "runs" / "qwen3"
+        uid = 65534 if os.geteuid() == 0 else None
+        rc = _launch_as(uid, ["sft", "--config", config, "--run_dir", str(run_dir)], tmp_path / "err")
+        err = (tmp_path / "err").read_text()
+        assert rc == 2, err
+        assert "Traceback" not in err, err
+        assert f"error: cannot write run directory {run_dir}: {volume} (owner uid {volume.stat().st_uid}" in err
+        assert f"(uid {uid if uid is not None else os.geteuid()}," in err and "fsGroup" in err
+        assert list(volume.iterdir()) == []  # nothing written
+    finally:
+        volume.chmod(0o755)
+        shutil.rmtree(volume, ignore_errors=True)
+
+
+def test_check_writable_names_a_file_in_the_way(tmp_path):
+    from ppo_ray.rundir import check_writable
+
+    (tmp_path / "runs").write_text("a file")
+    with pytest.raises(RunDirError, match=r"runs is a file, not a folder"):
+        check_writable(tmp_path / "runs" / "qwen3")
+    check_writable(tmp_path / "fresh" / "run")  # creatable: no error, nothing made
+    assert not (tmp_path / "fresh").exists()
