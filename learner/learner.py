@@ -670,6 +670,9 @@ class Learner:
         cfg = self.config
         t_start = time.perf_counter()
         self._token_counts = [0, 0]
+        cuda = self.device.type == "cuda"
+        if cuda:  # this update's peak, not the process's (LearnerStats.learner_peak_memory_gib)
+            torch.cuda.reset_peak_memory_stats(self.device)
         self._check_inputs(batch, ref_logprobs, scores, max_staleness)
         if planned_steps is not None:
             self.plan_steps(planned_steps)
@@ -766,10 +769,13 @@ class Learner:
         names = list(tensors)
         numbers = torch.stack([tensors[k].detach().float().reshape(()) for k in names]).tolist()  # the sync
         done, real = self._token_counts
+        # the caching allocator's peak since the reset above (host-side bookkeeping: no device sync)
+        peak_gib = torch.cuda.max_memory_allocated(self.device) / 2**30 if cuda else math.nan
         stats = LearnerStats(**dict(zip(names, numbers)), dropped_samples=float(dropped), tokens=float(n_tokens),
                              padded_token_ratio=done / max(real, 1), stale_versions=float(stale),
                              kl_coef=self.kl_coef, learning_rate=learning_rate, learner_forward_s=forward_s,
-                             update_s=time.perf_counter() - t_start, version=self.version)
+                             update_s=time.perf_counter() - t_start, learner_peak_memory_gib=peak_gib,
+                             version=self.version)
         if cfg.kl_target is not None:  # 9. adaptive KL: the next step's beta from this step's KL
             self.kl_coef = adaptive_kl_coef(self.kl_coef, stats.kl, cfg.kl_target, cfg.kl_horizon, len(batch))
         # Every member holds the same adapter; only rank 0's copy goes to the generators.

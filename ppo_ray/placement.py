@@ -239,7 +239,7 @@ class GeneratorHost(FaultPoints):
         batch = self.generator.generate(prompt_ids, step=step, prompt_offset=offset)
         summary = {
             "texts": batch.responses, "finish_reasons": batch.finish_reasons,
-            "version": batch.adapter_version, "tokens": int(batch.response_mask.sum()),
+            "version": batch.adapter_version, "lengths": batch.response_mask.sum(dim=1).tolist(),  # (B,) EOS included
             "generate_s": time.perf_counter() - t0,
         }
         return batch, summary

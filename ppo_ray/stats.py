@@ -58,6 +58,7 @@ class LearnerStats:
     learning_rate: float             # the policy's lr at the step's first optimiser step
     learner_forward_s: float         # step 1's no-grad pass
     update_s: float                  # the whole update, forward included
+    learner_peak_memory_gib: float   # torch.cuda.max_memory_allocated during the update (NaN: not on CUDA)
     version: int                     # the adapter version after the update
 
     def as_dict(self) -> dict[str, float]:
@@ -88,14 +89,14 @@ class StepResult(Mapping):
 
     step: int
     generated_texts: list[str]
-    finish_reasons: list[str]
+    finish_reasons: list[str]           # per rollout: "stop" (ended with EOS) or "length" (cut at max_new_tokens)
     rewards: list[float]                # the reward actor's combined score per rollout (NaN: dropped)
     learner: LearnerStats
     reward_parts: dict[str, float]      # score/<source> means and dropped_nonfinite
     adapter_version: int                # the version the generators hold after the sync
     timing: StepTiming
     lora_sync_bytes: int
-    response_tokens: int
+    response_lengths: list[int]         # tokens per rollout, EOS included (the generators' response masks)
     sync_probe_gap: float = math.nan    # the sync check's largest generator-vs-learner probe gap (NaN: off)
     sync_resyncs: int = 0               # re-syncs the step needed (a failed sync check or rollout check)
     extra: dict[str, Any] = field(default_factory=dict)  # evaluations merged in by train()
@@ -104,6 +105,26 @@ class StepResult(Mapping):
     def reward_mean(self) -> float:
         finite = [r for r in self.rewards if math.isfinite(r)]
         return sum(finite) / len(finite) if finite else math.nan
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(self.response_lengths)
+
+    @property
+    def response_length_mean(self) -> float:
+        n = len(self.response_lengths)
+        return self.response_tokens / n if n else math.nan
+
+    @property
+    def response_length_max(self) -> float:
+        return float(max(self.response_lengths)) if self.response_lengths else math.nan
+
+    @property
+    def no_eos_frac(self) -> float:
+        """The fraction of rollouts cut at max_new_tokens without EOS (the generator's
+        finish_reason "length"; it checks that "stop" means the response ends with EOS)."""
+        n = len(self.finish_reasons)
+        return sum(f == "length" for f in self.finish_reasons) / n if n else math.nan
 
     @property
     def tokens_per_s(self) -> float:
@@ -127,6 +148,10 @@ class StepResult(Mapping):
             "sync_resyncs": self.sync_resyncs,
             "tokens_per_s": self.tokens_per_s,
             "response_tokens": self.response_tokens,
+            "response_lengths": self.response_lengths,
+            "response_length_mean": self.response_length_mean,
+            "response_length_max": self.response_length_max,
+            "no_eos_frac": self.no_eos_frac,
             **self.extra,
         }
 

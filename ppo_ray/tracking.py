@@ -12,9 +12,11 @@ evaluation numbers; the samples go to the text tab as `eval/samples`. A resumed 
 the events of the steps after its checkpoint from the earlier event files (SummaryWriter's
 purge_step), so the curves show each step once.
 
-Weights & Biases: `wandb.init(project=$WANDB_PROJECT or "ppo-ray", name=<run dir name>,
-config=<the config>)`; the run's id is kept in <run_dir>/run.json so a resumed run appends
-to the same wandb run. Its own environment (WANDB_MODE=offline, WANDB_API_KEY, ...) applies.
+Weights & Biases (the optional extra: `pip install 'ppo-ray[wandb]'`): `wandb.init(project=
+wandb_project or $WANDB_PROJECT or "ppo-ray", name=wandb_name or <run dir name>,
+group=wandb_group, tags=wandb_tags, config=<the config>)` (the config's wandb_* fields); the
+run's id is kept in <run_dir>/run.json so a resumed run appends to the same wandb run. Its own
+environment (WANDB_MODE=offline, WANDB_API_KEY, ...) applies.
 
 Bottom layer: imports nothing of ours; tensorboard (through torch) and wandb lazily.
 """
@@ -28,6 +30,10 @@ from typing import Any, Optional, Sequence
 
 TENSORBOARD_DIR = "tensorboard"
 RUN_FILE = "run.json"
+# report_to name -> (the module it imports, how to install it): tensorboard is a dependency,
+# wandb the optional extra of pyproject.toml
+TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "pip install tensorboard"),
+                    "wandb": ("wandb", "pip install 'ppo-ray[wandb]'")}
 
 
 class TrackerError(ValueError):
@@ -37,12 +43,12 @@ class TrackerError(ValueError):
 def check_trackers(report_to: Sequence[str]) -> None:
     """TrackerError, before anything starts, for a tracker whose package is missing."""
     for name in report_to:
-        module = {"tensorboard": "tensorboard", "wandb": "wandb"}[name]
+        module, install = TRACKER_PACKAGES[name]
         try:
             __import__(module)
         except ImportError as e:
             raise TrackerError(f"report_to names {name!r}, but the package {module!r} is not installed "
-                               f"(pip install {module}), or drop it from report_to: {e}") from e
+                               f"({install}), or drop it from report_to: {e}") from e
 
 
 def tag(key: str) -> str:
@@ -121,9 +127,10 @@ class Trackers:
             import wandb
 
             saved: Optional[str] = read_run_file(run_dir).get("wandb_id")
-            wandb_run = wandb.init(project=os.environ.get("WANDB_PROJECT", "ppo-ray"), name=run_dir.name,
-                                   dir=str(run_dir), config={**config, "run_tag": run_tag}, id=saved,
-                                   resume="allow")
+            wandb_run = wandb.init(project=config.get("wandb_project") or os.environ.get("WANDB_PROJECT", "ppo-ray"),
+                                   name=config.get("wandb_name") or run_dir.name, group=config.get("wandb_group"),
+                                   tags=list(config.get("wandb_tags") or ()) or None, dir=str(run_dir),
+                                   config={**config, "run_tag": run_tag}, id=saved, resume="allow")
             update_run_file(run_dir, wandb_id=wandb_run.id)
         return cls(writer, wandb_run)
 

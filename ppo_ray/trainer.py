@@ -371,7 +371,8 @@ class PPOTrainer:
             generated_texts=[t for s in summaries for t in s["texts"]],
             finish_reasons=[f for s in summaries for f in s["finish_reasons"]],
             rewards=step.scores, learner=stats, reward_parts=reward_stats, adapter_version=self.version,
-            timing=timing, lora_sync_bytes=loads[0]["bytes"], response_tokens=sum(s["tokens"] for s in summaries),
+            timing=timing, lora_sync_bytes=loads[0]["bytes"],
+            response_lengths=[n for s in summaries for n in s["lengths"]],
             sync_probe_gap=check.gap, sync_resyncs=self._resyncs)
 
     def _check_logprob_gap(self, stats: LearnerStats) -> None:

@@ -32,3 +32,20 @@ def test_record_step_sets_only_finite_numbers_and_phase_keys_of_the_time_s_form(
 
 def test_metric_name_replaces_what_prometheus_does_not_allow():
     assert metric_name("eval/gold-val score") == "ppo_eval_gold_val_score"
+
+
+def test_every_step_gauge_is_a_key_of_the_step_result():
+    """A gauge whose key no step produces would never be set: every STEP_GAUGES key is in
+    StepResult.as_dict() (the evaluation keys arrive through its `extra`, at evaluation steps)."""
+    from test_stats import step_result
+
+    record = step_result().as_dict()
+    assert set(STEP_GAUGES) - set(record) == {"gold_val", "eval_reward_mean"}
+
+
+def test_response_length_eos_grad_norm_and_memory_gauges():
+    recorded = TrainingMetrics(run="unit").record_step({
+        "response_length_mean": 12.5, "response_length_max": 32.0, "no_eos_frac": 0.25, "policy_grad_norm": 0.5,
+        "value_grad_norm": 2.0, "learner_peak_memory_gib": float("nan")})  # NaN: a learner without CUDA
+    assert recorded == {"ppo_response_length_mean": 12.5, "ppo_response_length_max": 32.0, "ppo_no_eos_frac": 0.25,
+                        "ppo_policy_grad_norm": 0.5, "ppo_value_grad_norm": 2.0}

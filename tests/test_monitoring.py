@@ -48,8 +48,15 @@ def test_train_writes_tensorboard_eval_samples_and_the_run_tag(tiny_trainer, tmp
             events = {e.step: e.value for e in acc.Scalars(name)}
             assert events[step] == pytest.approx(value, rel=1e-6, abs=1e-9), (name, step)
     for name in ("train/reward_mean", "train/kl", "train/policy_loss", "train/value_loss", "time/step_s",
-                 "train/tokens_per_s", "eval/eval_reward_mean"):
+                 "train/tokens_per_s", "eval/eval_reward_mean", "train/response_length_max", "train/no_eos_frac",
+                 "train/policy_grad_norm"):
         assert name in acc.Tags()["scalars"], name
+    # the response lengths come from the generators' masks: one per rollout, a response cut
+    # without EOS is max_new_tokens long, one with EOS at most that
+    lengths, reasons, cap = last["response_lengths"], last["finish_reasons"], trainer.config.max_new_tokens
+    assert len(lengths) == len(reasons) == len(last["rewards"]) and sum(lengths) == last["response_tokens"]
+    assert all(n == cap if r == "length" else 1 <= n <= cap for n, r in zip(lengths, reasons)), (lengths, reasons)
+    assert last["no_eos_frac"] == reasons.count("length") / len(reasons)
 
     rows = [json.loads(line) for line in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [last["step"]] * 3 and [r["prompt"] for r in rows] == prompts[:3]
@@ -68,6 +75,14 @@ def exported_metrics() -> set[str]:
     return names | {f"ray_{PHASE_GAUGE}", f"ray_{RETRY_COUNTER}_total", f"ray_{GAP_COUNTER}_total"}
 
 
+def ray_dashboard_filters() -> set[str]:
+    """The label filters Ray's own default Grafana dashboard puts in every query (Ray 2.60:
+    ray/dashboard/modules/metrics/dashboards/default_dashboard_panels.py)."""
+    from ray.dashboard.modules.metrics.dashboards.default_dashboard_panels import default_dashboard_config
+
+    return set(default_dashboard_config.standard_global_filters)
+
+
 def test_grafana_dashboard_parses_and_names_only_exported_metrics():
     dashboard = json.loads(DASHBOARD.read_text())
     panels = [p for p in dashboard["panels"] if p.get("type") != "row"]
@@ -76,10 +91,23 @@ def test_grafana_dashboard_parses_and_names_only_exported_metrics():
     exported = exported_metrics()
     assert named <= exported, f"the dashboard names metrics nobody exports: {sorted(named - exported)}"
     assert exported <= named, f"exported metrics without a panel: {sorted(exported - named)}"
-    # every query is of one run, chosen by the dashboard's variable (the run tag)
-    assert all('run=~"$run"' in e for e in exprs if "ray_ppo_" in e), exprs
+    # every query is of one run, chosen by the dashboard's variable (the run tag), within the
+    # cluster and the session chosen as Ray's own dashboards filter them (their global filters:
+    # the ray_io_cluster label KubeRay's PodMonitor adds and the SessionName label Ray adds)
+    ray_filters = ray_dashboard_filters()
+    assert ray_filters == {'SessionName=~"$SessionName"', 'ray_io_cluster=~"$Cluster"'}, ray_filters
+    for e in exprs:
+        assert 'run=~"$run"' in e and all(f in e for f in ray_filters), e
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
-    assert variables["run"]["query"]["query"] == "label_values(ray_ppo_step, run)"
+    assert variables["run"]["query"]["query"] == (
+        'label_values(ray_ppo_step{SessionName=~"$SessionName", ray_io_cluster=~"$Cluster"}, run)')
+    assert variables["SessionName"]["query"]["query"] == (
+        'label_values(ray_ppo_step{ray_io_cluster=~"$Cluster"}, SessionName)')
+    assert variables["Cluster"]["query"]["query"] == "label_values(ray_ppo_step, ray_io_cluster)"
+    # All = any value; for Cluster also none (outside Kubernetes no PodMonitor adds the label), as in Ray's
+    assert variables["Cluster"]["allValue"] == ".*" and variables["SessionName"]["allValue"] == ".+"
+    assert all(variables[name]["includeAll"] and variables[name]["type"] == "query"
+               for name in ("Cluster", "SessionName", "run"))
     assert variables["datasource"]["type"] == "datasource"
     # one row per group the issue names, each with panels under it
     rows = [p["title"] for p in dashboard["panels"] if p.get("type") == "row"]

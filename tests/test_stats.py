@@ -24,7 +24,7 @@ def step_result(rewards=(1.0, float("nan"), 3.0), **changes) -> StepResult:
                         step_s=4.0)
     return StepResult(step=3, generated_texts=["a", "b", "c"], finish_reasons=["stop"] * 3, rewards=list(rewards),
                       learner=learner_stats(), reward_parts={"score/reward_model": 2.0, "dropped_nonfinite": 1.0},
-                      adapter_version=3, timing=timing, lora_sync_bytes=1024, response_tokens=20, **changes)
+                      adapter_version=3, timing=timing, lora_sync_bytes=1024, response_lengths=[4, 10, 6], **changes)
 
 
 def test_the_seeds_keys_read_like_a_dict():
@@ -57,6 +57,17 @@ def test_as_dict_is_the_flat_record_and_scalars_drop_the_lists():
     small = result.scalars()
     assert "generated_texts" not in small and "rewards" not in small and small["step"] == 3
     json.dumps(small)  # one JSONL line
+
+
+def test_response_lengths_and_the_no_eos_fraction():
+    result = dataclasses.replace(step_result(), finish_reasons=["stop", "length", "stop"])
+    assert result["response_tokens"] == 20 and result["response_lengths"] == [4, 10, 6]
+    assert (result["response_length_mean"], result["response_length_max"]) == (pytest.approx(20 / 3), 10.0)
+    assert result["no_eos_frac"] == pytest.approx(1 / 3)
+    small = result.scalars()
+    assert "response_lengths" not in small and small["no_eos_frac"] == result.no_eos_frac
+    empty = dataclasses.replace(result, generated_texts=[], finish_reasons=[], rewards=[], response_lengths=[])
+    assert all(math.isnan(empty[k]) for k in ("response_length_mean", "response_length_max", "no_eos_frac"))
 
 
 def test_extra_holds_the_evaluations_merged_by_train():

@@ -68,6 +68,23 @@ def test_wandb_gets_the_config_the_steps_and_the_samples_and_resumes_its_run(tmp
     assert fake.finished == 1 and read_run_file(tmp_path)["wandb_id"] == "abc123"
     Trackers.open(tmp_path, ["wandb"], {}, "ppo-5678", first_step=2).close()  # a resumed run
     assert fake.inits[1]["id"] == "abc123" and fake.inits[1]["resume"] == "allow"
+    # defaults: the run directory's name, no group, no tags
+    assert fake.inits[0]["name"] == tmp_path.name and fake.inits[0]["group"] is None and not fake.inits[0]["tags"]
+
+
+def test_wandb_takes_project_name_group_and_tags_from_the_config(tmp_path, monkeypatch):
+    from ppo_ray.config import PPOConfig
+
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setenv("WANDB_PROJECT", "from-the-environment")  # the config's field wins
+    config = PPOConfig(report_to=["wandb"], wandb_project="tldr", wandb_name="beta-0.05", wandb_group="kl-sweep",
+                       wandb_tags="qwen3,lora").to_dict()
+    Trackers.open(tmp_path, ["wandb"], config, "ppo-1234", first_step=1).close()
+    init = fake.inits[0]
+    assert (init["project"], init["name"], init["group"], init["tags"]) == ("tldr", "beta-0.05", "kl-sweep",
+                                                                           ["qwen3", "lora"])
+    assert init["config"]["wandb_group"] == "kl-sweep"
 
 
 def test_a_missing_tracker_package_is_named_before_anything_starts(monkeypatch):
@@ -75,7 +92,7 @@ def test_a_missing_tracker_package_is_named_before_anything_starts(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     with pytest.raises(TrackerError, match=r"report_to names 'wandb', but the package 'wandb' is not installed "
-                                           r"\(pip install wandb\)"):
+                                           r"\(pip install 'ppo-ray\[wandb\]'\)"):
         check_trackers(["tensorboard", "wandb"])
     check_trackers(["tensorboard"])
 
