@@ -242,7 +242,7 @@ class PPOConfig:
     stage_micro_batch_size: Optional[int] = None
     """Rows (RM: pairs) per forward/backward in the SFT and reward-model stages; None = micro_batch_size. The stages are full fine-tunes, so they can need a smaller micro-batch than the PPO learner's LoRA update."""
     stage_dtype: Optional[str] = None
-    """Dtype of the SFT and reward-model full fine-tunes; None = dtype (float32 keeps the small AdamW steps that bfloat16 weights round away)."""
+    """Dtype of the SFT and reward-model full fine-tunes; None = dtype (float32 keeps the small AdamW steps that bfloat16 weights round away). Their outputs are saved in dtype, the one PPO loads them in."""
     stage_num_cpus: Optional[float] = None
     """CPUs reserved for the SFT / reward-model stage's Ray task; None = learner_num_cpus."""
     stage_num_gpus: Optional[float] = None

@@ -616,7 +616,7 @@ def stage_settings(config: PPOConfig, epochs: int, learning_rate: float):
     from learner.stages import TrainSettings
 
     return TrainSettings(epochs=epochs, learning_rate=learning_rate, batch_size=config.stage_batch_size,
-                         seed=config.seed, dtype=config.stage_dtype or config.dtype,
+                         seed=config.seed, dtype=config.stage_dtype or config.dtype, save_dtype=config.dtype,
                          micro_batch_size=config.stage_micro_batch_size or config.micro_batch_size)
 
 

@@ -110,6 +110,7 @@ def test_stage_settings_take_the_configs_stage_fields():
     config = PPOConfig(stage_batch_size=8, seed=5, dtype="bfloat16", micro_batch_size=2)
     s = stage_settings(config, epochs=3, learning_rate=2e-5)
     assert (s.epochs, s.learning_rate, s.batch_size, s.seed, s.micro_batch_size) == (3, 2e-5, 8, 5, 2)
-    assert s.dtype == "bfloat16"  # stage_dtype unset: the run's dtype
-    assert stage_settings(config.replace(stage_dtype="float32"), 1, 1e-4).dtype == "float32"
+    assert s.dtype == s.save_dtype == "bfloat16"  # stage_dtype unset: the run's dtype
+    fp32 = stage_settings(config.replace(stage_dtype="float32"), 1, 1e-4)
+    assert (fp32.dtype, fp32.save_dtype) == ("float32", "bfloat16")  # trains in fp32, saved as PPO loads it
     assert stage_settings(config.replace(stage_micro_batch_size=1), 1, 1e-4).micro_batch_size == 1
