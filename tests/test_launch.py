@@ -15,6 +15,22 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _start_until_checkpoint(cmd: list[str], cwd, env: dict, run_dir, **popen):
+    """launch.py started in a subprocess, returned once its checkpoint of step 2 is the latest
+    (the run still going: step 5 is its last)."""
+    import time
+
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if latest.is_file() and latest.read_text().strip() >= "step-000002":
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, "the run ended before it could be stopped: " + proc.communicate()[1][-3000:]
+    return proc
+
+
 @pytest.mark.slow
 def test_launch_ppo_interrupted_then_resumed(tmp_path):
     """launch.py ppo as a user runs it: Ctrl-C (SIGINT) once a checkpoint exists, then
@@ -23,21 +39,14 @@ def test_launch_ppo_interrupted_then_resumed(tmp_path):
     Ray and a vLLM engine); the default run covers resume at the trainer level
     (tests/test_checkpoint.py: exact resume, actors killed mid-step)."""
     import signal
-    import time
 
     run_dir = tmp_path / "run"
     env = {**os.environ, "RAY_ADDRESS": ""}  # a local Ray of its own
     cmd = [sys.executable, str(ROOT / "launch.py"), "ppo", "--config", str(ROOT / "configs" / "tiny.yaml"),
            "--steps", "5", "--batch_size", "4", "--checkpoint_every", "1",
            "--run_dir", str(run_dir), "--vllm_kv_cache_gib", "0.25"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _start_until_checkpoint(cmd, tmp_path, env, run_dir)
     latest = run_dir / "checkpoints" / "latest"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
-        if latest.is_file() and latest.read_text().strip() >= "step-000002":
-            break
-        time.sleep(0.1)
-    assert proc.poll() is None, "the run ended before it could be interrupted: " + proc.communicate()[1][-3000:]
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-2000:] + err[-3000:]
@@ -68,22 +77,14 @@ def test_the_same_command_twice_continues_the_run(tmp_path):
     first run's checkpoints its ancestors (one lineage). Before --resume auto, re-applying
     started a fresh run over the old one. Slow (~2 min: two launch.py processes)."""
     import signal
-    import time
 
     run_dir = tmp_path / "run"
     env = {**os.environ, "RAY_ADDRESS": ""}
     cmd = [sys.executable, str(ROOT / "launch.py"), "ppo", "--config", str(ROOT / "configs" / "tiny.yaml"),
            "--steps", "5", "--batch_size", "4", "--checkpoint_every", "1", "--keep_checkpoints", "10",
            "--run_dir", str(run_dir), "--vllm_kv_cache_gib", "0.25", "--resume", "auto"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = _start_until_checkpoint(cmd, tmp_path, env, run_dir, start_new_session=True)
     latest = run_dir / "checkpoints" / "latest"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
-        if latest.is_file() and latest.read_text().strip() >= "step-000002":
-            break
-        time.sleep(0.1)
-    assert proc.poll() is None, "the run ended before it could be killed: " + proc.communicate()[1][-3000:]
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
     killed_at = int(latest.read_text().strip().split("-")[1])
