@@ -15,7 +15,7 @@ unknown key, the closest valid name). This module imports nothing of ours.
 
 The fields' docs are their attribute docstrings (``field_docs()`` reads them from the source);
 ``SECTIONS`` groups the fields; ``ConfigParser`` (argparse) builds the command line from both,
-so `launch.py --help` and the README's tables (``fields_markdown()``) list every field by
+so `launch.py --help` and docs/CONFIG.md's tables (``fields_markdown()``) list every field by
 section with its type, default and doc.
 """
 
@@ -624,7 +624,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- sections, docs, the CLI
-# The fields by section, for `launch.py --help` and the README's tables (the class keeps the
+# The fields by section, for `launch.py --help` and docs/CONFIG.md's tables (the class keeps the
 # seeds' block first, so sections cut across its order). Every field is in exactly one section
 # (field_sections() checks).
 SECTIONS: dict[str, tuple[str, ...]] = {
@@ -669,7 +669,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 @functools.lru_cache(maxsize=None)
 def field_docs() -> dict[str, str]:
     """Each field's doc: the attribute docstring under it in PPOConfig's source (their one home;
-    --help and the README's tables print them)."""
+    --help and docs/CONFIG.md's tables print them)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(PPOConfig)))
     body = tree.body[0].body
     return {stmt.target.id: doc.value.value for stmt, doc in zip(body, body[1:])
@@ -690,7 +690,7 @@ def field_sections() -> list[tuple[str, list[dataclasses.Field]]]:
 
 
 def type_name(hint: Any) -> str:
-    """A field's type as --help and the README show it: `float|null`, `list[str]`, `{str: float}`."""
+    """A field's type as --help and docs/CONFIG.md show it: `float|null`, `list[str]`, `{str: float}`."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is typing.Union:  # Optional[X]
         return f"{type_name(next(a for a in args if a is not type(None)))}|null"
@@ -708,8 +708,8 @@ def default_text(f: dataclasses.Field) -> str:
 
 
 def fields_markdown() -> str:
-    """The README's Configuration tables: one per section, every field with its type, default
-    and doc (tests/test_config.py checks that README.md holds exactly this)."""
+    """docs/CONFIG.md's configuration tables: one per section, every field with its type, default
+    and doc (tests/test_config.py checks that docs/CONFIG.md holds exactly this)."""
     hints, docs = typing.get_type_hints(PPOConfig), field_docs()
     out = []
     for title, fields in field_sections():
