@@ -96,6 +96,7 @@ def test_pretrained_model_copies_facts():
 
 
 @pytest.mark.slow
+@pytest.mark.rebuild
 def test_rebuild_gives_the_committed_weights(tmp_path, info):
     """The documented command rebuilds the committed bytes (about 26-33 minutes on 2 threads).
     A bit-for-bit claim, so only with the recorded library versions on the recorded CPU
