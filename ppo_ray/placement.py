@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,6 +53,10 @@ def init_ray(address: str | None = None, connect_timeout_s: float = 5.0, log_lev
         return
     address = address or os.environ.get("RAY_ADDRESS") or None
     quiet = ray_logging_level(log_level)
+    # ray.init replaces the process's SIGTERM handler with its own (sys.exit(15), after the core
+    # worker prints a stack): a handler the caller installed is put back afterwards, so that
+    # launch.py's (`ray job stop` unwinds like Ctrl-C: exit 130, actors shut down) still runs
+    sigterm = signal.getsignal(signal.SIGTERM)
     if address:
         check_ray_address(address, connect_timeout_s)
         try:
@@ -59,6 +65,8 @@ def init_ray(address: str | None = None, connect_timeout_s: float = 5.0, log_lev
             raise ClusterError(f"cannot connect to the Ray cluster at RAY_ADDRESS={address!r}: {e}") from e
     else:
         context = ray.init(dashboard_host="127.0.0.1", log_to_driver=True, logging_level=quiet)
+    if callable(sigterm) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, sigterm)
     dashboard = getattr(context, "dashboard_url", None)
     log.info("Ray %s: %s%s", ray.__version__, f"cluster at {address}" if address else "a local instance",
              f", dashboard http://{dashboard}" if dashboard else "")
