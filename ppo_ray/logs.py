@@ -107,7 +107,9 @@ def format_step(out: dict, total: int | None = None) -> str:
             parts.append(f"{label} {num(key, '.3f')}")
     if out.get("stale_versions"):
         parts.append(f"stale {num('stale_versions', '.0f')}")
-    parts += [f"{num('time/step_s', '.2f')} s", f"{num('tokens_per_s', '.0f')} tok/s"]
+    rate = out.get("tokens_per_s")  # a big model on a CPU: 0.37 tok/s, not "0 tok/s"
+    rate_fmt = ".0f" if not isinstance(rate, (int, float)) or abs(rate) >= 10 else ".2g"
+    parts += [f"{num('time/step_s', '.2f')} s", f"{num('tokens_per_s', rate_fmt)} tok/s"]
     return "  ".join(parts)
 
 

@@ -20,6 +20,9 @@ def test_one_log_line_per_step_names_the_numbers_a_user_watches():
                     "gold_val 0.610  2.50 s  96 tok/s")
     not_evaluated = {k: v for k, v in out.items() if k != "gold_val"}
     assert "gold" not in format_step(not_evaluated) and format_step(not_evaluated).startswith("step 3  reward")
+    # a 0.6B model on a CPU makes well under 1 token/s: two significant digits, not "0 tok/s"
+    assert format_step({**out, "tokens_per_s": 0.374}).endswith("2.50 s  0.37 tok/s")
+    assert format_step({**out, "tokens_per_s": 9.46}).endswith(" 9.5 tok/s")
 
 
 @pytest.fixture
