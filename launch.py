@@ -76,6 +76,14 @@ def check_ray_address() -> None:
         check(os.environ["RAY_ADDRESS"])
 
 
+def check_estimator(config) -> None:
+    """config.advantage_estimator names an estimator of learner.algos' registry (a ValueError
+    naming the registered ones): the config holds the name, the registry the choices."""
+    from learner.algos import advantage_estimator
+
+    advantage_estimator(config.advantage_estimator)
+
+
 def check_context(config) -> None:
     """The models' context windows hold max_prompt_length + max_new_tokens (ContextLengthError
     naming the fields and the limit), before anything is written or started: for the
@@ -214,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             config_path = str(saved[0])
     try:
         config = PPOConfig.from_yaml(config_path or DEFAULT_CONFIG, **overrides)
-    except ConfigError as e:
+        check_estimator(config)
+    except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from ppo_ray.logs import setup_logging

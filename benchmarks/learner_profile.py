@@ -52,7 +52,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "chunk": dict(logprob_chunk_size=1024),
     "all": FAST,
 }
-EAGER_HEAD: set[str] = set()  # variants whose learner keeps learner.learner.head_token_stats eager
+EAGER_HEAD: set[str] = set()  # variants whose learner keeps learner.speed.head_token_stats eager
 for _mb in (2, 8, 16, 32, 64, 128):
     VARIANTS[f"base_mb{_mb}"] = dict(micro_batch_size=_mb)
     VARIANTS[f"all_mb{_mb}"] = dict(FAST, micro_batch_size=_mb)
@@ -116,11 +116,14 @@ class Sync:
 
 
 def run_update(learner, batch, ref, scores, sync: Sync) -> dict:
+    kept: list = []
+    learner.experience_hook = kept.append
     sync.now()
     sync.reset_peak()
     t0 = time.perf_counter()
     stats, _ = learner.update(replace(batch, adapter_version=learner.version), ref, scores)
     total = sync.now() - t0
+    learner.kept_experience = kept[-1]  # split_timing's micro-batch comes from it
     return {"learner_forward_s": stats.learner_forward_s, "update_s": total - stats.learner_forward_s,
             "total_s": total, "peak_gib": sync.peak_gib(), "padded_token_ratio": stats.padded_token_ratio,
             "policy_loss": stats.policy_loss, "first_minibatch_ratio_mean": stats.first_minibatch_ratio_mean}
@@ -139,7 +142,7 @@ def split_timing(learner, batch, sync: Sync, reps: int = 3) -> dict:
     from ppo_ray.modeling import response_logits
 
     cfg = learner.config
-    exp = learner.last_experience
+    exp = learner.kept_experience  # the last run_update's
     buffer = ExperienceBuffer(exp, len(exp), cfg.micro_batch_size, TrimPlan.of(exp.rollouts),
                               sort=cfg.learner_sort_by_length)
     rows = buffer.micro_rows(torch.arange(len(exp)))[0]
@@ -312,7 +315,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     import torch
 
-    from learner.learner import Learner, head_token_stats
+    from learner.learner import Learner
+    from learner.speed import head_token_stats
     from ppo_ray.config import parse_overrides
     from ppo_ray.modeling import pick_device
 

@@ -16,7 +16,11 @@ Conventions used by every function in this module:
 * Reductions over tokens go through :func:`masked_mean` (or :func:`agg_loss`, which
   uses it), which returns 0 instead of NaN for an all-False mask.
 * Nothing here reads a tensor back to the host (no ``.item()``), logs, or takes a
-  config object; hyper-parameters are plain Python numbers.
+  config object; hyper-parameters are plain Python numbers. This module imports only
+  torch (and the standard library).
+* Advantage estimators are registered by name (:func:`register_estimator`; GAE the
+  default): the config's ``advantage_estimator`` picks one, and one that needs no critic
+  gets no value model.
 
 References cited in comments:
 
@@ -39,15 +43,20 @@ reference scorer uses them too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
-import torch.utils.checkpoint
-
-from ppo_ray.batch import check_mask
-from ppo_ray.config import KL_KINDS, LOSS_AGG_MODES, REWARD_MODES
 
 Tensor = torch.Tensor
+
+
+def check_mask(mask: Tensor) -> Tensor:
+    """`mask` itself, after checking it is bool (the one mask convention: True = real token)."""
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor (True = real response token), got {mask.dtype}")
+    return mask
 
 
 
@@ -230,40 +239,7 @@ def agg_loss(
             return masked_mean(row_mean, nonempty)
         zero = torch.zeros((), dtype=row_mean.dtype, device=row_mean.device)
         return torch.where(nonempty, row_mean, zero).sum() / normalizer
-    raise ValueError(f"unknown loss_agg mode {mode!r}; valid: {LOSS_AGG_MODES}")
-
-
-# --------------------------------------------------------------------------------------
-# chunked evaluation
-# --------------------------------------------------------------------------------------
-
-
-def chunked_rows(fn, chunk_size: int, *inputs: Tensor) -> tuple[Tensor, ...]:
-    """``fn(*inputs)`` computed ``chunk_size`` rows (dim 0) at a time, outputs concatenated.
-
-    ``fn`` maps row-aligned inputs ``(n, ...)`` to a tuple of row-aligned outputs ``(n,
-    ...)`` and must treat rows independently (e.g. hidden states -> lm_head -> per-token
-    log-probs), so the result equals ``fn(*inputs)`` up to float rounding. With autograd
-    on, each chunk is an activation checkpoint (``torch.utils.checkpoint``, non-reentrant):
-    its intermediates (the ``(chunk, V)`` logits and their float32 copies) are freed after
-    the forward and recomputed in the backward, so at most one chunk's exist at a time
-    (Liger-Kernel's fused linear cross-entropy and verl's chunked entropy chunk the same
-    way). ``chunk_size <= 0`` = one chunk, no checkpoint.
-    """
-    n = inputs[0].shape[0]
-    if chunk_size <= 0 or n == 0:
-        out = fn(*inputs)
-        return out if isinstance(out, tuple) else (out,)
-    parts = []
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
-    for start in range(0, n, chunk_size):
-        piece = [x[start: start + chunk_size] for x in inputs]
-        if grad:
-            out = torch.utils.checkpoint.checkpoint(fn, *piece, use_reentrant=False)
-        else:
-            out = fn(*piece)
-        parts.append(out if isinstance(out, tuple) else (out,))
-    return tuple(torch.cat(column) for column in zip(*parts))
+    raise ValueError(f"unknown loss_agg mode {mode!r}; valid: ('token_mean', 'seq_mean_token_mean')")
 
 
 # --------------------------------------------------------------------------------------
@@ -288,15 +264,15 @@ def kl_penalty(
 
     Args:
         logprobs, ref_logprobs: ``(B, T)``.
-        kind: one of ``KL_KINDS``.
+        kind: ``"k1"``, ``"k2"`` or ``"k3"`` (ppo_ray.config.KL_KINDS).
         mask: optional bool ``(B, T)``; if given, the output is 0 at masked positions
             (otherwise it is elementwise, garbage in -> garbage out at those positions).
 
     Returns:
         ``(B, T)``.
     """
-    if kind not in KL_KINDS:
-        raise ValueError(f"unknown KL kind {kind!r}; valid kinds: {KL_KINDS}")
+    if kind not in ("k1", "k2", "k3"):
+        raise ValueError(f"unknown KL kind {kind!r}; valid kinds: ('k1', 'k2', 'k3')")
     log_ratio = logprobs - ref_logprobs
     if mask is not None:
         zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
@@ -350,7 +326,7 @@ def shape_rewards(
     elif mode == "every_token":
         rewards = score_bt - kl_coef * kl
     else:
-        raise ValueError(f"unknown reward mode {mode!r}; valid: {REWARD_MODES}")
+        raise ValueError(f"unknown reward mode {mode!r}; valid: ('last_token', 'every_token')")
     return torch.where(mask, rewards, zero)
 
 
@@ -449,6 +425,73 @@ def compute_returns(advantages: Tensor, values: Tensor, mask: Tensor | None = No
         return returns
     zero = torch.zeros((), dtype=returns.dtype, device=returns.device)
     return torch.where(check_mask(mask), returns, zero)
+
+
+# --------------------------------------------------------------------------------------
+# advantage estimators: one registry, GAE the default
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an advantage estimator may read: one step's tensors, all on one device.
+
+    ``rewards`` are the shaped per-token rewards (:func:`shape_rewards`: the score on the
+    last real token, ``-beta * KL_t`` on every token; scale-whitened when ``whiten_rewards``
+    is on); ``scores`` the raw sequence scores they were shaped from; ``values`` the old
+    values ``V(s_t)`` of the critic, ``None`` for an estimator registered with
+    ``needs_critic=False`` (no value model exists then).
+    """
+
+    rewards: Tensor            # (B, T) float32, 0 on padding
+    mask: Tensor               # (B, T) bool, True = real response token
+    scores: Tensor             # (B,) float32 sequence scores (0 on dropped rows)
+    values: Optional[Tensor]   # (B, T) float32 V_old(s_t), or None without a critic
+    gamma: float
+    lam: float
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """A registered estimator: ``fn(inputs) -> (B, T)`` raw advantages (0 on padding; the
+    learner whitens them when ``whiten_advantages`` is on), and whether it needs a critic.
+    With a critic the learner trains the value model on ``G_t = A_t + V_t``
+    (:func:`compute_returns`); without one it builds no value model at all."""
+
+    name: str
+    fn: Callable[[AdvantageInputs], Tensor]
+    needs_critic: bool
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+
+def register_estimator(name: str, *, needs_critic: bool) -> Callable:
+    """Decorator: register ``fn(inputs: AdvantageInputs) -> Tensor`` as the advantage
+    estimator ``name`` (the config's ``advantage_estimator``). A new estimator is one such
+    function and this line above it; a name is registered once."""
+    def register(fn: Callable[[AdvantageInputs], Tensor]) -> Callable[[AdvantageInputs], Tensor]:
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered "
+                             f"({ADVANTAGE_ESTIMATORS[name].fn.__qualname__})")
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, fn, needs_critic)
+        return fn
+    return register
+
+
+def advantage_estimator(name: str) -> AdvantageEstimator:
+    """The estimator registered as ``name``; a ValueError naming the registered ones."""
+    try:
+        return ADVANTAGE_ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(f"advantage_estimator: unknown estimator {name!r}; registered: "
+                         f"{sorted(ADVANTAGE_ESTIMATORS)} (learner/algos.py, register_estimator)") from None
+
+
+@register_estimator("gae", needs_critic=True)
+def gae_advantages(inputs: AdvantageInputs) -> Tensor:
+    """[GAE] over the shaped rewards and the critic's old values (the seeds' step 5)."""
+    return compute_gae_advantages(inputs.rewards, inputs.values, inputs.mask, inputs.gamma, inputs.lam)
 
 
 # --------------------------------------------------------------------------------------

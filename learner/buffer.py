@@ -12,7 +12,7 @@ the same right columns as response_ids.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -33,9 +33,9 @@ class Experience:
     ref_logprobs: Tensor    # (B, T) float32 log pi_ref(a_t|s_t), full softmax at temperature
     kl: Tensor              # (B, T) float32 KL_t estimate (0 on padding)
     rewards: Tensor         # (B, T) float32 shaped (and optionally whitened) per-token rewards
-    values: Tensor          # (B, T) float32 V_old(s_t)
-    advantages: Tensor      # (B, T) float32 GAE advantages (whitened if configured)
-    returns: Tensor         # (B, T) float32 G_t = A_t (raw) + V_old(s_t)
+    values: Optional[Tensor]   # (B, T) float32 V_old(s_t); None: the estimator has no critic
+    advantages: Tensor      # (B, T) float32 the estimator's advantages (GAE by default; whitened if configured)
+    returns: Optional[Tensor]  # (B, T) float32 G_t = A_t (raw) + V_old(s_t); None without a critic
     seq_len: int = 0        # host: the longest row's real tokens (the causal layout's width); 0 = not known
     response_tokens: int = 0  # host: sum over rows of (last real response column + 1); 0 = not known
 
@@ -43,7 +43,9 @@ class Experience:
         return len(self.rollouts)
 
     def _per_token(self) -> list[str]:
-        return [f.name for f in fields(self) if f.name not in ("rollouts", "scores", "seq_len", "response_tokens")]
+        """The (B, T) tensors that are there (values and returns are None without a critic)."""
+        return [f.name for f in fields(self) if f.name not in ("rollouts", "scores", "seq_len", "response_tokens")
+                and getattr(self, f.name) is not None]
 
     def select(self, rows: Sequence[int]) -> "Experience":
         """Rows `rows` (in that order); the host counts are not known for a subset (0)."""

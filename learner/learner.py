@@ -1,13 +1,14 @@
-"""The learner: policy LoRA + value model, one PPO update per step (seed steps 5-11).
+"""The learner: policy LoRA + (with a critic) value model, one PPO update per step.
 
 Plain class, no Ray (ppo_ray.placement hosts it in an actor). Given one step's rollouts
 (from the generator, sampled with LoRA version `self.version`), the reference logprobs and
-the sequence scores, `update` computes the old logprobs and values, the per-token KL,
-shaped rewards, TD errors / GAE advantages and returns, runs the PPO epochs, and returns
+the sequence scores, `update` runs the no-grad pass (step 1: old logprobs and values),
+hands it to learner.experience.make_experience (steps 2-6: KL_t, shaped rewards, the
+configured estimator's advantages, returns), runs the PPO epochs (steps 7-11), and returns
 small stats and the new LoRA weights (version + 1) for the generator.
 
-The math is learner.algos (pure functions); this module is the order of the steps, the
-micro-batching, the optimisers and the bookkeeping.
+The math is learner.algos (pure functions; the advantage estimators are registered there);
+this module is the forwards, the micro-batching, the optimisers and the bookkeeping.
 
 Choices, and where they come from:
 * Old logprobs use the generator's exact sampling distribution: logits / temperature,
@@ -41,32 +42,21 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass, replace
-from typing import Optional
+from dataclasses import replace
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from learner.algos import (
-    adaptive_kl_coef,
-    agg_loss,
-    chunked_rows,
-    compute_gae_advantages,
-    compute_returns,
-    explained_variance,
-    kl_penalty,
-    masked_mean,
-    masked_whiten,
-    ppo_clip_loss,
-    shape_rewards,
-    value_loss,
-)
+from learner.algos import adaptive_kl_coef, advantage_estimator, agg_loss, ppo_clip_loss, value_loss
 from learner.buffer import Experience, ExperienceBuffer
+from learner.experience import RolloutScores, make_experience, score_tensors
 from learner.kernels import cached_casts, clear_casts
+from learner.speed import chunked_rows, head_token_stats
 from learner.value_model import ValueHead, ValueModel
 from ppo_ray.batch import RolloutBatch, TrimPlan, fresh_enough, rollout_micro_batches, staleness_limit
 from ppo_ray.config import ConfigSlice, PPOConfig
-from ppo_ray.logprobs import entropy_from_logits, logprobs_from_logits, token_stats_from_logits
+from ppo_ray.logprobs import entropy_from_logits, logprobs_from_logits
 from ppo_ray.modeling import (LoraSpec, LoraWeights, causal_response_hidden, load_causal_lm, pick_device,
                               response_hidden, response_logits)
 from ppo_ray.stats import LearnerStats
@@ -132,21 +122,6 @@ def _check_tensors(what: str, mine: dict[str, Tensor], theirs: dict[str, Tensor]
                 f"{tuple(v.shape)} (different lora_r or model?)")
 
 
-def _tensors(scores: "RolloutScores") -> list[Optional[Tensor]]:
-    """The fields in order, as the tensors themselves (dataclasses.astuple would copy them)."""
-    return [getattr(scores, f.name) for f in dataclasses.fields(scores)]
-
-
-@dataclass
-class RolloutScores:
-    """The learner's no-grad view of a batch (step 1); fields not asked for are None."""
-
-    logprobs: Optional[Tensor]       # (B, T) float32 truncated + tempered (the sampling distribution)
-    full_logprobs: Optional[Tensor]  # (B, T) float32 full softmax at temperature (for the KL)
-    entropy: Optional[Tensor]        # (B, T) float32 entropy of softmax(logits / temperature)
-    values: Optional[Tensor]         # (B, T) float32 V(s_t)
-
-
 def _tensors_to_cpu(tensors: dict[str, Tensor], flat: bool = False) -> dict[str, Tensor]:
     """Independent contiguous CPU copies of `tensors`. Tensors on an accelerator (or all,
     with flat=True) travel as one flat copy per dtype: one device-to-host transfer (one wait
@@ -166,30 +141,16 @@ def _tensors_to_cpu(tensors: dict[str, Tensor], flat: bool = False) -> dict[str,
     return {k: out[k] for k in tensors}
 
 
-def head_token_stats(h: Tensor, weight: Optional[Tensor], tokens: Tensor, temperature: float, top_k: Optional[int],
-                     top_p: Optional[float], truncated: bool, full: bool, entropy: bool) -> tuple[Tensor, ...]:
-    """The policy's per-token stats on (n, H) hidden rows: logits = h @ weight^T (the lm_head;
-    `weight` None = `h` already holds the (n, V) logits), then those asked for, in this order:
-    truncated + tempered logprobs of `tokens` (the sampling distribution), full-softmax
-    logprobs at temperature, entropy at temperature; each float32 (n,).
-
-    Module-level, with tensors and constants for arguments (no module), so that under
-    learner_compile one compiled graph per stats set serves every chunk width and every
-    learner of the process: the float32 copy, the temperature division, the log-sum-exp and
-    the softmax fuse into a few passes over the (n, V) logits instead of one per op."""
-    logits = h if weight is None else torch.nn.functional.linear(h, weight)  # (n, V) in the model's dtype
-    return token_stats_from_logits(logits, tokens, temperature, top_k, top_p, truncated=truncated, full=full,
-                                   entropy=entropy)
-
-
 class Learner:
-    """Policy (base + PEFT LoRA) and value model (own backbone + LoRA + head), PPO updates."""
+    """Policy (base + PEFT LoRA) and, for an estimator with a critic, the value model (own
+    backbone + LoRA + head, or a head on the policy's trunk), PPO updates."""
 
     # The config fields the learner reads (and log_level, its actor host's): the learner actor
     # gets only these (PPOConfig.slice); effective_mini_batch_size is derived from two of them.
     CONFIG_FIELDS = (
         "seed", "dtype", "log_level", "steps", "batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs",
-        "learning_rate", "value_learning_rate", "lr_scheduler", "max_grad_norm", "gamma", "lam", "clip_epsilon",
+        "learning_rate", "value_learning_rate", "lr_scheduler", "max_grad_norm", "advantage_estimator", "gamma", "lam",
+        "clip_epsilon",
         "value_clip", "vf_coef", "entropy_coef", "loss_agg", "whiten_advantages", "whiten_rewards", "kl_coef",
         "kl_estimator", "kl_target", "kl_horizon", "reward_shaping", "nonfinite_reward", "overlap_generation",
         "temperature", "top_k", "top_p", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
@@ -211,37 +172,51 @@ class Learner:
         self.policy = get_peft_model(base, LoraConfig(
             r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
             target_modules=list(config.lora_target_modules), bias="none", task_type=TaskType.CAUSAL_LM))
-        self._shared = config.value_model == "shared"
+        # The advantage estimator (learner.algos' registry, GAE by default); one without a
+        # critic gets no value model, value optimiser, value loss or value statistics.
+        self.estimator = advantage_estimator(config.advantage_estimator)
+        self.critic = self.estimator.needs_critic
+        self._shared = self.critic and config.value_model == "shared"
+        self.value_model: Optional[torch.nn.Module] = None
         if self._shared:  # a head on the policy's trunk: one forward gives logprobs and values
             self.value_model = ValueHead(base.config.hidden_size)
-        else:
+        elif self.critic:
             self.value_model = ValueModel(
                 value_model_path or config.value_model_name or model_path, lora_r=config.lora_r,
                 lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                 target_modules=config.lora_target_modules, dtype=config.dtype, seed=config.seed)
+        self.models = [self.policy] + ([self.value_model] if self.critic else [])  # what trains
         if not config.ppo_dropout:
             # PPO's forwards without dropout (N+; TRL's disable_dropout): the old logprobs come
             # from a dropout-free pass, so dropout in the training forward alone would put the
             # first minibatch's ratio off 1. The adapters keep lora_dropout in their config.
-            for model in (self.policy, self.value_model):
+            for model in self.models:
                 disable_dropout(model)
-        self.policy.to(self.device).eval()
-        self.value_model.to(self.device).eval()
+        for model in self.models:
+            model.to(self.device).eval()
         self.vocab_size = self.policy.get_input_embeddings().weight.shape[0]
         self._speed_options()
 
         self.policy_params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.value_params = self.value_model.trainable_parameters()
+        self.value_params = self.value_model.trainable_parameters() if self.critic else []
         self.policy_optimizer = torch.optim.Adam(self.policy_params, lr=config.learning_rate, eps=ADAM_EPS)
-        self.value_optimizer = torch.optim.Adam(self.value_params, lr=config.value_learning_rate, eps=ADAM_EPS)
+        self.value_optimizer = (torch.optim.Adam(self.value_params, lr=config.value_learning_rate, eps=ADAM_EPS)
+                                if self.critic else None)
         self.schedulers = self._lr_schedulers()
         # beta of the KL penalty: config.kl_coef, moved after every update by the adaptive
         # controller when config.kl_target is set (part of state_dict, so a retried or
         # resumed step uses the committed value)
         self.kl_coef = float(config.kl_coef)
         self.version = 0
-        self.last_experience: Optional[Experience] = None  # the latest update's per-token data (inspection)
+        # Called with each update's Experience (the step's per-token tensors, on the device)
+        # before the PPO epochs: for tests and benchmarks that inspect it; None = nothing kept.
+        self.experience_hook: Optional[Callable[[Experience], None]] = None
         self.rank, self.world_size = 0, 1  # data parallelism: see join_group
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The policy's optimiser, then the value model's (with a critic)."""
+        return [self.policy_optimizer] + ([self.value_optimizer] if self.critic else [])
 
     @property
     def _ticks_per_step(self) -> int:
@@ -254,7 +229,7 @@ class Learner:
         minibatches optimiser steps (the N+ recipe anneals both learning rates)."""
         total = self.config.steps * self._ticks_per_step
         return [torch.optim.lr_scheduler.LambdaLR(opt, LRPlan(self.config.lr_scheduler, total))
-                for opt in (self.policy_optimizer, self.value_optimizer)]
+                for opt in self.optimizers]
 
     def plan_steps(self, steps: int) -> None:
         """Make the schedule end at PPO step `steps` (the run's planned total changed; the
@@ -280,17 +255,16 @@ class Learner:
         cfg = self.config
         policy_base = self.policy.get_base_model()  # the CausalLM, LoRA layers inside
         # the value model's decoder (e.g. Qwen3Model); none with a shared trunk
-        value_base = None if self._shared else self.value_model.backbone.get_base_model()
+        value_base = self.value_model.backbone.get_base_model() if self.critic and not self._shared else None
         self._decoder = policy_base.get_decoder()
         self._lm_head = policy_base.get_output_embeddings()
         self._causal = cfg.learner_layout == "causal"
         # the plain path: logits from the CausalLM's forward, all positions at once (a shared
         # trunk needs the hidden states themselves: the decoder path)
         self._plain_logits = not self._causal and cfg.logprob_chunk_size == 0 and not self._shared
-        fuse_lora_linears(self.policy, cfg.lora_kernel)
-        fuse_lora_linears(self.value_model, cfg.lora_kernel)
-        fuse_rms_norms(self.policy, cfg.rms_norm_kernel == "fused")
-        fuse_rms_norms(self.value_model, cfg.rms_norm_kernel == "fused")
+        for model in self.models:
+            fuse_lora_linears(model, cfg.lora_kernel)
+            fuse_rms_norms(model, cfg.rms_norm_kernel == "fused")
         bases = [policy_base] if value_base is None else [policy_base, value_base]
         for model in bases:
             if cfg.gradient_checkpointing:
@@ -349,7 +323,7 @@ class Learner:
         The path the speed options take: hidden states from the decoder (either layout),
         then lm_head and the logprob math on the real response positions only (the rows'
         extents, `n_response` of them, a host count: no sync), `logprob_chunk_size` of them
-        at a time (learner.algos.chunked_rows). Equal to the plain path's values up to float
+        at a time (learner.speed.chunked_rows). Equal to the plain path's values up to float
         rounding (tests/test_learner_speed.py)."""
         cfg = self.config
         hidden = self._policy_hidden(micro, seq_len)  # (b, t, H)
@@ -442,11 +416,11 @@ class Learner:
                               if what.get(name) else None for name in ("logprobs", "full", "entropy", "values")])
         if rows:
             mine = self._rollout_pass(batch.select(rows), **what)
-            for full, part in zip(_tensors(out), _tensors(mine)):
+            for full, part in zip(score_tensors(out), score_tensors(mine)):
                 if full is not None:
                     full[rows, :part.shape[1]] = part
         # Rows of other members are 0 here; -inf (tokens outside top-k/top-p) survives the sum.
-        self._sum_across_group([t for t in _tensors(out) if t is not None])
+        self._sum_across_group([t for t in score_tensors(out) if t is not None])
         return out
 
     # ------------------------------------------------------------------ LoRA export
@@ -462,18 +436,24 @@ class Learner:
         return LoraWeights(_tensors_to_cpu(state), LoraSpec.of(self.policy.peft_config["default"]))
 
     # ------------------------------------------------------------------ checkpoints
+    def _value_tensors(self) -> dict[str, Tensor]:
+        """The value model's trainable tensors by name ({} without a critic)."""
+        if not self.critic:
+            return {}
+        return {n: p for n, p in self.value_model.named_parameters() if p.requires_grad}
+
     def state_dict(self) -> dict:
         """What a resumed run needs to continue exactly: the policy adapter (LoraWeights), the value
-        model's trainable tensors (LoRA + head), both optimisers and their learning-rate
-        schedules, the KL coefficient (adaptive KL), the global RNG (LoRA dropout) and the
-        version. CPU tensors only; no model weights of the base."""
-        value = {n: p.detach().to("cpu", copy=True) for n, p in self.value_model.named_parameters()
-                 if p.requires_grad}
+        model's trainable tensors (LoRA + head; {} without a critic), the optimisers and their
+        learning-rate schedules (the value's None without a critic), the KL coefficient
+        (adaptive KL), the global RNG (LoRA dropout) and the version. CPU tensors only; no
+        model weights of the base."""
+        value = {n: p.detach().to("cpu", copy=True) for n, p in self._value_tensors().items()}
         return {"version": self.version, "policy": self.lora_weights(), "value": value,
                 "policy_optimizer": _to_cpu(self.policy_optimizer.state_dict()),
-                "value_optimizer": _to_cpu(self.value_optimizer.state_dict()),
+                "value_optimizer": _to_cpu(self.value_optimizer.state_dict()) if self.critic else None,
                 "policy_scheduler": self.schedulers[0].state_dict(),
-                "value_scheduler": self.schedulers[1].state_dict(),
+                "value_scheduler": self.schedulers[1].state_dict() if self.critic else None,
                 "kl_coef": self.kl_coef,
                 "rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []}
@@ -492,7 +472,7 @@ class Learner:
         if theirs != own.spec:
             raise CheckpointMismatchError(f"checkpoint's policy adapter is {policy.spec}, this run's is {own.spec} "
                                           "(different lora_alpha or lora_target_modules?)")
-        mine = {n: p for n, p in self.value_model.named_parameters() if p.requires_grad}
+        mine = self._value_tensors()
         _check_tensors("value model", {n: p.detach() for n, p in mine.items()}, state["value"])
         result = set_peft_model_state_dict(self.policy, policy.tensors)
         if getattr(result, "unexpected_keys", None):
@@ -501,10 +481,12 @@ class Learner:
             for n, p in mine.items():
                 p.copy_(state["value"][n].to(p.device, p.dtype))
         self.policy_optimizer.load_state_dict(state["policy_optimizer"])
-        self.value_optimizer.load_state_dict(state["value_optimizer"])
+        if self.critic:
+            self.value_optimizer.load_state_dict(state["value_optimizer"])
         if "policy_scheduler" in state:  # checkpoints before lr_scheduler existed: constant lr
             self.schedulers[0].load_state_dict(state["policy_scheduler"])
-            self.schedulers[1].load_state_dict(state["value_scheduler"])
+            if self.critic:
+                self.schedulers[1].load_state_dict(state["value_scheduler"])
         self.kl_coef = float(state.get("kl_coef", self.config.kl_coef))
         torch.set_rng_state(state["rng"])
         if self.device.type == "cuda" and state.get("cuda_rng"):
@@ -532,7 +514,9 @@ class Learner:
         return float(torch.where(mask, diff, torch.zeros(())).amax()) if bool(mask.any()) else 0.0
 
     def values(self, batch: RolloutBatch) -> Tensor:
-        """(B, T) float32 on the CPU: V(s_t) on real tokens, 0 on padding."""
+        """(B, T) float32 on the CPU: V(s_t) on real tokens, 0 on padding (with a critic)."""
+        if not self.critic:
+            raise ValueError(f"advantage_estimator {self.estimator.name!r} has no critic: there are no values")
         return self._rollout_pass(batch, values=True).values.cpu()
 
     @torch.no_grad()
@@ -542,8 +526,8 @@ class Learner:
         cfg = self.config
         plan = plan or TrimPlan.of(batch)
         batch = batch.to(self.device)
-        self.policy.eval()
-        self.value_model.eval()
+        for model in self.models:
+            model.eval()
 
         def zeros() -> Tensor:
             return torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=self.device)  # (B, T)
@@ -690,82 +674,35 @@ class Learner:
         #    (old_logprobs: generator: the generator's logprobs stand in for the policy's, which
         #    the learner then recomputes only at every old_logprobs_check_every-th version.)
         recompute = self.recomputes_old_logprobs()
-        with cached_casts(self.policy, self.value_model):  # no weight changes in this pass
+        with cached_casts(*self.models):  # no weight changes in this pass
             fwd = self._group_rollout_pass(batch, plan, logprobs=recompute, full=recompute, entropy=recompute,
-                                           values=True)
+                                           values=self.critic)
         if not recompute:
             fwd = self._generator_logprobs(batch, fwd)
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # only to time the forward honestly
         forward_s = time.perf_counter() - t_start
 
-        # Overlap mode: rollouts one version behind. The ratio's denominator is then the
-        # behaviour policy that sampled them (the generator's logprobs, same temperature and
-        # truncation), not the current policy: PPO's trust region is around what was sampled.
+        # 2-6. KL_t, shaped rewards, advantages (the configured estimator) and returns, with
+        #      the rollouts' statistics (learner.experience). Overlap mode: rollouts one
+        #      version behind, whose behaviour policy is the generator's.
         stale = self.version - batch.adapter_version
-        with torch.no_grad():
-            behaviour = batch.gen_logprobs.float() if stale else fwd.logprobs
-            finite_old = torch.isfinite(behaviour)
-            policy_mask = mask & finite_old  # tokens with a defined PPO ratio
-            old_logprobs = torch.where(policy_mask, behaviour, torch.zeros((), device=self.device))
-            if recompute:
-                behaviour_gap = masked_mean((fwd.logprobs - behaviour).abs(),
-                                            policy_mask & torch.isfinite(fwd.logprobs))
-            else:  # the behaviour policy's logprobs are all there is: 0 by definition, unknown if stale
-                behaviour_gap = torch.full((), math.nan if stale else 0.0, device=self.device)
-            values = fwd.values
-            # 2. KL_t between policy and reference (k1 = logp - logp_ref by default).
-            kl = kl_penalty(fwd.full_logprobs, ref_logprobs, cfg.kl_estimator, mask=mask)  # (B, T)
-            # 3. Shaped rewards: score on the last real token, -beta * KL_t on every token.
-            rewards = shape_rewards(scores, kl, mask, self.kl_coef, cfg.reward_shaping)  # (B, T)
-            reward_sums = rewards.sum(dim=1)  # (B,) before any whitening, for the stats
-            # 4. Optional reward whitening (scale only, N+; off by default).
-            if cfg.whiten_rewards:
-                rewards = masked_whiten(rewards, mask, shift_mean=False)
-            # 5. TD errors -> GAE advantages (raw), returns G_t = A_t + V_t.
-            advantages = compute_gae_advantages(rewards, values, mask, cfg.gamma, cfg.lam)
-            returns = compute_returns(advantages, values, mask)
-            raw_advantage_mean = masked_mean(advantages, mask)
-            # 6. Advantage whitening over the step's real tokens.
-            if cfg.whiten_advantages:
-                advantages = masked_whiten(advantages, mask)
-
-        experience = Experience(
-            rollouts=batch, mask=mask, policy_mask=policy_mask, scores=scores, old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs, kl=kl, rewards=rewards, values=values, advantages=advantages,
-            returns=returns)
-        self.last_experience = experience
+        experience, rollout_stats = make_experience(
+            batch, fwd, ref_logprobs, scores, config=cfg, kl_coef=self.kl_coef, estimator=self.estimator,
+            stale=stale, recomputed=recompute, rows_kept=rows_kept)
+        if self.experience_hook is not None:
+            self.experience_hook(experience)
         buffer = ExperienceBuffer(experience, cfg.effective_mini_batch_size, cfg.micro_batch_size, plan,
                                   sort=cfg.learner_sort_by_length)
 
         # 7. PPO epochs x shuffled minibatches x micro-batches: value loss and PPO-clip.
         learning_rate = self.policy_optimizer.param_groups[0]["lr"]  # the step's first (scheduled) lr
-        with cached_casts(self.policy, self.value_model):  # cleared after every optimiser step
+        with cached_casts(*self.models):  # cleared after every optimiser step
             ppo = self._ppo_epochs(buffer)
 
         # 8. New version; stats (one host sync) and the new adapter for the generator.
         self.version += 1
-        # generator vs learner logprobs of the same version (NaN for stale rollouts: the current
-        # policy is not the one that sampled; behaviour_logprob_gap measures that distance)
-        gen_diff = torch.where(policy_mask, (batch.gen_logprobs.float() - fwd.logprobs).abs(),
-                               torch.zeros((), device=self.device))
-        if stale or not recompute:  # other weights, or nothing recomputed to compare with
-            gen_diff = torch.full((), math.nan, device=self.device)
-        tensors = {
-            **ppo,
-            "entropy": masked_mean(fwd.entropy, mask),
-            "explained_variance": explained_variance(values, returns, mask),
-            "kl": masked_mean(kl.sum(dim=1), rows_kept),
-            "kl_per_token": masked_mean(kl, mask),
-            "score_mean": masked_mean(scores, rows_kept),
-            "shaped_reward_mean": masked_mean(reward_sums, rows_kept),
-            "advantage_mean": raw_advantage_mean,
-            "return_mean": masked_mean(returns, mask),
-            "value_mean": masked_mean(values, mask),
-            "gen_logprob_max_abs_diff": gen_diff.amax(),
-            "truncated_tokens": (mask & ~finite_old).sum(),
-            "behaviour_logprob_gap": behaviour_gap,
-        }
+        tensors = {**ppo, **rollout_stats}
         names = list(tensors)
         numbers = torch.stack([tensors[k].detach().float().reshape(()) for k in names]).tolist()  # the sync
         done, real = self._token_counts
@@ -798,6 +735,7 @@ class Learner:
         exp = buffer.experience
         gen = self._shuffle_generator()
         zero = torch.zeros((), device=self.device)
+        critic = self.critic
         sums = {k: zero.clone() for k in ("policy_loss", "value_loss", "approx_kl", "clipfrac", "ratio_mean", "outside_support_frac",
                                           "vf_clipfrac", "policy_grad_norm", "value_grad_norm")}
         pg_tokens, v_tokens = zero.clone(), zero.clone()
@@ -805,10 +743,10 @@ class Learner:
         n_steps = 0
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
 
-        self.policy.train()  # dropout applies only with ppo_dropout (else the first ratio is exactly 1)
-        self.value_model.train()
-        self.policy_optimizer.zero_grad(set_to_none=True)
-        self.value_optimizer.zero_grad(set_to_none=True)
+        for model in self.models:  # dropout applies only with ppo_dropout (else the first ratio is exactly 1)
+            model.train()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
         for _ in range(cfg.ppo_epochs):
             for index in buffer.minibatch_indices(gen):
                 # the whole minibatch's counts, also in a group (each member has a share of its rows)
@@ -822,30 +760,32 @@ class Learner:
                     n_pg = micro.policy_mask.sum()
                     n_v = micro.mask.sum()
                     sums["policy_loss"] += pg_loss.detach()
-                    sums["value_loss"] += v_loss.detach()
                     for k in ("approx_kl", "clipfrac", "ratio_mean", "outside_support_frac"):
                         sums[k] += st[k] * n_pg
-                    sums["vf_clipfrac"] += st["vf_clipfrac"] * n_v
+                    if critic:
+                        sums["value_loss"] += v_loss.detach()
+                        sums["vf_clipfrac"] += st["vf_clipfrac"] * n_v
                     pg_tokens += n_pg
                     v_tokens += n_v
                     if n_steps == 0:  # before any optimiser step
                         first_ratio += st["ratio_mean"] * n_pg
                         first_tokens += n_pg
                 # Per minibatch: sum the group's gradients, clip each model's gradient norm,
-                # then step both optimisers (identically on every member).
+                # then step the optimisers (identically on every member).
                 self._sum_gradients()
                 sums["policy_grad_norm"] += torch.nn.utils.clip_grad_norm_(self.policy_params, max_norm)
-                sums["value_grad_norm"] += torch.nn.utils.clip_grad_norm_(self.value_params, max_norm)
-                self.policy_optimizer.step()
-                self.value_optimizer.step()
+                if critic:
+                    sums["value_grad_norm"] += torch.nn.utils.clip_grad_norm_(self.value_params, max_norm)
+                for optimizer in self.optimizers:
+                    optimizer.step()
                 for scheduler in self.schedulers:
                     scheduler.step()
-                clear_casts(self.policy, self.value_model)  # the adapters just changed
-                self.policy_optimizer.zero_grad(set_to_none=True)
-                self.value_optimizer.zero_grad(set_to_none=True)
+                clear_casts(*self.models)  # the adapters just changed
+                for optimizer in self.optimizers:
+                    optimizer.zero_grad(set_to_none=True)
                 n_steps += 1
-        self.policy.eval()
-        self.value_model.eval()
+        for model in self.models:
+            model.eval()
         # the group's sums of the per-token stats (grad norms are already the group's)
         self._sum_across_group([sums[k] for k in ("policy_loss", "value_loss", "approx_kl", "clipfrac", "ratio_mean",
                                                   "outside_support_frac", "vf_clipfrac")]
@@ -856,16 +796,23 @@ class Learner:
             out[k] = sums[k] / pg_tokens.clamp(min=1)
         out["vf_clipfrac"] = sums["vf_clipfrac"] / v_tokens.clamp(min=1)
         out["first_minibatch_ratio_mean"] = first_ratio / first_tokens.clamp(min=1)
+        if not critic:
+            for k in ("value_loss", "value_grad_norm", "vf_clipfrac"):
+                del out[k]
         return out
 
-    def _micro_backward(self, mb: Experience, pg_norm: Tensor, v_norm: Tensor) -> tuple[Tensor, Tensor, dict]:
+    def _micro_backward(self, mb: Experience, pg_norm: Tensor, v_norm: Tensor) -> tuple[Tensor, Optional[Tensor], dict]:
         """Policy loss (PPO-clip - entropy bonus) and value loss of one trimmed micro-batch,
         each normalised by its minibatch's token (or row) count, and their gradients
         accumulated. With a separate value model the policy's backward runs before the value
         model's forward, so only one model's activations are alive at a time (the same
         gradients: the two losses share no graph); a shared trunk takes one backward of
-        pg_loss + vf_coef * v_loss. Returns the detached losses and the stats."""
+        pg_loss + vf_coef * v_loss. Without a critic only the policy's loss (value loss None).
+        Returns the detached losses and the stats."""
         pg_loss, stats, new_values = self._policy_loss(mb, pg_norm, v_norm)
+        if not self.critic:
+            pg_loss.backward()
+            return pg_loss.detach(), None, stats
         if not self._shared:
             pg_loss.backward()
             new_values = self._values(mb.rollouts, mb.seq_len)  # (b, t) float32, the value model's own

@@ -151,6 +151,8 @@ class PPOConfig:
     """Value clipping range around the old values; None = no clipping."""
     max_grad_norm: Optional[float] = 1.0
     """Gradient-norm clip per optimiser step; None = no clipping."""
+    advantage_estimator: str = "gae"
+    """How the learner turns the step's shaped rewards into advantages: a name registered in learner/algos.py (register_estimator; today gae, with the value model as its critic). An estimator without a critic builds no value model, and the value_* fields and statistics do not apply."""
     whiten_advantages: bool = True
     """Whiten advantages over the step's real tokens."""
     whiten_rewards: bool = False
@@ -634,7 +636,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "PPO algorithm": (
         "steps", "batch_size", "ppo_epochs", "mini_batch_size", "micro_batch_size", "learning_rate",
         "value_learning_rate", "lr_scheduler", "gamma", "lam", "clip_epsilon", "value_clip", "vf_coef",
-        "max_grad_norm", "whiten_advantages", "whiten_rewards", "kl_coef", "kl_estimator", "kl_target",
+        "max_grad_norm", "advantage_estimator", "whiten_advantages", "whiten_rewards", "kl_coef", "kl_estimator", "kl_target",
         "kl_horizon", "entropy_coef", "loss_agg", "ppo_dropout", "logprob_gap_check",
         "logprob_gap_tolerance", "old_logprobs", "old_logprobs_check_every", "seed"),
     "generation": (

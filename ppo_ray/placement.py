@@ -534,7 +534,12 @@ def reserve(config: PPOConfig, demands: list[Demand], name: str) -> tuple[Placem
 def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, reward_model_dir: str | None,
                  value_model_dir: str | None, namespace: str) -> Roles:
     """Create the actors, named ppo/<role> in `namespace` (as the dashboard shows them), each
-    in its bundle of one placement group (reserve)."""
+    in its bundle of one placement group (reserve). An advantage estimator without a critic
+    gets no value model: none is shipped or loaded."""
+    from learner.algos import advantage_estimator
+
+    if not advantage_estimator(config.advantage_estimator).needs_critic:
+        value_model_dir = None
     demands = role_demands(config)
     pg, index = reserve(config, demands, name=f"{namespace}/ppo")
     store = None

@@ -17,34 +17,36 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LearnerStats:
-    """One Learner.update: means over real tokens (over minibatches for losses and norms)."""
+    """One Learner.update: means over real tokens (over minibatches for losses and norms).
+    The critic's statistics (CRITIC_FIELDS) are None for an advantage estimator without a
+    critic (no value model exists), and as_dict() leaves them out."""
 
     # step 7, the PPO epochs
     policy_loss: float
-    value_loss: float
+    value_loss: Optional[float] = None
     approx_kl: float
     clipfrac: float
     ratio_mean: float
     outside_support_frac: float
-    vf_clipfrac: float
+    vf_clipfrac: Optional[float] = None
     policy_grad_norm: float          # before clipping
-    value_grad_norm: float
+    value_grad_norm: Optional[float] = None
     first_minibatch_ratio_mean: float  # before any optimiser step; 1 with no dropout
     # steps 1-6, the rollouts
     entropy: float                   # of the rollout policy, per token
-    explained_variance: float        # old values vs returns
+    explained_variance: Optional[float] = None  # old values vs returns
     kl: float                        # mean over sequences of sum_t KL_t
     kl_per_token: float
     score_mean: float                # the scores the learner got (rows kept)
     shaped_reward_mean: float        # score - beta * KL, summed per sequence, before whitening
     advantage_mean: float            # raw, before whitening
-    return_mean: float
-    value_mean: float
+    return_mean: Optional[float] = None
+    value_mean: Optional[float] = None
     # checks
     gen_logprob_max_abs_diff: float  # generator vs learner logprob of the sampled tokens (NaN: stale rollouts)
     truncated_tokens: float          # sampled tokens outside the learner's top-k/top-p support
@@ -62,7 +64,12 @@ class LearnerStats:
     version: int                     # the adapter version after the update
 
     def as_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
+        """The fields in order, without the critic's when there is none."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+# The critic's statistics: present exactly when the advantage estimator has a critic.
+CRITIC_FIELDS = ("value_loss", "vf_clipfrac", "value_grad_norm", "explained_variance", "return_mean", "value_mean")
 
 
 @dataclass(frozen=True)

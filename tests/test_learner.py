@@ -151,6 +151,13 @@ def value_params(learner: Learner) -> dict:
 SGD_LR = 3e-3
 
 
+def keep_experience(learner: Learner) -> list[Experience]:
+    """The Experience of each of `learner`'s next updates, in order (Learner.experience_hook)."""
+    kept: list[Experience] = []
+    learner.experience_hook = kept.append
+    return kept
+
+
 def with_sgd(learner: Learner, lr: float = SGD_LR) -> Learner:
     """`learner` stepping both models with plain SGD instead of Adam, for tests that compare
     two computations of an update. Adam's first step is lr * g / (|g| + eps): it turns a
@@ -229,6 +236,7 @@ def assert_same_update(got: tuple, want: tuple, tols: dict, keys=None) -> None:
 @pytest.mark.equality
 def test_update_runs_and_changes_only_lora(tiny_path, special):
     learner = Learner(make_config(), tiny_path)
+    kept = keep_experience(learner)
     with torch.no_grad():  # a head that is not 0, so the old values below say something
         learner.value_model.head.weight.copy_(torch.randn(learner.value_model.head.weight.shape,
                                                           generator=torch.Generator().manual_seed(7)))
@@ -256,7 +264,7 @@ def test_update_runs_and_changes_only_lora(tiny_path, special):
     assert stats.gen_logprob_max_abs_diff < logprob_tol(batch.gen_logprobs, batch.response_mask)
     assert stats.kl != 0.0
     # The wiring of steps 2-6, against computations that share no code with the learner's.
-    exp, mask = learner.last_experience, batch.response_mask
+    exp, mask = kept[-1], batch.response_mask
     check_wiring(learner.config, value_model_before, batch, scores, exp)
     # Exported adapter: PEFT key format, CPU, contiguous copies, and it changed.
     assert weights.keys() == lora_before.keys()
@@ -349,6 +357,7 @@ def test_first_ratio_is_one_and_logprobs_match_direct_peft_forward(tiny_path, sp
 
     cfg = make_config(top_k=20, top_p=1.0, ppo_epochs=1, mini_batch_size=8, micro_batch_size=4)
     learner = Learner(cfg, tiny_path)
+    kept = keep_experience(learner)
     batch = sampled_batch(learner, special)
     assert torch.isfinite(batch.gen_logprobs).all()
     _, ref, scores = rollout_inputs(learner, batch)
@@ -358,7 +367,7 @@ def test_first_ratio_is_one_and_logprobs_match_direct_peft_forward(tiny_path, sp
     # the no-grad pass and the training forward: two computations of the same logprobs
     assert abs(stats.first_minibatch_ratio_mean - 1.0) < token_mean_tol(batch.gen_logprobs, batch.response_mask)
     # Old logprobs are the truncated sampling distribution; KL_t uses the full softmax.
-    exp, mask = learner.last_experience, batch.response_mask
+    exp, mask = kept[-1], batch.response_mask
     lp_tol = logprob_tol(full_before, mask)  # logprobs() / full_logprobs() vs the update's pass
     assert (exp.old_logprobs - batch.gen_logprobs)[mask].abs().max() < lp_tol
     assert (full_before - batch.gen_logprobs)[mask].abs().max() > 1e-3  # truncation matters here
@@ -453,12 +462,13 @@ def test_bad_inputs_are_clear_errors(tiny_path, special):
 
 def test_nonfinite_scores_dropped_and_counted(tiny_path, special):
     learner = Learner(make_config(nonfinite_reward="drop"), tiny_path)
+    kept = keep_experience(learner)
     batch, ref, scores = rollout_inputs(learner, random_batch(special))
     scores[2] = math.nan
     stats, _ = learner.update(batch, ref, scores)
     assert stats.dropped_samples == 1
     assert all(math.isfinite(v) for k, v in stats.as_dict().items() if k not in MEASURED_STATS), stats
-    exp = learner.last_experience
+    exp = kept[-1]
     assert not exp.mask[2].any() and (exp.advantages[2] == 0).all() and (exp.returns[2] == 0).all()
 
 
@@ -483,12 +493,13 @@ def test_padding_invariance(tiny_path, special):
     (SGD updates: with_sgd; tolerances: update_tols)."""
     cfg = make_config(mini_batch_size=8, micro_batch_size=8)  # one micro-batch holds every row
     a, b = with_sgd(Learner(cfg, tiny_path)), with_sgd(Learner(cfg, tiny_path))
+    kept_a, kept_b = keep_experience(a), keep_experience(b)
     batch, ref, scores = rollout_inputs(a, random_batch(special))
     padded, ref_padded = pad_batch(batch, ref, extra_p=5, extra_t=7)
     stats_a, w_a = a.update(batch, ref, scores)
     stats_b, w_b = b.update(padded, ref_padded, scores)
     t = batch.response_ids.shape[1]
-    ea, eb = a.last_experience, b.last_experience
+    ea, eb = kept_a[-1], kept_b[-1]
     mask = batch.response_mask
     weights_a = {**w_a.tensors, **value_params(a)}
     tols = update_tols(cfg, batch, weights_a)
@@ -733,13 +744,14 @@ def test_overlap_mode_takes_one_version_stale_rollouts_with_behaviour_logprobs(t
     staleness is reported."""
     cfg = make_config(overlap_generation=True, learning_rate=3e-3)
     learner = Learner(cfg, tiny_path)
+    kept = keep_experience(learner)
     stale_batch, ref, scores = rollout_inputs(learner, sampled_batch(learner, special, seed=3), seed=3)  # v0
     learner.update(*rollout_inputs(learner, sampled_batch(learner, special, seed=4), seed=4))  # -> v1
     assert learner.version == 1 and stale_batch.adapter_version == 0
 
     current = learner.logprobs(stale_batch)
     stats, _ = learner.update(stale_batch, ref, scores)
-    exp = learner.last_experience
+    exp = kept[-1]
     m = exp.policy_mask
     assert torch.equal(exp.old_logprobs[m], stale_batch.gen_logprobs[m])  # behaviour, not current
     assert stats.stale_versions == 1.0

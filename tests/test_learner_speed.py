@@ -28,13 +28,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from learner.algos import chunked_rows
+from learner.learner import Learner
+from learner.speed import chunked_rows, head_token_stats
 from ppo_ray.batch import TrimPlan
-from ppo_ray.logprobs import logprobs_from_logits
-from learner.learner import Learner, head_token_stats
 from ppo_ray.config import ConfigError, PPOConfig
-from test_learner import (assert_same_update, logprob_tol, make_config, random_batch, rollout_inputs,  # noqa: F401
-                          special, tiny_path, token_mean_tol, update_tols, with_sgd)
+from ppo_ray.logprobs import logprobs_from_logits
+from test_learner import (assert_same_update, keep_experience, logprob_tol, make_config, random_batch,  # noqa: F401
+                          rollout_inputs, special, tiny_path, token_mean_tol, update_tols, with_sgd)
 from tolerances import TINY_TERMS, bf16_roundings, grad_terms, rms_rel_tol, rounding_tol
 
 FAST = dict(learner_layout="causal", learner_sort_by_length=True, lora_kernel="fused", rms_norm_kernel="fused",
@@ -132,13 +132,14 @@ def test_checkpointed_and_chunked_gradients_equal_plain(tiny_path, plain):
     b, ref, scores, _, _, _ = plain
 
     def grads(**options) -> dict:
-        # update() builds last_experience; SGD at lr 0 leaves the weights as they were, so
+        # update() builds the Experience; SGD at lr 0 leaves the weights as they were, so
         # both gradients are taken at the same weights (Adam's steps would differ by ~lr)
         learner = with_sgd(learner_with(tiny_path, **options), lr=0.0)
+        kept = keep_experience(learner)
         learner.update(b, ref, scores)
         from learner.buffer import ExperienceBuffer
 
-        exp = learner.last_experience
+        exp = kept[-1]
         buffer = ExperienceBuffer(exp, len(exp), 4, TrimPlan.of(exp.rollouts), sort=learner.config.learner_sort_by_length)
         learner.policy.train()
         learner.value_model.train()

@@ -98,6 +98,7 @@ def run_update(cfg: PPOConfig, path: str):
     learner = Learner(cfg, path)
     batch, ref, scores = inputs(learner)
     steps: list[dict] = []
+    learner.experience_hook = lambda exp: setattr(learner, "kept_experience", exp)  # read by the tests
 
     def spy(optimizer, args, kwargs):  # before the policy's step; both gradients are final by then
         steps.append({name: {n: (p.detach().clone(), p.grad.detach().clone()) for n, p in trainable(model).items()}
@@ -212,7 +213,7 @@ CASES = [
 def test_update_follows_its_options(tiny_path, option):
     cfg = config(**option)
     learner, batch, ref, scores, steps = run_update(cfg, tiny_path)
-    exp = learner.last_experience
+    exp = learner.kept_experience
     mask = exp.mask
     other = Learner(cfg, tiny_path)  # same seed: the same initial weights as the learner's
     full_old = other.full_logprobs(batch)  # the policy before the update, untruncated

@@ -1,0 +1,121 @@
+"""The experience of one PPO step (the seeds' steps 2-6), from the learner's no-grad pass.
+
+Given the rollouts, the learner's scores of them (step 1: `RolloutScores`, old logprobs,
+full-softmax logprobs, entropy and, with a critic, values), the reference logprobs and the
+sequence scores, `make_experience` computes in paper order:
+
+2. the per-token KL to the reference, KL_t (k1 = logp - logp_ref by default);
+3. the shaped rewards: the score on the last real token, -beta * KL_t on every token;
+4. optionally their whitening (scale only, N+; off by default);
+5. the advantages from the configured estimator (learner.algos' registry, GAE by default)
+   and, with a critic, the returns G_t = A_t + V_t;
+6. optionally the advantages' whitening over the step's real tokens;
+
+and the rollouts' statistics (0-dim tensors: the learner reads them back in its one host
+sync). The optimisation (steps 7-11) is the learner's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from learner.algos import (AdvantageEstimator, AdvantageInputs, compute_returns, explained_variance, kl_penalty,
+                           masked_mean, masked_whiten, shape_rewards)
+from learner.buffer import Experience
+from ppo_ray.batch import RolloutBatch
+
+
+@dataclass
+class RolloutScores:
+    """The learner's no-grad view of a batch (step 1); fields not asked for are None."""
+
+    logprobs: Optional[Tensor]       # (B, T) float32 truncated + tempered (the sampling distribution)
+    full_logprobs: Optional[Tensor]  # (B, T) float32 full softmax at temperature (for the KL)
+    entropy: Optional[Tensor]        # (B, T) float32 entropy of softmax(logits / temperature)
+    values: Optional[Tensor]         # (B, T) float32 V(s_t); None without a critic
+
+
+def score_tensors(scores: RolloutScores) -> list[Optional[Tensor]]:
+    """The fields in order, as the tensors themselves (dataclasses.astuple would copy them)."""
+    return [getattr(scores, f.name) for f in dataclasses.fields(scores)]
+
+
+@torch.no_grad()
+def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tensor, scores: Tensor, *, config,
+                    kl_coef: float, estimator: AdvantageEstimator, stale: int, recomputed: bool,
+                    rows_kept: Tensor) -> tuple[Experience, dict[str, Tensor]]:
+    """Steps 2-6 on one device (batch, fwd, ref_logprobs (B, T) and scores (B,) all on it).
+
+    Args:
+        config: the learner's config (kl_estimator, reward_shaping, whiten_rewards,
+            whiten_advantages, gamma, lam).
+        kl_coef: this step's beta.
+        estimator: the advantage estimator; with ``needs_critic`` fwd.values are the critic's.
+        stale: how many versions behind the learner the rollouts are (overlap mode: 1). The
+            PPO ratio's denominator is then the behaviour policy that sampled them (the
+            generator's logprobs, same temperature and truncation), not the current policy:
+            PPO's trust region is around what was sampled.
+        recomputed: whether fwd's logprobs are the learner's own (else the generator's).
+        rows_kept: (B,) bool, the rows whose score was finite.
+
+    Returns:
+        (the Experience, the rollouts' statistics by LearnerStats field name).
+    """
+    mask = batch.response_mask  # (B, T) bool
+    zero = torch.zeros((), device=mask.device)
+    behaviour = batch.gen_logprobs.float() if stale else fwd.logprobs
+    finite_old = torch.isfinite(behaviour)
+    policy_mask = mask & finite_old  # tokens with a defined PPO ratio
+    old_logprobs = torch.where(policy_mask, behaviour, zero)
+    if recomputed:
+        behaviour_gap = masked_mean((fwd.logprobs - behaviour).abs(), policy_mask & torch.isfinite(fwd.logprobs))
+    else:  # the behaviour policy's logprobs are all there is: 0 by definition, unknown if stale
+        behaviour_gap = torch.full((), math.nan if stale else 0.0, device=mask.device)
+    values = fwd.values  # None without a critic
+    # 2. KL_t between policy and reference (k1 = logp - logp_ref by default).
+    kl = kl_penalty(fwd.full_logprobs, ref_logprobs, config.kl_estimator, mask=mask)  # (B, T)
+    # 3. Shaped rewards: score on the last real token, -beta * KL_t on every token.
+    rewards = shape_rewards(scores, kl, mask, kl_coef, config.reward_shaping)  # (B, T)
+    reward_sums = rewards.sum(dim=1)  # (B,) before any whitening, for the stats
+    # 4. Optional reward whitening (scale only, N+; off by default).
+    if config.whiten_rewards:
+        rewards = masked_whiten(rewards, mask, shift_mean=False)
+    # 5. Advantages (raw) from the estimator (GAE: TD errors -> GAE), and with a critic
+    #    its targets, the returns G_t = A_t + V_t.
+    advantages = estimator.fn(AdvantageInputs(rewards=rewards, mask=mask, scores=scores, values=values,
+                                              gamma=config.gamma, lam=config.lam))
+    returns = compute_returns(advantages, values, mask) if estimator.needs_critic else None
+    raw_advantage_mean = masked_mean(advantages, mask)
+    # 6. Advantage whitening over the step's real tokens.
+    if config.whiten_advantages:
+        advantages = masked_whiten(advantages, mask)
+
+    experience = Experience(
+        rollouts=batch, mask=mask, policy_mask=policy_mask, scores=scores, old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs, kl=kl, rewards=rewards, values=values, advantages=advantages, returns=returns)
+    # generator vs learner logprobs of the same version (NaN for stale rollouts: the current
+    # policy is not the one that sampled; behaviour_logprob_gap measures that distance)
+    gen_diff = torch.where(policy_mask, (batch.gen_logprobs.float() - fwd.logprobs).abs(), zero)
+    if stale or not recomputed:  # other weights, or nothing recomputed to compare with
+        gen_diff = torch.full((), math.nan, device=mask.device)
+    stats = {
+        "entropy": masked_mean(fwd.entropy, mask),
+        "kl": masked_mean(kl.sum(dim=1), rows_kept),
+        "kl_per_token": masked_mean(kl, mask),
+        "score_mean": masked_mean(scores, rows_kept),
+        "shaped_reward_mean": masked_mean(reward_sums, rows_kept),
+        "advantage_mean": raw_advantage_mean,
+        "gen_logprob_max_abs_diff": gen_diff.amax(),
+        "truncated_tokens": (mask & ~finite_old).sum(),
+        "behaviour_logprob_gap": behaviour_gap,
+    }
+    if estimator.needs_critic:
+        stats.update(explained_variance=explained_variance(values, returns, mask),
+                     return_mean=masked_mean(returns, mask), value_mean=masked_mean(values, mask))
+    return experience, stats
