@@ -11,7 +11,7 @@ lengths uniform in --prompt_len, left-padded; responses of --response_len tokens
 ending the shorter ones). Each variant is a set of config changes (the learner speed
 options of ppo_ray.config, micro_batch_size) to the plain path (PLAIN: every speed option
 off, whatever the preset says) applied to the same learner
-(``Learner._speed_options``); it runs one warm-up update, then one timed update (no-grad
+(``Learner.reconfigure``); it runs one warm-up update, then one timed update (no-grad
 pass + ppo_epochs over the batch), and reports the phases, the MFU (benchmarks.gpu_step's
 learner_flops over the card's bf16 peak), the padded-vs-real token ratio and peak memory.
 ``split`` times one micro-batch's policy and value forward+backward separately. Variants in
@@ -151,16 +151,16 @@ def split_timing(learner, batch, sync: Sync, reps: int = 3) -> dict:
     learner.value_model.train()
 
     def policy() -> None:
-        if learner._plain_logits:
+        if learner.speed.plain_logits:
             logits = response_logits(learner.policy, mb.rollouts)
             logp = logprobs_from_logits(logits, mb.rollouts.response_ids, cfg.temperature, cfg.top_k, cfg.top_p,
                                         mask=mb.mask)
         else:
-            (logp,) = learner._policy_token_stats(mb.rollouts, mb.seq_len, mb.response_tokens, truncated=True)
+            (logp,) = learner.speed.policy_token_stats(mb.rollouts, mb.seq_len, mb.response_tokens, truncated=True)
         logp.sum().backward()
 
     def value() -> None:
-        learner._values(mb.rollouts, mb.seq_len).float().sum().backward()
+        learner.speed.values(mb.rollouts, mb.seq_len).float().sum().backward()
 
     out = {}
     for name, fn in (("policy", policy), ("value", value)):
@@ -370,10 +370,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             row: dict[str, Any] = {"options": VARIANTS[name]}
             result["variants"][name] = row
             try:
-                learner.config = config.replace(**{**PLAIN, **VARIANTS[name]})
-                learner._speed_options()
+                learner.reconfigure(config.replace(**{**PLAIN, **VARIANTS[name]}))
                 if name in EAGER_HEAD:
-                    learner._head_stats = head_token_stats
+                    learner.speed.head_stats = head_token_stats
                 t0 = time.perf_counter()
                 row["warmup"] = run_update(learner, batch, ref, scores, sync)
                 row["warmup_wall_s"] = time.perf_counter() - t0

@@ -52,13 +52,11 @@ from learner.algos import adaptive_kl_coef, advantage_estimator, agg_loss, ppo_c
 from learner.buffer import Experience, ExperienceBuffer
 from learner.experience import RolloutScores, make_experience, score_tensors
 from learner.kernels import cached_casts, clear_casts
-from learner.speed import chunked_rows, head_token_stats
+from learner.speed import SpeedPath
 from learner.value_model import ValueHead, ValueModel
 from ppo_ray.batch import RolloutBatch, TrimPlan, fresh_enough, rollout_micro_batches, staleness_limit
 from ppo_ray.config import ConfigSlice, PPOConfig
-from ppo_ray.logprobs import entropy_from_logits, logprobs_from_logits
-from ppo_ray.modeling import (LoraSpec, LoraWeights, causal_response_hidden, load_causal_lm, pick_device,
-                              response_hidden, response_logits)
+from ppo_ray.modeling import LoraSpec, LoraWeights, load_causal_lm, pick_device
 from ppo_ray.stats import LearnerStats
 
 ADAM_EPS = 1e-5  # N+ (summarize_from_feedback_details ppo.py: eps=1e-5)
@@ -195,7 +193,7 @@ class Learner:
         for model in self.models:
             model.to(self.device).eval()
         self.vocab_size = self.policy.get_input_embeddings().weight.shape[0]
-        self._speed_options()
+        self.speed = SpeedPath(config, self.policy, self.value_model, self._shared)  # how token stats are computed
 
         self.policy_params = [p for p in self.policy.parameters() if p.requires_grad]
         self.value_params = self.value_model.trainable_parameters() if self.critic else []
@@ -212,6 +210,12 @@ class Learner:
         # before the PPO epochs: for tests and benchmarks that inspect it; None = nothing kept.
         self.experience_hook: Optional[Callable[[Experience], None]] = None
         self.rank, self.world_size = 0, 1  # data parallelism: see join_group
+
+    def reconfigure(self, config: PPOConfig | ConfigSlice) -> None:
+        """Take a changed config on a built learner (benchmarks and tests switch the speed
+        options on one learner): the learner and its speed path read it from now on."""
+        self.config = config
+        self.speed.configure(config)
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -241,116 +245,6 @@ class Learner:
                 plan.end = end
                 for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
                     group["lr"] = base * plan(scheduler.last_epoch)
-
-    # ------------------------------------------------------------------ speed options
-    def _speed_options(self) -> None:
-        """Apply the config's learner speed options (ppo_ray.config: learner_layout,
-        learner_sort_by_length, logprob_chunk_size, lora_kernel, rms_norm_kernel,
-        gradient_checkpointing, learner_compile, learner_compile_scope). With all
-        of them at their defaults nothing changes: the policy's logits come from its own
-        forward (response_logits), exactly as before the options existed. Called again after
-        a config change (benchmarks switch options on one learner); compiling is for good."""
-        from learner.kernels import fuse_lora_linears, fuse_rms_norms
-
-        cfg = self.config
-        policy_base = self.policy.get_base_model()  # the CausalLM, LoRA layers inside
-        # the value model's decoder (e.g. Qwen3Model); none with a shared trunk
-        value_base = self.value_model.backbone.get_base_model() if self.critic and not self._shared else None
-        self._decoder = policy_base.get_decoder()
-        self._lm_head = policy_base.get_output_embeddings()
-        self._causal = cfg.learner_layout == "causal"
-        # the plain path: logits from the CausalLM's forward, all positions at once (a shared
-        # trunk needs the hidden states themselves: the decoder path)
-        self._plain_logits = not self._causal and cfg.logprob_chunk_size == 0 and not self._shared
-        for model in self.models:
-            fuse_lora_linears(model, cfg.lora_kernel)
-            fuse_rms_norms(model, cfg.rms_norm_kernel == "fused")
-        bases = [policy_base] if value_base is None else [policy_base, value_base]
-        for model in bases:
-            if cfg.gradient_checkpointing:
-                # non-reentrant: the frozen embeddings' outputs need no requires_grad hook (PEFT)
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            elif model.is_gradient_checkpointing:
-                model.gradient_checkpointing_disable()
-        if cfg.learner_compile:
-            compiled = getattr(self, "_compiled", None)
-            if compiled is None:
-                for decoder in [base.get_decoder() for base in bases]:
-                    if cfg.learner_compile_scope == "decoder":
-                        # One graph per model's forward (and one for its backward): one guard check
-                        # and one wrapper call per micro-batch instead of one per layer.
-                        decoder.compile(dynamic=True)
-                    else:
-                        # Per decoder layer: one graph serves all layers of both models (same code
-                        # and shapes), dynamic in the sequence length so new widths do not recompile.
-                        for layer in decoder.layers:
-                            layer.compile(dynamic=True)
-                self._compiled = cfg.learner_compile_scope
-            elif compiled != cfg.learner_compile_scope:
-                raise ValueError(f"learner_compile_scope: this learner's models are compiled per {compiled}; "
-                                 f"it cannot change to {cfg.learner_compile_scope!r} (build a new Learner)")
-        # lm_head + the per-token logprob math (learner_compile: one fused graph per stats set
-        # instead of a float32 pass per op over each chunk's (c, V) logits; 1.10x on the GPU)
-        self._head_stats = head_token_stats
-        if cfg.learner_compile:
-            self._head_stats = torch.compile(head_token_stats, dynamic=True)
-        self._token_counts = [0, 0]  # (positions computed, real tokens) of the current update
-
-    def _count(self, plan: TrimPlan, rows: list[int]) -> None:
-        done, real = plan.cost(rows, self._causal)
-        self._token_counts[0] += done
-        self._token_counts[1] += real
-
-    def _policy_hidden(self, micro: RolloutBatch, seq_len: int) -> Tensor:
-        """(b, t, H) the policy's last hidden states that predict micro's response tokens."""
-        if self._causal:
-            return causal_response_hidden(self._decoder, micro, seq_len)
-        return response_hidden(self._decoder, micro)
-
-    def _values(self, micro: RolloutBatch, seq_len: int) -> Tensor:
-        """(b, t) float32 V(s_t) of micro's response positions (garbage on padding), from the
-        value model's own backbone (value_model: separate)."""
-        return self.value_model(micro, causal_len=seq_len if self._causal else None)
-
-    def _policy_token_stats(self, micro: RolloutBatch, seq_len: int, n_response: int, *, truncated: bool = False,
-                            full: bool = False, entropy: bool = False, values: bool = False) -> list[Tensor]:
-        """Per-token (b, t) float32 stats of the policy at micro's response tokens, 0 on
-        padding, in this order (those asked for): truncated + tempered logprobs (the
-        sampling distribution), full-softmax logprobs at temperature, entropy at temperature,
-        and (value_model: shared) the values V(s_t) from the value head on the same hidden
-        states: one trunk forward for both.
-
-        The path the speed options take: hidden states from the decoder (either layout),
-        then lm_head and the logprob math on the real response positions only (the rows'
-        extents, `n_response` of them, a host count: no sync), `logprob_chunk_size` of them
-        at a time (learner.speed.chunked_rows). Equal to the plain path's values up to float
-        rounding (tests/test_learner_speed.py)."""
-        cfg = self.config
-        hidden = self._policy_hidden(micro, seq_len)  # (b, t, H)
-        b, t, _ = hidden.shape
-        mask = micro.response_mask  # (b, t)
-        cols = torch.arange(t, device=mask.device)
-        ends = torch.where(mask, cols + 1, torch.zeros((), dtype=cols.dtype, device=mask.device)).amax(dim=1)  # (b,)
-        extent = cols[None, :] < ends[:, None]  # (b, t) each row up to its last real token
-        index = torch.nonzero_static(extent.reshape(-1), size=n_response).squeeze(-1)  # (n,) no sync
-        h = hidden.reshape(b * t, -1).index_select(0, index)  # (n, H)
-        tokens = micro.response_ids.reshape(-1).index_select(0, index)  # (n,)
-        lm_head, head_stats = self._lm_head, self._head_stats
-        what = (cfg.temperature, cfg.top_k, cfg.top_p, truncated, full, entropy)
-
-        def per_token(h: Tensor, tokens: Tensor) -> tuple[Tensor, ...]:
-            if head_stats is not head_token_stats and type(lm_head) is torch.nn.Linear and lm_head.bias is None:
-                return head_stats(h, lm_head.weight, tokens, *what)  # compiled, the lm_head's GEMM inside
-            return head_token_stats(lm_head(h), None, tokens, *what)  # eager (or e.g. a LoRA-adapted lm_head)
-
-        zero = torch.zeros((), device=mask.device)
-        out = []
-        if truncated or full or entropy:
-            out = [torch.where(mask, torch.zeros(b * t, device=mask.device).index_put((index,), v).view(b, t), zero)
-                   for v in chunked_rows(per_token, cfg.logprob_chunk_size, h, tokens)]
-        if values:
-            out.append(torch.where(mask, self.value_model(hidden), zero))  # (b, t) float32
-        return out
 
     # ------------------------------------------------------------------ data parallelism
     def join_group(self, init_method: str, rank: int, world_size: int, timeout_s: float = 120.0) -> None:
@@ -536,32 +430,11 @@ class Learner:
                             zeros() if entropy else None, zeros() if values else None)
         for rows, micro in rollout_micro_batches(batch, cfg.micro_batch_size, plan, sort=cfg.learner_sort_by_length):
             t = micro.response_ids.shape[1]
-            mask = micro.response_mask
-            seq_len = plan.seq_len(rows)
-            self._count(plan, rows)
-            shared_values = values and self._shared  # from the same trunk forward as the logprobs
-            if (logprobs or full or entropy or shared_values) and not self._plain_logits:
-                stats = iter(self._policy_token_stats(micro, seq_len, plan.response_tokens(rows),
-                                                      truncated=logprobs, full=full, entropy=entropy,
-                                                      values=shared_values))
-                for name, wanted in (("logprobs", logprobs), ("full_logprobs", full), ("entropy", entropy),
-                                     ("values", shared_values)):
-                    if wanted:
-                        getattr(out, name)[rows, :t] = next(stats)
-            elif logprobs or full or entropy:
-                logits = response_logits(self.policy, micro)  # (b, t, V)
-                if logprobs:
-                    out.logprobs[rows, :t] = logprobs_from_logits(
-                        logits, micro.response_ids, cfg.temperature, cfg.top_k, cfg.top_p, mask=mask)
-                if full:
-                    out.full_logprobs[rows, :t] = logprobs_from_logits(
-                        logits, micro.response_ids, cfg.temperature, mask=mask)
-                if entropy:
-                    out.entropy[rows, :t] = entropy_from_logits(logits, mask, cfg.temperature)
-                del logits
-            if values and not self._shared:
-                v = self._values(micro, seq_len)  # (b, t)
-                out.values[rows, :t] = torch.where(mask, v, torch.zeros((), device=v.device))
+            self.speed.count(plan, rows)
+            stats = self.speed.rollout_stats(micro, plan.seq_len(rows), plan.response_tokens(rows), logprobs=logprobs,
+                                             full=full, entropy=entropy, values=values)
+            for name, value in stats.items():
+                getattr(out, name)[rows, :t] = value
         return out
 
     def recomputes_old_logprobs(self) -> bool:
@@ -653,7 +526,7 @@ class Learner:
         """
         cfg = self.config
         t_start = time.perf_counter()
-        self._token_counts = [0, 0]
+        self.speed.token_counts = [0, 0]
         cuda = self.device.type == "cuda"
         if cuda:  # this update's peak, not the process's (LearnerStats.learner_peak_memory_gib)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -705,7 +578,7 @@ class Learner:
         tensors = {**ppo, **rollout_stats}
         names = list(tensors)
         numbers = torch.stack([tensors[k].detach().float().reshape(()) for k in names]).tolist()  # the sync
-        done, real = self._token_counts
+        done, real = self.speed.token_counts
         # the caching allocator's peak since the reset above (host-side bookkeeping: no device sync)
         peak_gib = torch.cuda.max_memory_allocated(self.device) / 2**30 if cuda else math.nan
         stats = LearnerStats(**dict(zip(names, numbers)), dropped_samples=float(dropped), tokens=float(n_tokens),
@@ -755,7 +628,7 @@ class Learner:
                 local = index[self.rank::self.world_size]  # this member's rows (all of them alone)
                 for rows in (buffer.micro_rows(local) if len(local) else ()):
                     micro = buffer.micro_batch(rows)
-                    self._count(buffer.plan, rows)
+                    self.speed.count(buffer.plan, rows)
                     pg_loss, v_loss, st = self._micro_backward(micro, pg_norm, v_norm)
                     n_pg = micro.policy_mask.sum()
                     n_v = micro.mask.sum()
@@ -815,7 +688,7 @@ class Learner:
             return pg_loss.detach(), None, stats
         if not self._shared:
             pg_loss.backward()
-            new_values = self._values(mb.rollouts, mb.seq_len)  # (b, t) float32, the value model's own
+            new_values = self.speed.values(mb.rollouts, mb.seq_len)  # (b, t) float32, the value model's own
         v_loss, v_stats = value_loss(new_values, mb.returns, mb.mask, mb.values, self.config.value_clip,
                                      self.config.loss_agg, v_norm)
         # vf_coef weighs the value loss only on a shared trunk: separate models have an Adam each,
@@ -828,20 +701,8 @@ class Learner:
         and its stats, and with a shared trunk the (b, t) float32 values from the same forward
         (else None)."""
         cfg = self.config
-        values = None
-        if self._plain_logits:
-            logits = response_logits(self.policy, mb.rollouts)  # (b, t, V), train mode
-            logp = logprobs_from_logits(logits, mb.rollouts.response_ids, cfg.temperature, cfg.top_k, cfg.top_p,
-                                        mask=mb.policy_mask)  # (b, t) float32
-            ent = entropy_from_logits(logits, mb.mask, cfg.temperature) if cfg.entropy_coef > 0 else None  # (b, t)
-            del logits
-        else:
-            want_entropy = cfg.entropy_coef > 0
-            stats = self._policy_token_stats(mb.rollouts, mb.seq_len, mb.response_tokens, truncated=True,
-                                             entropy=want_entropy, values=self._shared)
-            logp = torch.where(mb.policy_mask, stats[0], torch.zeros((), device=stats[0].device))  # (b, t)
-            ent = stats[1] if want_entropy else None
-            values = stats[-1] if self._shared else None
+        logp, ent, values = self.speed.train_stats(mb.rollouts, mb.seq_len, mb.response_tokens, mb.policy_mask, mb.mask,
+                                                   entropy=cfg.entropy_coef > 0)
         pg_loss, pg_stats = ppo_clip_loss(logp, mb.old_logprobs, mb.advantages, mb.policy_mask,
                                           cfg.clip_epsilon, cfg.loss_agg, pg_norm)
         if ent is not None:

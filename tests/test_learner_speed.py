@@ -301,10 +301,10 @@ def test_compile_option_compiles_every_decoder_layer(tiny_path, monkeypatch):
     compiled = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compiled.append((self, kw)))
     learner = Learner(make_config(learner_compile=True), tiny_path)
-    layers = [*learner._decoder.layers, *learner.value_model.backbone.get_base_model().layers]
+    layers = [*learner.speed.decoder.layers, *learner.value_model.backbone.get_base_model().layers]
     assert [m for m, _ in compiled] == layers and all(kw == {"dynamic": True} for _, kw in compiled)
-    assert learner._head_stats is not head_token_stats  # the lm_head + logprob math: torch.compile'd
-    assert Learner(make_config(), tiny_path)._head_stats is head_token_stats
+    assert learner.speed.head_stats is not head_token_stats  # the lm_head + logprob math: torch.compile'd
+    assert Learner(make_config(), tiny_path).speed.head_stats is head_token_stats
 
 
 def test_compile_scope_decoder_compiles_each_models_decoder_once(tiny_path, monkeypatch):
@@ -313,13 +313,12 @@ def test_compile_scope_decoder_compiles_each_models_decoder_once(tiny_path, monk
     compiled = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compiled.append((self, kw)))
     learner = Learner(make_config(learner_compile=True, learner_compile_scope="decoder"), tiny_path)
-    decoders = [learner._decoder, learner.value_model.backbone.get_base_model()]
+    decoders = [learner.speed.decoder, learner.value_model.backbone.get_base_model()]
     assert [m for m, _ in compiled] == decoders and all(kw == {"dynamic": True} for _, kw in compiled)
-    learner._speed_options()  # the same scope again: nothing more is compiled
+    learner.speed.configure()  # the same scope again: nothing more is compiled
     assert len(compiled) == 2
-    learner.config = learner.config.replace(learner_compile_scope="layer")
     with pytest.raises(ValueError, match="learner_compile_scope.*per decoder"):
-        learner._speed_options()
+        learner.reconfigure(learner.config.replace(learner_compile_scope="layer"))
 
 
 @pytest.mark.slow
@@ -523,7 +522,7 @@ def test_generator_old_logprobs_skip_the_policys_pass_and_give_the_same_update(t
         opts = {k: v for k, v in options.items() if k != "value_model"} if shared else options
         learner = with_sgd(make(tiny_path, old_logprobs=mode, old_logprobs_check_every=2, **opts))
         no_grad_calls = {"lm_head": 0, "decoder": 0}
-        for name, module in (("lm_head", learner._lm_head), ("decoder", learner._decoder)):
+        for name, module in (("lm_head", learner.speed.lm_head), ("decoder", learner.speed.decoder)):
             module.register_forward_hook(
                 lambda m, a, o, name=name: no_grad_calls.__setitem__(name, no_grad_calls[name]
                                                                      + (not torch.is_grad_enabled())))
