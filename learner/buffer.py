@@ -12,7 +12,7 @@ the same right columns as response_ids.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -95,8 +95,3 @@ class ExperienceBuffer:
         """These rows, trimmed to their own widths, with their host counts."""
         return replace(self.experience.select(rows).trimmed(*self.plan.widths(rows)),
                        seq_len=self.plan.seq_len(rows), response_tokens=self.plan.response_tokens(rows))
-
-    def micro_batches(self, minibatch: Tensor) -> Iterator[Experience]:
-        """The micro-batches of micro_rows (micro_batch of each)."""
-        for rows in self.micro_rows(minibatch):
-            yield self.micro_batch(rows)

@@ -244,31 +244,6 @@ class RolloutBatch:
             finish_reasons=[s for b in parts for s in b.finish_reasons],
         )
 
-    # ------------------------------------------------------------------ inspection
-    def to_sa_pairs(self, tokenizer=None, **per_token: Tensor) -> list[dict]:
-        """The seeds' per-token (state, action) view, for inspection and export only.
-
-        One dict per real response token: prompt index, t, the state (prompt ids + the
-        response so far), the action (token id, and its text if a tokenizer is given),
-        the generator's logprob, and any extra (B, T) tensors passed by name (e.g.
-        ref_logprobs=..., kl=..., values=..., advantages=..., returns=...).
-        """
-        pairs = []
-        for i in range(len(self)):
-            prompt = self.prompt_ids[i][self.prompt_mask[i]].tolist()
-            resp = self.response_ids[i][self.response_mask[i]].tolist()
-            for t, action in enumerate(resp):
-                pair = {
-                    "prompt_index": i, "t": t, "state": prompt + resp[:t], "action": action,
-                    "logprob": float(self.gen_logprobs[i, t]),
-                }
-                if tokenizer is not None:
-                    pair["action_text"] = tokenizer.decode([action])
-                for name, x in per_token.items():
-                    pair[name] = float(x[i, t])
-                pairs.append(pair)
-        return pairs
-
 
 @dataclass(frozen=True)
 class TrimPlan:

@@ -90,16 +90,6 @@ def test_cat_refuses_mixed_versions():
         RolloutBatch.cat([make([[1]], [[2]], version=1), make([[1]], [[2]], version=2)])
 
 
-def test_sa_pairs_view():
-    b = make([[1, 2], [3]], [[5, EOS], [6, 7, 1]])
-    kl = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    pairs = b.to_sa_pairs(kl=kl)
-    assert len(pairs) == 5  # one per real response token
-    assert pairs[1] == {"prompt_index": 0, "t": 1, "state": [1, 2, 5], "action": EOS,
-                        "logprob": pytest.approx(float(b.gen_logprobs[0, 1])), "kl": 1.0}
-    assert pairs[4]["state"] == [3, 6, 7] and pairs[4]["action"] == 1 and pairs[4]["kl"] == 5.0
-
-
 def test_staleness_rule():
     """Rollouts may be 0 versions behind the learner, or 1 with overlap_generation; never ahead."""
     from ppo_ray.batch import fresh_enough, staleness_limit

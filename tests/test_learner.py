@@ -645,7 +645,7 @@ def test_buffer_micro_batches_trim_like_rollout_batch(special):
     assert all(torch.equal(x, y) for x, y in zip(minis, again))
     for mini in minis:
         rows_seen = []
-        for micro, chunk in zip(buf.micro_batches(mini), torch.split(mini, 3)):
+        for micro, chunk in zip(map(buf.micro_batch, buf.micro_rows(mini)), torch.split(mini, 3)):
             rows = chunk.tolist()
             rows_seen += rows
             expect = batch.select(rows).trimmed()
