@@ -113,7 +113,8 @@ def tiny_reward_model() -> str:
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from ppo_ray.modeling import load_tokenizer, resolve_model_path
+    from ppo_ray.modeling import load_tokenizer
+    from ppo_ray.paths import resolve_model_path
     from ppo_ray.tiny_model import default_cache_dir
 
     base = resolve_model_path("embedded:tiny")
@@ -371,7 +372,8 @@ class Baseline:
     def __init__(self, config, device: str = "cpu"):
         from actors.reward import RewardScorer
         from learner.learner import Learner
-        from ppo_ray.modeling import load_tokenizer, resolve_model_path
+        from ppo_ray.modeling import load_tokenizer
+        from ppo_ray.paths import resolve_model_path
 
         self.config = config
         self.device = device
