@@ -70,13 +70,12 @@ import logging
 import os
 import pathlib
 import platform
-import shutil
 import sys
-import tempfile
 import time
 from typing import Any
 
 from ppo_ray import tiny_model
+from ppo_ray.atomic import atomic_dir
 # What configs name the model, and where its committed files lie: ppo_ray.paths' (a run
 # resolves the name without importing this builder or the task).
 from ppo_ray.paths import TLDR_MODEL_NAME as MODEL_NAME
@@ -184,10 +183,8 @@ def build(out_dir: str | os.PathLike) -> pathlib.Path:
 
     preset = _preset()
     target = pathlib.Path(out_dir).expanduser().absolute()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     t0 = time.time()
-    try:
+    with atomic_dir(target, replace=True) as tmp:
         docs = pretraining_corpus(preset)
         torch.set_num_threads(int(preset["pretrain_threads"]))  # also the tokenizer/init phase
         model, stats = tiny_model.build_model_files(tmp, preset, docs, stats_documents=preset["stats_documents"])
@@ -212,12 +209,6 @@ def build(out_dir: str | os.PathLike) -> pathlib.Path:
         os.chmod(tmp, 0o755)
         for f in tmp.iterdir():
             os.chmod(f, 0o644)
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
