@@ -382,9 +382,7 @@ class Baseline:
         value_dir = resolve_model_path(config.value_model_name) if config.value_model_name else None
         self.tokenizer = load_tokenizer(model_dir)
         self.learner = Learner(config, model_dir, value_dir, device=device)
-        self.reward = RewardScorer(config.reward_model_name, config.reward_funcs, config.reward_weights,
-                                   missing_eos_penalty=config.missing_eos_penalty, nonfinite=config.nonfinite_reward,
-                                   dtype=config.dtype, micro_batch_size=config.micro_batch_size, device=device)
+        self.reward = RewardScorer.from_config(config, config.reward_model_name, device=device)
 
     def generate(self, prompts: Sequence[str], step: int, prompt_ids: Optional[Sequence[Sequence[int]]] = None):
         """HF generate with the policy (its current LoRA) -> RolloutBatch in our layout (CPU
