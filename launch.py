@@ -88,7 +88,8 @@ def check_context(config) -> None:
     """The models' context windows hold max_prompt_length + max_new_tokens (ContextLengthError
     naming the fields and the limit), before anything is written or started: for the
     pipeline the base model, which SFT and the reward model inherit."""
-    from ppo_ray.modeling import check_context_length, resolve_model_path
+    from ppo_ray.modeling import check_context_length
+    from ppo_ray.paths import resolve_model_path
 
     names = {name: getattr(config, name) for name in ("model_name", "ref_model_name", "reward_model_name",
                                                       "value_model_name") if getattr(config, name)}

@@ -60,7 +60,8 @@ from torch import Tensor
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import MIN_TEMPERATURE, TRUNCATION_MODES, VLLM_LORA_RANKS, ConfigSlice, PPOConfig
 from ppo_ray.data import encode_prompts, fit_prompt
-from ppo_ray.modeling import LoraWeights, load_tokenizer, resolve_model_path, write_lora_adapter
+from ppo_ray.modeling import LoraWeights, load_tokenizer, write_lora_adapter
+from ppo_ray.paths import resolve_model_path
 
 # vLLM worker extension that merges LoRA weights in place (lora_sync="merged").
 MERGED_WORKER = "actors.vllm_merge.MergedLoRAWorker"

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ppo_ray.batch import RolloutBatch, rollout_micro_batches
+from ppo_ray.config import ConfigSlice, PPOConfig
 from ppo_ray.logprobs import logprobs_from_logits
 from ppo_ray.modeling import load_causal_lm, pick_device, response_logits
 
@@ -35,6 +36,10 @@ def full_response_logprobs(model, batch: RolloutBatch, temperature: float, micro
 
 
 class ReferenceScorer:
+    # The config fields from_config reads (and log_level, scorer_torch_threads: its actor
+    # host's): the reference actor gets only these (PPOConfig.slice).
+    CONFIG_FIELDS = ("log_level", "scorer_torch_threads", "temperature", "dtype", "micro_batch_size")
+
     def __init__(self, model_name: str, *, temperature: float = 1.0, dtype: str = "float32",
                  micro_batch_size: int = 8, device: Optional[str] = None):
         self.device = pick_device(device)  # the GPU Ray gave this actor (scorer_num_gpus), else the CPU
@@ -43,6 +48,12 @@ class ReferenceScorer:
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
         self.last_seconds = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: PPOConfig | ConfigSlice, model_dir: str, device: Optional[str] = None) -> "ReferenceScorer":
+        """The reference scorer of `model_dir` (the resolved ref_model_name) as `cfg` sets it up."""
+        return cls(model_dir, temperature=cfg.temperature, dtype=cfg.dtype, micro_batch_size=cfg.micro_batch_size,
+                   device=device)
 
     def logprobs(self, batch: RolloutBatch) -> Tensor:
         """(B, T) float32 logprobs of batch.response_ids under the reference; 0 on padding."""

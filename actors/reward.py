@@ -28,11 +28,17 @@ import torch
 from torch import Tensor
 
 from ppo_ray.batch import RolloutBatch
+from ppo_ray.config import ConfigSlice, PPOConfig
 from ppo_ray.modeling import load_reward_model, pick_device, reward_scores
 from ppo_ray.rewards import RewardError, RewardFn, check_reward_sources
 
 
 class RewardScorer:
+    # The config fields from_config reads (and log_level, scorer_torch_threads: its actor
+    # host's): the reward actor gets only these (PPOConfig.slice).
+    CONFIG_FIELDS = ("log_level", "scorer_torch_threads", "reward_funcs", "reward_weights", "missing_eos_penalty",
+                     "nonfinite_reward", "dtype", "micro_batch_size")
+
     def __init__(self, reward_model_name: Optional[str] = None, reward_funcs: Sequence[str] = (),
                  weights: Sequence[float] = (), *, missing_eos_penalty: Optional[float] = None,
                  nonfinite: str = "error", dtype: str = "float32", micro_batch_size: int = 8,
@@ -44,6 +50,15 @@ class RewardScorer:
         self.missing_eos_penalty = missing_eos_penalty
         self.nonfinite = nonfinite
         self.micro_batch_size = micro_batch_size
+
+    @classmethod
+    def from_config(cls, cfg: PPOConfig | ConfigSlice, reward_model_dir: Optional[str],
+                    device: Optional[str] = None) -> "RewardScorer":
+        """The reward scorer of `reward_model_dir` (the resolved reward_model_name, None for
+        functions only) and cfg's reward functions, as `cfg` sets it up."""
+        return cls(reward_model_dir, cfg.reward_funcs, cfg.reward_weights, missing_eos_penalty=cfg.missing_eos_penalty,
+                   nonfinite=cfg.nonfinite_reward, dtype=cfg.dtype, micro_batch_size=cfg.micro_batch_size,
+                   device=device)
 
     def model_scores(self, batch: RolloutBatch) -> Tensor:
         """(B,) float32 reward-model scores at the last real token."""

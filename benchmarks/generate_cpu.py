@@ -34,7 +34,8 @@ def main() -> None:
 
     import torch
 
-    from ppo_ray.modeling import load_tokenizer, resolve_model_path
+    from ppo_ray.modeling import load_tokenizer
+    from ppo_ray.paths import resolve_model_path
 
     model = resolve_model_path("embedded:tiny")
     tok = load_tokenizer(model)

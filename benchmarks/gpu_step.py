@@ -334,8 +334,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                                        if args.micro_batch_size else []), *args.config_overrides])
         baseline = Baseline(config, device=device)
         baseline.generate_cache = None if args.generate_cache == "dynamic" else args.generate_cache
-        reference = ReferenceScorer(str(lm_dir), temperature=config.temperature, dtype=config.dtype,
-                                    micro_batch_size=config.micro_batch_size, device=device)
+        reference = ReferenceScorer.from_config(config, str(lm_dir), device=device)
         n_params = sum(p.numel() for p in reference.model.parameters())
         result.update(setup_s=time.perf_counter() - t0, parameters=n_params,
                       config={k: getattr(config, k) for k in ("dtype", "ppo_epochs", "mini_batch_size",

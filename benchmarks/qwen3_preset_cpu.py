@@ -143,7 +143,8 @@ def write_qwen3_model(dest: Path, shape: Optional[dict] = None, dtype: str = "bf
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 
     from benchmarks.gpu_step import QWEN3_0_6B
-    from ppo_ray.modeling import DTYPES, resolve_model_path
+    from ppo_ray.modeling import DTYPES
+    from ppo_ray.paths import resolve_model_path
 
     shape = QWEN3_0_6B if shape is None else shape
     write_qwen_tokenizer(Path(resolve_model_path("embedded:tiny")), dest)

@@ -113,7 +113,8 @@ def tiny_reward_model() -> str:
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from ppo_ray.modeling import load_tokenizer, resolve_model_path
+    from ppo_ray.modeling import load_tokenizer
+    from ppo_ray.paths import resolve_model_path
     from ppo_ray.tiny_model import default_cache_dir
 
     base = resolve_model_path("embedded:tiny")
@@ -371,7 +372,8 @@ class Baseline:
     def __init__(self, config, device: str = "cpu"):
         from actors.reward import RewardScorer
         from learner.learner import Learner
-        from ppo_ray.modeling import load_tokenizer, resolve_model_path
+        from ppo_ray.modeling import load_tokenizer
+        from ppo_ray.paths import resolve_model_path
 
         self.config = config
         self.device = device
@@ -380,9 +382,7 @@ class Baseline:
         value_dir = resolve_model_path(config.value_model_name) if config.value_model_name else None
         self.tokenizer = load_tokenizer(model_dir)
         self.learner = Learner(config, model_dir, value_dir, device=device)
-        self.reward = RewardScorer(config.reward_model_name, config.reward_funcs, config.reward_weights,
-                                   missing_eos_penalty=config.missing_eos_penalty, nonfinite=config.nonfinite_reward,
-                                   dtype=config.dtype, micro_batch_size=config.micro_batch_size, device=device)
+        self.reward = RewardScorer.from_config(config, config.reward_model_name, device=device)
 
     def generate(self, prompts: Sequence[str], step: int, prompt_ids: Optional[Sequence[Sequence[int]]] = None):
         """HF generate with the policy (its current LoRA) -> RolloutBatch in our layout (CPU

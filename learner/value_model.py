@@ -31,7 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from ppo_ray.batch import RolloutBatch
-from ppo_ray.modeling import DTYPES, causal_response_hidden, load_reward_model, resolve_model_path, response_hidden
+from ppo_ray.modeling import DTYPES, causal_response_hidden, load_reward_model, response_hidden
+from ppo_ray.paths import resolve_model_path
 
 
 def is_sequence_classifier(path: str) -> bool:

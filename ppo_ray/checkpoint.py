@@ -27,8 +27,8 @@ branch did not supersede, and the checkpoint it resumed from is pruned only once
 one of the new branch is written and verified.
 
 Atomicity: a checkpoint is written into a hidden temporary directory next to its final
-place, every file fsynced, then renamed into place (a rename within one filesystem is
-atomic), and only then is ``latest`` replaced (write a temp file, os.replace). A crash at
+place, every file fsynced, then renamed into place (ppo_ray.atomic: a rename within one
+filesystem is atomic), and only then is ``latest`` replaced (write a temp file, os.replace). A crash at
 any point leaves ``latest`` naming a complete checkpoint; half-written temp directories are
 removed by the next save. Nothing is loaded with pickle: tensors are safetensors, optimiser
 and RNG states go through ``torch.load(weights_only=True)``.
@@ -65,6 +65,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ppo_ray.atomic import atomic_dir, fsync_dir, remove_stale_temps
 from ppo_ray.config import PPOConfig
 
 # Fields that decide what a checkpoint's tensors are and how the run samples/learns: a
@@ -168,7 +169,7 @@ def _move_aside(root: Path, ckpts: list[Path], why: str) -> Optional[Path]:
     where.mkdir(parents=True)
     for ckpt in ckpts:
         ckpt.rename(where / ckpt.name)
-    _fsync_dir(root)
+    fsync_dir(root)
     return where
 
 
@@ -250,25 +251,6 @@ def _localized(config: PPOConfig, run_dir: Path) -> PPOConfig:
     return config.replace(**changes) if changes else config
 
 
-def _fsync_tree(path: Path) -> None:
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(path)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(run_dir: str | Path, *, config: PPOConfig, learner_state: dict, trainer_state: dict,
                     model_dir: str, keep: int = 2, lineage: Optional[Lineage] = None) -> Path:
     """Write one checkpoint atomically, verify it, point ``latest`` at it, and prune its
@@ -283,12 +265,10 @@ def save_checkpoint(run_dir: str | Path, *, config: PPOConfig, learner_state: di
     if lineage is None:
         head = _pointed(root)
         lineage = Lineage.after(head) if head is not None and read_meta(head) is not None else Lineage.fresh()
-    for stale in root.glob(".tmp-*"):  # an earlier crash's half-written checkpoint
-        shutil.rmtree(stale, ignore_errors=True)
+    remove_stale_temps(root, ".tmp-")  # an earlier crash's half-written checkpoint
     name = step_name(int(trainer_state["step"]))
-    tmp = root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    final = root / name
+    with atomic_dir(final, fsync=True) as tmp:
         write_lora_adapter(tmp / "adapter", learner_state["policy"], base_model=model_dir)
         save_file({k: v.contiguous() for k, v in learner_state["value"].items()}, str(tmp / "value.safetensors"))
         torch.save({"policy": learner_state["policy_optimizer"], "value": learner_state["value_optimizer"],
@@ -304,16 +284,9 @@ def save_checkpoint(run_dir: str | Path, *, config: PPOConfig, learner_state: di
         (tmp / "trainer.json").write_text(json.dumps(meta, indent=1))
         _portable(config, Path(run_dir)).to_yaml(tmp / "config.yaml")
         _write_checksums(tmp)
-        _fsync_tree(tmp)
-        final = root / name
         if final.exists():  # a checkpoint of this name that is not this one's parent: kept aside
             where = _move_aside(root, [final], f"replaced-{name}")
             log.warning("%s already held a checkpoint that this one does not continue: moved to %s", final, where)
-        tmp.rename(final)
-        _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     verify_checkpoint(final)  # what pruning relies on: the new head reads back intact
     _write_latest(root, name)
     for old in ancestry(final)[max(keep, 1):]:  # only this run's history, never another branch
@@ -327,7 +300,7 @@ def _write_latest(root: Path, name: str) -> None:
     with open(pointer, "rb") as f:
         os.fsync(f.fileno())
     os.replace(pointer, root / LATEST)
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def _pointed(root: Path) -> Optional[Path]:

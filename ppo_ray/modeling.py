@@ -1,6 +1,6 @@
 """Loading HF models and the one forward every role uses to score response tokens.
 
-Bottom layer: imports torch/transformers and ppo_ray.batch / ppo_ray.tiny_model / ppo_ray.tldr_model only.
+Bottom layer: imports torch/transformers/PEFT and ppo_ray.batch / ppo_ray.paths / ppo_ray.rewards only.
 """
 
 from __future__ import annotations
@@ -13,30 +13,12 @@ import torch
 from torch import Tensor
 
 from ppo_ray.batch import RolloutBatch, rollout_micro_batches
+from ppo_ray.paths import resolve_model_path
 from ppo_ray.rewards import check_reward_model
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-EMBEDDED_PREFIX = "embedded:"
-
-
-def resolve_model_path(name: str) -> str:
-    """A hub id or a local directory is returned as is; "embedded:tldr" is the committed
-    model of ppo_ray.tldr_model (the default job's); "embedded:tiny" / "embedded:small" is
-    built (once, cached) by ppo_ray.tiny_model; either way its directory is returned."""
-    if name.startswith(EMBEDDED_PREFIX):
-        from ppo_ray.tldr_model import MODEL_NAME, model_dir
-
-        if name == MODEL_NAME:
-            return str(model_dir())
-        from ppo_ray.tiny_model import build_tiny_model
-
-        return str(build_tiny_model(size=name[len(EMBEDDED_PREFIX):]))
-    path = Path(name).expanduser()
-    if path.exists() and not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model path {name!r} exists but is not a model directory (no config.json)")
-    return str(path) if path.exists() else name
 
 
 class ContextLengthError(ValueError):

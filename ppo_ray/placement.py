@@ -288,16 +288,13 @@ def _set_torch_threads(threads: int) -> None:
 
 
 class ReferenceHost(FaultPoints):
-    CONFIG_FIELDS = ("log_level", "scorer_torch_threads", "temperature", "dtype", "micro_batch_size")
-
     def __init__(self, config: ConfigSlice, model_dir: "str | ShippedModel"):
         quiet_libraries(config.log_level)
         from actors.reference import ReferenceScorer
 
         _set_torch_threads(config.scorer_torch_threads)
         self.model_dir = local_model_dir(model_dir)
-        self.scorer = ReferenceScorer(self.model_dir, temperature=config.temperature, dtype=config.dtype,
-                                      micro_batch_size=config.micro_batch_size)
+        self.scorer = ReferenceScorer.from_config(config, self.model_dir)
 
     @fault_point
     def logprobs(self, *parts: RolloutBatch):
@@ -308,19 +305,13 @@ class ReferenceHost(FaultPoints):
 
 
 class RewardHost(FaultPoints):
-    CONFIG_FIELDS = ("log_level", "scorer_torch_threads", "reward_funcs", "reward_weights", "missing_eos_penalty",
-                     "nonfinite_reward", "dtype", "micro_batch_size")
-
     def __init__(self, config: ConfigSlice, reward_model_dir: "str | ShippedModel | None"):
         quiet_libraries(config.log_level)
         from actors.reward import RewardScorer
 
         _set_torch_threads(config.scorer_torch_threads)
         self.model_dir = local_model_dir(reward_model_dir)
-        self.scorer = RewardScorer(
-            self.model_dir, config.reward_funcs, config.reward_weights,
-            missing_eos_penalty=config.missing_eos_penalty, nonfinite=config.nonfinite_reward,
-            dtype=config.dtype, micro_batch_size=config.micro_batch_size)
+        self.scorer = RewardScorer.from_config(config, self.model_dir)
 
     @fault_point
     @ray.method(num_returns=2)
@@ -585,6 +576,8 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
     # Each actor gets the config fields its role reads (CONFIG_FIELDS next to its class), not
     # the whole config.
     from actors.generator import Generator
+    from actors.reference import ReferenceScorer
+    from actors.reward import RewardScorer
     from learner.learner import Learner
 
     n_gen = config.num_generators
@@ -592,9 +585,9 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
     learner_config = config.slice("learner", Learner.CONFIG_FIELDS)
     gens = [ray.remote(GeneratorHost).options(**opts(i)).remote(gen_config, model_dir) for i in range(n_gen)]
     ref = ray.remote(ReferenceHost).options(**opts(n_gen)).remote(
-        config.slice("reference", ReferenceHost.CONFIG_FIELDS), ref_model_dir)
+        config.slice("reference", ReferenceScorer.CONFIG_FIELDS), ref_model_dir)
     rew = ray.remote(RewardHost).options(**opts(n_gen + 1)).remote(
-        config.slice("reward", RewardHost.CONFIG_FIELDS), reward_model_dir)
+        config.slice("reward", RewardScorer.CONFIG_FIELDS), reward_model_dir)
     learners = [ray.remote(LearnerHost).options(**opts(n_gen + 2 + i)).remote(learner_config, model_dir, value_model_dir)
                 for i in range(config.num_learners)]
     roles = Roles(gens, ref, rew, learners, pg, store)

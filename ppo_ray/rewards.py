@@ -9,7 +9,7 @@ It is imported only from the module path the user named (never from data).
 anything is written), PPOTrainer (before any actor starts) and the reward actor
 (actors/reward.py) all call it, and every problem it finds is a RewardError naming the bad
 source (a reward-model path that is not a model directory is a FileNotFoundError from
-ppo_ray.modeling.resolve_model_path, like every model path).
+ppo_ray.paths.resolve_model_path, like every model path).
 
 This module imports nothing heavy at import time (a reward function named here is imported
 by the reward actor and by launch.py's checks); the reward model's check loads transformers
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import importlib
 from typing import Callable, Optional, Sequence
+
+from ppo_ray.paths import resolve_model_path
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
 
@@ -52,8 +54,6 @@ def check_reward_model(name: str) -> None:
     (RewardError "is not a loadable model"), num_labels != 1, or a checkpoint saved as
     anything but *ForSequenceClassification (a causal LM: RewardError)."""
     from transformers import AutoConfig
-
-    from ppo_ray.modeling import resolve_model_path
 
     path = resolve_model_path(name)
     try:

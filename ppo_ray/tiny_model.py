@@ -83,7 +83,7 @@ Design choices (kept close to Qwen3-0.6B-Base where it matters):
   where the hash covers the builder version, the preset (including the pretraining
   settings), the corpus bytes and the versions of torch/transformers/tokenizers/
   safetensors. Builds go to a temporary directory beside the target and are renamed
-  into place, so a crash never leaves a half-written model and concurrent builders
+  into place (ppo_ray.atomic), so a crash never leaves a half-written model and concurrent builders
   (pytest, several Ray workers) are safe. Builders of the same target on one machine
   also take an advisory lock (``.{name}.lock`` beside it, ``fcntl.flock``) so that
   only one of them pays for the pretraining; the others wait and reuse its build.
@@ -96,17 +96,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import errno
 import hashlib
 import json
 import logging
 import os
 import pathlib
 import re
-import shutil
-import tempfile
-import time
 from typing import Any
+
+from ppo_ray.atomic import atomic_dir, remove_stale_temps, temp_prefix
 
 __all__ = [
     "BUILDER_VERSION",
@@ -552,21 +550,6 @@ def build_model_files(dest: pathlib.Path, preset: dict[str, Any], documents: lis
     return model, pretrain_stats
 
 
-def _remove_stale_temps(parent: pathlib.Path, prefix: str, max_age_s: float = 3600.0) -> None:
-    now = time.time()
-    try:
-        entries = list(parent.iterdir())
-    except OSError:
-        return
-    for p in entries:
-        if p.name.startswith(prefix) and p.is_dir():
-            try:
-                if now - p.stat().st_mtime > max_age_s:
-                    shutil.rmtree(p, ignore_errors=True)
-            except OSError:
-                pass
-
-
 def build_tiny_model(out_dir: str | os.PathLike | None = None, size: str = "tiny") -> pathlib.Path:
     """Build (or reuse) the embedded model and return its directory.
 
@@ -618,27 +601,17 @@ def _build_lock(path: pathlib.Path):
 
 
 def _build_into(target: pathlib.Path, size: str, digest: str) -> None:
-    parent = target.parent
-    tmp_prefix = f".{target.name}.tmp-"
-    _remove_stale_temps(parent, tmp_prefix)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=parent))
-    try:
+    # A crashed builder's temp directory is removed once it is an hour old (a fresh one may
+    # be a concurrent builder's that could not take the lock).
+    remove_stale_temps(target.parent, temp_prefix(target), max_age_s=3600.0)
+    # The rename replaces an empty dir; where a non-empty one appeared, a concurrent builder
+    # won the race: use its (identical) build.
+    with atomic_dir(target, keep_existing=lambda: _is_complete(target, digest)) as tmp:
         _write_model(tmp, size, digest)
-        # mkdtemp makes the directory 0700 and safetensors writes 0600: make the
-        # build readable like any other model directory.
+        # safetensors writes 0600: make the build readable like any other model directory.
         os.chmod(tmp, 0o755)
         for f in tmp.iterdir():
             os.chmod(f, 0o644)
-        try:
-            os.rename(tmp, target)  # replaces an empty dir; fails if a non-empty one appeared
-        except OSError as e:
-            if e.errno in (errno.ENOTEMPTY, errno.EEXIST) and _is_complete(target, digest):
-                pass  # a concurrent builder won the race: use its (identical) build
-            else:
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:

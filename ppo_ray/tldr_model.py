@@ -6,7 +6,7 @@ reliably; the 361K-parameter test model of ppo_ray/tiny_model.py copies a post's
 right in only ~60% of its summaries (benchmarks/RESULTS.md). This module builds the
 stronger one. Its output is COMMITTED in ``ppo_ray/assets/tldr_model/`` (about 14 MB), so a
 fresh machine loads it as it loads any Hugging Face directory and never pays for the
-pretraining; ``model_name: embedded:tldr`` names it (ppo_ray.modeling.resolve_model_path).
+pretraining; ``model_name: embedded:tldr`` names it (ppo_ray.paths.resolve_model_path).
 
 Rebuild it (one command; 1973 s on the 2-CPU development VM, measured while a test run
 shared its CPUs; the 2400-step preset before took 780 s alone)::
@@ -55,6 +55,9 @@ versions, the build's wall time, machine and command, the pretraining statistics
 few known log-probabilities that tests/test_tldr_model.py recomputes from the committed
 files.
 
+This module sits above the PPO system, with the task it pretrains on (it imports
+ppo_ray.tasks.tldr_synth): nothing below the task imports it.
+
 Importing this module has no side effects (heavy libraries are imported lazily).
 """
 
@@ -67,19 +70,20 @@ import logging
 import os
 import pathlib
 import platform
-import shutil
 import sys
-import tempfile
 import time
 from typing import Any
 
 from ppo_ray import tiny_model
+from ppo_ray.atomic import atomic_dir
+# What configs name the model, and where its committed files lie: ppo_ray.paths' (a run
+# resolves the name without importing this builder or the task).
+from ppo_ray.paths import TLDR_MODEL_NAME as MODEL_NAME
+from ppo_ray.paths import tldr_model_dir as model_dir
 
 __all__ = ["BUILD_INFO_FILE", "MODEL_NAME", "PRESET", "build", "known_logprobs", "model_dir", "pretraining_corpus"]
 
-MODEL_NAME = "embedded:tldr"
 BUILD_INFO_FILE = "ppo_ray_tldr_model.json"
-ASSET_DIR = "assets/tldr_model"
 # Bump when the builder's output changes for the same preset.
 BUILDER_VERSION = 1
 
@@ -111,11 +115,6 @@ _KNOWN_EXAMPLES = 3
 
 def _preset() -> dict[str, Any]:
     return json.loads(json.dumps(PRESET))  # a deep copy
-
-
-def model_dir() -> pathlib.Path:
-    """The committed model directory (inside the installed package)."""
-    return pathlib.Path(__file__).resolve().parent / ASSET_DIR
 
 
 def pretraining_corpus(preset: dict[str, Any] | None = None) -> list[str]:
@@ -184,10 +183,8 @@ def build(out_dir: str | os.PathLike) -> pathlib.Path:
 
     preset = _preset()
     target = pathlib.Path(out_dir).expanduser().absolute()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     t0 = time.time()
-    try:
+    with atomic_dir(target, replace=True) as tmp:
         docs = pretraining_corpus(preset)
         torch.set_num_threads(int(preset["pretrain_threads"]))  # also the tokenizer/init phase
         model, stats = tiny_model.build_model_files(tmp, preset, docs, stats_documents=preset["stats_documents"])
@@ -212,12 +209,6 @@ def build(out_dir: str | os.PathLike) -> pathlib.Path:
         os.chmod(tmp, 0o755)
         for f in tmp.iterdir():
             os.chmod(f, 0o644)
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

@@ -38,7 +38,8 @@ from ppo_ray.config import PPOConfig
 from ppo_ray.data import PromptCursor, check_chat_template, encode_prompts, prompts_fingerprint
 from ppo_ray.faults import BadSync, Fault
 from ppo_ray.metrics import TrainingMetrics
-from ppo_ray.modeling import check_context_length, load_tokenizer, resolve_model_path
+from ppo_ray.modeling import check_context_length, load_tokenizer
+from ppo_ray.paths import resolve_model_path
 from ppo_ray.placement import create_roles, init_ray
 from ppo_ray.rewards import check_reward_sources
 from ppo_ray.roles import RETRYABLE, Generation, Roles, Update

@@ -11,18 +11,18 @@ reader on the receiving node maps them from its object store without a copy. A d
 is identified by its content digest: a node that already holds that digest in its cache
 (an earlier run, another actor on the same node) reuses it.
 
-Bottom layer: imports numpy and the standard library only.
+Bottom layer: imports numpy, the standard library and ppo_ray.atomic only.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import uuid
 from pathlib import Path
 
 import numpy as np
+
+from ppo_ray.atomic import atomic_dir
 
 CACHE_ENV = "PPO_RAY_MODEL_CACHE"
 COMPLETE = ".complete"  # written last into a cache entry
@@ -70,26 +70,20 @@ def read_files(path: str | Path) -> dict[str, np.ndarray]:
     return {name: read_file(path, name) for name in list_files(path)}
 
 
+def _write_into(files: dict[str, np.ndarray], path: Path) -> None:
+    for name, data in files.items():
+        target = path / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        np.asarray(data, dtype=np.uint8).tofile(target)
+
+
 def write_files(files: dict[str, np.ndarray], dest: str | Path) -> Path:
     """Write `files` (read_files' output) as the directory `dest`, atomically: into a temp
-    directory beside it, then renamed into place. An existing `dest` is replaced (a stage
-    rerun in the same run directory)."""
+    directory beside it, then renamed into place (ppo_ray.atomic). An existing `dest` is
+    replaced (a stage rerun in the same run directory)."""
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".tmp-{dest.name}-{uuid.uuid4().hex[:8]}"
-    try:
-        for name, data in files.items():
-            target = tmp / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            np.asarray(data, dtype=np.uint8).tofile(target)
-        if dest.exists():
-            old = dest.parent / f".tmp-old-{dest.name}-{uuid.uuid4().hex[:8]}"
-            dest.rename(old)
-            shutil.rmtree(old, ignore_errors=True)
-        tmp.rename(dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with atomic_dir(dest, replace=True) as tmp:
+        _write_into(files, tmp)
     return dest
 
 
@@ -105,18 +99,7 @@ def write_cache_entry(files: dict[str, np.ndarray], digest: str) -> Path:
     entry = model_cache_dir() / digest
     if cached(digest):
         return entry
-    tmp = entry.parent / f".tmp-{digest}-{uuid.uuid4().hex[:8]}"
-    try:
-        for name, data in files.items():
-            target = tmp / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            np.asarray(data, dtype=np.uint8).tofile(target)
+    with atomic_dir(entry, keep_existing=lambda: cached(digest) is not None) as tmp:
+        _write_into(files, tmp)
         (tmp / COMPLETE).write_text(digest + "\n")
-        try:
-            tmp.rename(entry)
-        except OSError:  # another process of this node finished the same entry first
-            if not cached(digest):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return entry

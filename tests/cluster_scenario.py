@@ -117,7 +117,8 @@ def stages(config, run_dir: Path) -> dict:
     few bundled prompts (a plumbing check: 16 examples, one epoch)."""
     from learner.stages import TrainSettings
     from ppo_ray.data import bundled_prompts, encode_prompts
-    from ppo_ray.modeling import load_tokenizer, resolve_model_path
+    from ppo_ray.modeling import load_tokenizer
+    from ppo_ray.paths import resolve_model_path
     from ppo_ray.placement import run_stage
 
     cfg = config(stage_resources={"node_b": 1}, stage_num_cpus=1.0)

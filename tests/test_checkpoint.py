@@ -135,7 +135,7 @@ def _small_checkpoints(tmp_path, steps=(1, 2), **config):
     from learner.learner import Learner
     from ppo_ray.checkpoint import save_checkpoint
     from ppo_ray.config import PPOConfig
-    from ppo_ray.modeling import resolve_model_path
+    from ppo_ray.paths import resolve_model_path
 
     run_dir = tmp_path / "run"
     cfg = PPOConfig(model_name="embedded:tiny", lora_r=4, lora_alpha=8, **config)

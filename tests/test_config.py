@@ -241,12 +241,14 @@ def _config_reads(cls) -> set[str]:
 
 def test_each_role_declares_the_config_fields_it_reads():
     from actors.generator import Generator
+    from actors.reference import ReferenceScorer
+    from actors.reward import RewardScorer
     from learner.learner import Learner
     from ppo_ray.placement import GeneratorHost, LearnerHost, ReferenceHost, RewardHost
 
     derived = {name for name, value in vars(PPOConfig).items() if isinstance(value, property)}
-    for host, cls in ((GeneratorHost, Generator), (LearnerHost, Learner), (ReferenceHost, ReferenceHost),
-                      (RewardHost, RewardHost)):
+    for host, cls in ((GeneratorHost, Generator), (LearnerHost, Learner), (ReferenceHost, ReferenceScorer),
+                      (RewardHost, RewardScorer)):
         fields = set(cls.CONFIG_FIELDS)
         assert fields <= set(PPOConfig.field_names()), cls
         assert _config_reads(host) | _config_reads(cls) <= fields | derived, cls

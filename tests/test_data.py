@@ -15,7 +15,7 @@ import launch
 from conftest import TINY, launch_ppo, snapshot
 from ppo_ray.config import PPOConfig
 from ppo_ray.data import encode_prompts
-from ppo_ray.modeling import resolve_model_path
+from ppo_ray.paths import resolve_model_path
 from test_generator import PROMPTS
 
 CHAT = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"

@@ -20,7 +20,8 @@ from learner.learner import Learner, StaleRolloutsError
 from learner.value_model import ValueModel
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import PPOConfig
-from ppo_ray.modeling import LoraSpec, resolve_model_path
+from ppo_ray.modeling import LoraSpec
+from ppo_ray.paths import resolve_model_path
 from tolerances import TINY_TERMS, grad_terms, rounding_tol
 
 TINY = "embedded:tiny"

@@ -41,7 +41,8 @@ from learner.learner import Learner
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import PPOConfig
 from ppo_ray.logprobs import logprobs_from_logits
-from ppo_ray.modeling import resolve_model_path, response_logits
+from ppo_ray.modeling import response_logits
+from ppo_ray.paths import resolve_model_path
 from tolerances import TINY_TERMS, grad_terms, rounding_tol
 
 pytestmark = pytest.mark.equality

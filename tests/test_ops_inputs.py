@@ -15,7 +15,8 @@ import pytest
 
 import launch
 from ppo_ray.config import PPOConfig
-from ppo_ray.modeling import ContextLengthError, check_context_length, resolve_model_path
+from ppo_ray.modeling import ContextLengthError, check_context_length
+from ppo_ray.paths import resolve_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"

@@ -27,7 +27,7 @@ def learner_state():
 
     from learner.learner import Learner
     from ppo_ray.config import PPOConfig
-    from ppo_ray.modeling import resolve_model_path
+    from ppo_ray.paths import resolve_model_path
 
     cfg = PPOConfig(model_name="embedded:tiny", lora_r=4, lora_alpha=8)
     return cfg, Learner(cfg, resolve_model_path(cfg.model_name)).state_dict(), torch.Generator().get_state()

@@ -22,7 +22,8 @@ from learner.learner import Learner
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import PPOConfig
 from ppo_ray.data import bundled_prompts, encode_prompts
-from ppo_ray.modeling import load_tokenizer, resolve_model_path
+from ppo_ray.modeling import load_tokenizer
+from ppo_ray.paths import resolve_model_path
 from ppo_ray.rewards import letter_e_fraction
 from tolerances import rounding_tol
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ppo_ray import tiny_model
+from ppo_ray.atomic import temp_prefix
 from ppo_ray.tiny_model import EOS_TOKEN, PAD_TOKEN, PRESETS, build_tiny_model
 from tolerances import TINY_TERMS, rounding_tol
 
@@ -94,7 +95,7 @@ def test_cache_reuse_and_layout(tiny_model_dir, tmp_path):
     digest = tiny_model.content_hash("tiny")
     assert info["content_hash"] == digest
     assert tiny_model_dir.name == f"qwen3-tiny-{digest[:16]}"
-    assert not [p for p in tiny_model_dir.parent.iterdir() if p.name.startswith(f".{tiny_model_dir.name}.tmp-")]
+    assert not [p for p in tiny_model_dir.parent.iterdir() if p.name.startswith(temp_prefix(tiny_model_dir))]
     mtime = (tiny_model_dir / "model.safetensors").stat().st_mtime_ns
     assert build_tiny_model() == tiny_model_dir  # cached: returned as is
     assert (tiny_model_dir / "model.safetensors").stat().st_mtime_ns == mtime

@@ -28,7 +28,7 @@ def test_committed_files_and_size():
 
 
 def test_resolves_by_name():
-    from ppo_ray.modeling import resolve_model_path
+    from ppo_ray.paths import resolve_model_path
 
     assert resolve_model_path(tldr_model.MODEL_NAME) == str(DIR)
 

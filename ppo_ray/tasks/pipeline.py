@@ -142,7 +142,8 @@ def write_data(config: PPOConfig, run_dir: Path) -> Path:
 def run_sft(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
     """SFT as a Ray task on a node with the config's stage resources (placement.run_stage):
     the driver tokenises the data, the task trains, run_dir/sft is written on the driver's node."""
-    from ppo_ray.modeling import load_tokenizer, resolve_model_path
+    from ppo_ray.modeling import load_tokenizer
+    from ppo_ray.paths import resolve_model_path
     from ppo_ray.placement import run_stage, stage_settings
 
     base = resolve_model_path(config.model_name)
