@@ -17,6 +17,7 @@ from torch import Tensor
 from ppo_ray.batch import RolloutBatch, rollout_micro_batches
 from ppo_ray.logprobs import logprobs_from_logits
 from ppo_ray.modeling import load_causal_lm, pick_device, response_logits
+from ppo_ray.stats import ReferenceStats
 
 
 @torch.no_grad()
@@ -42,11 +43,10 @@ class ReferenceScorer:
         self.model.requires_grad_(False)
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
-        self.last_seconds = 0.0
 
-    def logprobs(self, batch: RolloutBatch) -> Tensor:
-        """(B, T) float32 logprobs of batch.response_ids under the reference; 0 on padding."""
+    def logprobs(self, batch: RolloutBatch) -> tuple[Tensor, ReferenceStats]:
+        """(B, T) float32 logprobs of batch.response_ids under the reference (0 on padding),
+        and the call's stats (its seconds)."""
         t0 = time.perf_counter()
         out = full_response_logprobs(self.model, batch, self.temperature, self.micro_batch_size, self.device)
-        self.last_seconds = time.perf_counter() - t0
-        return out
+        return out, ReferenceStats(seconds=time.perf_counter() - t0)
