@@ -577,7 +577,8 @@ class PPOTrainer:
         saved_at = None
         runlog = RunLog.open(self.metrics, run_dir=self.run_dir, metrics_path=metrics_path, progress=progress,
                              target=target, step=self.step, report_to=self.config.report_to,
-                             config=self.config.to_dict(), run_tag=self.namespace)
+                             config=self.config.to_dict(), run_tag=self.namespace,
+                             adaptive_kl=self.config.kl_target is not None)
         self._last_checkpoint = time.monotonic()
         try:
             while self.step < target:
