@@ -18,6 +18,7 @@ from ppo_ray.batch import RolloutBatch, rollout_micro_batches
 from ppo_ray.config import ConfigSlice, PPOConfig
 from ppo_ray.logprobs import logprobs_from_logits
 from ppo_ray.modeling import load_causal_lm, pick_device, response_logits
+from ppo_ray.stats import ReferenceStats
 
 
 @torch.no_grad()
@@ -47,7 +48,6 @@ class ReferenceScorer:
         self.model.requires_grad_(False)
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
-        self.last_seconds = 0.0
 
     @classmethod
     def from_config(cls, cfg: PPOConfig | ConfigSlice, model_dir: str, device: Optional[str] = None) -> "ReferenceScorer":
@@ -55,9 +55,9 @@ class ReferenceScorer:
         return cls(model_dir, temperature=cfg.temperature, dtype=cfg.dtype, micro_batch_size=cfg.micro_batch_size,
                    device=device)
 
-    def logprobs(self, batch: RolloutBatch) -> Tensor:
-        """(B, T) float32 logprobs of batch.response_ids under the reference; 0 on padding."""
+    def logprobs(self, batch: RolloutBatch) -> tuple[Tensor, ReferenceStats]:
+        """(B, T) float32 logprobs of batch.response_ids under the reference (0 on padding),
+        and the call's stats (its seconds)."""
         t0 = time.perf_counter()
         out = full_response_logprobs(self.model, batch, self.temperature, self.micro_batch_size, self.device)
-        self.last_seconds = time.perf_counter() - t0
-        return out
+        return out, ReferenceStats(seconds=time.perf_counter() - t0)

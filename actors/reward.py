@@ -31,6 +31,7 @@ from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import ConfigSlice, PPOConfig
 from ppo_ray.modeling import load_reward_model, pick_device, reward_scores
 from ppo_ray.rewards import RewardError, RewardFn, check_reward_sources
+from ppo_ray.stats import RewardStats
 
 
 class RewardScorer:
@@ -78,8 +79,8 @@ class RewardScorer:
             raise RewardError(f"reward function {spec!r} returned {len(values)} values for {n} prompts")
         return torch.tensor(values, dtype=torch.float32)
 
-    def score(self, batch: RolloutBatch) -> tuple[Tensor, dict]:
-        """(B,) float32 combined scores, and small stats (per-source means, seconds, drops)."""
+    def score(self, batch: RolloutBatch) -> tuple[Tensor, RewardStats]:
+        """(B,) float32 combined scores, and small stats (per-source means, drops, seconds)."""
         t0 = time.perf_counter()
         sources: list[tuple[str, Tensor]] = []
         if self.model is not None:
@@ -87,7 +88,7 @@ class RewardScorer:
         sources += [(spec, self.function_scores(spec, fn, batch)) for spec, fn in self.funcs]
 
         total = torch.zeros(len(batch))
-        stats: dict[str, float] = {}
+        means: dict[str, float] = {}
         for (name, values), w in zip(sources, self.weights):
             bad = (~torch.isfinite(values)).nonzero().flatten().tolist()
             if bad and self.nonfinite == "error":
@@ -95,10 +96,9 @@ class RewardScorer:
                                   f"for prompt index {bad[0]} ({len(bad)} non-finite in all)")
             total = total + w * values
             finite = values[torch.isfinite(values)]
-            stats[f"score/{name}"] = float(finite.mean()) if len(finite) else math.nan
+            means[name] = float(finite.mean()) if len(finite) else math.nan
         if self.missing_eos_penalty is not None:
             total = torch.where(batch.has_eos, total, torch.full_like(total, self.missing_eos_penalty))
-        stats["dropped_nonfinite"] = float((~torch.isfinite(total)).sum())
+        dropped = float((~torch.isfinite(total)).sum())
         total = torch.where(torch.isfinite(total), total, torch.full_like(total, math.nan))
-        stats["reward_s"] = time.perf_counter() - t0
-        return total, stats
+        return total, RewardStats(means, dropped, seconds=time.perf_counter() - t0)

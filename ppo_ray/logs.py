@@ -10,7 +10,7 @@ transformers' own messages are cut to errors and their progress bars turned off.
 `debug` everything comes back. A variable the user set in the driver's environment always
 wins (VLLM_LOGGING_LEVEL=INFO python launch.py ...).
 
-Bottom layer: imports nothing of ours, and not ray.
+Bottom layer: imports nothing of ours (StepResult only for its annotation), and not ray.
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ import time
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+if TYPE_CHECKING:
+    from ppo_ray.stats import StepResult
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"  # the date too: a run lasts days, and its job log keeps every line (local time)
@@ -90,26 +93,30 @@ def ray_logging_level(level: str) -> int:
     return logging.DEBUG if level_number(level) <= logging.DEBUG else logging.ERROR
 
 
-def format_step(out: dict, total: int | None = None) -> str:
-    """One PPO step's console line: step, reward, KL (and beta when it moves), losses, the
-    gold score when the step was evaluated, step seconds, tokens/s."""
-    def num(key: str, fmt: str) -> str:
-        value = out.get(key)
-        return format(value, fmt) if isinstance(value, (int, float)) else "-"
+def _num(value, fmt: str) -> str:
+    return format(value, fmt) if isinstance(value, (int, float)) else "-"
 
-    parts = [f"step {out['step']}" + (f"/{total}" if total else ""),
-             f"reward {num('reward_mean', '+.4f')}", f"kl {num('kl', '.4f')}"]
-    if "kl_coef" in out:
-        parts.append(f"beta {num('kl_coef', '.4g')}")
-    parts += [f"policy_loss {num('policy_loss', '+.4f')}", f"value_loss {num('value_loss', '.4f')}"]
+
+def format_step(result: "StepResult", total: int | None = None, *, adaptive_kl: bool = False) -> str:
+    """One PPO step's console line: step, reward, KL (and beta when it moves: `adaptive_kl`,
+    the config's kl_target set; a fixed beta is the config's own), losses, the gold score and
+    the eval reward when the step was evaluated (result.extra), stale versions (overlap mode),
+    step seconds, tokens/s."""
+    learner, extra = result.learner, result.extra
+    parts = [f"step {result.step}" + (f"/{total}" if total else ""),
+             f"reward {_num(result.reward_mean, '+.4f')}", f"kl {_num(learner.kl, '.4f')}"]
+    if adaptive_kl:
+        parts.append(f"beta {_num(learner.kl_coef, '.4g')}")
+    parts += [f"policy_loss {_num(learner.policy_loss, '+.4f')}", f"value_loss {_num(learner.value_loss, '.4f')}"]
+    # evaluate()'s own dict (the pipeline's gold_val) and the eval samples' mean, on evaluated steps
     for key, label in (("gold_val", "gold_val"), ("eval_reward_mean", "eval_reward")):
-        if key in out:
-            parts.append(f"{label} {num(key, '.3f')}")
-    if out.get("stale_versions"):
-        parts.append(f"stale {num('stale_versions', '.0f')}")
-    rate = out.get("tokens_per_s")  # a big model on a CPU: 0.37 tok/s, not "0 tok/s"
+        if key in extra:
+            parts.append(f"{label} {_num(extra[key], '.3f')}")
+    if learner.stale_versions:
+        parts.append(f"stale {_num(learner.stale_versions, '.0f')}")
+    rate = result.tokens_per_s  # a big model on a CPU: 0.37 tok/s, not "0 tok/s"
     rate_fmt = ".0f" if not isinstance(rate, (int, float)) or abs(rate) >= 10 else ".2g"
-    parts += [f"{num('time/step_s', '.2f')} s", f"{num('tokens_per_s', rate_fmt)} tok/s"]
+    parts += [f"{_num(result.timing.step_s, '.2f')} s", f"{_num(rate, rate_fmt)} tok/s"]
     return "  ".join(parts)
 
 

@@ -2,7 +2,8 @@
 
 The role classes (actors.generator.Generator, actors.reference.ReferenceScorer,
 actors.reward.RewardScorer, learner.learner.Learner) know nothing of Ray; the hosts below
-wrap each in a Ray actor, keep its methods' results as ObjectRefs, and time them. The
+wrap each in a Ray actor and keep its methods' results as ObjectRefs; each call's seconds
+come back in its typed result (ppo_ray.stats: one timing convention). The
 driver's calls to the running actors are ppo_ray.roles.Roles' methods. Only this module and
 ppo_ray.roles import ray.
 """
@@ -27,8 +28,11 @@ from ppo_ray.config import ConfigSlice, PPOConfig
 from ppo_ray.faults import FaultPoints, StateLostError, fault_point, perturbed
 from ppo_ray.logs import quiet_env, quiet_libraries, ray_logging_level
 from ppo_ray.roles import Roles, form_learner_group, role_names
+from ppo_ray.stats import GenerationSummary, ReferenceStats, RewardStats
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from ppo_ray.modeling import LoraWeights
 
 log = logging.getLogger(__name__)
@@ -241,16 +245,11 @@ class GeneratorHost(FaultPoints):
     @fault_point
     @ray.method(num_returns=2)
     def generate(self, prompt_ids: list[list[int]], step: int, offset: int,
-                 expected_version: int | None = None) -> tuple[RolloutBatch, dict]:
+                 expected_version: int | None = None) -> tuple[RolloutBatch, GenerationSummary]:
         _check_version(self.generator, expected_version, f"step {step + 1}'s rollouts")
         t0 = time.perf_counter()
         batch = self.generator.generate(prompt_ids, step=step, prompt_offset=offset)
-        summary = {
-            "texts": batch.responses, "finish_reasons": batch.finish_reasons,
-            "version": batch.adapter_version, "lengths": batch.response_mask.sum(dim=1).tolist(),  # (B,) EOS included
-            "generate_s": time.perf_counter() - t0,
-        }
-        return batch, summary
+        return batch, GenerationSummary.of(batch, seconds=time.perf_counter() - t0)
 
     @fault_point
     def load_adapter(self, version: int, weights: LoraWeights, restore: bool = False) -> dict:
@@ -297,11 +296,9 @@ class ReferenceHost(FaultPoints):
         self.scorer = ReferenceScorer.from_config(config, self.model_dir)
 
     @fault_point
-    def logprobs(self, *parts: RolloutBatch):
+    @ray.method(num_returns=2)
+    def logprobs(self, *parts: RolloutBatch) -> tuple["Tensor", ReferenceStats]:
         return self.scorer.logprobs(RolloutBatch.cat(parts))
-
-    def last_seconds(self) -> float:
-        return self.scorer.last_seconds
 
 
 class RewardHost(FaultPoints):
@@ -315,7 +312,7 @@ class RewardHost(FaultPoints):
 
     @fault_point
     @ray.method(num_returns=2)
-    def score(self, *parts: RolloutBatch):
+    def score(self, *parts: RolloutBatch) -> tuple["Tensor", RewardStats]:
         return self.scorer.score(RolloutBatch.cat(parts))
 
 

@@ -47,7 +47,7 @@ def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
 @dataclass
 class Generation:
     """One generation call across the replicas: per replica, the ObjectRef of its
-    RolloutBatch (rows in prompt order) and of its small summary (texts, version, seconds)."""
+    RolloutBatch (rows in prompt order) and of its GenerationSummary (texts, version, seconds)."""
 
     parts: list
     summaries: list
@@ -114,11 +114,11 @@ class Roles:
         return Generation([batch for batch, _ in calls], [summary for _, summary in calls])
 
     def reference_logprobs(self, parts: list) -> tuple[Any, Any]:
-        """Step 3, not waited for: refs of the (B, T) reference logprobs and of its seconds."""
-        return self.reference.logprobs.remote(*parts), self.reference.last_seconds.remote()
+        """Step 3, not waited for: refs of the (B, T) reference logprobs and of its ReferenceStats."""
+        return self.reference.logprobs.remote(*parts)
 
     def score(self, parts: list) -> tuple[Any, Any]:
-        """Step 4, not waited for: refs of the (B,) scores and of the reward stats."""
+        """Step 4, not waited for: refs of the (B,) scores and of the RewardStats."""
         return self.reward.score.remote(*parts)
 
     def update(self, ref_logprobs, scores, parts: list, expected_version: int, max_staleness: int,

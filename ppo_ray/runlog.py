@@ -27,21 +27,24 @@ EVAL_SAMPLES = "eval_samples.jsonl"
 
 class RunLog:
     def __init__(self, metrics: TrainingMetrics, *, run_dir: Optional[Path], metrics_path: Optional[Path],
-                 progress: bool, target: int):
+                 progress: bool, target: int, adaptive_kl: bool = False):
         self.metrics = metrics
         self.run_dir = run_dir
         self.metrics_path = Path(metrics_path) if metrics_path else None
         self.samples_path = run_dir / EVAL_SAMPLES if run_dir is not None else None
         self.progress = progress
         self.target = target
+        self.adaptive_kl = adaptive_kl  # the console line shows beta (it moves)
         self.trackers = Trackers()
 
     @classmethod
     def open(cls, metrics: TrainingMetrics, *, run_dir: Optional[Path], metrics_path, progress: bool, target: int,
-             step: int, report_to: Sequence[str], config: dict, run_tag: str) -> "RunLog":
+             step: int, report_to: Sequence[str], config: dict, run_tag: str,
+             adaptive_kl: bool = False) -> "RunLog":
         """Truncate the JSONL files to `step` (the steps done), record this process's run tag
         in <run_dir>/run.json and open the trackers."""
-        out = cls(metrics, run_dir=run_dir, metrics_path=metrics_path, progress=progress, target=target)
+        out = cls(metrics, run_dir=run_dir, metrics_path=metrics_path, progress=progress, target=target,
+                  adaptive_kl=adaptive_kl)
         for path in (out.metrics_path, out.samples_path):
             if path:
                 truncate_jsonl(path, step)
@@ -65,7 +68,7 @@ class RunLog:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(result.scalars()) + "\n")
         if self.progress:
-            log.info(format_step(result, self.target))
+            log.info(format_step(result, self.target, adaptive_kl=self.adaptive_kl))
 
     def close(self) -> None:
         self.trackers.close()

@@ -1,5 +1,8 @@
-"""What one PPO step reports, typed: the learner's statistics and the trainer's step result.
+"""What the actors report and what one PPO step reports, typed.
 
+    batch, summary = generator_host.generate(prompt_ids, step, offset)   # GenerationSummary
+    logprobs, ref_stats = reference.logprobs(batch)                 # ReferenceStats
+    scores, reward_stats = scorer.score(batch)                      # RewardStats
     stats, weights = learner.update(batch, ref_logprobs, scores)   # LearnerStats
     result = trainer.ppo_step(prompts)                              # StepResult
     result.learner.policy_loss, result.timing.update_s, result.rewards
@@ -9,6 +12,11 @@ Each name means one thing: the learner's mean shaped return per sequence is
 `shaped_reward_mean`, the reward actor's mean score is the step's `reward_mean`.
 `StepResult.as_dict()` is the one flattening (the metrics JSONL, TensorBoard, Prometheus
 and the console line all take it, or its scalars); its keys are the JSONL's columns.
+
+One timing convention: an actor measures its own call in its own process
+(time.perf_counter around the work) and returns the seconds in the call's typed result
+(`seconds` here; the learner's phases as LearnerStats.learner_forward_s and update_s), so
+the driver never makes a second call to ask how long the first one took.
 """
 
 from __future__ import annotations
@@ -17,7 +25,73 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
+
+if TYPE_CHECKING:
+    from ppo_ray.batch import RolloutBatch
+
+
+@dataclass(frozen=True)
+class GenerationSummary:
+    """What a generator replica's generate call sends the driver: the small part of its
+    RolloutBatch (which stays in the object store for the other actors), and its seconds."""
+
+    texts: list[str]             # decoded responses, EOS left out
+    finish_reasons: list[str]    # per rollout: "stop" (ended with EOS) or "length"
+    lengths: list[int]           # response tokens per rollout, EOS included (the response mask's row sums)
+    version: int                 # the adapter version it sampled with
+    seconds: float               # the generate call
+
+    @classmethod
+    def of(cls, batch: "RolloutBatch", seconds: float) -> "GenerationSummary":
+        return cls(texts=list(batch.responses), finish_reasons=list(batch.finish_reasons),
+                   lengths=batch.response_mask.sum(dim=1).tolist(),  # (B,)
+                   version=int(batch.adapter_version), seconds=seconds)
+
+    @classmethod
+    def join(cls, parts: Sequence["GenerationSummary"]) -> "GenerationSummary":
+        """The replicas' summaries as one, rows in prompt order (the replicas hold contiguous
+        chunks); seconds of the slowest replica. The replicas must have sampled with one
+        version (ValueError naming them otherwise)."""
+        versions = sorted({p.version for p in parts})
+        if len(versions) != 1:
+            raise ValueError(f"generator replicas sampled with adapter versions {versions}, not one version")
+        return cls(texts=[t for p in parts for t in p.texts],
+                   finish_reasons=[f for p in parts for f in p.finish_reasons],
+                   lengths=[n for p in parts for n in p.lengths], version=versions[0],
+                   seconds=max(p.seconds for p in parts))
+
+
+@dataclass(frozen=True)
+class ReferenceStats:
+    """What the reference's logprobs call sends the driver beside its (B, T) logprobs."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RewardStats:
+    """What the reward actor's score call sends the driver beside its (B,) scores."""
+
+    source_means: dict[str, float]  # per source ("reward_model", then each function's spec, in config
+                                    # order): its mean finite score (NaN: none finite)
+    dropped_nonfinite: float        # combined scores that were not finite (nonfinite_reward: drop)
+    seconds: float
+
+    def parts(self) -> dict[str, float]:
+        """StepResult.reward_parts: score/<source> means, then dropped_nonfinite."""
+        return {**{f"score/{name}": mean for name, mean in self.source_means.items()},
+                "dropped_nonfinite": self.dropped_nonfinite}
+
+
+@dataclass(frozen=True)
+class Responses:
+    """PPOTrainer.generate: the current policy's responses to some prompts, in their order."""
+
+    texts: list[str]
+    finish_reasons: list[str]         # "stop" (ended with EOS) or "length" (cut at max_new_tokens)
+    version: int                      # the adapter version that sampled them
+    rewards: Optional[list[float]] = None  # the reward actor's score per response (generate(score=True))
 
 
 @dataclass(frozen=True, kw_only=True)

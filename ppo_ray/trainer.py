@@ -44,7 +44,8 @@ from ppo_ray.placement import create_roles, init_ray
 from ppo_ray.rewards import check_reward_sources
 from ppo_ray.roles import RETRYABLE, Generation, Roles, Update
 from ppo_ray.runlog import RunLog
-from ppo_ray.stats import LearnerStats, StepResult, StepTiming
+from ppo_ray.stats import (GenerationSummary, LearnerStats, ReferenceStats, Responses, RewardStats, StepResult,
+                           StepTiming)
 from ppo_ray.supervisor import Supervisor
 from ppo_ray.tracking import check_trackers
 
@@ -101,12 +102,12 @@ class _Uncommitted:
 
     rollouts: Rollouts
     upcoming: Optional[Rollouts]
-    summaries: list[dict]
+    generated: GenerationSummary  # the replicas' summaries, joined
     stats: LearnerStats
     update: Update      # its weights and state: ObjectRefs of the new LoRA and the learner's state
     scores: list[float]
-    reward_stats: dict
-    reference_s: float
+    reward_stats: RewardStats
+    reference_stats: ReferenceStats
     t_start: float
     t_update_done: float
 
@@ -243,7 +244,7 @@ class PPOTrainer:
             self._submit(current)
         parts = current.generation.parts
         # 3-4. Reference logprobs and rewards, concurrently, straight from the object store.
-        ref_logprobs, reference_s = roles.reference_logprobs(parts)
+        ref_logprobs, reference_stats = roles.reference_logprobs(parts)
         scores, reward_stats = roles.score(parts)
         # 5-11. The learner: old logprobs/values, KL, shaped rewards, TD, GAE, returns, PPO.
         limit = staleness_limit(self.config.overlap_generation)
@@ -252,17 +253,17 @@ class PPOTrainer:
         if upcoming is not None:  # overlap: the next step generates while the learner trains
             upcoming = self._submit(replace(upcoming, version=self.version))
 
-        summaries = roles.fetch(current.generation.summaries)
-        versions = {s["version"] for s in summaries}
+        summaries: list[GenerationSummary] = roles.fetch(current.generation.summaries)
+        versions = {s.version for s in summaries}
         if versions != {current.version} or not fresh_enough(current.version, self.version, limit):
             raise StaleAdapterError(f"generators sampled with adapter versions {sorted(versions)} "
                                     f"but the learner is at version {self.version}")
         stats = roles.learner_stats(update)  # raises a learner's own error (e.g. stale rollouts)
-        scores, reward_stats, ref_s = roles.fetch([scores, reward_stats, reference_s])
+        scores, reward_stats, reference_stats = roles.fetch([scores, reward_stats, reference_stats])
         t_update_done = time.perf_counter()
         self._check_logprob_gap(stats)
-        return _Uncommitted(current, upcoming, summaries, stats, update, scores.tolist(), reward_stats, ref_s,
-                            t_start, t_update_done)
+        return _Uncommitted(current, upcoming, GenerationSummary.join(summaries), stats, update, scores.tolist(),
+                            reward_stats, reference_stats, t_start, t_update_done)
 
     def _commit(self, step: _Uncommitted) -> None:
         """The step's one commit point: the step count, the version, the learner's state."""
@@ -348,13 +349,12 @@ class PPOTrainer:
 
     def _result(self, step: _Uncommitted, loads: list[dict], check: SyncCheck, t_generation_done: float,
                 t_sync_done: float) -> StepResult:
-        summaries, stats = step.summaries, step.stats
+        generated, stats = step.generated, step.stats
         now = time.perf_counter()
-        reward_stats = dict(step.reward_stats)
         timing = StepTiming(
-            generate_s=max(s["generate_s"] for s in summaries),
-            reference_s=step.reference_s,
-            reward_s=reward_stats.pop("reward_s"),
+            generate_s=generated.seconds,  # the slowest replica
+            reference_s=step.reference_stats.seconds,
+            reward_s=step.reward_stats.seconds,
             learner_forward_s=stats.learner_forward_s,
             update_s=stats.update_s,
             sync_s=t_sync_done - t_generation_done,
@@ -369,11 +369,9 @@ class PPOTrainer:
             step_s=now - step.t_start)
         return StepResult(
             step=self.step,
-            generated_texts=[t for s in summaries for t in s["texts"]],
-            finish_reasons=[f for s in summaries for f in s["finish_reasons"]],
-            rewards=step.scores, learner=stats, reward_parts=reward_stats, adapter_version=self.version,
-            timing=timing, lora_sync_bytes=loads[0]["bytes"],
-            response_lengths=[n for s in summaries for n in s["lengths"]],
+            generated_texts=generated.texts, finish_reasons=generated.finish_reasons,
+            rewards=step.scores, learner=stats, reward_parts=step.reward_stats.parts(), adapter_version=self.version,
+            timing=timing, lora_sync_bytes=loads[0]["bytes"], response_lengths=generated.lengths,
             sync_probe_gap=check.gap, sync_resyncs=self._resyncs)
 
     def _check_logprob_gap(self, stats: LearnerStats) -> None:
@@ -401,20 +399,19 @@ class PPOTrainer:
         log.warning(message)
 
     # ------------------------------------------------------------------ evaluation
-    def generate(self, prompts: Sequence[str], seed_step: int = 10**9, *, score: bool = False) -> dict:
-        """Sample one response per prompt with the current policy (no training). A fixed
-        `seed_step` gives every prompt the same sampling seed before and after training,
-        so comparisons of two policies use common random numbers. With `score`, the reward
-        actor scores the responses too ("rewards": one float per prompt)."""
+    def generate(self, prompts: Sequence[str], seed_step: int = 10**9, *, score: bool = False) -> Responses:
+        """Sample one response per prompt with the current policy (no training): Responses
+        (texts, finish_reasons, version). A fixed `seed_step` gives every prompt the same
+        sampling seed before and after training, so comparisons of two policies use common
+        random numbers. With `score`, the reward actor scores the responses too (`rewards`:
+        one float per prompt)."""
         generation = self.roles.generate(self._encode(prompts), seed_step)
-        summaries = self.roles.fetch(generation.summaries)
-        out = {"texts": [t for s in summaries for t in s["texts"]],
-               "finish_reasons": [f for s in summaries for f in s["finish_reasons"]],
-               "version": summaries[0]["version"]}
+        generated = GenerationSummary.join(self.roles.fetch(generation.summaries))
+        rewards = None
         if score:
             scores, _ = self.roles.score(generation.parts)
-            out["rewards"] = self.roles.fetch(scores).tolist()
-        return out
+            rewards = self.roles.fetch(scores).tolist()
+        return Responses(generated.texts, generated.finish_reasons, generated.version, rewards)
 
     def save_adapter(self, path: str | Path) -> Path:
         """Write the policy's LoRA adapter (PEFT format: PeftModel.from_pretrained and vLLM load
@@ -581,7 +578,8 @@ class PPOTrainer:
         saved_at = None
         runlog = RunLog.open(self.metrics, run_dir=self.run_dir, metrics_path=metrics_path, progress=progress,
                              target=target, step=self.step, report_to=self.config.report_to,
-                             config=self.config.to_dict(), run_tag=self.namespace)
+                             config=self.config.to_dict(), run_tag=self.namespace,
+                             adaptive_kl=self.config.kl_target is not None)
         self._last_checkpoint = time.monotonic()
         try:
             while self.step < target:
@@ -659,7 +657,7 @@ class PPOTrainer:
         sampling seeds at every evaluation (common random numbers across steps)."""
         out = self.generate(prompts, seed_step=EVAL_SEED_STEP, score=True)
         return [{"step": step, "prompt": p, "response": t, "reward": r, "finish_reason": f}
-                for p, t, r, f in zip(prompts, out["texts"], out["rewards"], out["finish_reasons"])]
+                for p, t, r, f in zip(prompts, out.texts, out.rewards, out.finish_reasons)]
 
     def shutdown(self) -> None:
         """Kill the actors and remove their placement group (its reserved resources are freed)."""

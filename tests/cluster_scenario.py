@@ -189,12 +189,12 @@ def train(PPOTrainer, config, labels: dict[str, str], caches: dict[str, str]) ->
         # Prompt order: the trainer splits prompts 0-3 / 4-7 over replicas 0 / 1 and joins
         # the texts in prompt order. Each half generated on the OTHER replica (same seeds:
         # they follow the prompt's global index) gives the same texts in the same places.
-        together = trainer.generate(prompts, seed_step=SEED_STEP)["texts"]
+        together = trainer.generate(prompts, seed_step=SEED_STEP).texts
         ids = encode_prompts(trainer.tokenizer, prompts, trainer.config.max_prompt_length, "error")
         half = PROMPTS // 2
         swapped = ray.get([roles.generators[1].generate.remote(ids[:half], SEED_STEP, 0)[1],
                            roles.generators[0].generate.remote(ids[half:], SEED_STEP, half)[1]])
-        result["order"] = {"same": together == swapped[0]["texts"] + swapped[1]["texts"],
+        result["order"] = {"same": together == swapped[0].texts + swapped[1].texts,
                            "distinct_texts": len(set(together))}
 
         # Generator (node B) vs learner (node A) logprobs of the generator's sampled tokens;

@@ -6,23 +6,40 @@ from __future__ import annotations
 import datetime
 import logging
 import re
+from dataclasses import replace
 
 import pytest
 
 from ppo_ray.logs import format_step, quiet_env, setup_logging
+from ppo_ray.stats import StepResult
+from test_stats import learner_stats, step_result
+
+
+def _step(tokens: int = 240, **extra) -> StepResult:
+    """Step 3: reward +0.5, kl 1.25, beta 0.05, `tokens` response tokens in 2.5 s."""
+    result = step_result(rewards=(0.5,), extra=dict(extra))
+    return replace(result, learner=learner_stats(kl=1.25, kl_coef=0.05, policy_loss=-0.01, value_loss=0.2,
+                                                 stale_versions=0.0),
+                   timing=replace(result.timing, step_s=2.5), response_lengths=[tokens])
 
 
 def test_one_log_line_per_step_names_the_numbers_a_user_watches():
-    out = {"step": 3, "reward_mean": 0.5, "kl": 1.25, "kl_coef": 0.05, "policy_loss": -0.01, "value_loss": 0.2,
-           "gold_val": 0.61, "time/step_s": 2.5, "tokens_per_s": 96.0}
-    line = format_step(out, total=20)
+    out = _step(gold_val=0.61)
+    line = format_step(out, total=20, adaptive_kl=True)
     assert line == ("step 3/20  reward +0.5000  kl 1.2500  beta 0.05  policy_loss -0.0100  value_loss 0.2000  "
                     "gold_val 0.610  2.50 s  96 tok/s")
-    not_evaluated = {k: v for k, v in out.items() if k != "gold_val"}
+    not_evaluated = _step()
     assert "gold" not in format_step(not_evaluated) and format_step(not_evaluated).startswith("step 3  reward")
     # a 0.6B model on a CPU makes well under 1 token/s: two significant digits, not "0 tok/s"
-    assert format_step({**out, "tokens_per_s": 0.374}).endswith("2.50 s  0.37 tok/s")
-    assert format_step({**out, "tokens_per_s": 9.46}).endswith(" 9.5 tok/s")
+    assert format_step(_step(tokens=1)).endswith("2.50 s  0.4 tok/s")
+    assert format_step(_step(tokens=23)).endswith(" 9.2 tok/s")
+
+
+def test_beta_shows_only_when_the_adaptive_controller_moves_it():
+    """kl_coef is in every step's stats; a fixed beta is the config's, so the line names it
+    only with kl_target set (the adaptive controller)."""
+    assert "beta" not in format_step(_step())
+    assert "  beta 0.05  " in format_step(_step(), adaptive_kl=True)
 
 
 @pytest.fixture

@@ -70,7 +70,8 @@ def test_reference_logprobs_match_hf_and_ignore_padding(tiny_model_dir, tok):
 
     ref = ReferenceScorer(str(tiny_model_dir), temperature=0.7, micro_batch_size=2)
     batch = batch_of(tok, PAIRS)
-    lp = ref.logprobs(batch)
+    lp, stats = ref.logprobs(batch)
+    assert stats.seconds > 0  # the call times itself: no second call asks how long it took
     assert lp.shape == batch.response_ids.shape and (lp[~batch.response_mask] == 0).all()
     model = load_causal_lm(str(tiny_model_dir))
     for i, (p, r, eos) in enumerate(PAIRS):  # unpadded, one row at a time
@@ -81,7 +82,7 @@ def test_reference_logprobs_match_hf_and_ignore_padding(tiny_model_dir, tok):
         want = logprobs_from_logits(logits[None], resp[None], 0.7)[0]
         torch.testing.assert_close(lp[i][batch.response_mask[i]], want, atol=rounding_tol(want.abs().max(), TINY_TERMS),
                                    rtol=0)
-    padded = ref.logprobs(batch_of(tok, PAIRS, pad_extra=(5, 4)))
+    padded, _ = ref.logprobs(batch_of(tok, PAIRS, pad_extra=(5, 4)))
     torch.testing.assert_close(padded[:, : lp.shape[1]], lp, atol=rounding_tol(lp.abs().max(), TINY_TERMS), rtol=0)
 
 
@@ -104,7 +105,9 @@ def test_reward_model_scores_at_last_real_token(reward_model_dir, tok):
     padded, _ = scorer.score(batch_of(tok, PAIRS, pad_extra=(3, 6)))
     torch.testing.assert_close(padded, scores, atol=rounding_tol(scores.abs().max(), TINY_TERMS), rtol=0)
     # the logged mean and this one: a float32 mean of the same 3 scores, summed in another order
-    assert stats["score/reward_model"] == pytest.approx(float(scores.mean()), abs=rounding_tol(scores.abs().max(), 3))
+    assert stats.source_means["reward_model"] == pytest.approx(float(scores.mean()),
+                                                              abs=rounding_tol(scores.abs().max(), 3))
+    assert list(stats.parts()) == ["score/reward_model", "dropped_nonfinite"] and stats.seconds > 0
 
 
 @pytest.mark.equality
@@ -125,7 +128,8 @@ def test_nonfinite_scores_error_or_drop(tok):
     with pytest.raises(RewardError, match="non-finite score nan for prompt index 2"):
         RewardScorer(None, ["reward_fns:nan_at_two"]).score(batch)
     scores, stats = RewardScorer(None, ["reward_fns:nan_at_two"], nonfinite="drop").score(batch)
-    assert math.isnan(scores[2]) and stats["dropped_nonfinite"] == 1.0 and scores[:2].tolist() == [1.0, 1.0]
+    assert math.isnan(scores[2]) and stats.dropped_nonfinite == 1.0 and scores[:2].tolist() == [1.0, 1.0]
+    assert stats.source_means == {"reward_fns:nan_at_two": 1.0}  # the finite scores' mean
 
 
 def test_reward_sources_are_checked(tmp_path, tiny_model_dir):

@@ -75,3 +75,30 @@ def test_extra_holds_the_evaluations_merged_by_train():
     result.extra.update(gold_val=0.9, eval_reward_mean=0.5)
     assert result["gold_val"] == 0.9 and result.scalars()["eval_reward_mean"] == 0.5
     assert len(result) == len(result.as_dict())
+
+
+def test_generation_summaries_join_in_prompt_order_and_time_the_slowest_replica():
+    from ppo_ray.batch import RolloutBatch
+    from ppo_ray.stats import GenerationSummary
+
+    batch = RolloutBatch.from_tokens([[5, 6], [7]], [[1, 2, 0], [3]], pad_token_id=9, eos_token_id=0,
+                                     adapter_version=2, prompts=["p", "q"], responses=["ab", "c"],
+                                     finish_reasons=["stop", "length"])
+    first = GenerationSummary.of(batch, seconds=1.5)
+    assert first.lengths == [3, 1] and first.texts == ["ab", "c"] and first.version == 2  # EOS counted
+    second = GenerationSummary(["d"], ["stop"], [2], version=2, seconds=0.5)
+    joined = GenerationSummary.join([first, second])
+    assert joined.texts == ["ab", "c", "d"] and joined.finish_reasons == ["stop", "length", "stop"]
+    assert joined.lengths == [3, 1, 2] and joined.seconds == 1.5
+    with pytest.raises(ValueError, match=r"versions \[1, 2\]"):
+        GenerationSummary.join([first, dataclasses.replace(second, version=1)])
+
+
+def test_reward_stats_give_the_step_its_score_columns():
+    from ppo_ray.stats import RewardStats
+
+    stats = RewardStats({"reward_model": 2.0, "pkg.mod:fn": 0.5}, dropped_nonfinite=1.0, seconds=0.25)
+    # the JSONL's columns, in the order the step records them; the seconds go to time/reward_s
+    assert list(stats.parts().items()) == [("score/reward_model", 2.0), ("score/pkg.mod:fn", 0.5),
+                                           ("dropped_nonfinite", 1.0)]
+    assert dataclasses.replace(step_result(), reward_parts=stats.parts())["score/pkg.mod:fn"] == 0.5

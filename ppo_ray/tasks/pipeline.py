@@ -255,9 +255,9 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
 
     def judge(trainer, rows: list[dict]) -> dict:
         out = trainer.generate([row["prompt"] for row in rows])
-        stops = [reason == "stop" for reason in out["finish_reasons"]]
-        golds = [gold_score(row, text, stop) for row, text, stop in zip(rows, out["texts"], stops)]
-        return {"texts": out["texts"], "stops": stops, "gold": golds}
+        stops = [reason == "stop" for reason in out.finish_reasons]
+        golds = [gold_score(row, text, stop) for row, text, stop in zip(rows, out.texts, stops)]
+        return {"texts": out.texts, "stops": stops, "gold": golds}
 
     def evaluate(trainer, step: int) -> dict:
         golds = judge(trainer, val_rows)["gold"]
@@ -315,9 +315,13 @@ def run_ppo_real(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optio
     held_out = real_prompts(config, tok, "eval", max_rows=cfg.eval_size)
     metrics = run_dir / "metrics.jsonl"
     with ppo_trainer(cfg, run_dir, resume) as trainer:
-        sft_texts = before_training(trainer, run_dir, lambda: trainer.generate(held_out))["texts"]
+        def sampled() -> dict:  # what before_training keeps in the run directory
+            out = trainer.generate(held_out)
+            return {"texts": out.texts, "finish_reasons": out.finish_reasons, "version": out.version}
+
+        sft_texts = before_training(trainer, run_dir, sampled)["texts"]
         trainer.train(prompts, metrics_path=metrics, eval_prompts=held_out)
-        ppo_texts = trainer.generate(held_out)["texts"]  # same sampling seeds as before training
+        ppo_texts = trainer.generate(held_out).texts  # same sampling seeds as before training
         trainer.save_adapter(run_dir / "adapter")
     history = read_metrics(metrics)
     write_held_out_texts(run_dir / "samples.md", held_out, sft_texts, ppo_texts)
