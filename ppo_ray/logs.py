@@ -107,7 +107,9 @@ def format_step(result: "StepResult", total: int | None = None, *, adaptive_kl: 
              f"reward {_num(result.reward_mean, '+.4f')}", f"kl {_num(learner.kl, '.4f')}"]
     if adaptive_kl:
         parts.append(f"beta {_num(learner.kl_coef, '.4g')}")
-    parts += [f"policy_loss {_num(learner.policy_loss, '+.4f')}", f"value_loss {_num(learner.value_loss, '.4f')}"]
+    parts.append(f"policy_loss {_num(learner.policy_loss, '+.4f')}")
+    if learner.value_loss is not None:  # an estimator without a critic has no value loss
+        parts.append(f"value_loss {_num(learner.value_loss, '.4f')}")
     # evaluate()'s own dict (the pipeline's gold_val) and the eval samples' mean, on evaluated steps
     for key, label in (("gold_val", "gold_val"), ("eval_reward_mean", "eval_reward")):
         if key in extra:

@@ -35,6 +35,14 @@ def test_one_log_line_per_step_names_the_numbers_a_user_watches():
     assert format_step(_step(tokens=23)).endswith(" 9.2 tok/s")
 
 
+def test_a_step_without_a_critic_has_no_value_loss_in_its_line():
+    from ppo_ray.stats import CRITIC_FIELDS
+
+    step = _step()
+    no_critic = replace(step, learner=replace(step.learner, **{name: None for name in CRITIC_FIELDS}))
+    assert "value_loss" not in format_step(no_critic) and "policy_loss -0.0100  2.50 s" in format_step(no_critic)
+
+
 def test_beta_shows_only_when_the_adaptive_controller_moves_it():
     """kl_coef is in every step's stats; a fixed beta is the config's, so the line names it
     only with kl_target set (the adaptive controller)."""
