@@ -166,7 +166,6 @@ class Generator:
         self.adapter_root = Path(tempfile.mkdtemp(prefix="ppo_ray_adapters_", dir=adapter_root or _default_adapter_root()))
         self.version = 0
         self._lora_request = None  # vllm LoRARequest of the current version; None = base model
-        self.last_seconds = 0.0    # wall time of the last generate()
         self._closed = False
 
     @classmethod
@@ -265,7 +264,6 @@ class Generator:
         from vllm.inputs import TokensPrompt
 
         self._check_open()
-        t0 = time.perf_counter()
         prompt_ids, prompt_texts = self._encode(prompts)
         version, lora_request = self.version, self._lora_request
         params = [self.sampling_params(prompt_seed(self.seed, step, prompt_offset + i), probe)
@@ -305,7 +303,6 @@ class Generator:
                                          prompts=prompt_texts, responses=texts, finish_reasons=finish_reasons)
         if not torch.isfinite(batch.gen_logprobs).all():
             raise RuntimeError("vLLM returned a non-finite logprob for a sampled token")
-        self.last_seconds = time.perf_counter() - t0
         return batch
 
     @torch.no_grad()
