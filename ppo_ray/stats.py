@@ -1,4 +1,5 @@
-"""What one PPO step reports, typed: the learner's statistics and the trainer's step result.
+"""What one PPO step reports, typed: the learner's statistics, a generator's LoRA sync and the
+trainer's step result.
 
     stats, weights = learner.update(batch, ref_logprobs, scores)   # LearnerStats
     result = trainer.ppo_step(prompts)                              # StepResult
@@ -63,6 +64,17 @@ class LearnerStats:
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """One generator's load of a LoRA version (Generator.load_adapter, actors.lora_sync)."""
+
+    version: int              # the adapter version the generator holds after the load
+    write_s: float            # the adapter's files written (adapter mode; 0 when merged)
+    register_s: float         # the engine took it: add_lora (adapter) or the in-place merge (merged)
+    retire_s: float           # the previous version retired and the prefix cache reset
+    nbytes: float             # the LoRA tensors' bytes (a float: the metrics' lora_sync_bytes)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from ppo_ray.placement import create_roles, init_ray
 from ppo_ray.rewards import check_reward_sources
 from ppo_ray.roles import RETRYABLE, Generation, Roles, Update
 from ppo_ray.runlog import RunLog
-from ppo_ray.stats import LearnerStats, StepResult, StepTiming
+from ppo_ray.stats import LearnerStats, StepResult, StepTiming, SyncReport
 from ppo_ray.supervisor import Supervisor
 from ppo_ray.tracking import check_trackers
 
@@ -286,13 +286,13 @@ class PPOTrainer:
                             step=self.step, recover=regenerate)
         return upcoming
 
-    def _sync_generators(self, version: int) -> list[dict]:
+    def _sync_generators(self, version: int) -> list[SyncReport]:
         """The committed LoRA goes from the learner's object store entry to every replica; a
         replica that dies here is restarted and given it."""
         weights = self._weights[version]
         loads = self.supervisor.run(lambda attempt: self.roles.load_adapter(version, weights, restore=attempt > 0),
                                     where="sync", step=self.step, recover=self.roles.wait_for_actors)
-        bad = [r["version"] for r in loads if r["version"] != version]
+        bad = [r.version for r in loads if r.version != version]
         if bad:
             raise StaleAdapterError(f"generators report adapter versions {bad} after loading {version}")
         return loads
@@ -345,7 +345,7 @@ class PPOTrainer:
         gens = [self.roles.generators[i] for i in replicas]
         self.roles.load_adapter(version, self._weights[version], restore=True, generators=gens)
 
-    def _result(self, step: _Uncommitted, loads: list[dict], check: SyncCheck, t_generation_done: float,
+    def _result(self, step: _Uncommitted, loads: list[SyncReport], check: SyncCheck, t_generation_done: float,
                 t_sync_done: float) -> StepResult:
         summaries, stats = step.summaries, step.stats
         now = time.perf_counter()
@@ -363,15 +363,15 @@ class PPOTrainer:
             prefetch_wait_s=t_generation_done - step.t_update_done,
             # the sync's parts on the generator side (the rest of sync_s is the object-store
             # transfer of the LoRA tensors and the actor call)
-            sync_write_s=max(r["write_s"] for r in loads),
-            sync_register_s=max(r["register_s"] + r["retire_s"] for r in loads),
+            sync_write_s=max(r.write_s for r in loads),
+            sync_register_s=max(r.register_s + r.retire_s for r in loads),
             step_s=now - step.t_start)
         return StepResult(
             step=self.step,
             generated_texts=[t for s in summaries for t in s["texts"]],
             finish_reasons=[f for s in summaries for f in s["finish_reasons"]],
             rewards=step.scores, learner=stats, reward_parts=reward_stats, adapter_version=self.version,
-            timing=timing, lora_sync_bytes=loads[0]["bytes"],
+            timing=timing, lora_sync_bytes=loads[0].nbytes,
             response_lengths=[n for s in summaries for n in s["lengths"]],
             sync_probe_gap=check.gap, sync_resyncs=self._resyncs)
 
