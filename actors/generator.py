@@ -1,10 +1,12 @@
-"""Generator: vLLM rollouts with a hot-swapped LoRA adapter (the `adapter` sync mode).
+"""Generator: vLLM rollouts with a hot-swapped LoRA version.
 
 Plain class, no Ray: ppo_ray.placement hosts it in a Ray actor. One engine (a
 ``vllm.LLM``) serves the frozen base model; the policy's LoRA A/B tensors arrive from the
 learner after every update (``load_adapter``) and every later ``generate`` samples with
-them. The batch records the adapter version it was sampled with, so staleness is checked,
-not assumed (verl #7495 and PR #3821 shipped rollouts from the base model silently).
+them. How they get into the engine is the sync mode's (config ``lora_sync``: a class in
+``actors.lora_sync`` that owns the engine arguments, the load and the prefix-cache
+handling). The batch records the adapter version it was sampled with, so staleness is
+checked, not assumed (verl #7495 and PR #3821 shipped rollouts from the base model silently).
 
 What vLLM 0.32 does, read from its source and checked by tests/test_generator.py:
 
@@ -31,26 +33,15 @@ What vLLM 0.32 does, read from its source and checked by tests/test_generator.py
   ``log_softmax(logits, float32)`` of the raw logits ("prompt tokens skip sampling
   processors"). So they equal ``logprobs_from_logits(logits, tokens, temperature=1.0)``
   with no truncation. Requests with prompt logprobs skip reading the prefix cache.
-* LoRA. ``llm.llm_engine.add_lora`` loads and validates the adapter in the worker
-  (``LRUCacheWorkerLoRAManager.add_adapter`` -> ``_load_adapter``: missing files,
-  unexpected modules or a rank above ``max_lora_rank`` raise there), so a broken adapter
-  fails in ``load_adapter``, not silently at the next generate. Requests then find it in
-  the cache by ``lora_int_id`` and do not reread the files; the prefix-cache key includes
-  the adapter's name and path, so KV blocks never leak across versions.
-* Merged sync (``lora_sync="merged"``) changes the engine's weights in place, under a
-  prefix cache whose keys know nothing of them: every load resets the cache (in both
-  modes, see ``_reset_prefix_cache``; counted in ``retire_s``), so no KV block outlives the
-  weights it was made with.
+* LoRA, and the prefix cache after a load: per sync mode, in ``actors.lora_sync``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -58,17 +49,12 @@ import torch
 from torch import Tensor
 
 from ppo_ray.batch import RolloutBatch
-from ppo_ray.config import MIN_TEMPERATURE, TRUNCATION_MODES, VLLM_LORA_RANKS, ConfigSlice, PPOConfig
+from actors.lora_sync import sync_class
+from ppo_ray.config import MIN_TEMPERATURE, TRUNCATION_MODES, ConfigSlice, PPOConfig
 from ppo_ray.data import encode_prompts, fit_prompt
-from ppo_ray.modeling import LoraWeights, load_tokenizer, write_lora_adapter
+from ppo_ray.modeling import LoraWeights, load_tokenizer
 from ppo_ray.paths import resolve_model_path
-
-# vLLM worker extension that merges LoRA weights in place (lora_sync="merged").
-MERGED_WORKER = "actors.vllm_merge.MergedLoRAWorker"
-
-# LoRA int ids must be unique per engine, and an engine may be shared by several
-# Generators in one process (the tests do): a per-process counter, not per instance.
-_LORA_IDS = itertools.count(1)
+from ppo_ray.stats import SyncReport
 
 
 PROBE_NEW_TOKENS = 4          # tokens each probe prompt samples (Generator.probe)
@@ -120,10 +106,10 @@ class Generator:
         lora_sync: str = "adapter",
     ):
         """``llm``: a ``vllm.LLM`` built with logprobs_mode="processed_logprobs"
-        (actors.vllm_engine.build_llm), and either enable_lora=True (``lora_sync="adapter"``:
-        a LoRARequest per version; the engine may be shared) or
-        worker_extension_cls=MERGED_WORKER (``lora_sync="merged"``: the LoRA is merged into
-        the engine's own weights; the engine is this generator's alone).
+        (actors.vllm_engine.build_llm) and the engine arguments of the sync mode ``lora_sync``
+        (actors.lora_sync: ``adapter``, enable_lora=True, a LoRARequest per version, the
+        engine may be shared; ``merged``, the LoRA merged into the engine's own weights, the
+        engine is this generator's alone).
         ``tokenizer``: the HF tokenizer of the model (loaded from ``model_dir`` if None).
         ``model_dir``: the base model directory (default: the one the engine serves).
         The LoRA rank, alpha and targets are not set here: they come with each adapter's
@@ -134,19 +120,14 @@ class Generator:
             raise ValueError(
                 f"the vLLM engine has logprobs_mode={model_config.logprobs_mode!r}; the generator needs "
                 "'processed_logprobs' (logprobs of the distribution actually sampled from)")
-        if lora_sync not in ("adapter", "merged"):
-            raise ValueError(f"lora_sync must be 'adapter' or 'merged', got {lora_sync!r}")
-        if lora_sync == "adapter" and llm.llm_engine.vllm_config.lora_config is None:
-            raise ValueError("the vLLM engine was built without enable_lora=True: it cannot take adapters")
-        if lora_sync == "merged" and llm.llm_engine.vllm_config.parallel_config.worker_extension_cls != MERGED_WORKER:
-            raise ValueError(f"lora_sync='merged' needs an engine built with worker_extension_cls={MERGED_WORKER!r}")
+        mode = sync_class(lora_sync)  # a ValueError naming an unknown mode
+        mode.check_engine(llm)
         if temperature < MIN_TEMPERATURE:  # vLLM clamps or samples greedily below it (ppo_ray.config)
             raise ValueError(f"temperature must be >= {MIN_TEMPERATURE} for PPO sampling, got {temperature}")
         if prompt_truncation not in TRUNCATION_MODES:
             raise ValueError(f"prompt_truncation must be one of {list(TRUNCATION_MODES)}, got {prompt_truncation!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        self.lora_sync = lora_sync
 
         self.llm = llm
         self.model_dir = str(model_dir) if model_dir is not None else str(model_config.model)
@@ -162,12 +143,11 @@ class Generator:
         self.max_prompt_length = int(max_prompt_length)
         self.prompt_truncation = prompt_truncation
 
-        # Every adapter version lives in its own subdirectory of this one; at most one
-        # exists at a time (the current one).
+        # The sync mode's files (adapter mode: every version in its own subdirectory of this
+        # one; at most one exists at a time, the current one).
         self.adapter_root = Path(tempfile.mkdtemp(prefix="ppo_ray_adapters_", dir=adapter_root or _default_adapter_root()))
-        self.version = 0
-        self._lora_request = None  # vllm LoRARequest of the current version; None = base model
-        self.last_seconds = 0.0    # wall time of the last generate()
+        self.version = 0  # 0 = the base model until the first load
+        self.sync = mode(llm, self.model_dir, self.adapter_root)  # the LoRA sync mode (actors.lora_sync)
         self._closed = False
 
     @classmethod
@@ -187,11 +167,7 @@ class Generator:
             enforce_eager=cfg.vllm_enforce_eager,
             use_tqdm_on_load=cfg.log_level == "debug",  # the weight loader's progress bar
         )
-        if cfg.lora_sync == "merged":  # base-model kernels; the LoRA is merged into the weights
-            engine.update(worker_extension_cls=MERGED_WORKER)
-        else:
-            engine.update(enable_lora=True, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= cfg.lora_r),
-                          max_loras=1)
+        engine.update(sync_class(cfg.lora_sync).engine_args(cfg.lora_r))
         if not current_platform.is_cpu() and cfg.vllm_kv_cache_gib is None:
             # On the CPU this fraction would be of host memory: there build_llm's KV size rules.
             engine["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
@@ -266,9 +242,8 @@ class Generator:
         from vllm.inputs import TokensPrompt
 
         self._check_open()
-        t0 = time.perf_counter()
         prompt_ids, prompt_texts = self._encode(prompts)
-        version, lora_request = self.version, self._lora_request
+        version, lora_request = self.version, self.sync.lora_request
         params = [self.sampling_params(prompt_seed(self.seed, step, prompt_offset + i), probe)
                   for i in range(len(prompt_ids))]
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
@@ -306,7 +281,6 @@ class Generator:
                                          prompts=prompt_texts, responses=texts, finish_reasons=finish_reasons)
         if not torch.isfinite(batch.gen_logprobs).all():
             raise RuntimeError("vLLM returned a non-finite logprob for a sampled token")
-        self.last_seconds = time.perf_counter() - t0
         return batch
 
     @torch.no_grad()
@@ -348,14 +322,14 @@ class Generator:
         ids = prompt_ids + continuation_ids
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, seed=0)
         out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False,
-                                lora_request=self._lora_request)[0]
+                                lora_request=self.sync.lora_request)[0]
         # prompt_logprobs[j] is a dict {ids[j]: Logprob} for j >= 1 (None for the first token).
         rows = out.prompt_logprobs[len(prompt_ids):]
         return torch.tensor([row[tok].logprob for tok, row in zip(continuation_ids, rows)], dtype=torch.float32)
 
     # ------------------------------------------------------------------ LoRA sync
-    def load_adapter(self, version: int, weights: LoraWeights, *, restore: bool = False) -> dict[str, float]:
-        """Make LoRA ``version`` current: write it, register it with the engine, retire the old one.
+    def load_adapter(self, version: int, weights: LoraWeights, *, restore: bool = False) -> SyncReport:
+        """Make LoRA ``version`` current, by the sync mode (``self.sync``, actors.lora_sync).
 
         ``weights``: the learner's adapter (Learner.lora_weights): PEFT
         ``get_peft_model_state_dict(model)`` tensors (adapter_model.safetensors keys, e.g.
@@ -364,92 +338,32 @@ class Generator:
         adapter_config.json and the merge's scaling come from it. ``version`` must be above
         the current one.
 
-        Returns timings in seconds: write_s (safetensors + adapter_config.json into a
-        /dev/shm temp dir), register_s (engine add_lora: the worker reads and validates
-        it), retire_s (remove the previous adapter and its files); and the bytes written.
-        A failing load leaves the previous version current. ``restore=True`` accepts any
-        version >= 0 (the trainer rolling back to a checkpoint after a learner restart).
+        Returns the mode's SyncReport (seconds: adapter mode, write_s = safetensors +
+        adapter_config.json into a /dev/shm temp dir, register_s = engine add_lora, the
+        worker reads and validates it, retire_s = remove the previous adapter and its files
+        and reset the prefix cache; and the bytes). A failing load leaves the previous
+        version current. ``restore=True`` accepts any version >= 0 (the trainer rolling back
+        to a checkpoint after a learner restart).
         """
-        from vllm.lora.request import LoRARequest
-
         self._check_open()
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"adapter version {version!r} is not an int >= 0")
         if version <= self.version and not restore:
             raise ValueError(f"adapter version {version!r} is not newer than the current version {self.version}: "
                              "versions must increase strictly (a stale or repeated sync)")
-        weights = self._check_lora_weights(weights)
-        if self.lora_sync == "merged":
-            return self._merge(version, weights)
-
-        t0 = time.perf_counter()
-        path = Path(tempfile.mkdtemp(prefix=f"v{version}_", dir=self.adapter_root))
-        try:
-            write_lora_adapter(path, weights, base_model=self.model_dir)
-            t1 = time.perf_counter()
-            request = LoRARequest(f"v{version}", next(_LORA_IDS), str(path))
-            # Load now (not lazily at the next generate), so a broken adapter fails here.
-            if not self.llm.llm_engine.add_lora(request):
-                raise RuntimeError(f"vLLM did not register adapter v{version} (lora id {request.lora_int_id} taken?)")
-        except Exception as e:
-            shutil.rmtree(path, ignore_errors=True)
-            raise RuntimeError(f"loading LoRA adapter version {version} into vLLM failed: {e}") from e
-        t2 = time.perf_counter()
-
-        previous, self._lora_request, self.version = self._lora_request, request, version
-        if previous is not None:
-            self._retire(previous)
-        self._reset_prefix_cache(version)
-        t3 = time.perf_counter()
-        return {"write_s": t1 - t0, "register_s": t2 - t1, "retire_s": t3 - t2, "bytes": float(weights.nbytes)}
-
-    def _merge(self, version: int, weights: LoraWeights) -> dict[str, float]:
-        """lora_sync="merged": W = W0 + (alpha / r) B A into the engine's weights (actors.vllm_merge)."""
-        t0 = time.perf_counter()
-        try:
-            from actors.vllm_merge import pack_tensors
-
-            self.llm.collective_rpc("ppo_merge_lora",
-                                    args=(pack_tensors(weights.tensors), weights.spec.scaling, self.model_dir))
-        except Exception as e:
-            raise RuntimeError(f"merging LoRA adapter version {version} into the vLLM weights failed: {e}") from e
-        t1 = time.perf_counter()
-        self._reset_prefix_cache(version)
+        report = self.sync.load(version, self._check_lora_weights(weights))
         self.version = version
-        return {"write_s": 0.0, "register_s": t1 - t0, "retire_s": time.perf_counter() - t1,
-                "bytes": float(weights.nbytes)}
-
-    def _reset_prefix_cache(self, version: int) -> None:
-        """Empty vLLM's prefix cache after a new version is in place.
-
-        Merged sync: the cache's block hashes cover the tokens, not the weights, so without
-        a reset a prompt prefix seen under an earlier version would reuse KV computed with
-        the old weights (vllm #9744; measured here: a 1-nat generator-vs-learner gap from the
-        second step on). Adapter sync: the hashes include the adapter's name and path (a new
-        directory per load), so no stale block is reused; the reset is for determinism:
-        with an empty cache at every version, what a batch samples depends only on the
-        version and the batch, not on what the engine generated before (KV read from the
-        cache differs from KV computed in the batch by float rounding, ~1e-8 in the
-        logprobs; a batch regenerated after a fault must equal the lost one bit for bit).
-        The cost: no KV reuse across versions, which PPO (one rollout per prompt per step)
-        does not have anyway. The offline engine runs no
-        request between generate() calls, so the reset must succeed; vLLM returns False
-        (and keeps the cache) while blocks are in use."""
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError(f"after loading LoRA adapter version {version}: vLLM refused to reset its prefix "
-                               "cache (requests still running?); its KV blocks would hold another policy's keys")
+        return report
 
     def _check_lora_weights(self, weights: LoraWeights) -> LoraWeights:
         """The adapter with CPU, contiguous copies of its A/B tensors; their rank must be the
         spec's r (vLLM scales by lora_alpha / r from adapter_config.json, so a rank mismatch
-        would be silent), and in adapter mode at most the engine's max_lora_rank."""
+        would be silent), and one the sync mode's engine takes (adapter mode: at most its
+        max_lora_rank)."""
         r = weights.spec.r
         if not weights.tensors:
             raise ValueError("load_adapter got no LoRA weights")
-        if self.lora_sync == "adapter":
-            max_rank = self.llm.llm_engine.vllm_config.lora_config.max_lora_rank
-            if r > max_rank:
-                raise ValueError(f"the adapter's lora_r={r} is above the engine's max_lora_rank={max_rank}")
+        self.sync.check_rank(r)
         out: dict[str, Tensor] = {}
         for k, v in weights.tensors.items():
             if not isinstance(v, Tensor):
@@ -468,20 +382,14 @@ class Generator:
             out[k] = v.detach().to("cpu").contiguous()
         return LoraWeights(out, weights.spec)
 
-    def _retire(self, request) -> None:
-        # The LRU cache may already have evicted it (max_loras=1): the return value is moot.
-        self.llm.llm_engine.remove_lora(request.lora_int_id)
-        shutil.rmtree(request.lora_path, ignore_errors=True)
-
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Generator is closed")
 
     def close(self) -> None:
-        """Retire the current adapter and delete the adapter directory. The engine is not
-        shut down (it may be shared); the generator cannot be used afterwards."""
-        if self._lora_request is not None:
-            self._retire(self._lora_request)
-            self._lora_request = None
+        """Release the sync mode's hold on the engine (adapter mode: retire the current
+        adapter) and delete the adapter directory. The engine is not shut down (it may be
+        shared); the generator cannot be used afterwards."""
+        self.sync.close()
         shutil.rmtree(self.adapter_root, ignore_errors=True)
         self._closed = True

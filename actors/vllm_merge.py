@@ -1,7 +1,8 @@
 """The `merged` LoRA sync, run inside vLLM's worker process(es).
 
 vLLM mixes ``MergedLoRAWorker`` into its Worker class (engine argument
-``worker_extension_cls="actors.vllm_merge.MergedLoRAWorker"``), so the generator can call
+``worker_extension_cls="actors.vllm_merge.MergedLoRAWorker"``), so the merged sync mode
+(``actors.lora_sync.MergedSync``) can call
 ``llm.collective_rpc("ppo_merge_lora", args=(pack_tensors(tensors), scale, model_dir))``:
 only the LoRA A/B tensors cross the process boundary, as raw bytes + shape + dtype through
 vLLM's msgpack layer (no pickle, no callable shipped).

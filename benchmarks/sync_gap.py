@@ -29,13 +29,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from ppo_ray.config import LORA_SYNC_MODES
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks.sync_gap", description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--lora_sync", default="adapter", choices=("adapter", "merged"))
+    p.add_argument("--lora_sync", default="adapter", choices=tuple(LORA_SYNC_MODES))
     p.add_argument("--versions", type=int, default=3)
     p.add_argument("--model", default="qwen3-0.6b", choices=("qwen3-0.6b", "test"))
     p.add_argument("--out", default=None)

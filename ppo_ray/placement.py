@@ -28,7 +28,7 @@ from ppo_ray.config import ConfigSlice, PPOConfig
 from ppo_ray.faults import FaultPoints, StateLostError, fault_point, perturbed
 from ppo_ray.logs import quiet_env, quiet_libraries, ray_logging_level
 from ppo_ray.roles import Roles, form_learner_group, role_names
-from ppo_ray.stats import GenerationSummary, ReferenceStats, RewardStats
+from ppo_ray.stats import GenerationSummary, ReferenceStats, RewardStats, SyncReport
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -252,15 +252,15 @@ class GeneratorHost(FaultPoints):
         return batch, GenerationSummary.of(batch, seconds=time.perf_counter() - t0)
 
     @fault_point
-    def load_adapter(self, version: int, weights: LoraWeights, restore: bool = False) -> dict:
+    def load_adapter(self, version: int, weights: LoraWeights, restore: bool = False) -> SyncReport:
         bad = getattr(self, "_ppo_bad_sync", None)
         if bad is not None:  # a test's injected bad sync (ppo_ray.faults.BadSync), once
             self._ppo_bad_sync = None
             if bad == "previous":  # the sync is lost: the old weights stay, the new version is reported
                 self.generator.version = version
-                return {"version": version, "write_s": 0.0, "register_s": 0.0, "retire_s": 0.0, "bytes": 0.0}
+                return SyncReport(version=version, write_s=0.0, register_s=0.0, retire_s=0.0, nbytes=0.0)
             weights = perturbed(weights)
-        return {"version": version, **self.generator.load_adapter(version, weights, restore=restore)}
+        return self.generator.load_adapter(version, weights, restore=restore)
 
     def arm_bad_sync(self, kind: str) -> None:
         """Tests: make the next load_adapter a bad sync of `kind` (ppo_ray.faults.BadSync)."""

@@ -18,7 +18,7 @@ from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from ppo_ray.faults import StateLostError
-from ppo_ray.stats import LearnerStats
+from ppo_ray.stats import LearnerStats, SyncReport
 
 # An actor died or is restarting (ActorDiedError and ActorUnavailableError are subclasses).
 ACTOR_ERRORS = (ray.exceptions.RayActorError,)
@@ -148,7 +148,7 @@ class Roles:
             raise
 
     def load_adapter(self, version: int, weights, restore: bool = False,
-                     generators: Optional[list[ActorHandle]] = None) -> list[dict]:
+                     generators: Optional[list[ActorHandle]] = None) -> list[SyncReport]:
         """The LoRA sync: every replica (or the given ones) loads adapter `version` from the
         object store entry `weights`; waited for. Their load reports (version, bytes, seconds)."""
         gens = self.generators if generators is None else generators

@@ -1,4 +1,5 @@
-"""What the actors report and what one PPO step reports, typed.
+"""What the actors report (generation, reference, reward, a generator's LoRA sync) and what
+one PPO step reports, typed.
 
     batch, summary = generator_host.generate(prompt_ids, step, offset)   # GenerationSummary
     logprobs, ref_stats = reference.logprobs(batch)                 # ReferenceStats
@@ -144,6 +145,17 @@ class LearnerStats:
 
 # The critic's statistics: present exactly when the advantage estimator has a critic.
 CRITIC_FIELDS = ("value_loss", "vf_clipfrac", "value_grad_norm", "explained_variance", "return_mean", "value_mean")
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """One generator's load of a LoRA version (Generator.load_adapter, actors.lora_sync)."""
+
+    version: int              # the adapter version the generator holds after the load
+    write_s: float            # the adapter's files written (adapter mode; 0 when merged)
+    register_s: float         # the engine took it: add_lora (adapter) or the in-place merge (merged)
+    retire_s: float           # the previous version retired and the prefix cache reset
+    nbytes: float             # the LoRA tensors' bytes (a float: the metrics' lora_sync_bytes)
 
 
 @dataclass(frozen=True)

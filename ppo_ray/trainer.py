@@ -45,7 +45,7 @@ from ppo_ray.rewards import check_reward_sources
 from ppo_ray.roles import RETRYABLE, Generation, Roles, Update
 from ppo_ray.runlog import RunLog
 from ppo_ray.stats import (GenerationSummary, LearnerStats, ReferenceStats, Responses, RewardStats, StepResult,
-                           StepTiming)
+                           StepTiming, SyncReport)
 from ppo_ray.supervisor import Supervisor
 from ppo_ray.tracking import check_trackers
 
@@ -288,13 +288,13 @@ class PPOTrainer:
                             step=self.step, recover=regenerate)
         return upcoming
 
-    def _sync_generators(self, version: int) -> list[dict]:
+    def _sync_generators(self, version: int) -> list[SyncReport]:
         """The committed LoRA goes from the learner's object store entry to every replica; a
         replica that dies here is restarted and given it."""
         weights = self._weights[version]
         loads = self.supervisor.run(lambda attempt: self.roles.load_adapter(version, weights, restore=attempt > 0),
                                     where="sync", step=self.step, recover=self.roles.wait_for_actors)
-        bad = [r["version"] for r in loads if r["version"] != version]
+        bad = [r.version for r in loads if r.version != version]
         if bad:
             raise StaleAdapterError(f"generators report adapter versions {bad} after loading {version}")
         return loads
@@ -347,7 +347,7 @@ class PPOTrainer:
         gens = [self.roles.generators[i] for i in replicas]
         self.roles.load_adapter(version, self._weights[version], restore=True, generators=gens)
 
-    def _result(self, step: _Uncommitted, loads: list[dict], check: SyncCheck, t_generation_done: float,
+    def _result(self, step: _Uncommitted, loads: list[SyncReport], check: SyncCheck, t_generation_done: float,
                 t_sync_done: float) -> StepResult:
         generated, stats = step.generated, step.stats
         now = time.perf_counter()
@@ -364,14 +364,14 @@ class PPOTrainer:
             prefetch_wait_s=t_generation_done - step.t_update_done,
             # the sync's parts on the generator side (the rest of sync_s is the object-store
             # transfer of the LoRA tensors and the actor call)
-            sync_write_s=max(r["write_s"] for r in loads),
-            sync_register_s=max(r["register_s"] + r["retire_s"] for r in loads),
+            sync_write_s=max(r.write_s for r in loads),
+            sync_register_s=max(r.register_s + r.retire_s for r in loads),
             step_s=now - step.t_start)
         return StepResult(
             step=self.step,
             generated_texts=generated.texts, finish_reasons=generated.finish_reasons,
             rewards=step.scores, learner=stats, reward_parts=step.reward_stats.parts(), adapter_version=self.version,
-            timing=timing, lora_sync_bytes=loads[0]["bytes"], response_lengths=generated.lengths,
+            timing=timing, lora_sync_bytes=loads[0].nbytes, response_lengths=generated.lengths,
             sync_probe_gap=check.gap, sync_resyncs=self._resyncs)
 
     def _check_logprob_gap(self, stats: LearnerStats) -> None:

@@ -216,9 +216,10 @@ def test_lora_sync(make_generator, tiny_model_dir, hf_model, tokenizer, vllm_llm
     w1 = randomize_lora(peft_model, seed=1)
     assert len(w1.tensors) == 2 * 7 * 2 and all(".lora_A.weight" in k or ".lora_B.weight" in k for k in w1.tensors)
     assert w1.spec == LoraSpec(8, 16, tuple(sorted(ALL_PROJECTIONS)), 0.0)
-    timings = gen.load_adapter(1, w1)
-    assert set(timings) >= {"write_s", "register_s", "retire_s"} and gen.version == 1
-    assert set(engine.list_loras()) == {gen._lora_request.lora_int_id}
+    report = gen.load_adapter(1, w1)
+    assert report.version == gen.version == 1 and report.nbytes == w1.nbytes
+    assert min(report.write_s, report.register_s, report.retire_s) > 0
+    assert set(engine.list_loras()) == {gen.sync.lora_request.lora_int_id}
 
     v1_lp = continuation_logprobs(peft_model, prompt, cont)
     got = gen.sequence_logprobs(prompt, cont)
@@ -232,11 +233,11 @@ def test_lora_sync(make_generator, tiny_model_dir, hf_model, tokenizer, vllm_llm
     assert diff.max() < tol(ref[batch.response_mask]), f"max |vLLM+LoRA - HF+PEFT| {diff.max():.2e}"
 
     # version 2 replaces version 1 everywhere
-    old_id, old_dir = gen._lora_request.lora_int_id, gen._lora_request.lora_path
+    old_id, old_dir = gen.sync.lora_request.lora_int_id, gen.sync.lora_request.lora_path
     w2 = randomize_lora(peft_model, seed=2)
     gen.load_adapter(2, w2)
-    assert set(engine.list_loras()) == {gen._lora_request.lora_int_id} and old_id not in set(engine.list_loras())
-    assert [p.name for p in gen.adapter_root.iterdir()] == [gen._lora_request.lora_path.rsplit("/", 1)[1]]
+    assert set(engine.list_loras()) == {gen.sync.lora_request.lora_int_id} and old_id not in set(engine.list_loras())
+    assert [p.name for p in gen.adapter_root.iterdir()] == [gen.sync.lora_request.lora_path.rsplit("/", 1)[1]]
     assert not os.path.exists(old_dir)
     v2_lp = continuation_logprobs(peft_model, prompt, cont)
     assert (gen.sequence_logprobs(prompt, cont) - v2_lp).abs().max() < tol(v2_lp)

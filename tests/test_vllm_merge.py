@@ -48,10 +48,11 @@ def test_merged_weights_equal_peft_merge(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def merged_generator(tiny_model_dir):
-    from actors.generator import MERGED_WORKER, Generator
+    from actors.generator import Generator
+    from actors.lora_sync import MergedSync
     from actors.vllm_engine import build_llm
 
-    llm = build_llm(tiny_model_dir, dtype="float32", seed=0, worker_extension_cls=MERGED_WORKER)
+    llm = build_llm(tiny_model_dir, dtype="float32", seed=0, **MergedSync.engine_args(lora_r=8))
     gen = Generator(llm, model_dir=tiny_model_dir, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=16,
                     seed=0, max_prompt_length=64, lora_sync="merged")
     yield gen
@@ -80,7 +81,8 @@ def test_merged_sync_matches_peft(merged_generator, tiny_model_dir):
     for version, seed in ((1, 1), (2, 2)):
         w = randomize_lora(peft_model, seed=seed)
         out = gen.load_adapter(version, w)
-        assert gen.version == version and out["bytes"] > 0 and gen._lora_request is None
+        assert gen.version == out.version == version and out.nbytes > 0 and out.write_s == 0.0
+        assert gen.sync.lora_request is None
         lp = continuation_logprobs(peft_model, prompt, cont)
         got = gen.sequence_logprobs(prompt, cont)
         assert (got - lp).abs().max() < logprob_tol(lp) and (got - base_lp).abs().max() > 0.05
@@ -138,11 +140,12 @@ def test_merged_sync_into_a_bfloat16_engine_from_float32_files(tiny_model_dir):
     bfloat16): the merge is cast to the engine's dtype before vLLM packs it again. Without
     the cast the CPU engine packed float32 weights for bfloat16 activations and sampled
     tokens with non-finite logprobs from the first synced version on."""
-    from actors.generator import MERGED_WORKER, Generator
+    from actors.generator import Generator
+    from actors.lora_sync import MergedSync
     from actors.vllm_engine import build_llm
     from ppo_ray.modeling import load_causal_lm, load_tokenizer
 
-    llm = build_llm(tiny_model_dir, dtype="bfloat16", seed=0, worker_extension_cls=MERGED_WORKER)
+    llm = build_llm(tiny_model_dir, dtype="bfloat16", seed=0, **MergedSync.engine_args(lora_r=8))
     gen = Generator(llm, model_dir=tiny_model_dir, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=16,
                     seed=0, max_prompt_length=64, lora_sync="merged")
     try:
