@@ -271,9 +271,6 @@ class GeneratorHost(FaultPoints):
         _check_version(self.generator, expected_version, "the sync check")
         return self.generator.probe(prompt_ids)
 
-    def sequence_logprobs(self, prompt_ids: list[int], continuation_ids: list[int]):
-        return self.generator.sequence_logprobs(prompt_ids, continuation_ids)
-
     def version(self) -> int:
         return self.generator.version
 
@@ -356,12 +353,6 @@ class LearnerHost(FaultPoints):
         stats, weights = self.learner.update(RolloutBatch.cat(parts), ref_logprobs, scores, max_staleness,
                                              planned_steps)
         return stats, weights, (self.learner.state_dict() if self.learner.rank == 0 else {})
-
-    def logprobs(self, *parts: RolloutBatch):
-        return self.learner.logprobs(RolloutBatch.cat(parts))
-
-    def full_logprobs(self, *parts: RolloutBatch):
-        return self.learner.full_logprobs(RolloutBatch.cat(parts))
 
     def sync_gaps(self, *parts: RolloutBatch, expected_version: int) -> list[float]:
         """The sync check: per generator replica, the largest |generator - learner| logprob

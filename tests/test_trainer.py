@@ -27,10 +27,17 @@ def _generate(trainer, prompts, step=10_000):
     return batch_ref
 
 
+def on_actor(actor, fn, *args):
+    """fn(the actor's host object, *args) run in the actor (Ray's __ray_call__; ObjectRef
+    arguments arrive as their values): tests reach the plain objects behind the hosts
+    without host methods that only tests would call."""
+    return ray.get(actor.__ray_call__.remote(fn, *args))
+
+
 def _assert_generator_matches_learner(trainer):
     batch_ref = _generate(trainer, bundled_prompts()[:8])
     batch: RolloutBatch = ray.get(batch_ref)
-    learner_lp = ray.get(trainer.roles.learner.logprobs.remote(batch_ref))
+    learner_lp = on_actor(trainer.roles.learner, lambda host, batch: host.learner.logprobs(batch), batch_ref)
     assert batch.adapter_version == trainer.version
     diff = (learner_lp - batch.gen_logprobs).abs()[batch.response_mask]
     assert diff.numel() > 0 and diff.max() < TINY_LOGPROB_TOL, f"max |generator - learner| logprob = {diff.max():.2e}"
@@ -79,14 +86,21 @@ def test_sync_changes_generation(tiny_trainer):
         response_ids=torch.tensor([cont]), response_mask=torch.ones(1, len(cont), dtype=torch.bool),
         gen_logprobs=torch.zeros(1, len(cont)), adapter_version=tiny_trainer.version,
         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    gen_before = ray.get(tiny_trainer.roles.generators[0].sequence_logprobs.remote(prompt, cont))
+    generator = tiny_trainer.roles.generators[0]
+
+    def sequence_logprobs(host, prompt_ids, continuation_ids):
+        return host.generator.sequence_logprobs(prompt_ids, continuation_ids)
+
+    gen_before = on_actor(generator, sequence_logprobs, prompt, cont)
     tiny_trainer.ppo_step(bundled_prompts()[8:16])
-    gen_after = ray.get(tiny_trainer.roles.generators[0].sequence_logprobs.remote(prompt, cont))
+    gen_after = on_actor(generator, sequence_logprobs, prompt, cont)
     # vLLM's prompt logprobs are raw log_softmax (temperature 1, no truncation); the tiny
     # config samples at temperature 1.0, so the learner's full logprobs are the same quantity.
     assert tiny_trainer.config.temperature == 1.0
-    learner_after = ray.get(tiny_trainer.roles.learner.full_logprobs.remote(fixed))[0]
-    base = ray.get(tiny_trainer.roles.reference.logprobs.remote(fixed))[0]
+    learner = tiny_trainer.roles.learner
+    learner_after = on_actor(learner, lambda host, batch: host.learner.full_logprobs(batch), fixed)[0]
+    ref_logprobs, _ = ray.get(tiny_trainer.roles.reference.logprobs.remote(fixed))
+    base = ref_logprobs[0]
     assert (gen_after - learner_after).abs().max() < TINY_LOGPROB_TOL
     assert (gen_after - gen_before).abs().max() > 1e-3, "the sync did not change the generator's policy"
     assert (gen_after - base).abs().max() > 1e-3, "the generator still serves the base model"
