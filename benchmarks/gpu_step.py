@@ -68,6 +68,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from benchmarks.clock import DeviceClock
+
 REPO = Path(__file__).resolve().parent.parent
 PRESET = REPO / "configs" / "qwen3-0.6b-tldr.yaml"
 
@@ -184,29 +186,7 @@ def machine(device: str) -> dict:
     return info
 
 
-class Timer:
-    """Phase timing with GPU synchronisation (benchmarks.step's) and per-phase peak memory."""
-
-    def __init__(self, device: str):
-        import torch
-
-        from benchmarks.step import _synchronizer
-
-        self.torch, self.cuda, self.now = torch, device.startswith("cuda"), _synchronizer(device)
-
-    def __call__(self, fn, *args, **kwargs) -> tuple[Any, float, Optional[float]]:
-        self.now()  # the queued work before the phase is not the phase's
-        if self.cuda:
-            self.torch.cuda.empty_cache()  # the last phase's cached blocks: one phase's peak at a time
-            self.torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        value = fn(*args, **kwargs)
-        seconds = self.now() - t0
-        peak = self.torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
-        return value, seconds, peak
-
-
-def measure_batch(baseline, reference, batch_size: int, args, timer: Timer, deadline: float) -> dict:
+def measure_batch(baseline, reference, batch_size: int, args, timer: DeviceClock, deadline: float) -> dict:
     """warmup + steps full steps at `batch_size`, then the one-off phases; stops starting
     new steps after `deadline` (perf_counter)."""
     per_step: list[dict] = []
@@ -346,7 +326,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                                                               "gradient_checkpointing", "learner_compile",
                                                               "learner_compile_scope", "value_model")}, generate_cache=args.generate_cache)
         save()
-        timer = Timer(device)
+        timer = DeviceClock(device)
         for b in args.batch_sizes:
             if time.perf_counter() > deadline:
                 result["runs"].append({"batch_size": b, "skipped": "time budget reached"})

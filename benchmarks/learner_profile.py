@@ -34,6 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from benchmarks.clock import DeviceClock
 from benchmarks.gpu_step import MODELS, PAD_ID, EOS_ID, PRESET, learner_flops, machine, peak_flops, write_models
 
 # The plain path (every learner speed option off; the preset turns them on) and the
@@ -96,26 +97,7 @@ def synthetic_batch(batch_size: int, prompt_len: tuple[int, int], response_len: 
                         pad_token_id=PAD_ID, eos_token_id=EOS_ID)
 
 
-class Sync:
-    def __init__(self, device: str):
-        import torch
-
-        self.torch, self.cuda = torch, device.startswith("cuda")
-
-    def now(self) -> float:
-        if self.cuda:
-            self.torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def reset_peak(self) -> None:
-        if self.cuda:
-            self.torch.cuda.reset_peak_memory_stats()
-
-    def peak_gib(self) -> Optional[float]:
-        return self.torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
-
-
-def run_update(learner, batch, ref, scores, sync: Sync) -> dict:
+def run_update(learner, batch, ref, scores, sync: DeviceClock) -> dict:
     kept: list = []
     learner.experience_hook = kept.append
     sync.now()
@@ -129,7 +111,7 @@ def run_update(learner, batch, ref, scores, sync: Sync) -> dict:
             "policy_loss": stats.policy_loss, "first_minibatch_ratio_mean": stats.first_minibatch_ratio_mean}
 
 
-def split_timing(learner, batch, sync: Sync, reps: int = 3) -> dict:
+def split_timing(learner, batch, sync: DeviceClock, reps: int = 3) -> dict:
     """One micro-batch (the first of a sorted/unsorted minibatch): policy loss fwd+bwd and
     value fwd+bwd, timed apart (median of reps)."""
     import statistics
@@ -324,7 +306,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     t_start = time.perf_counter()
     deadline = t_start + args.time_budget_s
     device = str(pick_device(args.device))
-    sync = Sync(device)
+    sync = DeviceClock(device)
     if args.no_cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)
     shape = MODELS[args.model]

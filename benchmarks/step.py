@@ -80,6 +80,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from benchmarks.clock import DeviceClock
+
 REPO = Path(__file__).resolve().parent.parent
 BASE_CONFIG = REPO / "configs" / "tiny.yaml"
 
@@ -450,7 +452,7 @@ class Baseline:
 
     def step(self, prompts: Sequence[str], step: int,
              prompt_ids: Optional[Sequence[Sequence[int]]] = None) -> dict[str, float]:
-        sync = _synchronizer(self.device)  # phase boundaries wait for the GPU's queued work
+        sync = DeviceClock(self.device).now  # phase boundaries wait for the GPU's queued work
         t0 = time.perf_counter()
         batch = self.generate(prompts, step, prompt_ids)
         t1 = sync()
@@ -470,17 +472,6 @@ class Baseline:
         phases.update(response_tokens=tokens, tokens_per_s=tokens / step_s, samples_per_s=len(prompts) / step_s,
                       generate_tokens_per_s=tokens / phases["generate"])
         return phases
-
-
-def _synchronizer(device: str):
-    """() -> perf_counter() after the device's queued work is done (a no-op wait on the CPU)."""
-    import torch
-
-    def now() -> float:
-        if str(device).startswith("cuda"):
-            torch.cuda.synchronize()
-        return time.perf_counter()
-    return now
 
 
 def run_baseline(config, batches: Sequence[Sequence[str]], warmup: int, threads: Optional[int] = None) -> dict:
