@@ -55,6 +55,7 @@ from learner.kernels import cached_casts, clear_casts
 from learner.speed import SpeedPath
 from learner.value_model import ValueHead, ValueModel
 from ppo_ray.batch import RolloutBatch, TrimPlan, fresh_enough, rollout_micro_batches, staleness_limit
+from ppo_ray.checkpoint import LearnerState
 from ppo_ray.config import ConfigSlice, PPOConfig
 from ppo_ray.modeling import LoraSpec, LoraWeights, load_causal_lm, pick_device
 from ppo_ray.stats import LearnerStats
@@ -336,30 +337,30 @@ class Learner:
             return {}
         return {n: p for n, p in self.value_model.named_parameters() if p.requires_grad}
 
-    def state_dict(self) -> dict:
-        """What a resumed run needs to continue exactly: the policy adapter (LoraWeights), the value
-        model's trainable tensors (LoRA + head; {} without a critic), the optimisers and their
-        learning-rate schedules (the value's None without a critic), the KL coefficient
-        (adaptive KL), the global RNG (LoRA dropout) and the version. CPU tensors only; no
-        model weights of the base."""
+    def state_dict(self) -> LearnerState:
+        """What a resumed run needs to continue exactly (ppo_ray.checkpoint.LearnerState): the
+        policy adapter, the value model's trainable tensors (LoRA + head; {} without a
+        critic), the optimisers and their learning-rate schedules (the value's None without a
+        critic), the KL coefficient (adaptive KL), the global RNG (LoRA dropout) and the
+        version. CPU tensors only; no model weights of the base."""
         value = {n: p.detach().to("cpu", copy=True) for n, p in self._value_tensors().items()}
-        return {"version": self.version, "policy": self.lora_weights(), "value": value,
-                "policy_optimizer": _to_cpu(self.policy_optimizer.state_dict()),
-                "value_optimizer": _to_cpu(self.value_optimizer.state_dict()) if self.critic else None,
-                "policy_scheduler": self.schedulers[0].state_dict(),
-                "value_scheduler": self.schedulers[1].state_dict() if self.critic else None,
-                "kl_coef": self.kl_coef,
-                "rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []}
+        return LearnerState(
+            version=self.version, policy=self.lora_weights(), value=value,
+            policy_optimizer=_to_cpu(self.policy_optimizer.state_dict()),
+            value_optimizer=_to_cpu(self.value_optimizer.state_dict()) if self.critic else None,
+            policy_scheduler=self.schedulers[0].state_dict(),
+            value_scheduler=self.schedulers[1].state_dict() if self.critic else None,
+            kl_coef=self.kl_coef, rng=torch.get_rng_state(),
+            cuda_rng=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else [])
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: LearnerState) -> None:
         """Restore `state_dict()`'s output. A checkpoint of another shape (LoRA rank, target
         modules, model) is refused naming the first mismatching tensor, one of another
         lora_alpha naming the two; nothing is changed then. lora_dropout may differ (it does
         not change what the tensors mean)."""
         from peft import set_peft_model_state_dict
 
-        policy: LoraWeights = state["policy"]
+        policy: LoraWeights = state.policy
         own = self.lora_weights()
         _check_tensors("policy adapter", own.tensors, policy.tensors)
         theirs = dataclasses.replace(policy.spec, lora_dropout=own.spec.lora_dropout)
@@ -367,25 +368,25 @@ class Learner:
             raise CheckpointMismatchError(f"checkpoint's policy adapter is {policy.spec}, this run's is {own.spec} "
                                           "(different lora_alpha or lora_target_modules?)")
         mine = self._value_tensors()
-        _check_tensors("value model", {n: p.detach() for n, p in mine.items()}, state["value"])
+        _check_tensors("value model", {n: p.detach() for n, p in mine.items()}, state.value)
         result = set_peft_model_state_dict(self.policy, policy.tensors)
         if getattr(result, "unexpected_keys", None):
             raise CheckpointMismatchError(f"policy adapter: unexpected keys {result.unexpected_keys[:5]}")
         with torch.no_grad():
             for n, p in mine.items():
-                p.copy_(state["value"][n].to(p.device, p.dtype))
-        self.policy_optimizer.load_state_dict(state["policy_optimizer"])
+                p.copy_(state.value[n].to(p.device, p.dtype))
+        self.policy_optimizer.load_state_dict(state.policy_optimizer)
         if self.critic:
-            self.value_optimizer.load_state_dict(state["value_optimizer"])
-        if "policy_scheduler" in state:  # checkpoints before lr_scheduler existed: constant lr
-            self.schedulers[0].load_state_dict(state["policy_scheduler"])
+            self.value_optimizer.load_state_dict(state.value_optimizer)
+        if state.policy_scheduler is not None:  # checkpoints before lr_scheduler existed: constant lr
+            self.schedulers[0].load_state_dict(state.policy_scheduler)
             if self.critic:
-                self.schedulers[1].load_state_dict(state["value_scheduler"])
-        self.kl_coef = float(state.get("kl_coef", self.config.kl_coef))
-        torch.set_rng_state(state["rng"])
-        if self.device.type == "cuda" and state.get("cuda_rng"):
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
-        self.version = int(state["version"])
+                self.schedulers[1].load_state_dict(state.value_scheduler)
+        self.kl_coef = float(state.kl_coef if state.kl_coef is not None else self.config.kl_coef)
+        torch.set_rng_state(state.rng)
+        if self.device.type == "cuda" and state.cuda_rng:
+            torch.cuda.set_rng_state_all(state.cuda_rng)
+        self.version = int(state.version)
 
     # ------------------------------------------------------------------ scoring helpers
     def logprobs(self, batch: RolloutBatch) -> Tensor:
@@ -505,7 +506,7 @@ class Learner:
     # ------------------------------------------------------------------ the update
     def update(self, batch: RolloutBatch, ref_logprobs: Tensor, scores: Tensor,
                max_staleness: Optional[int] = None,
-               planned_steps: Optional[int] = None) -> tuple[LearnerStats, dict[str, Tensor]]:
+               planned_steps: Optional[int] = None) -> tuple[LearnerStats, Optional[LoraWeights]]:
         """One PPO update on one step's rollouts.
 
         Args:
@@ -589,7 +590,7 @@ class Learner:
         if cfg.kl_target is not None:  # 9. adaptive KL: the next step's beta from this step's KL
             self.kl_coef = adaptive_kl_coef(self.kl_coef, stats.kl, cfg.kl_target, cfg.kl_horizon, len(batch))
         # Every member holds the same adapter; only rank 0's copy goes to the generators.
-        return stats, (self.lora_weights() if self.rank == 0 else {})
+        return stats, (self.lora_weights() if self.rank == 0 else None)
 
     # ------------------------------------------------------------------ step 7
     def _normalizer(self, mask: Tensor) -> Tensor:

@@ -59,14 +59,17 @@ import re
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from ppo_ray.atomic import atomic_dir, fsync_dir, remove_stale_temps
 from ppo_ray.config import PPOConfig
+
+if TYPE_CHECKING:
+    from ppo_ray.modeling import LoraWeights
 
 # Fields that decide what a checkpoint's tensors are and how the run samples/learns: a
 # resume that changes one of them would silently mix two runs.
@@ -85,6 +88,27 @@ PATH_FIELDS = ("model_name", "ref_model_name", "reward_model_name", "value_model
 RUN_DIR = "${run_dir}"
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class LearnerState:
+    """What a resumed run needs of the learner to continue exactly (Learner.state_dict): the
+    policy adapter, the value model's trainable tensors by name ({} without a critic), the
+    optimisers' and learning-rate schedules' own state dicts (the value model's None without
+    a critic; the schedules and kl_coef None in checkpoints written before they existed: the
+    learner keeps its fresh ones), the KL coefficient, the RNG states and the version. CPU
+    tensors only."""
+
+    version: int
+    policy: "LoraWeights"
+    value: dict[str, torch.Tensor]
+    policy_optimizer: dict
+    value_optimizer: Optional[dict]
+    rng: torch.Tensor
+    cuda_rng: list = field(default_factory=list)
+    policy_scheduler: Optional[dict] = None
+    value_scheduler: Optional[dict] = None
+    kl_coef: Optional[float] = None
 
 
 class CheckpointError(ValueError):
@@ -269,16 +293,16 @@ def save_checkpoint(run_dir: str | Path, *, config: PPOConfig, learner_state: di
     name = step_name(int(trainer_state["step"]))
     final = root / name
     with atomic_dir(final, fsync=True) as tmp:
-        write_lora_adapter(tmp / "adapter", learner_state["policy"], base_model=model_dir)
-        save_file({k: v.contiguous() for k, v in learner_state["value"].items()}, str(tmp / "value.safetensors"))
-        torch.save({"policy": learner_state["policy_optimizer"], "value": learner_state["value_optimizer"],
-                    "policy_scheduler": learner_state["policy_scheduler"],
-                    "value_scheduler": learner_state["value_scheduler"], "kl_coef": learner_state["kl_coef"]},
+        write_lora_adapter(tmp / "adapter", learner_state.policy, base_model=model_dir)
+        save_file({k: v.contiguous() for k, v in learner_state.value.items()}, str(tmp / "value.safetensors"))
+        torch.save({"policy": learner_state.policy_optimizer, "value": learner_state.value_optimizer,
+                    "policy_scheduler": learner_state.policy_scheduler,
+                    "value_scheduler": learner_state.value_scheduler, "kl_coef": learner_state.kl_coef},
                    tmp / "optimizer.pt")
-        torch.save({"learner": learner_state["rng"], "learner_cuda": learner_state.get("cuda_rng", []),
+        torch.save({"learner": learner_state.rng, "learner_cuda": learner_state.cuda_rng,
                     "data": trainer_state["data_rng"]}, tmp / "rng.pt")
         meta = {k: v for k, v in trainer_state.items() if k != "data_rng"}
-        meta["version"] = int(learner_state["version"])
+        meta["version"] = int(learner_state.version)
         meta.update(run_id=lineage.run_id, checkpoint_id=uuid.uuid4().hex[:12], parent=lineage.parent,
                     parent_id=lineage.parent_id, saved_at=time.time())
         (tmp / "trainer.json").write_text(json.dumps(meta, indent=1))
@@ -415,16 +439,15 @@ def load_checkpoint(path: str | Path, config: Optional[PPOConfig] = None) -> tup
     optim = read("optimizer.pt", torch_file)
     rng = read("rng.pt", torch_file)
     try:
-        learner_state = {
-            "version": int(meta["version"]),
-            "policy": read("adapter", read_lora_adapter),
-            "value": read("value.safetensors", lambda p: load_file(str(p))),
-            "policy_optimizer": optim["policy"], "value_optimizer": optim["value"],
-            "rng": rng["learner"], "cuda_rng": rng.get("learner_cuda", []),
-        }
-        # learning-rate schedules and the adaptive KL coefficient (absent in checkpoints
-        # written before they existed: the learner then keeps its fresh ones)
-        learner_state.update({k: optim[k] for k in ("policy_scheduler", "value_scheduler", "kl_coef") if k in optim})
+        # learning-rate schedules and the adaptive KL coefficient: None in checkpoints written
+        # before they existed (the learner then keeps its fresh ones)
+        learner_state = LearnerState(
+            version=int(meta["version"]), policy=read("adapter", read_lora_adapter),
+            value=read("value.safetensors", lambda p: load_file(str(p))),
+            policy_optimizer=optim["policy"], value_optimizer=optim["value"],
+            rng=rng["learner"], cuda_rng=rng.get("learner_cuda", []),
+            policy_scheduler=optim.get("policy_scheduler"), value_scheduler=optim.get("value_scheduler"),
+            kl_coef=optim.get("kl_coef"))
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {ckpt} is incomplete or corrupt: missing or bad entry {e}") from e
     # the step where the learning-rate schedule ends: the saved config's steps for checkpoints

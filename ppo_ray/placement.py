@@ -33,6 +33,7 @@ from ppo_ray.stats import GenerationSummary, ReferenceStats, RewardStats, SyncRe
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from ppo_ray.checkpoint import LearnerState
     from ppo_ray.modeling import LoraWeights
 
 log = logging.getLogger(__name__)
@@ -345,14 +346,14 @@ class LearnerHost(FaultPoints):
     @ray.method(num_returns=3)
     def update(self, ref_logprobs, scores, *parts: RolloutBatch, expected_version: int | None = None,
                max_staleness: int | None = None, planned_steps: int | None = None):
-        """(stats, new LoRA weights, learner state after the update). The state (state_dict:
+        """(stats, new LoRA weights, learner state after the update). The state (LearnerState:
         adapters, value head, both Adam states, RNG; rank 0's only, every member holds the
-        same) stays in the object store as the driver's copy of the step's commit: a learner
+        same; None from the others) stays in the object store as the driver's copy of the step's commit: a learner
         that dies later is restored from it, with no checkpoint needed."""
         _check_version(self.learner, expected_version, "the update")
         stats, weights = self.learner.update(RolloutBatch.cat(parts), ref_logprobs, scores, max_staleness,
                                              planned_steps)
-        return stats, weights, (self.learner.state_dict() if self.learner.rank == 0 else {})
+        return stats, weights, (self.learner.state_dict() if self.learner.rank == 0 else None)
 
     def sync_gaps(self, *parts: RolloutBatch, expected_version: int) -> list[float]:
         """The sync check: per generator replica, the largest |generator - learner| logprob
@@ -363,10 +364,10 @@ class LearnerHost(FaultPoints):
     def version(self) -> int:
         return self.learner.version
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> "LearnerState":
         return self.learner.state_dict()
 
-    def load_state_dict(self, state: dict) -> int:
+    def load_state_dict(self, state: "LearnerState") -> int:
         self.learner.load_state_dict(state)
         return self.learner.version
 

@@ -451,7 +451,7 @@ class PPOTrainer:
         ckpt, learner_state, state = load_checkpoint(path, self.config)
         self._learner_state = self.roles.store(learner_state)
         version = self.roles.restore_learners(self._learner_state, reform=False)[0]
-        self._weights = {version: self.roles.store(learner_state["policy"])}
+        self._weights = {version: self.roles.store(learner_state.policy)}
         self.roles.load_adapter(version, self._weights[version], restore=True)
         self.version, self.step = version, int(state["step"])
         self._check_sync(version)

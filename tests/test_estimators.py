@@ -92,7 +92,7 @@ def test_a_critic_free_estimator_builds_no_value_model_and_reports_no_value_stat
 
     # a checkpoint round trip: the policy's state only
     state = learner.state_dict()
-    assert state["value"] == {} and state["value_optimizer"] is None and state["value_scheduler"] is None
+    assert state.value == {} and state.value_optimizer is None and state.value_scheduler is None
     again = Learner(make_config(advantage_estimator=critic_free), tiny_path)
     again.load_state_dict(state)
     assert again.version == 1 and all(torch.equal(again.lora_weights().tensors[k], v)

@@ -680,7 +680,7 @@ def test_state_dict_through_a_checkpoint_resumes_bit_for_bit(tiny_path, special,
 
     b = Learner(cfg, tiny_path)
     _, learner_state, trainer_state = load_checkpoint(tmp_path, cfg)
-    assert trainer_state["step"] == 1 and trainer_state["order"] == [3, 1] and learner_state["version"] == 1
+    assert trainer_state["step"] == 1 and trainer_state["order"] == [3, 1] and learner_state.version == 1
     b.load_state_dict(learner_state)
     assert b.version == 1
     stats_b, w_b = b.update(*inputs)
@@ -707,7 +707,7 @@ def test_checkpoint_of_another_shape_or_config_is_refused(tiny_path, special, tm
         wide.load_state_dict(state)
     assert max_abs_diff(before, wide.lora_weights().tensors) == 0  # nothing changed
     # the adapter's spec travels with it (adapter_config.json): another alpha is refused too
-    assert state["policy"].spec == a.lora_weights().spec
+    assert state.policy.spec == a.lora_weights().spec
     strong = Learner(cfg.replace(lora_alpha=16), tiny_path)
     with pytest.raises(CheckpointMismatchError, match="lora_alpha=8.*lora_alpha=16"):
         strong.load_state_dict(state)
