@@ -95,11 +95,13 @@ def trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 def run_update(cfg: PPOConfig, path: str):
     """The learner's update, with a spy that reads both models' weights and (clipped)
-    gradients at every optimiser step. Returns (learner, batch, ref, scores, steps)."""
+    gradients at every optimiser step. Returns (learner, batch, ref, scores, steps, the
+    update's Experience)."""
     learner = Learner(cfg, path)
     batch, ref, scores = inputs(learner)
     steps: list[dict] = []
-    learner.experience_hook = lambda exp: setattr(learner, "kept_experience", exp)  # read by the tests
+    kept = []
+    learner.experience_hook = kept.append
 
     def spy(optimizer, args, kwargs):  # before the policy's step; both gradients are final by then
         steps.append({name: {n: (p.detach().clone(), p.grad.detach().clone()) for n, p in trainable(model).items()}
@@ -108,7 +110,7 @@ def run_update(cfg: PPOConfig, path: str):
     learner.policy_optimizer.register_step_pre_hook(spy)
     learner.update(batch, ref, scores)
     assert len(steps) == cfg.ppo_epochs
-    return learner, batch, ref, scores, steps
+    return learner, batch, ref, scores, steps, kept[-1]
 
 
 # ------------------------------------------------------------------ the recomputation
@@ -213,8 +215,7 @@ CASES = [
 @pytest.mark.parametrize("option", CASES)
 def test_update_follows_its_options(tiny_path, option):
     cfg = config(**option)
-    learner, batch, ref, scores, steps = run_update(cfg, tiny_path)
-    exp = learner.kept_experience
+    learner, batch, ref, scores, steps, exp = run_update(cfg, tiny_path)
     mask = exp.mask
     other = Learner(cfg, tiny_path)  # same seed: the same initial weights as the learner's
     full_old = other.full_logprobs(batch)  # the policy before the update, untruncated
