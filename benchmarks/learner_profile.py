@@ -97,7 +97,8 @@ def synthetic_batch(batch_size: int, prompt_len: tuple[int, int], response_len: 
                         pad_token_id=PAD_ID, eos_token_id=EOS_ID)
 
 
-def run_update(learner, batch, ref, scores, sync: DeviceClock) -> dict:
+def run_update(learner, batch, ref, scores, sync: DeviceClock) -> tuple[dict, Any]:
+    """One timed update: its timings and stats, and its Experience (Learner.experience_hook)."""
     kept: list = []
     learner.experience_hook = kept.append
     sync.now()
@@ -105,14 +106,13 @@ def run_update(learner, batch, ref, scores, sync: DeviceClock) -> dict:
     t0 = time.perf_counter()
     stats, _ = learner.update(replace(batch, adapter_version=learner.version), ref, scores)
     total = sync.now() - t0
-    learner.kept_experience = kept[-1]  # split_timing's micro-batch comes from it
     return {"learner_forward_s": stats.learner_forward_s, "update_s": total - stats.learner_forward_s,
             "total_s": total, "peak_gib": sync.peak_gib(), "padded_token_ratio": stats.padded_token_ratio,
-            "policy_loss": stats.policy_loss, "first_minibatch_ratio_mean": stats.first_minibatch_ratio_mean}
+            "policy_loss": stats.policy_loss, "first_minibatch_ratio_mean": stats.first_minibatch_ratio_mean}, kept[-1]
 
 
-def split_timing(learner, batch, sync: DeviceClock, reps: int = 3) -> dict:
-    """One micro-batch (the first of a sorted/unsorted minibatch): policy loss fwd+bwd and
+def split_timing(learner, exp, sync: DeviceClock, reps: int = 3) -> dict:
+    """One micro-batch of `exp` (an update's Experience; the first of a sorted/unsorted minibatch): policy loss fwd+bwd and
     value fwd+bwd, timed apart (median of reps)."""
     import statistics
 
@@ -124,7 +124,6 @@ def split_timing(learner, batch, sync: DeviceClock, reps: int = 3) -> dict:
     from ppo_ray.modeling import response_logits
 
     cfg = learner.config
-    exp = learner.kept_experience  # the last run_update's
     buffer = ExperienceBuffer(exp, len(exp), cfg.micro_batch_size, TrimPlan.of(exp.rollouts),
                               sort=cfg.learner_sort_by_length)
     rows = buffer.micro_rows(torch.arange(len(exp)))[0]
@@ -356,23 +355,24 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                 if name in EAGER_HEAD:
                     learner.speed.head_stats = head_token_stats
                 t0 = time.perf_counter()
-                row["warmup"] = run_update(learner, batch, ref, scores, sync)
+                row["warmup"], _ = run_update(learner, batch, ref, scores, sync)
                 row["warmup_wall_s"] = time.perf_counter() - t0
                 save()  # a later time limit keeps the warm-up (e.g. a compile's cost)
-                row.update(run_update(learner, batch, ref, scores, sync))
+                timed, experience = run_update(learner, batch, ref, scores, sync)
+                row.update(timed)
                 if peak:
                     row["mfu_update"] = flops["update"] / row["update_s"] / peak
                     row["mfu_learner"] = (flops["update"] + flops["learner_forward"]) / row["total_s"] / peak
                     row["tflops_update"] = flops["update"] / row["update_s"] / 1e12
                 if name in args.skip_guards.split(","):
                     with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                        skip = run_update(learner, batch, ref, scores, sync)
+                        skip, _ = run_update(learner, batch, ref, scores, sync)
                     row.update({f"skip_guards_{k}": v for k, v in skip.items() if k.endswith("_s")})
                 if name in args.sync_report.split(",") and device.startswith("cuda") and args.trace_dir:
                     Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
                     row.update(sync_report(learner, batch, ref, scores, Path(args.trace_dir) / f"syncs_{name}.txt"))
                 if name in args.split.split(","):
-                    row["split"] = split_timing(learner, batch, sync)
+                    row["split"] = split_timing(learner, experience, sync)
                 if name in args.profile.split(",") and device.startswith("cuda") and args.trace_dir:
                     Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
                     row["profile"] = profile_update(learner, batch, ref, scores,

@@ -78,7 +78,7 @@ def main(argv=None) -> dict:
             batch = generator.probe(sync_probe_prompts(tok, seed, cfg.max_prompt_length))
             probes.append(learner.sync_gap(batch))
         rollouts = generator.generate(rollout_prompts, step=version)
-        mine = learner.logprobs(rollouts)
+        mine = learner.rollout_scores(rollouts, logprobs=True).logprobs.cpu()
         mask = rollouts.response_mask & torch.isfinite(mine)
         rollout_gap = float(torch.where(mask, (rollouts.gen_logprobs - mine).abs(), 0.0).amax())
         row = {"version": version, "probe_gaps": probes, "rollout_gap": rollout_gap,

@@ -4,11 +4,13 @@ Plain class, no Ray (ppo_ray.placement hosts it in an actor). Given one step's r
 (from the generator, sampled with LoRA version `self.version`), the reference logprobs and
 the sequence scores, `update` runs the no-grad pass (step 1: old logprobs and values),
 hands it to learner.experience.make_experience (steps 2-6: KL_t, shaped rewards, the
-configured estimator's advantages, returns), runs the PPO epochs (steps 7-11), and returns
-small stats and the new LoRA weights (version + 1) for the generator.
+configured estimator's advantages, returns), has learner.optimise.PPOOptimiser run the
+PPO epochs (steps 7-11), and returns small stats and the new LoRA weights (version + 1)
+for the generator.
 
 The math is learner.algos (pure functions; the advantage estimators are registered there);
-this module is the forwards, the micro-batching, the optimisers and the bookkeeping.
+the optimisation is learner.optimise; how token statistics are computed is learner.speed;
+this module is the models, the no-grad pass, checkpoints and the bookkeeping.
 
 Choices, and where they come from:
 * Old logprobs use the generator's exact sampling distribution: logits / temperature,
@@ -22,12 +24,6 @@ Choices, and where they come from:
   and learner disagree at the nucleus boundary, e.g. vLLM's Triton top-k/top-p on GPU)
   has no defined ratio: it is left out of the policy loss (kept in the value loss and the
   KL) and counted in stats["truncated_tokens"].
-* Two optimisers (separate learning rates, N+ / seeds), Adam with eps 1e-5 (N+), no
-  weight decay. The value loss's gradient reaches only the value model, so a vf_coef
-  would only rescale an Adam-normalised gradient: there is none.
-* Gradient accumulation: every micro-batch loss is normalised by the minibatch's number
-  of real tokens (rows, for seq_mean_token_mean), so the accumulated gradient equals the
-  full minibatch's token mean (OpenRLHF tests/test_loss_aggregation.py).
 * One host synchronisation per update for the stats (plus one after the scoring pass on a
   GPU, to time it); micro-batch trimming uses host-side row lengths read once.
 * The speed options (ppo_ray.config's "learner speed" block: length-sorted micro-batches,
@@ -48,10 +44,11 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from learner.algos import adaptive_kl_coef, advantage_estimator, agg_loss, ppo_clip_loss, value_loss
+from learner.algos import adaptive_kl_coef, advantage_estimator
 from learner.buffer import Experience, ExperienceBuffer
 from learner.experience import RolloutScores, make_experience, score_tensors
-from learner.kernels import cached_casts, clear_casts
+from learner.kernels import cached_casts
+from learner.optimise import DataGroup, PPOOptimiser
 from learner.speed import SpeedPath
 from learner.value_model import ValueHead, ValueModel
 from ppo_ray.batch import RolloutBatch, TrimPlan, fresh_enough, rollout_micro_batches, staleness_limit
@@ -59,26 +56,6 @@ from ppo_ray.checkpoint import LearnerState
 from ppo_ray.config import ConfigSlice, PPOConfig
 from ppo_ray.modeling import LoraSpec, LoraWeights, load_causal_lm, pick_device
 from ppo_ray.stats import LearnerStats
-
-ADAM_EPS = 1e-5  # N+ (summarize_from_feedback_details ppo.py: eps=1e-5)
-
-
-class LRPlan:
-    """The learning-rate factor at optimiser step t (torch's LambdaLR calls it): 1 for
-    lr_scheduler constant; for linear, 1 - t / end, reaching 0 at `end` = the run's planned
-    optimiser steps (the N+ recipe's anneal). A callable object, so LambdaLR's state_dict
-    saves and restores `end` with the checkpoint. When the run's planned total changes (a
-    resume with another `steps`, train() past it; the trainer logs it), `end` moves and the
-    rate from then on is that of a run planned for the new total."""
-
-    def __init__(self, kind: str, end: int):
-        self.kind, self.end = kind, end
-
-    def __call__(self, t: int) -> float:
-        if self.kind == "constant":
-            return 1.0
-        return max(0.0, 1.0 - t / self.end) if self.end > 0 else 0.0
-
 
 class StaleRolloutsError(RuntimeError):
     """Rollouts sampled with a LoRA version other than the learner's current one."""
@@ -196,12 +173,12 @@ class Learner:
         self.vocab_size = self.policy.get_input_embeddings().weight.shape[0]
         self.speed = SpeedPath(config, self.policy, self.value_model, self._shared)  # how token stats are computed
 
-        self.policy_params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.value_params = self.value_model.trainable_parameters() if self.critic else []
-        self.policy_optimizer = torch.optim.Adam(self.policy_params, lr=config.learning_rate, eps=ADAM_EPS)
-        self.value_optimizer = (torch.optim.Adam(self.value_params, lr=config.value_learning_rate, eps=ADAM_EPS)
-                                if self.critic else None)
-        self.schedulers = self._lr_schedulers()
+        # Steps 7-11 (learner.optimise): the optimisers, their schedules and the PPO epochs.
+        self.group = DataGroup()  # data parallelism: see join_group
+        self.optimiser = PPOOptimiser(
+            config, self.speed, [p for p in self.policy.parameters() if p.requires_grad],
+            self.value_model.trainable_parameters() if self.critic else [], critic=self.critic, shared=self._shared,
+            group=self.group)
         # beta of the KL penalty: config.kl_coef, moved after every update by the adaptive
         # controller when config.kl_target is set (part of state_dict, so a retried or
         # resumed step uses the committed value)
@@ -210,48 +187,24 @@ class Learner:
         # Called with each update's Experience (the step's per-token tensors, on the device)
         # before the PPO epochs: for tests and benchmarks that inspect it; None = nothing kept.
         self.experience_hook: Optional[Callable[[Experience], None]] = None
-        self.rank, self.world_size = 0, 1  # data parallelism: see join_group
 
     def reconfigure(self, config: PPOConfig | ConfigSlice) -> None:
         """Take a changed config on a built learner (benchmarks and tests switch the speed
         options on one learner): the learner and its speed path read it from now on."""
-        self.config = config
+        self.config = self.optimiser.config = config
         self.speed.configure(config)
 
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        """The policy's optimiser, then the value model's (with a critic)."""
-        return [self.policy_optimizer] + ([self.value_optimizer] if self.critic else [])
-
-    @property
-    def _ticks_per_step(self) -> int:
-        cfg = self.config
-        return cfg.ppo_epochs * (cfg.batch_size // cfg.effective_mini_batch_size)
-
-    def _lr_schedulers(self) -> list:
-        """The schedule (lr_scheduler: constant | linear, LRPlan) of both optimisers, one tick
-        per optimiser step; linear reaches 0 after the run's planned steps x ppo_epochs x
-        minibatches optimiser steps (the N+ recipe anneals both learning rates)."""
-        total = self.config.steps * self._ticks_per_step
-        return [torch.optim.lr_scheduler.LambdaLR(opt, LRPlan(self.config.lr_scheduler, total))
-                for opt in self.optimizers]
-
     def plan_steps(self, steps: int) -> None:
-        """Make the schedule end at PPO step `steps` (the run's planned total changed; the
-        trainer logs it), from the next optimiser step on."""
-        end = steps * self._ticks_per_step
-        for scheduler in self.schedulers:
-            plan = scheduler.lr_lambdas[0]
-            if plan.end != end:
-                plan.end = end
-                for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
-                    group["lr"] = base * plan(scheduler.last_epoch)
+        """Make the learning-rate schedules end at PPO step `steps` (the run's planned total
+        changed; the trainer logs it), from the next optimiser step on."""
+        self.optimiser.plan_steps(steps)
 
     # ------------------------------------------------------------------ data parallelism
     def join_group(self, init_method: str, rank: int, world_size: int, timeout_s: float = 120.0) -> None:
         """Become rank `rank` of a data-parallel group of `world_size` learners (gloo on the
-        CPU, NCCL on GPUs), leaving any group this process was in (a re-formed group after a
-        restart). Rank 0's trainable tensors are broadcast so every member starts equal.
+        CPU, NCCL on GPUs; learner.optimise.DataGroup), leaving any group this process was in
+        (a re-formed group after a restart). Rank 0's trainable tensors are broadcast so every
+        member starts equal.
 
         In update() each member then runs the no-grad pass on rows rank::world_size and the
         PPO epochs on its rows of every minibatch (the same seeded permutation everywhere);
@@ -259,63 +212,31 @@ class Learner:
         the group (all_reduce). Losses are divided by the WHOLE minibatch's token (or row)
         count, so the summed gradient is exactly the one learner's token mean, uneven shards
         included; the update differs from one learner's only in float summation order."""
-        import datetime
+        self.group.join(init_method, rank, world_size, self.device, timeout_s, self.optimiser.params)
 
-        import torch.distributed as dist
+    @property
+    def rank(self) -> int:
+        return self.group.rank
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        self.rank, self.world_size = rank, world_size
-        with torch.no_grad():
-            for p in [*self.policy_params, *self.value_params]:
-                dist.broadcast(p.data, src=0)
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size
 
-    def _sum_across_group(self, tensors: list[Tensor]) -> None:
-        """In-place all_reduce(SUM) of same-dtype tensors through one flat buffer."""
-        if self.world_size == 1 or not tensors:
-            return
-        import torch.distributed as dist
-
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.all_reduce(flat)
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
-
-    def _sum_gradients(self) -> None:
-        """Sum the group's gradients of both models (a member without rows in a minibatch
-        contributes zeros)."""
-        if self.world_size == 1:
-            return
-        params = [*self.policy_params, *self.value_params]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for p in params:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        for grads in by_dtype.values():
-            self._sum_across_group(grads)
-
-    def _group_rollout_pass(self, batch: RolloutBatch, plan: TrimPlan, **what: bool) -> RolloutScores:
-        """_rollout_pass over this member's rows (rank::world_size), the others' rows filled
+    def _grouprollout_scores(self, batch: RolloutBatch, plan: TrimPlan, **what: bool) -> RolloutScores:
+        """rollout_scores over this member's rows (rank::world_size), the others' rows filled
         in by a sum across the group; the whole batch's pass for a single learner."""
         if self.world_size == 1:
-            return self._rollout_pass(batch, plan, **what)
+            return self.rollout_scores(batch, plan, **what)
         rows = list(range(self.rank, len(batch), self.world_size))
         out = RolloutScores(*[torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=self.device)
                               if what.get(name) else None for name in ("logprobs", "full", "entropy", "values")])
         if rows:
-            mine = self._rollout_pass(batch.select(rows), **what)
+            mine = self.rollout_scores(batch.select(rows), **what)
             for full, part in zip(score_tensors(out), score_tensors(mine)):
                 if full is not None:
                     full[rows, :part.shape[1]] = part
         # Rows of other members are 0 here; -inf (tokens outside top-k/top-p) survives the sum.
-        self._sum_across_group([t for t in score_tensors(out) if t is not None])
+        self.group.sum([t for t in score_tensors(out) if t is not None])
         return out
 
     # ------------------------------------------------------------------ LoRA export
@@ -344,12 +265,13 @@ class Learner:
         critic), the KL coefficient (adaptive KL), the global RNG (LoRA dropout) and the
         version. CPU tensors only; no model weights of the base."""
         value = {n: p.detach().to("cpu", copy=True) for n, p in self._value_tensors().items()}
+        opt = self.optimiser
         return LearnerState(
             version=self.version, policy=self.lora_weights(), value=value,
-            policy_optimizer=_to_cpu(self.policy_optimizer.state_dict()),
-            value_optimizer=_to_cpu(self.value_optimizer.state_dict()) if self.critic else None,
-            policy_scheduler=self.schedulers[0].state_dict(),
-            value_scheduler=self.schedulers[1].state_dict() if self.critic else None,
+            policy_optimizer=_to_cpu(opt.policy_optimizer.state_dict()),
+            value_optimizer=_to_cpu(opt.value_optimizer.state_dict()) if self.critic else None,
+            policy_scheduler=opt.schedulers[0].state_dict(),
+            value_scheduler=opt.schedulers[1].state_dict() if self.critic else None,
             kl_coef=self.kl_coef, rng=torch.get_rng_state(),
             cuda_rng=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else [])
 
@@ -375,13 +297,14 @@ class Learner:
         with torch.no_grad():
             for n, p in mine.items():
                 p.copy_(state.value[n].to(p.device, p.dtype))
-        self.policy_optimizer.load_state_dict(state.policy_optimizer)
+        opt = self.optimiser
+        opt.policy_optimizer.load_state_dict(state.policy_optimizer)
         if self.critic:
-            self.value_optimizer.load_state_dict(state.value_optimizer)
+            opt.value_optimizer.load_state_dict(state.value_optimizer)
         if state.policy_scheduler is not None:  # checkpoints before lr_scheduler existed: constant lr
-            self.schedulers[0].load_state_dict(state.policy_scheduler)
+            opt.schedulers[0].load_state_dict(state.policy_scheduler)
             if self.critic:
-                self.schedulers[1].load_state_dict(state.value_scheduler)
+                opt.schedulers[1].load_state_dict(state.value_scheduler)
         self.kl_coef = float(state.kl_coef if state.kl_coef is not None else self.config.kl_coef)
         torch.set_rng_state(state.rng)
         if self.device.type == "cuda" and state.cuda_rng:
@@ -389,35 +312,24 @@ class Learner:
         self.version = int(state.version)
 
     # ------------------------------------------------------------------ scoring helpers
-    def logprobs(self, batch: RolloutBatch) -> Tensor:
-        """(B, T) float32 on the CPU: the policy's logprobs of batch.response_ids under the
-        sampling distribution (temperature, top-k, top-p), no grad; 0 on padding."""
-        return self._rollout_pass(batch, logprobs=True).logprobs.cpu()
-
-    def full_logprobs(self, batch: RolloutBatch) -> Tensor:
-        """(B, T) float32 on the CPU: full-softmax logprobs at temperature (no truncation)."""
-        return self._rollout_pass(batch, full=True).full_logprobs.cpu()
-
     def sync_gap(self, batch: RolloutBatch) -> float:
         """The sync check (ppo_ray.trainer): the largest |generator - learner| logprob over the
         real tokens of a probe `batch` that the generator sampled untruncated at this
-        version (Generator.probe): its logprobs are the full tempered softmax's, which
-        full_logprobs recomputes. A non-finite logprob on either side is an infinite gap."""
+        version (Generator.probe): its logprobs are the full tempered softmax's, which the
+        full-softmax scores recompute. A non-finite logprob on either side is an infinite gap."""
         mask = batch.response_mask
-        diff = (batch.gen_logprobs.float() - self.full_logprobs(batch)).abs()
+        diff = (batch.gen_logprobs.float() - self.rollout_scores(batch, full=True).full_logprobs.cpu()).abs()
         diff = torch.where(torch.isnan(diff), torch.full((), math.inf), diff)
         return float(torch.where(mask, diff, torch.zeros(())).amax()) if bool(mask.any()) else 0.0
 
-    def values(self, batch: RolloutBatch) -> Tensor:
-        """(B, T) float32 on the CPU: V(s_t) on real tokens, 0 on padding (with a critic)."""
-        if not self.critic:
-            raise ValueError(f"advantage_estimator {self.estimator.name!r} has no critic: there are no values")
-        return self._rollout_pass(batch, values=True).values.cpu()
-
     @torch.no_grad()
-    def _rollout_pass(self, batch: RolloutBatch, plan: Optional[TrimPlan] = None, *, logprobs: bool = False,
-                      full: bool = False, entropy: bool = False, values: bool = False) -> RolloutScores:
-        """Eval-mode, no-grad forwards over trimmed micro-batches (rows in order)."""
+    def rollout_scores(self, batch: RolloutBatch, plan: Optional[TrimPlan] = None, *, logprobs: bool = False,
+                       full: bool = False, entropy: bool = False, values: bool = False) -> RolloutScores:
+        """Step 1's pass over `batch`: eval-mode, no-grad forwards over trimmed micro-batches
+        (rows in order). Each asked-for field of the result is (B, T) float32 on the
+        learner's device, 0 on padding: logprobs (the sampling distribution: temperature,
+        top-k, top-p), full_logprobs (full softmax at temperature), entropy, values (with a
+        critic)."""
         cfg = self.config
         plan = plan or TrimPlan.of(batch)
         batch = batch.to(self.device)
@@ -549,7 +461,7 @@ class Learner:
         #    the learner then recomputes only at every old_logprobs_check_every-th version.)
         recompute = self.recomputes_old_logprobs()
         with cached_casts(*self.models):  # no weight changes in this pass
-            fwd = self._group_rollout_pass(batch, plan, logprobs=recompute, full=recompute, entropy=recompute,
+            fwd = self._grouprollout_scores(batch, plan, logprobs=recompute, full=recompute, entropy=recompute,
                                            values=self.critic)
         if not recompute:
             fwd = self._generator_logprobs(batch, fwd)
@@ -570,9 +482,9 @@ class Learner:
                                   sort=cfg.learner_sort_by_length)
 
         # 7. PPO epochs x shuffled minibatches x micro-batches: value loss and PPO-clip.
-        learning_rate = self.policy_optimizer.param_groups[0]["lr"]  # the step's first (scheduled) lr
+        learning_rate = self.optimiser.learning_rate  # the step's first (scheduled) lr
         with cached_casts(*self.models):  # cleared after every optimiser step
-            ppo = self._ppo_epochs(buffer)
+            ppo = self.optimiser.run(buffer, self.models, self.version)
 
         # 8. New version; stats (one host sync) and the new adapter for the generator.
         self.version += 1
@@ -591,121 +503,3 @@ class Learner:
             self.kl_coef = adaptive_kl_coef(self.kl_coef, stats.kl, cfg.kl_target, cfg.kl_horizon, len(batch))
         # Every member holds the same adapter; only rank 0's copy goes to the generators.
         return stats, (self.lora_weights() if self.rank == 0 else None)
-
-    # ------------------------------------------------------------------ step 7
-    def _normalizer(self, mask: Tensor) -> Tensor:
-        """What a minibatch's micro-batch losses are divided by (see learner.algos.agg_loss):
-        its real tokens (token_mean) or its non-empty rows (seq_mean_token_mean)."""
-        if self.config.loss_agg == "seq_mean_token_mean":
-            return mask.any(dim=1).sum().clamp(min=1).float()
-        return mask.sum().clamp(min=1).float()
-
-    def _shuffle_generator(self) -> torch.Generator:
-        # Seeded from (seed, version): the same step of the same run shuffles the same way.
-        return torch.Generator().manual_seed((self.config.seed * 1_000_003 + self.version) % 2**63)
-
-    def _ppo_epochs(self, buffer: ExperienceBuffer) -> dict[str, Tensor]:
-        cfg = self.config
-        exp = buffer.experience
-        gen = self._shuffle_generator()
-        zero = torch.zeros((), device=self.device)
-        critic = self.critic
-        sums = {k: zero.clone() for k in ("policy_loss", "value_loss", "approx_kl", "clipfrac", "ratio_mean", "outside_support_frac",
-                                          "vf_clipfrac", "policy_grad_norm", "value_grad_norm")}
-        pg_tokens, v_tokens = zero.clone(), zero.clone()
-        first_ratio, first_tokens = zero.clone(), zero.clone()
-        n_steps = 0
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
-
-        for model in self.models:  # dropout applies only with ppo_dropout (else the first ratio is exactly 1)
-            model.train()
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        for _ in range(cfg.ppo_epochs):
-            for index in buffer.minibatch_indices(gen):
-                # the whole minibatch's counts, also in a group (each member has a share of its rows)
-                pg_norm = self._normalizer(exp.policy_mask[index])
-                v_norm = self._normalizer(exp.mask[index])
-                local = index[self.rank::self.world_size]  # this member's rows (all of them alone)
-                for rows in (buffer.micro_rows(local) if len(local) else ()):
-                    micro = buffer.micro_batch(rows)
-                    self.speed.count(buffer.plan, rows)
-                    pg_loss, v_loss, st = self._micro_backward(micro, pg_norm, v_norm)
-                    n_pg = micro.policy_mask.sum()
-                    n_v = micro.mask.sum()
-                    sums["policy_loss"] += pg_loss.detach()
-                    for k in ("approx_kl", "clipfrac", "ratio_mean", "outside_support_frac"):
-                        sums[k] += st[k] * n_pg
-                    if critic:
-                        sums["value_loss"] += v_loss.detach()
-                        sums["vf_clipfrac"] += st["vf_clipfrac"] * n_v
-                    pg_tokens += n_pg
-                    v_tokens += n_v
-                    if n_steps == 0:  # before any optimiser step
-                        first_ratio += st["ratio_mean"] * n_pg
-                        first_tokens += n_pg
-                # Per minibatch: sum the group's gradients, clip each model's gradient norm,
-                # then step the optimisers (identically on every member).
-                self._sum_gradients()
-                sums["policy_grad_norm"] += torch.nn.utils.clip_grad_norm_(self.policy_params, max_norm)
-                if critic:
-                    sums["value_grad_norm"] += torch.nn.utils.clip_grad_norm_(self.value_params, max_norm)
-                for optimizer in self.optimizers:
-                    optimizer.step()
-                for scheduler in self.schedulers:
-                    scheduler.step()
-                clear_casts(*self.models)  # the adapters just changed
-                for optimizer in self.optimizers:
-                    optimizer.zero_grad(set_to_none=True)
-                n_steps += 1
-        for model in self.models:
-            model.eval()
-        # the group's sums of the per-token stats (grad norms are already the group's)
-        self._sum_across_group([sums[k] for k in ("policy_loss", "value_loss", "approx_kl", "clipfrac", "ratio_mean",
-                                                  "outside_support_frac", "vf_clipfrac")]
-                               + [pg_tokens, v_tokens, first_ratio, first_tokens])
-
-        out = {k: sums[k] / n_steps for k in ("policy_loss", "value_loss", "policy_grad_norm", "value_grad_norm")}
-        for k in ("approx_kl", "clipfrac", "ratio_mean", "outside_support_frac"):
-            out[k] = sums[k] / pg_tokens.clamp(min=1)
-        out["vf_clipfrac"] = sums["vf_clipfrac"] / v_tokens.clamp(min=1)
-        out["first_minibatch_ratio_mean"] = first_ratio / first_tokens.clamp(min=1)
-        if not critic:
-            for k in ("value_loss", "value_grad_norm", "vf_clipfrac"):
-                del out[k]
-        return out
-
-    def _micro_backward(self, mb: Experience, pg_norm: Tensor, v_norm: Tensor) -> tuple[Tensor, Optional[Tensor], dict]:
-        """Policy loss (PPO-clip - entropy bonus) and value loss of one trimmed micro-batch,
-        each normalised by its minibatch's token (or row) count, and their gradients
-        accumulated. With a separate value model the policy's backward runs before the value
-        model's forward, so only one model's activations are alive at a time (the same
-        gradients: the two losses share no graph); a shared trunk takes one backward of
-        pg_loss + vf_coef * v_loss. Without a critic only the policy's loss (value loss None).
-        Returns the detached losses and the stats."""
-        pg_loss, stats, new_values = self._policy_loss(mb, pg_norm, v_norm)
-        if not self.critic:
-            pg_loss.backward()
-            return pg_loss.detach(), None, stats
-        if not self._shared:
-            pg_loss.backward()
-            new_values = self.speed.values(mb.rollouts, mb.seq_len)  # (b, t) float32, the value model's own
-        v_loss, v_stats = value_loss(new_values, mb.returns, mb.mask, mb.values, self.config.value_clip,
-                                     self.config.loss_agg, v_norm)
-        # vf_coef weighs the value loss only on a shared trunk: separate models have an Adam each,
-        # which would normalise a weight away
-        (pg_loss + self.config.vf_coef * v_loss if self._shared else v_loss).backward()
-        return pg_loss.detach(), v_loss.detach(), {**stats, **v_stats}
-
-    def _policy_loss(self, mb: Experience, pg_norm: Tensor, v_norm: Tensor) -> tuple[Tensor, dict, Optional[Tensor]]:
-        """One micro-batch's policy loss (PPO-clip - entropy bonus over all real tokens, v_norm)
-        and its stats, and with a shared trunk the (b, t) float32 values from the same forward
-        (else None)."""
-        cfg = self.config
-        logp, ent, values = self.speed.train_stats(mb.rollouts, mb.seq_len, mb.response_tokens, mb.policy_mask, mb.mask,
-                                                   entropy=cfg.entropy_coef > 0)
-        pg_loss, pg_stats = ppo_clip_loss(logp, mb.old_logprobs, mb.advantages, mb.policy_mask,
-                                          cfg.clip_epsilon, cfg.loss_agg, pg_norm)
-        if ent is not None:
-            pg_loss = pg_loss - cfg.entropy_coef * agg_loss(ent, mb.mask, cfg.loss_agg, v_norm)
-        return pg_loss, pg_stats, values

@@ -24,7 +24,6 @@ The head runs in float32 whatever the backbone dtype (values are regression targ
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import torch

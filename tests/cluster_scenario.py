@@ -204,7 +204,7 @@ def train(PPOTrainer, config, labels: dict[str, str], caches: dict[str, str]) ->
             batch_ref, _ = gen.generate.remote(ids, SEED_STEP + 1, 0)
             batch = ray.get(batch_ref)
             for rank, learner in enumerate(roles.learners):
-                learner_lp = ray.get(learner.__ray_call__.remote(lambda host, b: host.learner.logprobs(b), batch_ref))
+                learner_lp = ray.get(learner.__ray_call__.remote(lambda host, b: host.learner.rollout_scores(b, logprobs=True).logprobs.cpu(), batch_ref))
                 diff = (learner_lp - batch.gen_logprobs).abs()[batch.response_mask]
                 diffs[f"generator-{i}/learner-{rank}"] = float(diff.max()) if diff.numel() else None
         result["logprob_max_abs_diff"] = diffs

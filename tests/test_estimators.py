@@ -69,8 +69,8 @@ def test_launch_refuses_an_unknown_estimator_before_anything_starts(tmp_path, ca
 
 def test_a_critic_free_estimator_builds_no_value_model_and_reports_no_value_stats(tiny_path, special, critic_free):
     learner = Learner(make_config(advantage_estimator=critic_free), tiny_path)
-    assert learner.value_model is None and learner.value_params == [] and learner.value_optimizer is None
-    assert learner.models == [learner.policy] and len(learner.schedulers) == 1
+    assert learner.value_model is None and learner.optimiser.value_params == [] and learner.optimiser.value_optimizer is None
+    assert learner.models == [learner.policy] and len(learner.optimiser.schedulers) == 1
     kept = keep_experience(learner)
     batch, ref, scores = rollout_inputs(learner, random_batch(special))
     lora_before = learner.lora_weights().tensors

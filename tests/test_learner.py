@@ -117,7 +117,7 @@ def sampled_batch(learner: Learner, special, n=8, p=10, t=16, seed=0, full_lengt
     # HF generate's cached logits differ from a full forward by float rounding, so a token
     # sampled at the top-k/top-p boundary can fall outside the learner's truncation (-inf).
     # Cut such rows just before it: the tests below then need no tolerance for it.
-    logprobs = learner.logprobs(batch)
+    logprobs = learner.rollout_scores(batch, logprobs=True).logprobs.cpu()
     bad = batch.response_mask & ~torch.isfinite(logprobs)
     first_bad = torch.where(bad, torch.arange(bad.shape[1]), bad.shape[1]).amin(dim=1)
     mask = batch.response_mask & (torch.arange(bad.shape[1]) < first_bad[:, None])
@@ -128,9 +128,9 @@ def sampled_batch(learner: Learner, special, n=8, p=10, t=16, seed=0, full_lengt
 def rollout_inputs(learner: Learner, batch: RolloutBatch, seed=0):
     """gen_logprobs from the learner, reference = the learner's full logprobs plus noise
     (a nonzero KL), random scores."""
-    batch = replace(batch, gen_logprobs=learner.logprobs(batch), adapter_version=learner.version)
+    batch = replace(batch, gen_logprobs=learner.rollout_scores(batch, logprobs=True).logprobs.cpu(), adapter_version=learner.version)
     g = torch.Generator().manual_seed(seed)
-    ref = learner.full_logprobs(batch) + 0.1 * torch.randn(batch.response_ids.shape, generator=g)
+    ref = learner.rollout_scores(batch, full=True).full_logprobs.cpu() + 0.1 * torch.randn(batch.response_ids.shape, generator=g)
     ref = torch.where(batch.response_mask, ref, 0.0)
     scores = torch.randn(len(batch), generator=g)
     return batch, ref, scores
@@ -167,9 +167,10 @@ def with_sgd(learner: Learner, lr: float = SGD_LR) -> Learner:
     rounding. lr 3e-3: on the tiny learner the ratios of the last minibatch stay within ~0.1
     of 1, far from the clip range's ends (a ratio within rounding of 1 +- clip_epsilon could
     be clipped in one computation and not in the other: a jump, not rounding)."""
-    learner.policy_optimizer = torch.optim.SGD(learner.policy_params, lr=lr)
-    learner.value_optimizer = torch.optim.SGD(learner.value_params, lr=lr)
-    learner.schedulers = learner._lr_schedulers()
+    opt = learner.optimiser
+    opt.policy_optimizer = torch.optim.SGD(opt.policy_params, lr=lr)
+    opt.value_optimizer = torch.optim.SGD(opt.value_params, lr=lr)
+    opt.schedulers = opt.lr_schedulers()
     return learner
 
 
@@ -362,7 +363,7 @@ def test_first_ratio_is_one_and_logprobs_match_direct_peft_forward(tiny_path, sp
     batch = sampled_batch(learner, special)
     assert torch.isfinite(batch.gen_logprobs).all()
     _, ref, scores = rollout_inputs(learner, batch)
-    full_before = learner.full_logprobs(batch)
+    full_before = learner.rollout_scores(batch, full=True).full_logprobs.cpu()
     stats, weights = learner.update(batch, ref, scores)
     assert stats.truncated_tokens == 0
     # the no-grad pass and the training forward: two computations of the same logprobs
@@ -391,8 +392,8 @@ def test_first_ratio_is_one_and_logprobs_match_direct_peft_forward(tiny_path, sp
     topk = logits.masked_fill(logits < kth, float("-inf")).log_softmax(-1).gather(-1, tok).squeeze(-1)
     mask = batch.response_mask
     # the learner's forward vs HF + PEFT's (attention mask, position ids): the decoder's rounding
-    assert (learner.full_logprobs(batch) - full)[mask].abs().max() < logprob_tol(full, mask)
-    got = learner.logprobs(batch)
+    assert (learner.rollout_scores(batch, full=True).full_logprobs.cpu() - full)[mask].abs().max() < logprob_tol(full, mask)
+    got = learner.rollout_scores(batch, logprobs=True).logprobs.cpu()
     # After the update some sampled tokens may have left the new top-k: -inf on both sides.
     # (At most one may differ: a logit within float rounding of the k-th largest.)
     assert (torch.isfinite(got[mask]) != torch.isfinite(topk[mask])).sum() <= 1
@@ -571,15 +572,15 @@ def test_positive_score_raises_those_rows_logprob(tiny_path, special):
     good = batch.response_ids[:, 0] % 2 == 0
     assert 0 < good.sum() < len(batch)
     scores = torch.where(good, 1.0, -1.0)
-    ref = learner.full_logprobs(batch)
+    ref = learner.rollout_scores(batch, full=True).full_logprobs.cpu()
 
     def seq_logprob(b):
-        return learner.logprobs(b).sum(dim=1)  # (B,)
+        return learner.rollout_scores(b, logprobs=True).logprobs.cpu().sum(dim=1)  # (B,)
 
     start = seq_logprob(batch)
     for _ in range(4):
         batch = replace(batch, adapter_version=learner.version)
-        batch = replace(batch, gen_logprobs=learner.logprobs(batch))
+        batch = replace(batch, gen_logprobs=learner.rollout_scores(batch, logprobs=True).logprobs.cpu())
         learner.update(batch, ref, scores)
     delta = seq_logprob(batch) - start
     assert delta[good].mean() > 0.0
@@ -750,7 +751,7 @@ def test_overlap_mode_takes_one_version_stale_rollouts_with_behaviour_logprobs(t
     learner.update(*rollout_inputs(learner, sampled_batch(learner, special, seed=4), seed=4))  # -> v1
     assert learner.version == 1 and stale_batch.adapter_version == 0
 
-    current = learner.logprobs(stale_batch)
+    current = learner.rollout_scores(stale_batch, logprobs=True).logprobs.cpu()
     stats, _ = learner.update(stale_batch, ref, scores)
     exp = kept[-1]
     m = exp.policy_mask

@@ -61,7 +61,7 @@ def learner_with(tiny_path, **options) -> Learner:
 
 
 def passes(learner: Learner, batch):
-    out = learner._rollout_pass(batch, logprobs=True, full=True, entropy=True, values=True)
+    out = learner.rollout_scores(batch, logprobs=True, full=True, entropy=True, values=True)
     return {"logprobs": out.logprobs, "full": out.full_logprobs, "entropy": out.entropy, "values": out.values}
 
 
@@ -145,7 +145,7 @@ def test_checkpointed_and_chunked_gradients_equal_plain(tiny_path, plain):
         learner.value_model.train()
         norm = exp.mask.sum().float()
         for rows in buffer.micro_rows(torch.arange(len(exp))):
-            learner._micro_backward(buffer.micro_batch(rows), norm, norm)
+            learner.optimiser.micro_backward(buffer.micro_batch(rows), norm, norm)
         return {n: p.grad.clone() for n, p in [*learner.policy.named_parameters(),
                                               *learner.value_model.named_parameters()] if p.requires_grad}
 
@@ -429,14 +429,14 @@ def test_shared_trunk_update_trains_lora_with_the_weighted_value_loss(tiny_path,
         learner = shared_learner(tiny_path, vf_coef=coef, ppo_epochs=1, mini_batch_size=8, max_grad_norm=None)
         b, ref, scores = rollout_inputs(learner, batch)
         captured = {}
-        original = learner.policy_optimizer.step
+        original = learner.optimiser.policy_optimizer.step
 
         def spy(*a, **k):
             if not captured:
-                captured.update({id(p): p.grad.detach().clone() for p in learner.policy_params if p.grad is not None})
+                captured.update({id(p): p.grad.detach().clone() for p in learner.optimiser.policy_params if p.grad is not None})
             return original(*a, **k)
 
-        learner.policy_optimizer.step = spy
+        learner.optimiser.policy_optimizer.step = spy
         stats, _ = learner.update(b, ref, scores)
         assert stats.value_loss > 0
         assert abs(stats.first_minibatch_ratio_mean - 1) < token_mean_tol(b.gen_logprobs, b.response_mask)

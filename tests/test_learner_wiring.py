@@ -83,8 +83,8 @@ def inputs(learner: Learner) -> tuple[RolloutBatch, torch.Tensor, torch.Tensor]:
     response_ids = torch.where(response_mask, torch.randint(0, eos, (N, T), generator=g), pad)
     batch = RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, torch.zeros(N, T), 0,
                          pad_token_id=pad, eos_token_id=eos)
-    batch = replace(batch, gen_logprobs=learner.logprobs(batch))
-    ref = torch.where(response_mask, learner.full_logprobs(batch) + 0.3 * torch.randn(N, T, generator=g), 0.0)
+    batch = replace(batch, gen_logprobs=learner.rollout_scores(batch, logprobs=True).logprobs.cpu())
+    ref = torch.where(response_mask, learner.rollout_scores(batch, full=True).full_logprobs.cpu() + 0.3 * torch.randn(N, T, generator=g), 0.0)
     assert cfg.top_k == 0 and cfg.top_p == 1.0  # untruncated: every sampled token has a finite logprob
     return batch, ref, 2.0 * torch.randn(N, generator=g)
 
@@ -107,7 +107,7 @@ def run_update(cfg: PPOConfig, path: str):
         steps.append({name: {n: (p.detach().clone(), p.grad.detach().clone()) for n, p in trainable(model).items()}
                       for name, model in (("policy", learner.policy), ("value", learner.value_model))})
 
-    learner.policy_optimizer.register_step_pre_hook(spy)
+    learner.optimiser.policy_optimizer.register_step_pre_hook(spy)
     learner.update(batch, ref, scores)
     assert len(steps) == cfg.ppo_epochs
     return learner, batch, ref, scores, steps, kept[-1]
@@ -218,7 +218,7 @@ def test_update_follows_its_options(tiny_path, option):
     learner, batch, ref, scores, steps, exp = run_update(cfg, tiny_path)
     mask = exp.mask
     other = Learner(cfg, tiny_path)  # same seed: the same initial weights as the learner's
-    full_old = other.full_logprobs(batch)  # the policy before the update, untruncated
+    full_old = other.rollout_scores(batch, full=True).full_logprobs.cpu()  # the policy before the update, untruncated
     # (the old values themselves are checked state by state in tests/test_learner.py::check_wiring)
 
     # steps 2-6: the experience

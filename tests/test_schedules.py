@@ -88,10 +88,10 @@ def ppo_loop(cfg: PPOConfig, path: str, steps: int) -> list[dict]:
                              response_mask=mask, gen_logprobs=torch.zeros(response_ids.shape),
                              adapter_version=learner.version, pad_token_id=tok.pad_token_id,
                              eos_token_id=tok.eos_token_id)
-        logprobs = learner.logprobs(batch)
+        logprobs = learner.rollout_scores(batch, logprobs=True).logprobs.cpu()
         batch = replace(batch, gen_logprobs=torch.where(torch.isfinite(logprobs), logprobs, 0.0))
         with learner.policy.disable_adapter():
-            ref = learner.full_logprobs(batch)
+            ref = learner.rollout_scores(batch, full=True).full_logprobs.cpu()
         completions = tok.batch_decode([r[m] for r, m in zip(response_ids, mask)], skip_special_tokens=True)
         scores = 10.0 * torch.tensor(letter_e_fraction(texts, completions))
         stats, _ = learner.update(batch, ref, scores)
@@ -160,19 +160,19 @@ def test_linear_lr_decays_to_zero_and_resumes_from_a_checkpoint(tiny_path, tmp_p
         lrs.append(stats.learning_rate)
     total = 3 * 2 * 2
     assert lrs == pytest.approx([cfg.learning_rate * (1 - k / total) for k in (0, 4, 8)])
-    assert a.policy_optimizer.param_groups[0]["lr"] == 0.0 and a.value_optimizer.param_groups[0]["lr"] == 0.0
+    assert a.optimiser.policy_optimizer.param_groups[0]["lr"] == 0.0 and a.optimiser.value_optimizer.param_groups[0]["lr"] == 0.0
 
     b = Learner(cfg, tiny_path)
     _, state, _ = load_checkpoint(tmp_path, cfg)
     b.load_state_dict(state)
     stats, _ = b.update(replace(inputs[1][0], adapter_version=b.version), *inputs[1][1:])
     assert stats.learning_rate == pytest.approx(lrs[1])
-    assert b.value_optimizer.param_groups[0]["lr"] == pytest.approx(cfg.value_learning_rate * (1 - 8 / total))
+    assert b.optimiser.value_optimizer.param_groups[0]["lr"] == pytest.approx(cfg.value_learning_rate * (1 - 8 / total))
 
     constant = Learner(tiny_preset(steps=3, batch_size=4, mini_batch_size=2, micro_batch_size=2), tiny_path)
     stats, _ = constant.update(*_random_inputs(constant, tiny_path, 0))
     assert stats.learning_rate == cfg.learning_rate
-    assert constant.policy_optimizer.param_groups[0]["lr"] == cfg.learning_rate  # the default: constant
+    assert constant.optimiser.policy_optimizer.param_groups[0]["lr"] == cfg.learning_rate  # the default: constant
 
 
 def _random_inputs(learner: Learner, path: str, seed: int) -> tuple:
@@ -188,9 +188,9 @@ def _random_inputs(learner: Learner, path: str, seed: int) -> tuple:
                          response_ids=response_ids, response_mask=torch.ones(b, t, dtype=torch.bool),
                          gen_logprobs=torch.zeros(b, t), adapter_version=learner.version,
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    logprobs = learner.logprobs(batch)
+    logprobs = learner.rollout_scores(batch, logprobs=True).logprobs.cpu()
     batch = replace(batch, gen_logprobs=torch.where(torch.isfinite(logprobs), logprobs, 0.0))
-    ref = learner.full_logprobs(batch) + 0.1 * torch.randn(b, t, generator=g)
+    ref = learner.rollout_scores(batch, full=True).full_logprobs.cpu() + 0.1 * torch.randn(b, t, generator=g)
     return batch, ref, torch.randn(b, generator=g)
 
 

@@ -37,7 +37,7 @@ def on_actor(actor, fn, *args):
 def _assert_generator_matches_learner(trainer):
     batch_ref = _generate(trainer, bundled_prompts()[:8])
     batch: RolloutBatch = ray.get(batch_ref)
-    learner_lp = on_actor(trainer.roles.learner, lambda host, batch: host.learner.logprobs(batch), batch_ref)
+    learner_lp = on_actor(trainer.roles.learner, lambda host, batch: host.learner.rollout_scores(batch, logprobs=True).logprobs.cpu(), batch_ref)
     assert batch.adapter_version == trainer.version
     diff = (learner_lp - batch.gen_logprobs).abs()[batch.response_mask]
     assert diff.numel() > 0 and diff.max() < TINY_LOGPROB_TOL, f"max |generator - learner| logprob = {diff.max():.2e}"
@@ -98,7 +98,7 @@ def test_sync_changes_generation(tiny_trainer):
     # config samples at temperature 1.0, so the learner's full logprobs are the same quantity.
     assert tiny_trainer.config.temperature == 1.0
     learner = tiny_trainer.roles.learner
-    learner_after = on_actor(learner, lambda host, batch: host.learner.full_logprobs(batch), fixed)[0]
+    learner_after = on_actor(learner, lambda host, batch: host.learner.rollout_scores(batch, full=True).full_logprobs.cpu(), fixed)[0]
     ref_logprobs, _ = ray.get(tiny_trainer.roles.reference.logprobs.remote(fixed))
     base = ref_logprobs[0]
     assert (gen_after - learner_after).abs().max() < TINY_LOGPROB_TOL

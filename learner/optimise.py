@@ -1,0 +1,303 @@
+"""The optimisation of one PPO step (the seeds' steps 7-11), from the step's Experience.
+
+`PPOOptimiser` owns the optimisers (Adam, one per trained model), their learning-rate
+schedules, and the PPO epochs: shuffled minibatches (one optimiser step each) split into
+micro-batches (one forward/backward each), the PPO-clip policy loss with the entropy
+bonus and, with a critic, the clipped value loss. The experience it trains on is
+learner.experience's (steps 2-6); the forwards are learner.speed's; the math is
+learner.algos'. `DataGroup` is the data-parallel group the sums go through (one learner:
+no-ops).
+
+Choices, and where they come from:
+* Two optimisers (separate learning rates, N+ / seeds), Adam with eps 1e-5 (N+), no
+  weight decay. The value loss's gradient reaches only the value model, so a vf_coef
+  would only rescale an Adam-normalised gradient: there is none (except on a shared
+  trunk, where one backward takes pg_loss + vf_coef * v_loss).
+* Gradient accumulation: every micro-batch loss is normalised by the minibatch's number
+  of real tokens (rows, for seq_mean_token_mean), so the accumulated gradient equals the
+  full minibatch's token mean (OpenRLHF tests/test_loss_aggregation.py).
+* The minibatch order is seeded from (seed, version): a retried or resumed step shuffles
+  as the uninterrupted run did.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from learner.algos import agg_loss, ppo_clip_loss, value_loss
+from learner.buffer import Experience, ExperienceBuffer
+from learner.kernels import clear_casts
+from learner.speed import SpeedPath
+
+ADAM_EPS = 1e-5  # N+ (summarize_from_feedback_details ppo.py: eps=1e-5)
+
+# The per-token statistics of the policy loss (token means over the policy's tokens).
+POLICY_TOKEN_STATS = ("approx_kl", "clipfrac", "ratio_mean", "outside_support_frac")
+
+
+class LRPlan:
+    """The learning-rate factor at optimiser step t (torch's LambdaLR calls it): 1 for
+    lr_scheduler constant; for linear, 1 - t / end, reaching 0 at `end` = the run's planned
+    optimiser steps (the N+ recipe's anneal). A callable object, so LambdaLR's state_dict
+    saves and restores `end` with the checkpoint. When the run's planned total changes (a
+    resume with another `steps`, train() past it; the trainer logs it), `end` moves and the
+    rate from then on is that of a run planned for the new total."""
+
+    def __init__(self, kind: str, end: int):
+        self.kind, self.end = kind, end
+
+    def __call__(self, t: int) -> float:
+        if self.kind == "constant":
+            return 1.0
+        return max(0.0, 1.0 - t / self.end) if self.end > 0 else 0.0
+
+
+class DataGroup:
+    """The data-parallel group a learner belongs to: rank 0 of 1 until `join`. Sums go
+    through all_reduce (gloo on the CPU, NCCL on GPUs); alone, they are no-ops."""
+
+    def __init__(self) -> None:
+        self.rank, self.world_size = 0, 1
+
+    def join(self, init_method: str, rank: int, world_size: int, device: torch.device, timeout_s: float,
+             params: Sequence[Tensor]) -> None:
+        """Become rank `rank` of `world_size`, leaving any group this process was in (a
+        re-formed group after a restart); rank 0's `params` are broadcast so every member
+        starts equal."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        self.rank, self.world_size = rank, world_size
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p.data, src=0)
+
+    def sum(self, tensors: list[Tensor]) -> None:
+        """In-place all_reduce(SUM) of same-dtype tensors through one flat buffer."""
+        if self.world_size == 1 or not tensors:
+            return
+        import torch.distributed as dist
+
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    def sum_gradients(self, params: Sequence[Tensor]) -> None:
+        """Sum the group's gradients of `params` (a member without rows in a minibatch
+        contributes zeros)."""
+        if self.world_size == 1:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            self.sum(grads)
+
+
+class PPOOptimiser:
+    """Steps 7-11 of one PPO update: the optimisers, their schedules and the PPO epochs.
+
+    Args:
+        config: the learner's config (ppo_epochs, minibatch sizes, learning rates,
+            lr_scheduler, steps, max_grad_norm, clip_epsilon, value_clip, vf_coef,
+            entropy_coef, loss_agg, seed).
+        speed: the learner's speed path (the training forwards' token statistics).
+        policy_params: the policy's trainable parameters (the LoRA adapter).
+        value_params: the value model's trainable parameters ([] without a critic).
+        critic: whether there is a value model to train.
+        shared: the value head sits on the policy's trunk (one forward, one backward).
+        group: the data-parallel group (gradients and statistics are summed across it).
+    """
+
+    def __init__(self, config, speed: SpeedPath, policy_params: list[Tensor], value_params: list[Tensor], *,
+                 critic: bool, shared: bool, group: DataGroup):
+        self.config, self.speed, self.group = config, speed, group
+        self.policy_params, self.value_params = policy_params, value_params
+        self.critic, self.shared = critic, shared
+        self.policy_optimizer = torch.optim.Adam(policy_params, lr=config.learning_rate, eps=ADAM_EPS)
+        self.value_optimizer = (torch.optim.Adam(value_params, lr=config.value_learning_rate, eps=ADAM_EPS)
+                                if critic else None)
+        self.schedulers = self.lr_schedulers()
+
+    # ------------------------------------------------------------------ optimisers and schedules
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The policy's optimiser, then the value model's (with a critic)."""
+        return [self.policy_optimizer] + ([self.value_optimizer] if self.critic else [])
+
+    @property
+    def params(self) -> list[Tensor]:
+        """Every trainable parameter: the policy's, then the value model's."""
+        return [*self.policy_params, *self.value_params]
+
+    @property
+    def ticks_per_step(self) -> int:
+        """Optimiser steps per PPO step: ppo_epochs x minibatches."""
+        cfg = self.config
+        return cfg.ppo_epochs * (cfg.batch_size // cfg.effective_mini_batch_size)
+
+    def lr_schedulers(self) -> list:
+        """The schedule (lr_scheduler: constant | linear, LRPlan) of the optimisers, one tick
+        per optimiser step; linear reaches 0 after the run's planned steps x ppo_epochs x
+        minibatches optimiser steps (the N+ recipe anneals both learning rates)."""
+        total = self.config.steps * self.ticks_per_step
+        return [torch.optim.lr_scheduler.LambdaLR(opt, LRPlan(self.config.lr_scheduler, total))
+                for opt in self.optimizers]
+
+    def plan_steps(self, steps: int) -> None:
+        """Make the schedule end at PPO step `steps` (the run's planned total changed; the
+        trainer logs it), from the next optimiser step on."""
+        end = steps * self.ticks_per_step
+        for scheduler in self.schedulers:
+            plan = scheduler.lr_lambdas[0]
+            if plan.end != end:
+                plan.end = end
+                for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
+                    group["lr"] = base * plan(scheduler.last_epoch)
+
+    @property
+    def learning_rate(self) -> float:
+        """The policy's current (scheduled) learning rate."""
+        return self.policy_optimizer.param_groups[0]["lr"]
+
+    # ------------------------------------------------------------------ step 7: the epochs
+    def normalizer(self, mask: Tensor) -> Tensor:
+        """What a minibatch's micro-batch losses are divided by (see learner.algos.agg_loss):
+        its real tokens (token_mean) or its non-empty rows (seq_mean_token_mean)."""
+        if self.config.loss_agg == "seq_mean_token_mean":
+            return mask.any(dim=1).sum().clamp(min=1).float()
+        return mask.sum().clamp(min=1).float()
+
+    def shuffle_generator(self, version: int) -> torch.Generator:
+        """Seeded from (seed, version): the same step of the same run shuffles the same way."""
+        return torch.Generator().manual_seed((self.config.seed * 1_000_003 + version) % 2**63)
+
+    def run(self, buffer: ExperienceBuffer, models: Sequence[torch.nn.Module], version: int) -> dict[str, Tensor]:
+        """ppo_epochs x shuffled minibatches x micro-batches over `buffer`, one optimiser step
+        per minibatch (gradients summed across the group, each model's norm clipped);
+        `models` train (dropout only with ppo_dropout) and are back in eval mode after.
+
+        Returns the epochs' statistics as 0-dim tensors (no host sync): the mean losses and
+        gradient norms per optimiser step, the policy's per-token stats over its tokens, the
+        first minibatch's mean ratio and, with a critic, the value loss's clip fraction."""
+        cfg = self.config
+        exp = buffer.experience
+        gen = self.shuffle_generator(version)
+        device = exp.mask.device
+        rank, world = self.group.rank, self.group.world_size
+        zero = torch.zeros((), device=device)
+        critic = self.critic
+        sums = {k: zero.clone() for k in ("policy_loss", "value_loss", *POLICY_TOKEN_STATS, "vf_clipfrac",
+                                          "policy_grad_norm", "value_grad_norm")}
+        pg_tokens, v_tokens = zero.clone(), zero.clone()
+        first_ratio, first_tokens = zero.clone(), zero.clone()
+        n_steps = 0
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
+
+        for model in models:  # dropout applies only with ppo_dropout (else the first ratio is exactly 1)
+            model.train()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        for _ in range(cfg.ppo_epochs):
+            for index in buffer.minibatch_indices(gen):
+                # the whole minibatch's counts, also in a group (each member has a share of its rows)
+                pg_norm = self.normalizer(exp.policy_mask[index])
+                v_norm = self.normalizer(exp.mask[index])
+                local = index[rank::world]  # this member's rows (all of them alone)
+                for rows in (buffer.micro_rows(local) if len(local) else ()):
+                    micro = buffer.micro_batch(rows)
+                    self.speed.count(buffer.plan, rows)
+                    pg_loss, v_loss, st = self.micro_backward(micro, pg_norm, v_norm)
+                    n_pg = micro.policy_mask.sum()
+                    n_v = micro.mask.sum()
+                    sums["policy_loss"] += pg_loss.detach()
+                    for k in POLICY_TOKEN_STATS:
+                        sums[k] += st[k] * n_pg
+                    if critic:
+                        sums["value_loss"] += v_loss.detach()
+                        sums["vf_clipfrac"] += st["vf_clipfrac"] * n_v
+                    pg_tokens += n_pg
+                    v_tokens += n_v
+                    if n_steps == 0:  # before any optimiser step
+                        first_ratio += st["ratio_mean"] * n_pg
+                        first_tokens += n_pg
+                # Per minibatch: sum the group's gradients, clip each model's gradient norm,
+                # then step the optimisers (identically on every member).
+                self.group.sum_gradients(self.params)
+                sums["policy_grad_norm"] += torch.nn.utils.clip_grad_norm_(self.policy_params, max_norm)
+                if critic:
+                    sums["value_grad_norm"] += torch.nn.utils.clip_grad_norm_(self.value_params, max_norm)
+                for optimizer in self.optimizers:
+                    optimizer.step()
+                for scheduler in self.schedulers:
+                    scheduler.step()
+                clear_casts(*models)  # the adapters just changed
+                for optimizer in self.optimizers:
+                    optimizer.zero_grad(set_to_none=True)
+                n_steps += 1
+        for model in models:
+            model.eval()
+        # the group's sums of the per-token stats (grad norms are already the group's)
+        self.group.sum([sums[k] for k in ("policy_loss", "value_loss", *POLICY_TOKEN_STATS, "vf_clipfrac")]
+                       + [pg_tokens, v_tokens, first_ratio, first_tokens])
+
+        out = {k: sums[k] / n_steps for k in ("policy_loss", "value_loss", "policy_grad_norm", "value_grad_norm")}
+        for k in POLICY_TOKEN_STATS:
+            out[k] = sums[k] / pg_tokens.clamp(min=1)
+        out["vf_clipfrac"] = sums["vf_clipfrac"] / v_tokens.clamp(min=1)
+        out["first_minibatch_ratio_mean"] = first_ratio / first_tokens.clamp(min=1)
+        if not critic:
+            for k in ("value_loss", "value_grad_norm", "vf_clipfrac"):
+                del out[k]
+        return out
+
+    # ------------------------------------------------------------------ one micro-batch
+    def micro_backward(self, mb: Experience, pg_norm: Tensor, v_norm: Tensor) -> tuple[Tensor, Optional[Tensor], dict]:
+        """Policy loss (PPO-clip - entropy bonus) and value loss of one trimmed micro-batch,
+        each normalised by its minibatch's token (or row) count, and their gradients
+        accumulated. With a separate value model the policy's backward runs before the value
+        model's forward, so only one model's activations are alive at a time (the same
+        gradients: the two losses share no graph); a shared trunk takes one backward of
+        pg_loss + vf_coef * v_loss. Without a critic only the policy's loss (value loss None).
+        Returns the detached losses and the stats."""
+        pg_loss, stats, new_values = self.policy_loss(mb, pg_norm, v_norm)
+        if not self.critic:
+            pg_loss.backward()
+            return pg_loss.detach(), None, stats
+        if not self.shared:
+            pg_loss.backward()
+            new_values = self.speed.values(mb.rollouts, mb.seq_len)  # (b, t) float32, the value model's own
+        v_loss, v_stats = value_loss(new_values, mb.returns, mb.mask, mb.values, self.config.value_clip,
+                                     self.config.loss_agg, v_norm)
+        # vf_coef weighs the value loss only on a shared trunk: separate models have an Adam each,
+        # which would normalise a weight away
+        (pg_loss + self.config.vf_coef * v_loss if self.shared else v_loss).backward()
+        return pg_loss.detach(), v_loss.detach(), {**stats, **v_stats}
+
+    def policy_loss(self, mb: Experience, pg_norm: Tensor, v_norm: Tensor) -> tuple[Tensor, dict, Optional[Tensor]]:
+        """One micro-batch's policy loss (PPO-clip over the policy's tokens, pg_norm; minus
+        the entropy bonus over all real tokens, v_norm) and its stats, and with a shared
+        trunk the (b, t) float32 values from the same forward (else None)."""
+        cfg = self.config
+        logp, ent, values = self.speed.train_stats(mb.rollouts, mb.seq_len, mb.response_tokens, mb.policy_mask, mb.mask,
+                                                   entropy=cfg.entropy_coef > 0)
+        pg_loss, pg_stats = ppo_clip_loss(logp, mb.old_logprobs, mb.advantages, mb.policy_mask,
+                                          cfg.clip_epsilon, cfg.loss_agg, pg_norm)
+        if ent is not None:
+            pg_loss = pg_loss - cfg.entropy_coef * agg_loss(ent, mb.mask, cfg.loss_agg, v_norm)
+        return pg_loss, pg_stats, values
