@@ -115,6 +115,7 @@ def tiny_reward_model() -> str:
     import torch
     from transformers import AutoModelForSequenceClassification
 
+    from ppo_ray.atomic import atomic_dir
     from ppo_ray.modeling import load_tokenizer
     from ppo_ray.paths import resolve_model_path
     from ppo_ray.tiny_model import default_cache_dir
@@ -125,10 +126,9 @@ def tiny_reward_model() -> str:
         torch.manual_seed(0)
         rm = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1)
         rm.config.pad_token_id = load_tokenizer(base).pad_token_id
-        tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-        rm.save_pretrained(tmp, safe_serialization=True)
-        load_tokenizer(base).save_pretrained(tmp)
-        os.replace(tmp, out) if not out.exists() else None
+        with atomic_dir(out, keep_existing=lambda: (out / "config.json").is_file()) as tmp:
+            rm.save_pretrained(tmp, safe_serialization=True)
+            load_tokenizer(base).save_pretrained(tmp)
     return str(out)
 
 PHASES = ("generate", "reference", "reward", "learner_forward", "update", "prefetch_wait", "sync", "sync_transfer",

@@ -1,14 +1,18 @@
-"""Directories written whole or not at all: write into a temp directory beside the
-destination, then rename it into place (a rename within one filesystem is atomic, so a
-reader sees the old directory or the new one, never a half-written one).
+"""Files and directories written whole or not at all: write into a temp file or directory
+beside the destination, then rename it into place (a rename within one filesystem is
+atomic, so a reader sees the old one or the new one, never a half-written one).
 
     with atomic_dir(dest) as tmp:             # tmp: a new, empty directory beside dest
         (tmp / "config.json").write_text(...)
     # here dest is the finished directory; on any exception tmp is gone and dest untouched
 
-The one home of that rule: checkpoints (ppo_ray.checkpoint), model directories moved
-between nodes and the per-node model cache (ppo_ray.transfer), and the embedded models'
-builds (ppo_ray.tiny_model, ppo_ray.tldr_model).
+    atomic_write_text(path, text)             # one file: the same rule
+
+The one home of that rule: checkpoints and their `latest` pointer (ppo_ray.checkpoint),
+model directories moved between nodes and the per-node model cache (ppo_ray.transfer), the
+embedded models' builds (ppo_ray.tiny_model, ppo_ray.tldr_model), run.json
+(ppo_ray.tracking), a resumed run's truncated logs (ppo_ray.runlog), the pipeline's saved
+evaluation (ppo_ray.tasks.pipeline).
 
 Bottom layer: imports the standard library only.
 """
@@ -123,3 +127,24 @@ def atomic_dir(dest: str | os.PathLike, *, replace: bool = False, fsync: bool = 
     finally:
         if tmp.exists():  # the block or the rename failed, or another writer's dest was kept
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, *, fsync: bool = False) -> None:
+    """Write `text` to `path` whole or not at all: a temp file beside it (a dot name with
+    8 hex digits, so concurrent writers never share one), then os.replace. On any exception
+    the temp file is removed and `path` is as it was. fsync=True: the file is fsynced before
+    the rename and the directory after it (it survives a machine crash: checkpoints)."""
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    if fsync:
+        fsync_dir(path.parent)

@@ -54,7 +54,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import shutil
 import time
@@ -65,7 +64,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from ppo_ray.atomic import atomic_dir, fsync_dir, remove_stale_temps
+from ppo_ray.atomic import atomic_dir, atomic_write_text, fsync_dir, remove_stale_temps
 from ppo_ray.config import PPOConfig
 
 if TYPE_CHECKING:
@@ -319,12 +318,7 @@ def save_checkpoint(run_dir: str | Path, *, config: PPOConfig, learner_state: di
 
 
 def _write_latest(root: Path, name: str) -> None:
-    pointer = root / f".tmp-latest-{uuid.uuid4().hex[:8]}"
-    pointer.write_text(name + "\n")
-    with open(pointer, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(pointer, root / LATEST)
-    fsync_dir(root)
+    atomic_write_text(root / LATEST, name + "\n", fsync=True)
 
 
 def _pointed(root: Path) -> Optional[Path]:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import uuid
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ppo_ray.atomic import atomic_write_text
 from ppo_ray.logs import format_step
 from ppo_ray.metrics import TrainingMetrics
 from ppo_ray.stats import StepResult
@@ -79,13 +78,11 @@ def read_run_tags(run_dir: Path) -> list[str]:
 
 
 def truncate_jsonl(path: Path, step: int) -> None:
-    """Drop the lines of steps after `step` (atomically: temp file + os.replace)."""
+    """Drop the lines of steps after `step` (atomically: ppo_ray.atomic)."""
     if not path.exists():
         return
     lines = path.read_text().splitlines()
     keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
     if len(keep) == len(lines):
         return
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(line + "\n" for line in keep))

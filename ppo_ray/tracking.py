@@ -28,6 +28,8 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from ppo_ray.atomic import atomic_write_text
+
 TENSORBOARD_DIR = "tensorboard"
 RUN_FILE = "run.json"
 # report_to name -> (the module it imports, how to install it): tensorboard is a dependency,
@@ -95,9 +97,7 @@ def update_run_file(run_dir: Path, **changes: Any) -> dict:
     """Merge `changes` into <run_dir>/run.json (written atomically)."""
     data = {**read_run_file(run_dir), **changes}
     path = Path(run_dir) / RUN_FILE
-    tmp = path.with_name(f".{RUN_FILE}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(data, indent=1))
     return data
 
 

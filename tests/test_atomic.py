@@ -1,4 +1,4 @@
-"""ppo_ray/atomic.py: a directory is written whole or not at all (checkpoints, transferred
+"""ppo_ray/atomic.py: a directory or file is written whole or not at all (checkpoints, transferred
 models, the model cache and the embedded models' builds all go through atomic_dir)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from ppo_ray.atomic import atomic_dir, remove_stale_temps, temp_prefix
+from ppo_ray.atomic import atomic_dir, atomic_write_text, remove_stale_temps, temp_prefix
 
 
 def old_dir(path: pathlib.Path) -> pathlib.Path:
@@ -110,3 +110,24 @@ def test_stale_temps_are_removed_by_age(tmp_path):
     assert listing(tmp_path) == sorted([fresh.name, other.name])
     remove_stale_temps(tmp_path, ".tmp-")  # no age: every temp directory
     assert listing(tmp_path) == []
+
+
+@pytest.mark.parametrize("fsync", [False, True])
+def test_a_file_is_replaced_whole_and_no_temp_is_left(tmp_path, fsync):
+    path = tmp_path / "run.json"
+    atomic_write_text(path, "first", fsync=fsync)
+    atomic_write_text(path, "second", fsync=fsync)
+    assert path.read_text() == "second" and listing(tmp_path) == ["run.json"]
+
+
+def test_a_failed_file_write_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "latest"
+    path.write_text("ckpt-1\n")
+
+    def refuse(*_):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write_text(path, "ckpt-2\n", fsync=True)
+    assert path.read_text() == "ckpt-1\n" and listing(tmp_path) == ["latest"]  # the temp file is gone

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple, Optional
 
+from ppo_ray.atomic import atomic_write_text
 from ppo_ray.config import PPOConfig
 from ppo_ray.data import column, read_rows
 
@@ -233,9 +234,7 @@ def before_training(trainer, run_dir: Path, evaluate: Callable[[], dict]) -> dic
         raise FileNotFoundError(f"{path} (the SFT policy's evaluation, written before PPO's first step) is "
                                 "missing, and a resumed policy cannot recompute it")
     out = evaluate()
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out))
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(out))
     return out
 
 
