@@ -31,6 +31,11 @@ References cited in comments:
 * [GAE] Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized
   Advantage Estimation".
 * [PPO] Schulman et al. 2017, "Proximal Policy Optimization Algorithms".
+* [DualClip] Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep
+  Reinforcement Learning", eq. 5: the dual-clip bound for negative advantages.
+* [TIS] Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+  Training" (the truncated importance weight of the sampler/trainer mismatch; verl's and
+  OpenRLHF's rollout correction).
 * [TRL] ``huggingface/trl`` ``core.py`` / ``ppo_trainer.py`` (masked_whiten, value clip).
 * [Ziegler] Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences",
   section 2.2: the adaptive KL coefficient (OpenRLHF ``AdaptiveKLController``, verl
@@ -507,6 +512,8 @@ def ppo_clip_loss(
     clip_epsilon: float,
     loss_agg: str = "token_mean",
     normalizer: float | Tensor | None = None,
+    dual_clip: float | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate loss ([PPO] eq. 7), to minimise.
 
@@ -522,6 +529,14 @@ def ppo_clip_loss(
         mask: bool ``(B, T)``, True = real token; masked entries may be garbage.
         clip_epsilon: eps.
         loss_agg, normalizer: see :func:`agg_loss`.
+        dual_clip: c > 1, or None. Dual-clip PPO ([DualClip] Ye et al. 2020, eq. 5): where
+            ``A < 0`` the per-token loss is also bounded by ``-c * A``, so a token whose
+            ratio has grown far above 1 (the new policy likes a bad action much more than
+            the one that sampled it, e.g. off-policy data) cannot contribute an unbounded
+            loss: ``min(max(-A*rho, -A*clip(rho)), -c*A)`` for ``A < 0``.
+        weights: ``(B, T)`` per-token importance weights (no grad), multiplying each
+            token's loss before aggregation (off-policy correction: see
+            :func:`importance_weights`); None = 1.
 
     Returns:
         ``(loss, stats)``; loss is a 0-dim tensor. ``stats`` (detached 0-dim tensors, means
@@ -533,7 +548,8 @@ def ppo_clip_loss(
         whose new log-prob is finite; ``"outside_support_frac"``: fraction of tokens whose
         new log-prob is -inf (dropped by top-k/top-p truncation, ratio 0);
         ``"ratio_mean"``, ``"ratio_max"``, ``"ratio_min"``: of rho (max/min are 0 when there
-        is no real token).
+        is no real token); ``"dual_clipfrac"``: fraction of tokens where the dual clip's
+        bound is the active one (0 without dual_clip).
     """
     mask = check_mask(mask)
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
@@ -543,6 +559,13 @@ def ppo_clip_loss(
     pg_loss_unclipped = -adv * ratio
     pg_loss_clipped = -adv * torch.clamp(ratio, 1.0 - clip_epsilon, 1.0 + clip_epsilon)
     loss_mat = torch.maximum(pg_loss_unclipped, pg_loss_clipped)
+    dual_active = torch.zeros_like(mask)
+    if dual_clip is not None:
+        bound = -adv * dual_clip
+        dual_active = (adv < 0) & (bound < loss_mat)
+        loss_mat = torch.where(dual_active, bound, loss_mat)
+    if weights is not None:
+        loss_mat = loss_mat * weights.to(loss_mat.dtype)
     loss = agg_loss(loss_mat, mask, loss_agg, normalizer)
 
     with torch.no_grad():
@@ -557,6 +580,7 @@ def ppo_clip_loss(
             "approx_kl": masked_mean((ratio_d - 1) - logratio.detach(), mask & torch.isfinite(logratio)),
             "outside_support_frac": masked_mean((~torch.isfinite(logratio)).to(ratio_d.dtype), mask),
             "ratio_mean": masked_mean(ratio_d, mask),
+            "dual_clipfrac": masked_mean(dual_active.to(ratio_d.dtype), mask),
             "ratio_max": torch.where(
                 any_real, torch.where(mask, ratio_d, float("-inf")).amax(), zero
             ),
@@ -565,6 +589,67 @@ def ppo_clip_loss(
             ),
         }
     return loss, stats
+
+
+IS_CORRECTIONS = ("none", "tis", "mis")  # config is_correction; importance_weights
+IS_LEVELS = ("token", "sequence")       # config is_level
+
+
+def importance_weights(
+    logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, correction: str, cap: float, level: str = "token"
+) -> tuple[Tensor | None, Tensor]:
+    """Off-policy correction for the sampler/trainer mismatch: the sampled tokens come from
+    the generator (``behaviour_logprobs``, e.g. vLLM's), the PPO ratio's denominator is the
+    learner's ``logprobs`` of the same policy version; their ratio
+    ``w = pi_learner / pi_generator`` is 1 up to the engines' numerical differences.
+
+    * ``"none"``: ``(None, mask)``.
+    * ``"tis"``, truncated importance sampling ([TIS] Yao et al. 2025): each token's loss is
+      weighted by ``min(w, cap)``. Returns ``(weights, mask)``, weights 0 on masked tokens.
+    * ``"mis"``, masked importance sampling: tokens whose ``w`` is outside
+      ``[1 / cap, cap]`` leave the policy loss. Returns ``(None, mask & inside)``.
+
+    ``level="sequence"``: ``w`` is the sequence's ratio, the product of its tokens' ratios
+    (``exp`` of the summed log-ratios over real tokens), the same for every token of the
+    row: TIS weights, and MIS keeps or drops, whole responses.
+
+    With ``logprobs == behaviour_logprobs`` every ``w`` is exactly 1: TIS's weights are 1 and
+    MIS keeps every token, so each correction computes exactly what ``"none"`` does.
+
+    Args:
+        logprobs, behaviour_logprobs: ``(B, T)`` finite on ``mask``.
+        mask: bool ``(B, T)``, the tokens of the policy loss.
+        correction: one of :data:`IS_CORRECTIONS`; cap: C > 1; level: one of :data:`IS_LEVELS`.
+    """
+    mask = check_mask(mask)
+    if correction not in IS_CORRECTIONS or level not in IS_LEVELS:
+        raise ValueError(f"importance_weights: correction {correction!r} must be one of {IS_CORRECTIONS} and "
+                         f"level {level!r} one of {IS_LEVELS}")
+    if correction == "none":
+        return None, mask
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    log_w = torch.where(mask, logprobs - behaviour_logprobs, zero)  # (B, T)
+    if level == "sequence":
+        log_w = torch.where(mask, log_w.sum(dim=1, keepdim=True), zero)  # (B, T): the row's log ratio
+    w = torch.exp(log_w)
+    if correction == "tis":
+        return torch.where(mask, torch.clamp(w, max=cap), zero), mask
+    return None, mask & (w >= 1.0 / cap) & (w <= cap)
+
+
+def mismatch_stats(logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, band: float = 0.1) -> dict[str, Tensor]:
+    """How far the sampler's token probabilities are from the trainer's, over ``mask``:
+    ``"mismatch_outside_frac"``, the fraction of tokens whose ratio ``pi_learner /
+    pi_generator`` is outside ``[1 - band, 1 + band]`` (verl #6280's measure: 9.9% of a
+    bf16 Qwen2.5-0.5B's tokens at band 0.1), and ``"mismatch_log_ratio_abs"``, the mean
+    ``|log ratio|`` (0-dim tensors)."""
+    mask = check_mask(mask)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    log_w = torch.where(mask, logprobs - behaviour_logprobs, zero)
+    w = torch.exp(log_w)
+    outside = (w < 1.0 - band) | (w > 1.0 + band)
+    return {"mismatch_outside_frac": masked_mean(outside.to(logprobs.dtype), mask),
+            "mismatch_log_ratio_abs": masked_mean(log_w.abs(), mask)}
 
 
 def value_loss(

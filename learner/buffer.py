@@ -36,6 +36,7 @@ class Experience:
     values: Optional[Tensor]   # (B, T) float32 V_old(s_t); None: the estimator has no critic
     advantages: Tensor      # (B, T) float32 the estimator's advantages (GAE by default; whitened if configured)
     returns: Optional[Tensor]  # (B, T) float32 G_t = A_t (raw) + V_old(s_t); None without a critic
+    is_weights: Optional[Tensor] = None  # (B, T) float32 off-policy correction weights (is_correction tis); None = 1
     seq_len: int = 0        # host: the longest row's real tokens (the causal layout's width); 0 = not known
     response_tokens: int = 0  # host: sum over rows of (last real response column + 1); 0 = not known
 
@@ -43,7 +44,8 @@ class Experience:
         return len(self.rollouts)
 
     def _per_token(self) -> list[str]:
-        """The (B, T) tensors that are there (values and returns are None without a critic)."""
+        """The (B, T) tensors that are there (values and returns are None without a critic,
+        is_weights without is_correction tis)."""
         return [f.name for f in fields(self) if f.name not in ("rollouts", "scores", "seq_len", "response_tokens")
                 and getattr(self, f.name) is not None]
 

@@ -11,7 +11,9 @@ sequence scores, `make_experience` computes in paper order:
    and, with a critic, the returns G_t = A_t + V_t;
 6. optionally the advantages' whitening over the step's real tokens;
 
-and the rollouts' statistics (0-dim tensors: the learner reads them back in its one host
+the generator/learner mismatch of the sampled tokens and, with is_correction, its
+off-policy correction (learner.algos.importance_weights: TIS weights, or MIS's smaller
+policy mask); and the rollouts' statistics (0-dim tensors: the learner reads them back in its one host
 sync). The optimisation (steps 7-11) is the learner's.
 """
 
@@ -25,8 +27,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from learner.algos import (AdvantageEstimator, AdvantageInputs, compute_returns, explained_variance, kl_penalty,
-                           masked_mean, masked_whiten, shape_rewards)
+from learner.algos import (AdvantageEstimator, AdvantageInputs, compute_returns, explained_variance,
+                           importance_weights, kl_penalty, masked_mean, masked_whiten, mismatch_stats, shape_rewards)
 from learner.buffer import Experience
 from ppo_ray.batch import RolloutBatch
 
@@ -80,8 +82,9 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
     values = fwd.values  # None without a critic
     # 2. KL_t between policy and reference (k1 = logp - logp_ref by default).
     kl = kl_penalty(fwd.full_logprobs, ref_logprobs, config.kl_estimator, mask=mask)  # (B, T)
-    # 3. Shaped rewards: score on the last real token, -beta * KL_t on every token.
-    rewards = shape_rewards(scores, kl, mask, kl_coef, config.reward_shaping)  # (B, T)
+    # 3. Shaped rewards: score on the last real token, -beta * KL_t on every token (kl_in_loss:
+    #    the scores alone; the KL is then a term of the policy loss, learner.optimise).
+    rewards = shape_rewards(scores, kl, mask, 0.0 if config.kl_in_loss else kl_coef, config.reward_shaping)  # (B, T)
     reward_sums = rewards.sum(dim=1)  # (B,) before any whitening, for the stats
     # 4. Optional reward whitening (scale only, N+; off by default).
     if config.whiten_rewards:
@@ -96,14 +99,24 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
     if config.whiten_advantages:
         advantages = masked_whiten(advantages, mask)
 
-    experience = Experience(
-        rollouts=batch, mask=mask, policy_mask=policy_mask, scores=scores, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, kl=kl, rewards=rewards, values=values, advantages=advantages, returns=returns)
-    # generator vs learner logprobs of the same version (NaN for stale rollouts: the current
-    # policy is not the one that sampled; behaviour_logprob_gap measures that distance)
-    gen_diff = torch.where(policy_mask, (batch.gen_logprobs.float() - fwd.logprobs).abs(), zero)
-    if stale or not recomputed:  # other weights, or nothing recomputed to compare with
+    # The generator vs the learner on the same version's sampled tokens: the mismatch, and
+    # (is_correction) the off-policy correction's weights or its mask. Not measured (NaN) for
+    # stale rollouts (the current policy is not the one that sampled; behaviour_logprob_gap
+    # measures that distance) or when nothing was recomputed to compare with (config refuses
+    # is_correction in both cases).
+    gen = batch.gen_logprobs.float()
+    same_version = recomputed and not stale
+    gen_diff = torch.where(policy_mask, (gen - fwd.logprobs).abs(), zero)
+    mismatch = mismatch_stats(old_logprobs, torch.where(policy_mask, gen, zero), policy_mask)
+    if not same_version:
         gen_diff = torch.full((), math.nan, device=mask.device)
+        mismatch = {k: gen_diff for k in mismatch}
+    is_weights, policy_mask_is = importance_weights(old_logprobs, torch.where(policy_mask, gen, zero), policy_mask,
+                                                    config.is_correction, config.is_cap, config.is_level)
+    experience = Experience(
+        rollouts=batch, mask=mask, policy_mask=policy_mask_is, scores=scores, old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs, kl=kl, rewards=rewards, values=values, advantages=advantages, returns=returns,
+        is_weights=is_weights)
     stats = {
         "entropy": masked_mean(fwd.entropy, mask),
         "kl": masked_mean(kl.sum(dim=1), rows_kept),
@@ -114,7 +127,12 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
         "gen_logprob_max_abs_diff": gen_diff.amax(),
         "truncated_tokens": (mask & ~finite_old).sum(),
         "behaviour_logprob_gap": behaviour_gap,
+        **mismatch,
     }
+    if config.is_correction == "tis":
+        stats["is_weight_mean"] = masked_mean(is_weights, policy_mask)
+    elif config.is_correction == "mis":
+        stats["is_masked_frac"] = masked_mean((policy_mask & ~policy_mask_is).float(), policy_mask)
     if estimator.needs_critic:
         stats.update(explained_variance=explained_variance(values, returns, mask),
                      return_mean=masked_mean(returns, mask), value_mean=masked_mean(values, mask))

@@ -127,7 +127,8 @@ class Learner:
         "seed", "dtype", "log_level", "steps", "batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs",
         "learning_rate", "value_learning_rate", "lr_scheduler", "max_grad_norm", "advantage_estimator", "gamma", "lam",
         "clip_epsilon",
-        "value_clip", "vf_coef", "entropy_coef", "loss_agg", "whiten_advantages", "whiten_rewards", "kl_coef",
+        "value_clip", "vf_coef", "entropy_coef", "loss_agg", "dual_clip", "kl_in_loss", "is_correction", "is_cap",
+        "is_level", "whiten_advantages", "whiten_rewards", "kl_coef",
         "kl_estimator", "kl_target", "kl_horizon", "reward_shaping", "nonfinite_reward", "overlap_generation",
         "temperature", "top_k", "top_p", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
         "ppo_dropout", "value_model", "value_model_name", "learner_sort_by_length", "learner_layout",
@@ -484,7 +485,7 @@ class Learner:
         # 7. PPO epochs x shuffled minibatches x micro-batches: value loss and PPO-clip.
         learning_rate = self.optimiser.learning_rate  # the step's first (scheduled) lr
         with cached_casts(*self.models):  # cleared after every optimiser step
-            ppo = self.optimiser.run(buffer, self.models, self.version)
+            ppo = self.optimiser.run(buffer, self.models, self.version, self.kl_coef)
 
         # 8. New version; stats (one host sync) and the new adapter for the generator.
         self.version += 1

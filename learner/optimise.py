@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from learner.algos import agg_loss, ppo_clip_loss, value_loss
+from learner.algos import agg_loss, kl_penalty, ppo_clip_loss, value_loss
 from learner.buffer import Experience, ExperienceBuffer
 from learner.kernels import clear_casts
 from learner.speed import SpeedPath
@@ -37,7 +37,7 @@ from learner.speed import SpeedPath
 ADAM_EPS = 1e-5  # N+ (summarize_from_feedback_details ppo.py: eps=1e-5)
 
 # The per-token statistics of the policy loss (token means over the policy's tokens).
-POLICY_TOKEN_STATS = ("approx_kl", "clipfrac", "ratio_mean", "outside_support_frac")
+POLICY_TOKEN_STATS = ("approx_kl", "clipfrac", "ratio_mean", "outside_support_frac", "dual_clipfrac")
 
 
 class LRPlan:
@@ -187,10 +187,12 @@ class PPOOptimiser:
         """Seeded from (seed, version): the same step of the same run shuffles the same way."""
         return torch.Generator().manual_seed((self.config.seed * 1_000_003 + version) % 2**63)
 
-    def run(self, buffer: ExperienceBuffer, models: Sequence[torch.nn.Module], version: int) -> dict[str, Tensor]:
+    def run(self, buffer: ExperienceBuffer, models: Sequence[torch.nn.Module], version: int,
+            kl_coef: float = 0.0) -> dict[str, Tensor]:
         """ppo_epochs x shuffled minibatches x micro-batches over `buffer`, one optimiser step
         per minibatch (gradients summed across the group, each model's norm clipped);
         `models` train (dropout only with ppo_dropout) and are back in eval mode after.
+        kl_coef: the step's beta, for kl_in_loss's term.
 
         Returns the epochs' statistics as 0-dim tensors (no host sync): the mean losses and
         gradient norms per optimiser step, the policy's per-token stats over its tokens, the
@@ -202,7 +204,7 @@ class PPOOptimiser:
         rank, world = self.group.rank, self.group.world_size
         zero = torch.zeros((), device=device)
         critic = self.critic
-        sums = {k: zero.clone() for k in ("policy_loss", "value_loss", *POLICY_TOKEN_STATS, "vf_clipfrac",
+        sums = {k: zero.clone() for k in ("policy_loss", "value_loss", "kl_loss", *POLICY_TOKEN_STATS, "vf_clipfrac",
                                           "policy_grad_norm", "value_grad_norm")}
         pg_tokens, v_tokens = zero.clone(), zero.clone()
         first_ratio, first_tokens = zero.clone(), zero.clone()
@@ -222,10 +224,12 @@ class PPOOptimiser:
                 for rows in (buffer.micro_rows(local) if len(local) else ()):
                     micro = buffer.micro_batch(rows)
                     self.speed.count(buffer.plan, rows)
-                    pg_loss, v_loss, st = self.micro_backward(micro, pg_norm, v_norm)
+                    pg_loss, v_loss, st = self.micro_backward(micro, pg_norm, v_norm, kl_coef)
                     n_pg = micro.policy_mask.sum()
                     n_v = micro.mask.sum()
                     sums["policy_loss"] += pg_loss.detach()
+                    if cfg.kl_in_loss:
+                        sums["kl_loss"] += st["kl_loss"]
                     for k in POLICY_TOKEN_STATS:
                         sums[k] += st[k] * n_pg
                     if critic:
@@ -253,10 +257,11 @@ class PPOOptimiser:
         for model in models:
             model.eval()
         # the group's sums of the per-token stats (grad norms are already the group's)
-        self.group.sum([sums[k] for k in ("policy_loss", "value_loss", *POLICY_TOKEN_STATS, "vf_clipfrac")]
+        self.group.sum([sums[k] for k in ("policy_loss", "value_loss", "kl_loss", *POLICY_TOKEN_STATS, "vf_clipfrac")]
                        + [pg_tokens, v_tokens, first_ratio, first_tokens])
 
-        out = {k: sums[k] / n_steps for k in ("policy_loss", "value_loss", "policy_grad_norm", "value_grad_norm")}
+        out = {k: sums[k] / n_steps for k in ("policy_loss", "value_loss", "kl_loss", "policy_grad_norm",
+                                               "value_grad_norm")}
         for k in POLICY_TOKEN_STATS:
             out[k] = sums[k] / pg_tokens.clamp(min=1)
         out["vf_clipfrac"] = sums["vf_clipfrac"] / v_tokens.clamp(min=1)
@@ -264,18 +269,23 @@ class PPOOptimiser:
         if not critic:
             for k in ("value_loss", "value_grad_norm", "vf_clipfrac"):
                 del out[k]
+        if not cfg.kl_in_loss:
+            del out["kl_loss"]
+        if cfg.dual_clip is None:
+            del out["dual_clipfrac"]
         return out
 
     # ------------------------------------------------------------------ one micro-batch
-    def micro_backward(self, mb: Experience, pg_norm: Tensor, v_norm: Tensor) -> tuple[Tensor, Optional[Tensor], dict]:
+    def micro_backward(self, mb: Experience, pg_norm: Tensor, v_norm: Tensor,
+                       kl_coef: float = 0.0) -> tuple[Tensor, Optional[Tensor], dict]:
         """Policy loss (PPO-clip - entropy bonus) and value loss of one trimmed micro-batch,
         each normalised by its minibatch's token (or row) count, and their gradients
         accumulated. With a separate value model the policy's backward runs before the value
         model's forward, so only one model's activations are alive at a time (the same
         gradients: the two losses share no graph); a shared trunk takes one backward of
         pg_loss + vf_coef * v_loss. Without a critic only the policy's loss (value loss None).
-        Returns the detached losses and the stats."""
-        pg_loss, stats, new_values = self.policy_loss(mb, pg_norm, v_norm)
+        kl_coef: beta of kl_in_loss's term. Returns the detached losses and the stats."""
+        pg_loss, stats, new_values = self.policy_loss(mb, pg_norm, v_norm, kl_coef)
         if not self.critic:
             pg_loss.backward()
             return pg_loss.detach(), None, stats
@@ -289,15 +299,24 @@ class PPOOptimiser:
         (pg_loss + self.config.vf_coef * v_loss if self.shared else v_loss).backward()
         return pg_loss.detach(), v_loss.detach(), {**stats, **v_stats}
 
-    def policy_loss(self, mb: Experience, pg_norm: Tensor, v_norm: Tensor) -> tuple[Tensor, dict, Optional[Tensor]]:
-        """One micro-batch's policy loss (PPO-clip over the policy's tokens, pg_norm; minus
-        the entropy bonus over all real tokens, v_norm) and its stats, and with a shared
-        trunk the (b, t) float32 values from the same forward (else None)."""
+    def policy_loss(self, mb: Experience, pg_norm: Tensor, v_norm: Tensor,
+                    kl_coef: float = 0.0) -> tuple[Tensor, dict, Optional[Tensor]]:
+        """One micro-batch's policy loss (PPO-clip over the policy's tokens, pg_norm, with
+        dual_clip's bound and is_correction's weights when set; plus, with kl_in_loss,
+        kl_coef x the k3 KL to the reference over the same tokens; minus the entropy bonus
+        over all real tokens, v_norm) and its stats, and with a shared trunk the (b, t)
+        float32 values from the same forward (else None)."""
         cfg = self.config
         logp, ent, values = self.speed.train_stats(mb.rollouts, mb.seq_len, mb.response_tokens, mb.policy_mask, mb.mask,
                                                    entropy=cfg.entropy_coef > 0)
         pg_loss, pg_stats = ppo_clip_loss(logp, mb.old_logprobs, mb.advantages, mb.policy_mask,
-                                          cfg.clip_epsilon, cfg.loss_agg, pg_norm)
+                                          cfg.clip_epsilon, cfg.loss_agg, pg_norm, dual_clip=cfg.dual_clip,
+                                          weights=mb.is_weights)
+        if cfg.kl_in_loss:  # GRPO's k3 = pi_ref/pi - log(pi_ref/pi) - 1, with gradient through pi
+            kl_loss = agg_loss(kl_penalty(logp, mb.ref_logprobs, "k3", mask=mb.policy_mask), mb.policy_mask,
+                               cfg.loss_agg, pg_norm)
+            pg_loss = pg_loss + kl_coef * kl_loss
+            pg_stats["kl_loss"] = kl_loss.detach()
         if ent is not None:
             pg_loss = pg_loss - cfg.entropy_coef * agg_loss(ent, mb.mask, cfg.loss_agg, v_norm)
         return pg_loss, pg_stats, values

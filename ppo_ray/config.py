@@ -42,6 +42,8 @@ ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # The choices of the config's enumerated fields that other modules also check (one home):
 KL_KINDS = ("k1", "k2", "k3")  # kl_estimator; learner.algos.kl_penalty
+IS_CORRECTIONS = ("none", "tis", "mis")  # is_correction; learner.algos.importance_weights
+IS_LEVELS = ("token", "sequence")        # is_level
 REWARD_MODES = ("last_token", "every_token")  # reward_shaping; learner.algos.shape_rewards
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean")  # loss_agg; learner.algos.agg_loss
 TRUNCATION_MODES = ("error", "left")  # prompt_truncation; ppo_ray.data, the generator
@@ -181,6 +183,16 @@ class PPOConfig:
     """Learning-rate schedule of the PPO optimisers (policy and value): constant, or linear (decay to 0 over the run's steps x ppo_epochs x minibatches optimiser steps, the N+ recipe). Saved and restored with checkpoints."""
     loss_agg: str = "token_mean"
     """Loss aggregation: token_mean (over all real tokens of a minibatch) or seq_mean_token_mean."""
+    dual_clip: Optional[float] = None
+    """Dual-clip PPO (Ye et al. 2020): c > 1 bounds each token's policy loss by -c * A where the advantage A is negative, so a token whose ratio grew far above 1 cannot dominate the loss; None = off (plain PPO-clip). The dual_clipfrac stat counts the tokens it bounded."""
+    kl_in_loss: bool = False
+    """Put the KL to the reference in the policy loss instead of the reward (as GRPO does): the rewards are the scores alone, and the loss adds kl_coef times the k3 estimate of KL(policy || reference) of the tokens being trained (with gradient), aggregated like the policy loss; the kl_loss stat reports it. Needs untruncated sampling (top_k 0, top_p 1): the loss's policy logprobs are the sampling distribution's and the reference's are the full softmax's. Off = the seeds' KL penalty in the reward (kl_estimator)."""
+    is_correction: str = "none"
+    """Off-policy correction for the generator/learner mismatch (vLLM's and the learner's logprobs of the same policy differ, most in bfloat16): tis weights each token's policy loss by min(pi_learner / pi_generator, is_cap) (truncated importance sampling); mis drops the tokens (or, is_level sequence, the responses) whose ratio is outside [1/is_cap, is_cap] from the policy loss; none = off. The mismatch itself (mismatch_outside_frac, mismatch_log_ratio_abs) is reported every step whatever this is. Needs old_logprobs: learner (the learner's own logprobs) and no overlap_generation (whose stale steps already take the generator's logprobs as the PPO ratio's denominator)."""
+    is_cap: float = 2.0
+    """is_correction's C (> 1): tis's weight cap; mis keeps ratios in [1/C, C]."""
+    is_level: str = "token"
+    """is_correction per token, or per sequence (the ratio of a response is the product of its tokens' ratios; one weight, or one keep/drop, per response)."""
     nonfinite_reward: str = "error"
     """What a NaN/inf score does: error (names the prompt) or drop (sample masked out and counted)."""
     ppo_dropout: bool = False
@@ -382,6 +394,20 @@ class PPOConfig:
         need(self.value_clip is None or self.value_clip > 0, "value_clip", "must be > 0 or null")
         need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or null")
         need(self.entropy_coef >= 0, "entropy_coef", "must be >= 0")
+        need(self.dual_clip is None or (math.isfinite(self.dual_clip) and self.dual_clip > 1), "dual_clip",
+             "must be > 1 or null (null = off)")
+        need(math.isfinite(self.is_cap) and self.is_cap > 1, "is_cap", "must be > 1")
+        if self.is_correction != "none":
+            need(self.old_logprobs == "learner", "is_correction",
+                 f"needs old_logprobs: learner (got {self.old_logprobs!r}): the correction weighs the learner's "
+                 "logprobs against the generator's, and old_logprobs: generator skips the learner's")
+            need(not self.overlap_generation, "is_correction",
+                 "cannot be combined with overlap_generation: its stale steps already take the generator's "
+                 "logprobs as the PPO ratio's denominator (the trust region is around what was sampled)")
+        if self.kl_in_loss:
+            need(self.top_k in (0, -1) and self.top_p == 1.0, "kl_in_loss",
+                 f"needs untruncated sampling (top_k 0 and top_p 1.0; got top_k={self.top_k}, top_p={self.top_p}): "
+                 "the loss's KL takes the policy's sampling logprobs against the reference's full softmax")
         need(self.vf_coef > 0, "vf_coef", "must be > 0")
         need(self.value_model == "separate" or self.value_model_name is None, "value_model_name",
              "must be null with value_model: shared (the value head sits on the policy's trunk)")
@@ -437,6 +463,8 @@ class PPOConfig:
             "kl_estimator": KL_KINDS,
             "reward_shaping": REWARD_MODES,
             "loss_agg": LOSS_AGG_MODES,
+            "is_correction": IS_CORRECTIONS,
+            "is_level": IS_LEVELS,
             "nonfinite_reward": ("error", "drop"),
             "logprob_gap_check": ("resync", "error", "warn", "off"),
             "old_logprobs": ("learner", "generator"),
@@ -645,7 +673,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "steps", "batch_size", "ppo_epochs", "mini_batch_size", "micro_batch_size", "learning_rate",
         "value_learning_rate", "lr_scheduler", "gamma", "lam", "clip_epsilon", "value_clip", "vf_coef",
         "max_grad_norm", "advantage_estimator", "whiten_advantages", "whiten_rewards", "kl_coef", "kl_estimator", "kl_target",
-        "kl_horizon", "entropy_coef", "loss_agg", "ppo_dropout", "logprob_gap_check",
+        "kl_horizon", "entropy_coef", "loss_agg", "dual_clip", "kl_in_loss", "is_correction", "is_cap", "is_level",
+        "ppo_dropout", "logprob_gap_check",
         "logprob_gap_tolerance", "old_logprobs", "old_logprobs_check_every", "seed"),
     "generation": (
         "max_new_tokens", "temperature", "top_k", "top_p", "overlap_generation", "lora_sync",

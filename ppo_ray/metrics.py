@@ -55,6 +55,9 @@ STEP_GAUGES: dict[str, str] = {
     "stale_versions": "adapter versions the step's rollouts were behind the learner (overlap_generation: 0 or 1)",
     "sync_probe_gap": "the sync check's largest |generator - learner| logprob of the probe tokens after the step's "
                       "sync, in nats (logprob_gap_tolerance bounds it)",
+    "mismatch_outside_frac": "fraction of the step's sampled tokens whose probability ratio learner / generator (same "
+                             "adapter version) is outside [0.9, 1.1]; NaN when not measured (stale or not recomputed)",
+    "mismatch_log_ratio_abs": "mean |log pi_learner - log pi_generator| of the step's sampled tokens (same version)",
     "sync_resyncs": "re-syncs the step needed because a generator failed the sync check (0 in a healthy run)",
     "gold_val": "held-out gold-judge score of the policy, at evaluation steps (bundled task; keeps its last value)",
     "eval_reward_mean": "mean reward of the eval samples, at evaluation steps (keeps its last value)",

@@ -99,7 +99,8 @@ class Responses:
 class LearnerStats:
     """One Learner.update: means over real tokens (over minibatches for losses and norms).
     The critic's statistics (CRITIC_FIELDS) are None for an advantage estimator without a
-    critic (no value model exists), and as_dict() leaves them out."""
+    critic (no value model exists), an option's own statistics (dual_clipfrac, kl_loss,
+    is_*) None when it is off; as_dict() leaves None out."""
 
     # step 7, the PPO epochs
     policy_loss: float
@@ -112,6 +113,8 @@ class LearnerStats:
     policy_grad_norm: float          # before clipping
     value_grad_norm: Optional[float] = None
     first_minibatch_ratio_mean: float  # before any optimiser step; 1 with no dropout
+    dual_clipfrac: Optional[float] = None  # tokens whose loss dual_clip bounded (None: dual_clip off)
+    kl_loss: Optional[float] = None  # kl_in_loss: the loss's k3 KL term before beta (None: KL in the reward)
     # steps 1-6, the rollouts
     entropy: float                   # of the rollout policy, per token
     explained_variance: Optional[float] = None  # old values vs returns
@@ -126,6 +129,10 @@ class LearnerStats:
     gen_logprob_max_abs_diff: float  # generator vs learner logprob of the sampled tokens (NaN: stale rollouts)
     truncated_tokens: float          # sampled tokens outside the learner's top-k/top-p support
     behaviour_logprob_gap: float     # mean |learner - behaviour| logprob (overlap mode's distance)
+    mismatch_outside_frac: float     # tokens whose pi_learner / pi_generator is outside [0.9, 1.1] (NaN: not measured)
+    mismatch_log_ratio_abs: float    # mean |log pi_learner - log pi_generator| (NaN: not measured)
+    is_weight_mean: Optional[float] = None  # is_correction tis: the mean importance weight
+    is_masked_frac: Optional[float] = None  # is_correction mis: tokens dropped from the policy loss
     dropped_samples: float           # non-finite scores dropped (nonfinite_reward: drop)
     # counts, settings and seconds
     tokens: float                    # real response tokens

@@ -32,7 +32,7 @@ STAT_KEYS = {
     "policy_grad_norm", "value_grad_norm", "gen_logprob_max_abs_diff", "truncated_tokens",
     "dropped_samples", "tokens", "learner_forward_s", "update_s", "version", "outside_support_frac",
     "behaviour_logprob_gap", "stale_versions", "padded_token_ratio", "kl_coef", "learning_rate",
-    "learner_peak_memory_gib",
+    "learner_peak_memory_gib", "mismatch_outside_frac", "mismatch_log_ratio_abs",
 }
 MEASURED_STATS = ("learner_peak_memory_gib",)  # CUDA's allocator peak: NaN on the CPU
 
