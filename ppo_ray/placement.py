@@ -246,10 +246,12 @@ class GeneratorHost(FaultPoints):
     @fault_point
     @ray.method(num_returns=2)
     def generate(self, prompt_ids: list[list[int]], step: int, offset: int,
-                 expected_version: int | None = None) -> tuple[RolloutBatch, GenerationSummary]:
+                 expected_version: int | None = None,
+                 samples_per_prompt: int = 1) -> tuple[RolloutBatch, GenerationSummary]:
         _check_version(self.generator, expected_version, f"step {step + 1}'s rollouts")
         t0 = time.perf_counter()
-        batch = self.generator.generate(prompt_ids, step=step, prompt_offset=offset)
+        batch = self.generator.generate(prompt_ids, step=step, prompt_offset=offset,
+                                        samples_per_prompt=samples_per_prompt)
         return batch, GenerationSummary.of(batch, seconds=time.perf_counter() - t0)
 
     @fault_point
