@@ -518,9 +518,11 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
     """Create the actors, named ppo/<role> in `namespace` (as the dashboard shows them), each
     in its bundle of one placement group (reserve). An advantage estimator without a critic
     gets no value model: none is shipped or loaded."""
-    from learner.algos import advantage_estimator
+    from learner.algos import advantage_estimator, check_group_size
 
-    if not advantage_estimator(config.advantage_estimator).needs_critic:
+    estimator = advantage_estimator(config.advantage_estimator)
+    check_group_size(estimator, config.samples_per_prompt)  # before any actor starts
+    if not estimator.needs_critic:
         value_model_dir = None
     demands = role_demands(config)
     pg, index = reserve(config, demands, name=f"{namespace}/ppo")
