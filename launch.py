@@ -78,10 +78,12 @@ def check_ray_address() -> None:
 
 def check_estimator(config) -> None:
     """config.advantage_estimator names an estimator of learner.algos' registry (a ValueError
-    naming the registered ones): the config holds the name, the registry the choices."""
-    from learner.algos import advantage_estimator
+    naming the registered ones): the config holds the name, the registry the choices. A
+    group estimator (grpo, rloo, reinforce_pp) needs samples_per_prompt >= 2 (a ValueError
+    naming both)."""
+    from learner.algos import advantage_estimator, check_group_size
 
-    advantage_estimator(config.advantage_estimator)
+    check_group_size(advantage_estimator(config.advantage_estimator), config.samples_per_prompt)
 
 
 def check_context(config) -> None:

@@ -203,14 +203,15 @@ class Generator:
         return ids_list, self.tokenizer.batch_decode(ids_list)
 
     # ------------------------------------------------------------------ rollouts
-    def sampling_params(self, seed: int, probe: bool = False):
-        """vLLM SamplingParams for one prompt: the PPO sampling settings and its own seed.
+    def sampling_params(self, seed: int, probe: bool = False, n: int = 1):
+        """vLLM SamplingParams for one prompt: the PPO sampling settings and its own seed, `n`
+        samples (vLLM gives sample j the seed `seed + j`: vllm/v1/engine/parallel_sampling.py).
         `probe` (the sync check, see probe()): the same temperature with no top-k/top-p, and
         PROBE_NEW_TOKENS tokens."""
         from vllm import SamplingParams
 
         return SamplingParams(
-            n=1, temperature=self.temperature, top_k=0 if probe or self.top_k <= 0 else self.top_k,
+            n=n, temperature=self.temperature, top_k=0 if probe or self.top_k <= 0 else self.top_k,
             top_p=1.0 if probe else self.top_p,
             max_tokens=min(PROBE_NEW_TOKENS, self.max_new_tokens) if probe else self.max_new_tokens, seed=seed,
             logprobs=0,  # just the sampled token's (processed) logprob
@@ -228,35 +229,47 @@ class Generator:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], step: int, prompt_offset: int = 0,
-                 probe: bool = False) -> RolloutBatch:
-        """Sample one response per prompt with the current adapter.
+                 probe: bool = False, samples_per_prompt: int = 1) -> RolloutBatch:
+        """Sample `samples_per_prompt` (n) responses per prompt with the current adapter, in one
+        vLLM request per prompt (SamplingParams(n=n): the prompt is prefilled once).
 
-        ``prompts``: B texts, or B lists of token ids. ``step`` and ``prompt_offset``
+        ``prompts``: N texts, or N lists of token ids. ``step`` and ``prompt_offset``
         (this batch's first global prompt index, for replica splits) fix the per-prompt
-        seeds: the same (seed, step, global index) gives the same response anywhere.
+        seeds: the same (seed, step, global index) gives the same responses anywhere.
 
-        Returns a RolloutBatch: prompt_ids (B, P) left-padded, response_ids (B, T)
+        Returns a RolloutBatch of B = N * n rows, the n samples of a prompt contiguous (rows
+        i*n .. i*n+n-1 are prompt i's): prompt_ids (B, P) left-padded, response_ids (B, T)
         right-padded with pad (T = the longest response), response_mask True up to and
-        including EOS, gen_logprobs (B, T) float32 (0 on padding), adapter_version.
+        including EOS, gen_logprobs (B, T) float32 (0 on padding), adapter_version, and
+        groups (B,): each row's global prompt index (prompt_offset + i), so groups stay
+        distinct when the replicas' batches are concatenated.
         """
         from vllm.inputs import TokensPrompt
 
         self._check_open()
+        n = int(samples_per_prompt)
+        if n < 1:
+            raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
         prompt_ids, prompt_texts = self._encode(prompts)
         version, lora_request = self.version, self.sync.lora_request
-        params = [self.sampling_params(prompt_seed(self.seed, step, prompt_offset + i), probe)
+        params = [self.sampling_params(prompt_seed(self.seed, step, prompt_offset + i), probe, n)
                   for i in range(len(prompt_ids))]
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
         outputs = []
-        for start, end in self._prefill_groups(prompt_ids):
+        for start, end in self._prefill_groups(prompt_ids, n):
             outputs += self.llm.generate(requests[start:end], params[start:end], use_tqdm=False,
                                          lora_request=lora_request)
 
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
         finish_reasons: list[str] = []
+        completions = []  # (prompt index, completion), the n of a prompt contiguous, in sample order
         for i, out in enumerate(outputs):
-            c = out.outputs[0]
+            if len(out.outputs) != n:
+                raise RuntimeError(f"vLLM returned {len(out.outputs)} samples for prompt {prompt_offset + i}, "
+                                   f"asked for {n}")
+            completions += [(i, c) for c in sorted(out.outputs, key=lambda c: c.index)]
+        for i, c in completions:
             ids = list(c.token_ids)
             if c.logprobs is None or len(c.logprobs) != len(ids):
                 raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} logprobs for "
@@ -276,15 +289,18 @@ class Generator:
         texts = self.tokenizer.batch_decode([r[:-1] if fr == "stop" else r for r, fr in zip(responses, finish_reasons)],
                                             skip_special_tokens=True)
         # vLLM stops at the first EOS: every returned token is real
-        batch = RolloutBatch.from_tokens(prompt_ids, responses, self.pad_token_id, self.eos_token_id,
-                                         gen_logprobs=logprobs, adapter_version=version,
-                                         prompts=prompt_texts, responses=texts, finish_reasons=finish_reasons)
+        rows = [i for i, _ in completions]  # each row's prompt (n contiguous rows per prompt)
+        batch = RolloutBatch.from_tokens([prompt_ids[i] for i in rows], responses, self.pad_token_id,
+                                         self.eos_token_id, gen_logprobs=logprobs, adapter_version=version,
+                                         groups=[prompt_offset + i for i in rows],
+                                         prompts=[prompt_texts[i] for i in rows], responses=texts,
+                                         finish_reasons=finish_reasons)
         if not torch.isfinite(batch.gen_logprobs).all():
             raise RuntimeError("vLLM returned a non-finite logprob for a sampled token")
         return batch
 
     @torch.no_grad()
-    def _prefill_groups(self, prompt_ids: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    def _prefill_groups(self, prompt_ids: Sequence[Sequence[int]], n: int = 1) -> list[tuple[int, int]]:
         """Split the batch so each llm.generate call's prompts prefill in ONE engine step.
 
         vLLM 0.32's CPU runner crashes ("CPU Generator does not use offset", then
@@ -292,15 +308,16 @@ class Generator:
         steps (gpu_model_runner._bookkeeping_sync rewinds the seeded generator's offset,
         which CPU generators do not have). Keeping each call's prompt tokens within the
         scheduler's max_num_batched_tokens avoids chunking; the per-prompt seeds make the
-        samples independent of the grouping.
+        samples independent of the grouping. A prompt sampled n times is n requests to the
+        scheduler (vLLM fans SamplingParams(n) out into n child requests), so it counts n times.
         """
         budget = self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
         groups, start, total = [], 0, 0
         for i, ids in enumerate(prompt_ids):
-            if i > start and total + len(ids) > budget:
+            if i > start and total + n * len(ids) > budget:
                 groups.append((start, i))
                 start, total = i, 0
-            total += len(ids)
+            total += n * len(ids)
         groups.append((start, len(prompt_ids)))
         return groups
 

@@ -48,6 +48,7 @@ reference scorer uses them too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -445,7 +446,9 @@ class AdvantageInputs:
     last real token, ``-beta * KL_t`` on every token; scale-whitened when ``whiten_rewards``
     is on); ``scores`` the raw sequence scores they were shaped from; ``values`` the old
     values ``V(s_t)`` of the critic, ``None`` for an estimator registered with
-    ``needs_critic=False`` (no value model exists then).
+    ``needs_critic=False`` (no value model exists then); ``groups`` the group id of each row
+    (``RolloutBatch.groups``: the ``samples_per_prompt`` samples of one prompt share one), never
+    None for an estimator registered with ``needs_groups=True``.
     """
 
     rewards: Tensor            # (B, T) float32, 0 on padding
@@ -454,6 +457,8 @@ class AdvantageInputs:
     values: Optional[Tensor]   # (B, T) float32 V_old(s_t), or None without a critic
     gamma: float
     lam: float
+    groups: Optional[Tensor] = None  # (B,) long: rows with one id are samples of one prompt; None = no groups
+    grpo_norm_std: bool = True       # grpo: divide by the group's std (False: Dr. GRPO)
 
 
 @dataclass(frozen=True)
@@ -466,20 +471,29 @@ class AdvantageEstimator:
     name: str
     fn: Callable[[AdvantageInputs], Tensor]
     needs_critic: bool
+    needs_groups: bool = False  # reads inputs.groups: needs samples_per_prompt >= MIN_GROUP_SIZE
+    normalized: bool = False    # its advantages are on its method's own scale: whiten_advantages is not applied
 
+
+# A group baseline needs another sample of the same prompt: samples_per_prompt below this is a
+# config error for an estimator registered with needs_groups (check_group_size).
+MIN_GROUP_SIZE = 2
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
-def register_estimator(name: str, *, needs_critic: bool) -> Callable:
+def register_estimator(name: str, *, needs_critic: bool, needs_groups: bool = False,
+                       normalized: bool = False) -> Callable:
     """Decorator: register ``fn(inputs: AdvantageInputs) -> Tensor`` as the advantage
     estimator ``name`` (the config's ``advantage_estimator``). A new estimator is one such
-    function and this line above it; a name is registered once."""
+    function and this line above it; a name is registered once. ``needs_groups``: it reads
+    ``inputs.groups`` (several samples per prompt); ``normalized``: its output is already
+    scaled as its method defines, so the learner does not whiten it again."""
     def register(fn: Callable[[AdvantageInputs], Tensor]) -> Callable[[AdvantageInputs], Tensor]:
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered "
                              f"({ADVANTAGE_ESTIMATORS[name].fn.__qualname__})")
-        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, fn, needs_critic)
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, fn, needs_critic, needs_groups, normalized)
         return fn
     return register
 
@@ -497,6 +511,118 @@ def advantage_estimator(name: str) -> AdvantageEstimator:
 def gae_advantages(inputs: AdvantageInputs) -> Tensor:
     """[GAE] over the shaped rewards and the critic's old values (the seeds' step 5)."""
     return compute_gae_advantages(inputs.rewards, inputs.values, inputs.mask, inputs.gamma, inputs.lam)
+
+
+def check_group_size(estimator: AdvantageEstimator, samples_per_prompt: int) -> None:
+    """A ValueError naming both values when ``estimator`` needs groups and
+    ``samples_per_prompt`` gives it fewer than MIN_GROUP_SIZE samples per prompt (the one
+    home of the rule: launch.py and the Learner call it)."""
+    if estimator.needs_groups and samples_per_prompt < MIN_GROUP_SIZE:
+        raise ValueError(f"advantage_estimator {estimator.name!r} compares the samples of one prompt and needs "
+                         f"samples_per_prompt >= {MIN_GROUP_SIZE}, got samples_per_prompt={samples_per_prompt}")
+
+
+# -- group baselines (GRPO, RLOO, REINFORCE++): one sequence score per response -------------
+#
+# The score of a response is its return: the sum of its shaped rewards over its real tokens
+# (the RM / reward-function score minus beta * sum_t KL_t with the KL in the reward, as today;
+# undiscounted, gamma and lam do not apply). This is what verl's GRPO/RLOO read
+# (token_level_rewards.sum(-1), which holds the KL penalty when use_kl_in_reward is on), so
+# the KL-in-reward path needs nothing else. A row with no real token is a dropped sample
+# (nonfinite_reward: drop masks its response out): it takes no part in its group's
+# statistics and gets advantage 0, so its (zeroed) score cannot move its group's baseline.
+# The statistics are computed in float64 over the B scores (a negligible cost) so that a
+# group of equal scores gives exactly 0 and float32 rounding of the mean is not amplified
+# by a small std.
+
+
+def _group_scores(inputs: AdvantageInputs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(returns (B,) float64, valid rows (B,) bool, dense group index (B,) long, number of
+    groups). Returns = sum of the shaped rewards over each row's real tokens."""
+    if inputs.groups is None:
+        raise ValueError("a group estimator needs inputs.groups (RolloutBatch.groups: samples_per_prompt >= 2)")
+    mask = check_mask(inputs.mask)
+    zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+    returns = torch.where(mask, inputs.rewards.double(), zero).sum(dim=-1)  # (B,)
+    valid = mask.any(dim=-1)  # (B,) False = dropped row
+    ids, dense = torch.unique(inputs.groups, return_inverse=True)
+    return returns, valid, dense, ids.numel()
+
+
+def _group_sum(x: Tensor, dense: Tensor, n_groups: int) -> Tensor:
+    """(G,) per-group sums of the (B,) ``x``, by dense group index."""
+    return torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, dense, x)
+
+
+def _broadcast(adv: Tensor, valid: Tensor, mask: Tensor) -> Tensor:
+    """(B,) sequence advantages -> (B, T) float32 on every real token, 0 on padding and
+    on dropped rows."""
+    adv = torch.where(valid, adv, torch.zeros((), dtype=adv.dtype, device=adv.device)).float()
+    return torch.where(mask, adv.unsqueeze(-1), torch.zeros((), device=mask.device))
+
+
+def group_mean_baseline(returns: Tensor, valid: Tensor, dense: Tensor, n_groups: int
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row: (score - its group's mean, the group's unbiased std, the group's number of
+    valid rows), all (B,), over the valid rows only. A group whose valid scores are all equal
+    gets a deviation of exactly 0 (not the rounding of its mean); a group of one valid row
+    has deviation 0 and std 0."""
+    zero = torch.zeros((), dtype=returns.dtype, device=returns.device)
+    r = torch.where(valid, returns, zero)
+    count = _group_sum(valid.to(returns.dtype), dense, n_groups)                    # (G,)
+    mean = _group_sum(r, dense, n_groups) / count.clamp(min=1)                      # (G,)
+    dev = torch.where(valid, r - mean[dense], zero)                                 # (B,)
+    # unbiased (Bessel) std, as verl (torch.std) and OpenRLHF (Tensor.std) compute GRPO's
+    var = _group_sum(dev.square(), dense, n_groups) / (count - 1).clamp(min=1)      # (G,)
+    hi = torch.full((n_groups,), -math.inf, dtype=r.dtype, device=r.device).scatter_reduce_(
+        0, dense, torch.where(valid, r, torch.full_like(r, -math.inf)), "amax")
+    lo = torch.full((n_groups,), math.inf, dtype=r.dtype, device=r.device).scatter_reduce_(
+        0, dense, torch.where(valid, r, torch.full_like(r, math.inf)), "amin")
+    same = (hi == lo)[dense]                                                        # (B,)
+    dev = torch.where(same, zero, dev)
+    return dev, var.sqrt()[dense], count[dense]
+
+
+GRPO_EPS = 1e-6  # verl's epsilon in compute_grpo_outcome_advantage
+
+
+@register_estimator("grpo", needs_critic=False, needs_groups=True, normalized=True)
+def grpo_advantages(inputs: AdvantageInputs) -> Tensor:
+    """GRPO (Shao et al. 2024, DeepSeekMath, "outcome supervision"): every real token of a
+    response gets ``(R - mean_g(R)) / (std_g(R) + 1e-6)``, over the valid responses of its
+    group g; ``R`` its return (see the section comment: score - beta * sum KL_t). std is the
+    unbiased (n - 1) one, as verl and OpenRLHF compute it, so their settings carry over.
+    ``inputs.grpo_norm_std=False`` is Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like
+    Training"): ``R - mean_g(R)``, no std division (it weights easy and hard prompts
+    alike). Groups of equal returns get exactly 0. Not whitened again by the learner."""
+    returns, valid, dense, n_groups = _group_scores(inputs)
+    dev, std, _ = group_mean_baseline(returns, valid, dense, n_groups)
+    adv = dev / (std + GRPO_EPS) if inputs.grpo_norm_std else dev
+    return _broadcast(adv, valid, inputs.mask)
+
+
+@register_estimator("rloo", needs_critic=False, needs_groups=True, normalized=True)
+def rloo_advantages(inputs: AdvantageInputs) -> Tensor:
+    """RLOO (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics"): ``R_i`` minus the mean
+    of the other valid returns of its group, ``(k * R_i - sum_g R) / (k - 1)`` = ``k / (k - 1)
+    * (R_i - mean_g R)`` with k valid rows, on every real token. A row alone in its group
+    (its others dropped) has no baseline: advantage 0. Not whitened by the learner (as in
+    OpenRLHF, whose rloo is not normalised)."""
+    returns, valid, dense, n_groups = _group_scores(inputs)
+    dev, _, count = group_mean_baseline(returns, valid, dense, n_groups)
+    adv = torch.where(count > 1, dev * count / (count - 1).clamp(min=1), torch.zeros_like(dev))
+    return _broadcast(adv, valid, inputs.mask)
+
+
+@register_estimator("reinforce_pp", needs_critic=False, needs_groups=True, normalized=True)
+def reinforce_pp_advantages(inputs: AdvantageInputs) -> Tensor:
+    """REINFORCE++ with a baseline (Hu 2025, "REINFORCE++"; OpenRLHF's reinforce_baseline):
+    ``R - mean_g(R)`` on every real token (no std division: a group's scale is kept), then
+    whitened over the batch's real tokens (:func:`masked_whiten`, its global statistics).
+    Whitening is part of the method, so it happens whatever whiten_advantages says."""
+    returns, valid, dense, n_groups = _group_scores(inputs)
+    dev, _, _ = group_mean_baseline(returns, valid, dense, n_groups)
+    return masked_whiten(_broadcast(dev, valid, inputs.mask), inputs.mask)
 
 
 # --------------------------------------------------------------------------------------

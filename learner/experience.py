@@ -56,7 +56,7 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
 
     Args:
         config: the learner's config (kl_estimator, reward_shaping, whiten_rewards,
-            whiten_advantages, gamma, lam).
+            whiten_advantages, gamma, lam, grpo_norm_std).
         kl_coef: this step's beta.
         estimator: the advantage estimator; with ``needs_critic`` fwd.values are the critic's.
         stale: how many versions behind the learner the rollouts are (overlap mode: 1). The
@@ -91,12 +91,19 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
         rewards = masked_whiten(rewards, mask, shift_mean=False)
     # 5. Advantages (raw) from the estimator (GAE: TD errors -> GAE), and with a critic
     #    its targets, the returns G_t = A_t + V_t.
+    #    A group estimator (needs_groups) reads the batch's group ids; their returns are the
+    #    sums of these shaped rewards (learner.algos, "group baselines").
+    if estimator.needs_groups and batch.groups is None:
+        raise ValueError(f"advantage_estimator {estimator.name!r} needs the rollouts' group ids "
+                         "(RolloutBatch.groups, set by the generator); this batch has none")
     advantages = estimator.fn(AdvantageInputs(rewards=rewards, mask=mask, scores=scores, values=values,
-                                              gamma=config.gamma, lam=config.lam))
+                                              gamma=config.gamma, lam=config.lam, groups=batch.groups,
+                                              grpo_norm_std=config.grpo_norm_std))
     returns = compute_returns(advantages, values, mask) if estimator.needs_critic else None
     raw_advantage_mean = masked_mean(advantages, mask)
-    # 6. Advantage whitening over the step's real tokens.
-    if config.whiten_advantages:
+    # 6. Advantage whitening over the step's real tokens (not for an estimator whose
+    #    advantages are on its method's own scale: GRPO, RLOO, REINFORCE++).
+    if config.whiten_advantages and not estimator.normalized:
         advantages = masked_whiten(advantages, mask)
 
     # The generator vs the learner on the same version's sampled tokens: the mismatch, and

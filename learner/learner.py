@@ -44,7 +44,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from learner.algos import adaptive_kl_coef, advantage_estimator
+from learner.algos import adaptive_kl_coef, advantage_estimator, check_group_size
 from learner.buffer import Experience, ExperienceBuffer
 from learner.experience import RolloutScores, make_experience, score_tensors
 from learner.kernels import cached_casts
@@ -125,7 +125,8 @@ class Learner:
     # gets only these (PPOConfig.slice); effective_mini_batch_size is derived from two of them.
     CONFIG_FIELDS = (
         "seed", "dtype", "log_level", "steps", "batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs",
-        "learning_rate", "value_learning_rate", "lr_scheduler", "max_grad_norm", "advantage_estimator", "gamma", "lam",
+        "learning_rate", "value_learning_rate", "lr_scheduler", "max_grad_norm", "advantage_estimator",
+        "samples_per_prompt", "grpo_norm_std", "gamma", "lam",
         "clip_epsilon",
         "value_clip", "vf_coef", "entropy_coef", "loss_agg", "dual_clip", "kl_in_loss", "is_correction", "is_cap",
         "is_level", "whiten_advantages", "whiten_rewards", "kl_coef",
@@ -152,6 +153,7 @@ class Learner:
         # The advantage estimator (learner.algos' registry, GAE by default); one without a
         # critic gets no value model, value optimiser, value loss or value statistics.
         self.estimator = advantage_estimator(config.advantage_estimator)
+        check_group_size(self.estimator, config.samples_per_prompt)
         self.critic = self.estimator.needs_critic
         self._shared = self.critic and config.value_model == "shared"
         self.value_model: Optional[torch.nn.Module] = None

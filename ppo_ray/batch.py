@@ -83,6 +83,10 @@ class RolloutBatch:
     prompts: list[str] = field(default_factory=list)         # B prompt texts
     responses: list[str] = field(default_factory=list)       # B decoded responses (up to EOS, EOS not shown)
     finish_reasons: list[str] = field(default_factory=list)  # B of "stop" (EOS) / "length"
+    # (B,) long: the group of each row, its prompt's global index in the step (the generator's);
+    # the samples_per_prompt samples of one prompt share it and are contiguous rows. None = not
+    # known (a batch built by hand); the group estimators need it.
+    groups: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         b, p = self.prompt_ids.shape
@@ -93,16 +97,21 @@ class RolloutBatch:
                 f"RolloutBatch shapes disagree: prompt_ids {tuple(self.prompt_ids.shape)}, prompt_mask "
                 f"{tuple(self.prompt_mask.shape)}, response_ids {tuple(bt)}, response_mask "
                 f"{tuple(self.response_mask.shape)}, gen_logprobs {tuple(self.gen_logprobs.shape)}")
+        if self.groups is not None and (self.groups.shape != (b,) or self.groups.dtype != torch.long):
+            raise ValueError(f"RolloutBatch.groups must be a (B,) = ({b},) long tensor, got "
+                             f"{tuple(self.groups.shape)} {self.groups.dtype}")
         if self.pad_token_id == self.eos_token_id:
             raise ValueError("pad_token_id equals eos_token_id: pad must be a distinct token")
 
     @staticmethod
     def from_tokens(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_token_id: int,
                     eos_token_id: int, gen_logprobs: Optional[Sequence[Sequence[float]]] = None,
-                    adapter_version: int = 0, **texts: list[str]) -> "RolloutBatch":
+                    adapter_version: int = 0, groups: Optional[Sequence[int]] = None,
+                    **texts: list[str]) -> "RolloutBatch":
         """Token lists -> a RolloutBatch: prompts left-padded, responses right-padded (at
         least one response column), every given token real; gen_logprobs per response
-        token (0 when not given, and on padding). `texts`: prompts, responses, finish_reasons."""
+        token (0 when not given, and on padding); `groups`: each row's group id (None = none).
+        `texts`: prompts, responses, finish_reasons."""
         response_t = pad_rows(response_ids, pad_token_id, "right", min_width=1)  # (B, T)
         t = response_t.shape[1]
         logprobs = (pad_rows(gen_logprobs, 0.0, "right", torch.float32, min_width=t) if gen_logprobs is not None
@@ -113,7 +122,8 @@ class RolloutBatch:
             response_ids=response_t,
             response_mask=pad_rows(_real(response_ids), False, "right", torch.bool, min_width=1),  # (B, T)
             gen_logprobs=logprobs,                                                                # (B, T)
-            adapter_version=adapter_version, pad_token_id=pad_token_id, eos_token_id=eos_token_id, **texts)
+            adapter_version=adapter_version, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+            groups=None if groups is None else torch.as_tensor(groups, dtype=torch.long), **texts)
 
     # ------------------------------------------------------------------ views
     def __len__(self) -> int:
@@ -186,6 +196,7 @@ class RolloutBatch:
             prompts=[self.prompts[i] for i in rows] if self.prompts else [],
             responses=[self.responses[i] for i in rows] if self.responses else [],
             finish_reasons=[self.finish_reasons[i] for i in rows] if self.finish_reasons else [],
+            groups=None if self.groups is None else self.groups[idx],
         )
 
     def to(self, device: torch.device | str) -> "RolloutBatch":
@@ -195,6 +206,7 @@ class RolloutBatch:
             prompt_ids=self.prompt_ids.to(device), prompt_mask=self.prompt_mask.to(device),
             response_ids=self.response_ids.to(device), response_mask=self.response_mask.to(device),
             gen_logprobs=self.gen_logprobs.to(device),
+            groups=None if self.groups is None else self.groups.to(device),
         )
 
     def trimmed(self, p_keep: Optional[int] = None, t_keep: Optional[int] = None) -> "RolloutBatch":
@@ -222,6 +234,9 @@ class RolloutBatch:
         versions = {b.adapter_version for b in parts}
         if len(versions) != 1:
             raise ValueError(f"cannot concatenate rollouts from different adapter versions {sorted(versions)}")
+        has_groups = {b.groups is not None for b in parts}
+        if len(has_groups) != 1:
+            raise ValueError("cannot concatenate rollouts with group ids and rollouts without")
         p = max(b.prompt_len for b in parts)
         t = max(b.response_ids.shape[1] for b in parts)
         pad = first.pad_token_id
@@ -242,6 +257,7 @@ class RolloutBatch:
             prompts=[s for b in parts for s in b.prompts],
             responses=[s for b in parts for s in b.responses],
             finish_reasons=[s for b in parts for s in b.finish_reasons],
+            groups=torch.cat([b.groups for b in parts]) if first.groups is not None else None,
         )
 
 

@@ -76,7 +76,7 @@ MUST_MATCH = (
     "model_name", "ref_model_name", "reward_model_name", "value_model_name", "reward_funcs",
     "reward_weights", "lora_r", "lora_alpha", "lora_target_modules", "dtype", "seed", "batch_size",
     "dataset", "prompt_column", "temperature", "top_k", "top_p", "max_new_tokens", "apply_chat_template",
-    "advantage_estimator",
+    "advantage_estimator", "samples_per_prompt", "grpo_norm_std",
 )
 LATEST = "latest"
 ABANDONED = "abandoned"

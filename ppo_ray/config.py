@@ -112,7 +112,7 @@ class PPOConfig:
     value_learning_rate: float = 1e-4
     """Adam learning rate of the value model (its own optimiser)."""
     batch_size: int = 32
-    """Prompts per PPO step (one rollout per prompt)."""
+    """Rollouts per PPO step: batch_size / samples_per_prompt prompts, each sampled samples_per_prompt times (with the default 1, one rollout per prompt)."""
     max_new_tokens: int = 10
     """Maximum response length in tokens."""
     gamma: float = 0.99
@@ -162,9 +162,13 @@ class PPOConfig:
     max_grad_norm: Optional[float] = 1.0
     """Gradient-norm clip per optimiser step; None = no clipping."""
     advantage_estimator: str = "gae"
-    """How the learner turns the step's shaped rewards into advantages: a name registered in learner/algos.py (register_estimator; today gae, with the value model as its critic). An estimator without a critic builds no value model, and the value_* fields and statistics do not apply."""
+    """How the learner turns the step's shaped rewards into advantages: a name registered in learner/algos.py (register_estimator): gae (the default, with the value model as its critic), or the critic-free group baselines grpo, rloo and reinforce_pp (REINFORCE++ with a group-mean baseline), which compare the samples_per_prompt (>= 2) samples of each prompt, each scored by its return (score - beta * summed KL). An estimator without a critic builds no value model, and the value_* fields and statistics do not apply."""
+    samples_per_prompt: int = 1
+    """Responses sampled per prompt in one vLLM request (SamplingParams n), contiguous rows of one group in the batch; batch_size counts rollouts, so a step draws batch_size / samples_per_prompt prompts (it must divide batch_size). grpo, rloo and reinforce_pp need >= 2. Evaluation samples stay one per prompt."""
+    grpo_norm_std: bool = True
+    """grpo only: divide each group's centred returns by the group's std (unbiased, + 1e-6; GRPO); false = Dr. GRPO (centred returns, no std division)."""
     whiten_advantages: bool = True
-    """Whiten advantages over the step's real tokens."""
+    """Whiten advantages over the step's real tokens (not applied to grpo, rloo and reinforce_pp, whose advantages are on their method's own scale: reinforce_pp whitens as part of its definition)."""
     whiten_rewards: bool = False
     """Whiten the per-token shaped rewards before GAE (N+ recipe: off)."""
     kl_estimator: str = "k1"
@@ -391,6 +395,10 @@ class PPOConfig:
              "mini_batch_size", f"must be in [1, batch_size={self.batch_size}]")
         mb = self.mini_batch_size or self.batch_size
         need(self.batch_size % mb == 0, "mini_batch_size", f"must divide batch_size={self.batch_size}")
+        need(self.samples_per_prompt >= 1, "samples_per_prompt", "must be >= 1")
+        need(self.batch_size % self.samples_per_prompt == 0, "batch_size",
+             f"must be a multiple of samples_per_prompt={self.samples_per_prompt} (batch_size counts rollouts: "
+             f"batch_size / samples_per_prompt prompts per step)")
         need(self.value_clip is None or self.value_clip > 0, "value_clip", "must be > 0 or null")
         need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or null")
         need(self.entropy_coef >= 0, "entropy_coef", "must be >= 0")
@@ -517,6 +525,11 @@ class PPOConfig:
     def uses_bundled_data(self) -> bool:
         """True when the pipeline's stages run on the bundled task (the one with a gold judge)."""
         return self.sft_dataset == "bundled"
+
+    @property
+    def prompts_per_step(self) -> int:
+        """Prompts a PPO step draws: batch_size rollouts / samples_per_prompt (validated to divide)."""
+        return self.batch_size // self.samples_per_prompt
 
     @property
     def effective_mini_batch_size(self) -> int:
@@ -672,9 +685,9 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "PPO algorithm": (
         "steps", "batch_size", "ppo_epochs", "mini_batch_size", "micro_batch_size", "learning_rate",
         "value_learning_rate", "lr_scheduler", "gamma", "lam", "clip_epsilon", "value_clip", "vf_coef",
-        "max_grad_norm", "advantage_estimator", "whiten_advantages", "whiten_rewards", "kl_coef", "kl_estimator", "kl_target",
-        "kl_horizon", "entropy_coef", "loss_agg", "dual_clip", "kl_in_loss", "is_correction", "is_cap", "is_level",
-        "ppo_dropout", "logprob_gap_check",
+        "max_grad_norm", "advantage_estimator", "samples_per_prompt", "grpo_norm_std", "whiten_advantages",
+        "whiten_rewards", "kl_coef", "kl_estimator", "kl_target", "kl_horizon", "entropy_coef", "loss_agg", "dual_clip",
+        "kl_in_loss", "is_correction", "is_cap", "is_level", "ppo_dropout", "logprob_gap_check",
         "logprob_gap_tolerance", "old_logprobs", "old_logprobs_check_every", "seed"),
     "generation": (
         "max_new_tokens", "temperature", "top_k", "top_p", "overlap_generation", "lora_sync",

@@ -246,10 +246,12 @@ class GeneratorHost(FaultPoints):
     @fault_point
     @ray.method(num_returns=2)
     def generate(self, prompt_ids: list[list[int]], step: int, offset: int,
-                 expected_version: int | None = None) -> tuple[RolloutBatch, GenerationSummary]:
+                 expected_version: int | None = None,
+                 samples_per_prompt: int = 1) -> tuple[RolloutBatch, GenerationSummary]:
         _check_version(self.generator, expected_version, f"step {step + 1}'s rollouts")
         t0 = time.perf_counter()
-        batch = self.generator.generate(prompt_ids, step=step, prompt_offset=offset)
+        batch = self.generator.generate(prompt_ids, step=step, prompt_offset=offset,
+                                        samples_per_prompt=samples_per_prompt)
         return batch, GenerationSummary.of(batch, seconds=time.perf_counter() - t0)
 
     @fault_point
@@ -516,9 +518,11 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
     """Create the actors, named ppo/<role> in `namespace` (as the dashboard shows them), each
     in its bundle of one placement group (reserve). An advantage estimator without a critic
     gets no value model: none is shipped or loaded."""
-    from learner.algos import advantage_estimator
+    from learner.algos import advantage_estimator, check_group_size
 
-    if not advantage_estimator(config.advantage_estimator).needs_critic:
+    estimator = advantage_estimator(config.advantage_estimator)
+    check_group_size(estimator, config.samples_per_prompt)  # before any actor starts
+    if not estimator.needs_critic:
         value_model_dir = None
     demands = role_demands(config)
     pg, index = reserve(config, demands, name=f"{namespace}/ppo")

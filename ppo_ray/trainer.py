@@ -173,7 +173,8 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ one step
     def ppo_step(self, prompts: Sequence[str]) -> StepResult:
-        """One PPO step on `prompts` (one rollout each). Returns a StepResult: texts, scores,
+        """One PPO step on `prompts` (config.samples_per_prompt rollouts each, contiguous: the
+        step trains on len(prompts) * samples_per_prompt rollouts). Returns a StepResult: texts, scores,
         the learner's losses and diagnostics, per-phase seconds (`result["policy_loss"]`
         works too). A step whose actor dies is retried from the last committed step."""
         current = Rollouts(self._encode(prompts), step=self.step, version=self.version)
@@ -187,7 +188,8 @@ class PPOTrainer:
     def _submit(self, rollouts: Rollouts) -> Rollouts:
         """1-2. Generate on every replica, not waited for. Each replica must hold
         rollouts.version (else StateLostError)."""
-        rollouts.generation = self.roles.generate(rollouts.prompt_ids, rollouts.step, rollouts.version)
+        rollouts.generation = self.roles.generate(rollouts.prompt_ids, rollouts.step, rollouts.version,
+                                                  samples_per_prompt=self.config.samples_per_prompt)
         return rollouts
 
     def _run_step(self, current: Rollouts, upcoming: Optional[Rollouts] = None) -> tuple[StepResult, Optional[Rollouts]]:
@@ -518,11 +520,12 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ many steps
     def _draw(self, ahead: int = 0) -> Rollouts:
-        """The next config.batch_size prompts (of train()'s list, encoded once), as rollouts of
-        step self.step + ahead + 1 to be sampled with the current version."""
+        """The next config.prompts_per_step prompts (of train()'s list, encoded once: batch_size
+        rollouts of samples_per_prompt samples each), as rollouts of step self.step + ahead + 1
+        to be sampled with the current version."""
         cursor = self.cursor.state()
         ids = self._prompt_ids[1]
-        rows = self.cursor.draw(len(ids), self.config.batch_size)
+        rows = self.cursor.draw(len(ids), self.config.prompts_per_step)
         return Rollouts([ids[i] for i in rows], step=self.step + ahead, version=self.version, cursor=cursor)
 
     def _checkpoint_due(self) -> bool:
@@ -553,7 +556,7 @@ class PPOTrainer:
               metrics_path: str | Path | None = None,
               evaluate: Optional[Callable[["PPOTrainer", int], dict]] = None,
               eval_prompts: Optional[Sequence[str]] = None) -> list[StepResult]:
-        """Run PPO steps on batches of config.batch_size prompts drawn without replacement
+        """Run PPO steps on batches of config.prompts_per_step prompts (batch_size rollouts) drawn without replacement
         from `prompts`, reshuffled every epoch with the run seed: `steps` more steps, or by
         default until the run's step count reaches config.steps (so after restore() it
         continues the run). Each finished step is logged as one line (logging, INFO) unless
