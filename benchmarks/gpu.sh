@@ -258,7 +258,7 @@ run_plan() {
             echo "[gpu] $name skipped: $(elapsed) s have passed, it starts only before $before s"
             continue
         fi
-        echo "[gpu] $name (timeout $t s, micro-batch $MB) -> $json"
+        echo "[gpu] $name (timeout $t s) -> $json"
         if "stage_$name" "$t" "$json"; then
             echo "[gpu] $name done ($(elapsed) s so far)"
         else
