@@ -228,3 +228,29 @@ def test_profile_kernel_categories_of_h100_kernel_names():
                                ("triton_per_fused_rms_1", 0.1)])
     assert list(shares) == ["gemm", "inductor", "gemm_small"]
     assert shares["inductor"] == {"s": 0.3, "share": 0.3} and shares["gemm"]["share"] == 0.6
+
+
+def test_gpu_sh_stages_have_functions_and_unknown_ones_are_refused(tmp_path):
+    """benchmarks/gpu.sh (the one-call checks on a lent GPU) lists every stage of its table with
+    a description, each stage has its function, `next` is still gpu_next.sh's three stages, and
+    an unknown name stops the call before anything runs (no $OUT made). No model runs."""
+    script = ROOT / "benchmarks" / "gpu.sh"
+    listed = subprocess.run(["bash", str(script), "--list"], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr  # --list also checks the tables against the functions
+    table = script.read_text().split("STAGES=$(cat <<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
+    stages = [line.split()[0] for line in table.splitlines() if line.strip()]
+    assert len(stages) == len(set(stages)) >= 10
+    rows = {line.split()[0]: line.split()[3:] for line in listed.stdout.splitlines() if line.startswith("  ")}
+    assert all(rows.get(s) for s in stages), [s for s in stages if not rows.get(s)]  # listed, described
+    # Sourced, the script defines its functions without running: bash itself says which exist.
+    missing = subprocess.run(["bash", "-c", 'source "$1"; shift; for s; do declare -F "stage_$s" >/dev/null || echo "$s"; done',
+                              "bash", str(script), *stages], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 0 and missing.stdout == "", missing.stdout + missing.stderr
+    assert rows["next"][-3:] == ["step_shared", "step_separate", "profile]"]  # gpu_next.sh's stages, in order
+
+    out = tmp_path / "out"
+    for args in (["no_such_stage"], ["next", "no_such_stage"]):
+        bad = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "OUT": str(out)})
+        assert bad.returncode == 2 and "'no_such_stage'" in bad.stderr, (args, bad.stderr)
+    assert not out.exists()
