@@ -111,15 +111,14 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
     # stale rollouts (the current policy is not the one that sampled; behaviour_logprob_gap
     # measures that distance) or when nothing was recomputed to compare with (config refuses
     # is_correction in both cases).
-    gen = batch.gen_logprobs.float()
-    same_version = recomputed and not stale
+    gen = torch.where(policy_mask, batch.gen_logprobs.float(), zero)  # (B, T) the sampler's, 0 off the policy's tokens
     gen_diff = torch.where(policy_mask, (gen - fwd.logprobs).abs(), zero)
-    mismatch = mismatch_stats(old_logprobs, torch.where(policy_mask, gen, zero), policy_mask)
-    if not same_version:
+    mismatch = mismatch_stats(old_logprobs, gen, policy_mask)
+    if stale or not recomputed:
         gen_diff = torch.full((), math.nan, device=mask.device)
         mismatch = {k: gen_diff for k in mismatch}
-    is_weights, policy_mask_is = importance_weights(old_logprobs, torch.where(policy_mask, gen, zero), policy_mask,
-                                                    config.is_correction, config.is_cap, config.is_level)
+    is_weights, policy_mask_is = importance_weights(old_logprobs, gen, policy_mask, config.is_correction,
+                                                    config.is_cap, config.is_level)
     experience = Experience(
         rollouts=batch, mask=mask, policy_mask=policy_mask_is, scores=scores, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs, kl=kl, rewards=rewards, values=values, advantages=advantages, returns=returns,
