@@ -41,9 +41,13 @@ Lengths suit the tiny model's byte-level BPE tokenizer (512 tokens, ~2 character
 token on this text): a prompt is at most ``MAX_PROMPT_CHARS`` characters (distractors
 are dropped until it fits), which is <= 120 tokens; reference summaries are 5-9 words,
 11-20 tokens (tests measure both). No two examples, within or across splits, share a
-(subreddit, person, event, quantity) tuple, so no test post was seen in training. The
-test split is drawn first, then validation, then train, from one
-``random.Random(seed)``: changing ``n_train`` leaves the evaluation splits unchanged.
+(subreddit, person, event, quantity) tuple, so no test post was seen in training; and the
+splits are disjoint on the (subreddit, person, event) combination (``combo_splits``: test
+and validation each draw from their own 15% of each subreddit's combinations, train from
+the other 70%), so no test post's person did its event in a train post (before issue 30,
+195 of 200 test posts shared the combination with a train post). The test split is drawn
+first, then validation, then train, from one ``random.Random(seed)``, and the combinations
+depend on the seed alone: changing ``n_train`` leaves the evaluation splits unchanged.
 
 Two pools of facts: a fixed hash puts about one (subreddit, person, event template,
 quantity) tuple in three into the PRETRAINING pool (``in_pretraining_pool``).
@@ -79,7 +83,12 @@ chosen omits the quantity, rejected also replaces the person by a pronoun). The 
 sides pick their forms independently, so length is a weak cue: over the train split
 chosen is the longer of the two ~56% of the time (``wrong``/``distractor`` pairs ~50%,
 ``omit``/``close`` ~80%, ``title`` ~60%, ``ramble`` 0%). Every pair has
-``gold(chosen) > gold(rejected)`` (checked at generation).
+``gold(chosen) > gold(rejected)`` (checked at generation). Train has one pair per post,
+its kind drawn by ``_PAIR_WEIGHTS`` (distractor pairs, possible on about half the posts,
+weighted up by issue 30: ~15% of train pairs, was ~6%); the validation and test splits
+carry pairs of every kind the post can give (``pairs``; one per distractor value for
+``distractor``), >= 100 of each kind on 200 posts, which the preference files of those
+splits hold, so the reward model's accuracy by kind is measured on enough pairs.
 
 The gold judge
 --------------
@@ -91,10 +100,13 @@ and 0 when the summary did not end with EOS:
   appear as that exact word sequence (``"3 weeks"``, ``"$300"``); any other fact needs
   all its content words (its words minus ``STOPWORDS``: ``"lost her job"`` -> {lost,
   job}) in any order, so pronouns do not matter.
-* ``n_wrong``: hallucinated facts. Each person and event of the fixed slot tables (all
-  subreddits) whose content words are all in the summary but not all in the post counts
-  once; so does each quantity of the summary ("<number> <unit>" with a unit in
-  ``UNITS``, or "$<number>") that is not in the post.
+* One value per slot (issue 30): the summary's values of a slot are the persons and
+  events of the fixed slot tables (all subreddits) whose content words are all in the
+  summary, and its quantities ("<number> <unit>" with a unit in ``UNITS``, or
+  "$<number>"). ``n_wrong`` counts every value other than the key fact's, in the post or
+  not (a distractor's person or quantity is as wrong as a made-up one), and a key fact
+  counts for ``coverage`` only when it is the only value of its slot. So hedging, listing
+  every candidate of the post, gets no credit for the slot and 0.5 off per other candidate.
 * ``n_extra_words``: words beyond ``MAX_WORDS`` (12; references have 5-9).
 * ``n_repeats``: repeated content words (each non-stopword occurrence after its first),
   so degenerate repetition (":) :) :)", OpenRLHF #236-style reward hacks) costs.
@@ -102,9 +114,9 @@ and 0 when the summary did not end with EOS:
   "score replaced by -1", it gets the minimum, 0.
 
 Ideal reference summaries score 1.0; e.g. for the post above "My sister lost her job." is
-2/3, "My sister lost her job 5 weeks ago." 2/3 - 0.5 = 1/6, and "My brother lost his job
-3 weeks ago." 2/3 when the brother is in a distractor sentence (not a hallucination, but
-not the fact either).
+2/3, "My sister lost her job 5 weeks ago." 2/3 - 0.5 = 1/6, "My brother lost his job
+3 weeks ago." also 1/6 when the brother is in a distractor sentence (in the post, but not
+the fact), and "My sister and my brother lost her job 3 weeks ago." 1/6 too (hedging).
 
 Training never sees this judge: SFT learns from the reference summaries, the reward
 model from the preference pairs, PPO from the reward model. The judge is held out so
@@ -118,6 +130,7 @@ Importing this module has no side effects.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
@@ -339,11 +352,17 @@ def _has_phrase(ws: Sequence[str], phrase: Sequence[str]) -> bool:
     return f" {' '.join(phrase)} " in f" {' '.join(ws)} "
 
 
+@functools.lru_cache(maxsize=4096)
+def _fact_words(fact: str) -> tuple[tuple[str, ...], frozenset[str], bool]:
+    """A fact's words, content words, and whether it is a quantity (has a digit); cached."""
+    return tuple(_words(fact)), _content(fact), any(ch.isdigit() for ch in fact)
+
+
 def _fact_present(fact: str, ws: Sequence[str], wset: frozenset[str]) -> bool:
-    fw = _words(fact)
-    if any(ch.isdigit() for ch in fact):  # a quantity: the exact words, in order ("3 weeks", "$300")
+    fw, content, is_quantity = _fact_words(fact)
+    if is_quantity:  # a quantity: the exact words, in order ("3 weeks", "$300")
         return _has_phrase(ws, fw)
-    return _content(fact) <= wset
+    return content <= wset
 
 
 def _quantities(ws: Sequence[str]) -> set[str]:
@@ -362,8 +381,10 @@ def _stated_values(ws: Sequence[str], wset: frozenset[str]) -> dict[str, set]:
             "quantity": _quantities(ws)}
 
 
-def _key_values(facts: Sequence[str]) -> dict[str, object]:
-    """The example's key fact of each slot, in the keys of :func:`_stated_values`."""
+@functools.lru_cache(maxsize=4096)
+def _key_values(facts: tuple[str, str, str]) -> dict[str, object]:
+    """The example's key fact of each slot, in the keys of :func:`_stated_values` (cached:
+    generate_task judges every candidate pair of a post against the same facts)."""
     person, event, quantity = facts
     return {"person": _content(person), "event": _content(event), "quantity": " ".join(_words(quantity))}
 
@@ -376,7 +397,7 @@ def _slot_verdicts(facts: Sequence[str], ws: Sequence[str], wset: frozenset[str]
     one), and the key fact is credited only when it is the only value of its slot the
     summary states. So listing every candidate (hedging) gets no credit for the slot and a
     penalty per wrong candidate (gold_score's docstring)."""
-    stated, keys = _stated_values(ws, wset), _key_values(facts)
+    stated, keys = _stated_values(ws, wset), _key_values(tuple(facts))
     out = {}
     for name, fact in zip(FACT_NAMES, facts):
         others = len(stated[name] - {keys[name]})
@@ -411,7 +432,19 @@ def gold_details(example: Mapping, summary: str, ended_with_eos: bool) -> GoldSc
 
 
 def gold_score(example: Mapping, summary: str, ended_with_eos: bool) -> float:
-    """The gold score in [0, 1] (see :func:`gold_details` and the module docstring)."""
+    """The gold score in [0, 1] (see :func:`gold_details` and the module docstring).
+
+    ``clip(coverage - 0.5 * n_wrong - 0.05 * n_extra_words - 0.1 * n_repeats, 0, 1)``, 0
+    without EOS. The hedging rule (one value per slot): for each slot (person, event,
+    quantity), every value the summary states other than the key fact is wrong (0.5 off),
+    whether or not the post holds it, and the key fact counts for coverage only when it is
+    the slot's only value. Hence, slot by slot: right (the key alone) > missing (no value,
+    -1/3 of coverage) > wrong (one other value: -1/3 and -0.5) = hedging with one other
+    candidate (the key and it: -1/3 and -0.5) > hedging with k >= 2 others (-1/3 and
+    -0.5 k); a hedging summary of every candidate never scores above the summary that names
+    one wrong candidate instead of the key, and is below 1.0 whenever the post has a
+    second candidate.
+    """
     return gold_details(example, summary, ended_with_eos).score
 
 
@@ -577,6 +610,9 @@ _PAIR_KINDS = ("omit", "wrong", "distractor", "ramble", "title", "close", "garbl
 # before fallbacks (distractor often has none). "garble" (a misspelt fact word) is the error
 # a small SFT policy actually makes; without it the reward model never sees that failure
 # and PPO has nothing to push against it (measured: RM scores of SFT samples saturated).
+# "distractor" is possible on about half the posts only, so its weight is high: at 0.1
+# (before issue 30) the RM trained on ~6% distractor pairs and preferred the distractor on
+# validation (accuracy 0.25 on 12 pairs); at 0.3, ~15% (benchmarks/RESULTS.md, issue 30).
 _PAIR_WEIGHTS = (0.12, 0.18, 0.3, 0.08, 0.04, 0.08, 0.2)
 
 
