@@ -135,12 +135,23 @@ def _digest(texts: list[str]) -> str:
     return h.hexdigest()
 
 
-def _known_texts() -> list[tuple[str, str]]:
-    """(prompt, response) pairs: test-split prompts (seed 0) with their ideal summaries."""
-    from ppo_ray.tasks.tldr_synth import generate_task
+# The first three test posts of the task (seed 0) with their ideal summaries, as the task
+# generated them when the committed model was built (issue 30 has since made the test split
+# draw other posts): literal, so the check does not move with the task's generator.
+_KNOWN_TEXTS = (
+    ("SUBREDDIT: r/personalfinance\n\nTITLE: Help with my friend\n\nPOST: So my friend owes me $600 for a trip. "
+     "My sister says I should drop it. What are my options?\n\nTL;DR:", " My friend owes me $600 for a trip."),
+    ("SUBREDDIT: r/personalfinance\n\nTITLE: Need advice about my brother\n\nPOST: My brother, who is 54, missed "
+     "rent 5 times. How do I handle this?\n\nTL;DR:", " My brother missed rent 5 times."),
+    ("SUBREDDIT: r/legaladvice\n\nTITLE: Help with my renter\n\nPOST: This is about my renter. She sent me a bill "
+     "for $300. What are my rights here?\n\nTL;DR:", " My renter sent me a bill for $300."),
+)
+assert len(_KNOWN_TEXTS) == _KNOWN_EXAMPLES
 
-    rows = generate_task(seed=0, n_train=0, n_val=0, n_test=_KNOWN_EXAMPLES)["test"]
-    return [(row["prompt"], row["summary"]) for row in rows]
+
+def _known_texts() -> list[tuple[str, str]]:
+    """(prompt, response) pairs whose log-probabilities the build records (_KNOWN_TEXTS)."""
+    return [tuple(t) for t in _KNOWN_TEXTS]
 
 
 def known_logprobs(path: str | os.PathLike) -> list[float]:

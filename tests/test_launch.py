@@ -180,7 +180,7 @@ def test_all_stages_end_to_end_on_the_bundled_task(tmp_path):
     # the summary is stdout's last line (Ray's late actor log lines come before it)
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == report
     for key in ("sft_val_loss", "rm_val_accuracy", "gold_test_sft", "gold_test_ppo", "win_rate_ppo_vs_sft",
-                "final_kl", "gold_val_sft", "gold_val_ppo", "win_rate_val_ppo_vs_sft"):
+                "win_rate_sft_vs_reference", "win_rate_ppo_vs_reference", "final_kl", "gold_val_sft", "gold_val_ppo", "win_rate_val_ppo_vs_sft"):
         assert isinstance(report[key], float) and math.isfinite(report[key]), key
     assert report["rm_val_accuracy"] > 0.5
     # The headline numbers are the held-out samples', recomputed here with the gold judge.
@@ -198,6 +198,11 @@ def test_all_stages_end_to_end_on_the_bundled_task(tmp_path):
         assert report[f"gold_{key}_ppo"] == sum(ppo) / len(ppo), split
         win = "win_rate_ppo_vs_sft" if split == "test" else "win_rate_val_ppo_vs_sft"
         assert report[win] == win_rate(ppo, sft), split
+        if split == "test":  # the N+ metric: against the reference summaries (the prompts' `summary`)
+            ref = [gold_score(row, row["summary"], True) for row in rows]
+            assert report["gold_test_reference"] == sum(ref) / len(ref)
+            assert report["win_rate_sft_vs_reference"] == win_rate(sft, ref)
+            assert report["win_rate_ppo_vs_reference"] == win_rate(ppo, ref)
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and all("gold_val" in m for m in metrics)
     # the console is kept in the run directory (a RayJob's pods and their logs are deleted)

@@ -53,7 +53,7 @@ def test_write_task_is_byte_identical_and_readable(tmp_path, task):
     assert set(paths_a) == set(paths_b) == names
     for name in names:
         assert paths_a[name].read_bytes() == paths_b[name].read_bytes(), name
-    assert elapsed < 3.0, f"write_task took {elapsed:.2f} s"  # ~0.4 s; loose for a loaded CI box
+    assert elapsed < 3.0, f"write_task took {elapsed:.2f} s"  # ~1 s; loose for a loaded CI box
 
     sft = read_rows(paths_a["sft_train.jsonl"])
     assert len(sft) == 2000
@@ -61,6 +61,12 @@ def test_write_task_is_byte_identical_and_readable(tmp_path, task):
     assert [r["summary"] for r in sft] == [ex["summary"] for ex in task["train"]]
     prefs = read_rows(paths_a["preferences_validation.jsonl"])
     assert set(prefs[0]) == {"id", "prompt", "chosen", "rejected", "kind"}
+    # the evaluation splits' files: every pair of every post (generate_task's "pairs")
+    assert [(r["chosen"], r["rejected"], r["kind"]) for r in prefs] == [
+        (p["chosen"], p["rejected"], p["kind"]) for ex in task["validation"] for p in ex["pairs"]]
+    assert len({r["id"] for r in prefs}) == len(prefs)
+    train_prefs = read_rows(paths_a["preferences_train.jsonl"])
+    assert [r["kind"] for r in train_prefs] == [ex["kind"] for ex in task["train"]]
     prompts = read_rows(paths_a["prompts_test.jsonl"])
     assert set(prompts[0]) == {"id", "prompt", "facts", "summary"}
     # The judge works on a prompts row (it reads the post back from the prompt).
@@ -92,6 +98,22 @@ def test_splits_are_disjoint(task):
     for a, b in itertools.combinations(SPLITS, 2):
         assert not posts[a] & posts[b], (a, b)
         assert not facts[a] & facts[b], (a, b)
+
+
+def test_splits_are_disjoint_on_the_combination(task):
+    """Issue 30: no test or validation post shares (subreddit, person, event) with a train
+    post, nor test with validation; the combinations come from combo_splits alone."""
+    combos = {s: {(ex["subreddit"], ex["facts"][0], ex["facts"][1]) for ex in task[s]} for s in SPLITS}
+    for a, b in itertools.combinations(SPLITS, 2):
+        assert not combos[a] & combos[b], (a, b, sorted(combos[a] & combos[b])[:3])
+    # each split's combinations are its share of combo_splits (pronoun-free event facts)
+    table = T.combo_splits(0)
+    for split in SPLITS:
+        allowed = {(sub, p, T._event_fact(t, k, T._PRONOUNS[g][1])) for sub, cs in table[split].items()
+                   for (p, g), (t, k) in cs}
+        assert combos[split] <= allowed, split
+    assert combos["train"] and len(combos["test"]) > 40 and len(combos["validation"]) > 40, {
+        s: len(c) for s, c in combos.items()}
 
 
 # --------------------------------------------------------------------------- variety
@@ -145,12 +167,17 @@ REF = " My sister lost her job 3 weeks ago."
     (" My sister lost her job 3 months ago.", 2 / 3 - 0.5),  # wrong unit
     (" My mom lost her job 3 weeks ago.", 2 / 3 - 0.5),  # a person not in the post
     (" My sister quit her job 3 weeks ago.", 2 / 3 - 0.5),  # an event not in the post
-    (" My brother lost his job 3 weeks ago.", 2 / 3),  # the distractor person: not a hallucination
-    (" My sister lost her job 4 years ago.", 2 / 3),  # the distractor quantity
+    (" My brother lost his job 3 weeks ago.", 2 / 3 - 0.5),  # the distractor person: in the post, still wrong
+    (" My sister lost her job 4 years ago.", 2 / 3 - 0.5),  # the distractor quantity
+    (" My sister and my brother lost her job 3 weeks ago.", 2 / 3 - 0.5),  # hedging: the slot is not credited
+    (" My sister lost her job 3 weeks or 4 years ago.", 2 / 3 - 0.5),
+    (" My sister and my brother lost her job 3 weeks or 4 years ago.", 0.0),  # 1/3 - 2 * 0.5, clipped at 0
     (" My mom quit her job 5 weeks ago.", 0.0),  # clipped at 0
     (" My sister lost her job job job 3 weeks ago.", 1.0 - 2 * 0.1),  # repetition
-    (REF + " My brother thinks I am overreacting. We have been close for 4 years.",  # 21 words
-     1.0 - 0.05 * (21 - MAX_WORDS)),
+    (REF + " I do not know what to do about it now.",  # 18 words, no other slot value
+     1.0 - 0.05 * (18 - MAX_WORDS)),
+    (REF + " My brother thinks I am overreacting. We have been close for 4 years.",  # the rest of the post
+     0.0),
     (" My sister lost her job 3 weeks ago. What now?", 1.0),  # 10 words: within MAX_WORDS
     (" Help with my sister", 1 / 3),  # a title
     ("", 0.0),
@@ -170,9 +197,11 @@ def test_gold_money_and_counts():
     ex = {"post": "My dad borrowed $300 for rent. I make $500 a week. What are my options?",
           "facts": ["my dad", "borrowed a lot for rent", "$300"]}
     assert gold_score(ex, " My dad borrowed $300 for rent.", True) == 1.0
-    assert gold_score(ex, " My dad borrowed $500 for rent.", True) == pytest.approx(2 / 3)  # in the post
+    assert gold_score(ex, " My dad borrowed $500 for rent.", True) == pytest.approx(2 / 3 - 0.5)  # in the post
     assert gold_score(ex, " My dad borrowed $700 for rent.", True) == pytest.approx(2 / 3 - 0.5)
-    assert gold_score(ex, " My dad borrowed $300 for rent 4 times.", True) == pytest.approx(1 - 0.5)
+    # two quantities: the key one is not credited, the other is wrong
+    assert gold_score(ex, " My dad borrowed $300 for rent 4 times.", True) == pytest.approx(2 / 3 - 0.5)
+    assert gold_score(ex, " My dad borrowed $300 or $500 for rent.", True) == pytest.approx(2 / 3 - 0.5)
     assert gold_details(ex, " My dad borrowed money.", True).coverage == pytest.approx(1 / 3)
 
 
@@ -238,10 +267,10 @@ def test_chosen_beats_rejected_and_kinds_behave(task):
             assert r.coverage == pytest.approx(2 / 3) and r.n_wrong == 0
         elif k == "wrong":
             assert r.n_wrong >= 1
-        elif k == "distractor":
-            assert r.coverage == pytest.approx(2 / 3) and r.n_wrong == 0
-        elif k == "ramble":
-            assert r.coverage == 1.0 and r.n_wrong == 0 and (r.n_extra_words > 0 or r.n_repeats > 0)
+        elif k == "distractor":  # a value of the post that is not the key fact: wrong (one value per slot)
+            assert r.coverage == pytest.approx(2 / 3) and r.n_wrong == 1
+        elif k == "ramble":  # the rest of the post: too long, and its distractor values are wrong
+            assert r.n_extra_words > 0 or r.n_repeats > 0 or r.n_wrong > 0
         elif k == "title":
             assert ex["rejected"] == " " + ex["title"] and r.coverage < 1.0
         elif k == "close":
@@ -249,6 +278,59 @@ def test_chosen_beats_rejected_and_kinds_behave(task):
     n = sum(kinds.values())
     assert set(kinds) == set(T._PAIR_KINDS)
     assert min(kinds.values()) > 0.03 * n, kinds
+
+
+def test_evaluation_pairs_cover_every_kind(task):
+    """The evaluation splits carry pairs of every kind the post can give (>= 100 of each kind
+    on 200 posts, so the reward model's accuracy by kind is measured on enough pairs), each
+    ordered by the judge; training keeps one pair per post, with enough distractor pairs."""
+    for split in ("validation", "test"):
+        kinds = collections.Counter()
+        for ex in task[split]:
+            for p in ex["pairs"]:
+                assert gold_score(ex, p["chosen"], True) > gold_score(ex, p["rejected"], True), p
+                kinds[p["kind"]] += 1
+        assert set(kinds) == set(T._PAIR_KINDS) and min(kinds.values()) >= 100, (split, kinds)
+    assert all("pairs" not in ex for ex in task["train"])
+    train_kinds = collections.Counter(ex["kind"] for ex in task["train"])
+    assert train_kinds["distractor"] > 0.1 * len(task["train"]), train_kinds
+
+
+def _hedge(ex: dict, ideal: str) -> tuple[str, int]:
+    """Every person and every quantity of the post in one summary, the key event with the
+    key quantity kept: " My sister and my brother lost her job 3 weeks ago or 4 years."
+    Returns it and the number of candidates (people + quantities of the post)."""
+    post_ws = T._words(ex["post"])
+    people = [p for p in dict.fromkeys(p for t in T._SUBREDDITS.values() for p, _ in t["people"])
+              if T._has_phrase(post_ws, T._words(p))]
+    person, _, quantity = ex["facts"]
+    others_q = sorted(T._quantities(post_ws) - {quantity})
+    event = ideal.strip().rstrip(".")[len(person):].strip()  # "lost her job 3 weeks ago"
+    text = " " + " and ".join([person] + [p for p in people if p != person]) + " " + event
+    return text + "".join(" or " + q for q in others_q) + ".", len(people) + len(T._quantities(post_ws))
+
+
+def test_hedging_is_not_rewarded(task):
+    """Issue 30: a summary listing every candidate scores below the correct one and no
+    higher than the summary that names one wrong candidate instead of the key one; on no
+    test post with more than one candidate does it score 1.0 (the old judge: 112 of 123)."""
+    ex = EXAMPLE
+    hedge = " My sister and my brother lost her job 3 weeks ago or 4 years."
+    wrong = " My brother lost his job 3 weeks ago."
+    assert gold_score(ex, hedge, True) < gold_score(ex, REF, True)
+    assert gold_score(ex, hedge, True) <= gold_score(ex, wrong, True)
+    out = T.fact_outcomes(ex, hedge)
+    assert out == {"person": "wrong", "event": "right", "quantity": "wrong"}, out
+    assert T.fact_outcomes(ex, wrong)["person"] == "wrong" and T.fact_outcomes(ex, REF)["person"] == "right"
+    assert T.copy_accuracy([ex], [hedge])["all_right"] == 0.0
+    n_multi = 0
+    for ex in task["test"]:  # task: ideal references
+        text, n = _hedge(ex, ex["summary"])
+        if n > 2:
+            n_multi += 1
+            assert gold_score(ex, text, True) < 1.0, (ex["post"], text)
+            assert T.fact_outcomes(ex, text) != {"person": "right", "event": "right", "quantity": "right"}
+    assert n_multi > 50, n_multi
 
 
 def test_length_is_a_weak_cue(task):

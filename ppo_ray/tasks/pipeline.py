@@ -276,10 +276,16 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
 
     history = read_metrics(metrics)
     sft_gold, ppo_gold = sft["gold"], ppo["gold"]
+    # the N+ paper's metric: each policy against the test posts' reference summaries (the
+    # `summary` column: the posters' TL;DRs, of mixed quality), by the same judge
+    ref_gold = [gold_score(row, row["summary"], True) for row in test_rows]
     report = {
         "gold_test_sft": sum(sft_gold) / len(sft_gold),
         "gold_test_ppo": sum(ppo_gold) / len(ppo_gold),
+        "gold_test_reference": _mean(ref_gold),
         "win_rate_ppo_vs_sft": win_rate(ppo_gold, sft_gold),
+        "win_rate_sft_vs_reference": win_rate(sft_gold, ref_gold),
+        "win_rate_ppo_vs_reference": win_rate(ppo_gold, ref_gold),
         "final_kl": history[-1]["kl"],
         "final_reward": history[-1]["reward_mean"],
         "ppo_steps": len(history),

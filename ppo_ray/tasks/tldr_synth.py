@@ -41,9 +41,13 @@ Lengths suit the tiny model's byte-level BPE tokenizer (512 tokens, ~2 character
 token on this text): a prompt is at most ``MAX_PROMPT_CHARS`` characters (distractors
 are dropped until it fits), which is <= 120 tokens; reference summaries are 5-9 words,
 11-20 tokens (tests measure both). No two examples, within or across splits, share a
-(subreddit, person, event, quantity) tuple, so no test post was seen in training. The
-test split is drawn first, then validation, then train, from one
-``random.Random(seed)``: changing ``n_train`` leaves the evaluation splits unchanged.
+(subreddit, person, event, quantity) tuple, so no test post was seen in training; and the
+splits are disjoint on the (subreddit, person, event) combination (``combo_splits``: test
+and validation each draw from their own 15% of each subreddit's combinations, train from
+the other 70%), so no test post's person did its event in a train post (before issue 30,
+195 of 200 test posts shared the combination with a train post). The test split is drawn
+first, then validation, then train, from one ``random.Random(seed)``, and the combinations
+depend on the seed alone: changing ``n_train`` leaves the evaluation splits unchanged.
 
 Two pools of facts: a fixed hash puts about one (subreddit, person, event template,
 quantity) tuple in three into the PRETRAINING pool (``in_pretraining_pool``).
@@ -79,7 +83,12 @@ chosen omits the quantity, rejected also replaces the person by a pronoun). The 
 sides pick their forms independently, so length is a weak cue: over the train split
 chosen is the longer of the two ~56% of the time (``wrong``/``distractor`` pairs ~50%,
 ``omit``/``close`` ~80%, ``title`` ~60%, ``ramble`` 0%). Every pair has
-``gold(chosen) > gold(rejected)`` (checked at generation).
+``gold(chosen) > gold(rejected)`` (checked at generation). Train has one pair per post,
+its kind drawn by ``_PAIR_WEIGHTS`` (distractor pairs, possible on about half the posts,
+weighted up by issue 30: ~15% of train pairs, was ~6%); the validation and test splits
+carry pairs of every kind the post can give (``pairs``; one per distractor value for
+``distractor``), >= 100 of each kind on 200 posts, which the preference files of those
+splits hold, so the reward model's accuracy by kind is measured on enough pairs.
 
 The gold judge
 --------------
@@ -91,10 +100,13 @@ and 0 when the summary did not end with EOS:
   appear as that exact word sequence (``"3 weeks"``, ``"$300"``); any other fact needs
   all its content words (its words minus ``STOPWORDS``: ``"lost her job"`` -> {lost,
   job}) in any order, so pronouns do not matter.
-* ``n_wrong``: hallucinated facts. Each person and event of the fixed slot tables (all
-  subreddits) whose content words are all in the summary but not all in the post counts
-  once; so does each quantity of the summary ("<number> <unit>" with a unit in
-  ``UNITS``, or "$<number>") that is not in the post.
+* One value per slot (issue 30): the summary's values of a slot are the persons and
+  events of the fixed slot tables (all subreddits) whose content words are all in the
+  summary, and its quantities ("<number> <unit>" with a unit in ``UNITS``, or
+  "$<number>"). ``n_wrong`` counts every value other than the key fact's, in the post or
+  not (a distractor's person or quantity is as wrong as a made-up one), and a key fact
+  counts for ``coverage`` only when it is the only value of its slot. So hedging, listing
+  every candidate of the post, gets no credit for the slot and 0.5 off per other candidate.
 * ``n_extra_words``: words beyond ``MAX_WORDS`` (12; references have 5-9).
 * ``n_repeats``: repeated content words (each non-stopword occurrence after its first),
   so degenerate repetition (":) :) :)", OpenRLHF #236-style reward hacks) costs.
@@ -102,9 +114,9 @@ and 0 when the summary did not end with EOS:
   "score replaced by -1", it gets the minimum, 0.
 
 Ideal reference summaries score 1.0; e.g. for the post above "My sister lost her job." is
-2/3, "My sister lost her job 5 weeks ago." 2/3 - 0.5 = 1/6, and "My brother lost his job
-3 weeks ago." 2/3 when the brother is in a distractor sentence (not a hallucination, but
-not the fact either).
+2/3, "My sister lost her job 5 weeks ago." 2/3 - 0.5 = 1/6, "My brother lost his job
+3 weeks ago." also 1/6 when the brother is in a distractor sentence (in the post, but not
+the fact), and "My sister and my brother lost her job 3 weeks ago." 1/6 too (hedging).
 
 Training never sees this judge: SFT learns from the reference summaries, the reward
 model from the preference pairs, PPO from the reward model. The judge is held out so
@@ -118,6 +130,7 @@ Importing this module has no side effects.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
@@ -140,6 +153,7 @@ __all__ = [
     "copy_accuracy",
     "fact_alternatives",
     "fact_outcomes",
+    "combo_splits",
     "generate_task",
     "in_pretraining_pool",
     "pretraining_documents",
@@ -338,11 +352,17 @@ def _has_phrase(ws: Sequence[str], phrase: Sequence[str]) -> bool:
     return f" {' '.join(phrase)} " in f" {' '.join(ws)} "
 
 
+@functools.lru_cache(maxsize=4096)
+def _fact_words(fact: str) -> tuple[tuple[str, ...], frozenset[str], bool]:
+    """A fact's words, content words, and whether it is a quantity (has a digit); cached."""
+    return tuple(_words(fact)), _content(fact), any(ch.isdigit() for ch in fact)
+
+
 def _fact_present(fact: str, ws: Sequence[str], wset: frozenset[str]) -> bool:
-    fw = _words(fact)
-    if any(ch.isdigit() for ch in fact):  # a quantity: the exact words, in order ("3 weeks", "$300")
+    fw, content, is_quantity = _fact_words(fact)
+    if is_quantity:  # a quantity: the exact words, in order ("3 weeks", "$300")
         return _has_phrase(ws, fw)
-    return _content(fact) <= wset
+    return content <= wset
 
 
 def _quantities(ws: Sequence[str]) -> set[str]:
@@ -351,13 +371,46 @@ def _quantities(ws: Sequence[str]) -> set[str]:
             | {w for w in ws if w[0] == "$"})
 
 
+def _stated_values(ws: Sequence[str], wset: frozenset[str]) -> dict[str, set]:
+    """The values of each slot that a summary states, in the judge's keys: "person" and
+    "event" the content-word sets of the slot tables' values whose words are all in the
+    summary, "quantity" its quantities (:func:`_quantities`). The one home of "what the
+    summary claims" for the judge and the fact-copy report."""
+    return {"person": {k for k in _PERSON_KEYS if k <= wset},
+            "event": {k for k in _EVENT_KEYS if k <= wset},
+            "quantity": _quantities(ws)}
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_values(facts: tuple[str, str, str]) -> dict[str, object]:
+    """The example's key fact of each slot, in the keys of :func:`_stated_values` (cached:
+    generate_task judges every candidate pair of a post against the same facts)."""
+    person, event, quantity = facts
+    return {"person": _content(person), "event": _content(event), "quantity": " ".join(_words(quantity))}
+
+
+def _slot_verdicts(facts: Sequence[str], ws: Sequence[str], wset: frozenset[str]) -> dict[str, tuple[bool, int]]:
+    """Per slot (person, event, quantity): (key fact credited, number of other values stated).
+
+    One value per slot: every value the summary states other than the key one is wrong,
+    whether or not the post holds it (a distractor's person or quantity counts like a made-up
+    one), and the key fact is credited only when it is the only value of its slot the
+    summary states. So listing every candidate (hedging) gets no credit for the slot and a
+    penalty per wrong candidate (gold_score's docstring)."""
+    stated, keys = _stated_values(ws, wset), _key_values(tuple(facts))
+    out = {}
+    for name, fact in zip(FACT_NAMES, facts):
+        others = len(stated[name] - {keys[name]})
+        out[name] = (_fact_present(fact, ws, wset) and others == 0, others)
+    return out
+
+
 def _judge(facts: Sequence[str], post_ws: Sequence[str], summary: str, ended_with_eos: bool) -> GoldScore:
     ws = _words(summary)
     wset = frozenset(ws)
-    post_set = frozenset(post_ws)
-    coverage = sum(_fact_present(f, ws, wset) for f in facts) / len(facts) if facts else 0.0
-    n_wrong = sum(1 for keys in _PERSON_KEYS + _EVENT_KEYS if keys <= wset and not keys <= post_set)
-    n_wrong += len(_quantities(ws) - _quantities(post_ws))
+    verdicts = _slot_verdicts(facts, ws, wset)
+    coverage = sum(credited for credited, _ in verdicts.values()) / len(facts) if facts else 0.0
+    n_wrong = sum(others for _, others in verdicts.values())
     n_extra = max(0, len(ws) - MAX_WORDS)
     content = [w for w in ws if w not in STOPWORDS]
     n_repeats = len(content) - len(set(content))
@@ -379,7 +432,19 @@ def gold_details(example: Mapping, summary: str, ended_with_eos: bool) -> GoldSc
 
 
 def gold_score(example: Mapping, summary: str, ended_with_eos: bool) -> float:
-    """The gold score in [0, 1] (see :func:`gold_details` and the module docstring)."""
+    """The gold score in [0, 1] (see :func:`gold_details` and the module docstring).
+
+    ``clip(coverage - 0.5 * n_wrong - 0.05 * n_extra_words - 0.1 * n_repeats, 0, 1)``, 0
+    without EOS. The hedging rule (one value per slot): for each slot (person, event,
+    quantity), every value the summary states other than the key fact is wrong (0.5 off),
+    whether or not the post holds it, and the key fact counts for coverage only when it is
+    the slot's only value. Hence, slot by slot: right (the key alone) > missing (no value,
+    -1/3 of coverage) > wrong (one other value: -1/3 and -0.5) = hedging with one other
+    candidate (the key and it: -1/3 and -0.5) > hedging with k >= 2 others (-1/3 and
+    -0.5 k); a hedging summary of every candidate never scores above the summary that names
+    one wrong candidate instead of the key, and is below 1.0 whenever the post has a
+    second candidate.
+    """
     return gold_details(example, summary, ended_with_eos).score
 
 
@@ -417,21 +482,15 @@ FACT_NAMES = ("person", "event", "quantity")
 
 
 def fact_outcomes(example: Mapping, summary: str) -> dict[str, str]:
-    """Per key fact ("person", "event", "quantity"): "right" (stated as the judge's coverage
-    counts it), "wrong" (not stated, but another value of that slot is: a person or event
-    of the slot tables, or any quantity) or "missing". Evaluation only, like the judge."""
+    """Per key fact ("person", "event", "quantity"): "right" (credited as the judge's
+    coverage credits it: stated, and the only value of its slot stated), "wrong" (another
+    value of that slot is stated: a person or event of the slot tables, or any quantity,
+    in the post or not; hedging with the key fact among others is wrong too) or "missing".
+    Evaluation only, like the judge."""
     ws = _words(summary)
-    wset = frozenset(ws)
-    person, event, quantity = example["facts"]
-    out = {}
-    for name, fact, keys in (("person", person, _PERSON_KEYS), ("event", event, _EVENT_KEYS)):
-        if _fact_present(fact, ws, wset):
-            out[name] = "right"
-        else:
-            out[name] = "wrong" if any(k <= wset for k in keys) else "missing"
-    out["quantity"] = ("right" if _fact_present(quantity, ws, wset)
-                       else "wrong" if _quantities(ws) else "missing")
-    return out
+    verdicts = _slot_verdicts(example["facts"], ws, frozenset(ws))
+    return {name: "right" if credited else "wrong" if others else "missing"
+            for name, (credited, others) in verdicts.items()}
 
 
 def copy_accuracy(examples: Sequence[Mapping], summaries: Sequence[str]) -> dict:
@@ -485,16 +544,22 @@ def in_pretraining_pool(subreddit: str, person: str, template: str, quantity: st
     return digest[0] % PRETRAIN_POOL_SHARE == 0
 
 
-def _make_post(rng: random.Random, subreddit: str, used: set, pretraining: bool = False) -> dict:
+def _make_post(rng: random.Random, subreddit: str, used: set, pretraining: bool = False,
+               combos: Sequence[tuple] | None = None) -> dict:
     """One example without its summaries; its (subreddit, person, event, quantity) is not in
-    `used` and is in the task pool (`pretraining`: the pretraining pool).
+    `used` and is in the task pool (`pretraining`: the pretraining pool). `combos`: the
+    ((person, gender), (template, kind)) pairs of `subreddit` it may use (None: any; the
+    pretraining corpus draws exactly as it did when the embedded model was built).
 
     Private keys (leading "_") keep what the summaries are built from.
     """
     table = _SUBREDDITS[subreddit]
     for _ in range(1000):
-        person, gender = rng.choice(table["people"])
-        template, kind = rng.choice(table["events"])
+        if combos is None:
+            person, gender = rng.choice(table["people"])
+            template, kind = rng.choice(table["events"])
+        else:
+            (person, gender), (template, kind) = rng.choice(combos)
         q = _quantity(rng, kind)
         if (subreddit, person, template, q) not in used and in_pretraining_pool(
                 subreddit, person, template, q) == pretraining:
@@ -545,7 +610,10 @@ _PAIR_KINDS = ("omit", "wrong", "distractor", "ramble", "title", "close", "garbl
 # before fallbacks (distractor often has none). "garble" (a misspelt fact word) is the error
 # a small SFT policy actually makes; without it the reward model never sees that failure
 # and PPO has nothing to push against it (measured: RM scores of SFT samples saturated).
-_PAIR_WEIGHTS = (0.15, 0.2, 0.1, 0.1, 0.05, 0.1, 0.3)
+# "distractor" is possible on about half the posts only, so its weight is high: at 0.1
+# (before issue 30) the RM trained on ~6% distractor pairs and preferred the distractor on
+# validation (accuracy 0.25 on 12 pairs); at 0.3, ~15% (benchmarks/RESULTS.md, issue 30).
+_PAIR_WEIGHTS = (0.12, 0.18, 0.3, 0.08, 0.04, 0.08, 0.2)
 
 
 def _garble(rng: random.Random, word: str) -> str:
@@ -558,6 +626,17 @@ def _garble(rng: random.Random, word: str) -> str:
         return word[:i] + word[i] + word[i:]
     i = min(i, len(word) - 2)
     return word[:i] + word[i + 1] + word[i] + word[i + 2:]
+
+
+def _distractor_summaries(rng: random.Random, ex: dict) -> list[str]:
+    """Every summary that takes the person or the quantity of one of the post's distractor
+    sentences (the key event kept), one per distractor value; [] when the post has none."""
+    s, post_ws = ex["_slots"], _words(ex["post"])
+    options = [_summary(rng, p, s["E"]) for p in ex["_others"] if _has_phrase(post_ws, _words(p))]
+    alt_q = {"time": s["dq"], "money": s["mq"]}.get(ex["_qkind"])
+    if alt_q is not None and _has_phrase(post_ws, _words(alt_q)):
+        options.append(_summary(rng, s["p"], _event_phrase(ex["_template"], ex["_pos"], alt_q)))
+    return options
 
 
 def _pair(rng: random.Random, ex: dict, kind: str) -> tuple[str, str] | None:
@@ -581,10 +660,7 @@ def _pair(rng: random.Random, ex: dict, kind: str) -> tuple[str, str] | None:
         wrong_q = next(q for q in iter(lambda: _quantity(rng, ex["_qkind"]), None) if q not in in_post)
         return chosen, _summary(rng, who, _event_phrase(ex["_template"], ex["_pos"], wrong_q))
     if kind == "distractor":  # the person or quantity of a distractor sentence
-        options = [_summary(rng, p, event) for p in ex["_others"] if _has_phrase(post_ws, _words(p))]
-        alt_q = {"time": s["dq"], "money": s["mq"]}.get(ex["_qkind"])
-        if alt_q is not None and _has_phrase(post_ws, _words(alt_q)):
-            options.append(_summary(rng, who, _event_phrase(ex["_template"], ex["_pos"], alt_q)))
+        options = _distractor_summaries(rng, ex)
         return (chosen, rng.choice(options)) if options else None
     if kind == "ramble":  # right, then the rest of the post: too long
         return chosen, _summary(rng, who, event, _SUMMARY_FORMS[0]) + " " + " ".join(ex["_extra"])
@@ -622,6 +698,26 @@ def _with_pair(rng: random.Random, ex: dict) -> dict:
     raise AssertionError(f"no valid preference pair for {ex['post']!r}")  # pragma: no cover
 
 
+def _eval_pairs(rng: random.Random, ex: dict) -> list[dict]:
+    """Preference pairs of every kind the post can give, for the evaluation splits: one per
+    kind, and one per distractor value for ``distractor`` (the rarest kind: about half the
+    posts have a distractor sentence with a person or a quantity of the key's kind), so that
+    the reward model's accuracy by kind rests on >= 100 pairs of each on 200 posts. Only
+    pairs the gold judge orders strictly, as in _with_pair."""
+    post_ws = _words(ex["post"])
+    out = []
+    for kind in _PAIR_KINDS:
+        if kind == "distractor":
+            chosen = _summary(rng, ex["_slots"]["p"], ex["_slots"]["E"])
+            pairs = [(chosen, r) for r in _distractor_summaries(rng, ex)]
+        else:
+            pairs = [p for p in [_pair(rng, ex, kind)] if p is not None]
+        for chosen, rejected in pairs:
+            if _judge(ex["facts"], post_ws, chosen, True).score > _judge(ex["facts"], post_ws, rejected, True).score:
+                out.append({"chosen": chosen, "rejected": rejected, "kind": kind})
+    return out
+
+
 _FLAW_KINDS = ("pronoun", "no_quantity", "title")  # what an imperfect poster's TL;DR leaves out
 
 
@@ -635,6 +731,36 @@ def _flawed_summary(rng: random.Random, ex: dict) -> str:
     if kind == "no_quantity":
         return _summary(rng, s["p"], s["title_event"], _SUMMARY_FORMS[0])
     return " " + ex["title"]
+
+
+# The evaluation splits' share of the (subreddit, person, event) combinations: test and
+# validation each draw from their own COMBO_SHARES of them, train from the rest, so no test
+# or validation post shares its person-event combination with a train post (nor test with
+# validation). Assigned per (subreddit, quantity kind), so that each split gets its share
+# of the quantities too (time events have 32 quantities, money and count 8).
+EVAL_COMBO_SHARE = 0.15
+
+
+def combo_splits(seed: int) -> dict[str, dict[str, list[tuple]]]:
+    """{split: {subreddit: [((person, gender), (template, kind))]}}: the disjoint sets of
+    (person, event) combinations each split of `generate_task(seed)` draws from. Test and
+    validation get EVAL_COMBO_SHARE of each (subreddit, quantity kind)'s combinations each
+    (at least one), train the rest; a seed-local shuffle, so it depends on nothing but
+    `seed` (not on n_train)."""
+    rng = random.Random(f"{seed}-combinations")
+    out: dict[str, dict[str, list[tuple]]] = {split: {} for split in SPLITS}
+    for subreddit in sorted(_SUBREDDITS):
+        table = _SUBREDDITS[subreddit]
+        for split in SPLITS:
+            out[split][subreddit] = []
+        for kind in ("time", "money", "count"):
+            combos = [(p, e) for p in table["people"] for e in table["events"] if e[1] == kind]
+            rng.shuffle(combos)
+            n_eval = max(1, round(EVAL_COMBO_SHARE * len(combos)))
+            out["test"][subreddit] += combos[:n_eval]
+            out["validation"][subreddit] += combos[n_eval:2 * n_eval]
+            out["train"][subreddit] += combos[2 * n_eval:]
+    return out
 
 
 def generate_task(seed: int = 0, n_train: int = 2000, n_val: int = 200, n_test: int = 200,
@@ -656,19 +782,25 @@ def generate_task(seed: int = 0, n_train: int = 2000, n_val: int = 200, n_test: 
         raise ValueError(f"ideal_fraction must be in [0, 1], got {ideal_fraction!r}")
     rng = random.Random(seed)
     ref_rng = random.Random(f"{seed}-references")  # its own stream: posts and pairs do not depend on it
+    pair_rng = random.Random(f"{seed}-evaluation-pairs")  # the evaluation splits' pairs of every kind
     used: set = set()
     subreddits = sorted(_SUBREDDITS)
+    combos = combo_splits(seed)
     out: dict[str, list[dict]] = {}
     for split, n in (("test", n_test), ("validation", n_val), ("train", n_train)):
         rows = []
         for i in range(n):
-            ex = _make_post(rng, rng.choice(subreddits), used)
+            subreddit = rng.choice(subreddits)
+            ex = _make_post(rng, subreddit, used, combos=combos[split][subreddit])
             ideal = _summary(rng, ex["_slots"]["p"], ex["_slots"]["E"], _SUMMARY_FORMS[0])
             ex = _with_pair(rng, ex)
             ex["summary"] = ideal if ref_rng.random() < ideal_fraction else _flawed_summary(ref_rng, ex)
-            rows.append({"id": f"synth{seed}-{split}-{i:05d}", "subreddit": ex["subreddit"], "title": ex["title"],
-                         "post": ex["post"], "prompt": ex["prompt"], "summary": ex["summary"], "facts": ex["facts"],
-                         "chosen": ex["chosen"], "rejected": ex["rejected"], "kind": ex["kind"]})
+            row = {"id": f"synth{seed}-{split}-{i:05d}", "subreddit": ex["subreddit"], "title": ex["title"],
+                   "post": ex["post"], "prompt": ex["prompt"], "summary": ex["summary"], "facts": ex["facts"],
+                   "chosen": ex["chosen"], "rejected": ex["rejected"], "kind": ex["kind"]}
+            if split != "train":
+                row["pairs"] = _eval_pairs(pair_rng, ex)
+            rows.append(row)
         out[split] = rows
     return {split: out[split] for split in SPLITS}
 
@@ -746,6 +878,11 @@ def write_task(out_dir: str | Path, seed: int = 0, n_train: int = 2000, n_val: i
     for split, rows in task.items():
         for name, cols in columns.items():
             path = out / f"{name}_{split}.jsonl"
-            _write_jsonl(path, [{c: row[c] for c in cols} for row in rows])
+            if name == "preferences" and split != "train":  # every kind the post can give (generate_task)
+                table = [{"id": f"{row['id']}-{j}", "prompt": row["prompt"], **pair}
+                         for row in rows for j, pair in enumerate(row["pairs"])]
+            else:
+                table = [{c: row[c] for c in cols} for row in rows]
+            _write_jsonl(path, table)
             paths[path.name] = path
     return paths
