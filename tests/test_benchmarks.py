@@ -254,3 +254,39 @@ def test_gpu_sh_stages_have_functions_and_unknown_ones_are_refused(tmp_path):
                              env={**os.environ, "OUT": str(out)})
         assert bad.returncode == 2 and "'no_such_stage'" in bad.stderr, (args, bad.stderr)
     assert not out.exists()
+
+
+def test_compare_estimators_runs_selection_and_table(tmp_path):
+    """benchmarks/compare_estimators.py: a run spec becomes launch.py options (a bad part is
+    refused naming it), --select keeps each estimator's best run by validation (win rate vs
+    SFT, then gold), and a finished run directory becomes a table row (sums of the steps'
+    times). The runs themselves are measured, never asserted (benchmarks/RESULTS.md)."""
+    from benchmarks import compare_estimators as ce
+
+    assert ce.parse_run("gae") == ["--advantage_estimator", "gae"]
+    assert ce.parse_run("rloo:n=4:kl=loss:dual_clip=3") == [
+        "--advantage_estimator", "rloo", "--samples_per_prompt", "4", "--kl_in_loss", "true", "--dual_clip", "3"]
+    assert ce.parse_run("grpo:kl=reward")[-2:] == ["--kl_in_loss", "false"]
+    for bad, named in (("grpo:n4", "'n4'"), ("grpo:kl=both", "'both'"), ("grpo:n=", "'n='")):
+        with pytest.raises(SystemExit, match=named):
+            ce.parse_run(bad)
+    rows = [{"run": "gae", "win_val_vs_sft": 0.5, "gold_val": 0.9},
+            {"run": "grpo:n=4", "win_val_vs_sft": 0.7, "gold_val": 0.90},
+            {"run": "grpo:n=8", "win_val_vs_sft": 0.7, "gold_val": 0.95},
+            {"run": "rloo:n=4", "win_val_vs_sft": 0.8, "gold_val": 0.10}]
+    assert ce.select(rows, ["gae", "grpo:n=4", "grpo:n=8", "rloo:n=4"]) == ["gae", "grpo:n=8", "rloo:n=4"]
+
+    run = tmp_path / "grpo_n4-s0"
+    run.mkdir()
+    report = {"win_rate_val_ppo_vs_sft": 0.75, "gold_val_ppo": 0.9, "win_rate_ppo_vs_sft": 0.8,
+              "win_rate_ppo_vs_reference": 0.6, "gold_test_ppo": 0.95, "final_kl": 1.5, "seconds": 200.0}
+    (run / "report-ppo.json").write_text(json.dumps(report))
+    steps = [{"time/step_s": 3.0, "time/learner_forward_s": 0.5, "time/update_s": 1.0},
+             {"time/step_s": 5.0, "time/learner_forward_s": 0.25, "time/update_s": 2.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    row = ce.summarise(run, "grpo:n=4", 0)
+    assert (row["loop_s"], row["learner_s"], row["stage_s"], row["win_vs_reference"]) == (8.0, 3.75, 200.0, 0.6)
+    table = ce.tables([row, {**row, "seed": 1, "win_vs_sft": 0.6}], ["grpo:n=4"])
+    assert "| grpo:n=4 | 2 | 0.700 ± 0.141 | 0.600 ± 0.000 |" in table
+    with pytest.raises(SystemExit, match="no sft, rm, data"):
+        ce.main(["--base", str(tmp_path), "--out", str(tmp_path / "out"), "--runs", "gae"])

@@ -1,0 +1,192 @@
+"""PPO-GAE against the critic-free estimators on the main job (issue 30's comparison).
+
+    python -m benchmarks.compare_estimators --base RUN_DIR --out DIR \\
+        --runs gae grpo:n=4 rloo:n=4:kl=loss reinforce_pp:n=8 --seeds 0 1 2
+
+RUN_DIR is a finished main job (`python launch.py --run_dir RUN_DIR`). Every run is the PPO
+stage alone (`launch.py ppo`, the tldr-tiny preset) in DIR/<run>-s<seed>, on a copy of RUN_DIR's
+SFT, reward model and data, so every row starts from the same SFT and RM and differs only in
+its options and seed. A run is `ESTIMATOR[:n=N][:kl=reward|loss][:FIELD=VALUE...]`: n is
+samples_per_prompt, kl=loss sets kl_in_loss, any other FIELD=VALUE is passed as --FIELD VALUE.
+batch_size stays the preset's 16 rollouts, so every run sees the same rollouts per step.
+
+A run whose report-ppo.json exists is read, not rerun: an interrupted comparison goes on where
+it stopped. Runs go one after another (each uses the machine's cores), with RAY_ADDRESS unset.
+
+Printed: one JSON line per run, then two markdown tables, mean +- sample std over the seeds:
+validation (what a setting may be chosen by: win rate vs SFT and gold on the validation
+prompts) and test (win rate vs SFT and vs the reference summaries, gold, final KL, and time:
+the training loop (sum of the steps), its learner phase (step 1's forward + the update) and the
+whole stage (SFT and final evaluations included)). `--plot FILE` draws the test columns.
+`--select`: a sweep. Every run goes on the first seed; the other seeds run only each
+estimator's best run by the validation prompts (win rate vs SFT, ties by gold), so n and the
+KL setting are chosen by a rule on validation, never on test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = {"n": "samples_per_prompt"}
+COPIED = ("sft", "rm", "data")  # what `launch.py ppo` reads from a main job's run directory
+
+
+def parse_run(spec: str) -> list[str]:
+    """`grpo:n=4:kl=loss` -> the launch.py options of that run."""
+    estimator, *parts = spec.split(":")
+    args = ["--advantage_estimator", estimator]
+    for part in parts:
+        key, sep, value = part.partition("=")
+        if not sep or not value:
+            raise SystemExit(f"error: run {spec!r}: {part!r} is not FIELD=VALUE")
+        if key == "kl":
+            if value not in ("reward", "loss"):
+                raise SystemExit(f"error: run {spec!r}: kl must be reward or loss, not {value!r}")
+            key, value = "kl_in_loss", str(value == "loss").lower()
+        args += [f"--{SHORT.get(key, key)}", value]
+    return args
+
+
+def run_dir_name(spec: str, seed: int) -> str:
+    return spec.replace(":", "_").replace("=", "") + f"-s{seed}"
+
+
+def run_one(base: Path, out: Path, spec: str, seed: int) -> Path:
+    dest = out / run_dir_name(spec, seed)
+    if (dest / "report-ppo.json").exists():
+        return dest
+    if dest.exists():  # an interrupted run: start it again from the copy
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for name in COPIED:
+        shutil.copytree(base / name, dest / name)
+    cmd = [sys.executable, str(ROOT / "launch.py"), "ppo", "--run_dir", str(dest), "--seed", str(seed), *parse_run(spec)]
+    print(f"# {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    start = time.monotonic()
+    with open(out / f"{dest.name}.log", "w") as log:
+        code = subprocess.call(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "RAY_ADDRESS": ""})
+    if code != 0:
+        raise SystemExit(f"error: {spec} seed {seed} exited {code}; see {out / (dest.name + '.log')}")
+    print(f"# {dest.name}: {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+    return dest
+
+
+def summarise(dest: Path, spec: str, seed: int) -> dict:
+    report = json.loads((dest / "report-ppo.json").read_text())
+    steps = [json.loads(line) for line in (dest / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {
+        "run": spec, "seed": seed,
+        "win_val_vs_sft": report["win_rate_val_ppo_vs_sft"], "gold_val": report["gold_val_ppo"],
+        "win_vs_sft": report["win_rate_ppo_vs_sft"], "win_vs_reference": report["win_rate_ppo_vs_reference"],
+        "gold_test": report["gold_test_ppo"], "final_kl": report["final_kl"],
+        "loop_s": sum(s["time/step_s"] for s in steps),
+        "learner_s": sum(s["time/learner_forward_s"] + s["time/update_s"] for s in steps),
+        "stage_s": report["seconds"],
+    }
+
+
+def select(rows: list[dict], runs: list[str]) -> list[str]:
+    """Each estimator's best run by the validation prompts (win rate vs SFT, then gold): the
+    sweep's choice of n and KL setting, made by a rule rather than by hand."""
+    best: dict[str, dict] = {}
+    for row in rows:
+        estimator = row["run"].split(":")[0]
+        key = (row["win_val_vs_sft"], row["gold_val"])
+        if estimator not in best or key > (best[estimator]["win_val_vs_sft"], best[estimator]["gold_val"]):
+            best[estimator] = row
+    return [spec for spec in runs if best.get(spec.split(":")[0], {}).get("run") == spec]
+
+
+def _cell(values: list[float], digits: int) -> str:
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+TABLES = {
+    "validation (selection)": [("win vs SFT", "win_val_vs_sft", 3), ("gold", "gold_val", 3)],
+    "test": [("win vs SFT", "win_vs_sft", 3), ("win vs refs", "win_vs_reference", 3), ("gold", "gold_test", 3),
+             ("final KL", "final_kl", 2), ("loop s", "loop_s", 0), ("learner s", "learner_s", 0),
+             ("stage s", "stage_s", 0)],
+}
+
+
+def tables(rows: list[dict], runs: list[str]) -> str:
+    lines = []
+    for title, cols in TABLES.items():
+        lines += [f"{title}:", "", "| run | seeds | " + " | ".join(c[0] for c in cols) + " |",
+                  "|---|---|" + "---|" * len(cols)]
+        for spec in runs:
+            mine = [r for r in rows if r["run"] == spec]
+            if mine:
+                cells = [_cell([r[key] for r in mine], digits) for _, key, digits in cols]
+                lines.append(f"| {spec} | {len(mine)} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], runs: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("win rate vs SFT (test)", "win_vs_sft"), ("win rate vs references (test)", "win_vs_reference"),
+              ("final KL", "final_kl"), ("learner phase, s", "learner_s")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, (title, key) in zip(axes, panels):
+        for i, spec in enumerate(runs):
+            values = [r[key] for r in rows if r["run"] == spec]
+            if values:
+                ax.scatter([i] * len(values), values, s=18, alpha=0.7)
+                ax.hlines(statistics.fmean(values), i - 0.3, i + 0.3, color="black")
+        ax.set_xticks(range(len(runs)), runs, rotation=30, ha="right", fontsize=7)
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", type=Path, required=True, help="a finished main job's run directory")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--runs", nargs="+", required=True, help="ESTIMATOR[:n=N][:kl=reward|loss][:FIELD=VALUE]")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0])
+    ap.add_argument("--select", action="store_true",
+                    help="run every RUN on the first seed, then only each estimator's best (validation) on the others")
+    ap.add_argument("--plot", type=Path, help="draw the test columns (PNG)")
+    args = ap.parse_args(argv)
+    missing = [name for name in COPIED if not (args.base / name).is_dir()]
+    if missing:
+        raise SystemExit(f"error: {args.base} has no {', '.join(missing)}: pass a finished main job's run directory")
+    for spec in args.runs:
+        parse_run(spec)  # every spec checked before the first run starts
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows, runs = [], args.runs
+    for i, seed in enumerate(args.seeds):  # seed-major: a partial comparison has every run on its first seeds
+        if i == 1 and args.select:
+            runs = select(rows, runs)
+            print(f"# selected on seed {args.seeds[0]}'s validation: {' '.join(runs)}", file=sys.stderr, flush=True)
+        for spec in runs:
+            row = summarise(run_one(args.base, args.out, spec, seed), spec, seed)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    print(tables(rows, args.runs))
+    if args.plot:
+        plot(rows, runs, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
