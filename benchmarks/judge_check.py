@@ -9,7 +9,8 @@ prompts, scored with the judge as it is now, beside the gold scores the run reco
 judge of its time): gold, win rate PPO vs SFT, win rates against the reference summaries
 (the prompts' ``summary``) and the share of all-three-facts-right. So an old run's samples
 separate a judge change from a data change. ``rm_by_kind``: the reward model in RM_DIR on
-every validation pair of the current task (>= 100 of each kind), accuracy by kind. One JSON
+every validation pair of the current task (>= 100 of each kind), accuracy by kind, beside
+its accuracy on the train pairs it learnt from (seen combinations; one pair per train post). One JSON
 line per split / model on stdout.
 """
 
@@ -58,21 +59,26 @@ def rm_by_kind(rm_dir: Path, seed: int = 0) -> dict:
     from ppo_ray.tasks.tldr_eval import accuracy_by_kind
     from ppo_ray.tasks.tldr_synth import DEFAULT_IDEAL_FRACTION, generate_task
 
-    task = generate_task(seed=seed, n_train=0, ideal_fraction=DEFAULT_IDEAL_FRACTION)
-    pairs = [(ex["prompt"], p) for ex in task["validation"] for p in ex["pairs"]]
+    task = generate_task(seed=seed, ideal_fraction=DEFAULT_IDEAL_FRACTION)
     tok = load_tokenizer(str(rm_dir))
+    model = load_reward_model(str(rm_dir)).eval()
 
     def ids(text: str) -> list[int]:
         return tok(text, add_special_tokens=False)["input_ids"]
 
-    queries = [ids(prompt) for prompt, _ in pairs]
-    chosen = [ids(p["chosen"]) + [tok.eos_token_id] for _, p in pairs]
-    rejected = [ids(p["rejected"]) + [tok.eos_token_id] for _, p in pairs]
-    model = load_reward_model(str(rm_dir)).eval()
-    with torch.no_grad():
-        correct = preference_correct(model, queries, chosen, rejected, pad=tok.pad_token_id, eos=tok.eos_token_id)
-    return {"rm": str(rm_dir), "n": len(correct), "accuracy": sum(correct) / len(correct),
-            "by_kind": accuracy_by_kind(correct, [p["kind"] for _, p in pairs])}
+    def by_kind(pairs: list[tuple[str, dict]]) -> tuple[float, dict]:
+        queries = [ids(prompt) for prompt, _ in pairs]
+        chosen = [ids(p["chosen"]) + [tok.eos_token_id] for _, p in pairs]
+        rejected = [ids(p["rejected"]) + [tok.eos_token_id] for _, p in pairs]
+        with torch.no_grad():
+            correct = preference_correct(model, queries, chosen, rejected, pad=tok.pad_token_id, eos=tok.eos_token_id)
+        return sum(correct) / len(correct), accuracy_by_kind(correct, [p["kind"] for _, p in pairs])
+
+    accuracy, kinds = by_kind([(ex["prompt"], p) for ex in task["validation"] for p in ex["pairs"]])
+    # the pairs it trained on (one per train post): seen combinations, against validation's unseen ones
+    train_accuracy, train_kinds = by_kind([(ex["prompt"], ex) for ex in task["train"]])
+    return {"rm": str(rm_dir), "n": sum(k["n"] for k in kinds.values()), "accuracy": accuracy, "by_kind": kinds,
+            "train_accuracy": train_accuracy, "train_by_kind": train_kinds}
 
 
 def main(argv: list[str] | None = None) -> None:
