@@ -17,7 +17,9 @@ Printed: one JSON line per run, then two markdown tables, mean +- sample std ove
 validation (what a setting may be chosen by: win rate vs SFT and gold on the validation
 prompts) and test (win rate vs SFT and vs the reference summaries, gold, final KL, and time:
 the training loop (sum of the steps), its learner phase (step 1's forward + the update) and the
-whole stage (SFT and final evaluations included)). `--plot FILE` draws the test columns.
+whole stage (SFT and final evaluations included)), and the loop's and learner's time over
+the first run's of the same seed (the VM's speed drifts by up to 2x within an hour: put the
+baseline first, and compare times within a seed's round). `--plot FILE` draws the test columns.
 `--select`: a sweep. Every run goes on the first seed; the other seeds run only each
 estimator's best run by the validation prompts (win rate vs SFT, ties by gold), so n and the
 KL setting are chosen by a rule on validation, never on test.
@@ -118,19 +120,30 @@ TABLES = {
     "validation (selection)": [("win vs SFT", "win_val_vs_sft", 3), ("gold", "gold_val", 3)],
     "test": [("win vs SFT", "win_vs_sft", 3), ("win vs refs", "win_vs_reference", 3), ("gold", "gold_test", 3),
              ("final KL", "final_kl", 2), ("loop s", "loop_s", 0), ("learner s", "learner_s", 0),
-             ("stage s", "stage_s", 0)],
+             ("stage s", "stage_s", 0), ("loop / first run's", "loop_x", 2),
+             ("learner / first run's", "learner_x", 2)],
 }
 
 
+def with_ratios(rows: list[dict], baseline: str) -> list[dict]:
+    """Each run's loop and learner time over the baseline run's of the same seed: the VM's
+    speed drifts by up to 2x within an hour, so times compare only within one seed's round
+    (the runs of a seed go back to back)."""
+    base = {r["seed"]: r for r in rows if r["run"] == baseline}
+    return [{**r, "loop_x": r["loop_s"] / base[r["seed"]]["loop_s"],
+             "learner_x": r["learner_s"] / base[r["seed"]]["learner_s"]} if r["seed"] in base else r for r in rows]
+
+
 def tables(rows: list[dict], runs: list[str]) -> str:
-    lines = []
+    rows, lines = with_ratios(rows, runs[0]), []
     for title, cols in TABLES.items():
         lines += [f"{title}:", "", "| run | seeds | " + " | ".join(c[0] for c in cols) + " |",
                   "|---|---|" + "---|" * len(cols)]
         for spec in runs:
             mine = [r for r in rows if r["run"] == spec]
             if mine:
-                cells = [_cell([r[key] for r in mine], digits) for _, key, digits in cols]
+                cells = [_cell([r[key] for r in mine if key in r], digits) if any(key in r for r in mine) else "-"
+                         for _, key, digits in cols]
                 lines.append(f"| {spec} | {len(mine)} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)

@@ -288,5 +288,8 @@ def test_compare_estimators_runs_selection_and_table(tmp_path):
     assert (row["loop_s"], row["learner_s"], row["stage_s"], row["win_vs_reference"]) == (8.0, 3.75, 200.0, 0.6)
     table = ce.tables([row, {**row, "seed": 1, "win_vs_sft": 0.6}], ["grpo:n=4"])
     assert "| grpo:n=4 | 2 | 0.700 ± 0.141 | 0.600 ± 0.000 |" in table
+    base = {**row, "run": "gae", "loop_s": 16.0, "learner_s": 7.5}
+    ratios = ce.with_ratios([base, row, {**row, "seed": 1}], "gae")  # seed 1 has no baseline: no ratio
+    assert (ratios[1]["loop_x"], ratios[1]["learner_x"]) == (0.5, 0.5) and "loop_x" not in ratios[2]
     with pytest.raises(SystemExit, match="no sft, rm, data"):
         ce.main(["--base", str(tmp_path), "--out", str(tmp_path / "out"), "--runs", "gae"])
