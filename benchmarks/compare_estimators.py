@@ -156,11 +156,12 @@ def plot(rows: list[dict], runs: list[str], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = [("win rate vs SFT (test)", "win_vs_sft"), ("win rate vs references (test)", "win_vs_reference"),
-              ("final KL", "final_kl"), ("learner phase, s", "learner_s")]
+              ("final KL", "final_kl"), (f"learner phase / {runs[0]}'s (same seed)", "learner_x")]
+    rows = with_ratios(rows, runs[0])
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for ax, (title, key) in zip(axes, panels):
         for i, spec in enumerate(runs):
-            values = [r[key] for r in rows if r["run"] == spec]
+            values = [r[key] for r in rows if r["run"] == spec and key in r]
             if values:
                 ax.scatter([i] * len(values), values, s=18, alpha=0.7)
                 ax.hlines(statistics.fmean(values), i - 0.3, i + 0.3, color="black")
