@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import time
 
 import pytest
 
@@ -45,15 +44,12 @@ def test_eval_splits_do_not_depend_on_n_train(task):
 
 
 def test_write_task_is_byte_identical_and_readable(tmp_path, task):
-    t0 = time.perf_counter()
     paths_a = write_task(tmp_path / "a", seed=0)
-    elapsed = time.perf_counter() - t0
     paths_b = write_task(tmp_path / "b", seed=0)
     names = {f"{kind}_{split}.jsonl" for kind in ("sft", "preferences", "prompts") for split in SPLITS}
     assert set(paths_a) == set(paths_b) == names
     for name in names:
         assert paths_a[name].read_bytes() == paths_b[name].read_bytes(), name
-    assert elapsed < 3.0, f"write_task took {elapsed:.2f} s"  # ~1 s; loose for a loaded CI box
 
     sft = read_rows(paths_a["sft_train.jsonl"])
     assert len(sft) == 2000
