@@ -84,8 +84,10 @@ def run_one(base: Path, out: Path, spec: str, seed: int) -> Path:
 
 
 def summarise(dest: Path, spec: str, seed: int) -> dict:
+    from ppo_ray.tasks.pipeline import read_metrics
+
     report = json.loads((dest / "report-ppo.json").read_text())
-    steps = [json.loads(line) for line in (dest / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = read_metrics(dest / "metrics.jsonl")
     return {
         "run": spec, "seed": seed,
         "win_val_vs_sft": report["win_rate_val_ppo_vs_sft"], "gold_val": report["gold_val_ppo"],
@@ -101,11 +103,9 @@ def select(rows: list[dict], runs: list[str]) -> list[str]:
     """Each estimator's best run by the validation prompts (win rate vs SFT, then gold): the
     sweep's choice of n and KL setting, made by a rule rather than by hand."""
     best: dict[str, dict] = {}
-    for row in rows:
-        estimator = row["run"].split(":")[0]
-        key = (row["win_val_vs_sft"], row["gold_val"])
-        if estimator not in best or key > (best[estimator]["win_val_vs_sft"], best[estimator]["gold_val"]):
-            best[estimator] = row
+    # ascending, so each estimator's best is written last; an exact tie goes to the earlier run
+    for row in sorted(reversed(rows), key=lambda r: (r["win_val_vs_sft"], r["gold_val"])):
+        best[row["run"].split(":")[0]] = row
     return [spec for spec in runs if best.get(spec.split(":")[0], {}).get("run") == spec]
 
 
