@@ -291,6 +291,8 @@ class PPOConfig:
     """Parent folder of run directories."""
     log_level: str = "info"
     """Python logging level of the driver and the stage tasks: debug, info (one line per PPO step), warning or error. Below debug, Ray's, vLLM's and transformers' own messages are cut to errors."""
+    metrics_report_interval_ms: int = 1000
+    """How often Ray exports the driver's ray_ppo_* metrics to the node's Prometheus endpoint (Ray's own metrics_report_interval_ms, default 10000; at least 1000, Ray's floor): 1000 shows every step of a 2 s step to a scraper that polls each second. Set in the driver's environment before ray.init (RAY_metrics_report_interval_ms), so it also applies to a Ray that launch.py starts; a Ray the caller initialised first keeps its own. Prometheus sees one value per scrape_interval: per-step curves are exact in TensorBoard and metrics.jsonl."""
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
     """Experiment trackers that receive each step's scalars and the eval samples: tensorboard (event files in <run_dir>/tensorboard), wandb (needs `pip install 'ppo-ray[wandb]'`; its own WANDB_* environment, and the wandb_* fields), or [] for none."""
     wandb_project: Optional[str] = None
@@ -461,6 +463,8 @@ class PPOConfig:
         need(self.eval_samples >= 0, "eval_samples", "must be >= 0 (0 = off)")
         for name in ("stage_num_cpus", "stage_num_gpus"):
             need(getattr(self, name) is None or getattr(self, name) >= 0, name, "must be >= 0 or null")
+        need(self.metrics_report_interval_ms >= 1000, "metrics_report_interval_ms",
+             "must be >= 1000 (Ray exports metrics at most once a second)")
         for tracker in self.report_to:
             need(tracker in REPORT_TO, "report_to", f"{tracker!r}: trackers are {list(REPORT_TO)} ([] = none)")
         for name in ("wandb_project", "wandb_name", "wandb_group"):
@@ -711,7 +715,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "fault tolerance": ("max_actor_restarts", "max_step_retries"),
     "checkpoints and logging": (
         "output_dir", "checkpoint_every", "checkpoint_every_minutes", "keep_checkpoints", "log_level",
-        "report_to", "wandb_project", "wandb_name", "wandb_group", "wandb_tags"),
+        "metrics_report_interval_ms", "report_to", "wandb_project", "wandb_name", "wandb_group", "wandb_tags"),
     "learner speed (same math; defaults = the plain path)": (
         "learner_sort_by_length", "learner_layout", "logprob_chunk_size", "rms_norm_kernel",
         "gradient_checkpointing", "lora_kernel", "learner_compile", "learner_compile_scope"),

@@ -3,11 +3,14 @@
     setup_logging("info")          # launch.py, and each stage task on its worker
     env = quiet_env("info")        # environment of every actor / task process
     with console_log(run_dir, argv):   # launch.py: the console, also into <run_dir>/logs/
+    log = actor_logger("info")     # in each PPO actor: its line per call, in its own Ray log
 
 A run's console at the default level `info` is our lines (the run directory, the run tag,
 one line per PPO step, stage progress, warnings) and little else: Ray's, vLLM's and
 transformers' own messages are cut to errors and their progress bars turned off. At
-`debug` everything comes back. A variable the user set in the driver's environment always
+`debug` everything comes back. Each PPO actor writes one line per call (tokens, losses,
+rows, seconds) to its own log, which the dashboard's Actors page links; those stay off the
+driver's console below `debug`. A variable the user set in the driver's environment always
 wins (VLLM_LOGGING_LEVEL=INFO python launch.py ...).
 
 Bottom layer: imports nothing of ours (StepResult only for its annotation), and not ray.
@@ -91,6 +94,34 @@ def ray_logging_level(level: str) -> int:
     """Ray's own logger in the driver: its INFO start-up lines and the token-auth notice only
     at debug (we log the dashboard address ourselves)."""
     return logging.DEBUG if level_number(level) <= logging.DEBUG else logging.ERROR
+
+
+# ----------------------------------------------------------------------------- the actors' own logs
+ACTOR_LOGGER = "ppo_ray.actor"
+ACTOR_MARK = f" INFO {ACTOR_LOGGER}: "  # in every line it writes at INFO (FORMAT)
+
+
+def actor_logger(level: str = "info") -> logging.Logger:
+    """In an actor process: the logger of its one line per call (generate, load, score,
+    update), at `level`, to the process's stderr, which is Ray's worker-*.err file: the
+    dashboard's per-actor Log link. It does not propagate: the root logger, and with it the
+    other INFO lines of our modules and the libraries' in that process, stays as it was. Ray
+    forwards every line of an actor's output to the driver as well; the driver drops these
+    (placement.keep_actor_lines_off_the_console), so its console stays one line per step."""
+    logger = logging.getLogger(ACTOR_LOGGER)
+    if not any(getattr(h, "_ppo_ray", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(FORMAT, DATE_FORMAT))
+        handler._ppo_ray = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel(level_number(level))
+    return logger
+
+
+def without_actor_lines(lines: Sequence[str]) -> list[str]:
+    """`lines` less the actors' own INFO lines (ACTOR_MARK)."""
+    return [line for line in lines if ACTOR_MARK not in line]
 
 
 def _num(value, fmt: str) -> str:

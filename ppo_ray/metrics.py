@@ -1,6 +1,7 @@
 """Per-step training metrics through Ray's metrics system, for Prometheus and the dashboard.
 
-    metrics = TrainingMetrics(run=trainer.namespace)   # after ray.init / init_ray
+    metrics = TrainingMetrics(run=trainer.namespace, roles=["generator-0", "learner"],
+                              lora_sync="merged")      # after ray.init; the counters at 0
     metrics.record_step(out)                           # out = PPOTrainer.ppo_step(...)
     metrics.record_retry("generator")                  # a caller retried a failed actor call
     metrics.record_logprob_gap("merged")               # a step failed the generator-vs-learner check
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from ray.util.metrics import Counter, Gauge
 
@@ -83,7 +84,7 @@ class TrainingMetrics:
     """The gauges and counters of one training run. Create it after Ray is initialised, in
     the process that calls record_* (Ray's metric objects are per process)."""
 
-    def __init__(self, run: str):
+    def __init__(self, run: str, roles: Sequence[str] = (), lora_sync: str | None = None):
         self.run = run
         tags = ("run",)
         self._gauges = {key: Gauge(metric_name(key), description=text, tag_keys=tags)
@@ -95,6 +96,12 @@ class TrainingMetrics:
         self._gaps = Counter(GAP_COUNTER, description="steps whose generator-vs-learner logprob gap exceeded "
                              "logprob_gap_tolerance (the generator sampled from another policy)",
                              tag_keys=("run", "lora_sync"))
+        # Every counter's series exists from the start, at 0: a counter Ray has not seen
+        # incremented is not exported at all, and Grafana shows "No data" for a healthy run.
+        for role in roles:
+            _zero(self._retries, {"run": run, "role": role})
+        if lora_sync is not None:
+            _zero(self._gaps, {"run": run, "lora_sync": lora_sync})
 
     def record_step(self, out: Mapping[str, object]) -> dict[str, float]:
         """Set the gauges from one ppo_step output. Missing, non-numeric and non-finite values
@@ -125,6 +132,15 @@ class TrainingMetrics:
         """Count `n` retried calls to the actor `role` (generator-0, learner, reference, reward).
         The retry logic itself lives with the caller."""
         self._retries.inc(float(n), tags={"run": self.run, "role": role})
+
+
+def _zero(counter: Counter, tags: dict[str, str]) -> None:
+    """Export `counter`'s series with `tags` at 0. Counter.inc refuses 0 (Ray 2.60); the
+    Metric._record under it takes it, and the series then reads 0.0 on the node's endpoint
+    (measured). A Ray without it: the series appears at its first increment, as before."""
+    record = getattr(counter, "_record", None)
+    if callable(record):
+        record(0.0, tags=tags)
 
 
 def _finite(value: object) -> float | None:

@@ -26,8 +26,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import ConfigSlice, PPOConfig
 from ppo_ray.faults import FaultPoints, StateLostError, fault_point, perturbed
-from ppo_ray.logs import quiet_env, quiet_libraries, ray_logging_level
-from ppo_ray.roles import Roles, form_learner_group, role_names
+from ppo_ray.logs import actor_logger, level_number, quiet_env, quiet_libraries, ray_logging_level, without_actor_lines
+from ppo_ray.roles import SAMPLING_SEED_STEP, Roles, form_learner_group, role_names
 from ppo_ray.stats import GenerationSummary, ReferenceStats, RewardStats, SyncReport
 
 if TYPE_CHECKING:
@@ -43,11 +43,16 @@ class ClusterError(RuntimeError):
     """The Ray cluster cannot be reached or cannot host the requested actors."""
 
 
-def init_ray(address: str | None = None, connect_timeout_s: float = 5.0, log_level: str = "info") -> None:
+def init_ray(address: str | None = None, connect_timeout_s: float = 5.0, log_level: str = "info",
+             metrics_report_interval_ms: int | None = None) -> None:
     """Attach to RAY_ADDRESS (or `address`) when set, else start a local Ray.
 
     `log_level` (config.log_level): Ray's own driver-side messages only at debug; one line
-    of ours names the cluster and its dashboard.
+    of ours names the cluster, its dashboard and the metrics export interval.
+    `metrics_report_interval_ms` (config.metrics_report_interval_ms): how often this
+    process's metrics reach the node's Prometheus endpoint, set through Ray's
+    RAY_metrics_report_interval_ms before ray.init (a local Ray started here inherits it);
+    None leaves Ray's (10 s by default).
     The local default binds the dashboard to 127.0.0.1 only. Under `ray job submit` Ray
     sets RAY_ADDRESS for the entrypoint, so the same call attaches to the cluster. An
     address where nothing listens is a ClusterError naming it within `connect_timeout_s`
@@ -55,7 +60,10 @@ def init_ray(address: str | None = None, connect_timeout_s: float = 5.0, log_lev
     still waiting after 300 s for a closed port on 127.0.0.1, Ray 2.60).
     """
     if ray.is_initialized():
+        keep_actor_lines_off_the_console(log_level)
         return
+    if metrics_report_interval_ms is not None:
+        os.environ["RAY_metrics_report_interval_ms"] = str(int(metrics_report_interval_ms))
     address = address or os.environ.get("RAY_ADDRESS") or None
     quiet = ray_logging_level(log_level)
     # ray.init replaces the process's SIGTERM handler with its own (sys.exit(15), after the core
@@ -72,9 +80,53 @@ def init_ray(address: str | None = None, connect_timeout_s: float = 5.0, log_lev
         context = ray.init(dashboard_host="127.0.0.1", log_to_driver=True, logging_level=quiet)
     if callable(sigterm) and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, sigterm)
+    keep_actor_lines_off_the_console(log_level)
     dashboard = getattr(context, "dashboard_url", None)
-    log.info("Ray %s: %s%s", ray.__version__, f"cluster at {address}" if address else "a local instance",
-             f", dashboard http://{dashboard}" if dashboard else "")
+    log.info("Ray %s: %s%s; metrics exported every %s", ray.__version__,
+             f"cluster at {address}" if address else "a local instance",
+             f", dashboard http://{dashboard}" if dashboard else "", _metrics_interval())
+
+
+def _metrics_interval() -> str:
+    """The export interval this process's Ray runs with, as read back from Ray ("?" where it
+    cannot be read)."""
+    try:
+        return f"{max(int(ray._config.metrics_report_interval_ms()), 1000) / 1000:g} s"
+    except Exception:  # a Ray without ray._config
+        return "?"
+
+
+def keep_actor_lines_off_the_console(log_level: str = "info") -> None:
+    """Ray forwards every line an actor writes to the driver, which prints it; the actors'
+    own line per call (ppo_ray.logs.actor_logger) is for their logs (the dashboard's
+    Actors page), so the driver drops those lines from what it prints, and its console stays
+    one line per step. At `debug` they are printed too. Uses Ray's stream dispatcher (Ray
+    2.60's ray._private.ray_logging): where a Ray version has none, the lines are printed,
+    nothing else changes. Idempotent."""
+    if level_number(log_level) <= logging.DEBUG:
+        return
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return
+    handlers = getattr(dispatcher, "handlers", None)
+    if not isinstance(handlers, list):
+        return
+
+    def filtered(handle):
+        def handler(data):
+            lines = data.get("lines") if isinstance(data, dict) else None
+            if lines is None:
+                return handle(data)
+            kept = without_actor_lines(lines)
+            if kept:
+                handle(data if len(kept) == len(lines) else {**data, "lines": kept})
+        handler._ppo_ray = True  # type: ignore[attr-defined]
+        return handler
+
+    # one assignment: emit() iterates the list it read under its lock
+    dispatcher.handlers = [(name, h if name != "ray_print_logs" or getattr(h, "_ppo_ray", False) else filtered(h))
+                           for name, h in handlers]
 
 
 def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
@@ -227,7 +279,7 @@ def _check_version(role_object, expected: int | None, what: str) -> None:
     if expected is None or role_object.version == expected:
         return
     context = ray.get_runtime_context()
-    role = (context.get_actor_name() or "actor").removeprefix("ppo/")
+    role = (context.get_actor_name() or "actor").rsplit("/", 1)[-1]  # <run tag>/<role>
     if context.was_current_actor_reconstructed:
         raise StateLostError(role, f"restarted at version {role_object.version}; the driver expects {expected} "
                                    f"for {what}")
@@ -235,11 +287,24 @@ def _check_version(role_object, expected: int | None, what: str) -> None:
                        "(a lost or repeated sync)")
 
 
-class GeneratorHost(FaultPoints):
+class _Host(FaultPoints):
+    """The actor hosts' base: Ray labels an actor's lines with repr(actor), in its log files
+    (`:actor_name:`) and where they are forwarded; the class name by default, here the actor's
+    Ray name (<run tag>/<role>), so two runs' or two replicas' lines are told apart."""
+
+    def __repr__(self) -> str:
+        try:
+            return ray.get_runtime_context().get_actor_name() or type(self).__name__
+        except Exception:  # outside an actor
+            return type(self).__name__
+
+
+class GeneratorHost(_Host):
     def __init__(self, config: ConfigSlice, model_dir: "str | ShippedModel"):
         quiet_libraries(config.log_level)
         from actors.generator import Generator
 
+        self.log = actor_logger(config.log_level)
         self.model_dir = local_model_dir(model_dir)
         self.generator = Generator.from_config(config, self.model_dir)
 
@@ -252,7 +317,12 @@ class GeneratorHost(FaultPoints):
         t0 = time.perf_counter()
         batch = self.generator.generate(prompt_ids, step=step, prompt_offset=offset,
                                         samples_per_prompt=samples_per_prompt)
-        return batch, GenerationSummary.of(batch, seconds=time.perf_counter() - t0)
+        summary = GenerationSummary.of(batch, seconds=time.perf_counter() - t0)
+        tokens = sum(summary.lengths)
+        self.log.info("%s: %d rollouts with adapter v%d, %d response tokens, %.2f s (%.0f tok/s)",
+                      f"step {step + 1}" if step < SAMPLING_SEED_STEP else "samples", len(summary.lengths),
+                      summary.version, tokens, summary.seconds, tokens / max(summary.seconds, 1e-9))
+        return batch, summary
 
     @fault_point
     def load_adapter(self, version: int, weights: LoraWeights, restore: bool = False) -> SyncReport:
@@ -263,7 +333,10 @@ class GeneratorHost(FaultPoints):
                 self.generator.version = version
                 return SyncReport(version=version, write_s=0.0, register_s=0.0, retire_s=0.0, nbytes=0.0)
             weights = perturbed(weights)
-        return self.generator.load_adapter(version, weights, restore=restore)
+        report = self.generator.load_adapter(version, weights, restore=restore)
+        self.log.info("adapter v%d loaded%s: %.2f MB, write %.2f s, register %.2f s", report.version,
+                      " (restore)" if restore else "", report.nbytes / 1e6, report.write_s, report.register_s)
+        return report
 
     def arm_bad_sync(self, kind: str) -> None:
         """Tests: make the next load_adapter a bad sync of `kind` (ppo_ray.faults.BadSync)."""
@@ -286,41 +359,55 @@ def _set_torch_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-class ReferenceHost(FaultPoints):
+class ReferenceHost(_Host):
     def __init__(self, config: ConfigSlice, model_dir: "str | ShippedModel"):
         quiet_libraries(config.log_level)
         from actors.reference import ReferenceScorer
 
         _set_torch_threads(config.scorer_torch_threads)
+        self.log = actor_logger(config.log_level)
         self.model_dir = local_model_dir(model_dir)
         self.scorer = ReferenceScorer.from_config(config, self.model_dir)
 
     @fault_point
     @ray.method(num_returns=2)
     def logprobs(self, *parts: RolloutBatch) -> tuple["Tensor", ReferenceStats]:
-        return self.scorer.logprobs(RolloutBatch.cat(parts))
+        batch = RolloutBatch.cat(parts)
+        logprobs, stats = self.scorer.logprobs(batch)
+        self.log.info("reference logprobs: %d rollouts of adapter v%d, %d response tokens, %.2f s",
+                      batch.response_ids.shape[0], batch.adapter_version, int(batch.response_mask.sum()),
+                      stats.seconds)
+        return logprobs, stats
 
 
-class RewardHost(FaultPoints):
+class RewardHost(_Host):
     def __init__(self, config: ConfigSlice, reward_model_dir: "str | ShippedModel | None"):
         quiet_libraries(config.log_level)
         from actors.reward import RewardScorer
 
         _set_torch_threads(config.scorer_torch_threads)
+        self.log = actor_logger(config.log_level)
         self.model_dir = local_model_dir(reward_model_dir)
         self.scorer = RewardScorer.from_config(config, self.model_dir)
 
     @fault_point
     @ray.method(num_returns=2)
     def score(self, *parts: RolloutBatch) -> tuple["Tensor", RewardStats]:
-        return self.scorer.score(RolloutBatch.cat(parts))
+        batch = RolloutBatch.cat(parts)
+        scores, stats = self.scorer.score(batch)
+        means = "  ".join(f"{source} {mean:+.4f}" for source, mean in stats.source_means.items())
+        self.log.info("scored %d rollouts of adapter v%d: %s%s, %.2f s", batch.response_ids.shape[0],
+                      batch.adapter_version, means,
+                      f", {stats.dropped_nonfinite:g} not finite" if stats.dropped_nonfinite else "", stats.seconds)
+        return scores, stats
 
 
-class LearnerHost(FaultPoints):
+class LearnerHost(_Host):
     def __init__(self, config: ConfigSlice, model_dir: "str | ShippedModel", value_model_dir: "str | ShippedModel | None"):
         quiet_libraries(config.log_level)
         from learner.learner import Learner
 
+        self.log = actor_logger(config.log_level)
         self.model_dir, self.value_model_dir = local_model_dir(model_dir), local_model_dir(value_model_dir)
         self.learner = Learner(config, self.model_dir, self.value_model_dir)
 
@@ -355,6 +442,10 @@ class LearnerHost(FaultPoints):
         _check_version(self.learner, expected_version, "the update")
         stats, weights = self.learner.update(RolloutBatch.cat(parts), ref_logprobs, scores, max_staleness,
                                              planned_steps)
+        value = "" if stats.value_loss is None else f"  value_loss {stats.value_loss:.4f}"
+        self.log.info("update to adapter v%d: %d response tokens  policy_loss %+.4f%s  approx_kl %.4f  clipfrac %.3f"
+                      "  kl %.4f  %.2f s", stats.version, stats.tokens, stats.policy_loss, value, stats.approx_kl,
+                      stats.clipfrac, stats.kl, stats.update_s)
         return stats, weights, (self.learner.state_dict() if self.learner.rank == 0 else None)
 
     def sync_gaps(self, *parts: RolloutBatch, expected_version: int) -> list[float]:
@@ -515,9 +606,11 @@ def reserve(config: PPOConfig, demands: list[Demand], name: str) -> tuple[Placem
 
 def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, reward_model_dir: str | None,
                  value_model_dir: str | None, namespace: str) -> Roles:
-    """Create the actors, named ppo/<role> in `namespace` (as the dashboard shows them), each
-    in its bundle of one placement group (reserve). An advantage estimator without a critic
-    gets no value model: none is shipped or loaded."""
+    """Create the actors, each in its bundle of one placement group (reserve), named
+    <run tag>/<role>, e.g. ppo-1a2b3c4d/learner: `namespace` is the run tag and also their Ray
+    namespace, which the dashboard's Actors page does not show, so the name is what tells two
+    runs on one cluster apart. An advantage estimator without a critic gets no value model:
+    none is shipped or loaded."""
     from learner.algos import advantage_estimator, check_group_size
 
     estimator = advantage_estimator(config.advantage_estimator)
@@ -532,7 +625,7 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
                                          "value": value_model_dir}, group_nodes(pg))
         shipped = {m.digest: m for m in models.values() if isinstance(m, ShippedModel)}
         if shipped:  # the actors get the store's name; it keeps the files alive for restarts
-            name = "ppo/models"
+            name = f"{namespace}/models"
             store = ray.remote(ModelStore).options(
                 name=name, namespace=namespace, num_cpus=0, max_restarts=0, scheduling_strategy=
                 NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)).remote()
@@ -560,7 +653,7 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
         # max_restarts: Ray re-runs a dead actor's constructor (the trainer then re-syncs its
         # adapter / restores the learner's checkpoint and retries the step); calls are not
         # retried by Ray itself (max_task_retries=0): the trainer decides what is safe to redo.
-        return dict(name=f"ppo/{d.role}", namespace=namespace, num_cpus=d.cpus, num_gpus=d.gpus,
+        return dict(name=f"{namespace}/{d.role}", namespace=namespace, num_cpus=d.cpus, num_gpus=d.gpus,
                     resources=d.resources, max_concurrency=1, runtime_env={"env_vars": env},
                     max_restarts=config.max_actor_restarts, max_task_retries=0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -634,7 +727,7 @@ def run_stage(config: PPOConfig, stage: str, base_model: str, data: tuple, setti
 
     from ppo_ray.transfer import write_files
 
-    init_ray(log_level=config.log_level)
+    init_ray(log_level=config.log_level, metrics_report_interval_ms=config.metrics_report_interval_ms)
     cpus, gpus, resources = config.stage_demand
     demands = [Demand(f"stage-{stage}", cpus, gpus, resources)]
     pg, index = reserve(config, demands, name=f"ppo-ray-{stage}-{uuid.uuid4().hex[:8]}")

@@ -25,10 +25,12 @@ ACTOR_ERRORS = (ray.exceptions.RayActorError,)
 # What a retry from the last committed step recovers from: those, and an actor that came
 # back from a restart without the state the step needs.
 RETRYABLE = (*ACTOR_ERRORS, StateLostError)
+# Sampling-seed steps from here up are no training step's: PPOTrainer.generate and the eval samples.
+SAMPLING_SEED_STEP = 10**9
 
 
 def role_names(num_generators: int, num_learners: int) -> list[str]:
-    """Role names in Roles.all()'s order, as in the actor names ppo/<role>."""
+    """Role names in Roles.all()'s order, as in the actor names <run tag>/<role>."""
     learners = ["learner"] if num_learners == 1 else [f"learner-{i}" for i in range(num_learners)]
     return [f"generator-{i}" for i in range(num_generators)] + ["reference", "reward", *learners]
 
@@ -84,7 +86,7 @@ class Roles:
         return self.learners[0]
 
     def names(self) -> list[str]:
-        """Role names in all()'s order, as in the actor names ppo/<role>."""
+        """Role names in all()'s order, as in the actor names <run tag>/<role>."""
         return role_names(len(self.generators), len(self.learners))
 
     def all(self) -> list[ActorHandle]:

@@ -46,6 +46,6 @@ class Supervisor:
         role = self.roles.role_of(error)
         self.metrics.record_retry(role)
         self.retries.append({"step": step, "role": role, "where": where})
-        log.warning("step %d: actor ppo/%s failed in the %s (%s); waiting for its restart and %s",
+        log.warning("step %d: the %s actor failed in the %s (%s); waiting for its restart and %s",
                     step, role, where, type(error).__name__,
                     "retrying the step" if where == "step" else "redoing the committed step's " + where)

@@ -42,7 +42,7 @@ from ppo_ray.modeling import check_context_length, load_tokenizer
 from ppo_ray.paths import resolve_model_path
 from ppo_ray.placement import create_roles, init_ray
 from ppo_ray.rewards import check_reward_sources
-from ppo_ray.roles import RETRYABLE, Generation, Roles, Update
+from ppo_ray.roles import RETRYABLE, SAMPLING_SEED_STEP, Generation, Roles, Update, role_names
 from ppo_ray.runlog import RunLog
 from ppo_ray.stats import (GenerationSummary, LearnerStats, ReferenceStats, Responses, RewardStats, StepResult,
                            StepTiming, SyncReport)
@@ -132,12 +132,14 @@ class PPOTrainer:
         check_trackers(config.report_to if run_dir else ())
         self.run_dir = Path(run_dir) if run_dir else None
 
-        init_ray(log_level=config.log_level)
+        init_ray(log_level=config.log_level, metrics_report_interval_ms=config.metrics_report_interval_ms)
         # The run tag: Ray namespace of the actors and the `run` label of every Prometheus series.
         self.namespace = f"ppo-{uuid.uuid4().hex[:8]}"
-        self.metrics = TrainingMetrics(run=self.namespace)  # Prometheus gauges, tagged run=namespace
-        log.info("run tag %s (Prometheus label run=\"%s\", Ray namespace of the actors)", self.namespace,
-                 self.namespace)
+        # Prometheus gauges and counters (those at 0 for each role and the sync mode), tagged run=namespace
+        self.metrics = TrainingMetrics(run=self.namespace, roles=role_names(config.num_generators, config.num_learners),
+                                       lora_sync=config.lora_sync)
+        log.info("run tag %s (actors %s/<role>, their Ray namespace, Prometheus label run=\"%s\")",
+                 self.namespace, self.namespace, self.namespace)
         self.roles: Roles = create_roles(
             config, model_dir=self.model_dir, ref_model_dir=self.ref_model_dir,
             reward_model_dir=self.reward_model_dir, value_model_dir=self.value_model_dir,
@@ -401,7 +403,8 @@ class PPOTrainer:
         log.warning(message)
 
     # ------------------------------------------------------------------ evaluation
-    def generate(self, prompts: Sequence[str], seed_step: int = 10**9, *, score: bool = False) -> Responses:
+    def generate(self, prompts: Sequence[str], seed_step: int = SAMPLING_SEED_STEP, *,
+                 score: bool = False) -> Responses:
         """Sample one response per prompt with the current policy (no training): Responses
         (texts, finish_reasons, version). A fixed `seed_step` gives every prompt the same
         sampling seed before and after training, so comparisons of two policies use common
@@ -671,4 +674,4 @@ class PPOTrainer:
 # at the top-k/top-p boundary can flip sides by rounding (rare: well under 1e-3 of the tokens
 # in float32), while a generator holding another policy samples many outside the support.
 TRUNCATED_TOKENS_LIMIT = 0.01
-EVAL_SEED_STEP = 10**9 + 1  # sampling seeds of the eval samples: a step index no training step reaches
+EVAL_SEED_STEP = SAMPLING_SEED_STEP + 1  # sampling seeds of the eval samples: a step index no training step reaches

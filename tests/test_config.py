@@ -40,6 +40,7 @@ def test_keyword_override():
     ("batch_size", 0), ("lora_r", 0), ("max_new_tokens", 0), ("ppo_epochs", 0),
     ("lora_dropout", 1.0), ("kl_estimator", "k4"), ("learning_rate", 0.0),
     ("mini_batch_size", 5), ("dtype", "int8"), ("top_k", -3), ("stage_micro_batch_size", 0),
+    ("metrics_report_interval_ms", 999),
 ])
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ConfigError, match=f"'{field}'"):

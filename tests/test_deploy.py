@@ -200,6 +200,46 @@ def test_submitted_job_exports_ppo_metrics(ray_head, tmp_path):
     assert "note: no absolute --run_dir" not in log
 
 
+def test_counters_exist_at_0_and_the_report_interval_reaches_ray(ray_head, tmp_path):
+    """A job on the head (`ray job submit`, as submit.sh submits) attaches with init_ray and
+    a metrics_report_interval_ms, which its Ray then runs with (ray._config, read back in the
+    job), and creates a run's TrainingMetrics: before any retry or logprob-gap step, both
+    counters are on the node's endpoint at 0, one series per role and the sync mode."""
+    run = f"ppo-test{uuid.uuid4().hex[:6]}"
+    script = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r})\n"
+              "import ray\n"
+              "from ppo_ray.placement import init_ray\n"
+              "from ppo_ray.metrics import TrainingMetrics\n"
+              "init_ray(metrics_report_interval_ms=1500)\n"
+              "print('INTERVAL', ray._config.metrics_report_interval_ms(), flush=True)\n"
+              f"m = TrainingMetrics(run={run!r}, roles=['generator-0', 'reference', 'reward', 'learner'], "
+              "lora_sync='merged')\n"
+              "time.sleep(60)\n")
+    sid = f"ppo-counters-test-{uuid.uuid4().hex[:8]}"
+    env = {**ray_head.client_env, "RAY_AUTH_MODE": "token"}
+    subprocess.run([str(BIN / "ray"), "job", "submit", "--address", ray_head.dashboard, "--submission-id", sid,
+                    "--no-wait", "--", "python", "-c", script], env=env, check=True, capture_output=True,
+                   timeout=120)
+    try:
+        deadline = time.monotonic() + 120
+        zeros: dict = {}
+        while time.monotonic() < deadline:
+            samples = [(n, labels, v) for n, labels, v in _ppo_samples(ray_head.metrics_url)
+                       if labels.get("run") == run]
+            zeros = {(n, labels.get("role") or labels.get("lora_sync")): v for n, labels, v in samples}
+            if len(zeros) == 5:
+                break
+            time.sleep(0.5)
+        assert zeros == {("ray_ppo_retries_total", role): 0.0 for role in ("generator-0", "reference", "reward",
+                                                                            "learner")} | {
+            ("ray_ppo_logprob_gap_exceeded_total", "merged"): 0.0}, zeros
+        logs = _get(f"{ray_head.dashboard}/api/jobs/{sid}/logs", ray_head.token).decode()
+        assert "INTERVAL 1500" in logs, logs[-2000:]
+    finally:
+        subprocess.run([str(BIN / "ray"), "job", "stop", "--address", ray_head.dashboard, sid], env=env,
+                       capture_output=True, timeout=120)
+
+
 def test_submit_fails_fast_when_nothing_listens(tmp_path):
     """Fails at its preflight, before anything is submitted (the subprocess timeout only
     guards against a hang: the claim is the exit code and the message, not a duration)."""

@@ -74,6 +74,52 @@ def test_three_steps_end_to_end(tiny_trainer):
     _assert_generator_matches_learner(tiny_trainer)  # after syncs too
 
 
+def _actor_logs(logs_dir, actor_name: str) -> str:
+    """The text of the worker-*.err files Ray wrote for the actor named `actor_name` (its
+    `:actor_name:` line holds repr(actor), the hosts' Ray name)."""
+    out = []
+    for path in sorted(logs_dir.glob("worker-*.err")) + sorted(logs_dir.glob("old/worker-*.err")):
+        text = path.read_text(errors="replace")
+        if f":actor_name:{actor_name}\n" in text:
+            out.append(text)
+    return "\n".join(out)
+
+
+def test_each_actor_logs_a_line_per_call_in_its_own_log_and_not_on_the_console(tiny_trainer, capfd):
+    """Each actor is named <run tag>/<role>, and its Ray log file (the dashboard's per-actor
+    Log) gets one INFO line per call: tokens and seconds (generator), losses (learner), rows
+    (scorers). Ray forwards those files to the driver too, which drops these lines: the
+    console stays one line per step."""
+    import time
+    from pathlib import Path
+
+    from ppo_ray.logs import ACTOR_MARK
+    from ppo_ray.roles import role_names
+
+    logs_dir = Path(ray._private.worker._global_node.get_logs_dir_path())
+    before = tiny_trainer.version
+    tiny_trainer.ppo_step(bundled_prompts()[:8])
+    expected = {"generator-0": f"step {tiny_trainer.step}: 8 rollouts with adapter v{before}, ",
+                "reference": f"reference logprobs: 8 rollouts of adapter v{before}, ",
+                "reward": f"scored 8 rollouts of adapter v{before}: ",
+                "learner": f"update to adapter v{before + 1}: "}
+    assert set(expected) == set(role_names(1, 1))
+    missing = dict(expected)
+    deadline = time.monotonic() + 30  # the worker's stderr is line-buffered; this only bounds a hang
+    while missing and time.monotonic() < deadline:
+        for role, text in list(missing.items()):
+            if any(ACTOR_MARK + text in line for line in _actor_logs(logs_dir, f"{tiny_trainer.namespace}/{role}")
+                   .splitlines()):
+                del missing[role]
+        time.sleep(0.2)
+    assert not missing, f"no line {missing} in the actors' logs under {logs_dir}"
+    learner_log = _actor_logs(logs_dir, f"{tiny_trainer.namespace}/learner")
+    assert "policy_loss" in learner_log and "value_loss" in learner_log
+    time.sleep(2.0)  # Ray's log monitor forwards within ~0.1 s: let it try
+    console = capfd.readouterr()
+    assert ACTOR_MARK not in console.out + console.err
+
+
 @pytest.mark.equality
 def test_sync_changes_generation(tiny_trainer):
     """After a step, the generator's logprobs of a FIXED continuation equal the learner's
