@@ -26,9 +26,13 @@
 #                         the head node (where relative paths and the run dir live); > 0 lets
 #                         Ray place it on any node that has them.
 #   SUBMISSION_ID         the job's id (default: Ray makes one)
+#   JOB_NAME              the job's name, the Name column of the dashboard's Jobs page (its
+#                         `job_name` metadata); default "ppo-ray <stage> <run dir>", e.g.
+#                         "ppo-ray ppo /shared/runs/a" ("ppo-ray all" without --run_dir)
 #   RUNTIME_ENV           runtime env file (default deploy/runtime_env.yaml)
 #   PREFLIGHT_TIMEOUT     seconds the reachability check waits (default 5)
-#   PREFLIGHT             1 (default): before uploading anything, run a small job that checks
+#   PREFLIGHT             1 (default): before uploading anything, run a small job (named
+#                         "ppo-ray preflight" on the Jobs page, id ppo-ray-preflight-<hex>) that checks
 #                         the cluster's entrypoint `python` imports the project's dependencies,
 #                         and so does the Python of the Ray processes on every other node (one
 #                         zero-CPU task pinned to each); 0 skips it
@@ -154,7 +158,9 @@ if not report["missing"]:
 print("PPO_RAY_PREFLIGHT " + json.dumps(report))
 sys.exit(1 if report["missing"] or any(r["missing"] for r in report["nodes"].values()) else 0)'
     pre_args=(--address "$ADDRESS" --entrypoint-num-cpus "${ENTRYPOINT_NUM_CPUS:-0}"
-              --entrypoint-num-gpus "${ENTRYPOINT_NUM_GPUS:-0}")
+              --entrypoint-num-gpus "${ENTRYPOINT_NUM_GPUS:-0}"
+              --submission-id "ppo-ray-preflight-$(python3 -c 'import uuid; print(uuid.uuid4().hex[:12])')"
+              --metadata-json '{"job_name": "ppo-ray preflight"}')
     if ! out=$(ray job submit "${pre_args[@]}" -- python -c "$check" $modules 2>&1); then
         python3 - "$out" <<'PY'
 import json, sys
@@ -205,7 +211,13 @@ case "$run_dir" in
             "dir in Ray's session dir on the head node" >&2 ;;
 esac
 
-args=(--address "$ADDRESS" --working-dir . --runtime-env "$RUNTIME_ENV"
+# The Jobs page's Name column: the stage (launch.py's first argument, else "all") and the run dir.
+stage=all
+case "${1:-}" in all|sft|rm|ppo) stage=$1 ;; esac
+job_name=${JOB_NAME:-"ppo-ray $stage${run_dir:+ $run_dir}"}
+metadata=$(python3 -c 'import json, sys; print(json.dumps({"job_name": sys.argv[1]}))' "$job_name")
+
+args=(--address "$ADDRESS" --working-dir . --runtime-env "$RUNTIME_ENV" --metadata-json "$metadata"
       --entrypoint-num-cpus "${ENTRYPOINT_NUM_CPUS:-0}" --entrypoint-num-gpus "${ENTRYPOINT_NUM_GPUS:-0}")
 if [ -n "${SUBMISSION_ID:-}" ]; then
     args+=(--submission-id "$SUBMISSION_ID")

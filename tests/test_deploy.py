@@ -94,6 +94,7 @@ class Head:
     client_env: dict        # for submit.sh: the token file named, RAY_AUTH_MODE left unset
     gcs: str                # 127.0.0.1:<port>, for `ray start --address` of another node
     node_env: dict          # a node's environment: token auth on, the token file
+    logs: Path              # the head's session logs (worker-*.err: the actors' own logs)
 
 
 def _stop_head(proc: subprocess.Popen) -> None:
@@ -141,7 +142,8 @@ def ray_head():
                     pytest.fail(f"the test's Ray head did not start:\n{log_path.read_text()[-3000:]}")
                 time.sleep(0.5)
         yield Head(dashboard, f"http://127.0.0.1:{met}/metrics", token,
-                   _clean_env(RAY_AUTH_TOKEN_PATH=str(token_file)), f"127.0.0.1:{gcs}", env)
+                   _clean_env(RAY_AUTH_TOKEN_PATH=str(token_file)), f"127.0.0.1:{gcs}", env,
+                   temp / "ray" / "session_latest" / "logs")
     finally:
         _stop_head(proc)
         shutil.rmtree(temp, ignore_errors=True)
@@ -179,7 +181,8 @@ def test_submitted_job_exports_ppo_metrics(ray_head, tmp_path):
         pytest.fail(f"the job did not finish in 600 s:\n{log_path.read_text()[-3000:]}")
     log = log_path.read_text()
     assert proc.returncode == 0, log[-4000:]
-    assert json.loads(_get(f"{ray_head.dashboard}/api/jobs/{sid}", ray_head.token))["status"] == "SUCCEEDED"
+    job = json.loads(_get(f"{ray_head.dashboard}/api/jobs/{sid}", ray_head.token))
+    assert job["status"] == "SUCCEEDED" and job["metadata"]["job_name"] == f"ppo-ray ppo {run_dir}", job
     assert final, f"no ray_ppo_step == 2 on {ray_head.metrics_url}; job log:\n{log[-3000:]}"
 
     runs = {labels["run"] for _, labels, _ in final}
@@ -198,6 +201,22 @@ def test_submitted_job_exports_ppo_metrics(ray_head, tmp_path):
     assert phases["step"] == pytest.approx(last["time/step_s"], rel=1e-6)
     # submit.sh turned token auth on from RAY_AUTH_TOKEN_PATH alone, and warned about nothing
     assert "note: no absolute --run_dir" not in log
+
+    # The Actors page names each actor <run tag>/<role>; each one's own log (worker-*.err,
+    # the page's Log link) has its line per call, which the driver's log does not repeat.
+    run = next(iter(runs))
+    actors = json.loads(_get(f"{ray_head.dashboard}/api/v0/actors?limit=1000", ray_head.token))
+    names = {a.get("name") for a in actors["data"]["result"]["result"]}
+    roles = {"generator-0": "step 2: 4 rollouts with adapter v1, ", "reference": "reference logprobs: 4 rollouts",
+             "reward": "scored 4 rollouts of adapter v1", "learner": "update to adapter v2: "}
+    assert {f"{run}/{role}" for role in roles} <= names, names
+    from ppo_ray.logs import ACTOR_MARK
+    for role, line in roles.items():
+        texts = [f.read_text(errors="replace") for f in [*ray_head.logs.glob("worker-*.err"),
+                                                          *ray_head.logs.glob("old/worker-*.err")]]
+        own = [t for t in texts if f":actor_name:{run}/{role}\n" in t]
+        assert len(own) == 1 and ACTOR_MARK + line in own[0], (role, [t[-1500:] for t in own])
+    assert ACTOR_MARK not in log
 
 
 def test_counters_exist_at_0_and_the_report_interval_reaches_ray(ray_head, tmp_path):
@@ -628,6 +647,26 @@ def test_submit_preflight_names_what_the_clusters_python_cannot_import(ray_head,
     assert f"the cluster's entrypoint Python, {BIN}/python" in proc.stderr  # the head's PATH gives the venv
     assert "source .venv/bin/activate && ray start" in proc.stderr and "PREFLIGHT=0" in proc.stderr
     assert not any(tmp_path.iterdir())
+    # the preflight is a job of its own: named on the Jobs page, its id says what it is
+    jobs = json.loads(_get(f"{ray_head.dashboard}/api/jobs/", ray_head.token))
+    preflights = [job for job in jobs if "PPO_RAY_PREFLIGHT" in job["entrypoint"]]
+    assert preflights and all(job["metadata"].get("job_name") == "ppo-ray preflight"
+                              and job["submission_id"].startswith("ppo-ray-preflight-") for job in preflights), preflights
+
+
+def test_submitted_job_is_named_by_its_stage_and_run_dir(ray_head, tmp_path):
+    """The Jobs page's Name column (the job_name metadata): "ppo-ray <stage> <run dir>", or
+    JOB_NAME. The job is launch.py --help (the upload and the submission are the real ones)."""
+    for args, extra, name in ((["rm", "--run_dir", str(tmp_path / "r")], {}, f"ppo-ray rm {tmp_path / 'r'}"),
+                              (["--config", "configs/tiny.yaml"], {"JOB_NAME": "my sweep 3"}, "my sweep 3")):
+        sid = f"ppo-name-test-{uuid.uuid4().hex[:8]}"
+        env = {**ray_head.client_env, "RAY_ADDRESS": ray_head.dashboard, "SUBMISSION_ID": sid, "PREFLIGHT": "0",
+               **extra}
+        proc = subprocess.run([str(SUBMIT), *args, "--help"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        job = json.loads(_get(f"{ray_head.dashboard}/api/jobs/{sid}", ray_head.token))
+        assert job["status"] == "SUCCEEDED" and job["metadata"]["job_name"] == name, job
 
 
 def test_podmonitor_scrapes_the_metrics_port_of_every_ray_pod_of_the_rayjob():
