@@ -283,6 +283,60 @@ def test_submit_names_a_missing_or_wrong_token(ray_head, tmp_path):
     assert proc.returncode == 3 and "rejected the auth token from RAY_AUTH_TOKEN" in proc.stderr, proc.stderr
 
 
+def test_grafana_install_puts_the_dashboard_where_the_heads_grafana_provisioning_reads(ray_head, tmp_path):
+    """deploy/grafana/install.sh copies ppo-ray.json into the folder that the head's own
+    Grafana provisioning (written by `ray start`) loads dashboards from; without a session it
+    names the missing folder."""
+    temp = ray_head.logs.parent.parent  # <temp dir>/session_latest/logs
+    proc = subprocess.run([str(DEPLOY / "grafana" / "install.sh"), "--temp-dir", str(temp)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    grafana = temp / "session_latest" / "metrics" / "grafana"
+    provider = yaml.safe_load((grafana / "provisioning" / "dashboards" / "default.yml").read_text())
+    folder = Path(provider["providers"][0]["options"]["path"])
+    assert (folder / "ppo-ray.json").read_bytes() == (DEPLOY / "grafana" / "ppo-ray.json").read_bytes()
+    assert f"--config {grafana / 'grafana.ini'}" in proc.stdout and (grafana / "grafana.ini").is_file()
+    proc = subprocess.run([str(DEPLOY / "grafana" / "install.sh"), "--temp-dir", str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1 and f"no Ray session's Grafana folder at {tmp_path}/session_latest" in proc.stderr
+
+
+def test_monitoring_compose_recipe_is_complete_and_binds_only_localhost():
+    """deploy/monitoring: the compose file and its Prometheus and Grafana provisioning parse,
+    every file it mounts from the repo exists, Prometheus reads Ray's service-discovery file,
+    Grafana provisions a Prometheus at the address Prometheus listens on and the folder
+    holding ppo-ray.json, and nothing binds all interfaces."""
+    mon = DEPLOY / "monitoring"
+    compose = yaml.safe_load((mon / "docker-compose.yaml").read_text())
+    services = compose["services"]
+    assert set(services) == {"prometheus", "grafana"}
+    mounts = {}
+    for name, service in services.items():
+        assert service.get("network_mode") == "host" and "ports" not in service, name
+        assert re.fullmatch(r"[\w./-]+:[\w.-]*\d[\w.-]*", service["image"]), service["image"]  # a pinned tag
+        for volume in service["volumes"]:
+            host, inside = volume.split(":")[:2]
+            if host.startswith("."):
+                assert (mon / host).exists(), volume
+                mounts[inside] = (mon / host).resolve()
+    prom_args = services["prometheus"]["command"]
+    assert "--web.listen-address=127.0.0.1:9090" in prom_args
+    assert services["grafana"]["environment"]["GF_SERVER_HTTP_ADDR"] == "127.0.0.1"
+    text = "\n".join(p.read_text() for p in mon.rglob("*.y*ml"))
+    assert "0.0.0.0" not in text
+    prom = yaml.safe_load(mounts["/etc/prometheus/prometheus.yml"].read_text())
+    assert prom["scrape_configs"][0]["file_sd_configs"][0]["files"] == ["/tmp/ray/prom_metrics_service_discovery.json"]
+    provisioning = mounts["/etc/grafana/provisioning"]
+    source = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"][0]
+    assert source["type"] == "prometheus" and source["url"] == "http://127.0.0.1:9090"
+    dashboard = json.loads((DEPLOY / "grafana" / "ppo-ray.json").read_text())
+    variable = next(v for v in dashboard["templating"]["list"] if v["type"] == "datasource")
+    assert variable["query"] == source["type"]  # the dashboard's data-source variable lists it
+    providers = yaml.safe_load((provisioning / "dashboards" / "dashboards.yml").read_text())["providers"]
+    paths = {pr["options"]["path"] for pr in providers}
+    assert any((mounts.get(path) or Path("/nonexistent")).joinpath("ppo-ray.json").is_file() for path in paths), paths
+
+
 # ----------------------------------------------------------------------------- deploy files
 def _ray_pin() -> str:
     text = (ROOT / "pyproject.toml").read_text()
