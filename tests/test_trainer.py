@@ -90,6 +90,7 @@ def test_each_actor_logs_a_line_per_call_in_its_own_log_and_not_on_the_console(t
     Log) gets one INFO line per call: tokens and seconds (generator), losses (learner), rows
     (scorers). Ray forwards those files to the driver too, which drops these lines: the
     console stays one line per step."""
+    import sys
     import time
     from pathlib import Path
 
@@ -115,9 +116,18 @@ def test_each_actor_logs_a_line_per_call_in_its_own_log_and_not_on_the_console(t
     assert not missing, f"no line {missing} in the actors' logs under {logs_dir}"
     learner_log = _actor_logs(logs_dir, f"{tiny_trainer.namespace}/learner")
     assert "policy_loss" in learner_log and "value_loss" in learner_log
-    time.sleep(2.0)  # Ray's log monitor forwards within ~0.1 s: let it try
-    console = capfd.readouterr()
-    assert ACTOR_MARK not in console.out + console.err
+    # Each actor now writes a marker after its lines; Ray forwards a file's lines in order,
+    # so once every marker reached the console, every per-call line had its chance to.
+    marker = f"ppo-test-marker-{before}"
+    for actor in tiny_trainer.roles.all():
+        on_actor(actor, lambda host, text: print(text, file=sys.stderr, flush=True), marker)
+    console = ""
+    while console.count(marker) < len(tiny_trainer.roles.all()) and time.monotonic() < deadline + 30:
+        out = capfd.readouterr()
+        console += out.out + out.err
+        time.sleep(0.2)
+    assert console.count(marker) == len(tiny_trainer.roles.all()), console[-2000:]
+    assert ACTOR_MARK not in console
 
 
 @pytest.mark.equality
