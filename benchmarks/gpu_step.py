@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from benchmarks.clock import DeviceClock
+from benchmarks.flops import learner_flops  # noqa: F401 - benchmarks.learner_profile imports it from here
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET = REPO / "configs" / "qwen3-0.6b-tldr.yaml"
@@ -133,38 +134,6 @@ def peak_flops(gpu_name: str) -> Optional[float]:
         if key in gpu_name:
             return value
     return None
-
-
-def learner_flops(shape: dict, prompt_lens: Sequence[int], response_lens: Sequence[int], ppo_epochs: int,
-                  lora_r: int, lora_targets: Sequence[str], models: int = 2) -> dict[str, float]:
-    """Model FLOPs of Learner.update on REAL tokens (padding counts as waste, not work).
-
-    Per row of n = p + r tokens and per model (policy, value; same shape), with N = the
-    decoder's matmul parameters (q, k, v, o, gate, up, down per layer; 440M for Qwen3-0.6B):
-      forward     2 N n  +  LoRA 2 r (in + out) n per adapted projection
-                  +  attention 2 (n_heads head_dim) n (n + 1) per layer (QK^T and PV, causal half)
-                  +  policy only: lm_head 2 H V on the r response positions
-      backward    the base weights are frozen, so only input gradients: 1x the forward's base
-                  and lm_head matmuls, 2x its LoRA matmuls (input and A/B gradients), 2x its
-                  attention matmuls (dQ, dK, dV, dP); recomputation (checkpointing) not counted
-    learner_forward = one forward of both models (the no-grad pass), update = ppo_epochs x
-    (forward + backward) of both models. The value head (H -> 1) is left out (< 1e-5).
-    `models` = 1 for ``value_model: shared`` (one trunk gives logprobs and values)."""
-    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
-    proj = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
-    n_mat = layers * sum(i * o for i, o in proj.values())
-    lora = layers * sum(2 * lora_r * (proj[t][0] + proj[t][1]) for t in lora_targets if t in proj)
-    tokens = sum(p + r for p, r in zip(prompt_lens, response_lens))
-    attn = layers * sum(2 * q * (p + r) * (p + r + 1) for p, r in zip(prompt_lens, response_lens))
-    head = 2 * h * shape["vocab_size"] * sum(response_lens)
-    base = 2 * n_mat * tokens
-    fwd_one = base + lora * tokens + attn  # one model's forward, without lm_head
-    forward = models * fwd_one + head
-    backward = models * (base + 2 * lora * tokens + 2 * attn) + head
-    return {"learner_forward": float(forward), "update": float(ppo_epochs * (forward + backward)),
-            "matmul_parameters": float(n_mat), "real_tokens": float(tokens)}
 
 
 def prompt_ids(batch_size: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:

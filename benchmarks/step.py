@@ -23,6 +23,13 @@ What runs, in order:
 3. JSON on stdout (and in ``--out``): per-phase seconds (median / min / max over the K
    steps and every step's values), generated tokens/s, samples/s, peak memory per actor,
    and ``ratio``: our median step time / the baseline's, overall and per phase.
+4. **The FLOP floor** (``gemm``, ``ours.floor``; benchmarks/flops.py): before anything
+   runs, the rate of a 2048^3 fp32 matmul on every CPU this process may use; per timed step
+   (synchronous mode) the model FLOPs of each phase on its real tokens (generate, reference,
+   reward, learner_forward, update; forward 2 N per token plus LoRA, attention and the
+   lm_head, the frozen base's backward as input gradients only); per phase over the K steps,
+   FLOPs / that rate (the floor), achieved FLOP/s and ``fraction_of_floor`` = floor /
+   measured seconds. The learner's value model is counted at the policy's shape.
 
 Phases of our step (PPOTrainer.ppo_step's ``time/*`` keys; every actor times its own work):
 
@@ -335,7 +342,24 @@ def measure_trainer(trainer, batches: Sequence[Sequence[str]], warmup: int) -> d
             print(f"[benchmarks] ours: step {i + 1}/{len(batches)}{' (warm-up)' if i < warmup else ''} "
                   f"{outs[-1].timing.step_s:.2f} s", file=sys.stderr, flush=True)
     per_step = [ours_phases(out, overlap) for out in outs[warmup:]]
-    return {"per_step": per_step, "summary": summarise(per_step), "overlap": overlap}
+    result = {"per_step": per_step, "summary": summarise(per_step), "overlap": overlap}
+    if not overlap:  # train() draws its own batches: the rows of a step are not known here
+        result["flops_per_step"] = [count_flops(trainer, batch, out) for batch, out in zip(batches[warmup:],
+                                                                                        outs[warmup:])]
+    return result
+
+
+def count_flops(trainer, prompts: Sequence[str], out) -> dict[str, float]:
+    """benchmarks.flops.step_flops of one step: its prompts as the trainer encodes them, its
+    rollouts' response lengths (each prompt samples_per_prompt times, in order)."""
+    from benchmarks.flops import model_shape, step_flops
+
+    prompt_lens = [len(ids) for ids in trainer._encode(prompts)]
+    n = len(out.response_lengths) // max(len(prompt_lens), 1)
+    prompt_lens = [p for p in prompt_lens for _ in range(n)]
+    shapes = {"policy": model_shape(trainer.model_dir),
+              "reward": model_shape(trainer.reward_model_dir) if trainer.reward_model_dir else None}
+    return step_flops(shapes, prompt_lens, out.response_lengths, trainer.config)
 
 
 def run_ours(config, batches: Sequence[Sequence[str]], warmup: int, trainer=None) -> dict:
@@ -552,8 +576,14 @@ def benchmark(config, *, steps: int, warmup: int, baseline: bool = True, baselin
         "machine": machine_info(), "preset": preset, "config": describe(config), "steps": steps, "warmup": warmup,
     }
     result["load_before"] = wait_for_load(max_load)
+    from benchmarks.flops import floor_report, gemm_rate
+
+    result["gemm"] = gemm_rate()  # the floor's rate: a large fp32 matmul on every CPU here
     result["ours"] = run_ours(config, batches, warmup, trainer)
     result["load_after_ours"] = load_average()
+    if result["ours"].get("flops_per_step"):
+        result["ours"]["floor"] = floor_report(result["ours"]["flops_per_step"], result["ours"]["per_step"],
+                                               result["gemm"]["flops_per_s"])
     if baseline:
         result["baseline"] = run_baseline(config, batches, warmup, baseline_threads)
         result["load_after_baseline"] = load_average()
@@ -590,6 +620,16 @@ def format_summary(result: dict) -> str:
         b_text = "" if b is None else f"{b:.4f}"
         r_text = "" if not b else f"{a / b:.2f}"
         rows.append(f"{k:<20} {a:>12.4f}   {b_text:>18}   {r_text:>12}")
+    floor = result["ours"].get("floor")
+    if floor:
+        gemm = result["gemm"]
+        rows += ["", f"the FLOP floor (ours): a {gemm['n']}^3 {gemm['dtype']} matmul runs at "
+                     f"{gemm['flops_per_s'] / 1e9:.1f} GFLOP/s on {gemm['threads']} threads",
+                 "phase                    GFLOP   floor s   measured s   GFLOP/s   fraction of floor"]
+        for phase, row in floor.items():
+            frac = row["fraction_of_floor"]
+            rows.append(f"{phase:<20} {row['flop'] / 1e9:>10.2f} {row['floor_s']:>9.3f} {row['measured_s']:>12.3f} "
+                        f"{(row['achieved_flops_per_s'] or 0) / 1e9:>9.1f}   {'-' if frac is None else f'{frac:.0%}'}")
     return "\n".join(rows)
 
 

@@ -76,6 +76,45 @@ def test_step_benchmark_report(tiny_trainer):
     assert result["ours"]["per_step"][0]["samples_per_s"] * result["ours"]["per_step"][0]["step"] == pytest.approx(4)
     assert torch.get_num_threads() == threads  # the baseline restored the thread count
     assert "ours/baseline" in format_summary(result)
+    # the FLOP floor: a measured GEMM rate, each phase's FLOPs on the steps' real tokens
+    assert result["gemm"]["flops_per_s"] > 0 and result["gemm"]["n"] == 2048
+    floor = result["ours"]["floor"]
+    assert set(floor) == {"generate", "reference", "reward", "learner_forward", "update", "step"}
+    assert floor["reward"]["flop"] == 0  # the tiny config's reward is a function, no model
+    for phase in ("generate", "reference", "learner_forward", "update"):
+        row = floor[phase]
+        assert row["flop"] > 0 and row["floor_s"] == pytest.approx(row["flop"] / result["gemm"]["flops_per_s"])
+        assert row["fraction_of_floor"] == pytest.approx(row["floor_s"] / row["measured_s"])
+    assert "fraction of floor" in format_summary(result)
+
+
+def test_flop_counts_match_a_hand_count():
+    """benchmarks.flops on a one-layer model small enough to count by hand: matmul
+    parameters N = 16 (q) + 2 x 16 (k, v) + 16 (o) + 3 x 32 (MLP) = 160; 2 prompt + 1
+    response tokens."""
+    from benchmarks.flops import forward_flops, learner_flops, step_flops
+
+    shape = dict(hidden_size=4, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
+                 num_key_value_heads=1, head_dim=4, vocab_size=10)
+    base, attn, head = 2 * 160 * 3, 2 * 4 * 3 * 4, 2 * 4 * 10 * 1  # 2 N n; 2 q n (n + 1); 2 H V r
+    lora = 2 * 2 * (4 + 4) * 3  # r = 2 on q_proj: 2 r (in + out) per token
+    assert forward_flops(shape, [2], [1]) == base + attn + head
+    assert forward_flops(shape, [2], [1], logits=False) == base + attn
+    assert forward_flops(shape, [2], [1], lora_r=2, lora_targets=["q_proj"]) == base + attn + head + lora
+    one = learner_flops(shape, [2], [1], ppo_epochs=3, lora_r=2, lora_targets=["q_proj"], models=1)
+    assert one["learner_forward"] == base + lora + attn + head
+    assert one["update"] == 3 * ((base + lora + attn + head) + (base + 2 * lora + 2 * attn + head))
+    assert one["matmul_parameters"] == 160 and one["real_tokens"] == 3
+    two = learner_flops(shape, [2], [1], ppo_epochs=1, lora_r=2, lora_targets=["q_proj"], models=2)
+    assert two["learner_forward"] == 2 * (base + lora + attn) + head  # the value model has no lm_head
+
+    from ppo_ray.config import PPOConfig
+
+    config = PPOConfig(lora_r=2, lora_target_modules=["q_proj"], ppo_epochs=3, advantage_estimator="grpo",
+                       samples_per_prompt=2, batch_size=8)
+    flops = step_flops({"policy": shape, "reward": shape}, [2], [1], config)
+    assert flops == {"generate": base + attn + head + lora, "reference": base + attn + head,
+                     "reward": base + attn, "learner_forward": one["learner_forward"], "update": one["update"]}
 
 
 def test_step_benchmark_cli_arguments():
