@@ -85,6 +85,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # neither is the sampling distribution whose logprobs the learner reproduces, so such
 # temperatures are refused instead of guessed at.
 MIN_TEMPERATURE = 1e-2
+# The fields that put a role or stage on GPUs (PPOConfig.uses_gpus).
+GPU_FIELDS = ("generator_num_gpus", "learner_num_gpus", "scorer_num_gpus", "stage_num_gpus")
 
 
 # Experiment trackers (report_to) and logging levels (log_level).
@@ -270,7 +272,7 @@ class PPOConfig:
     stage_dtype: Optional[str] = None
     """Dtype of the SFT and reward-model full fine-tunes; None = dtype (float32 keeps the small AdamW steps that bfloat16 weights round away). Their outputs are saved in dtype, the one PPO loads them in."""
     stage_num_cpus: Optional[float] = None
-    """CPUs reserved for the SFT / reward-model stage's Ray task; None = learner_num_cpus."""
+    """CPUs reserved for the SFT / reward-model stage's Ray task; None = learner_num_cpus's (auto on a CPU-only run: none reserved, every core of the node for its torch threads: the stage runs alone)."""
     stage_num_gpus: Optional[float] = None
     """GPUs reserved for the SFT / reward-model stage's Ray task (it trains on a GPU when it has one); None = learner_num_gpus."""
     stage_resources: Optional[dict[str, float]] = None
@@ -317,14 +319,14 @@ class PPOConfig:
     # ---------------------------------------------------------------- placement and engines
     num_generators: int = 1
     """vLLM generator replicas; prompts are split across them."""
-    generator_num_cpus: float = 1.0
-    """CPUs reserved per generator actor."""
+    generator_num_cpus: Optional[float] = None
+    """CPUs reserved per generator actor; None = auto: 1 when the run uses a GPU, 0 on a CPU-only run (its phases take turns on the cores; PPOConfig.cpu_share)."""
     generator_num_gpus: float = 0.0
     """GPUs (fractional allowed) per generator actor; 0 on a CPU-only machine."""
     num_learners: int = 1
     """Learner workers training one policy data-parallel (torch.distributed: gloo on CPUs, NCCL on GPUs); each takes a shard of every minibatch and the gradients are all-reduced."""
-    learner_num_cpus: float = 1.0
-    """CPUs reserved per learner actor."""
+    learner_num_cpus: Optional[float] = None
+    """CPUs reserved per learner actor; None = auto: 1 when the run uses a GPU, 0 on a CPU-only run, where the learner then takes every core of its node for its torch threads (shared with the other learners, and with the generator under overlap_generation; PPOConfig.cpu_share). A number = that reservation and Ray's rule: torch threads = the CPUs reserved."""
     learner_num_gpus: float = 0.0
     """GPUs per learner actor."""
     scorer_num_cpus: float = 0.0
@@ -332,7 +334,7 @@ class PPOConfig:
     scorer_num_gpus: float = 0.0
     """GPUs per scorer actor."""
     scorer_torch_threads: int = 0
-    """torch CPU threads in each scorer actor; 0 = Ray's default (OMP_NUM_THREADS from scorer_num_cpus: 1 thread when it reserves under 2 CPUs). In the synchronous step the scorers run while the generator and the learner wait, so on a CPU machine they can use the cores those reserve. The reference and reward actors run at the same time, so keep twice this within those cores: on 2 cores, 2 threads each made both 3x slower (benchmarks/RESULTS.md, old_logprobs section)."""
+    """torch CPU threads in each scorer actor; 0 = auto: on a CPU-only run whose scorers reserve no CPU (scorer_num_cpus 0), half the node's cores each (the reference and reward actors run at the same time, while the generator and the learner wait; a quarter under overlap_generation); otherwise Ray's rule (OMP_NUM_THREADS from scorer_num_cpus, 1 thread when it reserves under 2 CPUs). Keep twice this within the cores: on 2 cores, 2 threads each made both 3x slower (benchmarks/RESULTS.md, old_logprobs section)."""
     placement_strategy: str = "PACK"
     """Ray placement-group strategy for the actors' bundles (one per actor): PACK (as few nodes as possible), SPREAD, STRICT_PACK (one node) or STRICT_SPREAD (one node per actor)."""
     generator_resources: dict[str, float] = field(default_factory=dict)
@@ -385,7 +387,7 @@ class PPOConfig:
                      "rm_epochs", "stage_batch_size", "eval_size",
                      "micro_batch_size", "max_prompt_length", "num_generators", "num_learners", "steps"):
             need(getattr(self, name) >= 1, name, "must be >= 1")
-        need(self.scorer_torch_threads >= 0, "scorer_torch_threads", "must be >= 0 (0 = Ray's default)")
+        need(self.scorer_torch_threads >= 0, "scorer_torch_threads", "must be >= 0 (0 = auto)")
         need(self.lora_r <= max(VLLM_LORA_RANKS), "lora_r",
              f"must be <= {max(VLLM_LORA_RANKS)}, the largest LoRA rank the vLLM generator supports "
              f"(its max_lora_rank is one of {list(VLLM_LORA_RANKS)})")
@@ -442,9 +444,10 @@ class PPOConfig:
         need(self.max_step_retries >= 0, "max_step_retries", "must be >= 0")
         need(self.vllm_kv_cache_gib is None or self.vllm_kv_cache_gib > 0, "vllm_kv_cache_gib", "must be > 0 or null")
         need(0.0 < self.vllm_gpu_memory_utilization <= 1.0, "vllm_gpu_memory_utilization", "must be in (0, 1]")
-        for name in ("generator_num_cpus", "generator_num_gpus", "learner_num_cpus", "learner_num_gpus",
-                     "scorer_num_cpus", "scorer_num_gpus"):
+        for name in ("generator_num_gpus", "learner_num_gpus", "scorer_num_cpus", "scorer_num_gpus"):
             need(getattr(self, name) >= 0, name, "must be >= 0")
+        for name in ("generator_num_cpus", "learner_num_cpus"):
+            need(getattr(self, name) is None or getattr(self, name) >= 0, name, "must be >= 0 or null (null = auto)")
         for name in ("generator_resources", "learner_resources", "scorer_resources", "stage_resources"):
             for key, amount in (getattr(self, name) or {}).items():
                 # CPU and GPU have their own fields; Ray refuses them in `resources` too.
@@ -547,10 +550,35 @@ class PPOConfig:
         return LOGPROB_GAP_TOLERANCE[self.dtype]
 
     @property
+    def uses_gpus(self) -> bool:
+        """Whether any role or stage asks for a GPU (else the run is CPU-only)."""
+        return any((getattr(self, name) or 0) > 0 for name in GPU_FIELDS)
+
+    def num_cpus(self, role: str) -> float:
+        """CPUs that one `role` actor (generator, learner, reference, reward) reserves: its
+        *_num_cpus field; the generator's and the learner's None = 1 with a GPU, 0 on a
+        CPU-only run (cpu_share)."""
+        value = getattr(self, "scorer_num_cpus" if role in ("reference", "reward") else f"{role}_num_cpus")
+        return value if value is not None else (1.0 if self.uses_gpus else 0.0)
+
+    def cpu_share(self, role: str) -> int:
+        """The CPU rule for one actor or stage task: N = its torch threads are the node's
+        cores // N (set in the actor, which knows its node); 0 = Ray's rule (OMP_NUM_THREADS from
+        the CPUs it reserves). role: generator, learner, reference, reward or stage."""
+        if self.uses_gpus or role == "generator":  # the vLLM engine binds its own threads (actors.vllm_engine)
+            return 0
+        overlap = 2 if self.overlap_generation else 1  # the generator runs beside everything else
+        if role in ("reference", "reward"):
+            return 2 * overlap if self.scorer_num_cpus == 0 and self.scorer_torch_threads == 0 else 0
+        if role == "stage":
+            return 1 if (self.stage_num_cpus is None and self.learner_num_cpus is None) else 0
+        return self.num_learners * overlap if self.learner_num_cpus is None else 0
+
+    @property
     def stage_demand(self) -> tuple[float, float, dict[str, float]]:
         """(CPUs, GPUs, custom resources) of an SFT / reward-model stage task: the stage_*
         fields, each defaulting to the learner's."""
-        return (self.learner_num_cpus if self.stage_num_cpus is None else self.stage_num_cpus,
+        return (self.num_cpus("learner") if self.stage_num_cpus is None else self.stage_num_cpus,
                 self.learner_num_gpus if self.stage_num_gpus is None else self.stage_num_gpus,
                 dict(self.learner_resources if self.stage_resources is None else self.stage_resources))
 

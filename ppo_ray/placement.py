@@ -298,6 +298,12 @@ class _Host(FaultPoints):
         except Exception:  # outside an actor
             return type(self).__name__
 
+    def torch_threads(self) -> int:
+        """torch's CPU threads in this actor (the CPU rule's result: _set_torch_threads)."""
+        import torch
+
+        return torch.get_num_threads()
+
 
 class GeneratorHost(_Host):
     def __init__(self, config: ConfigSlice, model_dir: "str | ShippedModel"):
@@ -351,12 +357,29 @@ class GeneratorHost(_Host):
         return self.generator.version
 
 
-def _set_torch_threads(threads: int) -> None:
-    """torch.set_num_threads(threads) unless 0 (keep Ray's OMP_NUM_THREADS default)."""
-    if threads > 0:
-        import torch
+CPU_SHARE_ENV = "PPO_RAY_CPU_SHARE"
 
+
+def _set_torch_threads(threads: int = 0) -> int:
+    """torch.set_num_threads(threads) when > 0; at 0 the CPU rule (PPOConfig.cpu_share) that
+    the actor's or stage task's environment carries: its node's cores // PPO_RAY_CPU_SHARE
+    (at least 1), or, without that variable, Ray's OMP_NUM_THREADS from the CPUs it reserves.
+    Returns the threads torch uses now."""
+    import torch
+
+    share = int(os.environ.get(CPU_SHARE_ENV, "0") or 0)
+    if threads <= 0 and share > 0:
+        threads = max(1, len(os.sched_getaffinity(0)) // share)
+    if threads > 0:
         torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def cpu_share_env(config: PPOConfig, role: str) -> dict[str, str]:
+    """The environment variable that carries `role`'s CPU rule into its actor or stage task
+    (none under Ray's rule)."""
+    share = config.cpu_share(role)
+    return {CPU_SHARE_ENV: str(share)} if share else {}
 
 
 class ReferenceHost(_Host):
@@ -407,6 +430,7 @@ class LearnerHost(_Host):
         quiet_libraries(config.log_level)
         from learner.learner import Learner
 
+        _set_torch_threads()
         self.log = actor_logger(config.log_level)
         self.model_dir, self.value_model_dir = local_model_dir(model_dir), local_model_dir(value_model_dir)
         self.learner = Learner(config, self.model_dir, self.value_model_dir)
@@ -482,9 +506,9 @@ class Demand:
 
 def role_demands(config: PPOConfig) -> list[Demand]:
     """One Demand per actor, in Roles.all()'s order."""
-    scorer = (config.scorer_num_cpus, config.scorer_num_gpus, config.scorer_resources)
-    per_role = {"generator": (config.generator_num_cpus, config.generator_num_gpus, config.generator_resources),
-                "learner": (config.learner_num_cpus, config.learner_num_gpus, config.learner_resources),
+    scorer = (config.num_cpus("reference"), config.scorer_num_gpus, config.scorer_resources)
+    per_role = {"generator": (config.num_cpus("generator"), config.generator_num_gpus, config.generator_resources),
+                "learner": (config.num_cpus("learner"), config.learner_num_gpus, config.learner_resources),
                 "reference": scorer, "reward": scorer}
     out = []
     for name in role_names(config.num_generators, config.num_learners):
@@ -644,7 +668,7 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
         d = demands[i]
         # vLLM's, transformers' and torch's own messages cut to errors unless log_level is
         # debug (ppo_ray.logs.quiet_env; a variable set in the driver's environment wins).
-        env = quiet_env(config.log_level)
+        env = {**quiet_env(config.log_level), **cpu_share_env(config, d.role.split("-")[0])}
         if d.role.startswith("generator") and not d.gpus:
             # the vLLM engine core in the actor's own process (actors.vllm_engine: on 2 CPU
             # cores 1.5-1.9x faster generation, 4 s instead of 21 s to start); the driver's
@@ -680,9 +704,14 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
     try:
         wait_ready(roles)
         form_learner_group(roles)
+        threads = ray.get([actor.torch_threads.remote() for actor in (ref, rew, learners[0])])
     except BaseException:
         roles.release()
         raise
+    reserved = ", ".join(f"{d.role} {d.cpus:g}" for d in demands)
+    rule = ("CPU-only: the phases take turns on the node's cores" if config.cpu_share("learner")
+            else "Ray's rule: threads = CPUs reserved")
+    log.info("CPUs reserved: %s; torch threads: reference %d, reward %d, learner %d (%s)", reserved, *threads, rule)
     return roles
 
 
@@ -737,7 +766,7 @@ def run_stage(config: PPOConfig, stage: str, base_model: str, data: tuple, setti
         # max_calls=1: the worker process exits after the stage, so its GPU memory is free for PPO
         task = ray.remote(max_calls=1)(_stage_task).options(
             name=f"ppo/{stage}", num_cpus=cpus, num_gpus=gpus, resources=resources, max_retries=0,
-            runtime_env={"env_vars": quiet_env(config.log_level)},
+            runtime_env={"env_vars": {**quiet_env(config.log_level), **cpu_share_env(config, "stage")}},
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                  placement_group_bundle_index=index[0]))
         stats, files, node = ray.get(task.remote(stage, config.log_level, model, data, settings, val,
@@ -764,6 +793,7 @@ def _stage_task(stage: str, log_level: str, model: "str | ShippedModel", data: t
 
     setup_logging(log_level)
     quiet_libraries(log_level)
+    _set_torch_threads()
     from learner.stages import train_reward_model, train_sft
 
     node = ray.get_runtime_context().get_node_id()

@@ -505,9 +505,9 @@ def test_rayjob_manifest_runs_launch_py_on_a_cluster_that_fits_it():
     for group in cluster["workerGroupSpecs"]:
         c = group["template"]["spec"]["containers"][0]
         nodes += [[cpus(c), float(c["resources"]["limits"].get("nvidia.com/gpu", 0))] for _ in range(group["replicas"])]
-    demands = ([(config.generator_num_cpus, config.generator_num_gpus)] * config.num_generators
-               + [(config.learner_num_cpus, config.learner_num_gpus)] * config.num_learners
-               + [(config.scorer_num_cpus, config.scorer_num_gpus)] * 2)
+    demands = ([(config.num_cpus("generator"), config.generator_num_gpus)] * config.num_generators
+               + [(config.num_cpus("learner"), config.learner_num_gpus)] * config.num_learners
+               + [(config.num_cpus("reference"), config.scorer_num_gpus)] * 2)
     assert config.generator_num_gpus == 1 and config.learner_num_gpus > 0 and config.scorer_num_gpus > 0
     assert _first_fit(demands, nodes), (demands, nodes)
     assert not _first_fit(demands, nodes[:2]), "the manifest has more GPU workers than the config needs"

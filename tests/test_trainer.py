@@ -8,6 +8,7 @@ fresh trainer, so it is first in the file and pytest runs files in order).
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import ray
@@ -160,6 +161,17 @@ def test_sync_changes_generation(tiny_trainer):
     assert (gen_after - learner_after).abs().max() < TINY_LOGPROB_TOL
     assert (gen_after - gen_before).abs().max() > 1e-3, "the sync did not change the generator's policy"
     assert (gen_after - base).abs().max() > 1e-3, "the generator still serves the base model"
+
+
+def test_cpu_only_actors_take_the_cores_by_default(tiny_trainer):
+    """Issue 33: the tests' config sets no *_num_cpus, so on this CPU-only machine the
+    learner's torch threads are every core the actor may run on and each scorer's half of
+    them (the reference and reward run at the same time): not Ray's 1 thread per reserved CPU."""
+    roles = tiny_trainer.roles
+    assert tiny_trainer.config.learner_num_cpus is None and not tiny_trainer.config.uses_gpus
+    cores = on_actor(roles.learner, lambda host: len(os.sched_getaffinity(0)))
+    threads = ray.get([actor.torch_threads.remote() for actor in (roles.learner, roles.reference, roles.reward)])
+    assert threads == [cores, max(1, cores // 2), max(1, cores // 2)]
 
 
 def test_bad_prompts_fail_clearly_and_leave_state_intact(tiny_trainer):
