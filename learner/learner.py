@@ -359,7 +359,7 @@ class Learner:
         old_logprobs_check_every), where the generator-vs-learner check runs (a function of
         the version, so a resumed or retried step does what the uninterrupted run did)."""
         cfg = self.config
-        return cfg.old_logprobs == "learner" or self.version % cfg.old_logprobs_check_every == 0
+        return cfg.old_logprobs_source == "learner" or self.version % cfg.old_logprobs_check_every == 0
 
     def _generator_logprobs(self, batch: RolloutBatch, fwd: RolloutScores) -> RolloutScores:
         """fwd (values only) completed from the generator's logprobs of the sampled tokens

@@ -207,23 +207,23 @@ class PPOConfig:
     """The generator-vs-learner checks: after every sync, in every mode, the sync check (each generator samples a small fixed probe with the version it just loaded; the learner recomputes those tokens' logprobs at the same version); on every fresh step (with old_logprobs: generator, at its check versions) the rollouts' own sampled-token logprobs too. A gap above logprob_gap_tolerance means a generator holds another policy (a lost or corrupted sync, stale KV). resync (re-load the version into the generators, check again, sample a failed step again; stop with an error if the gap persists), error (stop the run), warn (log it; the run goes on with that generator) or off (no checks). Every failure is counted on the dashboard; the probe gap is reported every step (sync_probe_gap)."""
     logprob_gap_tolerance: Optional[float] = None
     """Threshold of logprob_gap_check in nats; None = by dtype: 1e-3 for float32 (measured agreement ~1e-6), 0.25 for bfloat16 and float16 (measured in bfloat16 on Qwen3-0.6B's architecture: largest gap 0.067; benchmarks/RESULTS.md)."""
-    old_logprobs: str = "learner"
-    """Where the rollout policy's logprobs of the sampled tokens come from (the PPO ratio's denominator and KL_t's log pi): learner (a no-grad policy forward over the rollouts at every step, the seeds' step 1) or generator (vLLM's logprobs from sampling, already in the rollouts: the learner skips the policy's no-grad forward, and its entropy stat is the sampled tokens' mean -logprob, an unbiased estimate; it still recomputes, and logprob_gap_check still runs, at every old_logprobs_check_every-th adapter version). generator needs untruncated sampling (top_k 0, top_p 1: the KL's full-softmax logprobs are then the sampled ones) and float32, where generator and learner agree to ~5e-6; under bfloat16 they differ by ~0.1 nats, so the learner recomputes. The value model's no-grad pass always runs. With overlap_generation, KL_t between checks then uses the behaviour policy's logprobs (one version old) instead of the current policy's, and behaviour_logprob_gap is not measured (NaN)."""
+    old_logprobs: str = "auto"
+    """Where the rollout policy's logprobs of the sampled tokens come from (the PPO ratio's denominator and KL_t's log pi): auto (generator where it is proven equal: untruncated float32 sampling in the synchronous step, no is_correction; learner otherwise; PPOConfig.old_logprobs_source), learner (a no-grad policy forward over the rollouts at every step, the seeds' step 1) or generator (vLLM's logprobs from sampling, already in the rollouts: the learner skips the policy's no-grad forward, and its entropy stat is the sampled tokens' mean -logprob, an unbiased estimate; it still recomputes, and logprob_gap_check still runs, at every old_logprobs_check_every-th adapter version). generator needs untruncated sampling (top_k 0, top_p 1: the KL's full-softmax logprobs are then the sampled ones) and float32, where generator and learner agree to ~5e-6; under bfloat16 they differ by ~0.1 nats, so the learner recomputes. The value model's no-grad pass always runs. With overlap_generation, KL_t between checks then uses the behaviour policy's logprobs (one version old) instead of the current policy's, and behaviour_logprob_gap is not measured (NaN)."""
     old_logprobs_check_every: int = 10
     """old_logprobs: generator only: the learner recomputes the policy's logprobs (and the generator-vs-learner check runs) at adapter versions 0, N, 2N, ...; 1 = every step (no saving)."""
 
-    # ---------------------------------------------------------------- learner speed (same math; defaults = the plain path)
+    # ---------------------------------------------------------------- learner speed (same math up to float rounding; defaults = the options measured faster on both the CPU and a GPU, benchmarks/RESULTS.md)
     learner_sort_by_length: bool = False
     """Learner micro-batches of length-sorted rows (longest first) instead of the shuffled order, in the no-grad pass and within each minibatch, so each micro-batch pays for little padding; the accumulated gradient is the same up to float summation order."""
-    learner_layout: str = "masked"
+    learner_layout: str = "causal"
     """How the learner lays out a micro-batch: masked (left-padded prompts and an attention mask) or causal (each row's real tokens from column 0, padding after them, no attention mask: SDPA's causal flash kernel; the real tokens' outputs equal masked's up to float rounding)."""
     logprob_chunk_size: int = 0
     """Learner logprobs from the policy's hidden states through lm_head this many real response tokens at a time, each chunk's full-vocabulary logits recomputed in the backward (activation checkpoint) instead of kept; padding positions skip lm_head. 0 = the plain path (all positions' logits at once)."""
-    rms_norm_kernel: str = "hf"
+    rms_norm_kernel: str = "fused"
     """RMSNorm forward in the learner's models (Qwen2/3, Llama, Mistral norms): hf (the model's own: 8 elementwise kernels) or fused (torch.nn.functional.rms_norm, one kernel). Equal in float32 up to rounding."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward (policy and value models, PPO epochs only): less memory for bigger micro-batches, one more forward of compute."""
-    lora_kernel: str = "peft"
+    lora_kernel: str = "merged"
     """LoRA forward in the learner's models: peft (PEFT's: float32 adapters upcast the input and output of every projection under bfloat16), fused (base output + s*(x@A^T)@B^T in one addmm, in the model's dtype; adapters stay float32 master weights) or merged (one GEMM with W + s*B@A, the adapters' gradients from the factors: no LoRA kernels in the forward; under bfloat16 the forward sees the merged weight rounded once, as mixed precision sees master weights). Equal in float32 up to rounding."""
     learner_compile: bool = False
     """torch.compile the learner's policy and value models (dynamic shapes; the first micro-batches pay the compile), per learner_compile_scope, and the policy's lm_head + logprob math (one fused graph over each chunk's logits instead of a float32 pass per op: the B=512 update 1.10x faster on an H100)."""
@@ -410,7 +410,7 @@ class PPOConfig:
              "must be > 1 or null (null = off)")
         need(math.isfinite(self.is_cap) and self.is_cap > 1, "is_cap", "must be > 1")
         if self.is_correction != "none":
-            need(self.old_logprobs == "learner", "is_correction",
+            need(self.old_logprobs in ("learner", "auto"), "is_correction",
                  f"needs old_logprobs: learner (got {self.old_logprobs!r}): the correction weighs the learner's "
                  "logprobs against the generator's, and old_logprobs: generator skips the learner's")
             need(not self.overlap_generation, "is_correction",
@@ -482,7 +482,7 @@ class PPOConfig:
             "is_level": IS_LEVELS,
             "nonfinite_reward": ("error", "drop"),
             "logprob_gap_check": ("resync", "error", "warn", "off"),
-            "old_logprobs": ("learner", "generator"),
+            "old_logprobs": ("auto", "learner", "generator"),
             "value_model": ("separate", "shared"),
             "prompt_truncation": TRUNCATION_MODES,
             "lora_sync": tuple(LORA_SYNC_MODES),
@@ -548,6 +548,18 @@ class PPOConfig:
         if self.logprob_gap_tolerance is not None:
             return self.logprob_gap_tolerance
         return LOGPROB_GAP_TOLERANCE[self.dtype]
+
+    @property
+    def old_logprobs_source(self) -> str:
+        """old_logprobs resolved: "generator" or "learner". auto = generator where the two are
+        proven equal (untruncated sampling in float32: they agree to ~5e-6, and the learner
+        still recomputes and checks them every old_logprobs_check_every versions) in the
+        synchronous step (under overlap_generation generator's KL_t would take the behaviour
+        policy's logprobs) without is_correction (which weighs the two against each other)."""
+        if self.old_logprobs != "auto":
+            return self.old_logprobs
+        equal = self.top_k in (0, -1) and self.top_p == 1.0 and self.dtype == "float32"
+        return "generator" if equal and not self.overlap_generation and self.is_correction == "none" else "learner"
 
     @property
     def uses_gpus(self) -> bool:
@@ -744,7 +756,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "checkpoints and logging": (
         "output_dir", "checkpoint_every", "checkpoint_every_minutes", "keep_checkpoints", "log_level",
         "metrics_report_interval_ms", "report_to", "wandb_project", "wandb_name", "wandb_group", "wandb_tags"),
-    "learner speed (same math; defaults = the plain path)": (
+    "learner speed (same math up to rounding; defaults = the options measured faster)": (
         "learner_sort_by_length", "learner_layout", "logprob_chunk_size", "rms_norm_kernel",
         "gradient_checkpointing", "lora_kernel", "learner_compile", "learner_compile_scope"),
 }

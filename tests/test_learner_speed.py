@@ -37,6 +37,8 @@ from test_learner import (assert_same_update, keep_experience, logprob_tol, make
                           rollout_inputs, special, tiny_path, token_mean_tol, update_tols, with_sgd)
 from tolerances import TINY_TERMS, bf16_roundings, grad_terms, rms_rel_tol, rounding_tol
 
+# The plain path: the options off (the defaults are the measured-faster ones, issue 33).
+PLAIN = dict(learner_layout="masked", lora_kernel="peft", rms_norm_kernel="hf")
 FAST = dict(learner_layout="causal", learner_sort_by_length=True, lora_kernel="fused", rms_norm_kernel="fused",
             logprob_chunk_size=7)
 
@@ -51,7 +53,7 @@ def one_thread():
 
 def learner_with(tiny_path, **options) -> Learner:
     """A tiny learner whose LoRA B matrices are random (B = 0 would hide the adapters)."""
-    learner = Learner(make_config(**options), tiny_path)
+    learner = Learner(make_config(**{**PLAIN, **options}), tiny_path)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in [*learner.policy.named_parameters(), *learner.value_model.named_parameters()]:
@@ -373,11 +375,22 @@ def test_speed_options_are_validated(field, value):
         PPOConfig(**{field: value})
 
 
-def test_defaults_are_the_plain_path():
+def test_defaults_are_the_options_measured_faster():
+    """Issue 33: on by default the options measured faster on the CPU and on a GPU (the causal
+    layout, merged LoRA, fused RMSNorm; benchmarks/RESULTS.md); the others off. old_logprobs
+    auto takes the generator's only where they are proven equal (untruncated float32 sampling,
+    the synchronous step, no is_correction)."""
     cfg = PPOConfig()
     assert (cfg.learner_layout, cfg.learner_sort_by_length, cfg.logprob_chunk_size, cfg.lora_kernel,
             cfg.rms_norm_kernel, cfg.gradient_checkpointing, cfg.learner_compile) == \
-        ("masked", False, 0, "peft", "hf", False, False)
+        ("causal", False, 0, "merged", "fused", False, False)
+    assert cfg.old_logprobs == "auto" and cfg.old_logprobs_source == "learner"  # top_k 50, top_p 0.95
+    untruncated = cfg.replace(top_k=0, top_p=1.0)
+    assert untruncated.old_logprobs_source == "generator"
+    for other in (dict(dtype="bfloat16"), dict(top_k=-1, top_p=0.9), dict(overlap_generation=True),
+                  dict(is_correction="tis")):
+        assert untruncated.replace(**other).old_logprobs_source == "learner", other
+    assert untruncated.replace(old_logprobs="learner").old_logprobs_source == "learner"
 
 
 # ------------------------------------------------------------------ value_model: shared
