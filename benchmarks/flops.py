@@ -97,10 +97,13 @@ def learner_flops(shape: dict, prompt_lens: Sequence[int], response_lens: Sequen
                                                                                                response_lens)))}
 
 
-def step_flops(shapes: dict[str, dict], prompt_lens: Sequence[int], response_lens: Sequence[int], config) -> dict:
+def step_flops(shapes: dict[str, dict], prompt_lens: Sequence[int], response_lens: Sequence[int], config,
+               recomputed: bool = True) -> dict:
     """{phase: FLOPs} of one PPO step (generate, reference, reward, learner_forward, update)
     on these rows. `shapes`: "policy" (also the reference's and the value model's shape) and
-    "reward" (None: the reward comes from functions, 0 FLOPs)."""
+    "reward" (None: the reward comes from functions, 0 FLOPs). recomputed=False: the step took
+    the generator's old logprobs (old_logprobs: generator, between check versions), so the
+    learner's no-grad pass ran the value model alone (the trunk, no lm_head)."""
     from learner.algos import advantage_estimator
 
     policy, targets = shapes["policy"], list(config.lora_target_modules)
@@ -113,7 +116,8 @@ def step_flops(shapes: dict[str, dict], prompt_lens: Sequence[int], response_len
         "reference": forward_flops(policy, prompt_lens, response_lens),
         "reward": (forward_flops(shapes["reward"], prompt_lens, response_lens, logits=False)
                    if shapes.get("reward") else 0.0),
-        "learner_forward": learner["learner_forward"],
+        "learner_forward": learner["learner_forward"] if recomputed else (
+            sum(_counts(policy, prompt_lens, response_lens, config.lora_r, targets)[:3]) if critic else 0.0),
         "update": learner["update"],
     }
 

@@ -1,6 +1,6 @@
 """Step benchmark: per-phase seconds of our PPO step, and of a single-process baseline, in one run.
 
-    python -m benchmarks.step [--preset tiny|small] [--steps K] [--warmup W] [--batch_size B]
+    python -m benchmarks.step [--preset tiny|small|peer|peer-small] [--steps K] [--warmup W] [--batch_size B]
         [--max_new_tokens T] [--num_generators N] [--baseline | --no-baseline] [--out FILE.json]
         [--wait_for_load L] [--<any PPOConfig field> VALUE ...]
 
@@ -102,23 +102,38 @@ PRESETS: dict[str, dict[str, Any]] = {
     # can be; there is no min_tokens / ignore-EOS switch in the generator). 32 prompts x 64
     # tokens; prompts are ~145 of its tokens (103-217).
     "small": {"model_name": "embedded:small", "batch_size": 32, "max_new_tokens": 64, "vllm_kv_cache_gib": 1.0},
-    # The work of issue 16's comparison with a single-process trainer (TRL 1.12's PPOTrainer
-    # measured outside the repo): the tiny policy, 64 prompts cut to their last 60 tokens,
-    # 16 new tokens at temperature 0.7 (no top-k/top-p), 1 PPO epoch over 1 minibatch, a
-    # reward model and a value model of the policy's shape (separate, not shared). The
-    # reward model is the tiny model with a 1-label score head (random, seeded), written
-    # once to the cache ($PPO_RAY_CACHE or ~/.cache/ppo_ray): speed does not depend on it.
+    # The work of issue 16's comparison with a single-process trainer (TRL 1.12's PPOTrainer;
+    # rerun by python -m benchmarks.peer, TRL's side in benchmarks/trl_peer.py): the tiny
+    # policy, 64 prompts cut to their last 60 tokens, 16 new tokens at temperature 0.7 (no
+    # top-k/top-p), 1 PPO epoch over 1 minibatch, a reward model and a value model of the
+    # policy's shape (separate, not shared). The reward model is the tiny model with a
+    # 1-label score head (random, seeded), written once to the cache ($PPO_RAY_CACHE or
+    # ~/.cache/ppo_ray): speed does not depend on it.
     "peer": {"batch_size": 64, "max_new_tokens": 16, "max_prompt_length": 60, "prompt_truncation": "left",
              "temperature": 0.7, "top_k": 0, "top_p": 1.0, "ppo_epochs": 1, "micro_batch_size": 32,
              "reward_funcs": [], "reward_weights": [], "reward_model_name": "@tiny-reward-model",
              "value_model": "separate"},
 }
+# The same work on the embedded 25M model (compute-bound where "peer" is overhead-bound;
+# issue 33's peer comparison, python -m benchmarks.peer): its reward model is the small
+# model with a 1-label score head, built like the tiny one.
+PRESETS["peer-small"] = {**PRESETS["peer"], "model_name": "embedded:small", "reward_model_name": "@small-reward-model"}
 TINY_REWARD_MODEL = "@tiny-reward-model"
+SMALL_REWARD_MODEL = "@small-reward-model"
+REWARD_MODEL_SENTINELS = {TINY_REWARD_MODEL: "tiny", SMALL_REWARD_MODEL: "small"}  # sentinel -> embedded size
 
 
 def tiny_reward_model() -> str:
     """The tiny model as a sequence classifier (num_labels 1, score head seeded random):
     built once into the model cache, then reused. Returns its directory."""
+    return peer_reward_model("tiny")
+
+
+def peer_reward_model(size: str = "tiny") -> str:
+    """The embedded `size` model ("tiny" or "small") as a sequence classifier (num_labels 1,
+    score head seeded random): built once into the model cache, then reused. Returns its
+    directory. Also the reward model (and the value model's initialisation) of TRL's side of
+    the peer comparison (benchmarks/trl_peer.py): the same files on both sides."""
     import torch
     from transformers import AutoModelForSequenceClassification
 
@@ -127,7 +142,7 @@ def tiny_reward_model() -> str:
     from ppo_ray.paths import resolve_model_path
     from ppo_ray.tiny_model import default_cache_dir
 
-    base = resolve_model_path("embedded:tiny")
+    base = resolve_model_path(f"embedded:{size}")
     out = default_cache_dir() / f"{Path(base).name}-reward-seed0"  # the base's name holds its content hash
     if not (out / "config.json").is_file():
         torch.manual_seed(0)
@@ -149,7 +164,8 @@ def build_config(preset: str, argv: Sequence[str] = ()):
 
     if preset not in PRESETS:
         raise SystemExit(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    values = {k: (tiny_reward_model() if v == TINY_REWARD_MODEL else v) for k, v in PRESETS[preset].items()}
+    values = {k: (peer_reward_model(REWARD_MODEL_SENTINELS[v]) if isinstance(v, str) and v in REWARD_MODEL_SENTINELS
+                  else v) for k, v in PRESETS[preset].items()}
     preset_args = [a for k, v in values.items() for a in (f"--{k}", json.dumps(v) if not isinstance(v, str) else v)]
     config, positional = parse_overrides(["--config", str(BASE_CONFIG), *preset_args, *argv])
     if positional:
@@ -359,7 +375,11 @@ def count_flops(trainer, prompts: Sequence[str], out) -> dict[str, float]:
     prompt_lens = [p for p in prompt_lens for _ in range(n)]
     shapes = {"policy": model_shape(trainer.model_dir),
               "reward": model_shape(trainer.reward_model_dir) if trainer.reward_model_dir else None}
-    return step_flops(shapes, prompt_lens, out.response_lengths, trainer.config)
+    cfg = trainer.config
+    # the learner ran the policy's no-grad pass unless the generator's logprobs stood in (the
+    # version it updated from, adapter_version - 1, is not a check version: Learner.recomputes_old_logprobs)
+    recomputed = cfg.old_logprobs_source == "learner" or (out.adapter_version - 1) % cfg.old_logprobs_check_every == 0
+    return step_flops(shapes, prompt_lens, out.response_lengths, cfg, recomputed=recomputed)
 
 
 def run_ours(config, batches: Sequence[Sequence[str]], warmup: int, trainer=None) -> dict:

@@ -115,6 +115,11 @@ def test_flop_counts_match_a_hand_count():
     flops = step_flops({"policy": shape, "reward": shape}, [2], [1], config)
     assert flops == {"generate": base + attn + head + lora, "reference": base + attn + head,
                      "reward": base + attn, "learner_forward": one["learner_forward"], "update": one["update"]}
+    # the generator's old logprobs: no policy pass; the value model's (no lm_head), none without a critic
+    assert step_flops({"policy": shape, "reward": None}, [2], [1], config, recomputed=False)["learner_forward"] == 0
+    gae = config.replace(advantage_estimator="gae", samples_per_prompt=1)
+    assert step_flops({"policy": shape, "reward": None}, [2], [1], gae, recomputed=False)["learner_forward"] == \
+        base + lora + attn
 
 
 def test_step_benchmark_cli_arguments():
@@ -144,6 +149,83 @@ def test_peer_preset_is_the_single_process_comparisons_work(tiny_model_dir):
     assert config.reward_funcs == [] and config.value_model == "separate"
     check_reward_model(config.reward_model_name)
     assert build_config("peer").reward_model_name == config.reward_model_name  # built once, then reused
+
+
+def test_peer_small_preset_is_the_peer_work_on_the_small_model(tiny_model_dir, monkeypatch):
+    """"peer-small" is "peer" with the 25M model and ITS reward model (the small base with a
+    1-label head); the sentinel goes to peer_reward_model("small") (stubbed here with the
+    tiny reward model: building the 25M model belongs to the slow tests)."""
+    import benchmarks.step as step
+
+    assert {k: v for k, v in step.PRESETS["peer-small"].items() if k not in ("model_name", "reward_model_name")} == \
+        {k: v for k, v in step.PRESETS["peer"].items() if k not in ("model_name", "reward_model_name")}
+    assert step.PRESETS["peer-small"]["model_name"] == "embedded:small"
+    asked = []
+    tiny_rm = step.peer_reward_model("tiny")
+    monkeypatch.setattr(step, "peer_reward_model", lambda size="tiny": asked.append(size) or tiny_rm)
+    config = step.build_config("peer-small", ["--kl_coef", "0.1"])
+    assert asked == ["small"] and config.reward_model_name == tiny_rm
+    assert (config.model_name, config.batch_size, config.max_new_tokens, config.max_prompt_length) == \
+        ("embedded:small", 64, 16, 60)
+    assert (config.temperature, config.top_k, config.top_p, config.ppo_epochs, config.effective_mini_batch_size) == \
+        (0.7, 0, 1.0, 1, 64)
+    assert config.reward_funcs == [] and config.value_model == "separate" and config.kl_coef == 0.1
+
+
+def test_peer_reward_model_of_the_tiny_size_is_the_tiny_reward_model(tiny_model_dir):
+    """The builder generalised to a size keeps the tiny reward model where it was (the base's
+    directory name + "-reward-seed0" in the model cache): one directory for both names."""
+    from benchmarks.step import peer_reward_model, tiny_reward_model
+    from ppo_ray.tiny_model import default_cache_dir
+
+    path = peer_reward_model("tiny")
+    assert path == tiny_reward_model() == str(default_cache_dir() / f"{Path(tiny_model_dir).name}-reward-seed0")
+
+
+def test_trl_peer_prompts_are_the_peer_presets(tiny_model_dir):
+    """TRL's side of the peer comparison (run in .venv-trl; imported here without TRL: its
+    TRL imports are lazy) tokenises the same prompt batches as ours: 64 per step, the last 60
+    tokens of each, as the trainer's encode_prompts gives them."""
+    from benchmarks.step import build_config, prompt_batches
+    from benchmarks.trl_peer import BATCH_SIZE, MAX_NEW_TOKENS, MAX_PROMPT_LENGTH, parse_args, peer_prompt_ids
+    from ppo_ray.data import encode_prompts
+    from ppo_ray.modeling import load_tokenizer
+
+    config = build_config("peer")
+    assert (BATCH_SIZE, MAX_NEW_TOKENS, MAX_PROMPT_LENGTH) == (config.batch_size, config.max_new_tokens,
+                                                               config.max_prompt_length)
+    tok = load_tokenizer(str(tiny_model_dir))
+    ids = peer_prompt_ids(tok, 2)
+    batches = prompt_batches(2, 64)
+    assert ids == [x for b in batches for x in encode_prompts(tok, b, 60, config.prompt_truncation)]
+    assert len(ids) == 128 and max(len(x) for x in ids) == 60
+    args = parse_args(["--size", "small", "--steps", "3", "--warmup", "1"])
+    assert (args.size, args.steps, args.warmup, args.micro_batch_size) == ("small", 3, 1, 32)
+    with pytest.raises(SystemExit):
+        parse_args(["--micro_batch_size", "48"])  # must divide 64
+
+
+def test_peer_comparison_table_and_arguments():
+    """benchmarks.peer: our median step (benchmarks.step's JSON) over TRL's (trl_peer's JSON);
+    unknown options are PPOConfig overrides for benchmarks.step, never abbreviations of its own."""
+    from benchmarks.peer import format_table, parse_args, peer_row
+
+    ours = {"ours": {"summary": {"step": {"median": 1.5, "min": 1.0, "max": 2.0}},
+                     "per_step": [{"step": 1.0}, {"step": 1.5}, {"step": 2.0}]}}
+    trl = {"framework": "trl", "params": 361_344, "median_step_s": 0.5, "steps": [0.4, 0.5, 0.6],
+           "trl_version": "1.12.0"}
+    row = peer_row("tiny", ours, trl)
+    assert row["ratio_ours_over_trl"] == pytest.approx(3.0)
+    assert (row["ours_median_step_s"], row["trl_median_step_s"], row["params"]) == (1.5, 0.5, 361_344)
+    assert (row["ours_steps"], row["trl_steps"]) == (3, 3)
+    table = format_table([row, peer_row("small", ours, {**trl, "params": 25_175_552, "median_step_s": 3.0})])
+    lines = table.splitlines()
+    assert "ours/TRL" in lines[0] and len(lines) == 3
+    assert lines[1].split()[0] == "tiny" and lines[1].split()[-1] == "3.00" and "361,344" in lines[1]
+    assert lines[2].split()[0] == "small" and lines[2].split()[-1] == "0.50"
+    args, extra = parse_args(["--sizes", "small", "--steps", "3", "--kl_coef", "0.2", "--step", "x"])
+    assert (args.sizes, args.steps, args.warmup) == (["small"], 3, 2)
+    assert extra == ["--kl_coef", "0.2", "--step", "x"]
 
 
 @pytest.mark.slow
