@@ -86,7 +86,7 @@ class Generator:
 
     # The config fields from_config reads: the generator actor gets only these (PPOConfig.slice).
     CONFIG_FIELDS = ("model_name", "dtype", "seed", "log_level", "max_prompt_length", "prompt_truncation",
-                     "max_new_tokens", "temperature", "top_k", "top_p", "lora_r", "lora_sync", "vllm_kv_cache_gib",
+                     "max_new_tokens", "temperature", "top_k", "top_p", "lora_r", "lora_sync", "generator_num_gpus", "vllm_kv_cache_gib",
                      "vllm_enforce_eager", "vllm_gpu_memory_utilization")
 
     def __init__(
@@ -167,7 +167,7 @@ class Generator:
             enforce_eager=cfg.vllm_enforce_eager,
             use_tqdm_on_load=cfg.log_level == "debug",  # the weight loader's progress bar
         )
-        engine.update(sync_class(cfg.lora_sync).engine_args(cfg.lora_r))
+        engine.update(sync_class(cfg.lora_sync_mode).engine_args(cfg.lora_r))
         if not current_platform.is_cpu() and cfg.vllm_kv_cache_gib is None:
             # On the CPU this fraction would be of host memory: there build_llm's KV size rules.
             engine["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
@@ -177,7 +177,7 @@ class Generator:
             llm, model_dir=model_dir,
             temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
             seed=cfg.seed, max_prompt_length=cfg.max_prompt_length, prompt_truncation=cfg.prompt_truncation,
-            lora_sync=cfg.lora_sync,
+            lora_sync=cfg.lora_sync_mode,
         )
 
     # ------------------------------------------------------------------ prompts

@@ -347,8 +347,8 @@ class PPOConfig:
     """Seconds to wait for the cluster to reserve every actor's resources; then a ClusterError names what did not fit."""
     overlap_generation: bool = False
     """Generate step k+1's rollouts while the learner trains on step k: rollouts are one LoRA version stale and the PPO ratio uses the generator's (behaviour) logprobs."""
-    lora_sync: str = "adapter"
-    """How the generator takes new LoRA weights: adapter (a vLLM LoRARequest per version) or merged (W0 + scale*B@A loaded into the engine's weights: base-model generation speed)."""
+    lora_sync: str = "auto"
+    """How the generator takes new LoRA weights: adapter (a vLLM LoRARequest per version), merged (W0 + scale*B@A loaded into the engine's weights: base-model generation speed; the prefix cache is reset after every load) or auto (PPOConfig.lora_sync_mode: merged for a generator on the CPU, where vLLM's LoRA path made the peer work's generation 4.6x slower on the tiny model and 6x on the 25M one, benchmarks/RESULTS.md issue 33; adapter on a GPU, where merged is not measured)."""
     vllm_kv_cache_gib: Optional[float] = None
     """KV-cache size for vLLM on the CPU in GiB; None = a small default."""
     vllm_gpu_memory_utilization: float = 0.3
@@ -485,7 +485,7 @@ class PPOConfig:
             "old_logprobs": ("auto", "learner", "generator"),
             "value_model": ("separate", "shared"),
             "prompt_truncation": TRUNCATION_MODES,
-            "lora_sync": tuple(LORA_SYNC_MODES),
+            "lora_sync": ("auto", *LORA_SYNC_MODES),
             "placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
             "dtype": DTYPE_NAMES,
             "learner_layout": ("masked", "causal"),
@@ -548,6 +548,14 @@ class PPOConfig:
         if self.logprob_gap_tolerance is not None:
             return self.logprob_gap_tolerance
         return LOGPROB_GAP_TOLERANCE[self.dtype]
+
+    @property
+    def lora_sync_mode(self) -> str:
+        """lora_sync resolved: auto = merged for a generator on the CPU (generator_num_gpus 0),
+        adapter on a GPU."""
+        if self.lora_sync != "auto":
+            return self.lora_sync
+        return "adapter" if self.generator_num_gpus > 0 else "merged"
 
     @property
     def old_logprobs_source(self) -> str:

@@ -137,7 +137,7 @@ class PPOTrainer:
         self.namespace = f"ppo-{uuid.uuid4().hex[:8]}"
         # Prometheus gauges and counters (those at 0 for each role and the sync mode), tagged run=namespace
         self.metrics = TrainingMetrics(run=self.namespace, roles=role_names(config.num_generators, config.num_learners),
-                                       lora_sync=config.lora_sync)
+                                       lora_sync=config.lora_sync_mode)
         log.info("run tag %s (actors %s/<role>, their Ray namespace, Prometheus label run=\"%s\")",
                  self.namespace, self.namespace, self.namespace)
         self.roles: Roles = create_roles(
@@ -330,10 +330,10 @@ class PPOTrainer:
             if gap <= cfg.logprob_gap_limit:
                 return SyncCheck(gap, time.perf_counter() - t0)
             bad = [i for i, g in enumerate(gaps) if g > cfg.logprob_gap_limit]
-            self.metrics.record_logprob_gap(cfg.lora_sync)
+            self.metrics.record_logprob_gap(cfg.lora_sync_mode)
             message = (f"after step {self.step}: generator replica(s) {bad} compute logprobs up to {gap:.3g} nats "
                        f"away from the learner's at the same adapter version {version} (logprob_gap_tolerance "
-                       f"{cfg.logprob_gap_limit:g} for {cfg.dtype}, lora_sync={cfg.lora_sync}): the sync did not "
+                       f"{cfg.logprob_gap_limit:g} for {cfg.dtype}, lora_sync={cfg.lora_sync_mode}): the sync did not "
                        "deliver the learner's policy")
             if cfg.logprob_gap_check == "warn":
                 log.warning(message)
@@ -395,9 +395,9 @@ class PPOTrainer:
                    f"at the same adapter version {self.version} by up to {gap:.3g} nats (logprob_gap_tolerance "
                    f"{cfg.logprob_gap_limit:g} for {cfg.dtype}), and {stats.truncated_tokens:.0f} of its "
                    f"{stats.tokens:.0f} sampled tokens are outside the learner's top-k/top-p support (at most "
-                   f"{TRUNCATED_TOKENS_LIMIT:.0%}), lora_sync={cfg.lora_sync}: the rollouts came from another policy "
+                   f"{TRUNCATED_TOKENS_LIMIT:.0%}), lora_sync={cfg.lora_sync_mode}: the rollouts came from another policy "
                    "(stale KV cache? a lost sync?)")
-        self.metrics.record_logprob_gap(cfg.lora_sync)
+        self.metrics.record_logprob_gap(cfg.lora_sync_mode)
         if cfg.logprob_gap_check in ("error", "resync"):  # resync: _run_step re-syncs and samples again
             raise LogprobGapError(message)
         log.warning(message)

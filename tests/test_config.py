@@ -184,6 +184,17 @@ def test_cpu_rule_fits_the_machine():
         PPOConfig(learner_num_cpus=-1)
 
 
+def test_lora_sync_auto_merges_on_the_cpu():
+    """Issue 33: lora_sync auto = merged for a CPU generator (vLLM's CPU LoRA path is the slow
+    one), adapter for a GPU generator; an explicit mode is kept."""
+    assert PPOConfig().lora_sync == "auto" and PPOConfig().lora_sync_mode == "merged"
+    assert PPOConfig(generator_num_gpus=0.5).lora_sync_mode == "adapter"
+    assert PPOConfig(lora_sync="adapter").lora_sync_mode == "adapter"
+    assert PPOConfig(generator_num_gpus=1, lora_sync="merged").lora_sync_mode == "merged"
+    with pytest.raises(ConfigError, match="'lora_sync'"):
+        PPOConfig(lora_sync="both")
+
+
 def test_cli_syntaxes():
     """--field value, --field=value, --field-name, YAML values (null, comma lists, flow
     mappings, bools), positionals anywhere."""

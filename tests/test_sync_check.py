@@ -112,11 +112,12 @@ def test_the_sync_check_is_cheap_and_reported(tiny_trainer):
 
 
 MODES = [
-    pytest.param(dict(overlap_generation=True), id="overlap-learner-adapter"),
+    pytest.param(dict(overlap_generation=True, lora_sync="adapter"), id="overlap-learner-adapter"),
     pytest.param(dict(overlap_generation=True, lora_sync="merged"), id="overlap-learner-merged"),
-    pytest.param(dict(old_logprobs="generator"), id="sync-generator-adapter"),
+    pytest.param(dict(old_logprobs="generator", lora_sync="adapter"), id="sync-generator-adapter"),
     pytest.param(dict(old_logprobs="generator", lora_sync="merged"), id="sync-generator-merged"),
-    pytest.param(dict(overlap_generation=True, old_logprobs="generator"), id="overlap-generator-adapter"),
+    pytest.param(dict(overlap_generation=True, old_logprobs="generator", lora_sync="adapter"),
+                 id="overlap-generator-adapter"),
     pytest.param(dict(overlap_generation=True, old_logprobs="generator", lora_sync="merged"),
                  id="overlap-generator-merged"),
     pytest.param(dict(lora_sync="merged"), id="sync-learner-merged"),
@@ -157,4 +158,4 @@ def test_the_rollout_check_counts_tokens_outside_the_learners_support():
     stats.truncated_tokens += 1
     with pytest.raises(LogprobGapError, match="11 of its 1000 sampled tokens are outside the learner's"):
         PPOTrainer._check_logprob_gap(trainer, stats)
-    assert counted == ["adapter"]
+    assert counted == [trainer.config.lora_sync_mode]
