@@ -48,7 +48,9 @@ computed / real tokens, over its no-grad pass and PPO epochs; Learner.update's s
 base: input gradients only), plus LoRA, causal attention and the policy's lm_head on response
 tokens; padding and recomputation not counted) over the update's (the PPO epochs') or the
 whole learner's seconds, over the card's dense bf16 peak (``PEAK_BF16_FLOPS``: 989.4 TFLOP/s
-for the H100 SXM and the H200). Other ``--field value`` options go to the config (the
+for the H100 SXM and the H200). ``floor_fraction_update``: the update's FLOPs at the
+device's own measured matmul rate (``gemm``, measured at the start: an 8192^3 bf16 GEMM on a
+GPU, 2048^3 fp32 on the CPU) over its seconds. Other ``--field value`` options go to the config (the
 learner speed options of ppo_ray.config; the preset turns them on).
 
 JSON on stdout and in ``--out`` (rewritten after every measurement, so a run stopped by a
@@ -69,7 +71,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from benchmarks.clock import DeviceClock
-from benchmarks.flops import learner_flops  # noqa: F401 - benchmarks.learner_profile imports it from here
+from benchmarks.flops import gemm_rate, learner_flops  # noqa: F401 - benchmarks.learner_profile imports learner_flops from here
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET = REPO / "configs" / "qwen3-0.6b-tldr.yaml"
@@ -181,6 +183,8 @@ def measure_batch(baseline, reference, batch_size: int, args, timer: DeviceClock
                               cfg.ppo_epochs, cfg.lora_r, cfg.lora_target_modules,
                               models=1 if cfg.value_model == "shared" else 2)
         row.update(update_flop=flops["update"], learner_forward_flop=flops["learner_forward"])
+        # the fraction of the FLOP floor: the update's FLOPs at the device's measured matmul rate
+        row["floor_fraction_update"] = flops["update"] / row["update"] / args.gemm["flops_per_s"]
         if args.peak:
             row["mfu_update"] = flops["update"] / row["update"] / args.peak
             row["mfu_learner"] = (flops["update"] + flops["learner_forward"]) / upd / args.peak
@@ -195,7 +199,8 @@ def measure_batch(baseline, reference, batch_size: int, args, timer: DeviceClock
         print(f"[gpu_step] B={batch_size} step {i + 1}/{n}{' (warm-up)' if i < args.warmup else ''}: "
               + " ".join(f"{k}={row[k]:.3f}" for k in ("generate", "reference", "reward", "learner_forward",
                                                          "update", "lora_export", "step", "padded_token_ratio",
-                                                         "mfu_update", "mfu_learner") if k in row),
+                                                         "floor_fraction_update", "mfu_update", "mfu_learner")
+                         if k in row),
               file=sys.stderr, flush=True)
         if i >= args.warmup:
             per_step.append(row)
@@ -266,6 +271,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     args.shape = MODELS[args.model]
     args.peak = peak_flops(result["machine"].get("gpu", ""))
     result.update(peak_bf16_flops=args.peak, mfu="model FLOPs of the real tokens (learner_flops) / seconds / peak_bf16_flops")
+    # the device's measured matmul rate (benchmarks.flops.gemm_rate: an 8192^3 bf16 GEMM on a GPU,
+    # 2048^3 fp32 on the CPU): the floor that floor_fraction_update is measured against
+    gpu = device.startswith("cuda")
+    args.gemm = result["gemm"] = gemm_rate(8192 if gpu else 2048, "bfloat16" if gpu else "float32", device)
 
     def save() -> None:
         if args.out:

@@ -268,6 +268,8 @@ def test_gpu_step_benchmark_on_cpu(tmp_path):
     assert result["parameters"] > 0 and result["model_shape"]["vocab_size"] == 151936
     assert summary["padded_token_ratio"]["median"] >= 1.0 and summary["update_flop"]["median"] > 0
     assert "mfu_update" not in summary  # no GPU, no peak rate
+    assert result["gemm"]["flops_per_s"] > 0 and result["gemm"]["dtype"] == "float32"
+    assert summary["floor_fraction_update"]["median"] > 0  # the floor is measured on any device
 
 
 def test_gpu_step_passes_learner_options_and_counts_flops():
