@@ -560,7 +560,9 @@ def describe(config) -> dict:
             "dtype", "lora_r", "lora_target_modules", "temperature", "top_k", "top_p", "reward_funcs",
             "max_prompt_length", "generator_num_cpus", "learner_num_cpus", "scorer_num_cpus", "vllm_kv_cache_gib",
             "lora_sync", "old_logprobs")
-    return {k: getattr(config, k) for k in (*keys, "overlap_generation") if hasattr(config, k)}
+    out = {k: getattr(config, k) for k in (*keys, "overlap_generation") if hasattr(config, k)}
+    # what the auto fields resolved to on this run (lora_sync / old_logprobs "auto")
+    return {**out, "lora_sync_mode": config.lora_sync_mode, "old_logprobs_source": config.old_logprobs_source}
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace, list[str]]:

@@ -46,7 +46,9 @@ def test_placement_fails_fast_on_one_node(ray_session, tiny_model_dir):
 
     t0 = time.perf_counter()
     with pytest.raises(ClusterError) as info:
-        PPOTrainer(tiny_test_config(placement_strategy="STRICT_SPREAD", placement_timeout_s=2.0))
+        # explicit reservations (a CPU-only run reserves none by default: nothing to spread)
+        PPOTrainer(tiny_test_config(placement_strategy="STRICT_SPREAD", placement_timeout_s=2.0,
+                                    generator_num_cpus=1, learner_num_cpus=1))
     elapsed = time.perf_counter() - t0
     assert elapsed >= 2.0, elapsed  # it waited placement_timeout_s for the group, no less
     message = str(info.value)
