@@ -30,7 +30,7 @@ def test_config_choices_are_the_registry_names():
 
 
 def test_unknown_mode_is_an_error_naming_it():
-    with pytest.raises(ConfigError, match=r"'lora_sync' = 'nccl' is invalid: must be one of \['adapter', 'merged'\]"):
+    with pytest.raises(ConfigError, match=r"'lora_sync' = 'nccl' is invalid: must be one of \['auto', 'adapter', 'merged'\]"):
         PPOConfig(lora_sync="nccl")
     with pytest.raises(ValueError, match=r"lora_sync: unknown mode 'nccl'; the modes are \['adapter', 'merged'\]"):
         sync_class("nccl")
