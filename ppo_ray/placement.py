@@ -360,19 +360,17 @@ class GeneratorHost(_Host):
 CPU_SHARE_ENV = "PPO_RAY_CPU_SHARE"
 
 
-def _set_torch_threads(threads: int = 0) -> int:
+def _set_torch_threads(threads: int = 0) -> None:
     """torch.set_num_threads(threads) when > 0; at 0 the CPU rule (PPOConfig.cpu_share) that
     the actor's or stage task's environment carries: its node's cores // PPO_RAY_CPU_SHARE
-    (at least 1), or, without that variable, Ray's OMP_NUM_THREADS from the CPUs it reserves.
-    Returns the threads torch uses now."""
-    import torch
-
+    (at least 1), or, without that variable, Ray's OMP_NUM_THREADS from the CPUs it reserves."""
     share = int(os.environ.get(CPU_SHARE_ENV, "0") or 0)
     if threads <= 0 and share > 0:
         threads = max(1, len(os.sched_getaffinity(0)) // share)
     if threads > 0:
+        import torch
+
         torch.set_num_threads(threads)
-    return torch.get_num_threads()
 
 
 def cpu_share_env(config: PPOConfig, role: str) -> dict[str, str]:
