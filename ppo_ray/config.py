@@ -320,7 +320,7 @@ class PPOConfig:
     num_generators: int = 1
     """vLLM generator replicas; prompts are split across them."""
     generator_num_cpus: Optional[float] = None
-    """CPUs reserved per generator actor; None = auto: 1 when the run uses a GPU, 0 on a CPU-only run (its phases take turns on the cores; PPOConfig.cpu_share)."""
+    """CPUs reserved per generator actor; None = auto: 1 when the run uses a GPU, 0 on a CPU-only run, where the generator then takes every core of its node for its torch threads, on which vLLM's in-process CPU engine computes (its phases take turns on the cores; halved under overlap_generation; PPOConfig.cpu_share). A number = that reservation and Ray's rule: torch threads = the CPUs reserved."""
     generator_num_gpus: float = 0.0
     """GPUs (fractional allowed) per generator actor; 0 on a CPU-only machine."""
     num_learners: int = 1
@@ -585,9 +585,11 @@ class PPOConfig:
         """The CPU rule for one actor or stage task: N = its torch threads are the node's
         cores // N (set in the actor, which knows its node); 0 = Ray's rule (OMP_NUM_THREADS from
         the CPUs it reserves). role: generator, learner, reference, reward or stage."""
-        if self.uses_gpus or role == "generator":  # the vLLM engine binds its own threads (actors.vllm_engine)
+        if self.uses_gpus:
             return 0
         overlap = 2 if self.overlap_generation else 1  # the generator runs beside everything else
+        if role == "generator":  # the in-process vLLM engine computes on this actor's torch threads
+            return overlap * self.num_generators if self.generator_num_cpus is None else 0
         if role in ("reference", "reward"):
             return 2 * overlap if self.scorer_num_cpus == 0 and self.scorer_torch_threads == 0 else 0
         if role == "stage":

@@ -310,6 +310,7 @@ class GeneratorHost(_Host):
         quiet_libraries(config.log_level)
         from actors.generator import Generator
 
+        _set_torch_threads()  # before the engine: vLLM's CPU worker then freezes torch.set_num_threads
         self.log = actor_logger(config.log_level)
         self.model_dir = local_model_dir(model_dir)
         self.generator = Generator.from_config(config, self.model_dir)
@@ -702,14 +703,15 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
     try:
         wait_ready(roles)
         form_learner_group(roles)
-        threads = ray.get([actor.torch_threads.remote() for actor in (ref, rew, learners[0])])
+        threads = ray.get([actor.torch_threads.remote() for actor in (gens[0], ref, rew, learners[0])])
     except BaseException:
         roles.release()
         raise
     reserved = ", ".join(f"{d.role} {d.cpus:g}" for d in demands)
     rule = ("CPU-only: the phases take turns on the node's cores" if config.cpu_share("learner")
             else "Ray's rule: threads = CPUs reserved")
-    log.info("CPUs reserved: %s; torch threads: reference %d, reward %d, learner %d (%s)", reserved, *threads, rule)
+    log.info("CPUs reserved: %s; torch threads: generator %d, reference %d, reward %d, learner %d (%s)", reserved,
+             *threads, rule)
     return roles
 
 

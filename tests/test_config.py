@@ -162,19 +162,20 @@ def test_placement_fields(tmp_path):
 
 def test_cpu_rule_fits_the_machine():
     """Issue 33: a CPU-only run reserves no CPU for its actors and gives each phase the node's
-    cores (the learner all of them, the two scorers, which run together, half each; the
-    generator under overlap_generation shares them); with a GPU, or an explicit reservation,
+    cores (the generator and the learner all of them, the two scorers, which run together,
+    half each; under overlap_generation the generator and the learners share them); with a GPU, or an explicit reservation,
     Ray's rule (threads = the CPUs reserved) as before."""
     cfg = PPOConfig()
     assert not cfg.uses_gpus and cfg.generator_num_cpus is None and cfg.learner_num_cpus is None
     assert [cfg.num_cpus(r) for r in ("generator", "learner", "reference", "reward")] == [0.0] * 4
-    assert [cfg.cpu_share(r) for r in ("generator", "learner", "reference", "reward", "stage")] == [0, 1, 2, 2, 1]
+    assert [cfg.cpu_share(r) for r in ("generator", "learner", "reference", "reward", "stage")] == [1, 1, 2, 2, 1]
     assert cfg.stage_demand[0] == 0.0
     overlap = cfg.replace(overlap_generation=True, num_learners=2)
-    assert [overlap.cpu_share(r) for r in ("learner", "reference", "stage")] == [4, 4, 1]
+    assert [overlap.cpu_share(r) for r in ("generator", "learner", "reference", "stage")] == [2, 4, 4, 1]
+    assert cfg.replace(generator_num_cpus=1).cpu_share("generator") == 0
     gpu = cfg.replace(learner_num_gpus=0.5, generator_num_gpus=0.5)
     assert gpu.uses_gpus and [gpu.num_cpus(r) for r in ("generator", "learner", "reference")] == [1.0, 1.0, 0.0]
-    assert [gpu.cpu_share(r) for r in ("learner", "reference", "stage")] == [0, 0, 0]
+    assert [gpu.cpu_share(r) for r in ("generator", "learner", "reference", "stage")] == [0, 0, 0, 0]
     assert cfg.replace(stage_num_gpus=1.0).uses_gpus
     explicit = cfg.replace(learner_num_cpus=2, scorer_torch_threads=1)
     assert explicit.num_cpus("learner") == 2.0 and explicit.stage_demand[0] == 2.0

@@ -165,13 +165,15 @@ def test_sync_changes_generation(tiny_trainer):
 
 def test_cpu_only_actors_take_the_cores_by_default(tiny_trainer):
     """Issue 33: the tests' config sets no *_num_cpus, so on this CPU-only machine the
-    learner's torch threads are every core the actor may run on and each scorer's half of
-    them (the reference and reward run at the same time): not Ray's 1 thread per reserved CPU."""
+    generator's (vLLM's in-process CPU engine computes on them) and the learner's torch threads
+    are every core the actor may run on and each scorer's half of them (the reference and reward
+    run at the same time): not Ray's 1 thread per reserved CPU."""
     roles = tiny_trainer.roles
     assert tiny_trainer.config.learner_num_cpus is None and not tiny_trainer.config.uses_gpus
     cores = on_actor(roles.learner, lambda host: len(os.sched_getaffinity(0)))
-    threads = ray.get([actor.torch_threads.remote() for actor in (roles.learner, roles.reference, roles.reward)])
-    assert threads == [cores, max(1, cores // 2), max(1, cores // 2)]
+    threads = ray.get([actor.torch_threads.remote()
+                       for actor in (roles.generators[0], roles.learner, roles.reference, roles.reward)])
+    assert threads == [cores, cores, max(1, cores // 2), max(1, cores // 2)]
 
 
 def test_bad_prompts_fail_clearly_and_leave_state_intact(tiny_trainer):
