@@ -156,12 +156,18 @@ def gemm_rate(n: int = 2048, dtype: str = "float32", device: str = "cpu", thread
 def floor_report(flops_per_step: Sequence[dict], seconds_per_step: Sequence[dict], rate: float) -> dict:
     """Per phase over the timed steps: total FLOPs, the floor (FLOPs / rate), the measured
     seconds, achieved FLOP/s and the fraction of the floor (floor / measured); and the same
-    for the phases together ("step": the five phases' FLOPs against the whole step's seconds)."""
+    for the phases together ("step": the five phases' FLOPs against the whole step's seconds).
+    The reference and reward scorers run at the same time, each on its share of the cores, so
+    each one's fraction against the whole machine's rate reads low; "scorers" counts the two
+    together against the wall time they share (the slower one's, per step)."""
     out = {}
     for phase in flops_per_step[0]:
         flop = sum(f[phase] for f in flops_per_step)
         seconds = sum(s[phase] for s in seconds_per_step)
         out[phase] = _row(flop, seconds, rate)
+    if "reference" in out and "reward" in out:
+        out["scorers"] = _row(out["reference"]["flop"] + out["reward"]["flop"],
+                              sum(max(s["reference"], s["reward"]) for s in seconds_per_step), rate)
     total = sum(sum(f.values()) for f in flops_per_step)
     out["step"] = _row(total, sum(s["step"] for s in seconds_per_step), rate)
     return out

@@ -29,7 +29,9 @@ What runs, in order:
    reward, learner_forward, update; forward 2 N per token plus LoRA, attention and the
    lm_head, the frozen base's backward as input gradients only); per phase over the K steps,
    FLOPs / that rate (the floor), achieved FLOP/s and ``fraction_of_floor`` = floor /
-   measured seconds. The learner's value model is counted at the policy's shape.
+   measured seconds; "scorers" = the reference and reward together against the wall time
+   they share (they run at the same time, each on its share of the cores). The learner's
+   value model is counted at the policy's shape.
 
 Phases of our step (PPOTrainer.ppo_step's ``time/*`` keys; every actor times its own work):
 

@@ -84,8 +84,12 @@ def test_step_benchmark_report(tiny_trainer):
     # the FLOP floor: a measured GEMM rate, each phase's FLOPs on the steps' real tokens
     assert result["gemm"]["flops_per_s"] > 0 and result["gemm"]["n"] == 2048
     floor = result["ours"]["floor"]
-    assert set(floor) == {"generate", "reference", "reward", "learner_forward", "update", "step"}
+    assert set(floor) == {"generate", "reference", "reward", "scorers", "learner_forward", "update", "step"}
     assert floor["reward"]["flop"] == 0  # the tiny config's reward is a function, no model
+    # the two scorers together, against the wall time they share
+    per_step = result["ours"]["per_step"]
+    assert floor["scorers"]["flop"] == floor["reference"]["flop"] + floor["reward"]["flop"]
+    assert floor["scorers"]["measured_s"] == pytest.approx(sum(max(s["reference"], s["reward"]) for s in per_step))
     for phase in ("generate", "reference", "learner_forward", "update"):
         row = floor[phase]
         assert row["flop"] > 0 and row["floor_s"] == pytest.approx(row["flop"] / result["gemm"]["flops_per_s"])
