@@ -75,7 +75,8 @@ def forward_flops(shape: dict, prompt_lens: Sequence[int], response_lens: Sequen
 
 
 def learner_flops(shape: dict, prompt_lens: Sequence[int], response_lens: Sequence[int], ppo_epochs: int,
-                  lora_r: int, lora_targets: Sequence[str], models: int = 2) -> dict[str, float]:
+                  lora_r: int, lora_targets: Sequence[str], models: int = 2,
+                  value_pass: bool = True) -> dict[str, float]:
     """Model FLOPs of Learner.update on REAL tokens (padding counts as waste, not work), for
     `models` models of the policy's shape (policy and value model; 1 for ``value_model:
     shared`` or an estimator without a critic):
@@ -84,15 +85,17 @@ def learner_flops(shape: dict, prompt_lens: Sequence[int], response_lens: Sequen
       backward    the base weights are frozen, so only input gradients: 1x the forward's base
                   and lm_head matmuls, 2x its LoRA matmuls (input and A/B gradients), 2x its
                   attention matmuls (dQ, dK, dV, dP); recomputation (checkpointing) not counted
-    learner_forward = one forward of the models (the no-grad pass), update = ppo_epochs x
-    (forward + backward)."""
+    learner_forward = one forward of the models (the no-grad pass; value_pass=False: the
+    policy's alone, a separate value model's old values coming from the update's first
+    forward, Learner.values_in_update), update = ppo_epochs x (forward + backward)."""
     base, lora, attn, head = _counts(shape, prompt_lens, response_lens, lora_r, lora_targets)
     forward = models * (base + lora + attn) + head
+    no_grad = forward if value_pass or models == 1 else base + lora + attn + head
     backward = models * (base + 2 * lora + 2 * attn) + head
     h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
     n_mat = layers * (h * q + 2 * h * kv + q * h + 3 * h * inter)
-    return {"learner_forward": float(forward), "update": float(ppo_epochs * (forward + backward)),
+    return {"learner_forward": float(no_grad), "update": float(ppo_epochs * (forward + backward)),
             "matmul_parameters": float(n_mat), "real_tokens": float(sum(p + r for p, r in zip(prompt_lens,
                                                                                                response_lens)))}
 
@@ -103,21 +106,25 @@ def step_flops(shapes: dict[str, dict], prompt_lens: Sequence[int], response_len
     on these rows. `shapes`: "policy" (also the reference's and the value model's shape) and
     "reward" (None: the reward comes from functions, 0 FLOPs). recomputed=False: the step took
     the generator's old logprobs (old_logprobs: generator, between check versions), so the
-    learner's no-grad pass ran the value model alone (the trunk, no lm_head)."""
+    learner's no-grad pass ran the value model alone (the trunk, no lm_head), or nothing when
+    the old values came from the update's first forward too (old_values: update)."""
     from learner.algos import advantage_estimator
 
     policy, targets = shapes["policy"], list(config.lora_target_modules)
-    critic = advantage_estimator(config.advantage_estimator).needs_critic
+    estimator = advantage_estimator(config.advantage_estimator)
+    critic = estimator.needs_critic
     models = 2 if critic and config.value_model == "separate" else 1
+    # Learner.values_in_update on a batch of batch_size rows
+    value_pass = not (models == 2 and estimator.per_row and config.old_values_source == "update")
     learner = learner_flops(policy, prompt_lens, response_lens, config.ppo_epochs, config.lora_r, targets,
-                            models=models)
+                            models=models, value_pass=value_pass)
+    trunk = sum(_counts(policy, prompt_lens, response_lens, config.lora_r, targets)[:3])
     return {
         "generate": forward_flops(policy, prompt_lens, response_lens, lora_r=config.lora_r, lora_targets=targets),
         "reference": forward_flops(policy, prompt_lens, response_lens),
         "reward": (forward_flops(shapes["reward"], prompt_lens, response_lens, logits=False)
                    if shapes.get("reward") else 0.0),
-        "learner_forward": learner["learner_forward"] if recomputed else (
-            sum(_counts(policy, prompt_lens, response_lens, config.lora_r, targets)[:3]) if critic else 0.0),
+        "learner_forward": learner["learner_forward"] if recomputed else (trunk if critic and value_pass else 0.0),
         "update": learner["update"],
     }
 

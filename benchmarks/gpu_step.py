@@ -181,7 +181,8 @@ def measure_batch(baseline, reference, batch_size: int, args, timer: DeviceClock
         cfg = baseline.learner.config
         flops = learner_flops(args.shape, batch.prompt_mask.sum(1).tolist(), batch.response_mask.sum(1).tolist(),
                               cfg.ppo_epochs, cfg.lora_r, cfg.lora_target_modules,
-                              models=1 if cfg.value_model == "shared" else 2)
+                              models=1 if cfg.value_model == "shared" else 2,
+                              value_pass=not baseline.learner.values_in_update(len(batch)))
         row.update(update_flop=flops["update"], learner_forward_flop=flops["learner_forward"])
         # the fraction of the FLOP floor: the update's FLOPs at the device's measured matmul rate
         row["floor_fraction_update"] = flops["update"] / row["update"] / args.gemm["flops_per_s"]

@@ -337,7 +337,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         scores = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
         plens, rlens = batch.prompt_mask.sum(1).tolist(), batch.response_mask.sum(1).tolist()
         flops = learner_flops(shape, plens, rlens, config.ppo_epochs, config.lora_r, config.lora_target_modules,
-                              models=1 if args.value_model == "shared" else 2)
+                              models=1 if args.value_model == "shared" else 2,
+                              value_pass=not learner.values_in_update(len(batch)))
         result.update(value_model=args.value_model, setup_s=time.perf_counter() - t_start, flops=flops, batch_size=args.batch_size,
                       ppo_epochs=config.ppo_epochs, mean_prompt=sum(plens) / len(plens),
                       mean_response=sum(rlens) / len(rlens))

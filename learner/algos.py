@@ -473,6 +473,7 @@ class AdvantageEstimator:
     needs_critic: bool
     needs_groups: bool = False  # reads inputs.groups: needs samples_per_prompt >= MIN_GROUP_SIZE
     normalized: bool = False    # its advantages are on its method's own scale: whiten_advantages is not applied
+    per_row: bool = False       # a row's advantages depend on that row's inputs alone (old_values: update needs it)
 
 
 # A group baseline needs another sample of the same prompt: samples_per_prompt below this is a
@@ -483,17 +484,20 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
 def register_estimator(name: str, *, needs_critic: bool, needs_groups: bool = False,
-                       normalized: bool = False) -> Callable:
+                       normalized: bool = False, per_row: bool = False) -> Callable:
     """Decorator: register ``fn(inputs: AdvantageInputs) -> Tensor`` as the advantage
     estimator ``name`` (the config's ``advantage_estimator``). A new estimator is one such
     function and this line above it; a name is registered once. ``needs_groups``: it reads
     ``inputs.groups`` (several samples per prompt); ``normalized``: its output is already
-    scaled as its method defines, so the learner does not whiten it again."""
+    scaled as its method defines, so the learner does not whiten it again; ``per_row``: a
+    row's advantages depend on that row's inputs alone (then the value model's first training
+    forward can give the old values, config old_values: update)."""
     def register(fn: Callable[[AdvantageInputs], Tensor]) -> Callable[[AdvantageInputs], Tensor]:
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered "
                              f"({ADVANTAGE_ESTIMATORS[name].fn.__qualname__})")
-        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, fn, needs_critic, needs_groups, normalized)
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, fn, needs_critic, needs_groups, normalized,
+                                                         per_row)
         return fn
     return register
 
@@ -507,7 +511,7 @@ def advantage_estimator(name: str) -> AdvantageEstimator:
                          f"{sorted(ADVANTAGE_ESTIMATORS)} (learner/algos.py, register_estimator)") from None
 
 
-@register_estimator("gae", needs_critic=True)
+@register_estimator("gae", needs_critic=True, per_row=True)
 def gae_advantages(inputs: AdvantageInputs) -> Tensor:
     """[GAE] over the shaped rewards and the critic's old values (the seeds' step 5)."""
     return compute_gae_advantages(inputs.rewards, inputs.values, inputs.mask, inputs.gamma, inputs.lam)

@@ -62,6 +62,13 @@ class Experience:
                        **{name: getattr(self, name)[:, :t_keep] for name in self._per_token()})
 
 
+def micro_row_groups(rows: list[int], plan: TrimPlan, micro_batch_size: int, sort: bool) -> list[list[int]]:
+    """`rows` micro_batch_size at a time: in their order, or longest first (`sort`)."""
+    if sort:
+        rows = plan.by_length(rows)
+    return [rows[i: i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
+
+
 class ExperienceBuffer:
     """Shuffled minibatches (seeded) and trimmed micro-batches over one Experience."""
 
@@ -88,10 +95,7 @@ class ExperienceBuffer:
         """The minibatch's rows, micro_batch_size at a time: in the minibatch's (shuffled)
         order, or longest first (`sort`). Gradient accumulation sums the micro-batches'
         losses, so the grouping changes the gradient only by float summation order."""
-        rows = minibatch.tolist()
-        if self.sort:
-            rows = self.plan.by_length(rows)
-        return [rows[i: i + self.micro_batch_size] for i in range(0, len(rows), self.micro_batch_size)]
+        return micro_row_groups(minibatch.tolist(), self.plan, self.micro_batch_size, self.sort)
 
     def micro_batch(self, rows: Sequence[int]) -> Experience:
         """These rows, trimmed to their own widths, with their host counts."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -31,6 +31,10 @@ from learner.algos import (AdvantageEstimator, AdvantageInputs, compute_returns,
                            importance_weights, kl_penalty, masked_mean, masked_whiten, mismatch_stats, shape_rewards)
 from learner.buffer import Experience
 from ppo_ray.batch import RolloutBatch
+
+
+# (rows, their (b, t) old values) -> their (b, t) returns: make_experience's gift to a value_pass
+ReturnsOf = Callable[[list[int], Tensor], Tensor]
 
 
 @dataclass
@@ -51,7 +55,8 @@ def score_tensors(scores: RolloutScores) -> list[Optional[Tensor]]:
 @torch.no_grad()
 def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tensor, scores: Tensor, *, config,
                     kl_coef: float, estimator: AdvantageEstimator, stale: int, recomputed: bool,
-                    rows_kept: Tensor) -> tuple[Experience, dict[str, Tensor]]:
+                    rows_kept: Tensor, value_pass: Optional[Callable[[ReturnsOf], Tensor]] = None
+                    ) -> tuple[Experience, dict[str, Tensor]]:
     """Steps 2-6 on one device (batch, fwd, ref_logprobs (B, T) and scores (B,) all on it).
 
     Args:
@@ -65,6 +70,10 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
             PPO's trust region is around what was sampled.
         recomputed: whether fwd's logprobs are the learner's own (else the generator's).
         rows_kept: (B,) bool, the rows whose score was finite.
+        value_pass: with a critic and no fwd.values (old_values: update), what gives the old
+            values once the rewards are shaped: called with `returns_of(rows, old_values)`
+            (those rows' (b, t) returns from their (b, t) old values; the estimator is
+            per_row), it trains the value model on them and returns the (B, T) old values.
 
     Returns:
         (the Experience, the rollouts' statistics by LearnerStats field name).
@@ -93,6 +102,20 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
     #    its targets, the returns G_t = A_t + V_t.
     #    A group estimator (needs_groups) reads the batch's group ids; their returns are the
     #    sums of these shaped rewards (learner.algos, "group baselines").
+    if estimator.needs_critic and values is None:  # old_values: update
+        if value_pass is None or not estimator.per_row:
+            why = ("no value_pass was given" if value_pass is None else
+                   f"estimator {estimator.name!r} is not per_row (its returns need every row's values)")
+            raise ValueError(f"make_experience: the critic's old values are missing (fwd.values is None) and {why}")
+
+        def returns_of(rows: list[int], old_values: Tensor) -> Tensor:
+            t = old_values.shape[1]
+            m = mask[rows, :t]
+            a = estimator.fn(AdvantageInputs(rewards=rewards[rows, :t], mask=m, scores=scores[rows],
+                                             values=old_values, gamma=config.gamma, lam=config.lam))
+            return compute_returns(a, old_values, m)
+
+        values = value_pass(returns_of)
     if estimator.needs_groups and batch.groups is None:
         raise ValueError(f"advantage_estimator {estimator.name!r} needs the rollouts' group ids "
                          "(RolloutBatch.groups, set by the generator); this batch has none")

@@ -135,7 +135,7 @@ class Learner:
         "ppo_dropout", "value_model", "value_model_name", "learner_sort_by_length", "learner_layout",
         "logprob_chunk_size", "rms_norm_kernel", "gradient_checkpointing", "lora_kernel", "learner_compile",
         "learner_compile_scope",
-        "old_logprobs", "old_logprobs_check_every")
+        "old_logprobs", "old_logprobs_check_every", "old_values")
 
     def __init__(self, config: PPOConfig | ConfigSlice, model_path: str, value_model_path: Optional[str] = None,
                  device: Optional[str] = None):
@@ -361,6 +361,24 @@ class Learner:
         cfg = self.config
         return cfg.old_logprobs_source == "learner" or self.version % cfg.old_logprobs_check_every == 0
 
+    def values_in_update(self, rows: int) -> bool:
+        """Whether the old values of a `rows`-row batch come from the PPO epochs' first value
+        forward (old_values: update, or auto where it applies: PPOConfig.old_values_source,
+        with a critic whose estimator is per_row and one minibatch over these rows) instead of
+        the value model's no-grad pass. old_values: update where it cannot apply is an error."""
+        cfg = self.config
+        source = cfg.old_values_source
+        if not self.critic or source == "forward":
+            return False
+        why = None
+        if not self.estimator.per_row:
+            why = f"advantage_estimator {self.estimator.name!r} is not per_row (its returns need every row's values)"
+        elif rows > cfg.effective_mini_batch_size:
+            why = f"the batch's {rows} rows are more than one minibatch ({cfg.effective_mini_batch_size})"
+        if why and cfg.old_values == "update":
+            raise ValueError(f"old_values: update does not apply: {why}; use forward or auto")
+        return why is None
+
     def _generator_logprobs(self, batch: RolloutBatch, fwd: RolloutScores) -> RolloutScores:
         """fwd (values only) completed from the generator's logprobs of the sampled tokens
         (old_logprobs: generator; untruncated sampling, so they are the full-softmax
@@ -462,10 +480,15 @@ class Learner:
         #    for the PPO ratio; full-softmax logprobs at temperature for the KL; old values.
         #    (old_logprobs: generator: the generator's logprobs stand in for the policy's, which
         #    the learner then recomputes only at every old_logprobs_check_every-th version.)
+        #    (old_values: update: the value model's first training forward gives the old values,
+        #    below; its no-grad pass does not run.)
         recompute = self.recomputes_old_logprobs()
-        with cached_casts(*self.models):  # no weight changes in this pass
-            fwd = self._grouprollout_scores(batch, plan, logprobs=recompute, full=recompute, entropy=recompute,
-                                           values=self.critic)
+        values_in_update = self.values_in_update(len(batch))
+        fwd = RolloutScores(None, None, None, None)
+        if recompute or (self.critic and not values_in_update):
+            with cached_casts(*self.models):  # no weight changes in this pass
+                fwd = self._grouprollout_scores(batch, plan, logprobs=recompute, full=recompute, entropy=recompute,
+                                               values=self.critic and not values_in_update)
         if not recompute:
             fwd = self._generator_logprobs(batch, fwd)
         if self.device.type == "cuda":
@@ -475,10 +498,21 @@ class Learner:
         # 2-6. KL_t, shaped rewards, advantages (the configured estimator) and returns, with
         #      the rollouts' statistics (learner.experience). Overlap mode: rollouts one
         #      version behind, whose behaviour policy is the generator's.
+        #      old_values: update: the value model trains on the first minibatch (the whole
+        #      batch) within, once the rewards are shaped: learner.optimise.value_pass.
         stale = self.version - batch.adapter_version
-        experience, rollout_stats = make_experience(
-            batch, fwd, ref_logprobs, scores, config=cfg, kl_coef=self.kl_coef, estimator=self.estimator,
-            stale=stale, recomputed=recompute, rows_kept=rows_kept)
+        trained: dict[str, Tensor] = {}
+
+        def value_pass(returns_of) -> Tensor:
+            values, sums = self.optimiser.value_pass(batch, plan, self.version, returns_of)
+            trained.update(sums)
+            return values
+
+        with cached_casts(*self.models):
+            experience, rollout_stats = make_experience(
+                batch, fwd, ref_logprobs, scores, config=cfg, kl_coef=self.kl_coef, estimator=self.estimator,
+                stale=stale, recomputed=recompute, rows_kept=rows_kept,
+                value_pass=value_pass if values_in_update else None)
         if self.experience_hook is not None:
             self.experience_hook(experience)
         buffer = ExperienceBuffer(experience, cfg.effective_mini_batch_size, cfg.micro_batch_size, plan,
@@ -487,7 +521,8 @@ class Learner:
         # 7. PPO epochs x shuffled minibatches x micro-batches: value loss and PPO-clip.
         learning_rate = self.optimiser.learning_rate  # the step's first (scheduled) lr
         with cached_casts(*self.models):  # cleared after every optimiser step
-            ppo = self.optimiser.run(buffer, self.models, self.version, self.kl_coef)
+            ppo = self.optimiser.run(buffer, self.models, self.version, self.kl_coef,
+                                     value_pass=trained if values_in_update else None)
 
         # 8. New version; stats (one host sync) and the new adapter for the generator.
         self.version += 1

@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import datetime
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from learner.algos import agg_loss, kl_penalty, ppo_clip_loss, value_loss
-from learner.buffer import Experience, ExperienceBuffer
+from learner.buffer import Experience, ExperienceBuffer, micro_row_groups
 from learner.kernels import clear_casts
 from learner.speed import SpeedPath
+from ppo_ray.batch import RolloutBatch, TrimPlan
 
 ADAM_EPS = 1e-5  # N+ (summarize_from_feedback_details ppo.py: eps=1e-5)
 
@@ -187,12 +188,51 @@ class PPOOptimiser:
         """Seeded from (seed, version): the same step of the same run shuffles the same way."""
         return torch.Generator().manual_seed((self.config.seed * 1_000_003 + version) % 2**63)
 
+    def value_pass(self, batch: RolloutBatch, plan: TrimPlan, version: int,
+                   returns_of: Callable[[list[int], Tensor], Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """old_values: update. The first epoch's value forwards and backwards, run before the
+        experience exists: with one minibatch per epoch (the whole batch, in run()'s seeded
+        order and micro-batches; this member's rows of it in a group) no optimiser step comes
+        before them, so their outputs are the old values. Each micro-batch's returns come from
+        `returns_of(rows, old_values)` ((b, t), the estimator's per-row advantages + the old
+        values); its value loss (normalised by the minibatch's count, unclipped: the clip is
+        around these same values, a no-op) is backpropagated and the gradient kept for run().
+
+        Returns the (B, T) float32 old values (0 on padding; summed across the group, so every
+        member has every row's) and the pass's sums for run() (value_loss, v_tokens)."""
+        cfg = self.config
+        mask = batch.response_mask
+        device = mask.device
+        index = torch.randperm(len(batch), generator=self.shuffle_generator(version))  # run()'s first minibatch
+        v_norm = self.normalizer(mask[index])
+        local = index[self.group.rank::self.group.world_size]
+        values = torch.zeros(mask.shape, dtype=torch.float32, device=device)
+        sums = {"value_loss": torch.zeros((), device=device), "v_tokens": torch.zeros((), device=device)}
+        self.speed.value_model.train()
+        self.value_optimizer.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            for rows in micro_row_groups(local.tolist(), plan, cfg.micro_batch_size, cfg.learner_sort_by_length):
+                micro = batch.select(rows).trimmed(*plan.widths(rows))
+                self.speed.count(plan, rows)
+                new_values = self.speed.values(micro, plan.seq_len(rows))  # (b, t) float32, with grad
+                m = micro.response_mask
+                old = torch.where(m, new_values.detach(), torch.zeros((), device=device))
+                v_loss, _ = value_loss(new_values, returns_of(rows, old), m, None, None, cfg.loss_agg, v_norm)
+                v_loss.backward()
+                values[rows, :old.shape[1]] = old
+                sums["value_loss"] += v_loss.detach()
+                sums["v_tokens"] += m.sum()
+        self.group.sum([values])  # the other members' rows are 0 here
+        return values, sums
+
     def run(self, buffer: ExperienceBuffer, models: Sequence[torch.nn.Module], version: int,
-            kl_coef: float = 0.0) -> dict[str, Tensor]:
+            kl_coef: float = 0.0, value_pass: Optional[dict[str, Tensor]] = None) -> dict[str, Tensor]:
         """ppo_epochs x shuffled minibatches x micro-batches over `buffer`, one optimiser step
         per minibatch (gradients summed across the group, each model's norm clipped);
         `models` train (dropout only with ppo_dropout) and are back in eval mode after.
-        kl_coef: the step's beta, for kl_in_loss's term.
+        kl_coef: the step's beta, for kl_in_loss's term. value_pass: value_pass()'s sums when
+        it ran (old_values: update): the value model's gradient of the first minibatch is
+        already there, so that minibatch's micro-batches train the policy only.
 
         Returns the epochs' statistics as 0-dim tensors (no host sync): the mean losses and
         gradient norms per optimiser step, the policy's per-token stats over its tokens, the
@@ -213,8 +253,12 @@ class PPOOptimiser:
 
         for model in models:  # dropout applies only with ppo_dropout (else the first ratio is exactly 1)
             model.train()
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
+        self.policy_optimizer.zero_grad(set_to_none=True)
+        if critic and value_pass is None:
+            self.value_optimizer.zero_grad(set_to_none=True)
+        elif critic:  # the first minibatch's value loss, from value_pass
+            sums["value_loss"] += value_pass["value_loss"]
+            v_tokens += value_pass["v_tokens"]
         for _ in range(cfg.ppo_epochs):
             for index in buffer.minibatch_indices(gen):
                 # the whole minibatch's counts, also in a group (each member has a share of its rows)
@@ -224,19 +268,20 @@ class PPOOptimiser:
                 for rows in (buffer.micro_rows(local) if len(local) else ()):
                     micro = buffer.micro_batch(rows)
                     self.speed.count(buffer.plan, rows)
-                    pg_loss, v_loss, st = self.micro_backward(micro, pg_norm, v_norm, kl_coef)
+                    train_value = value_pass is None or n_steps > 0
+                    pg_loss, v_loss, st = self.micro_backward(micro, pg_norm, v_norm, kl_coef, value=train_value)
                     n_pg = micro.policy_mask.sum()
-                    n_v = micro.mask.sum()
                     sums["policy_loss"] += pg_loss.detach()
                     if cfg.kl_in_loss:
                         sums["kl_loss"] += st["kl_loss"]
                     for k in POLICY_TOKEN_STATS:
                         sums[k] += st[k] * n_pg
-                    if critic:
-                        sums["value_loss"] += v_loss.detach()
+                    if v_loss is not None:
+                        n_v = micro.mask.sum()
+                        sums["value_loss"] += v_loss
                         sums["vf_clipfrac"] += st["vf_clipfrac"] * n_v
+                        v_tokens += n_v
                     pg_tokens += n_pg
-                    v_tokens += n_v
                     if n_steps == 0:  # before any optimiser step
                         first_ratio += st["ratio_mean"] * n_pg
                         first_tokens += n_pg
@@ -277,16 +322,18 @@ class PPOOptimiser:
 
     # ------------------------------------------------------------------ one micro-batch
     def micro_backward(self, mb: Experience, pg_norm: Tensor, v_norm: Tensor,
-                       kl_coef: float = 0.0) -> tuple[Tensor, Optional[Tensor], dict]:
+                       kl_coef: float = 0.0, value: bool = True) -> tuple[Tensor, Optional[Tensor], dict]:
         """Policy loss (PPO-clip - entropy bonus) and value loss of one trimmed micro-batch,
         each normalised by its minibatch's token (or row) count, and their gradients
         accumulated. With a separate value model the policy's backward runs before the value
         model's forward, so only one model's activations are alive at a time (the same
         gradients: the two losses share no graph); a shared trunk takes one backward of
         pg_loss + vf_coef * v_loss. Without a critic only the policy's loss (value loss None).
-        kl_coef: beta of kl_in_loss's term. Returns the detached losses and the stats."""
+        kl_coef: beta of kl_in_loss's term; value: False = the policy's loss alone (a separate
+        value model already trained on these rows: value_pass). Returns the detached losses
+        and the stats."""
         pg_loss, stats, new_values = self.policy_loss(mb, pg_norm, v_norm, kl_coef)
-        if not self.critic:
+        if not self.critic or not (value or self.shared):
             pg_loss.backward()
             return pg_loss.detach(), None, stats
         if not self.shared:

@@ -208,9 +208,11 @@ class PPOConfig:
     logprob_gap_tolerance: Optional[float] = None
     """Threshold of logprob_gap_check in nats; None = by dtype: 1e-3 for float32 (measured agreement ~1e-6), 0.25 for bfloat16 and float16 (measured in bfloat16 on Qwen3-0.6B's architecture: largest gap 0.067; benchmarks/RESULTS.md)."""
     old_logprobs: str = "auto"
-    """Where the rollout policy's logprobs of the sampled tokens come from (the PPO ratio's denominator and KL_t's log pi): auto (generator where it is proven equal: untruncated float32 sampling in the synchronous step, no is_correction; learner otherwise; PPOConfig.old_logprobs_source), learner (a no-grad policy forward over the rollouts at every step, the seeds' step 1) or generator (vLLM's logprobs from sampling, already in the rollouts: the learner skips the policy's no-grad forward, and its entropy stat is the sampled tokens' mean -logprob, an unbiased estimate; it still recomputes, and logprob_gap_check still runs, at every old_logprobs_check_every-th adapter version). generator needs untruncated sampling (top_k 0, top_p 1: the KL's full-softmax logprobs are then the sampled ones) and float32, where generator and learner agree to ~5e-6; under bfloat16 they differ by ~0.1 nats, so the learner recomputes. The value model's no-grad pass always runs. With overlap_generation, KL_t between checks then uses the behaviour policy's logprobs (one version old) instead of the current policy's, and behaviour_logprob_gap is not measured (NaN)."""
+    """Where the rollout policy's logprobs of the sampled tokens come from (the PPO ratio's denominator and KL_t's log pi): auto (generator where it is proven equal: untruncated float32 sampling in the synchronous step, no is_correction; learner otherwise; PPOConfig.old_logprobs_source), learner (a no-grad policy forward over the rollouts at every step, the seeds' step 1) or generator (vLLM's logprobs from sampling, already in the rollouts: the learner skips the policy's no-grad forward, and its entropy stat is the sampled tokens' mean -logprob, an unbiased estimate; it still recomputes, and logprob_gap_check still runs, at every old_logprobs_check_every-th adapter version). generator needs untruncated sampling (top_k 0, top_p 1: the KL's full-softmax logprobs are then the sampled ones) and float32, where generator and learner agree to ~5e-6; under bfloat16 they differ by ~0.1 nats, so the learner recomputes. The value model's no-grad pass runs unless old_values is update. With overlap_generation, KL_t between checks then uses the behaviour policy's logprobs (one version old) instead of the current policy's, and behaviour_logprob_gap is not measured (NaN)."""
     old_logprobs_check_every: int = 10
     """old_logprobs: generator only: the learner recomputes the policy's logprobs (and the generator-vs-learner check runs) at adapter versions 0, N, 2N, ...; 1 = every step (no saving)."""
+    old_values: str = "auto"
+    """Where the value model's old values V_old(s_t) (GAE's baseline, the value clip's centre) come from: forward (a no-grad pass of the value model over the rollouts before the PPO epochs, the seeds' step 1), update (the PPO epochs' first value forward: with one minibatch per epoch, the value model's forward at the start of the first epoch has not been updated yet, so its outputs are the old values; the value model trains on that first minibatch before the policy does, each row's returns computed from its own values, GAE being per row, and the pass is not run) or auto (update where it applies: value_model separate, one minibatch per epoch (mini_batch_size null or batch_size), no ppo_dropout, an estimator with a critic whose advantages are per row (gae); forward otherwise). The two differ only in float rounding (a training forward's values instead of a no-grad one's, and the value model's gradient summed in another order); update saves one value forward per step (benchmarks/RESULTS.md, issue 33)."""
 
     # ---------------------------------------------------------------- learner speed (same math up to float rounding; defaults = the options measured faster on both the CPU and a GPU, benchmarks/RESULTS.md)
     learner_sort_by_length: bool = False
@@ -440,6 +442,15 @@ class PPOConfig:
             need(self.dtype == "float32", "old_logprobs",
                  f"generator needs dtype float32 (got {self.dtype}): in half precision vLLM's and the learner's "
                  "logprobs differ by ~0.1 nats, so the learner must recompute them (old_logprobs: learner)")
+        if self.old_values == "update":
+            need(self.value_model == "separate", "old_values",
+                 "update needs value_model: separate (a shared trunk's values come with the policy's forward, "
+                 "whose loss needs every row's advantages first)")
+            need(self.effective_mini_batch_size == self.batch_size, "old_values",
+                 f"update needs one minibatch per epoch (mini_batch_size null or {self.batch_size}; got "
+                 f"{self.mini_batch_size}): later minibatches' forwards come after an optimiser step")
+            need(not self.ppo_dropout, "old_values",
+                 "update needs ppo_dropout: false (the old values must come from a dropout-free forward)")
         need(self.max_actor_restarts >= 0, "max_actor_restarts", "must be >= 0")
         need(self.max_step_retries >= 0, "max_step_retries", "must be >= 0")
         need(self.vllm_kv_cache_gib is None or self.vllm_kv_cache_gib > 0, "vllm_kv_cache_gib", "must be > 0 or null")
@@ -483,6 +494,7 @@ class PPOConfig:
             "nonfinite_reward": ("error", "drop"),
             "logprob_gap_check": ("resync", "error", "warn", "off"),
             "old_logprobs": ("auto", "learner", "generator"),
+            "old_values": ("auto", "forward", "update"),
             "value_model": ("separate", "shared"),
             "prompt_truncation": TRUNCATION_MODES,
             "lora_sync": ("auto", *LORA_SYNC_MODES),
@@ -568,6 +580,17 @@ class PPOConfig:
             return self.old_logprobs
         equal = self.top_k in (0, -1) and self.top_p == 1.0 and self.dtype == "float32"
         return "generator" if equal and not self.overlap_generation and self.is_correction == "none" else "learner"
+
+    @property
+    def old_values_source(self) -> str:
+        """old_values resolved from the config alone: "update" or "forward" (auto = update with
+        a separate value model, one minibatch per epoch and no ppo_dropout). The learner also
+        needs its estimator's advantages to be per row (learner.algos' per_row: gae); with an
+        estimator that has no critic there are no values at all."""
+        if self.old_values != "auto":
+            return self.old_values
+        one = self.value_model == "separate" and self.effective_mini_batch_size == self.batch_size
+        return "update" if one and not self.ppo_dropout else "forward"
 
     @property
     def uses_gpus(self) -> bool:
@@ -742,7 +765,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "max_grad_norm", "advantage_estimator", "samples_per_prompt", "grpo_norm_std", "whiten_advantages",
         "whiten_rewards", "kl_coef", "kl_estimator", "kl_target", "kl_horizon", "entropy_coef", "loss_agg", "dual_clip",
         "kl_in_loss", "is_correction", "is_cap", "is_level", "ppo_dropout", "logprob_gap_check",
-        "logprob_gap_tolerance", "old_logprobs", "old_logprobs_check_every", "seed"),
+        "logprob_gap_tolerance", "old_logprobs", "old_logprobs_check_every", "old_values", "seed"),
     "generation": (
         "max_new_tokens", "temperature", "top_k", "top_p", "overlap_generation", "lora_sync",
         "vllm_kv_cache_gib", "vllm_gpu_memory_utilization", "vllm_enforce_eager"),

@@ -126,9 +126,17 @@ def test_flop_counts_match_a_hand_count():
                      "reward": base + attn, "learner_forward": one["learner_forward"], "update": one["update"]}
     # the generator's old logprobs: no policy pass; the value model's (no lm_head), none without a critic
     assert step_flops({"policy": shape, "reward": None}, [2], [1], config, recomputed=False)["learner_forward"] == 0
-    gae = config.replace(advantage_estimator="gae", samples_per_prompt=1)
+    gae = config.replace(advantage_estimator="gae", samples_per_prompt=1, old_values="forward")
     assert step_flops({"policy": shape, "reward": None}, [2], [1], gae, recomputed=False)["learner_forward"] == \
         base + lora + attn
+    # old_values: update (auto with one minibatch): no value pass; the policy's alone when it recomputes
+    gae = gae.replace(old_values="auto")
+    assert gae.old_values_source == "update"
+    assert step_flops({"policy": shape, "reward": None}, [2], [1], gae, recomputed=False)["learner_forward"] == 0
+    assert step_flops({"policy": shape, "reward": None}, [2], [1], gae)["learner_forward"] == \
+        base + lora + attn + head
+    no_pass = learner_flops(shape, [2], [1], ppo_epochs=1, lora_r=2, lora_targets=["q_proj"], value_pass=False)
+    assert no_pass["learner_forward"] == base + lora + attn + head and no_pass["update"] == two["update"]
 
 
 def test_step_benchmark_cli_arguments():

@@ -44,12 +44,16 @@ def learner_actor(config, path):
 
 
 @pytest.mark.equality
-@pytest.mark.parametrize("old_logprobs", ["learner", "generator"])
-def test_two_learners_update_like_one(ray_session, tiny_path, special, old_logprobs):
+@pytest.mark.parametrize("old_logprobs, mini_batch_size", [("learner", 3), ("generator", 3), ("generator", None)],
+                         ids=["learner", "generator", "values-in-update"])
+def test_two_learners_update_like_one(ray_session, tiny_path, special, old_logprobs, mini_batch_size):
     """Also with old_logprobs: generator (check_every 2: step 0 recomputes, step 1 takes the
-    rollouts' logprobs and the members run only the value model's pass)."""
-    config = make_config(batch_size=6, mini_batch_size=3, micro_batch_size=2, ppo_epochs=2,
+    rollouts' logprobs and the members run only the value model's pass), and with one
+    minibatch per epoch (old_values auto: update): each member's first value forwards, on its
+    rows, give those rows' old values, summed across the group; at step 1 no no-grad pass runs."""
+    config = make_config(batch_size=6, mini_batch_size=mini_batch_size, micro_batch_size=2, ppo_epochs=2,
                          old_logprobs=old_logprobs, old_logprobs_check_every=2)
+    assert config.old_values_source == ("update" if mini_batch_size is None else "forward")
     single = learner_actor(config, tiny_path)
     group = [learner_actor(config, tiny_path) for _ in range(2)]
     form_learner_group(Roles([], None, None, group))

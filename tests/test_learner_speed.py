@@ -34,7 +34,7 @@ from ppo_ray.batch import TrimPlan
 from ppo_ray.config import ConfigError, PPOConfig
 from ppo_ray.logprobs import logprobs_from_logits
 from test_learner import (assert_same_update, keep_experience, logprob_tol, make_config, random_batch,  # noqa: F401
-                          rollout_inputs, special, tiny_path, token_mean_tol, update_tols, with_sgd)
+                          rollout_inputs, special, tiny_path, token_mean_tol, update_tols, value_params, with_sgd)
 from tolerances import TINY_TERMS, bf16_roundings, grad_terms, rms_rel_tol, rounding_tol
 
 # The plain path: the options off (the defaults are the measured-faster ones, issue 33).
@@ -564,6 +564,60 @@ def test_generator_old_logprobs_skip_the_policys_pass_and_give_the_same_update(t
             assert calls_g == calls_l
             assert s_g.gen_logprob_max_abs_diff < tols["logprob"]
             assert s_g.entropy == pytest.approx(s_l.entropy, abs=tols["logprob"])
+
+
+# ------------------------------------------------------------------ old_values: update
+@pytest.mark.equality
+@pytest.mark.parametrize("options", [{}, FAST], ids=["plain", "fast"])
+def test_old_values_from_the_update_skip_the_value_pass_and_give_the_same_update(tiny_path, batch, options):
+    """old_values: update (one minibatch per epoch, 2 epochs): the value model's no-grad pass
+    does not run, its first training forward gives the old values, and three SGD updates
+    equal old_values: forward's: the stats, both models' new weights and each update's
+    experience (old values, returns, advantages) within update_tols. The two differ only in
+    float rounding: values from a training forward instead of a no-grad one, and the value
+    gradient summed before the policy's instead of between its micro-batches."""
+    runs = {}
+    for mode in ("forward", "update"):
+        learner = with_sgd(learner_with(tiny_path, old_values=mode, mini_batch_size=None, **options))
+        assert learner.values_in_update(len(batch)) == (mode == "update")
+        kept = keep_experience(learner)
+        no_grad_values = [0]
+        learner.value_model.register_forward_hook(
+            lambda m, a, o: no_grad_values.__setitem__(0, no_grad_values[0] + (not torch.is_grad_enabled())))
+        runs[mode] = []
+        for version in range(3):
+            b, ref, scores = rollout_inputs(learner, batch, seed=version)
+            no_grad_values[0] = 0
+            stats, weights = learner.update(b, ref, scores)
+            tols = update_tols(learner.config, b, weights.tensors, updates=version + 1)
+            runs[mode].append((stats, {**weights.tensors, **value_params(learner)}, no_grad_values[0], tols))
+        runs[mode] = [(*run, exp) for run, exp in zip(runs[mode], kept)]
+    for (s_f, w_f, calls_f, _, e_f), (s_u, w_u, calls_u, tols, e_u) in zip(runs["forward"], runs["update"]):
+        assert calls_f > 0 and calls_u == 0
+        assert_same_update((s_u, w_u), (s_f, w_f), tols)
+        for name in ("values", "returns", "advantages", "rewards"):
+            atol = tols["row"] if name in ("returns", "advantages") else tols["logprob"]
+            torch.testing.assert_close(getattr(e_u, name), getattr(e_f, name), atol=atol, rtol=0,
+                                       msg=lambda m, name=name: f"experience.{name}: {m}")
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"mini_batch_size": 4}, r"'old_values' .*one minibatch per epoch .*got 4"),
+    ({"value_model": "shared"}, r"'old_values' .*value_model: separate"),
+    ({"ppo_dropout": True}, r"'old_values' .*ppo_dropout: false"),
+])
+def test_old_values_update_refuses_what_it_cannot_do(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        make_config(old_values="update", **{"mini_batch_size": None, **overrides})
+
+
+def test_old_values_auto_takes_the_update_where_it_applies():
+    assert make_config(mini_batch_size=None).old_values_source == "update"
+    assert make_config(mini_batch_size=8).old_values_source == "update"  # batch_size 8
+    assert make_config(mini_batch_size=4).old_values_source == "forward"
+    assert make_config(mini_batch_size=None, ppo_dropout=True).old_values_source == "forward"
+    assert make_config(mini_batch_size=None, value_model="shared").old_values_source == "forward"
+    assert make_config(mini_batch_size=None, old_values="forward").old_values_source == "forward"
 
 
 def test_generator_old_logprobs_refuse_non_finite_generator_logprobs(tiny_path, batch):
