@@ -337,6 +337,8 @@ class PPOConfig:
     """GPUs per scorer actor."""
     scorer_torch_threads: int = 0
     """torch CPU threads in each scorer actor; 0 = auto: on a CPU-only run whose scorers reserve no CPU (scorer_num_cpus 0), half the node's cores each (the reference and reward actors run at the same time, while the generator and the learner wait; a quarter under overlap_generation); otherwise Ray's rule (OMP_NUM_THREADS from scorer_num_cpus, 1 thread when it reserves under 2 CPUs). Keep twice this within the cores: on 2 cores, 2 threads each made both 3x slower (benchmarks/RESULTS.md, old_logprobs section)."""
+    cpu_malloc_keep: bool = True
+    """CPU-only runs: the actors' and the SFT / reward-model stage tasks' glibc malloc keeps the memory they free for their next allocations (MALLOC_MMAP_THRESHOLD_ 32 MiB, MALLOC_TRIM_THRESHOLD_ 4 GiB, MALLOC_TOP_PAD_ 256 MiB) instead of giving it back to the system and faulting it in again, zeroed, at the next micro-batch. On the 2-core VM the 25M peer step's update, scorers and generation all ran faster, the step 0.9x (benchmarks/RESULTS.md, issue 33). A process's memory then stays near its peak. A variable already set in the driver's environment wins; false = glibc's defaults; a run with a GPU keeps them."""
     placement_strategy: str = "PACK"
     """Ray placement-group strategy for the actors' bundles (one per actor): PACK (as few nodes as possible), SPREAD, STRICT_PACK (one node) or STRICT_SPREAD (one node per actor)."""
     generator_resources: dict[str, float] = field(default_factory=dict)
@@ -783,7 +785,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "resources and placement": (
         "num_generators", "generator_num_cpus", "generator_num_gpus", "generator_resources",
         "num_learners", "learner_num_cpus", "learner_num_gpus", "learner_resources",
-        "scorer_num_cpus", "scorer_num_gpus", "scorer_resources", "scorer_torch_threads",
+        "scorer_num_cpus", "scorer_num_gpus", "scorer_resources", "scorer_torch_threads", "cpu_malloc_keep",
         "placement_strategy", "placement_timeout_s", "model_transfer"),
     "fault tolerance": ("max_actor_restarts", "max_step_retries"),
     "checkpoints and logging": (

@@ -361,6 +361,13 @@ class GeneratorHost(_Host):
 CPU_SHARE_ENV = "PPO_RAY_CPU_SHARE"
 
 
+# glibc malloc keeping what it frees (config.cpu_malloc_keep): tensors up to 32 MiB (the most
+# M_MMAP_THRESHOLD takes) come from the heap, which is not trimmed below 4 GiB and grows 256 MiB
+# at a time, so a micro-batch's tensors reuse the last one's pages instead of new, zeroed ones.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(4 * 2**30),
+              "MALLOC_TOP_PAD_": str(256 * 2**20)}
+
+
 def _set_torch_threads(threads: int = 0) -> None:
     """torch.set_num_threads(threads) when > 0; at 0 the CPU rule (PPOConfig.cpu_share) that
     the actor's or stage task's environment carries: its node's cores // PPO_RAY_CPU_SHARE
@@ -375,10 +382,14 @@ def _set_torch_threads(threads: int = 0) -> None:
 
 
 def cpu_share_env(config: PPOConfig, role: str) -> dict[str, str]:
-    """The environment variable that carries `role`'s CPU rule into its actor or stage task
-    (none under Ray's rule)."""
+    """The environment of `role`'s actor or stage task on a CPU-only run: the variable that
+    carries its CPU rule (none under Ray's rule) and, with cpu_malloc_keep, glibc malloc's
+    settings (MALLOC_ENV; the driver's own values win)."""
     share = config.cpu_share(role)
-    return {CPU_SHARE_ENV: str(share)} if share else {}
+    env = {CPU_SHARE_ENV: str(share)} if share else {}
+    if config.cpu_malloc_keep and not config.uses_gpus:
+        env.update({key: os.environ.get(key, value) for key, value in MALLOC_ENV.items()})
+    return env
 
 
 class ReferenceHost(_Host):

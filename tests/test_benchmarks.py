@@ -90,9 +90,12 @@ def test_step_benchmark_report(tiny_trainer):
     per_step = result["ours"]["per_step"]
     assert floor["scorers"]["flop"] == floor["reference"]["flop"] + floor["reward"]["flop"]
     assert floor["scorers"]["measured_s"] == pytest.approx(sum(max(s["reference"], s["reward"]) for s in per_step))
+    # learner_forward: 0 FLOPs at a version where the generator's logprobs stand in (old_logprobs: auto)
+    # and the value model's old values come from the update (old_values: auto, one minibatch)
     for phase in ("generate", "reference", "learner_forward", "update"):
         row = floor[phase]
-        assert row["flop"] > 0 and row["floor_s"] == pytest.approx(row["flop"] / result["gemm"]["flops_per_s"])
+        assert row["flop"] > 0 or phase == "learner_forward"
+        assert row["floor_s"] == pytest.approx(row["flop"] / result["gemm"]["flops_per_s"])
         assert row["fraction_of_floor"] == pytest.approx(row["floor_s"] / row["measured_s"])
     assert "fraction of floor" in format_summary(result)
 

@@ -185,6 +185,24 @@ def test_cpu_rule_fits_the_machine():
         PPOConfig(learner_num_cpus=-1)
 
 
+def test_cpu_malloc_keep_sets_the_actors_malloc_on_a_cpu_only_run(monkeypatch):
+    """cpu_malloc_keep: glibc malloc's settings in every CPU-only actor's and stage task's
+    environment, beside the CPU rule's variable; none when off or with a GPU; a value in the
+    driver's environment wins."""
+    from ppo_ray.placement import CPU_SHARE_ENV, MALLOC_ENV, cpu_share_env
+
+    for key in MALLOC_ENV:
+        monkeypatch.delenv(key, raising=False)
+    cfg = PPOConfig()
+    assert cfg.cpu_malloc_keep
+    for role in ("generator", "learner", "reference", "reward", "stage"):
+        assert cpu_share_env(cfg, role) == {CPU_SHARE_ENV: str(cfg.cpu_share(role)), **MALLOC_ENV}
+    assert cpu_share_env(cfg.replace(cpu_malloc_keep=False), "learner") == {CPU_SHARE_ENV: "1"}
+    assert cpu_share_env(cfg.replace(learner_num_gpus=1.0), "learner") == {}
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "12345")
+    assert cpu_share_env(cfg, "learner")["MALLOC_TRIM_THRESHOLD_"] == "12345"
+
+
 def test_lora_sync_auto_merges_on_the_cpu():
     """Issue 33: lora_sync auto = merged for a CPU generator (vLLM's CPU LoRA path is the slow
     one), adapter for a GPU generator; an explicit mode is kept."""

@@ -176,6 +176,17 @@ def test_cpu_only_actors_take_the_cores_by_default(tiny_trainer):
     assert threads == [cores, cores, max(1, cores // 2), max(1, cores // 2)]
 
 
+def test_cpu_only_actors_keep_the_memory_malloc_frees(tiny_trainer):
+    """Issue 33, cpu_malloc_keep (on by default): every actor of a CPU-only run starts with
+    glibc malloc's settings in its environment (the driver's own values win)."""
+    from ppo_ray.placement import MALLOC_ENV
+
+    assert tiny_trainer.config.cpu_malloc_keep and not tiny_trainer.config.uses_gpus
+    want = {key: os.environ.get(key, value) for key, value in MALLOC_ENV.items()}
+    for actor in tiny_trainer.roles.all():
+        assert on_actor(actor, lambda host: {key: os.environ.get(key) for key in MALLOC_ENV}) == want
+
+
 def test_bad_prompts_fail_clearly_and_leave_state_intact(tiny_trainer):
     version = tiny_trainer.version
     with pytest.raises(ValueError, match="no prompts"):
