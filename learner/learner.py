@@ -2,9 +2,11 @@
 
 Plain class, no Ray (ppo_ray.placement hosts it in an actor). Given one step's rollouts
 (from the generator, sampled with LoRA version `self.version`), the reference logprobs and
-the sequence scores, `update` runs the no-grad pass (step 1: old logprobs and values),
-hands it to learner.experience.make_experience (steps 2-6: KL_t, shaped rewards, the
-configured estimator's advantages, returns), has learner.optimise.PPOOptimiser run the
+the sequence scores, `update` runs the no-grad pass (step 1: old logprobs and values, each
+where its config does not take it from elsewhere: old_logprobs, old_values), hands it to
+learner.experience.make_experience (steps 2-6: KL_t, shaped rewards, the configured
+estimator's advantages, returns; with old_values: update the value model's first-epoch
+training pass gives the old values there), has learner.optimise.PPOOptimiser run the
 PPO epochs (steps 7-11), and returns small stats and the new LoRA weights (version + 1)
 for the generator.
 
