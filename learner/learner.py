@@ -310,7 +310,11 @@ class Learner:
             opt.schedulers[0].load_state_dict(state.policy_scheduler)
             if self.critic:
                 opt.schedulers[1].load_state_dict(state.value_scheduler)
-        self.kl_coef = float(state.kl_coef if state.kl_coef is not None else self.config.kl_coef)
+        opt.apply_config_rates()  # the config's rates and schedule kind; the state's position in it
+        # The state's coefficient is the adaptive controller's (kl_target set): it continues. A
+        # fixed coefficient is the config's kl_coef, whatever the state says.
+        adaptive = state.kl_coef is not None and self.config.kl_target is not None
+        self.kl_coef = float(state.kl_coef if adaptive else self.config.kl_coef)
         torch.set_rng_state(state.rng)
         if self.device.type == "cuda" and state.cuda_rng:
             torch.cuda.set_rng_state_all(state.cuda_rng)
