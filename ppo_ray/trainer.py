@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from ppo_ray.batch import fresh_enough, staleness_limit
-from ppo_ray.checkpoint import (CheckpointError, Lineage, branch_from, checkpoint_root, load_checkpoint, run_ids,
-                                save_checkpoint)
+from ppo_ray.checkpoint import (CheckpointError, Lineage, branch_from, check_own_lineage, checkpoint_root,
+                                config_changes, load_checkpoint, model_fingerprints, resolve_checkpoint, resumed_config,
+                                run_ids, save_checkpoint)
 from ppo_ray.config import PPOConfig
 from ppo_ray.data import PromptCursor, check_chat_template, encode_prompts, prompts_fingerprint
 from ppo_ray.faults import BadSync, Fault
@@ -43,6 +44,7 @@ from ppo_ray.paths import resolve_model_path
 from ppo_ray.placement import create_roles, init_ray
 from ppo_ray.rewards import check_reward_sources
 from ppo_ray.roles import RETRYABLE, SAMPLING_SEED_STEP, Generation, Roles, Update, role_names
+from ppo_ray.runlock import RunLock
 from ppo_ray.runlog import RunLog
 from ppo_ray.stats import (GenerationSummary, LearnerStats, ReferenceStats, Responses, RewardStats, StepResult,
                            StepTiming, SyncReport)
@@ -131,7 +133,21 @@ class PPOTrainer:
             "reward_model_name": self.reward_model_dir, "value_model_name": self.value_model_dir})
         check_trackers(config.report_to if run_dir else ())
         self.run_dir = Path(run_dir) if run_dir else None
+        # One writer per run directory (ppo_ray.runlock; re-entrant: launch.py holds it already),
+        # released by shutdown(). What the run's models hold, for its checkpoints: a resume
+        # onto models re-trained since is refused (ppo_ray.checkpoint.check_fingerprints).
+        self._lock = RunLock.acquire(self.run_dir) if self.run_dir is not None else None
+        try:
+            self._start(config)
+        except BaseException:
+            if self._lock is not None:
+                self._lock.release()
+            raise
 
+    def _start(self, config: PPOConfig) -> None:
+        """Ray, the actors and the committed state of a new trainer."""
+        self.fingerprints = model_fingerprints(config) if self.run_dir is not None else {}
+        self._abandoned: Optional[Path] = None  # where restore() moved an abandoned branch's checkpoints
         init_ray(log_level=config.log_level, metrics_report_interval_ms=config.metrics_report_interval_ms)
         # The run tag: Ray namespace of the actors and the `run` label of every Prometheus series.
         self.namespace = f"ppo-{uuid.uuid4().hex[:8]}"
@@ -442,18 +458,29 @@ class PPOTrainer:
                                model_dir=self.model_dir, keep=self.config.keep_checkpoints, lineage=self.lineage,
                                trainer_state={"step": self.step, "order": order, "data_rng": rng,
                                               "prompts_sha256": self._prompts_key,
-                                              "planned_steps": self.planned_steps})
+                                              "planned_steps": self.planned_steps,
+                                              "fingerprints": self.fingerprints})
         self.lineage = Lineage.after(path)
         self._last_checkpoint = time.monotonic()
         return path
 
     def restore(self, path: str | Path) -> Path:
         """Continue from a checkpoint (a step-NNNNNN directory, or a run directory: its
-        newest intact one). Refuses one written with an incompatible config (CheckpointError).
+        newest intact one). Refuses one written with an incompatible config, or trained on
+        models that have changed since (CheckpointError), and one of another run than the one
+        this trainer's run directory holds (RunDirError: a run touches only its own lineage).
         The run continues the checkpoint's lineage; when the checkpoint is in this trainer's
         run directory and newer ones of the run are there, they are the branch this resume
-        abandons: moved to checkpoints/abandoned/ (ppo_ray.checkpoint.branch_from)."""
-        ckpt, learner_state, state = load_checkpoint(path, self.config)
+        abandons: moved to checkpoints/abandoned/ (ppo_ray.checkpoint.branch_from), and their
+        metric lines beside them when train() starts. Fields of this trainer's config that
+        differ from the checkpoint's are named in the log and apply from the next step; the
+        restored state never shadows them (_apply_changes)."""
+        ckpt = resolve_checkpoint(path)
+        if self.run_dir is not None:
+            check_own_lineage(ckpt, self.run_dir)
+        ckpt, learner_state, state = load_checkpoint(ckpt, self.config, run_dir=self.run_dir)
+        saved = resumed_config(ckpt, self.run_dir or ckpt.parent.parent)
+        learner_state = self._apply_changes(ckpt, saved, learner_state)
         self._learner_state = self.roles.store(learner_state)
         version = self.roles.restore_learners(self._learner_state, reform=False)[0]
         self._weights = {version: self.roles.store(learner_state.policy)}
@@ -469,9 +496,34 @@ class PPOTrainer:
         if self.config.steps != self.planned_steps:
             self._plan_steps(self.config.steps, f"resumed with steps={self.config.steps}")
         if self.run_dir is not None and ckpt.parent.resolve() == checkpoint_root(self.run_dir).resolve():
-            branch_from(ckpt)
+            self._abandoned = branch_from(ckpt)
         log.info("resumed from %s (step %d, adapter version %d)", ckpt, self.step, self.version)
         return ckpt
+
+    def _apply_changes(self, ckpt: Path, saved: PPOConfig, state):
+        """Name the fields of this trainer's config that differ from the checkpoint's (they
+        apply from the next step) and keep the restored state from shadowing them: the
+        learning rates and schedule kind are the config's (Learner.load_state_dict), a fixed
+        kl_coef is the config's, and an adaptive KL controller (kl_target) continues from the
+        checkpoint's coefficient unless this run gives another kl_coef or another kl_target
+        (then it starts from kl_coef). Returns the state to restore."""
+        changes = [(k, a, b) for k, a, b in config_changes(saved, self.config) if k != "steps"]  # steps: _plan_steps
+        if not changes:
+            return state
+        notes = {"learning_rate": "the policy's schedule keeps its position", "lr_scheduler": "from its current tick",
+                 "value_learning_rate": "the value model's schedule keeps its position"}
+        adaptive = self.config.kl_target is not None and state.kl_coef is not None
+        if adaptive and (saved.kl_target is None or saved.kl_coef != self.config.kl_coef
+                         or saved.kl_target != self.config.kl_target):
+            notes["kl_coef"] = notes["kl_target"] = (f"the adaptive KL controller starts from kl_coef "
+                                                     f"{self.config.kl_coef:g}, not the checkpoint's {state.kl_coef:.6g}")
+            state = replace(state, kl_coef=None)
+        elif saved.kl_target is not None and self.config.kl_target is None:
+            notes["kl_target"] = (f"kl_coef is fixed at {self.config.kl_coef:g} from now on (the checkpoint's "
+                                  f"adaptive coefficient was {state.kl_coef if state.kl_coef is not None else '?'})")
+        log.warning("resuming from %s with changes to its config, applied from the next step: %s", ckpt, "; ".join(
+            f"{k} {a!r} -> {b!r}" + (f" ({notes[k]})" if k in notes else "") for k, a, b in changes))
+        return state
 
     # ------------------------------------------------------------------ faults
     def inject_faults(self, faults: Sequence[Fault | BadSync]) -> None:
@@ -585,7 +637,7 @@ class PPOTrainer:
         runlog = RunLog.open(self.metrics, run_dir=self.run_dir, metrics_path=metrics_path, progress=progress,
                              target=target, step=self.step, report_to=self.config.report_to,
                              config=self.config.to_dict(), run_tag=self.namespace,
-                             adaptive_kl=self.config.kl_target is not None)
+                             adaptive_kl=self.config.kl_target is not None, aside=self._abandoned)
         self._last_checkpoint = time.monotonic()
         try:
             while self.step < target:
@@ -666,8 +718,14 @@ class PPOTrainer:
                 for p, t, r, f in zip(prompts, out.texts, out.rewards, out.finish_reasons)]
 
     def shutdown(self) -> None:
-        """Kill the actors and remove their placement group (its reserved resources are freed)."""
-        self.roles.release()
+        """Kill the actors and remove their placement group (its reserved resources are freed),
+        and give up the run directory's lock."""
+        try:
+            self.roles.release()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
 
 # The rollout check's share of sampled tokens that the learner's truncation may drop: a token

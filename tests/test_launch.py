@@ -82,7 +82,9 @@ def test_the_same_command_twice_continues_the_run(tmp_path):
     group, Ray included, as a lost pod) once a checkpoint exists. The second continues from
     it: every step once in metrics.jsonl, the final checkpoint the run's last step, and the
     first run's checkpoints its ancestors (one lineage). Before --resume auto, re-applying
-    started a fresh run over the old one. Slow (~2 min: two launch.py processes)."""
+    started a fresh run over the old one. While the first runs, the same command again (a
+    double submit) is refused at once, naming the holder of the run directory's lock; the
+    killed driver's lock is taken over. Slow (~2 min: two launch.py processes)."""
     import signal
 
     run_dir = tmp_path / "run"
@@ -92,13 +94,20 @@ def test_the_same_command_twice_continues_the_run(tmp_path):
            "--run_dir", str(run_dir), "--vllm_kv_cache_gib", "0.25", "--resume", "auto"]
     proc = _start_until_checkpoint(cmd, tmp_path, env, run_dir, start_new_session=True)
     latest = run_dir / "checkpoints" / "latest"
+    # a double submit while the first driver lives: refused at once, naming it, nothing touched
+    second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 2 and "in use by another driver" in second.stderr, second.stderr[-3000:]
+    assert f"pid {proc.pid}" in second.stderr
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
     killed_at = int(latest.read_text().strip().split("-")[1])
     assert 2 <= killed_at < 5
+    assert (run_dir / ".ppo-ray.lock").is_file()  # a killed driver cannot release its lock
 
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "took over the run directory's lock" in proc.stderr and "no longer running" in proc.stderr
+    assert not (run_dir / ".ppo-ray.lock").exists()  # released at the end
     assert "PPO resumes from" in proc.stderr and f"step-{killed_at:06d}" in proc.stderr
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5]
@@ -107,6 +116,80 @@ def test_the_same_command_twice_continues_the_run(tmp_path):
     head = resolve_checkpoint(run_dir)
     assert head.name == "step-000005"
     assert [p.name for p in ancestry(head)] == [f"step-{s:06d}" for s in (5, 4, 3, 2, 1)]
+
+
+def _launch(args: list, cwd, timeout: int = 900) -> subprocess.CompletedProcess:
+    """launch.py as a user runs it, on a local Ray of its own; exit 0 asserted."""
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_a_resume_into_another_run_directory_is_refused_and_overwrite_forks_it(tmp_path):
+    """Two runs of an lr sweep, A and B. `launch.py ppo --resume A/checkpoints/step-000001
+    --run_dir B` used to truncate B's metrics, move its checkpoints aside and overwrite its
+    adapter and report: now it stops before touching B. With --overwrite, B's run is moved
+    aside (never deleted) and A's checkpoint continues in B; A is not touched by either. Slow
+    (~3 min: three launch.py runs of the tiny preset)."""
+    from conftest import snapshot
+    from ppo_ray.checkpoint import read_meta, resolve_checkpoint
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["--config", ROOT / "configs" / "tiny.yaml", "--steps", 1, "--batch_size", 4,
+              "--vllm_kv_cache_gib", 0.25]
+    _launch(["ppo", *common, "--run_dir", a], tmp_path)
+    _launch(["ppo", *common, "--run_dir", b, "--learning_rate", 1e-3], tmp_path)
+    before_a, before_b = snapshot(a), snapshot(b)
+    ckpt = a / "checkpoints" / "step-000001"
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    refused = subprocess.run([sys.executable, str(ROOT / "launch.py"), "ppo", "--resume", str(ckpt), "--run_dir",
+                              str(b), "--steps", "2"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert f"not in the run directory {b}" in refused.stderr and "--overwrite" in refused.stderr
+    assert snapshot(b) == before_b and snapshot(a) == before_a
+
+    _launch(["ppo", "--resume", ckpt, "--run_dir", b, "--steps", 2, "--overwrite"], tmp_path)
+    assert snapshot(a) == before_a  # the run it continued from: untouched
+    [old_b] = (b / "replaced").iterdir()  # B's own run, whole
+    assert {p.relative_to(old_b).as_posix() for p in old_b.rglob("*") if p.is_file()} >= \
+        {"metrics.jsonl", "checkpoints/step-000001/trainer.json", "adapter/adapter_model.safetensors"}
+    assert [json.loads(x)["step"] for x in (b / "metrics.jsonl").read_text().splitlines()] == [2]
+    head = resolve_checkpoint(b)
+    assert head.name == "step-000002" and read_meta(head)["run_id"] == read_meta(ckpt)["run_id"]
+    assert read_meta(head)["parent_id"] == read_meta(ckpt)["checkpoint_id"]
+
+
+@pytest.mark.slow
+def test_overwriting_sft_leaves_nothing_to_resume_onto_the_new_model(tmp_path):
+    """A finished `all` run, then `launch.py sft --overwrite` with another SFT learning rate:
+    `--resume auto` used to say "sft, rm finished; PPO resumes from step-N" and load the old
+    policy adapter, value head and Adam state onto the new SFT model. Now the overwrite moves
+    rm/ and the PPO run aside with the old SFT, and --resume auto trains the reward model and
+    PPO again; the new checkpoint records the new SFT's digest. Slow (~4 min)."""
+    from ppo_ray.checkpoint import model_fingerprint, read_meta, resolve_checkpoint
+
+    run = tmp_path / "run"
+    short = ["--steps", 1, "--sft_epochs", 1, "--rm_epochs", 1, "--eval_size", 4, "--eval_samples", 4,
+             "--vllm_kv_cache_gib", 0.25, "--data_max_rows", 64]
+    _launch(["--run_dir", run, *short], tmp_path)
+    old_sft = model_fingerprint(str(run / "sft"))
+    assert read_meta(resolve_checkpoint(run))["fingerprints"]["model_name"] == old_sft
+    _launch(["sft", "--run_dir", run, "--overwrite", "--sft_epochs", 1, "--data_max_rows", 64,
+             "--sft_learning_rate", 1e-4], tmp_path)
+    assert not (run / "rm").exists() and not (run / "checkpoints").exists()
+    [moved] = (run / "replaced").iterdir()
+    assert {p.name for p in moved.iterdir()} >= {"sft", "rm", "checkpoints", "metrics.jsonl", "report.json"}
+    new_sft = model_fingerprint(str(run / "sft"))
+    assert new_sft != old_sft
+
+    proc = _launch(["--run_dir", run, "--resume", "auto", *short], tmp_path)
+    assert "PPO resumes from" not in proc.stderr and "sft finished" in proc.stderr, proc.stderr[-3000:]
+    assert read_meta(resolve_checkpoint(run))["fingerprints"]["model_name"] == new_sft
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
 def test_launch_resume_errors(tmp_path):
