@@ -15,12 +15,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _start_until_checkpoint(cmd: list[str], cwd, env: dict, run_dir, **popen):
+def _start_until_checkpoint(cmd: list[str], cwd, env: dict, run_dir, meanwhile=None, **popen):
     """launch.py started in a subprocess, returned once its checkpoint of step 2 is the latest
-    (the run still going)."""
+    (the run still going). `meanwhile(proc)`, if given, runs once the run holds its run
+    directory's lock (it takes it first, before Ray and the actors start)."""
     import time
 
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    if meanwhile is not None:
+        deadline = time.monotonic() + 300
+        while not (run_dir / ".ppo-ray.lock").is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        meanwhile(proc)
     latest = run_dir / "checkpoints" / "latest"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and proc.poll() is None:
@@ -92,12 +98,14 @@ def test_the_same_command_twice_continues_the_run(tmp_path):
     cmd = [sys.executable, str(ROOT / "launch.py"), "ppo", "--config", str(ROOT / "configs" / "tiny.yaml"),
            "--steps", "5", "--batch_size", "4", "--checkpoint_every", "1", "--keep_checkpoints", "10",
            "--run_dir", str(run_dir), "--vllm_kv_cache_gib", "0.25", "--resume", "auto"]
-    proc = _start_until_checkpoint(cmd, tmp_path, env, run_dir, start_new_session=True)
+    def double_submit(first: subprocess.Popen) -> None:
+        """The same command while the first driver lives: refused at once, naming it."""
+        second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert second.returncode == 2 and "in use by another driver" in second.stderr, second.stderr[-3000:]
+        assert f"pid {first.pid}" in second.stderr
+
+    proc = _start_until_checkpoint(cmd, tmp_path, env, run_dir, meanwhile=double_submit, start_new_session=True)
     latest = run_dir / "checkpoints" / "latest"
-    # a double submit while the first driver lives: refused at once, naming it, nothing touched
-    second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert second.returncode == 2 and "in use by another driver" in second.stderr, second.stderr[-3000:]
-    assert f"pid {proc.pid}" in second.stderr
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
     killed_at = int(latest.read_text().strip().split("-")[1])
