@@ -10,8 +10,10 @@ learner refuses rollouts from any other version, so a lost LoRA sync is an error
 a silent off-policy step. After every sync, in every mode, the sync check compares what
 the generators compute with what the learner computes at the same version (a small fixed
 probe: _check_sync); on fresh steps the rollouts' own logprobs are compared too. A gap
-beyond logprob_gap_tolerance re-syncs and checks again by default (logprob_gap_check):
-nothing is sampled for training from a generator that failed the check.
+beyond logprob_gap_tolerance (on the rollouts under is_correction: a share of tokens outside
+the correction's band beyond logprob_gap_outside_tolerance) re-syncs and checks again by
+default (logprob_gap_check): nothing is sampled for training from a generator that failed
+the check.
 
 Faults: each step has one commit point (_commit), after the learner's update returned its
 stats, the new adapter and its state. Until then an actor's death is recovered by retrying
@@ -323,11 +325,15 @@ class PPOTrainer:
         """The sync check, after every sync in every mode: each generator samples the fixed
         probe prompts (sync_probe_prompts) with the version it just loaded, untruncated at the
         PPO temperature, and the learner at the same version recomputes those tokens'
-        logprobs (Roles.sync_gaps). The largest gap within logprob_gap_limit passes. Beyond
-        it, logprob_gap_check decides: resync (the default) loads the version again into the
-        replicas that failed (a new adapter, or merged weights rebuilt from the base) and
-        checks again, and a gap that persists is a LogprobGapError; error raises at once;
-        warn logs it. Either way the step's gap is reported (StepResult.sync_probe_gap)."""
+        logprobs (Roles.sync_gaps). The largest gap within logprob_gap_limit passes, with or
+        without is_correction: the probe is small and fixed (4 prompts x PROBE_NEW_TOKENS), so
+        its largest gap does not grow with the run's responses as the rollouts' does, and it
+        is what catches a lost or corrupted sync when is_correction relaxes the rollout check
+        (_check_logprob_gap). Beyond it, logprob_gap_check decides: resync (the default) loads
+        the version again into the replicas that failed (a new adapter, or merged weights
+        rebuilt from the base) and checks again, and a gap that persists is a
+        LogprobGapError; error raises at once; warn logs it. Either way the step's gap is
+        reported (StepResult.sync_probe_gap)."""
         cfg = self.config
         if cfg.logprob_gap_check == "off":
             return SyncCheck(math.nan, 0.0)
@@ -397,6 +403,13 @@ class PPOTrainer:
     def _check_logprob_gap(self, stats: LearnerStats) -> None:
         """The generator and the learner must give a sampled token the same logprob at the
         same version (stale rollouts in overlap mode report NaN: another policy by design).
+        Without is_correction the largest gap of one token is held to logprob_gap_tolerance.
+        With it, the share of tokens whose ratio is outside the correction's band
+        [1/is_cap, is_cap] (is_outside_frac) is held to logprob_gap_outside_tolerance: the
+        correction absorbs a mismatch that moves a few tokens far, and the largest gap of one
+        token grows with the number of tokens (long bfloat16 responses). A lost or corrupted
+        sync is still caught by the sync check's probe (_check_sync), whose rule is the
+        largest gap whatever is_correction is.
         A sampled token that the learner's top-k/top-p truncation drops has no logprob to
         compare; such tokens count too: beyond TRUNCATED_TOKENS_LIMIT of the step's tokens
         the two truncations disagree by more than a tie at the boundary explains."""
@@ -405,11 +418,18 @@ class PPOTrainer:
         if cfg.logprob_gap_check == "off" or not math.isfinite(gap):
             return
         dropped = stats.truncated_tokens / max(stats.tokens, 1.0)
-        if gap <= cfg.logprob_gap_limit and dropped <= TRUNCATED_TOKENS_LIMIT:
+        if cfg.is_correction == "none":
+            close = gap <= cfg.logprob_gap_limit
+            how = f"by up to {gap:.3g} nats (logprob_gap_tolerance {cfg.logprob_gap_limit:g} for {cfg.dtype})"
+        else:
+            close = stats.is_outside_frac <= cfg.logprob_gap_outside_tolerance
+            how = (f"by more than a factor is_cap {cfg.is_cap:g} on {stats.is_outside_frac:.1%} of its tokens "
+                   f"(is_correction {cfg.is_correction}: logprob_gap_outside_tolerance "
+                   f"{cfg.logprob_gap_outside_tolerance:.1%}; largest gap {gap:.3g} nats)")
+        if close and dropped <= TRUNCATED_TOKENS_LIMIT:
             return
         message = (f"step {self.step + 1}: the generator's logprobs of its own samples differ from the learner's "
-                   f"at the same adapter version {self.version} by up to {gap:.3g} nats (logprob_gap_tolerance "
-                   f"{cfg.logprob_gap_limit:g} for {cfg.dtype}), and {stats.truncated_tokens:.0f} of its "
+                   f"at the same adapter version {self.version} {how}, and {stats.truncated_tokens:.0f} of its "
                    f"{stats.tokens:.0f} sampled tokens are outside the learner's top-k/top-p support (at most "
                    f"{TRUNCATED_TOKENS_LIMIT:.0%}), lora_sync={cfg.lora_sync_mode}: the rollouts came from another policy "
                    "(stale KV cache? a lost sync?)")
