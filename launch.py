@@ -58,7 +58,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -67,10 +66,6 @@ log = logging.getLogger("ppo_ray.launch")
 
 DEFAULT_CONFIG = "tldr-tiny"  # a preset's name: ppo_ray/configs/tldr-tiny.yaml (ppo_ray.config.resolve_config)
 STAGES = ("all", "sft", "rm", "ppo")
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def check_ray_address() -> None:
@@ -230,6 +225,20 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; its exit status. One Ctrl-C (SIGINT) or SIGTERM (`ray job stop`) stops it at
+    any point, however the process was started (ppo_ray.interrupts: a `launch.py &` from a
+    script inherits SIGINT ignored): exit 130, with the resume hint once the run has started."""
+    from ppo_ray.interrupts import stop_on_signals
+
+    with stop_on_signals():
+        try:
+            return _main(argv)
+        except KeyboardInterrupt:  # outside the stages (_run reports those, naming the checkpoint)
+            print("\n[ppo-ray] interrupted", file=sys.stderr)
+            return 130
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from ppo_ray.config import ConfigError, PPOConfig
 
@@ -400,9 +409,9 @@ def _run(config, stage: str, stages: tuple[str, ...], done: dict, resume, run_di
     ray_was_up = ray.is_initialized()  # an in-process caller's Ray is left running
     report: dict = {"run_dir": str(run_dir)}
     t0 = time.perf_counter()
-    # `ray job stop` sends SIGTERM: unwind like Ctrl-C (actors shut down; the last checkpoint,
-    # written atomically, stays the latest and resumable).
-    signal.signal(signal.SIGTERM, _interrupt)
+    # Ctrl-C and `ray job stop` (SIGTERM) raise KeyboardInterrupt here (main: stop_on_signals):
+    # the stages unwind (actors shut down; the last checkpoint, written atomically, stays the
+    # latest and resumable).
     try:
         if stage == "ppo" and has_reward:
             report.update(run_plain_ppo(config, run_dir, resume, prompts))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, TypeVar
 
+from ppo_ray.interrupts import raise_if_stopped
 from ppo_ray.metrics import TrainingMetrics
 from ppo_ray.roles import RETRYABLE, Roles
 
@@ -33,6 +34,7 @@ class Supervisor:
 
     def run(self, attempt: Callable[[int], T], *, where: str, step: int, recover: Callable[[], None]) -> T:
         for i in range(self.max_retries + 1):
+            raise_if_stopped()  # a stop signal whose KeyboardInterrupt was dropped (ppo_ray.interrupts)
             try:
                 return attempt(i)
             except RETRYABLE as error:

@@ -39,26 +39,29 @@ def _start_until_checkpoint(cmd: list[str], cwd, env: dict, run_dir, meanwhile=N
 
 @pytest.mark.slow
 def test_launch_ppo_interrupted_then_resumed(tmp_path):
-    """launch.py ppo as a user runs it: Ctrl-C (SIGINT) once a checkpoint exists, then
+    """launch.py ppo as a user runs it: one Ctrl-C (SIGINT) once a checkpoint exists, then
     `launch.py ppo --resume RUN_DIR` (the run's saved config) finishes the run; every step
-    is in metrics.jsonl exactly once. Slow (~105 s: two launch.py processes, each starting
-    Ray and a vLLM engine); the default run covers resume at the trainer level
+    is in metrics.jsonl exactly once. launch.py starts with SIGINT ignored, as a shell without
+    job control starts `launch.py &` (POSIX; a CI script): Python then installs no
+    KeyboardInterrupt handler of its own, and before ppo_ray.interrupts such a run ignored
+    the Ctrl-C and finished all its steps (2026-11-28). One press: exit 130, the resume hint,
+    and no process of the run left (Ray's included). Slow (~105 s: two launch.py processes,
+    each starting Ray and a vLLM engine); the default run covers resume at the trainer level
     (tests/test_checkpoint.py: exact resume, actors killed mid-step)."""
     import signal
+    import uuid
+
+    from conftest import RUN_MARKER, tagged_processes, wait_for
 
     run_dir = tmp_path / "run"
+    tag = uuid.uuid4().hex
     env = {**os.environ, "RAY_ADDRESS": ""}  # a local Ray of its own
     steps = 5
     cmd = [sys.executable, str(ROOT / "launch.py"), "ppo", "--config", str(ROOT / "configs" / "tiny.yaml"),
            "--steps", str(steps), "--batch_size", "4", "--checkpoint_every", "1",
            "--run_dir", str(run_dir), "--vllm_kv_cache_gib", "0.25"]
-    # Ctrl-C reaches a foreground process whose SIGINT is at its default. A shell without job
-    # control starts background commands with SIGINT ignored (POSIX), and Python then installs
-    # no KeyboardInterrupt handler: a test run started with `&` (as CI may be) would pass that
-    # on, and the SIGINT would be ignored (2026-11-28: two CI-like runs finished all their steps
-    # with exit 0). The child gets the terminal's default, as a user's launch.py has.
-    proc = _start_until_checkpoint(cmd, tmp_path, env, run_dir,
-                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = _start_until_checkpoint(cmd, tmp_path, {**env, RUN_MARKER: tag}, run_dir,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     latest = run_dir / "checkpoints" / "latest"
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
@@ -67,6 +70,7 @@ def test_launch_ppo_interrupted_then_resumed(tmp_path):
     stopped_at = int(latest.read_text().strip().split("-")[1])
     assert 2 <= stopped_at < steps
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+    wait_for(lambda: not tagged_processes(tag), 120, "exit of the run's processes")
 
     proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "ppo", "--resume", str(run_dir)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
