@@ -318,7 +318,7 @@ class PPOConfig:
     max_actor_restarts: int = 3
     """Ray restarts a dead generator/reference/reward/learner actor up to this many times."""
     max_step_retries: int = 2
-    """A step whose actor died is retried (after the restart) up to this many times; then the run fails."""
+    """A step whose actor died is retried (after the restart) up to this many times, and so is every other call to the actors (the sync and its check, an evaluation, a checkpoint's state fetch, a restore); then the run fails."""
 
     # ---------------------------------------------------------------- placement and engines
     num_generators: int = 1

@@ -19,8 +19,10 @@ Faults: each step has one commit point (_commit), after the learner's update ret
 stats, the new adapter and its state. Until then an actor's death is recovered by retrying
 the step from the committed state (the learners restored from the driver's object-store
 copy of their state, lost rollouts regenerated identically); after it, only the sync is
-redone. No step is lost, doubled or restarted, and no checkpoint is needed (ppo_ray.faults,
-tests/test_faults.py).
+redone. Every other call to an actor (the sync check, the evaluations, a checkpoint's state
+fetch, a restore; ppo_ray.supervisor.PLACES) goes through the same retry rule: the lost actor
+is restarted, brought back to the committed state, and the call redone. No step is lost,
+doubled or restarted, and no checkpoint is needed (ppo_ray.faults, tests/test_faults.py).
 """
 
 from __future__ import annotations
@@ -167,9 +169,9 @@ class PPOTrainer:
         # driver's copy of the learner's state (ObjectRefs in the object store, never pulled
         # here): a learner that dies is restored from it, checkpoint or not.
         self.step = 0
-        self.version, weights_ref = self.roles.current_weights()
+        self.version, weights_ref, self._learner_state = self.supervisor.run(
+            lambda _: self._first_state(), where="start", step=0, recover=self.roles.wait_for_actors)
         self._weights = {self.version: weights_ref}  # LoRA weights of the committed version and the one before
-        self._learner_state = self.roles.learner_state()
         self.cursor = PromptCursor(config.seed)
         self._prompts_key: Optional[str] = None  # fingerprint of the list the cursor indexes
         self._prompt_ids: tuple[Optional[str], list[list[int]]] = (None, [])  # (fingerprint, its prompts encoded once)
@@ -185,6 +187,14 @@ class PPOTrainer:
         # the step where the learning-rate schedule ends: config.steps, unless the run is
         # extended (a resume with more steps, train() past it: _plan_steps)
         self.planned_steps = config.steps
+
+    def _first_state(self) -> tuple:
+        """(version, ref of the LoRA weights, ref of the state) of the learner as it starts. The
+        state is asked for first: the learner runs its calls in order, so once the version has
+        come back the state exists (a learner that dies in between fails both calls)."""
+        state = self.roles.learner_state()
+        version, weights = self.roles.current_weights()
+        return version, weights, state
 
     @property
     def retries(self) -> list[dict]:
@@ -338,16 +348,11 @@ class PPOTrainer:
         if cfg.logprob_gap_check == "off":
             return SyncCheck(math.nan, 0.0)
         t0 = time.perf_counter()
-        weights = self._weights[version]
-
-        def restart() -> None:  # a replica that died during the check comes back at the version
-            self.roles.wait_for_actors()
-            self.roles.bring_generators_to(version, weights)
-
         resyncs = 0
         while True:
+            # a generator or the learner lost during the check comes back in the committed state
             gaps = self.supervisor.run(lambda _: self.roles.sync_gaps(self._probe_ids, version), where="sync check",
-                                       step=self.step, recover=restart)
+                                       step=self.step, recover=self._back_to_committed)
             gap = max(gaps)
             if gap <= cfg.logprob_gap_limit:
                 return SyncCheck(gap, time.perf_counter() - t0)
@@ -371,7 +376,9 @@ class PPOTrainer:
         merged weights rebuilt from the base)."""
         self._resyncs += 1
         gens = [self.roles.generators[i] for i in replicas]
-        self.roles.load_adapter(version, self._weights[version], restore=True, generators=gens)
+        self.supervisor.run(lambda _: self.roles.load_adapter(version, self._weights[version], restore=True,
+                                                              generators=gens),
+                            where="sync", step=self.step, recover=self._back_to_committed)
 
     def _result(self, step: _Uncommitted, loads: list[SyncReport], check: SyncCheck, t_generation_done: float,
                 t_sync_done: float) -> StepResult:
@@ -445,14 +452,26 @@ class PPOTrainer:
         (texts, finish_reasons, version). A fixed `seed_step` gives every prompt the same
         sampling seed before and after training, so comparisons of two policies use common
         random numbers. With `score`, the reward actor scores the responses too (`rewards`:
-        one float per prompt)."""
-        generation = self.roles.generate(self._encode(prompts), seed_step)
-        generated = GenerationSummary.join(self.roles.fetch(generation.summaries))
-        rewards = None
-        if score:
-            scores, _ = self.roles.score(generation.parts)
-            rewards = self.roles.fetch(scores).tolist()
-        return Responses(generated.texts, generated.finish_reasons, generated.version, rewards)
+        one float per prompt). An actor lost on the way is restarted and the call redone (the
+        generators at the committed version, the same seeds: the same samples)."""
+        prompt_ids = self._encode(prompts)
+        kept: list[Optional[Generation]] = [None]
+
+        def attempt(_) -> Responses:
+            # a redo keeps a generation that survived and samples a lost one again; every replica
+            # must hold the committed version (a restarted one raises StateLostError, never
+            # samples the base model)
+            if not self.roles.intact(kept[0]):
+                kept[0] = self.roles.generate(prompt_ids, seed_step, self.version)
+            generation = kept[0]
+            generated = GenerationSummary.join(self.roles.fetch(generation.summaries))
+            rewards = None
+            if score:
+                scores, _ = self.roles.score(generation.parts)
+                rewards = self.roles.fetch(scores).tolist()
+            return Responses(generated.texts, generated.finish_reasons, generated.version, rewards)
+
+        return self.supervisor.run(attempt, where="evaluation", step=self.step, recover=self._back_to_committed)
 
     def save_adapter(self, path: str | Path) -> Path:
         """Write the policy's LoRA adapter (PEFT format: PeftModel.from_pretrained and vLLM load
@@ -460,7 +479,9 @@ class PPOTrainer:
         object store: no storage shared with the learner's node is needed)."""
         from ppo_ray.modeling import write_lora_adapter
 
-        return write_lora_adapter(path, self.roles.fetch(self._weights[self.version]), base_model=self.model_dir)
+        weights = self.supervisor.run(lambda _: self.roles.fetch(self._weights[self.version]), where="adapter",
+                                      step=self.step, recover=self._back_to_committed)
+        return write_lora_adapter(path, weights, base_model=self.model_dir)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
@@ -470,7 +491,8 @@ class PPOTrainer:
         the run directory only has to be reachable from the driver's node."""
         if self.run_dir is None:
             raise ValueError("save_checkpoint needs the trainer's run_dir (PPOTrainer(config, run_dir=...))")
-        learner_state = self.roles.fetch(self._learner_state)
+        learner_state = self.supervisor.run(lambda _: self.roles.fetch(self._learner_state), where="checkpoint",
+                                            step=self.step, recover=self._back_to_committed)
         # overlap mode: the next step's batch is already drawn (and generated); a resumed run
         # draws it again and generates it with the checkpoint's adapter
         order, rng = self._pending.cursor if self._pending is not None else self.cursor.state()
@@ -502,9 +524,15 @@ class PPOTrainer:
         saved = resumed_config(ckpt, self.run_dir or ckpt.parent.parent)
         learner_state = self._apply_changes(ckpt, saved, learner_state)
         self._learner_state = self.roles.store(learner_state)
-        version = self.roles.restore_learners(self._learner_state, reform=False)[0]
-        self._weights = {version: self.roles.store(learner_state.policy)}
-        self.roles.load_adapter(version, self._weights[version], restore=True)
+
+        def load(attempt: int) -> int:  # a redo re-forms the learner group (a restarted member left it)
+            version = self.roles.restore_learners(self._learner_state, reform=attempt > 0)[0]
+            self._weights = {version: self.roles.store(learner_state.policy)}
+            self.roles.load_adapter(version, self._weights[version], restore=True)
+            return version
+
+        version = self.supervisor.run(load, where="restore", step=int(state["step"]),
+                                      recover=self.roles.wait_for_actors)
         self.version, self.step = version, int(state["step"])
         self._check_sync(version)
         self.cursor.set_state((state["order"], state["data_rng"]))
@@ -584,13 +612,27 @@ class PPOTrainer:
             self._submit(current)  # same prompts, seeds and version: the same samples
         self.roles.bring_generators_to(self.version, self._weights[self.version])  # queued behind that generation
 
+    def _back_to_committed(self) -> None:
+        """Back to the committed state after a failure outside a step (the sync check, an
+        evaluation, a checkpoint's or the adapter's fetch, a re-sync): wait for the restarts,
+        every learner restored from the driver's copy of the committed state (a restarted one
+        lost it; a live one holds it already: nothing changes) and every generator at the
+        committed version (a restarted one is on the base model)."""
+        self.roles.wait_for_actors()
+        self._restore_learners()
+        self.roles.bring_generators_to(self.version, self._weights[self.version])
+
     def _restore_learners(self, best_effort: bool = False) -> None:
-        """Every learner back to the committed state."""
-        try:
+        """Every learner back to the committed state. best_effort: on the way out of a failed
+        step, supervised itself (the recoveries that call it otherwise are), and a failure is
+        logged, not raised."""
+        if not best_effort:
             self.roles.restore_learners(self._learner_state)
+            return
+        try:
+            self.supervisor.run(lambda _: self.roles.restore_learners(self._learner_state), where="restore",
+                                step=self.step, recover=self.roles.wait_for_actors)
         except Exception:  # noqa: BLE001 - on the way out of a failed step: its own error is the one to raise
-            if not best_effort:
-                raise
             log.exception("could not put the learners back to the committed state after a failed step")
 
     # ------------------------------------------------------------------ many steps
