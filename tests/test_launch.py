@@ -204,6 +204,60 @@ def test_overwriting_sft_leaves_nothing_to_resume_onto_the_new_model(tmp_path):
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
+@pytest.mark.slow
+def test_a_reward_actor_killed_in_the_evaluation_leaves_the_run_as_a_straight_one(tmp_path):
+    """launch.py ppo on the tiny preset, as a user runs it (issue 43's report: kill -9 of the
+    reward actor in the in-run evaluation ended the run with ActorUnavailableError). A test
+    reward function holds the evaluation's first scoring call (4 rows; a step scores 8) and
+    names its process; the test SIGKILLs it there. The run recovers (the evaluation is redone
+    by the restarted actor) and its metrics.jsonl and eval_samples.jsonl equal a straight
+    run's, every number but the wall-clock ones (float32 on the CPU is deterministic).
+    Slow (~3 min: two launch.py processes)."""
+    import signal
+
+    from conftest import TESTS_DIR, wait_for
+    from reward_fns import EVAL_MARKER_ENV, EVAL_PID_FILE, EVAL_ROWS_ENV
+
+    env = {**os.environ, "RAY_ADDRESS": "",  # a local Ray of its own, whose workers import tests/reward_fns.py
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
+
+    def launch(run_dir, extra_env):
+        return subprocess.Popen(
+            [sys.executable, str(ROOT / "launch.py"), "ppo", "--config", "tiny", "--run_dir", str(run_dir),
+             "--steps", "4", "--eval_every", "2", "--eval_samples", "4", "--batch_size", "8",
+             "--reward_funcs", "reward_fns:e_fraction_held_in_eval", "--vllm_kv_cache_gib", "0.25"],
+            cwd=tmp_path, env={**env, **extra_env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    marker = tmp_path / "marker"
+    marker.mkdir()
+    proc = launch(tmp_path / "killed", {EVAL_MARKER_ENV: str(marker), EVAL_ROWS_ENV: "4"})
+    try:
+        pid_file = marker / EVAL_PID_FILE
+        wait_for(pid_file.is_file, 900, "evaluation's scoring call", proc)
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        out, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    assert "the reward actor failed in the evaluation" in err, err[-3000:]
+    proc = launch(tmp_path / "straight", {})
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+
+    def numbers(run_dir, name):  # NaN (e.g. a CPU's peak memory) as text: equal to itself
+        rows = [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+        return [{k: "NaN" if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()
+                 if not (k.startswith("time/") or k.endswith("_s"))} for row in rows]
+
+    for name in ("metrics.jsonl", "eval_samples.jsonl"):
+        killed, straight = numbers(tmp_path / "killed", name), numbers(tmp_path / "straight", name)
+        assert killed == straight, f"{name}: " + "; ".join(
+            f"step {a.get('step')} {k}: {a.get(k)!r} vs {b.get(k)!r}"
+            for a, b in zip(killed, straight) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+    assert [row["step"] for row in numbers(tmp_path / "straight", "eval_samples.jsonl")] == [2] * 4 + [4] * 4
+
+
 def test_launch_resume_errors(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "ppo", "--resume", str(tmp_path / "nope")],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
