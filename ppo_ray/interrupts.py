@@ -14,8 +14,10 @@ Ways one signal could go unnoticed, and what answers each:
   exception raised in a finalizer is printed ("Exception ignored in ...") and dropped. So the
   handler also records the signal, and `raise_if_stopped`, which ppo_ray.supervisor calls
   before every call the driver makes to an actor, raises it again.
-Ray's ray.get turns a KeyboardInterrupt raised while it waits into its own KeyboardInterrupt,
-and Ray and vLLM install no SIGINT handler in the driver (checked in the launch.py tests).
+A handler only ever runs in the main thread, so no Ray callback or thread can swallow it; a
+signal that arrives while ray.get waits comes out of ray.get as the KeyboardInterrupt, and
+neither Ray nor vLLM installs a SIGINT handler in the driver (tests/test_launch.py presses
+once, mid-run, on a launch.py that inherited SIGINT ignored).
 """
 
 from __future__ import annotations
