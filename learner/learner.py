@@ -46,7 +46,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from learner.algos import adaptive_kl_coef, advantage_estimator, check_group_size
+from learner.algos import adaptive_kl_coef, advantage_estimator, check_estimator_config
 from learner.buffer import Experience, ExperienceBuffer
 from learner.experience import RolloutScores, make_experience, score_tensors
 from learner.kernels import cached_casts
@@ -155,7 +155,8 @@ class Learner:
         # The advantage estimator (learner.algos' registry, GAE by default); one without a
         # critic gets no value model, value optimiser, value loss or value statistics.
         self.estimator = advantage_estimator(config.advantage_estimator)
-        check_group_size(self.estimator, config.samples_per_prompt)
+        check_estimator_config(self.estimator, samples_per_prompt=config.samples_per_prompt,
+                               whiten_rewards=config.whiten_rewards, reward_shaping=config.reward_shaping)
         self.critic = self.estimator.needs_critic
         self._shared = self.critic and config.value_model == "shared"
         self.value_model: Optional[torch.nn.Module] = None

@@ -164,7 +164,7 @@ class PPOConfig:
     max_grad_norm: Optional[float] = 1.0
     """Gradient-norm clip per optimiser step; None = no clipping."""
     advantage_estimator: str = "gae"
-    """How the learner turns the step's shaped rewards into advantages: a name registered in learner/algos.py (register_estimator): gae (the default, with the value model as its critic), or the critic-free group baselines grpo, rloo and reinforce_pp (REINFORCE++ with a group-mean baseline), which compare the samples_per_prompt (>= 2) samples of each prompt, each scored by its return (score - beta * summed KL). An estimator without a critic builds no value model, and the value_* fields and statistics do not apply."""
+    """How the learner turns the step's scores and KL into advantages: a name registered in learner/algos.py (register_estimator): gae (the default: GAE over the shaped rewards, with the value model as its critic), or the critic-free group baselines grpo, rloo and reinforce_pp (REINFORCE++ with a group-mean baseline), which compare the scores of the samples_per_prompt (>= 2) samples of each prompt and then add, on every token, the KL penalty still to come (-kl_coef times the KL summed from that token to the response's end), as OpenRLHF orders them (verl's use_kl_in_reward instead puts the KL into the compared sums): a group of equal scores gets its KL term alone, 0 at kl_coef 0 or with kl_in_loss. An estimator without a critic builds no value model, and the value_* fields and statistics do not apply."""
     samples_per_prompt: int = 1
     """Responses sampled per prompt in one vLLM request (SamplingParams n), contiguous rows of one group in the batch; batch_size counts rollouts, so a step draws batch_size / samples_per_prompt prompts (it must divide batch_size). grpo, rloo and reinforce_pp need >= 2. Evaluation samples stay one per prompt."""
     grpo_norm_std: bool = True
@@ -172,11 +172,11 @@ class PPOConfig:
     whiten_advantages: bool = True
     """Whiten advantages over the step's real tokens (not applied to grpo, rloo and reinforce_pp, whose advantages are on their method's own scale: reinforce_pp whitens as part of its definition)."""
     whiten_rewards: bool = False
-    """Whiten the per-token shaped rewards before GAE (N+ recipe: off)."""
+    """Whiten the per-token shaped rewards before GAE (N+ recipe: off). Not with grpo, rloo or reinforce_pp, which read the scores and the KL, not the shaped rewards (an error)."""
     kl_estimator: str = "k1"
     """Per-token KL estimator in the reward: k1 (logp - logp_ref, the seeds'), k2 or k3."""
     reward_shaping: str = "last_token"
-    """last_token: score on the last real token, -beta*KL on every token; every_token: the seeds' literal r'_t = R - beta*KL_t."""
+    """last_token: score on the last real token, -beta*KL on every token; every_token: the seeds' literal r'_t = R - beta*KL_t. grpo, rloo and reinforce_pp take last_token only (they compare the sequence scores and add the per-token KL themselves)."""
     missing_eos_penalty: Optional[float] = None
     """Score that replaces the reward of a response with no EOS (N+ uses -1); None = off."""
     entropy_coef: float = 0.0
