@@ -253,6 +253,10 @@ def agg_loss(
 # --------------------------------------------------------------------------------------
 
 
+K3_LOG_RATIO_CLAMP = 20.0  # k3's log(pi_ref / pi) is clamped to +-this before exp (verl's low_var_kl)
+K3_CLAMP = 10.0            # k3 is clamped to at most this (verl's low_var_kl; OpenRLHF's compute_approx_kl)
+
+
 def kl_penalty(
     logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k1", mask: Tensor | None = None
 ) -> Tensor:
@@ -266,7 +270,12 @@ def kl_penalty(
     * ``"k2"``: ``0.5 * log_ratio**2``; biased, non-negative, low variance.
     * ``"k3"``: ``exp(-log_ratio) - (-log_ratio) - 1`` = ``r - log r - 1`` with
       ``r = pi_ref / pi``; Schulman's unbiased, non-negative estimator. Computed with
-      ``expm1`` so it stays >= 0 for tiny ratios.
+      ``expm1`` so it stays >= 0 for tiny ratios. Clamped as verl's low_var_kl clamps it
+      (core_algos.kl_penalty_forward: ``log r`` to [-20, 20], then k3 to at most 10;
+      OpenRLHF's compute_approx_kl clamps its k3 to [-10, 10]): k3 grows like ``r``, so a
+      token the reference finds far likelier than the policy (``log r = 25``: k3 = 7.2e10)
+      would dominate a step's loss (kl_in_loss) or reward on its own. A clamped token has no
+      gradient through k3 (``log r`` above ~2.6 or below -11), like the peers'.
 
     Args:
         logprobs, ref_logprobs: ``(B, T)``.
@@ -287,8 +296,8 @@ def kl_penalty(
         return log_ratio
     if kind == "k2":
         return 0.5 * log_ratio.square()
-    neg = -log_ratio  # log(pi_ref / pi)
-    return torch.expm1(neg) - neg  # = exp(neg) - neg - 1, k3 is 0 where masked
+    neg = (-log_ratio).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)  # log(pi_ref / pi)
+    return (torch.expm1(neg) - neg).clamp(max=K3_CLAMP)  # = exp(neg) - neg - 1, k3 is 0 where masked
 
 
 def shape_rewards(

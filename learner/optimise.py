@@ -359,7 +359,8 @@ class PPOOptimiser:
         pg_loss, pg_stats = ppo_clip_loss(logp, mb.old_logprobs, mb.advantages, mb.policy_mask,
                                           cfg.clip_epsilon, cfg.loss_agg, pg_norm, dual_clip=cfg.dual_clip,
                                           weights=mb.is_weights)
-        if cfg.kl_in_loss:  # GRPO's k3 = pi_ref/pi - log(pi_ref/pi) - 1, with gradient through pi
+        if cfg.kl_in_loss:  # GRPO's k3 = pi_ref/pi - log(pi_ref/pi) - 1, with gradient through pi; clamped at 10
+            # (learner.algos.kl_penalty, as verl's low_var_kl), so one token cannot dominate the step
             kl_loss = agg_loss(kl_penalty(logp, mb.ref_logprobs, "k3", mask=mb.policy_mask), mb.policy_mask,
                                cfg.loss_agg, pg_norm)
             pg_loss = pg_loss + kl_coef * kl_loss

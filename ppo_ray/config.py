@@ -174,7 +174,7 @@ class PPOConfig:
     whiten_rewards: bool = False
     """Whiten the per-token shaped rewards before GAE (N+ recipe: off). Not with grpo, rloo or reinforce_pp, which read the scores and the KL, not the shaped rewards (an error)."""
     kl_estimator: str = "k1"
-    """Per-token KL estimator in the reward: k1 (logp - logp_ref, the seeds'), k2 or k3."""
+    """Per-token KL estimator in the reward: k1 (logp - logp_ref, the seeds'), k2 or k3 (clamped to at most 10 per token, as verl's low_var_kl and OpenRLHF's k3: learner.algos.kl_penalty)."""
     reward_shaping: str = "last_token"
     """last_token: score on the last real token, -beta*KL on every token; every_token: the seeds' literal r'_t = R - beta*KL_t. grpo, rloo and reinforce_pp take last_token only (they compare the sequence scores and add the per-token KL themselves)."""
     missing_eos_penalty: Optional[float] = None
@@ -192,7 +192,7 @@ class PPOConfig:
     dual_clip: Optional[float] = None
     """Dual-clip PPO (Ye et al. 2020): c > 1 bounds each token's policy loss by -c * A where the advantage A is negative, so a token whose ratio grew far above 1 cannot dominate the loss; None = off (plain PPO-clip). The dual_clipfrac stat counts the tokens it bounded."""
     kl_in_loss: bool = False
-    """Put the KL to the reference in the policy loss instead of the reward (as GRPO does): the rewards are the scores alone, and the loss adds kl_coef times the k3 estimate of KL(policy || reference) of the tokens being trained (with gradient), aggregated like the policy loss; the kl_loss stat reports it. Needs untruncated sampling (top_k 0, top_p 1): the loss's policy logprobs are the sampling distribution's and the reference's are the full softmax's. Off = the seeds' KL penalty in the reward (kl_estimator)."""
+    """Put the KL to the reference in the policy loss instead of the reward (as GRPO does): the rewards are the scores alone, and the loss adds kl_coef times the k3 estimate of KL(policy || reference) of the tokens being trained (with gradient), aggregated like the policy loss; the kl_loss stat reports it. k3 is clamped per token as verl's low_var_kl clamps it (log(pi_ref / pi) to [-20, 20], then k3 to at most 10; OpenRLHF clamps its k3 to 10 too), so one token the reference finds far likelier than the policy cannot dominate the step (unclamped, a log ratio of 25 gives 7.2e10); a clamped token gets no gradient from the KL. Needs untruncated sampling (top_k 0, top_p 1): the loss's policy logprobs are the sampling distribution's and the reference's are the full softmax's. Off = the seeds' KL penalty in the reward (kl_estimator)."""
     is_correction: str = "none"
     """Off-policy correction for the generator/learner mismatch (vLLM's and the learner's logprobs of the same policy differ, most in bfloat16): tis weights each token's policy loss by min(pi_learner / pi_generator, is_cap) (truncated importance sampling); mis drops the tokens (or, is_level sequence, the responses) whose ratio is outside [1/is_cap, is_cap] from the policy loss; none = off. The mismatch itself (mismatch_outside_frac, mismatch_log_ratio_abs) is reported every step whatever this is. Needs old_logprobs: learner (the learner's own logprobs) and no overlap_generation (whose stale steps already take the generator's logprobs as the PPO ratio's denominator)."""
     is_cap: float = 2.0
