@@ -739,7 +739,9 @@ def ppo_clip_loss(
         mask: bool ``(B, T)``, True = real token; masked entries may be garbage.
         clip_epsilon: eps.
         loss_agg, normalizer: see :func:`agg_loss`.
-        dual_clip: c > 1, or None. Dual-clip PPO ([DualClip] Ye et al. 2020, eq. 5): where
+        dual_clip: c >= 1 + clip_epsilon, or None (a smaller c would bound tokens whose ratio
+            is in (c, 1 + eps], inside the trust region: the config refuses it). Dual-clip PPO
+            ([DualClip] Ye et al. 2020, eq. 5): where
             ``A < 0`` the per-token loss is also bounded by ``-c * A``, so a token whose
             ratio has grown far above 1 (the new policy likes a bad action much more than
             the one that sampled it, e.g. off-policy data) cannot contribute an unbounded

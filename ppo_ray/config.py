@@ -190,7 +190,7 @@ class PPOConfig:
     loss_agg: str = "token_mean"
     """Loss aggregation: token_mean (over all real tokens of a minibatch) or seq_mean_token_mean."""
     dual_clip: Optional[float] = None
-    """Dual-clip PPO (Ye et al. 2020): c > 1 bounds each token's policy loss by -c * A where the advantage A is negative, so a token whose ratio grew far above 1 cannot dominate the loss; None = off (plain PPO-clip). The dual_clipfrac stat counts the tokens it bounded."""
+    """Dual-clip PPO (Ye et al. 2020): c >= 1 + clip_epsilon bounds each token's policy loss by -c * A where the advantage A is negative, so a token whose ratio grew far above 1 cannot dominate the loss (verl's clip_ratio_c defaults to 3); a smaller c would cut the gradient of tokens whose ratio is inside the trust region (an error). None = off (plain PPO-clip). The dual_clipfrac stat counts the tokens it bounded."""
     kl_in_loss: bool = False
     """Put the KL to the reference in the policy loss instead of the reward (as GRPO does): the rewards are the scores alone, and the loss adds kl_coef times the k3 estimate of KL(policy || reference) of the tokens being trained (with gradient), aggregated like the policy loss; the kl_loss stat reports it. k3 is clamped per token as verl's low_var_kl clamps it (log(pi_ref / pi) to [-20, 20], then k3 to at most 10; OpenRLHF clamps its k3 to 10 too), so one token the reference finds far likelier than the policy cannot dominate the step (unclamped, a log ratio of 25 gives 7.2e10); a clamped token gets no gradient from the KL. Needs untruncated sampling (top_k 0, top_p 1): the loss's policy logprobs are the sampling distribution's and the reference's are the full softmax's. Off = the seeds' KL penalty in the reward (kl_estimator)."""
     is_correction: str = "none"
@@ -410,8 +410,12 @@ class PPOConfig:
         need(self.value_clip is None or self.value_clip > 0, "value_clip", "must be > 0 or null")
         need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or null")
         need(self.entropy_coef >= 0, "entropy_coef", "must be >= 0")
-        need(self.dual_clip is None or (math.isfinite(self.dual_clip) and self.dual_clip > 1), "dual_clip",
-             "must be > 1 or null (null = off)")
+        # Where A < 0 the bound -c * A replaces the PPO-clip loss -A * rho once rho > c: below
+        # 1 + clip_epsilon it would cut the gradient of tokens inside the trust region.
+        need(self.dual_clip is None or (math.isfinite(self.dual_clip) and self.dual_clip >= 1 + self.clip_epsilon),
+             "dual_clip", f"must be >= 1 + clip_epsilon = {1 + self.clip_epsilon:g} or null (null = off): a token "
+             "with a negative advantage and a ratio in (dual_clip, 1 + clip_epsilon], inside the trust region, "
+             "would lose its gradient")
         need(math.isfinite(self.is_cap) and self.is_cap > 1, "is_cap", "must be > 1")
         if self.is_correction != "none":
             need(self.old_logprobs in ("learner", "auto"), "is_correction",

@@ -143,12 +143,30 @@ def test_the_config_lists_the_corrections_the_math_knows():
     (dict(is_correction="both"), r"'is_correction' = 'both' is invalid: must be one of \['none', 'tis', 'mis'\]"),
     (dict(is_level="batch"), r"'is_level' = 'batch' is invalid"),
     (dict(is_cap=1.0), r"'is_cap' = 1.0 is invalid: must be > 1"),
-    (dict(dual_clip=1.0), r"'dual_clip' = 1.0 is invalid: must be > 1 or null"),
+    (dict(dual_clip=1.0), r"'dual_clip' = 1.0 is invalid: must be >= 1 \+ clip_epsilon = 1.2 or null"),
+    (dict(dual_clip=1.15), r"'dual_clip' = 1.15 is invalid: must be >= 1 \+ clip_epsilon = 1.2 or null"),
+    (dict(dual_clip=1.25, clip_epsilon=0.3), r"'dual_clip' = 1.25 is invalid: must be >= 1 \+ clip_epsilon = 1.3"),
+    (dict(dual_clip=math.inf), r"'dual_clip' = inf is invalid"),
     (dict(kl_in_loss=True, top_k=50), r"'kl_in_loss' = True is invalid: needs untruncated sampling"),
 ])
 def test_bad_options_name_themselves(changes, message):
     with pytest.raises(ConfigError, match=message):
         PPOConfig(**changes)
+
+
+def test_dual_clip_at_1_plus_clip_epsilon_bounds_no_token_inside_the_trust_region():
+    """The smallest dual_clip the config takes, 1 + clip_epsilon: a token with A < 0 is bounded
+    (no gradient) only once its ratio is past 1 + clip_epsilon, outside the trust region, where
+    PPO-clip alone leaves its loss -A rho unbounded. At 1.1 (refused) tokens with ratios in
+    (1.1, 1.2], inside the trust region, would lose their gradient too."""
+    assert PPOConfig(dual_clip=1.2).dual_clip == 1.2 and PPOConfig(dual_clip=1.3, clip_epsilon=0.3).dual_clip == 1.3
+    ratios = torch.tensor([1.05, 1.15, 1.19, 1.5, 3.0], dtype=torch.float64)
+    logprobs = ratios.log().unsqueeze(0).requires_grad_(True)
+    old, adv, mask = torch.zeros(1, 5, dtype=torch.float64), -torch.ones(1, 5, dtype=torch.float64), torch.ones(1, 5, dtype=torch.bool)
+    for c, bounded in ((1.2, [False, False, False, True, True]), (1.1, [False, True, True, True, True])):
+        logprobs.grad = None
+        ppo_clip_loss(logprobs, old, adv, mask, 0.2, dual_clip=c)[0].backward()
+        assert (logprobs.grad[0] == 0).tolist() == bounded, c
 
 
 # ---------------------------------------------------------------------- the learner
