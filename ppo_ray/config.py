@@ -168,7 +168,7 @@ class PPOConfig:
     samples_per_prompt: int = 1
     """Responses sampled per prompt in one vLLM request (SamplingParams n), contiguous rows of one group in the batch; batch_size counts rollouts, so a step draws batch_size / samples_per_prompt prompts (it must divide batch_size). grpo, rloo and reinforce_pp need >= 2. Evaluation samples stay one per prompt."""
     grpo_norm_std: bool = True
-    """grpo only: divide each group's centred returns by the group's std (unbiased, + 1e-6; GRPO); false = Dr. GRPO (centred returns, no std division)."""
+    """grpo only: divide each group's centred scores by the group's std (unbiased, + 1e-6; GRPO); false = Dr. GRPO (Liu et al. 2025: centred scores, no std division), which also needs loss_agg: token_mean (an error otherwise): Dr. GRPO drops GRPO's per-response 1/|o_i| length normalisation too, and seq_mean_token_mean is that normalisation."""
     whiten_advantages: bool = True
     """Whiten advantages over the step's real tokens (not applied to grpo, rloo and reinforce_pp, whose advantages are on their method's own scale: reinforce_pp whitens as part of its definition)."""
     whiten_rewards: bool = False
@@ -188,7 +188,7 @@ class PPOConfig:
     lr_scheduler: str = "constant"
     """Learning-rate schedule of the PPO optimisers (policy and value): constant, or linear (decay to 0 over the run's steps x ppo_epochs x minibatches optimiser steps, the N+ recipe). Saved and restored with checkpoints."""
     loss_agg: str = "token_mean"
-    """Loss aggregation: token_mean (over all real tokens of a minibatch) or seq_mean_token_mean."""
+    """Loss aggregation: token_mean (the sum over all real tokens of a minibatch / their count: every token weighs the same; verl's token-mean, OpenRLHF's token-level loss) or seq_mean_token_mean (each response's token mean, then the mean over responses: every response weighs the same, original GRPO's 1/|o_i|)."""
     dual_clip: Optional[float] = None
     """Dual-clip PPO (Ye et al. 2020): c >= 1 + clip_epsilon bounds each token's policy loss by -c * A where the advantage A is negative, so a token whose ratio grew far above 1 cannot dominate the loss (verl's clip_ratio_c defaults to 3); a smaller c would cut the gradient of tokens whose ratio is inside the trust region (an error). None = off (plain PPO-clip). The dual_clipfrac stat counts the tokens it bounded."""
     kl_in_loss: bool = False
@@ -424,6 +424,14 @@ class PPOConfig:
             need(not self.overlap_generation, "is_correction",
                  "cannot be combined with overlap_generation: its stale steps already take the generator's "
                  "logprobs as the PPO ratio's denominator (the trust region is around what was sampled)")
+        if self.advantage_estimator == "grpo" and not self.grpo_norm_std:
+            need(self.loss_agg == "token_mean", "grpo_norm_std",
+                 f"false (Dr. GRPO) needs loss_agg: token_mean (got {self.loss_agg}): Dr. GRPO (Liu et al. 2025) "
+                 "removes both of GRPO's biases, the std division and the per-response 1/|o_i| length "
+                 "normalisation, which seq_mean_token_mean applies (it favours long responses among those with "
+                 "negative advantages); token_mean weighs every token of a minibatch alike (the paper divides by a "
+                 "constant, the generation budget; token_mean by the minibatch's token count, the same for all "
+                 "its responses)")
         if self.kl_in_loss:
             need(self.top_k in (0, -1) and self.top_p == 1.0, "kl_in_loss",
                  f"needs untruncated sampling (top_k 0 and top_p 1.0; got top_k={self.top_k}, top_p={self.top_p}): "
