@@ -18,7 +18,9 @@ Choices, and where they come from:
 * Old logprobs use the generator's exact sampling distribution: logits / temperature,
   then the same top-k / top-p truncation (ppo_ray.logprobs.logprobs_from_logits mirrors
   vLLM). The PPO ratio is between two such truncated distributions, so the first
-  minibatch has ratio == 1 exactly (float32, no dropout).
+  minibatch's ratio is 1 up to the rounding of the no-grad pass against the training
+  forward (no dropout; float32: exactly 1 where they batch the rows alike), or within the
+  generator-learner gap with the generator's old logprobs (PPOConfig.old_logprobs).
 * The KL to the reference uses the full softmax at temperature for both sides, as the
   reference scorer does: a truncated policy vs an untruncated reference would bias KL_t
   upwards (the truncated policy renormalises its kept mass to 1).

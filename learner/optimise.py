@@ -251,7 +251,7 @@ class PPOOptimiser:
         n_steps = 0
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
 
-        for model in models:  # dropout applies only with ppo_dropout (else the first ratio is exactly 1)
+        for model in models:  # dropout applies only with ppo_dropout (which moves the first ratio off 1)
             model.train()
         self.policy_optimizer.zero_grad(set_to_none=True)
         if critic and value_pass is None:
