@@ -35,15 +35,22 @@ imported and run, in this process and in the reward actor. Run only configs you 
 
 Checkpoints: the PPO stage writes <run_dir>/checkpoints/step-N every checkpoint_every steps
 and at the end. `launch.py ppo --resume DIR` (a run directory or one checkpoint) continues
-from it with the run's saved config (plus any overrides, e.g. a larger --steps); Ctrl-C or
-`ray job stop` leaves the last checkpoint intact.
+from it; Ctrl-C or `ray job stop` leaves the last checkpoint intact. Whichever way a resume
+is asked for, the PPO stage continues with its checkpoint's own config plus the command's
+--field options (e.g. a larger --steps, another --kl_coef: each change is named in the log and
+applies from the next step).
 
 A run directory is never written over: a fresh stage into a --run_dir that holds that
 stage's outputs stops before writing anything. `--resume auto` continues whatever the
 run directory holds (finished stages are skipped, PPO resumes from its newest intact
 checkpoint, an unfinished stage starts again) and starts a new run when it holds none: the
 same command can be re-applied (a RayJob, a restarted cluster). `--overwrite` starts over,
-moving the old outputs to <run_dir>/replaced/<time>/.
+moving the old outputs to <run_dir>/replaced/<time>/. A stage that starts again (overwritten,
+or unfinished) takes the stages built on it along: their outputs move aside with its own, so
+nothing trained on the old SFT or reward model is resumed onto a new one. A run touches only
+its own files: `--resume CKPT --run_dir OTHER` is refused while OTHER holds a run
+(`--overwrite` moves that run aside first), and one driver at a time holds a run directory
+(a second one stops at once, naming the first; a killed driver's lock is taken over).
 """
 
 from __future__ import annotations
@@ -51,7 +58,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -60,10 +66,6 @@ log = logging.getLogger("ppo_ray.launch")
 
 DEFAULT_CONFIG = "tldr-tiny"  # a preset's name: ppo_ray/configs/tldr-tiny.yaml (ppo_ray.config.resolve_config)
 STAGES = ("all", "sft", "rm", "ppo")
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def check_ray_address() -> None:
@@ -132,36 +134,71 @@ def run_plain_ppo(config, run_dir: Path, resume: str | None = None, prompts: lis
 
 def plan_run_dir(run_dir: Path, stage: str, stages: tuple[str, ...], resume: str | None,
                  overwrite: bool) -> tuple[dict, str | None]:
-    """What the run directory's contents mean for this command, decided before anything is
-    written: (the stages already finished, to be skipped; the PPO checkpoint to resume).
+    """What the run directory's contents mean for this command, decided and acted on under the
+    run directory's lock, before any stage runs: (the stages already finished, to be skipped;
+    the PPO checkpoint to resume).
 
     A fresh stage into a run directory that holds its outputs is a RunDirError (naming
-    --resume and --overwrite); --overwrite moves them aside; --resume auto skips the stages
-    that finished, resumes PPO from its newest intact checkpoint, and moves an unfinished
-    stage's partial outputs aside before that stage starts again."""
+    --resume and --overwrite); --overwrite moves them aside. Downstream follows upstream: a
+    stage that starts (fresh, over, or again) moves the outputs of every stage built on it
+    aside with its own (ppo_ray.rundir.invalidate), so nothing trained on the old stage can be
+    resumed onto the new one. --resume auto skips the stages that finished, in pipeline order
+    (a stage counts as finished only when the stages before it did), resumes PPO from its
+    newest intact checkpoint, and moves the first unfinished stage's outputs and its
+    downstream aside before it starts again. `--resume CKPT --overwrite` (a checkpoint of
+    another run directory) moves this directory's PPO run aside, then resumes CKPT here."""
     from ppo_ray.checkpoint import checkpoint_root, resolve_checkpoint
-    from ppo_ray.rundir import check_fresh, forget_done, held_outputs, move_aside, stages_done
+    from ppo_ray.rundir import check_fresh, downstream, held_outputs, invalidate, stages_done
 
     if overwrite:
-        move_aside(run_dir, held_outputs(run_dir, [stage]), why="overwrite")
-        forget_done(run_dir, stages)
-        return {}, None
+        invalidate(run_dir, [stage], why="overwrite")
+        return {}, resume
     if resume is None:
         check_fresh(run_dir, stage)
+        if held_outputs(run_dir, [s for first in stages[:1] for s in downstream(first)]):
+            log.warning("stage %s starts in %s: the stages built on an earlier one are moved aside", stage, run_dir)
+            invalidate(run_dir, stages[:1], why=f"{stages[0]}-starts")
         return {}, None
     if resume != "auto":
         return {}, resume
-    done = {name: stats for name, stats in stages_done(run_dir).items() if name in stages}
+    finished = stages_done(run_dir)
+    done: dict = {}
+    for name in stages:  # in pipeline order: a stage whose upstream starts again starts again too
+        if name not in finished:
+            break
+        done[name] = finished[name]
     checkpoint = None
-    if "ppo" in stages and any(checkpoint_root(run_dir).glob("step-*")):
+    if "ppo" in stages and set(stages[:stages.index("ppo")]) <= set(done) \
+            and any(checkpoint_root(run_dir).glob("step-*")):
         checkpoint = resolve_checkpoint(run_dir)
         done.pop("ppo", None)  # a finished PPO stage resumes too: it trains to config.steps and reports again
     unfinished = [name for name in stages if name not in done and not (name == "ppo" and checkpoint)]
-    move_aside(run_dir, held_outputs(run_dir, unfinished), why="unfinished")
+    if unfinished:
+        invalidate(run_dir, unfinished[:1], why=f"{unfinished[0]}-restarts")
     log.info("--resume auto in %s: %s", run_dir, "; ".join(
         [f"{', '.join(done)} finished"] * bool(done) + [f"PPO resumes from {checkpoint}"] * bool(checkpoint)
         + [f"{', '.join(unfinished)} start{'s' * (len(unfinished) == 1)}"] * bool(unfinished)))
     return done, str(checkpoint) if checkpoint else None
+
+
+def saved_config(run_dir: Path, stage: str) -> Path | None:
+    """The config a run directory saved for `stage` (config-<stage>.yaml), else the pipeline's
+    (config.yaml), else None: what a resume reads for its stages (the PPO stage itself resumes
+    with its checkpoint's config, ppo_ray.checkpoint.resumed_config)."""
+    names = ["config.yaml", "config-ppo.yaml"] if stage == "all" else [f"config-{stage}.yaml", "config.yaml"]
+    return next((run_dir / name for name in names if (run_dir / name).is_file()), None)
+
+
+def report_config_file_changes(config_file: str, file_ppo, resumed) -> None:
+    """--config with --resume auto: a resumed PPO stage runs with its checkpoint's config plus
+    the command's --field options; name the file's values that differ (they are not applied)."""
+    from ppo_ray.checkpoint import config_changes
+
+    diffs = [f"{k}: {b!r} in the file, {a!r} in the checkpoint" for k, a, b in config_changes(resumed, file_ppo)
+             if k != "steps"]
+    if diffs:
+        log.warning("--config %s differs from the checkpoint's config, which the resumed PPO stage keeps (give a "
+                    "change as --<field> VALUE): %s", config_file, "; ".join(diffs))
 
 
 def build_parser():
@@ -178,16 +215,32 @@ def build_parser():
                         help="run directory (default: output_dir/<time>; with --resume, the checkpoint's run)")
     parser.add_argument("--resume", metavar="DIR|auto",
                         help="continue the PPO stage from a run directory's latest checkpoint or one checkpoint, "
-                             "with the run's saved config (unless --config) plus the options given; 'auto': "
-                             "continue whatever --run_dir holds (finished stages skipped, PPO from its checkpoint), "
-                             "or start when it holds nothing")
+                             "with the checkpoint's config plus the options given; 'auto': continue whatever "
+                             "--run_dir holds (finished stages skipped, PPO from its checkpoint), or start when it "
+                             "holds nothing")
     parser.add_argument("--overwrite", action="store_true",
-                        help="start the stage over in a --run_dir that holds its outputs (they are moved to "
-                             "<run_dir>/replaced/<time>/, not deleted)")
+                        help="start the stage over in a --run_dir that holds its outputs (they and the outputs "
+                             "of the stages built on it are moved to <run_dir>/replaced/<time>/, not deleted); "
+                             "with --resume CKPT of another run directory: move --run_dir's PPO run aside and "
+                             "continue CKPT there")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; its exit status. One Ctrl-C (SIGINT) or SIGTERM (`ray job stop`) stops it at
+    any point, however the process was started (ppo_ray.interrupts: a `launch.py &` from a
+    script inherits SIGINT ignored): exit 130, with the resume hint once the run has started."""
+    from ppo_ray.interrupts import stop_on_signals
+
+    with stop_on_signals():
+        try:
+            return _main(argv)
+        except KeyboardInterrupt:  # outside the stages (_run reports those, naming the checkpoint)
+            print("\n[ppo-ray] interrupted", file=sys.stderr)
+            return 130
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from ppo_ray.config import ConfigError, PPOConfig
 
@@ -202,33 +255,58 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     run_dir_opt, resume, config_path = options.run_dir, options.resume, options.config
     auto = resume == "auto"
-    if resume is not None and options.overwrite:
-        print("error: --overwrite starts the run over; --resume continues it: give one of them", file=sys.stderr)
+    stage = positional[0] if positional else ("ppo" if resume is not None and not auto else "all")
+    if stage not in STAGES or len(positional) > 1:
+        print(f"error: unknown stage {' '.join(positional)!r}; stages: {', '.join(STAGES)}", file=sys.stderr)
         return 2
-    if auto:
-        if run_dir_opt is None:
-            print("error: --resume auto continues the run in --run_dir, or starts one there: pass --run_dir",
-                  file=sys.stderr)
-            return 2
-        saved = [p for p in (Path(run_dir_opt) / "config.yaml", Path(run_dir_opt) / "config-ppo.yaml") if p.is_file()]
-        if config_path is None and saved:  # the run's own config; overrides still apply
-            config_path = str(saved[0])
-    elif resume is not None:
-        from ppo_ray.checkpoint import CheckpointError, resolve_checkpoint
+    if resume is not None and not auto and stage != "ppo":
+        print(f"error: --resume continues the PPO stage; stage {stage!r} cannot resume (use: launch.py ppo --resume "
+              f"{resume})", file=sys.stderr)
+        return 2
+    if auto and options.overwrite:
+        print("error: --overwrite starts the run over; --resume auto continues it: give one of them", file=sys.stderr)
+        return 2
+    from ppo_ray.checkpoint import CheckpointError, check_own_lineage, resolve_checkpoint, resumed_config
+    from ppo_ray.rundir import RunDirError
 
-        try:
-            checkpoint = resolve_checkpoint(resume)
-        except CheckpointError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        run_dir_opt = run_dir_opt or str(checkpoint.parent.parent)  # <run_dir>/checkpoints/step-N
-        saved = [p for p in (Path(run_dir_opt) / "config-ppo.yaml", Path(run_dir_opt) / "config.yaml") if p.is_file()]
-        if config_path is None and saved:  # the run's own config; overrides still apply
-            config_path = str(saved[0])
+    # One resume rule, whichever way a resume is asked for: the PPO stage continues with its
+    # checkpoint's own config plus this command's --field options (resumed_config); the run
+    # directory's saved config (saved_config) is what its other stages and reports read.
+    checkpoint = None
     try:
+        if auto:
+            if run_dir_opt is None:
+                print("error: --resume auto continues the run in --run_dir, or starts one there: pass --run_dir",
+                      file=sys.stderr)
+                return 2
+            saved = saved_config(Path(run_dir_opt), stage)
+            if config_path is None and saved is not None:  # the run's own config; overrides still apply
+                config_path = str(saved)
+        elif resume is not None:
+            if config_path is not None:
+                print(f"error: --config with --resume {resume}: a resume continues with its checkpoint's own config "
+                      "(config.yaml in the checkpoint); give changes as --<field> VALUE options", file=sys.stderr)
+                return 2
+            checkpoint = resolve_checkpoint(resume)
+            own_dir = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+            if run_dir_opt is None and own_dir is None:
+                print(f"error: {checkpoint} is not in a run directory's checkpoints/: pass --run_dir", file=sys.stderr)
+                return 2
+            run_dir_opt = run_dir_opt or str(own_dir)
+            inside = own_dir is not None and own_dir.resolve() == Path(run_dir_opt).resolve()
+            if options.overwrite and inside:
+                print(f"error: --overwrite moves {run_dir_opt}'s PPO run aside, and {checkpoint} is part of it: "
+                      "resume it without --overwrite", file=sys.stderr)
+                return 2
+            if not options.overwrite:  # a run touches only its own lineage (before anything is read or written)
+                check_own_lineage(checkpoint, run_dir_opt)
+            saved = saved_config(own_dir or Path(run_dir_opt), "ppo")
+            config_path = str(saved) if saved is not None else None
         config = PPOConfig.from_yaml(config_path or DEFAULT_CONFIG, **overrides)
+        if checkpoint is not None and (config_path is None or config.reward_funcs or config.reward_model_name):
+            config = resumed_config(checkpoint, run_dir_opt, overrides)  # a plain PPO run: its config is the PPO's
         check_estimator(config)
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError) as e:  # CheckpointError and RunDirError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2
     from ppo_ray.logs import setup_logging
@@ -238,14 +316,6 @@ def main(argv: list[str] | None = None) -> int:
         # a run directory's saved config is reloaded and its reward functions imported: say which
         log.warning("resuming with the run's saved config: it imports and runs the reward functions %s "
                     "(config files are trusted input, like a Python script)", ", ".join(config.reward_funcs))
-    stage = positional[0] if positional else ("ppo" if resume is not None and not auto else "all")
-    if stage not in STAGES or len(positional) > 1:
-        print(f"error: unknown stage {' '.join(positional)!r}; stages: {', '.join(STAGES)}", file=sys.stderr)
-        return 2
-    if resume is not None and not auto and stage != "ppo":
-        print(f"error: --resume continues the PPO stage; stage {stage!r} cannot resume (use: launch.py ppo --resume "
-              f"{resume})", file=sys.stderr)
-        return 2
     has_reward = bool(config.reward_funcs or config.reward_model_name)
     if stage in ("all", "sft", "rm") and config.apply_chat_template:
         print(f"error: apply_chat_template formats the PPO prompts of an instruct model (stage 'ppo' with reward "
@@ -264,17 +334,18 @@ def main(argv: list[str] | None = None) -> int:
     if stage == "ppo" and not has_reward and not (run_dir / "rm").is_dir():
         print(f"error: stage 'ppo' needs {run_dir / 'rm'} from stage 'rm' (pass --run_dir)", file=sys.stderr)
         return 2
-    from ppo_ray.checkpoint import CheckpointError
     from ppo_ray.data import DataError
     from ppo_ray.modeling import ContextLengthError
     from ppo_ray.placement import ClusterError
     from ppo_ray.rewards import RewardError
-    from ppo_ray.rundir import RunDirError, check_writable
+    from ppo_ray.rundir import check_writable
+    from ppo_ray.runlock import RunLock, RunLockError
     from ppo_ray.tracking import TrackerError, check_trackers
 
     # Cheap checks of what the stage needs, before anything is written (a rejected command
     # leaves an existing run directory as it was) and before Ray or any actor starts.
     prompts = None
+    stages = ("sft", "rm", "ppo") if stage == "all" and not has_reward else (stage,)
     try:
         check_context(config)
         check_trackers(config.report_to)
@@ -283,24 +354,44 @@ def main(argv: list[str] | None = None) -> int:
         if stage == "ppo" and has_reward:
             prompts = plain_ppo_inputs(config)
         check_writable(run_dir)
-        # last of the checks: a fresh stage never writes over what the run directory holds
-        stages = ("sft", "rm", "ppo") if stage == "all" and not has_reward else (stage,)
-        done, resume = plan_run_dir(run_dir, stage, stages, resume, options.overwrite)
+        # One writer per run directory, from here to the end of the command.
+        lock = RunLock.acquire(run_dir, ["ppo-ray", *argv])
     except (ClusterError, RewardError, FileNotFoundError, DataError, ContextLengthError, TrackerError,
-            RunDirError, CheckpointError) as e:
+            RunDirError, CheckpointError, RunLockError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        ppo_config = None  # the resumed PPO stage's config, when it differs from the pipeline's
+        try:
+            # last of the checks: a fresh stage never writes over what the run directory holds
+            done, resume = plan_run_dir(run_dir, stage, stages, resume, options.overwrite)
+            if resume is not None:
+                checkpoint = resolve_checkpoint(resume)
+                ppo_config = resumed_config(checkpoint, run_dir, overrides)
+                if options.config is not None and auto:
+                    from ppo_ray.tasks.pipeline import ppo_config as pipeline_ppo_config
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    from ppo_ray.logs import console_log
+                    file_ppo = config if has_reward else pipeline_ppo_config(config, run_dir, run_dir / "data")
+                    report_config_file_changes(options.config, file_ppo, ppo_config)
+                if has_reward:  # a plain PPO run: the checkpoint's config (+ overrides) is the run's
+                    config, ppo_config = ppo_config, None
+                    prompts = plain_ppo_inputs(config)
+        except (RewardError, FileNotFoundError, DataError, RunDirError, CheckpointError, ConfigError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
 
-    with console_log(run_dir, ["ppo-ray", *argv]) as log_path:
-        return _run(config, stage, stages, done, resume, run_dir, has_reward, prompts, log_path)
+        from ppo_ray.logs import console_log
+
+        with console_log(run_dir, ["ppo-ray", *argv]) as log_path:
+            return _run(config, stage, stages, done, resume, run_dir, has_reward, prompts, log_path, ppo_config)
+    finally:
+        lock.release()
 
 
 def _run(config, stage: str, stages: tuple[str, ...], done: dict, resume, run_dir: Path, has_reward: bool,
-         prompts, log_path: Path) -> int:
-    """The stages, after the checks: the run directory exists and the console goes to log_path too."""
+         prompts, log_path: Path, ppo_config=None) -> int:
+    """The stages, after the checks: the run directory exists and the console goes to log_path too.
+    `ppo_config`: the pipeline's resumed PPO stage's config (its checkpoint's plus the overrides)."""
     from ppo_ray.checkpoint import CheckpointError
     from ppo_ray.data import DataError
     from ppo_ray.modeling import ContextLengthError
@@ -320,9 +411,9 @@ def _run(config, stage: str, stages: tuple[str, ...], done: dict, resume, run_di
     ray_was_up = ray.is_initialized()  # an in-process caller's Ray is left running
     report: dict = {"run_dir": str(run_dir)}
     t0 = time.perf_counter()
-    # `ray job stop` sends SIGTERM: unwind like Ctrl-C (actors shut down; the last checkpoint,
-    # written atomically, stays the latest and resumable).
-    signal.signal(signal.SIGTERM, _interrupt)
+    # Ctrl-C and `ray job stop` (SIGTERM) raise KeyboardInterrupt here (main: stop_on_signals):
+    # the stages unwind (actors shut down; the last checkpoint, written atomically, stays the
+    # latest and resumable).
     try:
         if stage == "ppo" and has_reward:
             report.update(run_plain_ppo(config, run_dir, resume, prompts))
@@ -331,7 +422,7 @@ def _run(config, stage: str, stages: tuple[str, ...], done: dict, resume, run_di
             data_dir = pipeline.write_data(config, run_dir)
             run = {"sft": lambda: pipeline.run_sft(config, run_dir, data_dir),
                    "rm": lambda: pipeline.run_rm(config, run_dir, data_dir),
-                   "ppo": lambda: pipeline.run_ppo(config, run_dir, data_dir, resume)}
+                   "ppo": lambda: pipeline.run_ppo(config, run_dir, data_dir, resume, ppo_config)}
             for name in stages:
                 if name in done:  # --resume auto: finished in an earlier attempt
                     log.info("stage %s: finished earlier in %s, skipped", name, run_dir)

@@ -839,14 +839,42 @@ def importance_weights(
                          f"level {level!r} one of {IS_LEVELS}")
     if correction == "none":
         return None, mask
+    w = importance_ratio(logprobs, behaviour_logprobs, mask, level)  # (B, T)
+    if correction == "tis":
+        return torch.where(mask, torch.clamp(w, max=cap), torch.zeros((), dtype=w.dtype, device=w.device)), mask
+    return None, mask & ~outside_is_band(w, mask, cap)
+
+
+def importance_ratio(logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, level: str = "token") -> Tensor:
+    """The off-policy correction's ratio ``w = pi_learner / pi_generator`` of each token of
+    ``mask`` (``level="token"``), or of its response (``"sequence"``: ``exp`` of the row's
+    summed log-ratios over ``mask``, the same for every token of the row); 1 off ``mask``.
+
+    Args:
+        logprobs, behaviour_logprobs: ``(B, T)`` finite on ``mask``; mask: bool ``(B, T)``.
+    Returns: ``(B, T)`` in ``logprobs``' dtype.
+    """
+    mask = check_mask(mask)
+    if level not in IS_LEVELS:
+        raise ValueError(f"importance ratio: level {level!r} must be one of {IS_LEVELS}")
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     log_w = torch.where(mask, logprobs - behaviour_logprobs, zero)  # (B, T)
     if level == "sequence":
         log_w = torch.where(mask, log_w.sum(dim=1, keepdim=True), zero)  # (B, T): the row's log ratio
-    w = torch.exp(log_w)
-    if correction == "tis":
-        return torch.where(mask, torch.clamp(w, max=cap), zero), mask
-    return None, mask & (w >= 1.0 / cap) & (w <= cap)
+    return torch.exp(log_w)
+
+
+def outside_is_band(w: Tensor, mask: Tensor, cap: float) -> Tensor:
+    """The tokens of ``mask`` whose ratio ``w`` (:func:`importance_ratio`) is outside
+    ``[1 / cap, cap]`` (bool ``(B, T)``; a NaN ratio is outside): those MIS drops, and those
+    TIS caps (above ``cap``) or keeps with a weight under ``1 / cap``. Their share is the
+    statistic the generator-vs-learner check tests when a correction is on (the trainer's
+    rollout check): the correction absorbs a mismatch that moves few tokens this far.
+
+    Args:
+        w: ``(B, T)`` ratios; mask: bool ``(B, T)``; cap: C > 1.
+    """
+    return check_mask(mask) & ~((w >= 1.0 / cap) & (w <= cap))
 
 
 def mismatch_stats(logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, band: float = 0.1) -> dict[str, Tensor]:

@@ -14,8 +14,10 @@ sequence scores, `make_experience` computes in paper order:
 
 the generator/learner mismatch of the sampled tokens and, with is_correction, its
 off-policy correction (learner.algos.importance_weights: TIS weights, or MIS's smaller
-policy mask); and the rollouts' statistics (0-dim tensors: the learner reads them back in its one host
-sync). The optimisation (steps 7-11) is the learner's.
+policy mask; the share of tokens outside its band, is_outside_frac, which the trainer's
+rollout check tests under a correction); and the rollouts' statistics (0-dim tensors: the
+learner reads them back in its one host sync). The optimisation (steps 7-11) is the
+learner's.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import torch
 from torch import Tensor
 
 from learner.algos import (AdvantageEstimator, AdvantageInputs, compute_returns, explained_variance,
-                           importance_weights, kl_penalty, masked_mean, masked_whiten, mismatch_stats, shape_rewards)
+                           importance_ratio, importance_weights, kl_penalty, masked_mean, masked_whiten, mismatch_stats,
+                           outside_is_band, shape_rewards)
 from learner.buffer import Experience
 from ppo_ray.batch import RolloutBatch
 
@@ -166,6 +169,13 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
         stats["is_weight_mean"] = masked_mean(is_weights, policy_mask)
     elif config.is_correction == "mis":
         stats["is_masked_frac"] = masked_mean((policy_mask & ~policy_mask_is).float(), policy_mask)
+    if config.is_correction != "none":
+        # The share of the policy loss's tokens whose ratio is outside [1/is_cap, is_cap]: what the
+        # correction drops, caps or all but drops. The trainer's rollout check tests it instead of
+        # the largest gap of one token (ppo_ray.trainer._check_logprob_gap). Per token whatever
+        # is_level: a response's ratio drifts with its length even when each token is close.
+        w = importance_ratio(old_logprobs, gen, policy_mask, "token")  # (B, T)
+        stats["is_outside_frac"] = masked_mean(outside_is_band(w, policy_mask, config.is_cap).float(), policy_mask)
     if estimator.needs_critic:
         stats.update(explained_variance=explained_variance(values, returns, mask),
                      return_mean=masked_mean(returns, mask), value_mean=masked_mean(values, mask))

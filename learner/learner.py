@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from dataclasses import replace
 from typing import Callable, Optional
@@ -69,12 +70,54 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint whose tensors do not fit this learner (other model, LoRA rank or targets)."""
 
 
+# The dropout layers: their probability is `p`.
+DROPOUT_LAYERS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+                  torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
+# Float attributes (of a module or a model config) that hold the probability or scale of
+# noise a model applies only in train mode ("functional dropout"): HF's attention passes
+# dropout=self.attention_dropout if self.training (Qwen3, Llama, Mistral), OPT/BART use
+# p=self.dropout / self.activation_dropout and skip layers with self.layerdrop, Phi reads
+# resid_pdrop / embd_pdrop, MoE routers add self.jitter_noise while training.
+FUNCTIONAL_DROPOUT = re.compile(r"drop|jitter")
+
+
+def _zero_dropout_attributes(obj) -> None:
+    """Set every float attribute of `obj` whose name matches FUNCTIONAL_DROPOUT to 0.0."""
+    for name, value in list(vars(obj).items()):
+        if type(value) is float and value != 0.0 and FUNCTIONAL_DROPOUT.search(name.lower()):
+            setattr(obj, name, 0.0)
+
+
 def disable_dropout(model: torch.nn.Module) -> None:
-    """Set p = 0 in every dropout layer of `model` (PEFT's lora_dropout included): train mode
-    then computes exactly what eval mode does."""
+    """Turn off every dropout of `model`, so that train mode computes exactly what eval mode
+    does (TRL's and N+'s disable_dropout set the layers' p only, which leaves HF's attention
+    dropout on: a tiny Qwen3 with attention_dropout 0.3 gave logits 8 apart in train and eval
+    mode after it). Three forms are covered:
+
+    * dropout layers (DROPOUT_LAYERS: PEFT's lora_dropout and the models' nn.Dropout): p = 0;
+    * functional dropout, a probability a module keeps as a float attribute and applies only
+      while self.training (FUNCTIONAL_DROPOUT: attention_dropout, dropout, resid_pdrop,
+      layerdrop, jitter_noise, ...): set to 0.0 on the module;
+    * the models' configs (every PretrainedConfig a module holds, and the configs nested in
+      it): the same fields set to 0.0, for modules that read them at forward time.
+
+    The PEFT adapters' own configs (peft_config) keep their lora_dropout: the adapter is
+    saved with what the user asked for. Train mode itself stays available (HF's gradient
+    checkpointing runs only in train mode)."""
+    from transformers import PretrainedConfig
+
+    configs: dict[int, PretrainedConfig] = {}
     for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
+        if isinstance(module, DROPOUT_LAYERS):
             module.p = 0.0
+        _zero_dropout_attributes(module)
+        config = vars(module).get("config")
+        if isinstance(config, PretrainedConfig):
+            configs[id(config)] = config
+    while configs:
+        _, config = configs.popitem()
+        _zero_dropout_attributes(config)
+        configs.update({id(v): v for v in vars(config).values() if isinstance(v, PretrainedConfig)})
 
 
 def _to_cpu(obj):
@@ -171,9 +214,11 @@ class Learner:
                 target_modules=config.lora_target_modules, dtype=config.dtype, seed=config.seed)
         self.models = [self.policy] + ([self.value_model] if self.critic else [])  # what trains
         if not config.ppo_dropout:
-            # PPO's forwards without dropout (N+; TRL's disable_dropout): the old logprobs come
-            # from a dropout-free pass, so dropout in the training forward alone would put the
-            # first minibatch's ratio off 1. The adapters keep lora_dropout in their config.
+            # PPO's forwards without dropout (N+; TRL's disable_dropout, which misses functional
+            # dropout such as HF's attention_dropout): the old logprobs come from a dropout-free
+            # pass, so dropout in the training forward alone would put the first minibatch's
+            # ratio off 1, and old_values: update would take a dropout sample as the old values.
+            # The adapters keep lora_dropout in their config.
             for model in self.models:
                 disable_dropout(model)
         for model in self.models:
@@ -313,7 +358,11 @@ class Learner:
             opt.schedulers[0].load_state_dict(state.policy_scheduler)
             if self.critic:
                 opt.schedulers[1].load_state_dict(state.value_scheduler)
-        self.kl_coef = float(state.kl_coef if state.kl_coef is not None else self.config.kl_coef)
+        opt.apply_config_rates()  # the config's rates and schedule kind; the state's position in it
+        # The state's coefficient is the adaptive controller's (kl_target set): it continues. A
+        # fixed coefficient is the config's kl_coef, whatever the state says.
+        adaptive = state.kl_coef is not None and self.config.kl_target is not None
+        self.kl_coef = float(state.kl_coef if adaptive else self.config.kl_coef)
         torch.set_rng_state(state.rng)
         if self.device.type == "cuda" and state.cuda_rng:
             torch.cuda.set_rng_state_all(state.cuda_rng)

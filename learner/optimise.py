@@ -168,8 +168,29 @@ class PPOOptimiser:
             plan = scheduler.lr_lambdas[0]
             if plan.end != end:
                 plan.end = end
-                for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
-                    group["lr"] = base * plan(scheduler.last_epoch)
+                self._set_rates(scheduler)
+
+    def apply_config_rates(self) -> None:
+        """The config's learning rates and schedule kind over a restored state: the optimisers'
+        and schedules' state dicts carry the rates and kind of the run that saved them, which
+        would otherwise silently win over a resume's --learning_rate / --value_learning_rate /
+        --lr_scheduler (the trainer logs such changes). The schedule's position (its tick)
+        and end are the restored ones."""
+        rates = [self.config.learning_rate] + ([self.config.value_learning_rate] if self.critic else [])
+        for scheduler, rate in zip(self.schedulers, rates):
+            scheduler.base_lrs = [rate] * len(scheduler.optimizer.param_groups)
+            for group in scheduler.optimizer.param_groups:
+                group["initial_lr"] = rate
+            scheduler.lr_lambdas[0].kind = self.config.lr_scheduler
+            self._set_rates(scheduler)
+
+    @staticmethod
+    def _set_rates(scheduler) -> None:
+        """Each group's rate = its base rate x the schedule's factor at its current tick."""
+        plan = scheduler.lr_lambdas[0]
+        for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
+            group["lr"] = base * plan(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
     @property
     def learning_rate(self) -> float:

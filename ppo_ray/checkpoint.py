@@ -40,7 +40,13 @@ a CheckpointError naming it. Checkpoints written before checksums existed load u
 
 Compatibility: resuming with a config that changes what the checkpoint's tensors mean
 (model, LoRA shape, value model, dtype) is refused with an error naming the fields;
-run-length fields (steps, eval_every, checkpoint_every, ...) may change.
+run-length fields (steps, eval_every, checkpoint_every, ...) may change. A checkpoint also
+records what its models hold (trainer.json ``fingerprints``: a content digest of every local
+model directory the run was trained on, e.g. the pipeline's ``sft/`` and ``rm/``), and a
+resume recomputes them: a stage re-run or overwritten since (same path, other weights) is
+refused, naming the stage and both digests. The config a run resumes with is the
+checkpoint's own config.yaml plus the command's overrides (:func:`resumed_config`), whichever
+way it was asked to resume.
 
 Portability: the pipeline's PPO config names parts of the run directory (model_name =
 <run_dir>/sft, the reward model, the prompts file). The checkpoint's config.yaml stores such
@@ -66,6 +72,7 @@ import torch
 
 from ppo_ray.atomic import atomic_dir, atomic_write_text, fsync_dir, remove_stale_temps
 from ppo_ray.config import PPOConfig
+from ppo_ray.paths import EMBEDDED_PREFIX
 
 if TYPE_CHECKING:
     from ppo_ray.modeling import LoraWeights
@@ -84,6 +91,8 @@ CHECKSUMS = "checksums.json"
 STEP_NAME = re.compile(r"step-\d{6,}")  # what `latest` may name: a checkpoint directly under checkpoints/
 # Config fields that may name a path inside the run directory (the pipeline's PPO stage).
 PATH_FIELDS = ("model_name", "ref_model_name", "reward_model_name", "value_model_name", "dataset")
+# Config fields naming a model whose content a checkpoint records (fingerprints).
+MODEL_FIELDS = ("model_name", "ref_model_name", "reward_model_name", "value_model_name")
 RUN_DIR = "${run_dir}"
 
 log = logging.getLogger(__name__)
@@ -184,6 +193,36 @@ def run_ids(run_dir: str | Path) -> set[Optional[str]]:
     return {(read_meta(p) or {}).get("run_id") for p in _steps(checkpoint_root(run_dir))}
 
 
+def check_own_lineage(ckpt: Path, run_dir: str | Path) -> None:
+    """A run touches only its own lineage: RunDirError, before anything is loaded or written,
+    when resuming `ckpt` into `run_dir` would write over another run. That is a checkpoint
+    from outside run_dir while run_dir holds a run's PPO outputs (its metrics would be
+    truncated, its checkpoints moved, its adapter and report overwritten), or a checkpoint
+    whose run id is not that of the checkpoints beside it. Into a run directory that holds
+    no PPO run, a checkpoint from elsewhere may start a copy of its run (a fork)."""
+    from ppo_ray.rundir import RunDirError, held_outputs
+
+    ckpt, run_dir = Path(ckpt), Path(run_dir)
+    root = checkpoint_root(run_dir)
+    run_id = (read_meta(ckpt) or {}).get("run_id")
+    if ckpt.parent.resolve() != root.resolve():
+        held = held_outputs(run_dir, ["ppo"])
+        if held:
+            theirs = "/".join(sorted(i for i in run_ids(run_dir) if i)) or "without lineage"
+            raise RunDirError(
+                f"checkpoint {ckpt} (run {run_id}) is not in the run directory {run_dir}, which holds another run "
+                f"({', '.join(held)}; run {theirs}): resuming it there would truncate that run's metrics, move its "
+                f"checkpoints and overwrite its adapter and report. Resume it in its own run directory (launch.py "
+                f"ppo --resume {ckpt}), or move the other run aside first (launch.py ppo --resume {ckpt} --run_dir "
+                f"{run_dir} --overwrite)")
+        return
+    others = sorted(i for i in run_ids(run_dir) - {run_id} if i)
+    if others:
+        raise RunDirError(f"checkpoint {ckpt} belongs to run {run_id}, but {root} also holds run "
+                          f"{', '.join(others)}: a resume continues the run its directory holds; move the checkpoint "
+                          "into a run directory of its own")
+
+
 def _move_aside(root: Path, ckpts: list[Path], why: str) -> Optional[Path]:
     """Move `ckpts` into root/abandoned/<time>-<why>/ (never deleted); returns that folder."""
     if not ckpts:
@@ -272,6 +311,69 @@ def _localized(config: PPOConfig, run_dir: Path) -> PPOConfig:
     changes = {name: str(run_dir / getattr(config, name)[len(RUN_DIR):].lstrip("/"))
                for name in PATH_FIELDS if (getattr(config, name) or "").startswith(RUN_DIR)}
     return config.replace(**changes) if changes else config
+
+
+def model_fingerprint(name: str) -> str:
+    """What a model name holds: a local model directory's content digest ("sha256:" + 16 hex
+    digits over its files' names and bytes, ppo_ray.transfer.content_digest), an embedded
+    model's name (built by our own builders, by name), or a hub id as such ("hub:" + id)."""
+    from ppo_ray.transfer import content_digest
+
+    if name.startswith(EMBEDDED_PREFIX):
+        return name
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return "sha256:" + content_digest(path)
+    return "hub:" + name
+
+
+def model_fingerprints(config: PPOConfig) -> dict[str, str]:
+    """{field: model_fingerprint} of every model the config names (MODEL_FIELDS)."""
+    return {name: model_fingerprint(getattr(config, name)) for name in MODEL_FIELDS if getattr(config, name)}
+
+
+def _model_label(name: str, value: str, run_dir: Optional[Path]) -> str:
+    """'the sft stage (<run_dir>/sft)' for a model inside the run directory, else 'model_name (<path>)'."""
+    if run_dir is not None:
+        try:
+            rel = Path(value).resolve().relative_to(Path(run_dir).resolve())
+            return f"the run's {rel.as_posix()!r} stage ({value}, {name})"
+        except ValueError:
+            pass
+    return f"{name} ({value})"
+
+
+def check_fingerprints(saved: dict[str, str], config: PPOConfig, where: Path,
+                       run_dir: Optional[Path] = None) -> None:
+    """CheckpointError when a model the checkpoint was trained on now holds something else
+    (`saved`: the checkpoint's fingerprints; a field it has none for is not compared)."""
+    now = model_fingerprints(config)
+    diffs = [f"{_model_label(k, getattr(config, k), run_dir)}: checkpoint trained on {v}, it now holds {now[k]}"
+             for k, v in saved.items() if k in now and now[k] != v]
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint {where} was trained on models that have changed since (a stage re-run or overwritten?); "
+            "resuming would put its adapters, value model and optimiser state onto other weights: "
+            + "; ".join(diffs) + ". Start the PPO stage over (launch.py ppo --run_dir RUN --overwrite: the old "
+            "outputs are moved aside) or resume onto the models it was trained on")
+
+
+def resumed_config(ckpt: str | Path, run_dir: str | Path, overrides: Optional[dict[str, Any]] = None) -> PPOConfig:
+    """The one resume rule: the checkpoint's own config (config.yaml, its ${run_dir} paths
+    placed in `run_dir`) plus `overrides` (the command's --field options)."""
+    ckpt = Path(ckpt)
+    try:
+        saved = _localized(PPOConfig.from_yaml(ckpt / "config.yaml"), Path(run_dir))
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {ckpt}: unreadable config.yaml: {e}") from e
+    return saved.replace(**overrides) if overrides else saved
+
+
+def config_changes(saved: PPOConfig, config: PPOConfig) -> list[tuple[str, Any, Any]]:
+    """(field, checkpoint's value, this run's) for every field that differs (paths compared resolved)."""
+    return [(k, getattr(saved, k), getattr(config, k)) for k in PPOConfig.field_names()
+            if not (_same_path(getattr(saved, k), getattr(config, k)) if k in PATH_FIELDS
+                    else getattr(saved, k) == getattr(config, k))]
 
 
 def save_checkpoint(run_dir: str | Path, *, config: PPOConfig, learner_state: dict, trainer_state: dict,
@@ -406,19 +508,20 @@ def check_compatible(saved: PPOConfig, config: PPOConfig, where: Path) -> None:
                               f"refusing to mix them: " + "; ".join(diffs))
 
 
-def load_checkpoint(path: str | Path, config: Optional[PPOConfig] = None) -> tuple[Path, dict, dict]:
-    """(checkpoint dir, learner_state, trainer_state); with `config`, refuse an incompatible one."""
+def load_checkpoint(path: str | Path, config: Optional[PPOConfig] = None,
+                    run_dir: Optional[str | Path] = None) -> tuple[Path, dict, dict]:
+    """(checkpoint dir, learner_state, trainer_state); with `config`, refuse an incompatible
+    one (check_compatible) and one whose models have changed since (check_fingerprints).
+    The checkpoint's ${run_dir} paths are placed in `run_dir` (default: the checkpoint's own
+    run directory), as resumed_config places them."""
     from safetensors.torch import load_file
 
     from ppo_ray.modeling import read_lora_adapter
 
     ckpt = resolve_checkpoint(path)
-    try:
-        saved = _localized(PPOConfig.from_yaml(ckpt / "config.yaml"), ckpt.parent.parent)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {ckpt}: unreadable config.yaml: {e}") from e
-    if config is not None:
-        check_compatible(saved, config, ckpt)
+    run_dir = Path(run_dir) if run_dir is not None else ckpt.parent.parent
+    saved = resumed_config(ckpt, run_dir)
+
     def read(name: str, load: Callable[[Path], Any]) -> Any:
         try:
             return load(ckpt / name)
@@ -430,6 +533,12 @@ def load_checkpoint(path: str | Path, config: Optional[PPOConfig] = None) -> tup
         return torch.load(p, map_location="cpu", weights_only=True)
 
     meta: dict[str, Any] = read("trainer.json", lambda p: json.loads(p.read_text()))
+    if config is not None:
+        check_compatible(saved, config, ckpt)
+        if meta.get("fingerprints") is None:
+            log.warning("checkpoint %s records no fingerprints of its models (written by an older version): the "
+                        "models it was trained on are not checked", ckpt)
+        check_fingerprints(meta.get("fingerprints") or {}, config, ckpt, run_dir)
     optim = read("optimizer.pt", torch_file)
     rng = read("rng.pt", torch_file)
     try:

@@ -93,8 +93,10 @@ class TrainingMetrics:
                              tag_keys=("run", "phase"))
         self._retries = Counter(RETRY_COUNTER, description="actor calls retried after a failure, by role",
                                 tag_keys=("run", "role"))
-        self._gaps = Counter(GAP_COUNTER, description="steps whose generator-vs-learner logprob gap exceeded "
-                             "logprob_gap_tolerance (the generator sampled from another policy)",
+        self._gaps = Counter(GAP_COUNTER, description="steps whose generator-vs-learner logprob check failed "
+                             "(logprob_gap_tolerance; under is_correction the rollouts' share of tokens outside "
+                             "the correction's band, logprob_gap_outside_tolerance): the generator sampled from "
+                             "another policy",
                              tag_keys=("run", "lora_sync"))
         # Every counter's series exists from the start, at 0: a counter Ray has not seen
         # incremented is not exported at all, and Grafana shows "No data" for a healthy run.

@@ -67,9 +67,10 @@ def init_ray(address: str | None = None, connect_timeout_s: float = 5.0, log_lev
     address = address or os.environ.get("RAY_ADDRESS") or None
     quiet = ray_logging_level(log_level)
     # ray.init replaces the process's SIGTERM handler with its own (sys.exit(15), after the core
-    # worker prints a stack): a handler the caller installed is put back afterwards, so that
-    # launch.py's (`ray job stop` unwinds like Ctrl-C: exit 130, actors shut down) still runs
-    sigterm = signal.getsignal(signal.SIGTERM)
+    # worker prints a stack): a handler the caller installed is put back afterwards, SIGINT's
+    # too (Ray 2.60 leaves it), so that launch.py's (ppo_ray.interrupts: Ctrl-C and `ray job
+    # stop` unwind: exit 130, actors shut down) still runs
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     if address:
         check_ray_address(address, connect_timeout_s)
         try:
@@ -78,8 +79,10 @@ def init_ray(address: str | None = None, connect_timeout_s: float = 5.0, log_lev
             raise ClusterError(f"cannot connect to the Ray cluster at RAY_ADDRESS={address!r}: {e}") from e
     else:
         context = ray.init(dashboard_host="127.0.0.1", log_to_driver=True, logging_level=quiet)
-    if callable(sigterm) and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, sigterm)
+    if threading.current_thread() is threading.main_thread():
+        for s, handler in handlers.items():
+            if callable(handler) and signal.getsignal(s) is not handler:
+                signal.signal(s, handler)
     keep_actor_lines_off_the_console(log_level)
     dashboard = getattr(context, "dashboard_url", None)
     log.info("Ray %s: %s%s; metrics exported every %s", ray.__version__,

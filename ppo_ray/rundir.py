@@ -36,6 +36,29 @@ STAGE_OUTPUTS: dict[str, tuple[str, ...]] = {
             "adapter", "samples.md", "held_out.jsonl", "curves.png", "report-ppo.json"),
 }
 STAGE_OUTPUTS["all"] = (*STAGE_OUTPUTS["sft"], *STAGE_OUTPUTS["rm"], *STAGE_OUTPUTS["ppo"], "report.json")
+# The pipeline's stages in order: each is built on the ones before it (rm on sft, ppo on both).
+PIPELINE = ("sft", "rm", "ppo")
+
+
+def downstream(stage: str) -> tuple[str, ...]:
+    """The pipeline stages built on `stage` (those after it; none for ppo or all)."""
+    return PIPELINE[PIPELINE.index(stage) + 1:] if stage in PIPELINE else ()
+
+
+def invalidate(run_dir: Path, stages: Iterable[str], why: str) -> Path | None:
+    """`stages` start over: their outputs, every stage's built on them and the pipeline's
+    report move aside together (one folder of <run_dir>/replaced/, never deleted), and
+    run.json forgets that any of them finished. Downstream follows upstream: a re-trained SFT
+    model leaves no reward model, value head or PPO checkpoint of the old one resumable."""
+    stages = [s for stage in stages for s in (PIPELINE if stage == "all" else (stage,))]
+    names = list(dict.fromkeys(s for stage in stages for s in (stage, *downstream(stage))))
+    outputs = held_outputs(run_dir, names)
+    if outputs:  # with them, the config each stage saved and the pipeline's report, of the old stages
+        outputs += [n for n in (*(f"config-{s}.yaml" for s in names), "report.json")
+                    if n not in outputs and _present(Path(run_dir) / n)]
+    where = move_aside(run_dir, outputs, why=why)
+    forget_done(run_dir, names)
+    return where
 
 
 class RunDirError(ValueError):

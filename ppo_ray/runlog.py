@@ -2,20 +2,27 @@
 trackers (TensorBoard / wandb), <metrics_path> (one JSON line per step), the eval samples
 (<run_dir>/eval_samples.jsonl) and the console line.
 
-A resumed run first drops the lines of steps after its checkpoint from both JSONL files, so
-that every step appears once.
+A resumed run first takes the lines of steps after its checkpoint out of both JSONL files, so
+that every step appears once; they are moved, not deleted: beside the checkpoints of the branch
+the resume abandoned (checkpoints/abandoned/<time>-after-step-N/), or into
+<run_dir>/replaced/<time>-after-step-N/ (a tail past the last checkpoint, which the resumed run
+computes again).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import time
+import uuid
 from pathlib import Path
 from typing import Optional, Sequence
 
 from ppo_ray.atomic import atomic_write_text
 from ppo_ray.logs import format_step
 from ppo_ray.metrics import TrainingMetrics
+from ppo_ray.rundir import REPLACED
 from ppo_ray.stats import StepResult
 from ppo_ray.tracking import Trackers, read_run_file, update_run_file
 
@@ -39,14 +46,18 @@ class RunLog:
     @classmethod
     def open(cls, metrics: TrainingMetrics, *, run_dir: Optional[Path], metrics_path, progress: bool, target: int,
              step: int, report_to: Sequence[str], config: dict, run_tag: str,
-             adaptive_kl: bool = False) -> "RunLog":
-        """Truncate the JSONL files to `step` (the steps done), record this process's run tag
-        in <run_dir>/run.json and open the trackers."""
+             adaptive_kl: bool = False, aside: Optional[Path] = None) -> "RunLog":
+        """Truncate the JSONL files to `step` (the steps done; the lines past it go to `aside`,
+        the abandoned branch's folder, or a new folder of <run_dir>/replaced/), record this
+        process's run tag in <run_dir>/run.json and open the trackers."""
         out = cls(metrics, run_dir=run_dir, metrics_path=metrics_path, progress=progress, target=target,
                   adaptive_kl=adaptive_kl)
+        if aside is None:
+            base = run_dir or (out.metrics_path.parent if out.metrics_path else Path("."))
+            aside = base / REPLACED / f"{time.strftime('%Y%m%d-%H%M%S')}-after-step-{step}-{uuid.uuid4().hex[:4]}"
         for path in (out.metrics_path, out.samples_path):
             if path:
-                truncate_jsonl(path, step)
+                truncate_jsonl(path, step, aside)
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
             tags = read_run_tags(run_dir)  # one per process that trained in this run directory
@@ -77,12 +88,21 @@ def read_run_tags(run_dir: Path) -> list[str]:
     return list(read_run_file(run_dir).get("run_tags", []))
 
 
-def truncate_jsonl(path: Path, step: int) -> None:
-    """Drop the lines of steps after `step` (atomically: ppo_ray.atomic)."""
+def truncate_jsonl(path: Path, step: int, aside: Path) -> None:
+    """Take the lines of steps after `step` out of `path`: appended to aside/<path's name>
+    (fsynced) first, then `path` rewritten without them (atomically: ppo_ray.atomic), so a
+    crash in between loses no line."""
     if not path.exists():
         return
     lines = path.read_text().splitlines()
     keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
     if len(keep) == len(lines):
         return
-    atomic_write_text(path, "".join(line + "\n" for line in keep))
+    moved = [line for line in lines if line.strip() and json.loads(line).get("step", 0) > step]
+    aside.mkdir(parents=True, exist_ok=True)
+    with open(aside / path.name, "a") as f:
+        f.writelines(line + "\n" for line in moved)
+        f.flush()
+        os.fsync(f.fileno())
+    atomic_write_text(path, "".join(line + "\n" for line in keep), fsync=True)
+    log.warning("%s: the %d lines of steps after step %d moved to %s", path, len(moved), step, aside / path.name)

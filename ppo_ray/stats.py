@@ -133,6 +133,7 @@ class LearnerStats:
     mismatch_log_ratio_abs: float    # mean |log pi_learner - log pi_generator| (NaN: not measured)
     is_weight_mean: Optional[float] = None  # is_correction tis: the mean importance weight
     is_masked_frac: Optional[float] = None  # is_correction mis: tokens dropped from the policy loss
+    is_outside_frac: Optional[float] = None  # is_correction: tokens whose own ratio is outside [1/is_cap, is_cap]
     dropped_samples: float           # non-finite scores dropped (nonfinite_reward: drop)
     # counts, settings and seconds
     tokens: float                    # real response tokens

@@ -1,15 +1,19 @@
-"""Fault recovery around the trainer's calls: one retry rule for the step, the prefetch and
-the sync.
+"""Fault recovery around every call the driver makes to an actor: one retry rule.
 
-    supervisor.run(attempt, where="step", step=n, recover=back_to_committed_state)
+    supervisor.run(attempt, where="evaluation", step=n, recover=back_to_committed_state)
 
-`attempt(i)` runs the work (i = 0, 1, ...); an actor that dies in it (or comes back from a
-restart without the state the call needs: StateLostError) costs one retry, after
-`recover()`, up to max_retries; any other error is the caller's. Every retry is counted in
-the Prometheus counter (by role), logged, and kept in `retries` ({"step", "role", "where"}).
-What a retry redoes, and why that computes exactly what the first attempt would have, is
-the trainer's business (ppo_ray.trainer: the commit point); the supervisor only counts
+`attempt(i)` runs the work (i = the failures survived so far: 0, 1, ...); an actor that dies
+in it (or comes back from a restart without the state the call needs: StateLostError) costs
+one retry, after `recover()`, up to max_retries; an actor that dies during `recover()` costs
+one too; any other error is the caller's. Every retry is counted in the Prometheus counter
+(by role), logged, and kept in `retries` ({"step", "role", "where"}). What a retry redoes,
+and why that computes exactly what the first attempt would have, is the trainer's business
+(ppo_ray.trainer: the commit point, and what each place redoes); the supervisor only counts
 and repeats.
+
+Every Roles call the trainer makes runs inside one of PLACES (tests/test_faults.py records a
+run's calls and checks it, and has a fault case for each place). Before each attempt the
+supervisor raises a stop that was asked for and lost on the way (ppo_ray.interrupts).
 """
 
 from __future__ import annotations
@@ -17,11 +21,26 @@ from __future__ import annotations
 import logging
 from typing import Callable, TypeVar
 
+from ppo_ray.interrupts import raise_if_stopped
 from ppo_ray.metrics import TrainingMetrics
 from ppo_ray.roles import RETRYABLE, Roles
 
 log = logging.getLogger("ppo_ray.trainer")
 T = TypeVar("T")
+
+# Where the driver calls actors, and what a retry there redoes (ppo_ray.trainer).
+PLACES = {
+    "start": "the learner's first state and weights (PPOTrainer's constructor)",
+    "restore": "a checkpoint's state loaded into the learners and its adapter into the generators (and the "
+               "committed state into the learners after a step failed for another reason than an actor)",
+    "step": "the step, up to its commit point",
+    "prefetch": "the next step's rollouts, generated during this one (overlap_generation)",
+    "sync": "the committed adapter loaded into the generators",
+    "sync check": "the probe after every sync",
+    "evaluation": "sampling with the committed policy (the eval samples, PPOTrainer.generate)",
+    "checkpoint": "the committed learner state, fetched for a checkpoint",
+    "adapter": "the committed adapter, fetched for save_adapter",
+}
 
 
 class Supervisor:
@@ -32,20 +51,25 @@ class Supervisor:
         self.retries: list[dict] = []  # every actor failure survived
 
     def run(self, attempt: Callable[[int], T], *, where: str, step: int, recover: Callable[[], None]) -> T:
-        for i in range(self.max_retries + 1):
+        if where not in PLACES:
+            raise ValueError(f"supervised place {where!r}: not one of {list(PLACES)}")
+        failures = 0
+        while True:
+            raise_if_stopped()
             try:
-                return attempt(i)
+                if failures:
+                    recover()
+                return attempt(failures)
             except RETRYABLE as error:
-                if i == self.max_retries:
+                if failures == self.max_retries:
                     raise
+                failures += 1
                 self.record(error, where, step)
-                recover()
-        raise AssertionError("unreachable")  # pragma: no cover
 
     def record(self, error: BaseException, where: str, step: int) -> None:
         role = self.roles.role_of(error)
         self.metrics.record_retry(role)
         self.retries.append({"step": step, "role": role, "where": where})
-        log.warning("step %d: the %s actor failed in the %s (%s); waiting for its restart and %s",
-                    step, role, where, type(error).__name__,
-                    "retrying the step" if where == "step" else "redoing the committed step's " + where)
+        log.warning("%s %d: the %s actor failed in the %s (%s); waiting for its restart and %s",
+                    "step" if where == "step" else "after step", step, role, where, type(error).__name__,
+                    "retrying the step" if where == "step" else f"redoing the {where}")

@@ -10,15 +10,19 @@ learner refuses rollouts from any other version, so a lost LoRA sync is an error
 a silent off-policy step. After every sync, in every mode, the sync check compares what
 the generators compute with what the learner computes at the same version (a small fixed
 probe: _check_sync); on fresh steps the rollouts' own logprobs are compared too. A gap
-beyond logprob_gap_tolerance re-syncs and checks again by default (logprob_gap_check):
-nothing is sampled for training from a generator that failed the check.
+beyond logprob_gap_tolerance (on the rollouts under is_correction: a share of tokens outside
+the correction's band beyond logprob_gap_outside_tolerance) re-syncs and checks again by
+default (logprob_gap_check): nothing is sampled for training from a generator that failed
+the check.
 
 Faults: each step has one commit point (_commit), after the learner's update returned its
 stats, the new adapter and its state. Until then an actor's death is recovered by retrying
 the step from the committed state (the learners restored from the driver's object-store
 copy of their state, lost rollouts regenerated identically); after it, only the sync is
-redone. No step is lost, doubled or restarted, and no checkpoint is needed (ppo_ray.faults,
-tests/test_faults.py).
+redone. Every other call to an actor (the sync check, the evaluations, a checkpoint's state
+fetch, a restore; ppo_ray.supervisor.PLACES) goes through the same retry rule: the lost actor
+is restarted, brought back to the committed state, and the call redone. No step is lost,
+doubled or restarted, and no checkpoint is needed (ppo_ray.faults, tests/test_faults.py).
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from ppo_ray.batch import fresh_enough, staleness_limit
-from ppo_ray.checkpoint import (CheckpointError, Lineage, branch_from, checkpoint_root, load_checkpoint, run_ids,
-                                save_checkpoint)
+from ppo_ray.checkpoint import (CheckpointError, Lineage, branch_from, check_own_lineage, checkpoint_root,
+                                config_changes, load_checkpoint, model_fingerprints, resolve_checkpoint, resumed_config,
+                                run_ids, save_checkpoint)
 from ppo_ray.config import PPOConfig
 from ppo_ray.data import PromptCursor, check_chat_template, encode_prompts, prompts_fingerprint
 from ppo_ray.faults import BadSync, Fault
@@ -43,6 +48,7 @@ from ppo_ray.paths import resolve_model_path
 from ppo_ray.placement import create_roles, init_ray
 from ppo_ray.rewards import check_reward_sources
 from ppo_ray.roles import RETRYABLE, SAMPLING_SEED_STEP, Generation, Roles, Update, role_names
+from ppo_ray.runlock import RunLock
 from ppo_ray.runlog import RunLog
 from ppo_ray.stats import (GenerationSummary, LearnerStats, ReferenceStats, Responses, RewardStats, StepResult,
                            StepTiming, SyncReport)
@@ -131,7 +137,21 @@ class PPOTrainer:
             "reward_model_name": self.reward_model_dir, "value_model_name": self.value_model_dir})
         check_trackers(config.report_to if run_dir else ())
         self.run_dir = Path(run_dir) if run_dir else None
+        # One writer per run directory (ppo_ray.runlock; re-entrant: launch.py holds it already),
+        # released by shutdown(). What the run's models hold, for its checkpoints: a resume
+        # onto models re-trained since is refused (ppo_ray.checkpoint.check_fingerprints).
+        self._lock = RunLock.acquire(self.run_dir) if self.run_dir is not None else None
+        try:
+            self._start(config)
+        except BaseException:
+            if self._lock is not None:
+                self._lock.release()
+            raise
 
+    def _start(self, config: PPOConfig) -> None:
+        """Ray, the actors and the committed state of a new trainer."""
+        self.fingerprints = model_fingerprints(config) if self.run_dir is not None else {}
+        self._abandoned: Optional[Path] = None  # where restore() moved an abandoned branch's checkpoints
         init_ray(log_level=config.log_level, metrics_report_interval_ms=config.metrics_report_interval_ms)
         # The run tag: Ray namespace of the actors and the `run` label of every Prometheus series.
         self.namespace = f"ppo-{uuid.uuid4().hex[:8]}"
@@ -149,9 +169,9 @@ class PPOTrainer:
         # driver's copy of the learner's state (ObjectRefs in the object store, never pulled
         # here): a learner that dies is restored from it, checkpoint or not.
         self.step = 0
-        self.version, weights_ref = self.roles.current_weights()
+        self.version, weights_ref, self._learner_state = self.supervisor.run(
+            lambda _: self._first_state(), where="start", step=0, recover=self.roles.wait_for_actors)
         self._weights = {self.version: weights_ref}  # LoRA weights of the committed version and the one before
-        self._learner_state = self.roles.learner_state()
         self.cursor = PromptCursor(config.seed)
         self._prompts_key: Optional[str] = None  # fingerprint of the list the cursor indexes
         self._prompt_ids: tuple[Optional[str], list[list[int]]] = (None, [])  # (fingerprint, its prompts encoded once)
@@ -167,6 +187,14 @@ class PPOTrainer:
         # the step where the learning-rate schedule ends: config.steps, unless the run is
         # extended (a resume with more steps, train() past it: _plan_steps)
         self.planned_steps = config.steps
+
+    def _first_state(self) -> tuple:
+        """(version, ref of the LoRA weights, ref of the state) of the learner as it starts. The
+        state is asked for first: the learner runs its calls in order, so once the version has
+        come back the state exists (a learner that dies in between fails both calls)."""
+        state = self.roles.learner_state()
+        version, weights = self.roles.current_weights()
+        return version, weights, state
 
     @property
     def retries(self) -> list[dict]:
@@ -307,25 +335,24 @@ class PPOTrainer:
         """The sync check, after every sync in every mode: each generator samples the fixed
         probe prompts (sync_probe_prompts) with the version it just loaded, untruncated at the
         PPO temperature, and the learner at the same version recomputes those tokens'
-        logprobs (Roles.sync_gaps). The largest gap within logprob_gap_limit passes. Beyond
-        it, logprob_gap_check decides: resync (the default) loads the version again into the
-        replicas that failed (a new adapter, or merged weights rebuilt from the base) and
-        checks again, and a gap that persists is a LogprobGapError; error raises at once;
-        warn logs it. Either way the step's gap is reported (StepResult.sync_probe_gap)."""
+        logprobs (Roles.sync_gaps). The largest gap within logprob_gap_limit passes, with or
+        without is_correction: the probe is small and fixed (4 prompts x PROBE_NEW_TOKENS), so
+        its largest gap does not grow with the run's responses as the rollouts' does, and it
+        is what catches a lost or corrupted sync when is_correction relaxes the rollout check
+        (_check_logprob_gap). Beyond it, logprob_gap_check decides: resync (the default) loads
+        the version again into the replicas that failed (a new adapter, or merged weights
+        rebuilt from the base) and checks again, and a gap that persists is a
+        LogprobGapError; error raises at once; warn logs it. Either way the step's gap is
+        reported (StepResult.sync_probe_gap)."""
         cfg = self.config
         if cfg.logprob_gap_check == "off":
             return SyncCheck(math.nan, 0.0)
         t0 = time.perf_counter()
-        weights = self._weights[version]
-
-        def restart() -> None:  # a replica that died during the check comes back at the version
-            self.roles.wait_for_actors()
-            self.roles.bring_generators_to(version, weights)
-
         resyncs = 0
         while True:
+            # a generator or the learner lost during the check comes back in the committed state
             gaps = self.supervisor.run(lambda _: self.roles.sync_gaps(self._probe_ids, version), where="sync check",
-                                       step=self.step, recover=restart)
+                                       step=self.step, recover=self._back_to_committed)
             gap = max(gaps)
             if gap <= cfg.logprob_gap_limit:
                 return SyncCheck(gap, time.perf_counter() - t0)
@@ -349,7 +376,9 @@ class PPOTrainer:
         merged weights rebuilt from the base)."""
         self._resyncs += 1
         gens = [self.roles.generators[i] for i in replicas]
-        self.roles.load_adapter(version, self._weights[version], restore=True, generators=gens)
+        self.supervisor.run(lambda _: self.roles.load_adapter(version, self._weights[version], restore=True,
+                                                              generators=gens),
+                            where="sync", step=self.step, recover=self._back_to_committed)
 
     def _result(self, step: _Uncommitted, loads: list[SyncReport], check: SyncCheck, t_generation_done: float,
                 t_sync_done: float) -> StepResult:
@@ -381,6 +410,13 @@ class PPOTrainer:
     def _check_logprob_gap(self, stats: LearnerStats) -> None:
         """The generator and the learner must give a sampled token the same logprob at the
         same version (stale rollouts in overlap mode report NaN: another policy by design).
+        Without is_correction the largest gap of one token is held to logprob_gap_tolerance.
+        With it, the share of tokens whose ratio is outside the correction's band
+        [1/is_cap, is_cap] (is_outside_frac) is held to logprob_gap_outside_tolerance: the
+        correction absorbs a mismatch that moves a few tokens far, and the largest gap of one
+        token grows with the number of tokens (long bfloat16 responses). A lost or corrupted
+        sync is still caught by the sync check's probe (_check_sync), whose rule is the
+        largest gap whatever is_correction is.
         A sampled token that the learner's top-k/top-p truncation drops has no logprob to
         compare; such tokens count too: beyond TRUNCATED_TOKENS_LIMIT of the step's tokens
         the two truncations disagree by more than a tie at the boundary explains."""
@@ -389,11 +425,18 @@ class PPOTrainer:
         if cfg.logprob_gap_check == "off" or not math.isfinite(gap):
             return
         dropped = stats.truncated_tokens / max(stats.tokens, 1.0)
-        if gap <= cfg.logprob_gap_limit and dropped <= TRUNCATED_TOKENS_LIMIT:
+        if cfg.is_correction == "none":
+            close = gap <= cfg.logprob_gap_limit
+            how = f"by up to {gap:.3g} nats (logprob_gap_tolerance {cfg.logprob_gap_limit:g} for {cfg.dtype})"
+        else:
+            close = stats.is_outside_frac <= cfg.logprob_gap_outside_tolerance
+            how = (f"by more than a factor is_cap {cfg.is_cap:g} on {stats.is_outside_frac:.1%} of its tokens "
+                   f"(is_correction {cfg.is_correction}: logprob_gap_outside_tolerance "
+                   f"{cfg.logprob_gap_outside_tolerance:.1%}; largest gap {gap:.3g} nats)")
+        if close and dropped <= TRUNCATED_TOKENS_LIMIT:
             return
         message = (f"step {self.step + 1}: the generator's logprobs of its own samples differ from the learner's "
-                   f"at the same adapter version {self.version} by up to {gap:.3g} nats (logprob_gap_tolerance "
-                   f"{cfg.logprob_gap_limit:g} for {cfg.dtype}), and {stats.truncated_tokens:.0f} of its "
+                   f"at the same adapter version {self.version} {how}, and {stats.truncated_tokens:.0f} of its "
                    f"{stats.tokens:.0f} sampled tokens are outside the learner's top-k/top-p support (at most "
                    f"{TRUNCATED_TOKENS_LIMIT:.0%}), lora_sync={cfg.lora_sync_mode}: the rollouts came from another policy "
                    "(stale KV cache? a lost sync?)")
@@ -409,14 +452,26 @@ class PPOTrainer:
         (texts, finish_reasons, version). A fixed `seed_step` gives every prompt the same
         sampling seed before and after training, so comparisons of two policies use common
         random numbers. With `score`, the reward actor scores the responses too (`rewards`:
-        one float per prompt)."""
-        generation = self.roles.generate(self._encode(prompts), seed_step)
-        generated = GenerationSummary.join(self.roles.fetch(generation.summaries))
-        rewards = None
-        if score:
-            scores, _ = self.roles.score(generation.parts)
-            rewards = self.roles.fetch(scores).tolist()
-        return Responses(generated.texts, generated.finish_reasons, generated.version, rewards)
+        one float per prompt). An actor lost on the way is restarted and the call redone (the
+        generators at the committed version, the same seeds: the same samples)."""
+        prompt_ids = self._encode(prompts)
+        kept: list[Optional[Generation]] = [None]
+
+        def attempt(_) -> Responses:
+            # a redo keeps a generation that survived and samples a lost one again; every replica
+            # must hold the committed version (a restarted one raises StateLostError, never
+            # samples the base model)
+            if not self.roles.intact(kept[0]):
+                kept[0] = self.roles.generate(prompt_ids, seed_step, self.version)
+            generation = kept[0]
+            generated = GenerationSummary.join(self.roles.fetch(generation.summaries))
+            rewards = None
+            if score:
+                scores, _ = self.roles.score(generation.parts)
+                rewards = self.roles.fetch(scores).tolist()
+            return Responses(generated.texts, generated.finish_reasons, generated.version, rewards)
+
+        return self.supervisor.run(attempt, where="evaluation", step=self.step, recover=self._back_to_committed)
 
     def save_adapter(self, path: str | Path) -> Path:
         """Write the policy's LoRA adapter (PEFT format: PeftModel.from_pretrained and vLLM load
@@ -424,7 +479,9 @@ class PPOTrainer:
         object store: no storage shared with the learner's node is needed)."""
         from ppo_ray.modeling import write_lora_adapter
 
-        return write_lora_adapter(path, self.roles.fetch(self._weights[self.version]), base_model=self.model_dir)
+        weights = self.supervisor.run(lambda _: self.roles.fetch(self._weights[self.version]), where="adapter",
+                                      step=self.step, recover=self._back_to_committed)
+        return write_lora_adapter(path, weights, base_model=self.model_dir)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
@@ -434,7 +491,8 @@ class PPOTrainer:
         the run directory only has to be reachable from the driver's node."""
         if self.run_dir is None:
             raise ValueError("save_checkpoint needs the trainer's run_dir (PPOTrainer(config, run_dir=...))")
-        learner_state = self.roles.fetch(self._learner_state)
+        learner_state = self.supervisor.run(lambda _: self.roles.fetch(self._learner_state), where="checkpoint",
+                                            step=self.step, recover=self._back_to_committed)
         # overlap mode: the next step's batch is already drawn (and generated); a resumed run
         # draws it again and generates it with the checkpoint's adapter
         order, rng = self._pending.cursor if self._pending is not None else self.cursor.state()
@@ -442,22 +500,39 @@ class PPOTrainer:
                                model_dir=self.model_dir, keep=self.config.keep_checkpoints, lineage=self.lineage,
                                trainer_state={"step": self.step, "order": order, "data_rng": rng,
                                               "prompts_sha256": self._prompts_key,
-                                              "planned_steps": self.planned_steps})
+                                              "planned_steps": self.planned_steps,
+                                              "fingerprints": self.fingerprints})
         self.lineage = Lineage.after(path)
         self._last_checkpoint = time.monotonic()
         return path
 
     def restore(self, path: str | Path) -> Path:
         """Continue from a checkpoint (a step-NNNNNN directory, or a run directory: its
-        newest intact one). Refuses one written with an incompatible config (CheckpointError).
+        newest intact one). Refuses one written with an incompatible config, or trained on
+        models that have changed since (CheckpointError), and one of another run than the one
+        this trainer's run directory holds (RunDirError: a run touches only its own lineage).
         The run continues the checkpoint's lineage; when the checkpoint is in this trainer's
         run directory and newer ones of the run are there, they are the branch this resume
-        abandons: moved to checkpoints/abandoned/ (ppo_ray.checkpoint.branch_from)."""
-        ckpt, learner_state, state = load_checkpoint(path, self.config)
+        abandons: moved to checkpoints/abandoned/ (ppo_ray.checkpoint.branch_from), and their
+        metric lines beside them when train() starts. Fields of this trainer's config that
+        differ from the checkpoint's are named in the log and apply from the next step; the
+        restored state never shadows them (_apply_changes)."""
+        ckpt = resolve_checkpoint(path)
+        if self.run_dir is not None:
+            check_own_lineage(ckpt, self.run_dir)
+        ckpt, learner_state, state = load_checkpoint(ckpt, self.config, run_dir=self.run_dir)
+        saved = resumed_config(ckpt, self.run_dir or ckpt.parent.parent)
+        learner_state = self._apply_changes(ckpt, saved, learner_state)
         self._learner_state = self.roles.store(learner_state)
-        version = self.roles.restore_learners(self._learner_state, reform=False)[0]
-        self._weights = {version: self.roles.store(learner_state.policy)}
-        self.roles.load_adapter(version, self._weights[version], restore=True)
+
+        def load(attempt: int) -> int:  # a redo re-forms the learner group (a restarted member left it)
+            version = self.roles.restore_learners(self._learner_state, reform=attempt > 0)[0]
+            self._weights = {version: self.roles.store(learner_state.policy)}
+            self.roles.load_adapter(version, self._weights[version], restore=True)
+            return version
+
+        version = self.supervisor.run(load, where="restore", step=int(state["step"]),
+                                      recover=self.roles.wait_for_actors)
         self.version, self.step = version, int(state["step"])
         self._check_sync(version)
         self.cursor.set_state((state["order"], state["data_rng"]))
@@ -469,9 +544,34 @@ class PPOTrainer:
         if self.config.steps != self.planned_steps:
             self._plan_steps(self.config.steps, f"resumed with steps={self.config.steps}")
         if self.run_dir is not None and ckpt.parent.resolve() == checkpoint_root(self.run_dir).resolve():
-            branch_from(ckpt)
+            self._abandoned = branch_from(ckpt)
         log.info("resumed from %s (step %d, adapter version %d)", ckpt, self.step, self.version)
         return ckpt
+
+    def _apply_changes(self, ckpt: Path, saved: PPOConfig, state):
+        """Name the fields of this trainer's config that differ from the checkpoint's (they
+        apply from the next step) and keep the restored state from shadowing them: the
+        learning rates and schedule kind are the config's (Learner.load_state_dict), a fixed
+        kl_coef is the config's, and an adaptive KL controller (kl_target) continues from the
+        checkpoint's coefficient unless this run gives another kl_coef or another kl_target
+        (then it starts from kl_coef). Returns the state to restore."""
+        changes = [(k, a, b) for k, a, b in config_changes(saved, self.config) if k != "steps"]  # steps: _plan_steps
+        if not changes:
+            return state
+        notes = {"learning_rate": "the policy's schedule keeps its position", "lr_scheduler": "from its current tick",
+                 "value_learning_rate": "the value model's schedule keeps its position"}
+        adaptive = self.config.kl_target is not None and state.kl_coef is not None
+        if adaptive and (saved.kl_target is None or saved.kl_coef != self.config.kl_coef
+                         or saved.kl_target != self.config.kl_target):
+            notes["kl_coef"] = notes["kl_target"] = (f"the adaptive KL controller starts from kl_coef "
+                                                     f"{self.config.kl_coef:g}, not the checkpoint's {state.kl_coef:.6g}")
+            state = replace(state, kl_coef=None)
+        elif saved.kl_target is not None and self.config.kl_target is None:
+            notes["kl_target"] = (f"kl_coef is fixed at {self.config.kl_coef:g} from now on (the checkpoint's "
+                                  f"adaptive coefficient was {state.kl_coef if state.kl_coef is not None else '?'})")
+        log.warning("resuming from %s with changes to its config, applied from the next step: %s", ckpt, "; ".join(
+            f"{k} {a!r} -> {b!r}" + (f" ({notes[k]})" if k in notes else "") for k, a, b in changes))
+        return state
 
     # ------------------------------------------------------------------ faults
     def inject_faults(self, faults: Sequence[Fault | BadSync]) -> None:
@@ -512,13 +612,27 @@ class PPOTrainer:
             self._submit(current)  # same prompts, seeds and version: the same samples
         self.roles.bring_generators_to(self.version, self._weights[self.version])  # queued behind that generation
 
+    def _back_to_committed(self) -> None:
+        """Back to the committed state after a failure outside a step (the sync check, an
+        evaluation, a checkpoint's or the adapter's fetch, a re-sync): wait for the restarts,
+        every learner restored from the driver's copy of the committed state (a restarted one
+        lost it; a live one holds it already: nothing changes) and every generator at the
+        committed version (a restarted one is on the base model)."""
+        self.roles.wait_for_actors()
+        self._restore_learners()
+        self.roles.bring_generators_to(self.version, self._weights[self.version])
+
     def _restore_learners(self, best_effort: bool = False) -> None:
-        """Every learner back to the committed state."""
-        try:
+        """Every learner back to the committed state. best_effort: on the way out of a failed
+        step, supervised itself (the recoveries that call it otherwise are), and a failure is
+        logged, not raised."""
+        if not best_effort:
             self.roles.restore_learners(self._learner_state)
+            return
+        try:
+            self.supervisor.run(lambda _: self.roles.restore_learners(self._learner_state), where="restore",
+                                step=self.step, recover=self.roles.wait_for_actors)
         except Exception:  # noqa: BLE001 - on the way out of a failed step: its own error is the one to raise
-            if not best_effort:
-                raise
             log.exception("could not put the learners back to the committed state after a failed step")
 
     # ------------------------------------------------------------------ many steps
@@ -585,7 +699,7 @@ class PPOTrainer:
         runlog = RunLog.open(self.metrics, run_dir=self.run_dir, metrics_path=metrics_path, progress=progress,
                              target=target, step=self.step, report_to=self.config.report_to,
                              config=self.config.to_dict(), run_tag=self.namespace,
-                             adaptive_kl=self.config.kl_target is not None)
+                             adaptive_kl=self.config.kl_target is not None, aside=self._abandoned)
         self._last_checkpoint = time.monotonic()
         try:
             while self.step < target:
@@ -666,8 +780,14 @@ class PPOTrainer:
                 for p, t, r, f in zip(prompts, out.texts, out.rewards, out.finish_reasons)]
 
     def shutdown(self) -> None:
-        """Kill the actors and remove their placement group (its reserved resources are freed)."""
-        self.roles.release()
+        """Kill the actors and remove their placement group (its reserved resources are freed),
+        and give up the run directory's lock."""
+        try:
+            self.roles.release()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
 
 # The rollout check's share of sampled tokens that the learner's truncation may drop: a token

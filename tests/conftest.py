@@ -12,6 +12,8 @@
 * marker ``slow``: long tests; deselect with ``-m "not slow"``.
 * ``old_run``, ``no_ray_address``, ``snapshot``, ``launch_ppo``: for the tests of several
   modules that a rejected launch.py command leaves a run directory as it was.
+* ``tagged_processes``, ``wait_for``: a launch.py subprocess's processes (found by an
+  environment marker) and waiting on a condition, for the tests that stop a run.
 * ``read_events``, ``text_at``: TensorBoard's reader over a run's event files
   (test_tracking.py, test_monitoring.py).
 * ``local_hub``: a stand-in for the Hugging Face hub on 127.0.0.1 serving local model
@@ -93,6 +95,39 @@ def launch_ppo(run: pathlib.Path, *args: str) -> int:
 @pytest.fixture
 def no_ray_address(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+# --------------------------------------------------------------------------- a run's processes
+RUN_MARKER = "PPO_RAY_RUN_TEST"  # set in a launched run's environment: Ray's processes and workers inherit it
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Pids of the processes whose environment has RUN_MARKER=tag (a launch.py subprocess and
+    the Ray processes it started)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if f"{RUN_MARKER}={tag}".encode() in f.read().split(b"\0"):
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def wait_for(condition, timeout_s: float, what: str, proc=None) -> None:
+    """Wait until condition() holds (AssertionError naming `what` after timeout_s, or as soon as
+    the subprocess `proc` exits)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the process exited ({proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout_s} s")
+        time.sleep(0.5)
 
 
 # --------------------------------------------------------------------------- TensorBoard

@@ -17,3 +17,31 @@ def nan_at_two(prompts, completions):
 
 def not_numbers(prompts, completions):
     return ["good"] * len(completions)
+
+
+# tests/test_launch.py's reward-actor kill during the in-run evaluation: the environment of
+# the launch (which its Ray workers inherit) names a folder and the evaluation's row count.
+EVAL_MARKER_ENV, EVAL_ROWS_ENV = "PPO_RAY_TEST_EVAL_MARKER", "PPO_RAY_TEST_EVAL_ROWS"
+EVAL_PID_FILE = "eval-score.pid"
+
+
+def e_fraction_held_in_eval(prompts, completions):
+    """ppo_ray.rewards.letter_e_fraction, except once: with EVAL_MARKER_ENV set, the first call
+    that scores EVAL_ROWS_ENV rows (the evaluation's: eval_samples differs from the step's
+    batch) writes this process's pid to <marker>/eval-score.pid and waits there to be killed.
+    The restarted actor's redo finds the file and scores. Without the variables: plain."""
+    import os
+    import time
+    from pathlib import Path
+
+    from ppo_ray.rewards import letter_e_fraction
+
+    folder, rows = os.environ.get(EVAL_MARKER_ENV), int(os.environ.get(EVAL_ROWS_ENV, "-1"))
+    if folder and len(completions) == rows and not (Path(folder) / EVAL_PID_FILE).exists():
+        tmp = Path(folder) / f".{EVAL_PID_FILE}.{os.getpid()}"
+        tmp.write_text(str(os.getpid()))
+        tmp.rename(Path(folder) / EVAL_PID_FILE)
+        deadline = time.monotonic() + 600  # the test's SIGKILL ends this; past it, the test has failed already
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+    return letter_e_fraction(prompts, completions)

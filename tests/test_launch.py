@@ -15,12 +15,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _start_until_checkpoint(cmd: list[str], cwd, env: dict, run_dir, **popen):
+def _start_until_checkpoint(cmd: list[str], cwd, env: dict, run_dir, meanwhile=None, **popen):
     """launch.py started in a subprocess, returned once its checkpoint of step 2 is the latest
-    (the run still going)."""
+    (the run still going). `meanwhile(proc)`, if given, runs once the run holds its run
+    directory's lock (it takes it first, before Ray and the actors start)."""
     import time
 
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    if meanwhile is not None:
+        deadline = time.monotonic() + 300
+        while not (run_dir / ".ppo-ray.lock").is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        meanwhile(proc)
     latest = run_dir / "checkpoints" / "latest"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and proc.poll() is None:
@@ -33,26 +39,29 @@ def _start_until_checkpoint(cmd: list[str], cwd, env: dict, run_dir, **popen):
 
 @pytest.mark.slow
 def test_launch_ppo_interrupted_then_resumed(tmp_path):
-    """launch.py ppo as a user runs it: Ctrl-C (SIGINT) once a checkpoint exists, then
+    """launch.py ppo as a user runs it: one Ctrl-C (SIGINT) once a checkpoint exists, then
     `launch.py ppo --resume RUN_DIR` (the run's saved config) finishes the run; every step
-    is in metrics.jsonl exactly once. Slow (~105 s: two launch.py processes, each starting
-    Ray and a vLLM engine); the default run covers resume at the trainer level
+    is in metrics.jsonl exactly once. launch.py starts with SIGINT ignored, as a shell without
+    job control starts `launch.py &` (POSIX; a CI script): Python then installs no
+    KeyboardInterrupt handler of its own, and before ppo_ray.interrupts such a run ignored
+    the Ctrl-C and finished all its steps (2026-11-28). One press: exit 130, the resume hint,
+    and no process of the run left (Ray's included). Slow (~105 s: two launch.py processes,
+    each starting Ray and a vLLM engine); the default run covers resume at the trainer level
     (tests/test_checkpoint.py: exact resume, actors killed mid-step)."""
     import signal
+    import uuid
+
+    from conftest import RUN_MARKER, tagged_processes, wait_for
 
     run_dir = tmp_path / "run"
+    tag = uuid.uuid4().hex
     env = {**os.environ, "RAY_ADDRESS": ""}  # a local Ray of its own
     steps = 5
     cmd = [sys.executable, str(ROOT / "launch.py"), "ppo", "--config", str(ROOT / "configs" / "tiny.yaml"),
            "--steps", str(steps), "--batch_size", "4", "--checkpoint_every", "1",
            "--run_dir", str(run_dir), "--vllm_kv_cache_gib", "0.25"]
-    # Ctrl-C reaches a foreground process whose SIGINT is at its default. A shell without job
-    # control starts background commands with SIGINT ignored (POSIX), and Python then installs
-    # no KeyboardInterrupt handler: a test run started with `&` (as CI may be) would pass that
-    # on, and the SIGINT would be ignored (2026-11-28: two CI-like runs finished all their steps
-    # with exit 0). The child gets the terminal's default, as a user's launch.py has.
-    proc = _start_until_checkpoint(cmd, tmp_path, env, run_dir,
-                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = _start_until_checkpoint(cmd, tmp_path, {**env, RUN_MARKER: tag}, run_dir,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     latest = run_dir / "checkpoints" / "latest"
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
@@ -61,6 +70,7 @@ def test_launch_ppo_interrupted_then_resumed(tmp_path):
     stopped_at = int(latest.read_text().strip().split("-")[1])
     assert 2 <= stopped_at < steps
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+    wait_for(lambda: not tagged_processes(tag), 120, "exit of the run's processes")
 
     proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "ppo", "--resume", str(run_dir)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -82,7 +92,9 @@ def test_the_same_command_twice_continues_the_run(tmp_path):
     group, Ray included, as a lost pod) once a checkpoint exists. The second continues from
     it: every step once in metrics.jsonl, the final checkpoint the run's last step, and the
     first run's checkpoints its ancestors (one lineage). Before --resume auto, re-applying
-    started a fresh run over the old one. Slow (~2 min: two launch.py processes)."""
+    started a fresh run over the old one. While the first runs, the same command again (a
+    double submit) is refused at once, naming the holder of the run directory's lock; the
+    killed driver's lock is taken over. Slow (~2 min: two launch.py processes)."""
     import signal
 
     run_dir = tmp_path / "run"
@@ -90,15 +102,24 @@ def test_the_same_command_twice_continues_the_run(tmp_path):
     cmd = [sys.executable, str(ROOT / "launch.py"), "ppo", "--config", str(ROOT / "configs" / "tiny.yaml"),
            "--steps", "5", "--batch_size", "4", "--checkpoint_every", "1", "--keep_checkpoints", "10",
            "--run_dir", str(run_dir), "--vllm_kv_cache_gib", "0.25", "--resume", "auto"]
-    proc = _start_until_checkpoint(cmd, tmp_path, env, run_dir, start_new_session=True)
+    def double_submit(first: subprocess.Popen) -> None:
+        """The same command while the first driver lives: refused at once, naming it."""
+        second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert second.returncode == 2 and "in use by another driver" in second.stderr, second.stderr[-3000:]
+        assert f"pid {first.pid}" in second.stderr
+
+    proc = _start_until_checkpoint(cmd, tmp_path, env, run_dir, meanwhile=double_submit, start_new_session=True)
     latest = run_dir / "checkpoints" / "latest"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
     killed_at = int(latest.read_text().strip().split("-")[1])
     assert 2 <= killed_at < 5
+    assert (run_dir / ".ppo-ray.lock").is_file()  # a killed driver cannot release its lock
 
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "took over the run directory's lock" in proc.stderr and "no longer running" in proc.stderr
+    assert not (run_dir / ".ppo-ray.lock").exists()  # released at the end
     assert "PPO resumes from" in proc.stderr and f"step-{killed_at:06d}" in proc.stderr
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5]
@@ -107,6 +128,134 @@ def test_the_same_command_twice_continues_the_run(tmp_path):
     head = resolve_checkpoint(run_dir)
     assert head.name == "step-000005"
     assert [p.name for p in ancestry(head)] == [f"step-{s:06d}" for s in (5, 4, 3, 2, 1)]
+
+
+def _launch(args: list, cwd, timeout: int = 900) -> subprocess.CompletedProcess:
+    """launch.py as a user runs it, on a local Ray of its own; exit 0 asserted."""
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_a_resume_into_another_run_directory_is_refused_and_overwrite_forks_it(tmp_path):
+    """Two runs of an lr sweep, A and B. `launch.py ppo --resume A/checkpoints/step-000001
+    --run_dir B` used to truncate B's metrics, move its checkpoints aside and overwrite its
+    adapter and report: now it stops before touching B. With --overwrite, B's run is moved
+    aside (never deleted) and A's checkpoint continues in B; A is not touched by either. Slow
+    (~3 min: three launch.py runs of the tiny preset)."""
+    from conftest import snapshot
+    from ppo_ray.checkpoint import read_meta, resolve_checkpoint
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["--config", ROOT / "configs" / "tiny.yaml", "--steps", 1, "--batch_size", 4,
+              "--vllm_kv_cache_gib", 0.25]
+    _launch(["ppo", *common, "--run_dir", a], tmp_path)
+    _launch(["ppo", *common, "--run_dir", b, "--learning_rate", 1e-3], tmp_path)
+    before_a, before_b = snapshot(a), snapshot(b)
+    ckpt = a / "checkpoints" / "step-000001"
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    refused = subprocess.run([sys.executable, str(ROOT / "launch.py"), "ppo", "--resume", str(ckpt), "--run_dir",
+                              str(b), "--steps", "2"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert f"not in the run directory {b}" in refused.stderr and "--overwrite" in refused.stderr
+    assert snapshot(b) == before_b and snapshot(a) == before_a
+
+    _launch(["ppo", "--resume", ckpt, "--run_dir", b, "--steps", 2, "--overwrite"], tmp_path)
+    assert snapshot(a) == before_a  # the run it continued from: untouched
+    [old_b] = (b / "replaced").iterdir()  # B's own run, whole
+    assert {p.relative_to(old_b).as_posix() for p in old_b.rglob("*") if p.is_file()} >= \
+        {"metrics.jsonl", "checkpoints/step-000001/trainer.json", "adapter/adapter_model.safetensors"}
+    assert [json.loads(x)["step"] for x in (b / "metrics.jsonl").read_text().splitlines()] == [2]
+    head = resolve_checkpoint(b)
+    assert head.name == "step-000002" and read_meta(head)["run_id"] == read_meta(ckpt)["run_id"]
+    assert read_meta(head)["parent_id"] == read_meta(ckpt)["checkpoint_id"]
+
+
+@pytest.mark.slow
+def test_overwriting_sft_leaves_nothing_to_resume_onto_the_new_model(tmp_path):
+    """A finished `all` run, then `launch.py sft --overwrite` with another SFT learning rate:
+    `--resume auto` used to say "sft, rm finished; PPO resumes from step-N" and load the old
+    policy adapter, value head and Adam state onto the new SFT model. Now the overwrite moves
+    rm/ and the PPO run aside with the old SFT, and --resume auto trains the reward model and
+    PPO again; the new checkpoint records the new SFT's digest. Slow (~4 min)."""
+    from ppo_ray.checkpoint import model_fingerprint, read_meta, resolve_checkpoint
+
+    run = tmp_path / "run"
+    short = ["--steps", 1, "--sft_epochs", 1, "--rm_epochs", 1, "--eval_size", 4, "--eval_samples", 4,
+             "--vllm_kv_cache_gib", 0.25, "--data_max_rows", 64]
+    _launch(["--run_dir", run, *short], tmp_path)
+    old_sft = model_fingerprint(str(run / "sft"))
+    assert read_meta(resolve_checkpoint(run))["fingerprints"]["model_name"] == old_sft
+    _launch(["sft", "--run_dir", run, "--overwrite", "--sft_epochs", 1, "--data_max_rows", 64,
+             "--sft_learning_rate", 1e-4], tmp_path)
+    assert not (run / "rm").exists() and not (run / "checkpoints").exists()
+    [moved] = (run / "replaced").iterdir()
+    assert {p.name for p in moved.iterdir()} >= {"sft", "rm", "checkpoints", "metrics.jsonl", "report.json"}
+    new_sft = model_fingerprint(str(run / "sft"))
+    assert new_sft != old_sft
+
+    proc = _launch(["--run_dir", run, "--resume", "auto", *short], tmp_path)
+    assert "PPO resumes from" not in proc.stderr and "sft finished" in proc.stderr, proc.stderr[-3000:]
+    assert read_meta(resolve_checkpoint(run))["fingerprints"]["model_name"] == new_sft
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+@pytest.mark.slow
+def test_a_reward_actor_killed_in_the_evaluation_leaves_the_run_as_a_straight_one(tmp_path):
+    """launch.py ppo on the tiny preset, as a user runs it (issue 43's report: kill -9 of the
+    reward actor in the in-run evaluation ended the run with ActorUnavailableError). A test
+    reward function holds the evaluation's first scoring call (4 rows; a step scores 8) and
+    names its process; the test SIGKILLs it there. The run recovers (the evaluation is redone
+    by the restarted actor) and its metrics.jsonl and eval_samples.jsonl equal a straight
+    run's, every number but the wall-clock ones (float32 on the CPU is deterministic).
+    Slow (~3 min: two launch.py processes)."""
+    import signal
+
+    from conftest import TESTS_DIR, wait_for
+    from reward_fns import EVAL_MARKER_ENV, EVAL_PID_FILE, EVAL_ROWS_ENV
+
+    env = {**os.environ, "RAY_ADDRESS": "",  # a local Ray of its own, whose workers import tests/reward_fns.py
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
+
+    def launch(run_dir, extra_env):
+        return subprocess.Popen(
+            [sys.executable, str(ROOT / "launch.py"), "ppo", "--config", "tiny", "--run_dir", str(run_dir),
+             "--steps", "4", "--eval_every", "2", "--eval_samples", "4", "--batch_size", "8",
+             "--reward_funcs", "reward_fns:e_fraction_held_in_eval", "--vllm_kv_cache_gib", "0.25"],
+            cwd=tmp_path, env={**env, **extra_env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    marker = tmp_path / "marker"
+    marker.mkdir()
+    proc = launch(tmp_path / "killed", {EVAL_MARKER_ENV: str(marker), EVAL_ROWS_ENV: "4"})
+    try:
+        pid_file = marker / EVAL_PID_FILE
+        wait_for(pid_file.is_file, 900, "evaluation's scoring call", proc)
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        out, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    assert "the reward actor failed in the evaluation" in err, err[-3000:]
+    proc = launch(tmp_path / "straight", {})
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+
+    def numbers(run_dir, name):  # NaN (e.g. a CPU's peak memory) as text: equal to itself
+        rows = [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+        return [{k: "NaN" if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()
+                 if not (k.startswith("time/") or k.endswith("_s"))} for row in rows]
+
+    for name in ("metrics.jsonl", "eval_samples.jsonl"):
+        killed, straight = numbers(tmp_path / "killed", name), numbers(tmp_path / "straight", name)
+        assert killed == straight, f"{name}: " + "; ".join(
+            f"step {a.get('step')} {k}: {a.get(k)!r} vs {b.get(k)!r}"
+            for a, b in zip(killed, straight) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+    assert [row["step"] for row in numbers(tmp_path / "straight", "eval_samples.jsonl")] == [2] * 4 + [4] * 4
 
 
 def test_launch_resume_errors(tmp_path):

@@ -16,7 +16,7 @@ import torch
 
 from learner.buffer import Experience, ExperienceBuffer
 from ppo_ray.batch import TrimPlan, rollout_micro_batches
-from learner.learner import Learner, StaleRolloutsError
+from learner.learner import Learner, StaleRolloutsError, disable_dropout
 from learner.value_model import ValueModel
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import PPOConfig
@@ -439,6 +439,95 @@ def test_first_ratio_is_one_at_every_step_with_the_seeds_defaults(tiny_path, spe
         tol = token_mean_tol(batch.gen_logprobs, batch.response_mask, rows=cfg.effective_mini_batch_size)
         if ppo_dropout and step > 0:  # at step 1 LoRA B is 0: dropout on its input changes nothing
             assert gap > tol, f"step {step + 1}: dropout did not reach the PPO forward ({gap:.2e} <= {tol:.2e})"
+        else:
+            assert gap < tol, f"step {step + 1}: first minibatch ratio {stats.first_minibatch_ratio_mean!r}"
+
+
+# ------------------------------------------------------------------ dropout off means off
+@pytest.fixture(scope="module")
+def attention_dropout_path(tiny_path, tmp_path_factory) -> str:
+    """The tiny model with attention_dropout 0.3 in its config.json: HF's Qwen3 attention then
+    drops attention weights in train mode, with no nn.Dropout layer anywhere (functional
+    dropout: dropout=self.attention_dropout if self.training)."""
+    import json
+    import shutil
+
+    dest = tmp_path_factory.mktemp("attention-dropout")
+    shutil.copytree(tiny_path, dest, dirs_exist_ok=True)
+    config = json.loads((dest / "config.json").read_text())
+    assert config["attention_dropout"] == 0.0
+    (dest / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.3}))
+    return str(dest)
+
+
+TINY_SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+# Each architecture keeps its dropout in a different form (the config fields set > 0 here):
+DROPOUT_MODELS = {
+    "qwen3": ("Qwen3Config", dict(TINY_SHAPE, attention_dropout=0.3)),         # functional, a module float
+    "llama": ("LlamaConfig", dict(TINY_SHAPE, attention_dropout=0.3)),
+    "gpt2": ("GPT2Config", dict(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.3,
+                                embd_pdrop=0.3, attn_pdrop=0.3)),              # nn.Dropout layers (and their .p)
+    "opt": ("OPTConfig", dict(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2,
+                              word_embed_proj_dim=32, max_position_embeddings=64, dropout=0.3,
+                              attention_dropout=0.3, activation_dropout=0.3, layerdrop=0.5)),  # p=self.dropout
+    "phi": ("PhiConfig", dict(TINY_SHAPE, num_key_value_heads=2, resid_pdrop=0.3, embd_pdrop=0.3,
+                              attention_dropout=0.3)),
+    "mixtral": ("MixtralConfig", dict(TINY_SHAPE, num_local_experts=4, num_experts_per_tok=2,
+                                      router_jitter_noise=0.3, attention_dropout=0.3)),  # the router's jitter
+}
+
+
+@pytest.mark.parametrize("arch", sorted(DROPOUT_MODELS))
+def test_disable_dropout_makes_train_mode_compute_what_eval_mode_does(arch):
+    """disable_dropout on a randomly initialised tiny model of each architecture, whose config
+    turns on its dropout (and other train-mode noise): train mode's logits, twice, are eval
+    mode's. Same kernels on the same inputs once nothing random is left: equal bit for bit.
+    Setting the dropout layers' p alone (TRL's disable_dropout) leaves all but gpt2's on."""
+    import transformers
+
+    name, fields = DROPOUT_MODELS[arch]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**fields))
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    disable_dropout(model)
+    with torch.no_grad():
+        want = model.eval()(input_ids=ids).logits
+        model.train()
+        got = [model(input_ids=ids).logits for _ in range(2)]
+    assert all(torch.equal(g, want) for g in got), f"{arch}: max |train - eval| {(got[0] - want).abs().max():.3g}"
+    assert all(v == 0.0 for k, v in vars(model.config).items() if isinstance(v, float) and "drop" in k)
+
+
+def test_disable_dropout_keeps_the_adapters_own_lora_dropout(tiny_path):
+    """The PEFT layers' dropout is off, their config (saved with the adapter) keeps its value."""
+    learner = Learner(make_config(lora_dropout=0.1), tiny_path)
+    assert learner.policy.peft_config["default"].lora_dropout == 0.1
+    assert learner.lora_weights().spec.lora_dropout == 0.1
+    drops = [m for m in learner.policy.modules() if isinstance(m, torch.nn.Dropout)]
+    assert drops and all(m.p == 0.0 for m in drops)
+
+
+@pytest.mark.equality
+@pytest.mark.parametrize("ppo_dropout", [False, True])
+def test_first_ratio_is_one_with_the_models_attention_dropout(attention_dropout_path, special, ppo_dropout):
+    """A model whose config has attention_dropout 0.3 (no nn.Dropout layer holds it): the old
+    logprobs come from the eval-mode pass, the PPO forward runs in train mode, so the first
+    minibatch's ratio is 1 within the two passes' rounding only if disable_dropout reaches the
+    attention's functional dropout. With ppo_dropout: true it is the model's dropout, on
+    purpose, and the ratio is off 1 from the first step (0.92 and 1.19 at steps 1 and 2 here:
+    the base model's attention drops, whatever the adapter)."""
+    cfg = make_config(ppo_dropout=ppo_dropout, mini_batch_size=8)
+    learner = Learner(cfg, attention_dropout_path)
+    assert learner.policy.config.attention_dropout == (0.3 if ppo_dropout else 0.0)
+    for step in range(2):
+        batch = sampled_batch(learner, special, seed=step)
+        batch, ref, scores = rollout_inputs(learner, batch, seed=step)
+        stats, _ = learner.update(batch, ref, scores)
+        gap = abs(stats.first_minibatch_ratio_mean - 1.0)
+        tol = token_mean_tol(batch.gen_logprobs, batch.response_mask, rows=cfg.effective_mini_batch_size)
+        if ppo_dropout:
+            assert gap > tol, f"step {step + 1}: the attention dropout did not reach the PPO forward"
         else:
             assert gap < tol, f"step {step + 1}: first minibatch ratio {stats.first_minibatch_ratio_mean!r}"
 

@@ -33,8 +33,9 @@ from learner.speed import chunked_rows, head_token_stats
 from ppo_ray.batch import TrimPlan
 from ppo_ray.config import ConfigError, PPOConfig
 from ppo_ray.logprobs import logprobs_from_logits
-from test_learner import (assert_same_update, keep_experience, logprob_tol, make_config, random_batch,  # noqa: F401
-                          rollout_inputs, special, tiny_path, token_mean_tol, update_tols, value_params, with_sgd)
+from test_learner import (assert_same_update, attention_dropout_path, keep_experience, logprob_tol,  # noqa: F401
+                          make_config, random_batch, rollout_inputs, special, tiny_path, token_mean_tol, update_tols,
+                          value_params, with_sgd)
 from tolerances import TINY_TERMS, bf16_roundings, grad_terms, rms_rel_tol, rounding_tol
 
 # The plain path: the options off (the defaults are the measured-faster ones, issue 33).
@@ -568,17 +569,24 @@ def test_generator_old_logprobs_skip_the_policys_pass_and_give_the_same_update(t
 
 # ------------------------------------------------------------------ old_values: update
 @pytest.mark.equality
-@pytest.mark.parametrize("options", [{}, FAST], ids=["plain", "fast"])
-def test_old_values_from_the_update_skip_the_value_pass_and_give_the_same_update(tiny_path, batch, options):
+@pytest.mark.parametrize("options, model", [({}, "tiny_path"), (FAST, "tiny_path"), ({}, "attention_dropout_path")],
+                         ids=["plain", "fast", "attention_dropout"])
+def test_old_values_from_the_update_skip_the_value_pass_and_give_the_same_update(request, batch, options, model):
     """old_values: update (one minibatch per epoch, 2 epochs): the value model's no-grad pass
     does not run, its first training forward gives the old values, and three SGD updates
     equal old_values: forward's: the stats, both models' new weights and each update's
     experience (old values, returns, advantages) within update_tols. The two differ only in
     float rounding: values from a training forward instead of a no-grad one, and the value
-    gradient summed before the policy's instead of between its micro-batches."""
+    gradient summed before the policy's instead of between its micro-batches. Also for a
+    model whose config has attention_dropout 0.3 (test_learner.attention_dropout_path): the
+    training forward is dropout-free there too, or its values would be a dropout sample."""
     runs = {}
     for mode in ("forward", "update"):
-        learner = with_sgd(learner_with(tiny_path, old_values=mode, mini_batch_size=None, **options))
+        learner = with_sgd(learner_with(request.getfixturevalue(model), old_values=mode, mini_batch_size=None,
+                                        **options))
+        with torch.no_grad():  # a head that is not 0, so the old values say something from the first update
+            learner.value_model.head.weight.copy_(0.1 * torch.randn(learner.value_model.head.weight.shape,
+                                                                    generator=torch.Generator().manual_seed(7)))
         assert learner.values_in_update(len(batch)) == (mode == "update")
         kept = keep_experience(learner)
         no_grad_values = [0]
@@ -594,11 +602,11 @@ def test_old_values_from_the_update_skip_the_value_pass_and_give_the_same_update
         runs[mode] = [(*run, exp) for run, exp in zip(runs[mode], kept)]
     for (s_f, w_f, calls_f, _, e_f), (s_u, w_u, calls_u, tols, e_u) in zip(runs["forward"], runs["update"]):
         assert calls_f > 0 and calls_u == 0
-        assert_same_update((s_u, w_u), (s_f, w_f), tols)
         for name in ("values", "returns", "advantages", "rewards"):
             atol = tols["row"] if name in ("returns", "advantages") else tols["logprob"]
             torch.testing.assert_close(getattr(e_u, name), getattr(e_f, name), atol=atol, rtol=0,
                                        msg=lambda m, name=name: f"experience.{name}: {m}")
+        assert_same_update((s_u, w_u), (s_f, w_f), tols)
 
 
 @pytest.mark.parametrize("overrides, match", [

@@ -15,13 +15,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from learner.algos import IS_CORRECTIONS, IS_LEVELS, importance_weights, kl_penalty, mismatch_stats, ppo_clip_loss
+from learner.algos import (IS_CORRECTIONS, IS_LEVELS, importance_ratio, importance_weights, kl_penalty, mismatch_stats,
+                           outside_is_band, ppo_clip_loss)
 from learner.buffer import ExperienceBuffer
 from learner.learner import Learner
+from mismatch import OUTLIER, injected_mismatch
 from ppo_ray import config as config_module
 from ppo_ray.batch import TrimPlan
 from ppo_ray.config import ConfigError, PPOConfig
-from test_learner import keep_experience, make_config, random_batch, rollout_inputs, special, tiny_path, with_sgd  # noqa: F401
+from test_learner import (keep_experience, logprob_tol, make_config, random_batch,  # noqa: F401
+                          rollout_inputs, special, tiny_path, with_sgd)
 from tolerances import grad_terms, rounding_tol
 
 
@@ -88,6 +91,22 @@ def test_mismatch_stats_equal_the_naive_reference():
     assert got["mismatch_outside_frac"].item() == pytest.approx(outside, abs=1e-12)
     assert got["mismatch_log_ratio_abs"].item() == pytest.approx(sum(abs(a - b) for a, b in pairs) / len(pairs),
                                                                  rel=1e-12)
+
+
+@pytest.mark.parametrize("level", IS_LEVELS)
+def test_the_ratio_and_its_band_equal_the_naive_reference(level):
+    """importance_ratio (per token, or the row's product) and outside_is_band (the tokens of
+    the mask whose ratio is outside [1/C, C]) against loops; padding is never outside."""
+    learner, gen, mask = random_tokens(spread=0.6)
+    w = importance_ratio(learner, gen, mask, level)
+    outside = outside_is_band(w, mask, 1.5)
+    _, keep = naive_weights(learner, gen, mask, "mis", 1.5, level)  # mis keeps what is inside
+    for i, j in [(i, j) for i in range(mask.shape[0]) for j in range(mask.shape[1])]:
+        row = sum(float(learner[i, k] - gen[i, k]) for k in range(mask.shape[1]) if mask[i, k])
+        want = math.exp(row if level == "sequence" else float(learner[i, j] - gen[i, j])) if mask[i, j] else 1.0
+        assert float(w[i, j]) == pytest.approx(want, rel=1e-12)
+        assert bool(outside[i, j]) == (bool(mask[i, j]) and not keep[i][j])
+    assert 0 < int(outside.sum()) < int(mask.sum())  # the premise: some in, some out
 
 
 def naive_dual_clip_loss(logprobs, old, adv, mask, eps, c, weights):
@@ -186,11 +205,13 @@ def test_with_generator_equal_to_learner_every_correction_is_none_bit_for_bit(ti
     base_stats, base_weights = update(tiny_path, batch, ref, scores)
     stats, weights = update(tiny_path, batch, ref, scores, **options)
     assert base_stats.mismatch_outside_frac == 0 and base_stats.mismatch_log_ratio_abs == 0
-    timed = {"learner_forward_s", "update_s", "learner_peak_memory_gib", "is_weight_mean", "is_masked_frac"}
+    timed = {"learner_forward_s", "update_s", "learner_peak_memory_gib", "is_weight_mean", "is_masked_frac",
+             "is_outside_frac"}
     got = {k: v for k, v in stats.as_dict().items() if k not in timed}
     assert got == {k: v for k, v in base_stats.as_dict().items() if k not in timed}
     assert all(torch.equal(weights[k], base_weights[k]) for k in base_weights)
     assert stats.is_weight_mean == 1.0 if options["is_correction"] == "tis" else stats.is_masked_frac == 0.0
+    assert stats.is_outside_frac == 0.0 and base_stats.is_outside_frac is None
 
 
 def policy_grads(learner, exp, kl_coef=0.0) -> dict:
@@ -264,6 +285,26 @@ def test_with_an_injected_mismatch_the_gradient_is_the_importance_weighted_one(t
     got = policy_grads(learner, exp)
     assert max((got[k] - plain[k]).abs().max().item() for k in got) > 100 * rounding_tol(
         max(g.abs().max().item() for g in plain.values()), grad_terms(int(real.sum())))
+
+
+@pytest.mark.parametrize("options", [dict(is_correction="tis"), dict(is_correction="mis", is_level="sequence")],
+                         ids=["tis", "mis_seq"])
+def test_is_outside_frac_counts_the_tokens_outside_the_band(tiny_path, special, options):
+    """The statistic the rollout check tests under a correction: with a bfloat16-like mismatch
+    on every token and one token far off (tests/mismatch.py), the largest gap is the outlier's
+    (1 nat, four times bfloat16's tolerance), the share outside [1/is_cap, is_cap] one
+    token's. Per token also with is_level sequence (there MIS drops whole responses:
+    is_masked_frac is larger)."""
+    learner = Learner(make_config(**options), tiny_path)
+    batch, ref, scores = rollout_inputs(learner, random_batch(special))
+    stats = with_sgd(learner, lr=0.0).update(injected_mismatch(batch), ref, scores)[0]
+    tokens = int(batch.response_mask.sum())
+    # the outlier, computed from the learner's logprobs twice over (the same pass), and shifted: float32 rounding
+    assert stats.gen_logprob_max_abs_diff == pytest.approx(OUTLIER, abs=logprob_tol(batch.gen_logprobs,
+                                                                                  batch.response_mask))
+    assert stats.is_outside_frac == pytest.approx(1 / tokens, rel=1e-6)
+    if options["is_correction"] == "mis":
+        assert stats.is_masked_frac > stats.is_outside_frac
 
 
 def test_kl_in_loss_moves_the_kl_from_the_reward_to_the_loss(tiny_path, special):

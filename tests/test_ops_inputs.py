@@ -123,7 +123,7 @@ def test_help_says_config_files_are_trusted(capsys):
 
 
 def test_resume_names_the_reward_functions_it_will_import(tmp_path, caplog):
-    """--resume reloads the run's saved config: the reward functions it imports are named
+    """--resume reloads the checkpoint's saved config: the reward functions it imports are named
     before anything is imported (here one that does not exist: the run then stops, exit 2)."""
     run_dir = tmp_path / "run"
     ckpt = run_dir / "checkpoints" / "step-000001"
@@ -132,7 +132,7 @@ def test_resume_names_the_reward_functions_it_will_import(tmp_path, caplog):
     (run_dir / "checkpoints" / "latest").write_text("step-000001\n")
     config = PPOConfig.from_yaml(TINY, reward_funcs=["ppo_ray.rewards:letter_e_fraction", "my_rewards:secret_sauce"],
                                  reward_weights=[1.0, 1.0])
-    config.to_yaml(run_dir / "config-ppo.yaml")
+    config.to_yaml(ckpt / "config.yaml")
     with caplog.at_level(logging.WARNING):
         code = launch.main(["ppo", "--resume", str(run_dir)])
     assert code == 2

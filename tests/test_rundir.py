@@ -183,6 +183,160 @@ def test_resume_auto_continues_what_the_run_directory_holds(tmp_path, learner_st
     assert not (plain / "metrics.jsonl").exists()
 
 
+def _finished_pipeline(run, learner_state):
+    """A finished `all` run: sft and rm done, PPO checkpoints, metrics and report."""
+    for stage in ("sft", "rm"):
+        (run / stage).mkdir(parents=True)
+        (run / stage / "model.safetensors").write_text(stage)
+        mark_done(run, stage, {f"{stage}_loss": 1.0})
+    run_of(run, learner_state, (1, 2))
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (run / "report.json").write_text("{}")
+    mark_done(run, "ppo", {"ppo_steps": 2})
+
+
+def test_overwriting_a_stage_moves_every_stage_built_on_it_aside(tmp_path, learner_state):
+    """`launch.py sft --overwrite` on a finished run used to leave rm/ and the PPO checkpoints
+    in place, and a later --resume auto put the old adapter, value head and Adam state onto the
+    new SFT model. Downstream follows upstream: they move aside with it, into one folder."""
+    run = tmp_path / "run"
+    _finished_pipeline(run, learner_state)
+    assert launch.plan_run_dir(run, "sft", ("sft",), None, overwrite=True) == ({}, None)
+    assert held_outputs(run, ["all"]) == [] and stages_done(run) == {}
+    [moved] = (run / "replaced").iterdir()
+    assert sorted(p.name for p in moved.iterdir()) == ["checkpoints", "metrics.jsonl", "report.json", "rm", "sft"]
+    # rm --overwrite: the SFT model stays, the value head's source and PPO go
+    run = tmp_path / "run2"
+    _finished_pipeline(run, learner_state)
+    launch.plan_run_dir(run, "rm", ("rm",), None, overwrite=True)
+    assert (run / "sft").is_dir() and not (run / "rm").exists() and not (run / "checkpoints").exists()
+    assert set(stages_done(run)) == {"sft"}
+    # then --resume auto: rm and PPO start again; nothing resumes
+    done, resume = launch.plan_run_dir(run, "all", ("sft", "rm", "ppo"), "auto", False)
+    assert set(done) == {"sft"} and resume is None
+
+
+def test_a_lost_run_json_never_resumes_onto_re_trained_stages(tmp_path, learner_state):
+    """Without run.json nothing is known to have finished: SFT starts again, and the reward
+    model and the PPO run built on the old SFT move aside with its partial outputs (they used
+    to be resumed onto the re-trained stages)."""
+    run = tmp_path / "run"
+    _finished_pipeline(run, learner_state)
+    (run / "run.json").unlink()
+    done, resume = launch.plan_run_dir(run, "all", ("sft", "rm", "ppo"), "auto", False)
+    assert done == {} and resume is None
+    assert held_outputs(run, ["all"]) == []
+    # only the RM unfinished: it starts again, and the PPO run built on the old one goes too
+    run = tmp_path / "run2"
+    _finished_pipeline(run, learner_state)
+    from ppo_ray.rundir import forget_done
+
+    forget_done(run, ["rm"])
+    done, resume = launch.plan_run_dir(run, "all", ("sft", "rm", "ppo"), "auto", False)
+    assert set(done) == {"sft"} and resume is None and not (run / "checkpoints").exists()
+    assert (run / "sft" / "model.safetensors").is_file()
+
+
+def test_a_checkpoint_refuses_models_that_changed_since(tmp_path, learner_state):
+    """The compatibility check compared the paths <run_dir>/sft and <run_dir>/rm, not what is
+    in them. A checkpoint records its models' content digests; a resume recomputes them and
+    refuses a model re-trained since, naming the stage and both digests."""
+    import shutil
+
+    from ppo_ray.checkpoint import model_fingerprints
+    from ppo_ray.paths import resolve_model_path
+
+    cfg, state, rng = learner_state
+    run = tmp_path / "run"
+    shutil.copytree(resolve_model_path("embedded:tiny"), run / "sft")
+    cfg = cfg.replace(model_name=str(run / "sft"))
+    saved = model_fingerprints(cfg)
+    assert saved["model_name"].startswith("sha256:")
+    save_checkpoint(run, config=cfg, learner_state=state, model_dir=cfg.model_name,
+                    trainer_state={"step": 1, "order": [1], "data_rng": rng, "fingerprints": saved})
+    load_checkpoint(run, cfg)  # the same models: fine
+    with open(run / "sft" / "model.safetensors", "r+b") as f:  # the stage re-trained: other weights, same path
+        f.seek(-4, 2)
+        f.write(b"\x01\x02\x03\x04")
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(run, cfg)
+    now = model_fingerprints(cfg)["model_name"]
+    assert "'sft' stage" in str(e.value) and saved["model_name"] in str(e.value) and now in str(e.value)
+    assert now != saved["model_name"]
+
+
+def test_a_resume_touches_only_its_own_run(tmp_path, learner_state, capsys, no_ray_address):
+    """`launch.py ppo --resume A/checkpoints/step-N --run_dir B` used to truncate B's metrics,
+    move B's checkpoints aside and overwrite its adapter: it is refused before anything is
+    read or written, naming both runs and the ways on."""
+    from ppo_ray.checkpoint import check_own_lineage
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_of(a, learner_state, (1, 2, 3))
+    run_of(b, learner_state, (1, 2, 3, 4))
+    (b / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in (1, 2, 3, 4)))
+    before = snapshot(b)
+    ckpt = a / "checkpoints" / "step-000003"
+    assert launch.main(["ppo", "--resume", str(ckpt), "--run_dir", str(b)]) == 2
+    err = capsys.readouterr().err
+    assert f"--resume {ckpt}" in err and "--overwrite" in err and str(b) in err
+    assert snapshot(b) == before
+    check_own_lineage(ckpt, a)  # in its own run directory: fine
+    check_own_lineage(ckpt, tmp_path / "empty")  # into a directory that holds no run: a copy of the run
+    # a checkpoint of another run copied in beside this run's: refused too
+    import shutil
+
+    shutil.copytree(ckpt, b / "checkpoints" / "step-000009")
+    with pytest.raises(RunDirError, match="also holds run"):
+        check_own_lineage(b / "checkpoints" / "step-000009", b)
+
+
+def test_one_resume_rule_the_checkpoints_config_plus_the_commands_options(tmp_path, learner_state, monkeypatch,
+                                                                           capsys, no_ray_address):
+    """--resume auto read config.yaml, --resume DIR config-ppo.yaml: a PPO override given on an
+    earlier resume (here kl_coef 0.2, in the checkpoint's config) was silently reverted by one
+    of them. Both now resume with the checkpoint's config plus this command's options."""
+    from conftest import TINY
+    from ppo_ray.config import PPOConfig
+
+    _, state, rng = learner_state
+    run = tmp_path / "run"
+    first = PPOConfig.from_yaml(TINY, kl_coef=0.1)
+    run.mkdir()
+    first.to_yaml(run / "config-ppo.yaml")  # what the first command saved
+    save_checkpoint(run, config=first.replace(kl_coef=0.2), learner_state=state, model_dir="base",
+                    trainer_state={"step": 1, "order": [1], "data_rng": rng})  # resumed since with --kl_coef 0.2
+    seen = []
+    monkeypatch.setattr(launch, "_run", lambda config, *args, **kw: seen.append(config) or 0)
+    assert launch.main(["ppo", "--resume", str(run), "--learning_rate", "1e-4"]) == 0
+    assert launch.main(["ppo", "--run_dir", str(run), "--resume", "auto", "--learning_rate", "1e-4"]) == 0
+    assert [c.kl_coef for c in seen] == [0.2, 0.2] and [c.learning_rate for c in seen] == [1e-4, 1e-4]
+    assert seen[0] == seen[1]
+    # --config beside --resume CKPT names the rule instead of mixing two configs
+    assert launch.main(["ppo", "--resume", str(run), "--config", str(TINY)]) == 2
+    assert "give changes as --<field> VALUE" in capsys.readouterr().err
+
+
+def test_a_resume_names_the_changed_fields_and_restarts_an_overridden_adaptive_kl(caplog, learner_state):
+    """What a restored state would shadow is applied and said, never dropped: an adaptive
+    controller given another --kl_coef starts from it; the changes are listed in the log."""
+    from dataclasses import replace
+
+    from ppo_ray.trainer import PPOTrainer
+
+    cfg, state, _ = learner_state
+    saved = cfg.replace(kl_target=1.0)
+    state = replace(state, kl_coef=0.0734)
+    trainer = SimpleNamespace(config=saved.replace(kl_coef=0.3, learning_rate=1e-4))
+    with caplog.at_level("WARNING", logger="ppo_ray.trainer"):
+        out = PPOTrainer._apply_changes(trainer, "ckpt", saved, state)
+    assert out.kl_coef is None  # the learner takes the config's 0.3
+    assert "kl_coef 0.1 -> 0.3 (the adaptive KL controller starts from kl_coef 0.3, not the checkpoint's 0.0734)" \
+        in caplog.text and "learning_rate" in caplog.text
+    # unchanged: the controller continues from the checkpoint's coefficient
+    assert PPOTrainer._apply_changes(SimpleNamespace(config=saved), "ckpt", saved, state).kl_coef == 0.0734
+
+
 def test_resume_auto_needs_a_run_directory(capsys):
     assert launch.main(["--resume", "auto"]) == 2
     assert "pass --run_dir" in capsys.readouterr().err

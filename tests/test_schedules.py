@@ -231,3 +231,33 @@ def test_the_linear_schedule_follows_the_runs_planned_total(tiny_path):
     b.load_state_dict(state)
     stats, _ = b.update(*_random_inputs(b, tiny_path, 3))  # no planned_steps: the restored plan (4 steps)
     assert stats.learning_rate == pytest.approx(lrs[3])
+
+
+def test_a_resume_applies_the_configs_rates_and_fixed_kl_coef_over_the_restored_state(tiny_path):
+    """A resume with --learning_rate, --value_learning_rate, --lr_scheduler or a fixed --kl_coef
+    used to be shadowed without a word by the restored Adam/schedule state and KL coefficient.
+    The restored state keeps its position (the schedule's tick, Adam's moments); the rates, the
+    schedule's kind and a fixed coefficient are the config's. An adaptive coefficient
+    (kl_target) is the controller's state and continues."""
+    base = dict(steps=4, batch_size=4, mini_batch_size=2, micro_batch_size=2, ppo_epochs=2, max_new_tokens=6)
+    a = Learner(tiny_preset(**base), tiny_path)
+    a.update(*_random_inputs(a, tiny_path, 0))
+    state = a.state_dict()
+    ticks = 2 * 2  # one PPO step done: ppo_epochs x minibatches optimiser steps
+    cfg = tiny_preset(**base, learning_rate=1e-4, value_learning_rate=2e-4, lr_scheduler="linear", kl_coef=0.3)
+    b = Learner(cfg, tiny_path)
+    b.load_state_dict(state)
+    assert b.kl_coef == 0.3  # the config's fixed coefficient (the checkpoint's was the preset's)
+    factor = 1 - ticks / (4 * ticks)  # linear, from the restored tick, over the run's 4 planned steps
+    assert b.optimiser.policy_optimizer.param_groups[0]["lr"] == pytest.approx(1e-4 * factor)
+    assert b.optimiser.value_optimizer.param_groups[0]["lr"] == pytest.approx(2e-4 * factor)
+    assert b.optimiser.schedulers[0].last_epoch == ticks  # the position is the state's
+    stats, _ = b.update(*_random_inputs(b, tiny_path, 1))
+    assert stats.learning_rate == pytest.approx(1e-4 * factor)
+
+    adaptive = tiny_preset(**base, kl_target=0.01, kl_horizon=4)
+    c = Learner(adaptive, tiny_path)
+    c.update(*_random_inputs(c, tiny_path, 0))
+    d = Learner(adaptive, tiny_path)
+    d.load_state_dict(c.state_dict())
+    assert d.kl_coef == c.kl_coef != adaptive.kl_coef

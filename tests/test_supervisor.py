@@ -1,5 +1,6 @@
-"""ppo_ray/supervisor.py: the one retry rule of the step, the prefetch and the sync, with
-stand-ins for the roles and the metrics (the real actor deaths run in test_faults.py)."""
+"""ppo_ray/supervisor.py: the one retry rule of every call the driver makes to an actor, with
+stand-ins for the roles and the metrics (the real actor deaths, at every place, run in
+test_faults.py)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,31 @@ def test_other_errors_are_the_callers():
     with pytest.raises(ValueError, match="bad reward"):
         supervisor.run(attempt, where="step", step=1, recover=lambda: recovered.append(1))
     assert recovered == [] and supervisor.retries == []
+
+
+def test_an_actor_lost_during_the_recovery_costs_a_retry_too():
+    """A second death while recovering from the first (the restarted generator dies again while
+    it is given the adapter) is survived like the first, within max_retries."""
+    supervisor = Supervisor(FakeRoles(), FakeMetrics(), max_retries=2)
+    recoveries, attempts = [], []
+
+    def recover():
+        recoveries.append(len(recoveries))
+        if len(recoveries) == 1:
+            raise StateLostError("generator-0", "died again while it loaded the adapter")
+
+    def attempt(i):
+        attempts.append(i)
+        if i == 0:
+            raise StateLostError("reward", "restarting")
+        return "scored"
+
+    assert supervisor.run(attempt, where="evaluation", step=5, recover=recover) == "scored"
+    assert attempts == [0, 2] and recoveries == [0, 1]
+    assert [r["role"] for r in supervisor.retries] == ["reward", "generator-0"]
+
+
+def test_a_place_is_one_of_the_places():
+    with pytest.raises(ValueError, match="supervised place 'evaluation loop'"):
+        Supervisor(FakeRoles(), FakeMetrics(), max_retries=1).run(lambda i: None, where="evaluation loop", step=1,
+                                                                  recover=lambda: None)

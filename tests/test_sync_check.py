@@ -17,6 +17,7 @@ run with -m slow.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -159,3 +160,103 @@ def test_the_rollout_check_counts_tokens_outside_the_learners_support():
     with pytest.raises(LogprobGapError, match="11 of its 1000 sampled tokens are outside the learner's"):
         PPOTrainer._check_logprob_gap(trainer, stats)
     assert counted == [trainer.config.lora_sync_mode]
+
+
+# ------------------------------------------------------------------ the checks under is_correction
+def test_under_is_correction_the_rollout_check_tests_the_share_outside_the_band():
+    """With is_correction the rollout check holds is_outside_frac (the share of tokens whose
+    ratio is outside [1/is_cap, is_cap]) to logprob_gap_outside_tolerance, not the largest gap
+    of one token: one token 1 nat off among a thousand (bfloat16 tolerance 0.25) passes under
+    tis and mis and stops a run without a correction; a share over the limit stops either."""
+    from types import SimpleNamespace
+
+    from ppo_ray.trainer import LogprobGapError, PPOTrainer
+
+    counted = []
+
+    def trainer(**changes):
+        config = tiny_test_config(logprob_gap_check="error", logprob_gap_tolerance=0.25, **changes)
+        return SimpleNamespace(config=config, step=4, version=4,
+                               metrics=SimpleNamespace(record_logprob_gap=counted.append))
+
+    stats = SimpleNamespace(gen_logprob_max_abs_diff=1.0, tokens=1000.0, truncated_tokens=0.0, is_outside_frac=0.001)
+    PPOTrainer._check_logprob_gap(trainer(is_correction="tis"), stats)
+    PPOTrainer._check_logprob_gap(trainer(is_correction="mis", is_level="sequence"), stats)
+    assert counted == []
+    with pytest.raises(LogprobGapError, match=r"by up to 1 nats \(logprob_gap_tolerance 0.25 for float32\)"):
+        PPOTrainer._check_logprob_gap(trainer(), stats)
+    stats.is_outside_frac = 0.051
+    with pytest.raises(LogprobGapError, match=r"by more than a factor is_cap 2 on 5\.1% of its tokens \(is_correction "
+                                              r"tis: logprob_gap_outside_tolerance 5\.0%; largest gap 1 nats\)"):
+        PPOTrainer._check_logprob_gap(trainer(is_correction="tis"), stats)
+    PPOTrainer._check_logprob_gap(trainer(is_correction="tis", logprob_gap_outside_tolerance=0.06), stats)
+    stats.is_outside_frac, stats.truncated_tokens = 0.0, 11.0  # the support rule holds under a correction too
+    with pytest.raises(LogprobGapError, match="11 of its 1000 sampled tokens are outside the learner's"):
+        PPOTrainer._check_logprob_gap(trainer(is_correction="tis"), stats)
+
+
+@contextlib.contextmanager
+def mismatched_generators(trainer):
+    """Every generator's rollouts carry tests/mismatch.py's injected mismatch (every token up
+    to 0.05 nats below the engine's logprob, the first token of each batch 1 nat below) while
+    inside; the sync check's probe is left alone."""
+    import mismatch
+    from test_trainer import on_actor
+
+    for generator in trainer.roles.generators:
+        on_actor(generator, mismatch.install)
+    try:
+        yield
+    finally:
+        for generator in trainer.roles.generators:
+            on_actor(generator, mismatch.remove)
+
+
+def test_a_mismatch_the_correction_absorbs_stops_a_run_without_correction(tiny_trainer):
+    """The injected mismatch (one token 1 nat off per step, the others within bfloat16's
+    rounding) on the shared trainer (is_correction: none), at bfloat16's tolerance 0.25: its
+    one token's gap stops the step (logprob_gap_check: error), and nothing is committed. The
+    same injection leaves an is_correction run going (the next test)."""
+    from ppo_ray.trainer import LogprobGapError
+
+    base = tiny_trainer.config
+    version = tiny_trainer.version
+    assert base.is_correction == "none"
+    try:
+        tiny_trainer.config = base.replace(logprob_gap_tolerance=0.25, logprob_gap_check="error")
+        with mismatched_generators(tiny_trainer), \
+                pytest.raises(LogprobGapError, match=r"by up to 1 nats \(logprob_gap_tolerance 0.25 for float32\)"):
+            tiny_trainer.ppo_step(bundled_prompts()[:8])
+    finally:
+        tiny_trainer.config = base
+    assert tiny_trainer.version == version
+
+
+def test_with_tis_a_mismatch_it_absorbs_goes_on_and_a_lost_sync_still_stops_the_run(ray_session, tiny_model_dir):
+    """is_correction: tis on the real system (its own actors), with the injected mismatch at
+    bfloat16's tolerance 0.25 and logprob_gap_check: error. Each step's largest gap is the 1-nat
+    token, over the tolerance, but the share of tokens outside [1/2, 2] is that one token's,
+    which TIS caps: two steps go on, none re-synced. Without the mismatch, a lost sync
+    (BadSync previous) still stops the run, at float32's tolerance: the sync check's probe
+    keeps the largest-gap rule under is_correction."""
+    from ppo_ray.trainer import LogprobGapError, PPOTrainer
+
+    trainer = PPOTrainer(tiny_test_config(is_correction="tis"))
+    try:
+        base = trainer.config
+        trainer.config = base.replace(logprob_gap_tolerance=0.25)
+        with mismatched_generators(trainer):
+            history = trainer.train(bundled_prompts(), steps=2, progress=False)
+        assert [h["adapter_version"] for h in history] == [1, 2]
+        for h in history:
+            assert h["gen_logprob_max_abs_diff"] > 0.25 and h["sync_resyncs"] == 0
+            # the one 1-nat token of the step's policy-loss tokens (the others' ratios are within e^0.05)
+            assert h["is_outside_frac"] == pytest.approx(1 / (h["tokens"] - h["truncated_tokens"]), rel=1e-6)
+            assert h["is_outside_frac"] <= base.logprob_gap_outside_tolerance
+            assert h["is_weight_mean"] > 1.0  # the generator's logprobs are lower: TIS weights > 1, capped at 2
+        trainer.config = base
+        trainer.inject_faults([BadSync(step=trainer.step + 1, kind="previous")])
+        with pytest.raises(LogprobGapError, match=r"after step 3: .*the sync did not deliver the learner's policy"):
+            trainer.ppo_step(bundled_prompts()[:8])
+    finally:
+        trainer.shutdown()

@@ -196,10 +196,12 @@ def ppo_config(config: PPOConfig, run_dir: Path, data_dir: Path) -> PPOConfig:
     value = config.value_model_name
     if value == "rm":
         value = str(run_dir / "rm")
+    # the bundled task's prompts; real data's are read from sft_dataset (run_ppo_real)
+    data = dict(dataset=str(data_dir / "prompts_train.jsonl"), prompt_column="prompt") if config.uses_bundled_data \
+        else {}
     return config.replace(
         model_name=str(run_dir / "sft"), ref_model_name=None, reward_model_name=str(run_dir / "rm"),
-        value_model_name=value, reward_funcs=[], reward_weights=[],
-        dataset=str(data_dir / "prompts_train.jsonl"), prompt_column="prompt")
+        value_model_name=value, reward_funcs=[], reward_weights=[], **data)
 
 
 @contextmanager
@@ -242,13 +244,16 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[str | Path] = None) -> dict:
+def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[str | Path] = None,
+            cfg: Optional[PPOConfig] = None) -> dict:
+    """The PPO stage: `cfg` is its config (default: ppo_config(config); a resumed stage's is
+    its checkpoint's plus the command's overrides, ppo_ray.checkpoint.resumed_config)."""
     if not config.uses_bundled_data:  # real data: no gold judge, see run_ppo_real
-        return run_ppo_real(config, run_dir, data_dir, resume)
+        return run_ppo_real(config, run_dir, data_dir, resume, cfg)
     from ppo_ray.data import load_prompts
     from ppo_ray.tasks.tldr_synth import copy_accuracy, gold_score, win_rate
 
-    cfg = ppo_config(config, run_dir, data_dir)
+    cfg = cfg or ppo_config(config, run_dir, data_dir)
     test_rows = read_rows(data_dir / "prompts_test.jsonl")[: cfg.eval_size]
     val_rows = read_rows(data_dir / "prompts_validation.jsonl")[: cfg.eval_size]
 
@@ -307,14 +312,15 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def run_ppo_real(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[str | Path] = None) -> dict:
+def run_ppo_real(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[str | Path] = None,
+                 cfg: Optional[PPOConfig] = None) -> dict:
     """PPO on the named datasets. No gold judge exists for real data, so the report is the
     reward model's score (mean over each step's rollouts, missing-EOS penalty included) and
     the KL to the SFT model; samples.md shows held-out SFT and PPO summaries to read."""
     from ppo_ray.modeling import load_tokenizer
 
-    # ppo_config points `dataset` at the bundled files; real prompts are passed in instead.
-    cfg = ppo_config(config, run_dir, data_dir).replace(dataset=config.dataset, prompt_column=config.prompt_column)
+    # real prompts are read from sft_dataset and passed in (config.dataset is not read)
+    cfg = cfg or ppo_config(config, run_dir, data_dir)
     tok = load_tokenizer(cfg.model_name)
     prompts = real_prompts(config, tok, "train")
     held_out = real_prompts(config, tok, "eval", max_rows=cfg.eval_size)
