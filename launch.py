@@ -81,11 +81,13 @@ def check_ray_address() -> None:
 def check_estimator(config) -> None:
     """config.advantage_estimator names an estimator of learner.algos' registry (a ValueError
     naming the registered ones): the config holds the name, the registry the choices. A
-    group estimator (grpo, rloo, reinforce_pp) needs samples_per_prompt >= 2 (a ValueError
-    naming both)."""
-    from learner.algos import advantage_estimator, check_group_size
+    group estimator (grpo, rloo, reinforce_pp) needs samples_per_prompt >= 2, and no
+    whiten_rewards or reward_shaping: every_token (a ValueError naming the fields;
+    learner.algos.check_estimator_config)."""
+    from learner.algos import advantage_estimator, check_estimator_config
 
-    check_group_size(advantage_estimator(config.advantage_estimator), config.samples_per_prompt)
+    check_estimator_config(advantage_estimator(config.advantage_estimator), samples_per_prompt=config.samples_per_prompt,
+                           whiten_rewards=config.whiten_rewards, reward_shaping=config.reward_shaping)
 
 
 def check_context(config) -> None:

@@ -253,6 +253,10 @@ def agg_loss(
 # --------------------------------------------------------------------------------------
 
 
+K3_LOG_RATIO_CLAMP = 20.0  # k3's log(pi_ref / pi) is clamped to +-this before exp (verl's low_var_kl)
+K3_CLAMP = 10.0            # k3 is clamped to at most this (verl's low_var_kl; OpenRLHF's compute_approx_kl)
+
+
 def kl_penalty(
     logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k1", mask: Tensor | None = None
 ) -> Tensor:
@@ -266,7 +270,12 @@ def kl_penalty(
     * ``"k2"``: ``0.5 * log_ratio**2``; biased, non-negative, low variance.
     * ``"k3"``: ``exp(-log_ratio) - (-log_ratio) - 1`` = ``r - log r - 1`` with
       ``r = pi_ref / pi``; Schulman's unbiased, non-negative estimator. Computed with
-      ``expm1`` so it stays >= 0 for tiny ratios.
+      ``expm1`` so it stays >= 0 for tiny ratios. Clamped as verl's low_var_kl clamps it
+      (core_algos.kl_penalty_forward: ``log r`` to [-20, 20], then k3 to at most 10;
+      OpenRLHF's compute_approx_kl clamps its k3 to [-10, 10]): k3 grows like ``r``, so a
+      token the reference finds far likelier than the policy (``log r = 25``: k3 = 7.2e10)
+      would dominate a step's loss (kl_in_loss) or reward on its own. A clamped token has no
+      gradient through k3 (``log r`` above ~2.6 or below -11), like the peers'.
 
     Args:
         logprobs, ref_logprobs: ``(B, T)``.
@@ -287,8 +296,8 @@ def kl_penalty(
         return log_ratio
     if kind == "k2":
         return 0.5 * log_ratio.square()
-    neg = -log_ratio  # log(pi_ref / pi)
-    return torch.expm1(neg) - neg  # = exp(neg) - neg - 1, k3 is 0 where masked
+    neg = (-log_ratio).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)  # log(pi_ref / pi)
+    return (torch.expm1(neg) - neg).clamp(max=K3_CLAMP)  # = exp(neg) - neg - 1, k3 is 0 where masked
 
 
 def shape_rewards(
@@ -444,11 +453,14 @@ class AdvantageInputs:
 
     ``rewards`` are the shaped per-token rewards (:func:`shape_rewards`: the score on the
     last real token, ``-beta * KL_t`` on every token; scale-whitened when ``whiten_rewards``
-    is on); ``scores`` the raw sequence scores they were shaped from; ``values`` the old
-    values ``V(s_t)`` of the critic, ``None`` for an estimator registered with
-    ``needs_critic=False`` (no value model exists then); ``groups`` the group id of each row
-    (``RolloutBatch.groups``: the ``samples_per_prompt`` samples of one prompt share one), never
-    None for an estimator registered with ``needs_groups=True``.
+    is on), what GAE reads; ``scores`` the raw sequence scores they were shaped from, and
+    ``kl`` / ``kl_coef`` the per-token KL and the beta they were shaped with, what the group
+    estimators read (their statistics are of the scores; the KL enters afterwards, per token:
+    see "group baselines" below); ``values`` the old values ``V(s_t)`` of the critic, ``None``
+    for an estimator registered with ``needs_critic=False`` (no value model exists then);
+    ``groups`` the group id of each row (``RolloutBatch.groups``: the ``samples_per_prompt``
+    samples of one prompt share one), never None for an estimator registered with
+    ``needs_groups=True``, nor is ``kl``.
     """
 
     rewards: Tensor            # (B, T) float32, 0 on padding
@@ -459,6 +471,8 @@ class AdvantageInputs:
     lam: float
     groups: Optional[Tensor] = None  # (B,) long: rows with one id are samples of one prompt; None = no groups
     grpo_norm_std: bool = True       # grpo: divide by the group's std (False: Dr. GRPO)
+    kl: Optional[Tensor] = None      # (B, T) float32 KL_t to the reference (kl_estimator), 0 on padding
+    kl_coef: float = 0.0             # beta of the KL in the rewards (0 with kl_in_loss: the KL is in the loss)
 
 
 @dataclass(frozen=True)
@@ -520,37 +534,69 @@ def gae_advantages(inputs: AdvantageInputs) -> Tensor:
 def check_group_size(estimator: AdvantageEstimator, samples_per_prompt: int) -> None:
     """A ValueError naming both values when ``estimator`` needs groups and
     ``samples_per_prompt`` gives it fewer than MIN_GROUP_SIZE samples per prompt (the one
-    home of the rule: launch.py and the Learner call it)."""
+    home of the rule: :func:`check_estimator_config` calls it)."""
     if estimator.needs_groups and samples_per_prompt < MIN_GROUP_SIZE:
         raise ValueError(f"advantage_estimator {estimator.name!r} compares the samples of one prompt and needs "
                          f"samples_per_prompt >= {MIN_GROUP_SIZE}, got samples_per_prompt={samples_per_prompt}")
 
 
-# -- group baselines (GRPO, RLOO, REINFORCE++): one sequence score per response -------------
+def check_estimator_config(estimator: AdvantageEstimator, *, samples_per_prompt: int, whiten_rewards: bool,
+                           reward_shaping: str) -> None:
+    """The estimator's config rules, a ValueError naming the fields (the one home: launch.py,
+    the actors' placement and the Learner call it): :func:`check_group_size`; and a group
+    estimator reads the scores and the KL (AdvantageInputs.scores, .kl), not the shaped
+    per-token rewards, so whiten_rewards and reward_shaping: every_token, which shape those
+    rewards for GAE, would silently do nothing with one."""
+    check_group_size(estimator, samples_per_prompt)
+    if not estimator.needs_groups:
+        return
+    if whiten_rewards:
+        raise ValueError(f"whiten_rewards: true does not apply to advantage_estimator {estimator.name!r}: it "
+                         "whitens the per-token rewards GAE reads, and a group estimator takes its baseline and "
+                         "scale from its group's scores (set whiten_rewards: false)")
+    if reward_shaping != "last_token":
+        raise ValueError(f"reward_shaping: {reward_shaping} does not apply to advantage_estimator "
+                         f"{estimator.name!r}: it places the score in GAE's per-token rewards, and a group "
+                         "estimator compares the sequence scores and adds the per-token KL itself (set "
+                         "reward_shaping: last_token)")
+
+
+# -- group baselines (GRPO, RLOO, REINFORCE++): the scores compared within a prompt's group ---
 #
-# The score of a response is its return: the sum of its shaped rewards over its real tokens
-# (the RM / reward-function score minus beta * sum_t KL_t with the KL in the reward, as today;
-# undiscounted, gamma and lam do not apply). This is what verl's GRPO/RLOO read
-# (token_level_rewards.sum(-1), which holds the KL penalty when use_kl_in_reward is on), so
-# the KL-in-reward path needs nothing else. A row with no real token is a dropped sample
-# (nonfinite_reward: drop masks its response out): it takes no part in its group's
-# statistics and gets advantage 0, so its (zeroed) score cannot move its group's baseline.
-# The statistics are computed in float64 over the B scores (a negligible cost) so that a
-# group of equal scores gives exactly 0 and float32 rounding of the mean is not amplified
-# by a small std.
+# A response's advantage at token t is its score's advantage within its group plus the KL
+# penalty still to come: ``A_t = a(score) - kl_coef * sum_{t' >= t} KL_t'`` (undiscounted; gamma
+# and lam do not apply). The group statistics (mean, std, leave-one-out) are of the scores
+# alone, the RM / reward-function score of each response; the KL to the reference enters
+# afterwards, per token, at strength kl_coef (0 with kl_in_loss, where the KL is a term of the
+# loss instead). This is OpenRLHF's order (experience_maker.py, compute_advantages_and_returns:
+# rloo / reinforce_baseline / group_norm / dr_grpo shape the sequence reward by its group, then
+# compute_reward puts it on the last token with -kl_coef * KL_t on every token, and
+# get_cumulative_returns sums them from t on with gamma 1). verl's use_kl_in_reward: True instead
+# subtracts beta * KL_t from token_level_rewards before the estimator, whose GRPO / RLOO then read
+# the sum (score - beta * sum KL) for the group statistics; its GRPO recipes keep the KL out of
+# the reward (use_kl_in_reward: False, use_kl_loss: True: our kl_in_loss, where the two orders
+# agree). With the KL inside the statistics, a group of equal scores (common with binary or
+# saturated rewards) is ranked by its KL alone and scaled to about one standard unit by GRPO's
+# std, whatever kl_coef is; here its advantage is the KL term itself, proportional to kl_coef.
+#
+# A row with no real token is a dropped sample (nonfinite_reward: drop masks its response out):
+# it takes no part in its group's statistics and gets advantage 0, so its score cannot move its
+# group's baseline. The statistics and the KL's sums are computed in float64 (a negligible cost)
+# so that a group of equal scores gets a score advantage of exactly 0 and float32 rounding of
+# the mean is not amplified by a small std; the advantages are rounded to float32 once, at the end.
 
 
-def _group_scores(inputs: AdvantageInputs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(returns (B,) float64, valid rows (B,) bool, dense group index (B,) long, number of
-    groups). Returns = sum of the shaped rewards over each row's real tokens."""
+def _group_scores(inputs: AdvantageInputs) -> tuple[Tensor, Tensor, Tensor, int]:
+    """(scores (B,) float64, 0 on dropped rows; valid rows (B,) bool; dense group index (B,)
+    long; number of groups)."""
     if inputs.groups is None:
         raise ValueError("a group estimator needs inputs.groups (RolloutBatch.groups: samples_per_prompt >= 2)")
     mask = check_mask(inputs.mask)
-    zero = torch.zeros((), dtype=torch.float64, device=mask.device)
-    returns = torch.where(mask, inputs.rewards.double(), zero).sum(dim=-1)  # (B,)
     valid = mask.any(dim=-1)  # (B,) False = dropped row
+    zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+    scores = torch.where(valid, inputs.scores.double(), zero)  # a dropped row's score may be garbage
     ids, dense = torch.unique(inputs.groups, return_inverse=True)
-    return returns, valid, dense, ids.numel()
+    return scores, valid, dense, ids.numel()
 
 
 def _group_sum(x: Tensor, dense: Tensor, n_groups: int) -> Tensor:
@@ -558,22 +604,49 @@ def _group_sum(x: Tensor, dense: Tensor, n_groups: int) -> Tensor:
     return torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, dense, x)
 
 
-def _broadcast(adv: Tensor, valid: Tensor, mask: Tensor) -> Tensor:
-    """(B,) sequence advantages -> (B, T) float32 on every real token, 0 on padding and
-    on dropped rows."""
-    adv = torch.where(valid, adv, torch.zeros((), dtype=adv.dtype, device=adv.device)).float()
-    return torch.where(mask, adv.unsqueeze(-1), torch.zeros((), device=mask.device))
+def kl_to_go(kl: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
+    """The KL penalty from each token to the end of its response: ``-kl_coef * sum_{t' >= t}
+    KL_t'`` over the row's real tokens, undiscounted (OpenRLHF's get_cumulative_returns of
+    its -kl_coef * KL_t rewards, with the gamma of 1 it sets for its group estimators).
+
+    Args:
+        kl: ``(B, T)`` per-token KL (:func:`kl_penalty`); masked entries may be garbage.
+        mask: bool ``(B, T)``, True = real token.
+        kl_coef: beta (0: no KL term).
+
+    Returns:
+        ``(B, T)`` float64, 0 at masked positions.
+    """
+    mask = check_mask(mask)
+    zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+    k = torch.where(mask, kl.double(), zero)
+    to_go = k.flip(-1).cumsum(dim=-1).flip(-1)  # (B, T) sum from t to the row's end
+    return torch.where(mask, -kl_coef * to_go, zero)
 
 
-def group_mean_baseline(returns: Tensor, valid: Tensor, dense: Tensor, n_groups: int
+def _per_token(adv: Tensor, valid: Tensor, inputs: AdvantageInputs) -> Tensor:
+    """(B,) float64 score advantages -> (B, T) float32: each real token gets its row's score
+    advantage plus its KL to go (:func:`kl_to_go` at ``inputs.kl_coef``); 0 on padding and on
+    dropped rows."""
+    if inputs.kl is None:
+        raise ValueError("a group estimator needs inputs.kl (the per-token KL_t of the reward; zeros with "
+                         "kl_coef 0 for none)")
+    mask = check_mask(inputs.mask)
+    zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+    adv = torch.where(valid, adv, zero)                                                  # (B,)
+    per_token = adv.unsqueeze(-1) + kl_to_go(inputs.kl, mask, inputs.kl_coef)            # (B, T)
+    return torch.where(mask, per_token, zero).float()
+
+
+def group_mean_baseline(scores: Tensor, valid: Tensor, dense: Tensor, n_groups: int
                         ) -> tuple[Tensor, Tensor, Tensor]:
     """Per row: (score - its group's mean, the group's unbiased std, the group's number of
     valid rows), all (B,), over the valid rows only. A group whose valid scores are all equal
     gets a deviation of exactly 0 (not the rounding of its mean); a group of one valid row
     has deviation 0 and std 0."""
-    zero = torch.zeros((), dtype=returns.dtype, device=returns.device)
-    r = torch.where(valid, returns, zero)
-    count = _group_sum(valid.to(returns.dtype), dense, n_groups)                    # (G,)
+    zero = torch.zeros((), dtype=scores.dtype, device=scores.device)
+    r = torch.where(valid, scores, zero)
+    count = _group_sum(valid.to(scores.dtype), dense, n_groups)                     # (G,)
     mean = _group_sum(r, dense, n_groups) / count.clamp(min=1)                      # (G,)
     dev = torch.where(valid, r - mean[dense], zero)                                 # (B,)
     # unbiased (Bessel) std, as verl (torch.std) and OpenRLHF (Tensor.std) compute GRPO's
@@ -593,40 +666,47 @@ GRPO_EPS = 1e-6  # verl's epsilon in compute_grpo_outcome_advantage
 @register_estimator("grpo", needs_critic=False, needs_groups=True, normalized=True)
 def grpo_advantages(inputs: AdvantageInputs) -> Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath, "outcome supervision"): every real token of a
-    response gets ``(R - mean_g(R)) / (std_g(R) + 1e-6)``, over the valid responses of its
-    group g; ``R`` its return (see the section comment: score - beta * sum KL_t). std is the
-    unbiased (n - 1) one, as verl and OpenRLHF compute it, so their settings carry over.
+    response gets ``(s - mean_g(s)) / (std_g(s) + 1e-6)`` over the scores s of the valid
+    responses of its group g, plus its KL to go (see the section comment). std is the unbiased
+    (n - 1) one, as verl and OpenRLHF compute it, so their settings carry over.
     ``inputs.grpo_norm_std=False`` is Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like
-    Training"): ``R - mean_g(R)``, no std division (it weights easy and hard prompts
-    alike). Groups of equal returns get exactly 0. Not whitened again by the learner."""
-    returns, valid, dense, n_groups = _group_scores(inputs)
-    dev, std, _ = group_mean_baseline(returns, valid, dense, n_groups)
+    Training"): ``s - mean_g(s)``, no std division (it weights easy and hard prompts alike).
+    Matches OpenRLHF's group_norm (its eps 1e-9) and dr_grpo; verl's grpo with the KL in the
+    loss (use_kl_loss), not with use_kl_in_reward. A group of equal scores gets exactly its KL
+    term (0 at kl_coef 0). Not whitened again by the learner."""
+    scores, valid, dense, n_groups = _group_scores(inputs)
+    dev, std, _ = group_mean_baseline(scores, valid, dense, n_groups)
     adv = dev / (std + GRPO_EPS) if inputs.grpo_norm_std else dev
-    return _broadcast(adv, valid, inputs.mask)
+    return _per_token(adv, valid, inputs)
 
 
 @register_estimator("rloo", needs_critic=False, needs_groups=True, normalized=True)
 def rloo_advantages(inputs: AdvantageInputs) -> Tensor:
-    """RLOO (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics"): ``R_i`` minus the mean
-    of the other valid returns of its group, ``(k * R_i - sum_g R) / (k - 1)`` = ``k / (k - 1)
-    * (R_i - mean_g R)`` with k valid rows, on every real token. A row alone in its group
-    (its others dropped) has no baseline: advantage 0. Not whitened by the learner (as in
-    OpenRLHF, whose rloo is not normalised)."""
-    returns, valid, dense, n_groups = _group_scores(inputs)
-    dev, _, count = group_mean_baseline(returns, valid, dense, n_groups)
+    """RLOO (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics"): the score ``s_i`` minus
+    the mean of the other valid scores of its group, ``(k * s_i - sum_g s) / (k - 1)`` = ``k /
+    (k - 1) * (s_i - mean_g s)`` with k valid rows, on every real token, plus its KL to go (see
+    the section comment). A row alone in its group (its others dropped) has no baseline: score
+    advantage 0. Matches OpenRLHF's rloo (not normalised, nor whitened by the learner); verl's
+    rloo reads the KL-shaped sum under use_kl_in_reward. A group of equal scores gets exactly
+    its KL term (0 at kl_coef 0)."""
+    scores, valid, dense, n_groups = _group_scores(inputs)
+    dev, _, count = group_mean_baseline(scores, valid, dense, n_groups)
     adv = torch.where(count > 1, dev * count / (count - 1).clamp(min=1), torch.zeros_like(dev))
-    return _broadcast(adv, valid, inputs.mask)
+    return _per_token(adv, valid, inputs)
 
 
 @register_estimator("reinforce_pp", needs_critic=False, needs_groups=True, normalized=True)
 def reinforce_pp_advantages(inputs: AdvantageInputs) -> Tensor:
-    """REINFORCE++ with a baseline (Hu 2025, "REINFORCE++"; OpenRLHF's reinforce_baseline):
-    ``R - mean_g(R)`` on every real token (no std division: a group's scale is kept), then
-    whitened over the batch's real tokens (:func:`masked_whiten`, its global statistics).
-    Whitening is part of the method, so it happens whatever whiten_advantages says."""
-    returns, valid, dense, n_groups = _group_scores(inputs)
-    dev, _, _ = group_mean_baseline(returns, valid, dense, n_groups)
-    return masked_whiten(_broadcast(dev, valid, inputs.mask), inputs.mask)
+    """REINFORCE++ with a baseline (Hu 2025, "REINFORCE++"; OpenRLHF's reinforce_baseline, which
+    this matches): ``s - mean_g(s)`` plus the KL to go on every real token (no std division: a
+    group's scale is kept), then whitened over the batch's real tokens (:func:`masked_whiten`,
+    its global statistics; OpenRLHF divides by the biased variance). Whitening is part of the
+    method, so it happens whatever whiten_advantages says; a group of equal scores therefore
+    gets its KL term whitened with the batch's mean and std, not the KL term itself (and not
+    exactly 0 at kl_coef 0 unless every group's scores are equal)."""
+    scores, valid, dense, n_groups = _group_scores(inputs)
+    dev, _, _ = group_mean_baseline(scores, valid, dense, n_groups)
+    return masked_whiten(_per_token(dev, valid, inputs), inputs.mask)
 
 
 # --------------------------------------------------------------------------------------
@@ -659,7 +739,9 @@ def ppo_clip_loss(
         mask: bool ``(B, T)``, True = real token; masked entries may be garbage.
         clip_epsilon: eps.
         loss_agg, normalizer: see :func:`agg_loss`.
-        dual_clip: c > 1, or None. Dual-clip PPO ([DualClip] Ye et al. 2020, eq. 5): where
+        dual_clip: c >= 1 + clip_epsilon, or None (a smaller c would bound tokens whose ratio
+            is in (c, 1 + eps], inside the trust region: the config refuses it). Dual-clip PPO
+            ([DualClip] Ye et al. 2020, eq. 5): where
             ``A < 0`` the per-token loss is also bounded by ``-c * A``, so a token whose
             ratio has grown far above 1 (the new policy likes a bad action much more than
             the one that sampled it, e.g. off-policy data) cannot contribute an unbounded

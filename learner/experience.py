@@ -7,8 +7,9 @@ sequence scores, `make_experience` computes in paper order:
 2. the per-token KL to the reference, KL_t (k1 = logp - logp_ref by default);
 3. the shaped rewards: the score on the last real token, -beta * KL_t on every token;
 4. optionally their whitening (scale only, N+; off by default);
-5. the advantages from the configured estimator (learner.algos' registry, GAE by default)
-   and, with a critic, the returns G_t = A_t + V_t;
+5. the advantages from the configured estimator (learner.algos' registry: GAE by default,
+   over the shaped rewards; a group estimator's statistics are of the scores, with the KL
+   added per token afterwards) and, with a critic, the returns G_t = A_t + V_t;
 6. optionally the advantages' whitening over the step's real tokens;
 
 the generator/learner mismatch of the sampled tokens and, with is_correction, its
@@ -96,15 +97,17 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
     kl = kl_penalty(fwd.full_logprobs, ref_logprobs, config.kl_estimator, mask=mask)  # (B, T)
     # 3. Shaped rewards: score on the last real token, -beta * KL_t on every token (kl_in_loss:
     #    the scores alone; the KL is then a term of the policy loss, learner.optimise).
-    rewards = shape_rewards(scores, kl, mask, 0.0 if config.kl_in_loss else kl_coef, config.reward_shaping)  # (B, T)
+    reward_kl_coef = 0.0 if config.kl_in_loss else kl_coef  # beta of the KL in the reward
+    rewards = shape_rewards(scores, kl, mask, reward_kl_coef, config.reward_shaping)  # (B, T)
     reward_sums = rewards.sum(dim=1)  # (B,) before any whitening, for the stats
     # 4. Optional reward whitening (scale only, N+; off by default).
     if config.whiten_rewards:
         rewards = masked_whiten(rewards, mask, shift_mean=False)
     # 5. Advantages (raw) from the estimator (GAE: TD errors -> GAE), and with a critic
     #    its targets, the returns G_t = A_t + V_t.
-    #    A group estimator (needs_groups) reads the batch's group ids; their returns are the
-    #    sums of these shaped rewards (learner.algos, "group baselines").
+    #    A group estimator (needs_groups) reads the batch's group ids, the scores for its
+    #    group statistics and KL_t at reward_kl_coef for the per-token KL it adds afterwards,
+    #    not the shaped rewards (learner.algos, "group baselines").
     if estimator.needs_critic and values is None:  # old_values: update
         if value_pass is None or not estimator.per_row:
             why = ("no value_pass was given" if value_pass is None else
@@ -115,7 +118,8 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
             t = old_values.shape[1]
             m = mask[rows, :t]
             a = estimator.fn(AdvantageInputs(rewards=rewards[rows, :t], mask=m, scores=scores[rows],
-                                             values=old_values, gamma=config.gamma, lam=config.lam))
+                                             values=old_values, gamma=config.gamma, lam=config.lam,
+                                             kl=kl[rows, :t], kl_coef=reward_kl_coef))
             return compute_returns(a, old_values, m)
 
         values = value_pass(returns_of)
@@ -124,7 +128,7 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
                          "(RolloutBatch.groups, set by the generator); this batch has none")
     advantages = estimator.fn(AdvantageInputs(rewards=rewards, mask=mask, scores=scores, values=values,
                                               gamma=config.gamma, lam=config.lam, groups=batch.groups,
-                                              grpo_norm_std=config.grpo_norm_std))
+                                              grpo_norm_std=config.grpo_norm_std, kl=kl, kl_coef=reward_kl_coef))
     returns = compute_returns(advantages, values, mask) if estimator.needs_critic else None
     raw_advantage_mean = masked_mean(advantages, mask)
     # 6. Advantage whitening over the step's real tokens (not for an estimator whose

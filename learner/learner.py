@@ -18,7 +18,9 @@ Choices, and where they come from:
 * Old logprobs use the generator's exact sampling distribution: logits / temperature,
   then the same top-k / top-p truncation (ppo_ray.logprobs.logprobs_from_logits mirrors
   vLLM). The PPO ratio is between two such truncated distributions, so the first
-  minibatch has ratio == 1 exactly (float32, no dropout).
+  minibatch's ratio is 1 up to the rounding of the no-grad pass against the training
+  forward (no dropout; float32: exactly 1 where they batch the rows alike), or within the
+  generator-learner gap with the generator's old logprobs (PPOConfig.old_logprobs).
 * The KL to the reference uses the full softmax at temperature for both sides, as the
   reference scorer does: a truncated policy vs an untruncated reference would bias KL_t
   upwards (the truncated policy renormalises its kept mass to 1).
@@ -47,7 +49,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from learner.algos import adaptive_kl_coef, advantage_estimator, check_group_size
+from learner.algos import adaptive_kl_coef, advantage_estimator, check_estimator_config
 from learner.buffer import Experience, ExperienceBuffer
 from learner.experience import RolloutScores, make_experience, score_tensors
 from learner.kernels import cached_casts
@@ -198,7 +200,8 @@ class Learner:
         # The advantage estimator (learner.algos' registry, GAE by default); one without a
         # critic gets no value model, value optimiser, value loss or value statistics.
         self.estimator = advantage_estimator(config.advantage_estimator)
-        check_group_size(self.estimator, config.samples_per_prompt)
+        check_estimator_config(self.estimator, samples_per_prompt=config.samples_per_prompt,
+                               whiten_rewards=config.whiten_rewards, reward_shaping=config.reward_shaping)
         self.critic = self.estimator.needs_critic
         self._shared = self.critic and config.value_model == "shared"
         self.value_model: Optional[torch.nn.Module] = None

@@ -272,7 +272,7 @@ class PPOOptimiser:
         n_steps = 0
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
 
-        for model in models:  # dropout applies only with ppo_dropout (else the first ratio is exactly 1)
+        for model in models:  # dropout applies only with ppo_dropout (which moves the first ratio off 1)
             model.train()
         self.policy_optimizer.zero_grad(set_to_none=True)
         if critic and value_pass is None:
@@ -380,7 +380,8 @@ class PPOOptimiser:
         pg_loss, pg_stats = ppo_clip_loss(logp, mb.old_logprobs, mb.advantages, mb.policy_mask,
                                           cfg.clip_epsilon, cfg.loss_agg, pg_norm, dual_clip=cfg.dual_clip,
                                           weights=mb.is_weights)
-        if cfg.kl_in_loss:  # GRPO's k3 = pi_ref/pi - log(pi_ref/pi) - 1, with gradient through pi
+        if cfg.kl_in_loss:  # GRPO's k3 = pi_ref/pi - log(pi_ref/pi) - 1, with gradient through pi; clamped at 10
+            # (learner.algos.kl_penalty, as verl's low_var_kl), so one token cannot dominate the step
             kl_loss = agg_loss(kl_penalty(logp, mb.ref_logprobs, "k3", mask=mb.policy_mask), mb.policy_mask,
                                cfg.loss_agg, pg_norm)
             pg_loss = pg_loss + kl_coef * kl_loss

@@ -108,7 +108,7 @@ class PPOConfig:
     lora_alpha: int = 32
     """LoRA scaling numerator: the update is (lora_alpha / lora_r) * B @ A."""
     lora_dropout: float = 0.1
-    """LoRA dropout of the policy and value adapters' PEFT config (saved with the adapter). PPO's forwards apply it only with ppo_dropout: true; by default they run without dropout, so the first minibatch's ratio is exactly 1."""
+    """LoRA dropout of the policy and value adapters' PEFT config (saved with the adapter). PPO's forwards apply it only with ppo_dropout: true; by default they run without dropout, so dropout does not move the first minibatch's ratio off 1 (how close to 1 it is: old_logprobs)."""
     learning_rate: float = 1e-5
     """Adam learning rate of the policy LoRA."""
     value_learning_rate: float = 1e-4
@@ -164,19 +164,19 @@ class PPOConfig:
     max_grad_norm: Optional[float] = 1.0
     """Gradient-norm clip per optimiser step; None = no clipping."""
     advantage_estimator: str = "gae"
-    """How the learner turns the step's shaped rewards into advantages: a name registered in learner/algos.py (register_estimator): gae (the default, with the value model as its critic), or the critic-free group baselines grpo, rloo and reinforce_pp (REINFORCE++ with a group-mean baseline), which compare the samples_per_prompt (>= 2) samples of each prompt, each scored by its return (score - beta * summed KL). An estimator without a critic builds no value model, and the value_* fields and statistics do not apply."""
+    """How the learner turns the step's scores and KL into advantages: a name registered in learner/algos.py (register_estimator): gae (the default: GAE over the shaped rewards, with the value model as its critic), or the critic-free group baselines grpo, rloo and reinforce_pp (REINFORCE++ with a group-mean baseline), which compare the scores of the samples_per_prompt (>= 2) samples of each prompt and then add, on every token, the KL penalty still to come (-kl_coef times the KL summed from that token to the response's end), as OpenRLHF orders them (verl's use_kl_in_reward instead puts the KL into the compared sums): a group of equal scores gets its KL term alone, 0 at kl_coef 0 or with kl_in_loss. An estimator without a critic builds no value model, and the value_* fields and statistics do not apply."""
     samples_per_prompt: int = 1
     """Responses sampled per prompt in one vLLM request (SamplingParams n), contiguous rows of one group in the batch; batch_size counts rollouts, so a step draws batch_size / samples_per_prompt prompts (it must divide batch_size). grpo, rloo and reinforce_pp need >= 2. Evaluation samples stay one per prompt."""
     grpo_norm_std: bool = True
-    """grpo only: divide each group's centred returns by the group's std (unbiased, + 1e-6; GRPO); false = Dr. GRPO (centred returns, no std division)."""
+    """grpo only: divide each group's centred scores by the group's std (unbiased, + 1e-6; GRPO); false = Dr. GRPO (Liu et al. 2025: centred scores, no std division), which also needs loss_agg: token_mean (an error otherwise): Dr. GRPO drops GRPO's per-response 1/|o_i| length normalisation too, and seq_mean_token_mean is that normalisation."""
     whiten_advantages: bool = True
     """Whiten advantages over the step's real tokens (not applied to grpo, rloo and reinforce_pp, whose advantages are on their method's own scale: reinforce_pp whitens as part of its definition)."""
     whiten_rewards: bool = False
-    """Whiten the per-token shaped rewards before GAE (N+ recipe: off)."""
+    """Whiten the per-token shaped rewards before GAE (N+ recipe: off). Not with grpo, rloo or reinforce_pp, which read the scores and the KL, not the shaped rewards (an error)."""
     kl_estimator: str = "k1"
-    """Per-token KL estimator in the reward: k1 (logp - logp_ref, the seeds'), k2 or k3."""
+    """Per-token KL estimator in the reward: k1 (logp - logp_ref, the seeds'), k2 or k3 (clamped to at most 10 per token, as verl's low_var_kl and OpenRLHF's k3: learner.algos.kl_penalty)."""
     reward_shaping: str = "last_token"
-    """last_token: score on the last real token, -beta*KL on every token; every_token: the seeds' literal r'_t = R - beta*KL_t."""
+    """last_token: score on the last real token, -beta*KL on every token; every_token: the seeds' literal r'_t = R - beta*KL_t. grpo, rloo and reinforce_pp take last_token only (they compare the sequence scores and add the per-token KL themselves)."""
     missing_eos_penalty: Optional[float] = None
     """Score that replaces the reward of a response with no EOS (N+ uses -1); None = off."""
     entropy_coef: float = 0.0
@@ -188,11 +188,11 @@ class PPOConfig:
     lr_scheduler: str = "constant"
     """Learning-rate schedule of the PPO optimisers (policy and value): constant, or linear (decay to 0 over the run's steps x ppo_epochs x minibatches optimiser steps, the N+ recipe). Saved and restored with checkpoints."""
     loss_agg: str = "token_mean"
-    """Loss aggregation: token_mean (over all real tokens of a minibatch) or seq_mean_token_mean."""
+    """Loss aggregation: token_mean (the sum over all real tokens of a minibatch / their count: every token weighs the same; verl's token-mean, OpenRLHF's token-level loss) or seq_mean_token_mean (each response's token mean, then the mean over responses: every response weighs the same, original GRPO's 1/|o_i|)."""
     dual_clip: Optional[float] = None
-    """Dual-clip PPO (Ye et al. 2020): c > 1 bounds each token's policy loss by -c * A where the advantage A is negative, so a token whose ratio grew far above 1 cannot dominate the loss; None = off (plain PPO-clip). The dual_clipfrac stat counts the tokens it bounded."""
+    """Dual-clip PPO (Ye et al. 2020): c >= 1 + clip_epsilon bounds each token's policy loss by -c * A where the advantage A is negative, so a token whose ratio grew far above 1 cannot dominate the loss (verl's clip_ratio_c defaults to 3); a smaller c would cut the gradient of tokens whose ratio is inside the trust region (an error). None = off (plain PPO-clip). The dual_clipfrac stat counts the tokens it bounded."""
     kl_in_loss: bool = False
-    """Put the KL to the reference in the policy loss instead of the reward (as GRPO does): the rewards are the scores alone, and the loss adds kl_coef times the k3 estimate of KL(policy || reference) of the tokens being trained (with gradient), aggregated like the policy loss; the kl_loss stat reports it. Needs untruncated sampling (top_k 0, top_p 1): the loss's policy logprobs are the sampling distribution's and the reference's are the full softmax's. Off = the seeds' KL penalty in the reward (kl_estimator)."""
+    """Put the KL to the reference in the policy loss instead of the reward (as GRPO does): the rewards are the scores alone, and the loss adds kl_coef times the k3 estimate of KL(policy || reference) of the tokens being trained (with gradient), aggregated like the policy loss; the kl_loss stat reports it. k3 is clamped per token as verl's low_var_kl clamps it (log(pi_ref / pi) to [-20, 20], then k3 to at most 10; OpenRLHF clamps its k3 to 10 too), so one token the reference finds far likelier than the policy cannot dominate the step (unclamped, a log ratio of 25 gives 7.2e10); a clamped token gets no gradient from the KL. Needs untruncated sampling (top_k 0, top_p 1): the loss's policy logprobs are the sampling distribution's and the reference's are the full softmax's. Off = the seeds' KL penalty in the reward (kl_estimator)."""
     is_correction: str = "none"
     """Off-policy correction for the generator/learner mismatch (vLLM's and the learner's logprobs of the same policy differ, most in bfloat16): tis weights each token's policy loss by min(pi_learner / pi_generator, is_cap) (truncated importance sampling); mis drops the tokens (or, is_level sequence, the responses) whose ratio is outside [1/is_cap, is_cap] from the policy loss; none = off. The mismatch itself (mismatch_outside_frac, mismatch_log_ratio_abs) is reported every step whatever this is; with a correction on, the rollout check of logprob_gap_check tests the share of tokens outside [1/is_cap, is_cap] (is_outside_frac, held to logprob_gap_outside_tolerance) instead of the largest gap of one token. Needs old_logprobs: learner (the learner's own logprobs) and no overlap_generation (whose stale steps already take the generator's logprobs as the PPO ratio's denominator)."""
     is_cap: float = 2.0
@@ -210,7 +210,7 @@ class PPOConfig:
     logprob_gap_outside_tolerance: float = 0.05
     """With is_correction set, the rollout check's threshold instead of logprob_gap_tolerance: the largest share of a fresh step's policy-loss tokens whose ratio pi_learner / pi_generator is outside [1/is_cap, is_cap] (the step's is_outside_frac; per token whatever is_level, since a response's ratio drifts with its length even when each of its tokens is close). Those are the tokens the correction drops (mis) or caps or all but drops (tis): a mismatch that moves a few tokens that far is what it is built to absorb (the largest gap of one token grows with the number of tokens, so long bfloat16 responses would fail logprob_gap_tolerance), while a generator whose rollouts have more than this share outside is taken to hold another policy. The sync check after every sync keeps the largest-gap rule and logprob_gap_tolerance whatever is_correction is: its probe is small and fixed (4 prompts x 4 tokens), its largest gap does not grow with the responses, and it catches a lost or corrupted sync. Default 0.05: bfloat16's measured largest gap (0.067 nats over 212 tokens) is a tenth of the default band's edge (log 2 = 0.69 nats)."""
     old_logprobs: str = "auto"
-    """Where the rollout policy's logprobs of the sampled tokens come from (the PPO ratio's denominator and KL_t's log pi): auto (generator where it is proven equal: untruncated float32 sampling in the synchronous step, no is_correction; learner otherwise; PPOConfig.old_logprobs_source), learner (a no-grad policy forward over the rollouts at every step, the seeds' step 1) or generator (vLLM's logprobs from sampling, already in the rollouts: the learner skips the policy's no-grad forward, and its entropy stat is the sampled tokens' mean -logprob, an unbiased estimate; it still recomputes, and logprob_gap_check still runs, at every old_logprobs_check_every-th adapter version). generator needs untruncated sampling (top_k 0, top_p 1: the KL's full-softmax logprobs are then the sampled ones) and float32, where generator and learner agree to ~5e-6; under bfloat16 they differ by ~0.1 nats, so the learner recomputes. The value model's no-grad pass runs unless old_values is update. With overlap_generation, KL_t between checks then uses the behaviour policy's logprobs (one version old) instead of the current policy's, and behaviour_logprob_gap is not measured (NaN)."""
+    """Where the rollout policy's logprobs of the sampled tokens come from (the PPO ratio's denominator and KL_t's log pi): auto (generator where it is proven equal: untruncated float32 sampling in the synchronous step, no is_correction; learner otherwise; PPOConfig.old_logprobs_source), learner (a no-grad policy forward over the rollouts at every step, the seeds' step 1) or generator (vLLM's logprobs from sampling, already in the rollouts: the learner skips the policy's no-grad forward, and its entropy stat is the sampled tokens' mean -logprob, an unbiased estimate; it still recomputes, and logprob_gap_check still runs, at every old_logprobs_check_every-th adapter version). generator needs untruncated sampling (top_k 0, top_p 1: the KL's full-softmax logprobs are then the sampled ones) and float32, where generator and learner agree to ~5e-6; under bfloat16 they differ by ~0.1 nats, so the learner recomputes. The value model's no-grad pass runs unless old_values is update. With overlap_generation, KL_t between checks then uses the behaviour policy's logprobs (one version old) instead of the current policy's, and behaviour_logprob_gap is not measured (NaN). The first minibatch's PPO ratio (first_minibatch_ratio_mean), before any optimiser step, is per mode: learner: 1 up to the rounding of two forwards of the same weights (the no-grad pass and the training forward): in float32 exactly 1 where both batch the rows alike, otherwise within a few float32 ulps per token (measured up to 2e-6); in bfloat16 up to ~1e-2 per token; generator: 1 within the generator-learner gap (float32: ~5e-6 per token, up to ~2e-5 measured; the mean within ~3e-7), and as learner at the check versions. A stale step of overlap_generation has the ratio pi_current / pi_behaviour, not 1, and ppo_dropout moves it off 1."""
     old_logprobs_check_every: int = 10
     """old_logprobs: generator only: the learner recomputes the policy's logprobs (and the generator-vs-learner check runs) at adapter versions 0, N, 2N, ...; 1 = every step (no saving)."""
     old_values: str = "auto"
@@ -412,8 +412,12 @@ class PPOConfig:
         need(self.value_clip is None or self.value_clip > 0, "value_clip", "must be > 0 or null")
         need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or null")
         need(self.entropy_coef >= 0, "entropy_coef", "must be >= 0")
-        need(self.dual_clip is None or (math.isfinite(self.dual_clip) and self.dual_clip > 1), "dual_clip",
-             "must be > 1 or null (null = off)")
+        # Where A < 0 the bound -c * A replaces the PPO-clip loss -A * rho once rho > c: below
+        # 1 + clip_epsilon it would cut the gradient of tokens inside the trust region.
+        need(self.dual_clip is None or (math.isfinite(self.dual_clip) and self.dual_clip >= 1 + self.clip_epsilon),
+             "dual_clip", f"must be >= 1 + clip_epsilon = {1 + self.clip_epsilon:g} or null (null = off): a token "
+             "with a negative advantage and a ratio in (dual_clip, 1 + clip_epsilon], inside the trust region, "
+             "would lose its gradient")
         need(math.isfinite(self.is_cap) and self.is_cap > 1, "is_cap", "must be > 1")
         if self.is_correction != "none":
             need(self.old_logprobs in ("learner", "auto"), "is_correction",
@@ -422,6 +426,14 @@ class PPOConfig:
             need(not self.overlap_generation, "is_correction",
                  "cannot be combined with overlap_generation: its stale steps already take the generator's "
                  "logprobs as the PPO ratio's denominator (the trust region is around what was sampled)")
+        if self.advantage_estimator == "grpo" and not self.grpo_norm_std:
+            need(self.loss_agg == "token_mean", "grpo_norm_std",
+                 f"false (Dr. GRPO) needs loss_agg: token_mean (got {self.loss_agg}): Dr. GRPO (Liu et al. 2025) "
+                 "removes both of GRPO's biases, the std division and the per-response 1/|o_i| length "
+                 "normalisation, which seq_mean_token_mean applies (it favours long responses among those with "
+                 "negative advantages); token_mean weighs every token of a minibatch alike (the paper divides by a "
+                 "constant, the generation budget; token_mean by the minibatch's token count, the same for all "
+                 "its responses)")
         if self.kl_in_loss:
             need(self.top_k in (0, -1) and self.top_p == 1.0, "kl_in_loss",
                  f"needs untruncated sampling (top_k 0 and top_p 1.0; got top_k={self.top_k}, top_p={self.top_p}): "

@@ -648,10 +648,11 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
     namespace, which the dashboard's Actors page does not show, so the name is what tells two
     runs on one cluster apart. An advantage estimator without a critic gets no value model:
     none is shipped or loaded."""
-    from learner.algos import advantage_estimator, check_group_size
+    from learner.algos import advantage_estimator, check_estimator_config
 
     estimator = advantage_estimator(config.advantage_estimator)
-    check_group_size(estimator, config.samples_per_prompt)  # before any actor starts
+    check_estimator_config(estimator, samples_per_prompt=config.samples_per_prompt,  # before any actor starts
+                           whiten_rewards=config.whiten_rewards, reward_shaping=config.reward_shaping)
     if not estimator.needs_critic:
         value_model_dir = None
     demands = role_demands(config)

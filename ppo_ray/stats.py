@@ -112,7 +112,7 @@ class LearnerStats:
     vf_clipfrac: Optional[float] = None
     policy_grad_norm: float          # before clipping
     value_grad_norm: Optional[float] = None
-    first_minibatch_ratio_mean: float  # before any optimiser step; 1 with no dropout
+    first_minibatch_ratio_mean: float  # before any optimiser step: 1 up to rounding or the generator gap (old_logprobs)
     dual_clipfrac: Optional[float] = None  # tokens whose loss dual_clip bounded (None: dual_clip off)
     kl_loss: Optional[float] = None  # kl_in_loss: the loss's k3 KL term before beta (None: KL in the reward)
     # steps 1-6, the rollouts

@@ -198,6 +198,24 @@ def test_kl_kinds_known_values():
     assert kl_penalty(logp, ref, "k3").item() == pytest.approx(0.5 + math.log(2) - 1)
 
 
+def test_k3_is_clamped_as_the_peers_clamp_it():
+    """verl's low_var_kl (and OpenRLHF's k3): log(pi_ref / pi) clamped to [-20, 20], then k3 to
+    at most 10. Unclamped, a token the reference finds e^25 times likelier than the policy
+    gives k3 = 7.2e10 and a gradient of the same size; clamped, 10 and no gradient. Inside the
+    clamp, k3 and its gradient (1 - pi_ref / pi w.r.t. log pi) are Schulman's."""
+    log_r = t64([25.0, 2.0, 0.5, -3.0, -25.0, -math.inf])  # log(pi_ref / pi)
+    logp = torch.zeros(6, dtype=F64, requires_grad=True)
+    k3 = kl_penalty(logp, logp.detach() + log_r, "k3")
+    want = [10.0, math.exp(2.0) - 3.0, math.exp(0.5) - 1.5, math.exp(-3.0) + 2.0, 10.0, 10.0]
+    assert k3.detach().tolist() == pytest.approx(want, rel=1e-12)
+    k3.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([0.0, 1 - math.exp(2.0), 1 - math.exp(0.5), 1 - math.exp(-3.0), 0.0,
+                                                0.0], rel=1e-12)
+    # float32 as the learner computes it: finite, and 10 at the far token
+    far = kl_penalty(torch.zeros(2), torch.tensor([25.0, 0.0]), "k3")
+    assert far.tolist() == [10.0, 0.0]
+
+
 def test_kl_properties():
     g = torch.Generator().manual_seed(0)
     a = torch.randn(64, 16, generator=g, dtype=F64) * 3

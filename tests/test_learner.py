@@ -170,7 +170,8 @@ def with_sgd(learner: Learner, lr: float = SGD_LR) -> Learner:
     be clipped in one computation and not in the other: a jump, not rounding)."""
     opt = learner.optimiser
     opt.policy_optimizer = torch.optim.SGD(opt.policy_params, lr=lr)
-    opt.value_optimizer = torch.optim.SGD(opt.value_params, lr=lr)
+    if opt.critic:  # an estimator without a critic has no value model
+        opt.value_optimizer = torch.optim.SGD(opt.value_params, lr=lr)
     opt.schedulers = opt.lr_schedulers()
     return learner
 

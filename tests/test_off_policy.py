@@ -162,12 +162,30 @@ def test_the_config_lists_the_corrections_the_math_knows():
     (dict(is_correction="both"), r"'is_correction' = 'both' is invalid: must be one of \['none', 'tis', 'mis'\]"),
     (dict(is_level="batch"), r"'is_level' = 'batch' is invalid"),
     (dict(is_cap=1.0), r"'is_cap' = 1.0 is invalid: must be > 1"),
-    (dict(dual_clip=1.0), r"'dual_clip' = 1.0 is invalid: must be > 1 or null"),
+    (dict(dual_clip=1.0), r"'dual_clip' = 1.0 is invalid: must be >= 1 \+ clip_epsilon = 1.2 or null"),
+    (dict(dual_clip=1.15), r"'dual_clip' = 1.15 is invalid: must be >= 1 \+ clip_epsilon = 1.2 or null"),
+    (dict(dual_clip=1.25, clip_epsilon=0.3), r"'dual_clip' = 1.25 is invalid: must be >= 1 \+ clip_epsilon = 1.3"),
+    (dict(dual_clip=math.inf), r"'dual_clip' = inf is invalid"),
     (dict(kl_in_loss=True, top_k=50), r"'kl_in_loss' = True is invalid: needs untruncated sampling"),
 ])
 def test_bad_options_name_themselves(changes, message):
     with pytest.raises(ConfigError, match=message):
         PPOConfig(**changes)
+
+
+def test_dual_clip_at_1_plus_clip_epsilon_bounds_no_token_inside_the_trust_region():
+    """The smallest dual_clip the config takes, 1 + clip_epsilon: a token with A < 0 is bounded
+    (no gradient) only once its ratio is past 1 + clip_epsilon, outside the trust region, where
+    PPO-clip alone leaves its loss -A rho unbounded. At 1.1 (refused) tokens with ratios in
+    (1.1, 1.2], inside the trust region, would lose their gradient too."""
+    assert PPOConfig(dual_clip=1.2).dual_clip == 1.2 and PPOConfig(dual_clip=1.3, clip_epsilon=0.3).dual_clip == 1.3
+    ratios = torch.tensor([1.05, 1.15, 1.19, 1.5, 3.0], dtype=torch.float64)
+    logprobs = ratios.log().unsqueeze(0).requires_grad_(True)
+    old, adv, mask = torch.zeros(1, 5, dtype=torch.float64), -torch.ones(1, 5, dtype=torch.float64), torch.ones(1, 5, dtype=torch.bool)
+    for c, bounded in ((1.2, [False, False, False, True, True]), (1.1, [False, True, True, True, True])):
+        logprobs.grad = None
+        ppo_clip_loss(logprobs, old, adv, mask, 0.2, dual_clip=c)[0].backward()
+        assert (logprobs.grad[0] == 0).tolist() == bounded, c
 
 
 # ---------------------------------------------------------------------- the learner
@@ -220,8 +238,8 @@ def hand_grads(learner, exp, weights, kl_coef=0.0) -> dict:
     a = mb.advantages
     per_token = torch.maximum(-a * r, -a * r.clamp(1 - cfg.clip_epsilon, 1 + cfg.clip_epsilon))
     per_token = per_token * weights[:, :t].float()
-    log_ref_ratio = torch.where(keep, mb.ref_logprobs - logp, 0.0)
-    per_token = per_token + kl_coef * (torch.exp(log_ref_ratio) - log_ref_ratio - 1)
+    log_ref_ratio = torch.where(keep, mb.ref_logprobs - logp, 0.0).clamp(-20, 20)  # verl's low_var_kl clamps
+    per_token = per_token + kl_coef * (torch.exp(log_ref_ratio) - log_ref_ratio - 1).clamp(max=10)
     (torch.where(keep, per_token, 0.0).sum() / keep.sum()).backward()
     return {n: p.grad.clone() for n, p in learner.policy.named_parameters() if p.requires_grad}
 
@@ -301,6 +319,37 @@ def test_kl_in_loss_moves_the_kl_from_the_reward_to_the_loss(tiny_path, special)
     assert stats.kl_loss == pytest.approx((want_kl.sum() / exp.policy_mask.sum()).item(), rel=1e-4)  # lr 0: each epoch the same
     ones = exp.policy_mask.double()
     assert_grads_close(policy_grads(learner, exp, 0.3), hand_grads(learner, exp, ones, 0.3),
+                       int(exp.policy_mask.sum()))
+
+
+def test_kl_in_loss_clamps_k3_so_one_token_cannot_dominate_the_step(tiny_path, special):
+    """One token whose reference logprob is 25 nats above the policy's (pi_ref / pi = e^25):
+    unclamped, its k3 of 7.2e10 would be the whole loss and its gradient. Clamped at 10 (verl's
+    low_var_kl, OpenRLHF's k3) it adds 10 to the KL term's sum and nothing to the gradient: the
+    gradient is the one with that token's reference equal to the policy (k3 = 0, whose
+    gradient is 0 too), within rounding."""
+    learner = Learner(make_config(kl_in_loss=True, kl_coef=0.3, mini_batch_size=8), tiny_path)
+    batch, ref, scores = rollout_inputs(learner, random_batch(special))
+    kept = keep_experience(learner)
+    with_sgd(learner, lr=0.0).update(batch, ref, scores)
+    exp = kept[-1]
+    assert exp.policy_mask[0, 0]
+    far_ref, near_ref = exp.ref_logprobs.clone(), exp.ref_logprobs.clone()
+    far_ref[0, 0] = exp.old_logprobs[0, 0] + 25.0
+    near_ref[0, 0] = exp.old_logprobs[0, 0]
+    buffer = ExperienceBuffer(replace(exp, ref_logprobs=far_ref), len(exp), len(exp), TrimPlan.of(exp.rollouts))
+    norm = exp.policy_mask.sum().float()
+    learner.policy.zero_grad(set_to_none=True)
+    learner.policy.train()
+    loss, _, st = learner.optimiser.micro_backward(buffer.micro_batch(list(range(len(exp)))), norm, norm, 0.3)
+    far = {n: p.grad.clone() for n, p in learner.policy.named_parameters() if p.requires_grad}
+    others = kl_penalty(exp.old_logprobs, exp.ref_logprobs, "k3", mask=exp.policy_mask)
+    others[0, 0] = 0.0
+    assert st["kl_loss"].item() == pytest.approx((others.sum().item() + 10.0) / norm.item(), rel=1e-4)
+    assert math.isfinite(loss.item()) and loss.item() < 10.0
+    near = policy_grads(learner, replace(exp, ref_logprobs=near_ref), 0.3)
+    assert_grads_close(far, near, int(exp.policy_mask.sum()))
+    assert_grads_close(far, hand_grads(learner, replace(exp, ref_logprobs=far_ref), exp.policy_mask.double(), 0.3),
                        int(exp.policy_mask.sum()))
 
 
