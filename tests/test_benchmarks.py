@@ -14,6 +14,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,8 @@ def check_report(result: dict, steps: int) -> None:
         assert step["sync_engine"] <= step["sync"], step
     for name in ("generator-0", "reference", "reward", "learner"):
         assert ours["memory"][name]["peak_rss_mib"] > 0
+        malloc = ours["memory"][name]["malloc_mib"]  # glibc's own account (mallinfo2)
+        assert malloc["heap"] > 0 and malloc["in_use"] + malloc["free"] <= malloc["heap"] + 1, (name, malloc)
     # The vLLM engine core runs in the CPU generator actor's own process (placement sets
     # VLLM_ENABLE_V1_MULTIPROCESSING=0 unless the environment says otherwise): no child then.
     children = ours["memory"]["generator-0"]["children_peak_rss_mib"]
@@ -98,6 +101,58 @@ def test_step_benchmark_report(tiny_trainer):
         assert row["floor_s"] == pytest.approx(row["flop"] / result["gemm"]["flops_per_s"])
         assert row["fraction_of_floor"] == pytest.approx(row["floor_s"] / row["measured_s"])
     assert "fraction of floor" in format_summary(result)
+
+
+def test_memory_watch_names_every_actor_and_reads_its_peak(tiny_trainer):
+    """benchmarks.memory's sampler over this session's Ray (its workers descend from this
+    process): every actor of the trainer is found, named by its role, and its peak RSS is at
+    least the VmHWM the actor read of itself just before (the kernel's peak only grows)."""
+    from benchmarks.memory import MemoryWatch, format_table
+    from benchmarks.step import actor_memory
+
+    inside = actor_memory(tiny_trainer.roles)
+    watch = MemoryWatch(os.getpid(), tag=None)
+    sums = watch.sample()
+    report = watch.report()
+    by_pid = {p["pid"]: p for p in report["processes"]}
+    for name in ("generator-0", "reference", "reward", "learner"):
+        seen = by_pid[inside[name]["pid"]]
+        assert seen["role"].startswith(name.split("-")[0]), (name, seen["role"], seen["titles"])
+        assert seen["hwm_mib"] >= inside[name]["peak_rss_mib"] > 0, (name, seen, inside[name])
+        assert seen["pss_mib"] > 0 and seen["anon_mib"] > 0 and seen["minflt"] > 0
+    assert by_pid[os.getpid()]["role"] == "driver"
+    assert "ray system" in report["roles"]  # gcs_server, raylet, ... started by this process
+    total = report["totals_gib"]["all"]
+    assert 0 < total["pss"] <= total["rss"] <= total["hwm_sum"] and sums["processes"] >= 6
+    table = format_table(report)
+    assert all(role in table for role in report["roles"])
+
+
+def test_memory_command_follows_its_processes_and_their_peaks(tmp_path):
+    """python -m benchmarks.memory -- COMMAND: the command's own peak RSS to its last page
+    (wait4), and a process that left its tree (its parent exited, as a Ray worker's may) found
+    by the marker in its environment; the JSON on stdout and in --out, the table on stderr."""
+    script = textwrap.dedent("""
+        import subprocess, sys, time
+        x = bytearray(150 * 2**20)  # touched: 150 MiB resident
+        # an intermediate that starts a grandchild and exits: the grandchild leaves the tree
+        subprocess.run([sys.executable, "-c", "import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
+                        "'import time; y = bytearray(100 * 2**20); time.sleep(3)'])"])
+        time.sleep(2)
+        x = bytearray(200 * 2**20)  # a new peak in the last moment before exit: no sample sees it
+    """)
+    out = tmp_path / "memory.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.memory", "--sample_s", "0.2", "--out", str(out), "--",
+                           sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert json.loads(out.read_text()) == result and result["returncode"] == 0
+    roles = result["memory"]["roles"]
+    assert roles["driver"]["hwm_mib"] >= 150 + 200  # the two bytearrays were alive together at the end
+    grandchild = [p for p in result["memory"]["processes"] if p["titles"][0].endswith("time.sleep(3)")]
+    assert len(grandchild) == 1 and grandchild[0]["hwm_mib"] >= 100, result["memory"]["processes"]
+    assert grandchild[0]["role"] == "other: python"
+    assert "peak RSS MiB" in proc.stderr and "driver" in proc.stderr
 
 
 def test_flop_counts_match_a_hand_count():
