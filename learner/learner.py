@@ -57,10 +57,9 @@ from learner.optimise import DataGroup, PPOOptimiser
 from learner.speed import SpeedPath
 from learner.value_model import ValueHead, ValueModel
 from ppo_ray.batch import RolloutBatch, TrimPlan, fresh_enough, rollout_micro_batches, staleness_limit
-from ppo_ray.checkpoint import LearnerState
 from ppo_ray.config import ConfigSlice, PPOConfig
 from ppo_ray.modeling import LoraSpec, LoraWeights, load_causal_lm, pick_device
-from ppo_ray.stats import LearnerStats
+from ppo_ray.stats import LearnerState, LearnerStats
 
 class StaleRolloutsError(RuntimeError):
     """Rollouts sampled with a LoRA version other than the learner's current one."""
@@ -312,7 +311,7 @@ class Learner:
         return {n: p for n, p in self.value_model.named_parameters() if p.requires_grad}
 
     def state_dict(self) -> LearnerState:
-        """What a resumed run needs to continue exactly (ppo_ray.checkpoint.LearnerState): the
+        """What a resumed run needs to continue exactly (ppo_ray.stats.LearnerState): the
         policy adapter, the value model's trainable tensors (LoRA + head; {} without a
         critic), the optimisers and their learning-rate schedules (the value's None without a
         critic), the KL coefficient (adaptive KL), the global RNG (LoRA dropout) and the

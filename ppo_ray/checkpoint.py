@@ -64,7 +64,7 @@ import re
 import shutil
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -73,6 +73,7 @@ import torch
 from ppo_ray.atomic import atomic_dir, atomic_write_text, fsync_dir, remove_stale_temps
 from ppo_ray.config import PPOConfig
 from ppo_ray.paths import EMBEDDED_PREFIX
+from ppo_ray.stats import LearnerState  # noqa: F401 (the checkpoint's learner part; defined in the bottom)
 
 if TYPE_CHECKING:
     from ppo_ray.modeling import LoraWeights
@@ -96,27 +97,6 @@ MODEL_FIELDS = ("model_name", "ref_model_name", "reward_model_name", "value_mode
 RUN_DIR = "${run_dir}"
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LearnerState:
-    """What a resumed run needs of the learner to continue exactly (Learner.state_dict): the
-    policy adapter, the value model's trainable tensors by name ({} without a critic), the
-    optimisers' and learning-rate schedules' own state dicts (the value model's None without
-    a critic; the schedules and kl_coef None in checkpoints written before they existed: the
-    learner keeps its fresh ones), the KL coefficient, the RNG states and the version. CPU
-    tensors only."""
-
-    version: int
-    policy: "LoraWeights"
-    value: dict[str, torch.Tensor]
-    policy_optimizer: dict
-    value_optimizer: Optional[dict]
-    rng: torch.Tensor
-    cuda_rng: list = field(default_factory=list)
-    policy_scheduler: Optional[dict] = None
-    value_scheduler: Optional[dict] = None
-    kl_coef: Optional[float] = None
 
 
 class CheckpointError(ValueError):

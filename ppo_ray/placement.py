@@ -33,8 +33,8 @@ from ppo_ray.stats import GenerationSummary, ReferenceStats, RewardStats, SyncRe
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from ppo_ray.checkpoint import LearnerState
     from ppo_ray.modeling import LoraWeights
+    from ppo_ray.stats import LearnerState
 
 log = logging.getLogger(__name__)
 

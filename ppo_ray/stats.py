@@ -29,7 +29,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 if TYPE_CHECKING:
+    import torch
+
     from ppo_ray.batch import RolloutBatch
+    from ppo_ray.modeling import LoraWeights
 
 
 @dataclass(frozen=True)
@@ -269,3 +272,25 @@ class StepResult(Mapping):
 
     def __len__(self) -> int:
         return len(self.as_dict())
+
+
+@dataclass
+class LearnerState:
+    """What a resumed run needs of the learner to continue exactly (Learner.state_dict; the
+    checkpoint's learner part, ppo_ray.checkpoint): the policy adapter, the value model's
+    trainable tensors by name ({} without a critic), the
+    optimisers' and learning-rate schedules' own state dicts (the value model's None without
+    a critic; the schedules and kl_coef None in checkpoints written before they existed: the
+    learner keeps its fresh ones), the KL coefficient, the RNG states and the version. CPU
+    tensors only."""
+
+    version: int
+    policy: LoraWeights
+    value: dict[str, torch.Tensor]
+    policy_optimizer: dict
+    value_optimizer: Optional[dict]
+    rng: torch.Tensor
+    cuda_rng: list = field(default_factory=list)
+    policy_scheduler: Optional[dict] = None
+    value_scheduler: Optional[dict] = None
+    kl_coef: Optional[float] = None
