@@ -1,23 +1,24 @@
-"""The experience of one PPO step (the seeds' steps 2-6), from the learner's no-grad pass.
+"""The experience of one PPO step (the seeds' steps 3, 5 and 7-9), from the learner's no-grad pass.
 
-Given the rollouts, the learner's scores of them (step 1: `RolloutScores`, old logprobs,
-full-softmax logprobs, entropy and, with a critic, values), the reference logprobs and the
-sequence scores, `make_experience` computes in paper order:
+Given the rollouts, the learner's scores of them (`RolloutScores`: step 2's old logprobs,
+full-softmax logprobs and entropy, and with a critic step 6's values), the reference
+logprobs and the sequence scores (step 4), `make_experience` computes, numbered as the
+seeds' eleven steps:
 
-2. the per-token KL to the reference, KL_t (k1 = logp - logp_ref by default);
-3. the shaped rewards: the score on the last real token, -beta * KL_t on every token;
-4. optionally their whitening (scale only, N+; off by default);
-5. the advantages from the configured estimator (learner.algos' registry: GAE by default,
-   over the shaped rewards; a group estimator's statistics are of the scores, with the KL
-   added per token afterwards) and, with a critic, the returns G_t = A_t + V_t;
-6. optionally the advantages' whitening over the step's real tokens;
+3. the per-token KL to the reference, KL_t (k1 = logp - logp_ref by default);
+5. the shaped rewards: the score on the last real token, -beta * KL_t on every token, and
+   optionally their whitening (scale only, N+; off by default);
+7-9. the advantages from the configured estimator (learner.algos' registry: GAE by default,
+   TD errors then GAE over the shaped rewards; a group estimator's statistics are of the
+   scores, with the KL added per token afterwards) and, with a critic, the returns
+   G_t = A_t + V_t; optionally the advantages' whitening over the step's real tokens;
 
 the generator/learner mismatch of the sampled tokens and, with is_correction, its
 off-policy correction (learner.algos.importance_weights: TIS weights, or MIS's smaller
 policy mask; the share of tokens outside its band, is_outside_frac, which the trainer's
 rollout check tests under a correction); and the rollouts' statistics (0-dim tensors: the
-learner reads them back in its one host sync). The optimisation (steps 7-11) is the
-learner's.
+learner reads them back in its one host sync). The optimisation (steps 10-11) is the
+learner's (learner.optimise).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ ReturnsOf = Callable[[list[int], Tensor], Tensor]
 
 @dataclass
 class RolloutScores:
-    """The learner's no-grad view of a batch (step 1); fields not asked for are None."""
+    """The learner's no-grad view of a batch (steps 2 and 6); fields not asked for are None."""
 
     logprobs: Optional[Tensor]       # (B, T) float32 truncated + tempered (the sampling distribution)
     full_logprobs: Optional[Tensor]  # (B, T) float32 full softmax at temperature (for the KL)
@@ -61,7 +62,7 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
                     kl_coef: float, estimator: AdvantageEstimator, stale: int, recomputed: bool,
                     rows_kept: Tensor, value_pass: Optional[Callable[[ReturnsOf], Tensor]] = None
                     ) -> tuple[Experience, dict[str, Tensor]]:
-    """Steps 2-6 on one device (batch, fwd, ref_logprobs (B, T) and scores (B,) all on it).
+    """Steps 3, 5 and 7-9 on one device (batch, fwd, ref_logprobs (B, T) and scores (B,) all on it).
 
     Args:
         config: the learner's config (kl_estimator, reward_shaping, whiten_rewards,
@@ -93,17 +94,17 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
     else:  # the behaviour policy's logprobs are all there is: 0 by definition, unknown if stale
         behaviour_gap = torch.full((), math.nan if stale else 0.0, device=mask.device)
     values = fwd.values  # None without a critic
-    # 2. KL_t between policy and reference (k1 = logp - logp_ref by default).
+    # 3. KL_t between policy and reference (k1 = logp - logp_ref by default).
     kl = kl_penalty(fwd.full_logprobs, ref_logprobs, config.kl_estimator, mask=mask)  # (B, T)
-    # 3. Shaped rewards: score on the last real token, -beta * KL_t on every token (kl_in_loss:
+    # 5. Shaped rewards: score on the last real token, -beta * KL_t on every token (kl_in_loss:
     #    the scores alone; the KL is then a term of the policy loss, learner.optimise).
     reward_kl_coef = 0.0 if config.kl_in_loss else kl_coef  # beta of the KL in the reward
     rewards = shape_rewards(scores, kl, mask, reward_kl_coef, config.reward_shaping)  # (B, T)
     reward_sums = rewards.sum(dim=1)  # (B,) before any whitening, for the stats
-    # 4. Optional reward whitening (scale only, N+; off by default).
+    # 5 (option). Reward whitening (scale only, N+; off by default).
     if config.whiten_rewards:
         rewards = masked_whiten(rewards, mask, shift_mean=False)
-    # 5. Advantages (raw) from the estimator (GAE: TD errors -> GAE), and with a critic
+    # 7-9. Advantages (raw) from the estimator (GAE: TD errors -> GAE), and with a critic
     #    its targets, the returns G_t = A_t + V_t.
     #    A group estimator (needs_groups) reads the batch's group ids, the scores for its
     #    group statistics and KL_t at reward_kl_coef for the per-token KL it adds afterwards,
@@ -131,7 +132,7 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
                                               grpo_norm_std=config.grpo_norm_std, kl=kl, kl_coef=reward_kl_coef))
     returns = compute_returns(advantages, values, mask) if estimator.needs_critic else None
     raw_advantage_mean = masked_mean(advantages, mask)
-    # 6. Advantage whitening over the step's real tokens (not for an estimator whose
+    # 8 (option). Advantage whitening over the step's real tokens (not for an estimator whose
     #    advantages are on its method's own scale: GRPO, RLOO, REINFORCE++).
     if config.whiten_advantages and not estimator.normalized:
         advantages = masked_whiten(advantages, mask)

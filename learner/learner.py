@@ -2,13 +2,15 @@
 
 Plain class, no Ray (ppo_ray.placement hosts it in an actor). Given one step's rollouts
 (from the generator, sampled with LoRA version `self.version`), the reference logprobs and
-the sequence scores, `update` runs the no-grad pass (step 1: old logprobs and values, each
+the sequence scores (step 4, the reward actor's), `update` runs the no-grad pass (the
+seeds' step 2, the sampled tokens' old logprobs, and step 6, the value predictions, each
 where its config does not take it from elsewhere: old_logprobs, old_values), hands it to
-learner.experience.make_experience (steps 2-6: KL_t, shaped rewards, the configured
-estimator's advantages, returns; with old_values: update the value model's first-epoch
-training pass gives the old values there), has learner.optimise.PPOOptimiser run the
-PPO epochs (steps 7-11), and returns small stats and the new LoRA weights (version + 1)
-for the generator.
+learner.experience.make_experience (steps 3, 5 and 7-9: KL_t, shaped rewards, TD errors
+and the configured estimator's advantages, returns; with old_values: update the value
+model's first-epoch training pass gives step 6's values there), has
+learner.optimise.PPOOptimiser run the PPO epochs (steps 10-11), and returns small stats and
+the new LoRA weights (version + 1) for the generator. The numbers are the seeds' eleven
+steps throughout (docs/ARCHITECTURE.md).
 
 The math is learner.algos (pure functions; the advantage estimators are registered there);
 the optimisation is learner.optimise; how token statistics are computed is learner.speed;
@@ -225,7 +227,7 @@ class Learner:
         self.vocab_size = self.policy.get_input_embeddings().weight.shape[0]
         self.speed = SpeedPath(config, self.policy, self.value_model, self._shared)  # how token stats are computed
 
-        # Steps 7-11 (learner.optimise): the optimisers, their schedules and the PPO epochs.
+        # Steps 10-11 (learner.optimise): the optimisers, their schedules and the PPO epochs.
         self.group = DataGroup()  # data parallelism: see join_group
         self.optimiser = PPOOptimiser(
             config, self.speed, [p for p in self.policy.parameters() if p.requires_grad],
@@ -381,7 +383,7 @@ class Learner:
     @torch.no_grad()
     def rollout_scores(self, batch: RolloutBatch, plan: Optional[TrimPlan] = None, *, logprobs: bool = False,
                        full: bool = False, entropy: bool = False, values: bool = False) -> RolloutScores:
-        """Step 1's pass over `batch`: eval-mode, no-grad forwards over trimmed micro-batches
+        """Steps 2 and 6's pass over `batch`: eval-mode, no-grad forwards over trimmed micro-batches
         (rows in order). Each asked-for field of the result is (B, T) float32 on the
         learner's device, 0 on padding: logprobs (the sampling distribution: temperature,
         top-k, top-p), full_logprobs (full softmax at temperature), entropy, values (with a
@@ -529,7 +531,7 @@ class Learner:
         mask = batch.response_mask  # (B, T) bool
         rows_kept = mask.any(dim=1) if dropped else torch.ones(len(batch), dtype=torch.bool, device=self.device)
 
-        # 1. Old logprobs / values: no-grad forward in eval mode. Truncated + tempered logprobs
+        # 2 and 6. Old logprobs / values: no-grad forward in eval mode. Truncated + tempered logprobs
         #    for the PPO ratio; full-softmax logprobs at temperature for the KL; old values.
         #    (old_logprobs: generator: the generator's logprobs stand in for the policy's, which
         #    the learner then recomputes only at every old_logprobs_check_every-th version.)
@@ -548,8 +550,8 @@ class Learner:
             torch.cuda.synchronize()  # only to time the forward honestly
         forward_s = time.perf_counter() - t_start
 
-        # 2-6. KL_t, shaped rewards, advantages (the configured estimator) and returns, with
-        #      the rollouts' statistics (learner.experience). Overlap mode: rollouts one
+        # 3, 5, 7-9. KL_t, shaped rewards, TD errors and advantages (the configured
+        #      estimator) and returns, with the rollouts' statistics (learner.experience). Overlap mode: rollouts one
         #      version behind, whose behaviour policy is the generator's.
         #      old_values: update: the value model trains on the first minibatch (the whole
         #      batch) within, once the rewards are shaped: learner.optimise.value_pass.
@@ -571,13 +573,13 @@ class Learner:
         buffer = ExperienceBuffer(experience, cfg.effective_mini_batch_size, cfg.micro_batch_size, plan,
                                   sort=cfg.learner_sort_by_length)
 
-        # 7. PPO epochs x shuffled minibatches x micro-batches: value loss and PPO-clip.
+        # 10-11. PPO epochs x shuffled minibatches x micro-batches: value loss and PPO-clip.
         learning_rate = self.optimiser.learning_rate  # the step's first (scheduled) lr
         with cached_casts(*self.models):  # cleared after every optimiser step
             ppo = self.optimiser.run(buffer, self.models, self.version, self.kl_coef,
                                      value_pass=trained if values_in_update else None)
 
-        # 8. New version; stats (one host sync) and the new adapter for the generator.
+        # After step 11: new version; stats (one host sync) and the new adapter for the generator.
         self.version += 1
         tensors = {**ppo, **rollout_stats}
         names = list(tensors)

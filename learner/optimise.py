@@ -1,10 +1,10 @@
-"""The optimisation of one PPO step (the seeds' steps 7-11), from the step's Experience.
+"""The optimisation of one PPO step (the seeds' steps 10-11), from the step's Experience.
 
 `PPOOptimiser` owns the optimisers (Adam, one per trained model), their learning-rate
 schedules, and the PPO epochs: shuffled minibatches (one optimiser step each) split into
 micro-batches (one forward/backward each), the PPO-clip policy loss with the entropy
 bonus and, with a critic, the clipped value loss. The experience it trains on is
-learner.experience's (steps 2-6); the forwards are learner.speed's; the math is
+learner.experience's (steps 3, 5 and 7-9); the forwards are learner.speed's; the math is
 learner.algos'. `DataGroup` is the data-parallel group the sums go through (one learner:
 no-ops).
 
@@ -111,7 +111,7 @@ class DataGroup:
 
 
 class PPOOptimiser:
-    """Steps 7-11 of one PPO update: the optimisers, their schedules and the PPO epochs.
+    """Steps 10-11 of one PPO update (value and policy training): optimisers, schedules, epochs.
 
     Args:
         config: the learner's config (ppo_epochs, minibatch sizes, learning rates,
@@ -197,7 +197,7 @@ class PPOOptimiser:
         """The policy's current (scheduled) learning rate."""
         return self.policy_optimizer.param_groups[0]["lr"]
 
-    # ------------------------------------------------------------------ step 7: the epochs
+    # ------------------------------------------------------------------ steps 10-11: the epochs
     def normalizer(self, mask: Tensor) -> Tensor:
         """What a minibatch's micro-batch losses are divided by (see learner.algos.agg_loss):
         its real tokens (token_mean) or its non-empty rows (seq_mean_token_mean)."""

@@ -128,8 +128,9 @@ class Roles:
 
     def update(self, ref_logprobs, scores, parts: list, expected_version: int, max_staleness: int,
                planned_steps: int) -> Update:
-        """Steps 5-11 on every learner, not waited for: each gets the same refs and takes its
-        own shard of the rows."""
+        """The learner's steps on every learner, not waited for (its old logprobs when it
+        recomputes step 2's, KL_t of step 3 with the reference's logprobs, and steps 5-11):
+        each gets the same refs and takes its own shard of the rows."""
         return Update([learner.update.remote(ref_logprobs, scores, *parts, expected_version=expected_version,
                                              max_staleness=max_staleness, planned_steps=planned_steps)
                        for learner in self.learners])

@@ -144,7 +144,7 @@ class LearnerStats:
     stale_versions: float            # how many versions behind the rollouts were
     kl_coef: float                   # the beta this step used (adaptive KL moves the next one)
     learning_rate: float             # the policy's lr at the step's first optimiser step
-    learner_forward_s: float         # step 1's no-grad pass
+    learner_forward_s: float         # the no-grad pass (steps 2 and 6)
     update_s: float                  # the whole update, forward included
     learner_peak_memory_gib: float   # torch.cuda.max_memory_allocated during the update (NaN: not on CUDA)
     version: int                     # the adapter version after the update

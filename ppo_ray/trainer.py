@@ -278,7 +278,7 @@ class PPOTrainer:
         # 3-4. Reference logprobs and rewards, concurrently, straight from the object store.
         ref_logprobs, reference_stats = roles.reference_logprobs(parts)
         scores, reward_stats = roles.score(parts)
-        # 5-11. The learner: old logprobs/values, KL, shaped rewards, TD, GAE, returns, PPO.
+        # 5-11 in the learner, with its old logprobs (step 2) and KL_t (step 3): values, rewards, GAE, PPO.
         limit = staleness_limit(self.config.overlap_generation)
         update = roles.update(ref_logprobs, scores, parts, expected_version=self.version, max_staleness=limit,
                               planned_steps=self.planned_steps)
