@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import ray
 from ray.actor import ActorHandle
@@ -51,24 +51,32 @@ class Generation:
     """One generation call across the replicas: per replica, the ObjectRef of its
     RolloutBatch (rows in prompt order) and of its GenerationSummary (texts, version, seconds)."""
 
-    parts: list
-    summaries: list
+    parts: list[ray.ObjectRef]      # RolloutBatch per replica, in prompt order
+    summaries: list[ray.ObjectRef]  # GenerationSummary per replica
+
+
+class UpdateCall(NamedTuple):
+    """One learner's update in flight: the refs of its three results."""
+
+    stats: ray.ObjectRef    # LearnerStats
+    weights: ray.ObjectRef  # the new LoRA weights (version + 1)
+    state: ray.ObjectRef    # LearnerState after the update
 
 
 @dataclass
 class Update:
-    """One learner-group update in flight: per member, the refs of (stats, new LoRA weights,
-    state after the update). Rank 0's weights and state speak for the group."""
+    """One learner-group update in flight, per member in rank order. Rank 0's weights and
+    state speak for the group."""
 
-    calls: list
-
-    @property
-    def weights(self):
-        return self.calls[0][1]
+    calls: list[UpdateCall]
 
     @property
-    def state(self):
-        return self.calls[0][2]
+    def weights(self) -> ray.ObjectRef:
+        return self.calls[0].weights
+
+    @property
+    def state(self) -> ray.ObjectRef:
+        return self.calls[0].state
 
 
 @dataclass
@@ -131,15 +139,16 @@ class Roles:
         """The learner's steps on every learner, not waited for (its old logprobs when it
         recomputes step 2's, KL_t of step 3 with the reference's logprobs, and steps 5-11):
         each gets the same refs and takes its own shard of the rows."""
-        return Update([learner.update.remote(ref_logprobs, scores, *parts, expected_version=expected_version,
-                                             max_staleness=max_staleness, planned_steps=planned_steps)
+        return Update([UpdateCall(*learner.update.remote(ref_logprobs, scores, *parts,
+                                                         expected_version=expected_version,
+                                                         max_staleness=max_staleness, planned_steps=planned_steps))
                        for learner in self.learners])
 
     def learner_stats(self, update: Update) -> LearnerStats:
         """Wait for the update; rank 0's stats. In a learner group a member that dies
         mid-update makes the others' collectives fail (a RayTaskError from a live member);
         the death is the cause, so it is what is raised."""
-        refs = [call[0] for call in update.calls]
+        refs = [call.stats for call in update.calls]
         try:
             return ray.get(refs)[0]
         except ray.exceptions.RayTaskError as error:
