@@ -727,6 +727,19 @@ def test_value_model_init_from_reward_model(tiny_path, special, tmp_path):
 
 
 # ------------------------------------------------------------------ buffer
+def test_every_experience_field_says_what_it_is():
+    """Each Experience field declares its kind where it is declared (per token, per sequence,
+    a host count, the rollouts), and select / trimmed treat it by that: a new field needs
+    no list elsewhere."""
+    from dataclasses import fields
+
+    from learner.buffer import HOST, ROLLOUTS, SEQUENCE, TOKEN
+
+    kinds = {f.name: f.metadata.get("kind") for f in fields(Experience)}
+    assert set(kinds.values()) == {TOKEN, SEQUENCE, HOST, ROLLOUTS}, kinds
+    assert kinds["scores"] == SEQUENCE and kinds["advantages"] == TOKEN and kinds["seq_len"] == HOST
+
+
 def test_buffer_micro_batches_trim_like_rollout_batch(special):
     batch = random_batch(special, n=7, p=9, t=12, seed=9)
     b, t = batch.response_ids.shape
@@ -752,6 +765,7 @@ def test_buffer_micro_batches_trim_like_rollout_batch(special):
             tk = expect.response_ids.shape[1]
             for name, full in per_token.items():
                 assert torch.equal(getattr(micro, name), full[rows, :tk]), name
+            assert torch.equal(micro.scores, exp.scores[rows])  # per sequence: rows only
         assert rows_seen == mini.tolist()
     for rows, micro in rollout_micro_batches(batch, 3, TrimPlan.of(batch)):
         expect = batch.select(rows).trimmed()
