@@ -247,6 +247,14 @@ def test_every_field_has_one_section_and_a_doc():
     assert docs["kl_coef"].startswith("beta: weight of the per-token KL penalty")
 
 
+def test_field_docs_carry_no_history():
+    """A field's doc says what the field does and when to use it: no dates or issue numbers
+    (a measurement is cited by its RESULTS.md section's title)."""
+    dated = {name: m.group(0) for name, doc in field_docs().items()
+             for m in [re.search(r"\bissue \d+|\b20\d\d-\d\d-\d\d\b", doc, re.IGNORECASE)] if m}
+    assert dated == {}, dated
+
+
 def test_docs_list_every_field_by_section():
     """docs/CONFIG.md's tables (linked from README.md's Configuration) are fields_markdown()'s
     output (the fields' own docs)."""
