@@ -96,13 +96,15 @@ def test_the_fixture_is_small_portable_and_fully_checksummed():
         "checksums.json"}
 
 
-def test_old_checkpoint_is_found_and_verified(run_dir):
-    """The run directory resolves (through `latest`) to its checkpoint, whose files all pass
-    their checksums."""
+def test_old_checkpoint_is_found_and_verified(run_dir, caplog):
+    """The run directory resolves (through `latest`, with no warning: no fallback, no file
+    unverified) to its checkpoint, whose files all pass their checksums."""
+    caplog.set_level("WARNING", logger="ppo_ray.checkpoint")
     ckpt = resolve_checkpoint(run_dir)
     assert ckpt == run_dir / "checkpoints" / STEP
     verify_checkpoint(ckpt)
     assert resolve_checkpoint(ckpt) == ckpt
+    assert [r.getMessage() for r in caplog.records] == []
 
 
 def test_old_config_yaml_resumes_as_the_same_config(run_dir):
