@@ -200,7 +200,7 @@ def test_old_checkpoint_resumes_with_launch(run_dir):
     """End to end: `launch.py ppo --resume RUN --steps 2` on the copy continues the old run
     for one step: the new checkpoint continues the old one's lineage, the resume names no
     config change (steps is the run-length option it was given), and metrics.jsonl gets step
-    2. Slow (~35 s on 2 CPU cores: Ray and a vLLM engine)."""
+    2. Slow (32-48 s on 2 shared CPU cores: Ray and a vLLM engine)."""
     old = json.loads((run_dir / "checkpoints" / STEP / "trainer.json").read_text())
     proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "ppo", "--resume", str(run_dir), "--steps", "2"],
                           cwd=run_dir.parent, env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True,
