@@ -78,27 +78,15 @@ def check_ray_address() -> None:
         check(os.environ["RAY_ADDRESS"])
 
 
-def check_estimator(config) -> None:
-    """config.advantage_estimator names an estimator of learner.algos' registry (a ValueError
-    naming the registered ones): the config holds the name, the registry the choices. A
-    group estimator (grpo, rloo, reinforce_pp) needs samples_per_prompt >= 2, and no
-    whiten_rewards or reward_shaping: every_token (a ValueError naming the fields;
-    learner.algos.check_estimator_config)."""
-    from learner.algos import advantage_estimator, check_estimator_config
-
-    check_estimator_config(advantage_estimator(config.advantage_estimator), samples_per_prompt=config.samples_per_prompt,
-                           whiten_rewards=config.whiten_rewards, reward_shaping=config.reward_shaping)
-
-
 def check_context(config) -> None:
     """The models' context windows hold max_prompt_length + max_new_tokens (ContextLengthError
     naming the fields and the limit), before anything is written or started: for the
     pipeline the base model, which SFT and the reward model inherit."""
+    from ppo_ray.config import MODEL_FIELDS
     from ppo_ray.modeling import check_context_length
     from ppo_ray.paths import resolve_model_path
 
-    names = {name: getattr(config, name) for name in ("model_name", "ref_model_name", "reward_model_name",
-                                                      "value_model_name") if getattr(config, name)}
+    names = {name: getattr(config, name) for name in MODEL_FIELDS if getattr(config, name)}
     if names.get("value_model_name") == "rm":  # the pipeline's reward model, not trained yet
         del names["value_model_name"]
     check_context_length(config.max_prompt_length, config.max_new_tokens,
@@ -305,7 +293,6 @@ def _main(argv: list[str] | None) -> int:
         config = PPOConfig.from_yaml(config_path or DEFAULT_CONFIG, **overrides)
         if checkpoint is not None and (config_path is None or config.reward_funcs or config.reward_model_name):
             config = resumed_config(checkpoint, run_dir_opt, overrides)  # a plain PPO run: its config is the PPO's
-        check_estimator(config)
     except (ConfigError, ValueError) as e:  # CheckpointError and RunDirError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2

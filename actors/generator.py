@@ -50,7 +50,7 @@ from torch import Tensor
 
 from ppo_ray.batch import RolloutBatch
 from actors.lora_sync import sync_class
-from ppo_ray.config import MIN_TEMPERATURE, TRUNCATION_MODES, ConfigSlice, PPOConfig
+from ppo_ray.config import GENERATOR, MIN_TEMPERATURE, TRUNCATION_MODES, ConfigSlice, PPOConfig, role_fields
 from ppo_ray.data import encode_prompts, fit_prompt
 from ppo_ray.modeling import LoraWeights, load_tokenizer
 from ppo_ray.paths import resolve_model_path
@@ -84,10 +84,9 @@ class Generator:
     adapter) until the first ``load_adapter``.
     """
 
-    # The config fields from_config reads: the generator actor gets only these (PPOConfig.slice).
-    CONFIG_FIELDS = ("model_name", "dtype", "seed", "log_level", "max_prompt_length", "prompt_truncation",
-                     "max_new_tokens", "temperature", "top_k", "top_p", "lora_r", "lora_sync", "generator_num_gpus", "vllm_kv_cache_gib",
-                     "vllm_enforce_eager", "vllm_gpu_memory_utilization")
+    # The config fields from_config reads: the generator actor gets only these (PPOConfig.slice;
+    # each field declares its roles, ppo_ray.config.knob).
+    CONFIG_FIELDS = role_fields(GENERATOR)
 
     def __init__(
         self,

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ppo_ray.batch import RolloutBatch, rollout_micro_batches
-from ppo_ray.config import ConfigSlice, PPOConfig
+from ppo_ray.config import REFERENCE, ConfigSlice, PPOConfig, role_fields
 from ppo_ray.logprobs import logprobs_from_logits
 from ppo_ray.modeling import load_causal_lm, pick_device, response_logits
 from ppo_ray.stats import ReferenceStats
@@ -39,7 +39,7 @@ def full_response_logprobs(model, batch: RolloutBatch, temperature: float, micro
 class ReferenceScorer:
     # The config fields from_config reads (and log_level, scorer_torch_threads: its actor
     # host's): the reference actor gets only these (PPOConfig.slice).
-    CONFIG_FIELDS = ("log_level", "scorer_torch_threads", "temperature", "dtype", "micro_batch_size")
+    CONFIG_FIELDS = role_fields(REFERENCE)
 
     def __init__(self, model_name: str, *, temperature: float = 1.0, dtype: str = "float32",
                  micro_batch_size: int = 8, device: Optional[str] = None):

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ppo_ray.batch import RolloutBatch
-from ppo_ray.config import ConfigSlice, PPOConfig
+from ppo_ray.config import REWARD, ConfigSlice, PPOConfig, role_fields
 from ppo_ray.modeling import load_reward_model, pick_device, reward_scores
 from ppo_ray.rewards import RewardError, RewardFn, check_reward_sources
 from ppo_ray.stats import RewardStats
@@ -37,8 +37,7 @@ from ppo_ray.stats import RewardStats
 class RewardScorer:
     # The config fields from_config reads (and log_level, scorer_torch_threads: its actor
     # host's): the reward actor gets only these (PPOConfig.slice).
-    CONFIG_FIELDS = ("log_level", "scorer_torch_threads", "reward_funcs", "reward_weights", "missing_eos_penalty",
-                     "nonfinite_reward", "dtype", "micro_batch_size")
+    CONFIG_FIELDS = role_fields(REWARD)
 
     def __init__(self, reward_model_name: Optional[str] = None, reward_funcs: Sequence[str] = (),
                  weights: Sequence[float] = (), *, missing_eos_penalty: Optional[float] = None,

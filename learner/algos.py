@@ -57,6 +57,35 @@ import torch
 
 Tensor = torch.Tensor
 
+# The choices of the enumerated options this module implements, their one home (ppo_ray.config
+# takes its fields' choices from here and from the registries below):
+KL_KINDS = ("k1", "k2", "k3")                           # kl_penalty; config kl_estimator
+REWARD_MODES = ("last_token", "every_token")            # shape_rewards; config reward_shaping
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean")  # agg_loss; config loss_agg
+IS_CORRECTIONS = ("none", "tis", "mis")                 # importance_weights; config is_correction
+IS_LEVELS = ("token", "sequence")                       # importance_weights; config is_level
+
+
+@dataclass(frozen=True)
+class Param:
+    """One knob of a registered estimator or policy loss, declared once, at its registration.
+
+    It becomes the PPOConfig field ``name`` (a YAML key, a ``--name`` option, a row of
+    ``--help`` and docs/CONFIG.md, in the learner's config slice), and the learner passes its
+    value to the function it belongs to as the keyword argument ``name``. ``check(value, **others)``
+    returns why a value is invalid (or None): the config calls it with the fields named by its
+    keyword-only parameters (``def check(c, *, clip_epsilon)``) when the owner is selected.
+    ``must_match``: a resume must keep the value (it changes what the checkpoint's training
+    meant). While its owner is not selected the value is neither checked nor used.
+    """
+
+    name: str
+    type: object           # float, int, bool, str, or Optional[...] of one
+    default: object
+    doc: str
+    check: Optional[Callable[..., Optional[str]]] = None
+    must_match: bool = False
+
 
 def check_mask(mask: Tensor) -> Tensor:
     """`mask` itself, after checking it is bool (the one mask convention: True = real token)."""
@@ -245,7 +274,7 @@ def agg_loss(
             return masked_mean(row_mean, nonempty)
         zero = torch.zeros((), dtype=row_mean.dtype, device=row_mean.device)
         return torch.where(nonempty, row_mean, zero).sum() / normalizer
-    raise ValueError(f"unknown loss_agg mode {mode!r}; valid: ('token_mean', 'seq_mean_token_mean')")
+    raise ValueError(f"unknown loss_agg mode {mode!r}; valid: {LOSS_AGG_MODES}")
 
 
 # --------------------------------------------------------------------------------------
@@ -279,15 +308,15 @@ def kl_penalty(
 
     Args:
         logprobs, ref_logprobs: ``(B, T)``.
-        kind: ``"k1"``, ``"k2"`` or ``"k3"`` (ppo_ray.config.KL_KINDS).
+        kind: one of :data:`KL_KINDS`: ``"k1"``, ``"k2"`` or ``"k3"``.
         mask: optional bool ``(B, T)``; if given, the output is 0 at masked positions
             (otherwise it is elementwise, garbage in -> garbage out at those positions).
 
     Returns:
         ``(B, T)``.
     """
-    if kind not in ("k1", "k2", "k3"):
-        raise ValueError(f"unknown KL kind {kind!r}; valid kinds: ('k1', 'k2', 'k3')")
+    if kind not in KL_KINDS:
+        raise ValueError(f"unknown KL kind {kind!r}; valid kinds: {KL_KINDS}")
     log_ratio = logprobs - ref_logprobs
     if mask is not None:
         zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
@@ -341,7 +370,7 @@ def shape_rewards(
     elif mode == "every_token":
         rewards = score_bt - kl_coef * kl
     else:
-        raise ValueError(f"unknown reward mode {mode!r}; valid: ('last_token', 'every_token')")
+        raise ValueError(f"unknown reward mode {mode!r}; valid: {REWARD_MODES}")
     return torch.where(mask, rewards, zero)
 
 
@@ -470,7 +499,6 @@ class AdvantageInputs:
     gamma: float
     lam: float
     groups: Optional[Tensor] = None  # (B,) long: rows with one id are samples of one prompt; None = no groups
-    grpo_norm_std: bool = True       # grpo: divide by the group's std (False: Dr. GRPO)
     kl: Optional[Tensor] = None      # (B, T) float32 KL_t to the reference (kl_estimator), 0 on padding
     kl_coef: float = 0.0             # beta of the KL in the rewards (0 with kl_in_loss: the KL is in the loss)
 
@@ -483,11 +511,12 @@ class AdvantageEstimator:
     (:func:`compute_returns`); without one it builds no value model at all."""
 
     name: str
-    fn: Callable[[AdvantageInputs], Tensor]
+    fn: Callable[..., Tensor]   # fn(inputs, **{param.name: value for each of params})
     needs_critic: bool
     needs_groups: bool = False  # reads inputs.groups: needs samples_per_prompt >= MIN_GROUP_SIZE
     normalized: bool = False    # its advantages are on its method's own scale: whiten_advantages is not applied
     per_row: bool = False       # a row's advantages depend on that row's inputs alone (old_values: update needs it)
+    params: tuple[Param, ...] = ()  # its own knobs (config fields), passed to fn as keywords
 
 
 # A group baseline needs another sample of the same prompt: samples_per_prompt below this is a
@@ -498,20 +527,21 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
 def register_estimator(name: str, *, needs_critic: bool, needs_groups: bool = False,
-                       normalized: bool = False, per_row: bool = False) -> Callable:
-    """Decorator: register ``fn(inputs: AdvantageInputs) -> Tensor`` as the advantage
+                       normalized: bool = False, per_row: bool = False, params: Sequence[Param] = ()) -> Callable:
+    """Decorator: register ``fn(inputs: AdvantageInputs, **params) -> Tensor`` as the advantage
     estimator ``name`` (the config's ``advantage_estimator``). A new estimator is one such
     function and this line above it; a name is registered once. ``needs_groups``: it reads
     ``inputs.groups`` (several samples per prompt); ``normalized``: its output is already
     scaled as its method defines, so the learner does not whiten it again; ``per_row``: a
     row's advantages depend on that row's inputs alone (then the value model's first training
-    forward can give the old values, config old_values: update)."""
-    def register(fn: Callable[[AdvantageInputs], Tensor]) -> Callable[[AdvantageInputs], Tensor]:
+    forward can give the old values, config old_values: update); ``params``: its own knobs
+    (:class:`Param`: each one a config field, passed to ``fn`` as a keyword)."""
+    def register(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered "
                              f"({ADVANTAGE_ESTIMATORS[name].fn.__qualname__})")
         ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, fn, needs_critic, needs_groups, normalized,
-                                                         per_row)
+                                                         per_row, tuple(params))
         return fn
     return register
 
@@ -663,20 +693,36 @@ def group_mean_baseline(scores: Tensor, valid: Tensor, dense: Tensor, n_groups: 
 GRPO_EPS = 1e-6  # verl's epsilon in compute_grpo_outcome_advantage
 
 
-@register_estimator("grpo", needs_critic=False, needs_groups=True, normalized=True)
-def grpo_advantages(inputs: AdvantageInputs) -> Tensor:
+def _dr_grpo_check(norm_std: bool, *, loss_agg: str) -> Optional[str]:
+    if norm_std or loss_agg == "token_mean":
+        return None
+    return (f"false (Dr. GRPO) needs loss_agg: token_mean (got {loss_agg}): Dr. GRPO (Liu et al. 2025) "
+            "removes both of GRPO's biases, the std division and the per-response 1/|o_i| length "
+            "normalisation, which seq_mean_token_mean applies (it favours long responses among those with "
+            "negative advantages); token_mean weighs every token of a minibatch alike (the paper divides by a "
+            "constant, the generation budget; token_mean by the minibatch's token count, the same for all "
+            "its responses)")
+
+
+@register_estimator("grpo", needs_critic=False, needs_groups=True, normalized=True, params=(
+    Param("grpo_norm_std", bool, True, "grpo only: divide each group's centred scores by the group's std "
+          "(unbiased, + 1e-6; GRPO); false = Dr. GRPO (Liu et al. 2025: centred scores, no std division), which "
+          "also needs loss_agg: token_mean (an error otherwise): Dr. GRPO drops GRPO's per-response 1/|o_i| "
+          "length normalisation too, and seq_mean_token_mean is that normalisation.",
+          check=_dr_grpo_check, must_match=True),))
+def grpo_advantages(inputs: AdvantageInputs, *, grpo_norm_std: bool = True) -> Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath, "outcome supervision"): every real token of a
     response gets ``(s - mean_g(s)) / (std_g(s) + 1e-6)`` over the scores s of the valid
     responses of its group g, plus its KL to go (see the section comment). std is the unbiased
     (n - 1) one, as verl and OpenRLHF compute it, so their settings carry over.
-    ``inputs.grpo_norm_std=False`` is Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like
+    ``grpo_norm_std=False`` is Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like
     Training"): ``s - mean_g(s)``, no std division (it weights easy and hard prompts alike).
     Matches OpenRLHF's group_norm (its eps 1e-9) and dr_grpo; verl's grpo with the KL in the
     loss (use_kl_loss), not with use_kl_in_reward. A group of equal scores gets exactly its KL
     term (0 at kl_coef 0). Not whitened again by the learner."""
     scores, valid, dense, n_groups = _group_scores(inputs)
     dev, std, _ = group_mean_baseline(scores, valid, dense, n_groups)
-    adv = dev / (std + GRPO_EPS) if inputs.grpo_norm_std else dev
+    adv = dev / (std + GRPO_EPS) if grpo_norm_std else dev
     return _per_token(adv, valid, inputs)
 
 
@@ -712,99 +758,6 @@ def reinforce_pp_advantages(inputs: AdvantageInputs) -> Tensor:
 # --------------------------------------------------------------------------------------
 # losses and diagnostics
 # --------------------------------------------------------------------------------------
-
-
-def ppo_clip_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_epsilon: float,
-    loss_agg: str = "token_mean",
-    normalizer: float | Tensor | None = None,
-    dual_clip: float | None = None,
-    weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate loss ([PPO] eq. 7), to minimise.
-
-    ``L = -E[min(rho * A, clip(rho, 1 - eps, 1 + eps) * A)]``, ``rho = exp(logp - logp_old)``,
-    written as ``max(-A*rho, -A*clip(rho))`` per token ([N+], [TRL]) and aggregated by
-    :func:`agg_loss`. At ``rho = 1`` the gradient w.r.t. ``logprobs`` is ``-A / N``
-    (REINFORCE) for ``token_mean`` over N real tokens.
-
-    Args:
-        logprobs: ``(B, T)`` current policy log-probs (with grad).
-        old_logprobs: ``(B, T)`` rollout-policy log-probs (no grad needed).
-        advantages: ``(B, T)`` (usually whitened).
-        mask: bool ``(B, T)``, True = real token; masked entries may be garbage.
-        clip_epsilon: eps.
-        loss_agg, normalizer: see :func:`agg_loss`.
-        dual_clip: c >= 1 + clip_epsilon, or None (a smaller c would bound tokens whose ratio
-            is in (c, 1 + eps], inside the trust region: the config refuses it). Dual-clip PPO
-            ([DualClip] Ye et al. 2020, eq. 5): where
-            ``A < 0`` the per-token loss is also bounded by ``-c * A``, so a token whose
-            ratio has grown far above 1 (the new policy likes a bad action much more than
-            the one that sampled it, e.g. off-policy data) cannot contribute an unbounded
-            loss: ``min(max(-A*rho, -A*clip(rho)), -c*A)`` for ``A < 0``.
-        weights: ``(B, T)`` per-token importance weights (no grad), multiplying each
-            token's loss before aggregation (off-policy correction: see
-            :func:`importance_weights`); None = 1.
-
-    Returns:
-        ``(loss, stats)``; loss is a 0-dim tensor. ``stats`` (detached 0-dim tensors, means
-        over real tokens of this call's batch):
-        ``"clipfrac"``: fraction of tokens where the clipped term is the active one
-        (strictly larger loss, i.e. clipping changed the objective), [N+]/[TRL];
-        ``"approx_kl"``: mean of ``(rho - 1) - log rho``, the k3 estimator of
-        KL(old || new) as logged by [CleanRL] (not ``0.5 * logratio**2``), over the tokens
-        whose new log-prob is finite; ``"outside_support_frac"``: fraction of tokens whose
-        new log-prob is -inf (dropped by top-k/top-p truncation, ratio 0);
-        ``"ratio_mean"``, ``"ratio_max"``, ``"ratio_min"``: of rho (max/min are 0 when there
-        is no real token); ``"dual_clipfrac"``: fraction of tokens where the dual clip's
-        bound is the active one (0 without dual_clip).
-    """
-    mask = check_mask(mask)
-    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    logratio = torch.where(mask, logprobs - old_logprobs, zero)
-    ratio = torch.exp(logratio)
-    adv = torch.where(mask, advantages.to(logprobs.dtype), zero)
-    pg_loss_unclipped = -adv * ratio
-    pg_loss_clipped = -adv * torch.clamp(ratio, 1.0 - clip_epsilon, 1.0 + clip_epsilon)
-    loss_mat = torch.maximum(pg_loss_unclipped, pg_loss_clipped)
-    dual_active = torch.zeros_like(mask)
-    if dual_clip is not None:
-        bound = -adv * dual_clip
-        dual_active = (adv < 0) & (bound < loss_mat)
-        loss_mat = torch.where(dual_active, bound, loss_mat)
-    if weights is not None:
-        loss_mat = loss_mat * weights.to(loss_mat.dtype)
-    loss = agg_loss(loss_mat, mask, loss_agg, normalizer)
-
-    with torch.no_grad():
-        any_real = mask.any()
-        ratio_d = ratio.detach()
-        stats = {
-            "clipfrac": masked_mean((pg_loss_clipped > pg_loss_unclipped).to(ratio_d.dtype), mask),
-            # With top-k/top-p truncation the updated policy can drop a sampled token from
-            # its support (logprob -inf, ratio 0): the loss and its gradient stay finite,
-            # but k3 would be +inf there, so approx_kl is over the tokens still in support
-            # and the dropped ones are counted in outside_support_frac.
-            "approx_kl": masked_mean((ratio_d - 1) - logratio.detach(), mask & torch.isfinite(logratio)),
-            "outside_support_frac": masked_mean((~torch.isfinite(logratio)).to(ratio_d.dtype), mask),
-            "ratio_mean": masked_mean(ratio_d, mask),
-            "dual_clipfrac": masked_mean(dual_active.to(ratio_d.dtype), mask),
-            "ratio_max": torch.where(
-                any_real, torch.where(mask, ratio_d, float("-inf")).amax(), zero
-            ),
-            "ratio_min": torch.where(
-                any_real, torch.where(mask, ratio_d, float("inf")).amin(), zero
-            ),
-        }
-    return loss, stats
-
-
-IS_CORRECTIONS = ("none", "tis", "mis")  # config is_correction; importance_weights
-IS_LEVELS = ("token", "sequence")       # config is_level
 
 
 def importance_weights(

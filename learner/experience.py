@@ -66,7 +66,7 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
 
     Args:
         config: the learner's config (kl_estimator, reward_shaping, whiten_rewards,
-            whiten_advantages, gamma, lam, grpo_norm_std).
+            whiten_advantages, gamma, lam, and the estimator's own parameters).
         kl_coef: this step's beta.
         estimator: the advantage estimator; with ``needs_critic`` fwd.values are the critic's.
         stale: how many versions behind the learner the rollouts are (overlap mode: 1). The
@@ -109,6 +109,7 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
     #    A group estimator (needs_groups) reads the batch's group ids, the scores for its
     #    group statistics and KL_t at reward_kl_coef for the per-token KL it adds afterwards,
     #    not the shaped rewards (learner.algos, "group baselines").
+    params = {p.name: getattr(config, p.name) for p in estimator.params}  # its own knobs (learner.algos.Param)
     if estimator.needs_critic and values is None:  # old_values: update
         if value_pass is None or not estimator.per_row:
             why = ("no value_pass was given" if value_pass is None else
@@ -120,7 +121,7 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
             m = mask[rows, :t]
             a = estimator.fn(AdvantageInputs(rewards=rewards[rows, :t], mask=m, scores=scores[rows],
                                              values=old_values, gamma=config.gamma, lam=config.lam,
-                                             kl=kl[rows, :t], kl_coef=reward_kl_coef))
+                                             kl=kl[rows, :t], kl_coef=reward_kl_coef), **params)
             return compute_returns(a, old_values, m)
 
         values = value_pass(returns_of)
@@ -129,7 +130,7 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
                          "(RolloutBatch.groups, set by the generator); this batch has none")
     advantages = estimator.fn(AdvantageInputs(rewards=rewards, mask=mask, scores=scores, values=values,
                                               gamma=config.gamma, lam=config.lam, groups=batch.groups,
-                                              grpo_norm_std=config.grpo_norm_std, kl=kl, kl_coef=reward_kl_coef))
+                                              kl=kl, kl_coef=reward_kl_coef), **params)
     returns = compute_returns(advantages, values, mask) if estimator.needs_critic else None
     raw_advantage_mean = masked_mean(advantages, mask)
     # 8 (option). Advantage whitening over the step's real tokens (not for an estimator whose

@@ -51,7 +51,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from learner.algos import adaptive_kl_coef, advantage_estimator, check_estimator_config
+from learner.algos import adaptive_kl_coef, advantage_estimator
 from learner.buffer import Experience, ExperienceBuffer
 from learner.experience import RolloutScores, make_experience, score_tensors
 from learner.kernels import cached_casts
@@ -59,7 +59,7 @@ from learner.optimise import DataGroup, PPOOptimiser
 from learner.speed import SpeedPath
 from learner.value_model import ValueHead, ValueModel
 from ppo_ray.batch import RolloutBatch, TrimPlan, fresh_enough, rollout_micro_batches, staleness_limit
-from ppo_ray.config import ConfigSlice, PPOConfig
+from ppo_ray.config import LEARNER, ConfigSlice, PPOConfig, role_fields
 from ppo_ray.modeling import LoraSpec, LoraWeights, load_causal_lm, pick_device
 from ppo_ray.stats import LearnerState, LearnerStats
 
@@ -170,20 +170,8 @@ class Learner:
     backbone + LoRA + head, or a head on the policy's trunk), PPO updates."""
 
     # The config fields the learner reads (and log_level, its actor host's): the learner actor
-    # gets only these (PPOConfig.slice); effective_mini_batch_size is derived from two of them.
-    CONFIG_FIELDS = (
-        "seed", "dtype", "log_level", "steps", "batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs",
-        "learning_rate", "value_learning_rate", "lr_scheduler", "max_grad_norm", "advantage_estimator",
-        "samples_per_prompt", "grpo_norm_std", "gamma", "lam",
-        "clip_epsilon",
-        "value_clip", "vf_coef", "entropy_coef", "loss_agg", "dual_clip", "kl_in_loss", "is_correction", "is_cap",
-        "is_level", "whiten_advantages", "whiten_rewards", "kl_coef",
-        "kl_estimator", "kl_target", "kl_horizon", "reward_shaping", "nonfinite_reward", "overlap_generation",
-        "temperature", "top_k", "top_p", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
-        "ppo_dropout", "value_model", "value_model_name", "learner_sort_by_length", "learner_layout",
-        "logprob_chunk_size", "rms_norm_kernel", "gradient_checkpointing", "lora_kernel", "learner_compile",
-        "learner_compile_scope",
-        "old_logprobs", "old_logprobs_check_every", "old_values")
+    # gets only these (PPOConfig.slice); each field declares its roles (ppo_ray.config.knob).
+    CONFIG_FIELDS = role_fields(LEARNER)
 
     def __init__(self, config: PPOConfig | ConfigSlice, model_path: str, value_model_path: Optional[str] = None,
                  device: Optional[str] = None):
@@ -200,9 +188,8 @@ class Learner:
             target_modules=list(config.lora_target_modules), bias="none", task_type=TaskType.CAUSAL_LM))
         # The advantage estimator (learner.algos' registry, GAE by default); one without a
         # critic gets no value model, value optimiser, value loss or value statistics.
+        # (its rules were checked with the config: PPOConfig validates every config it builds)
         self.estimator = advantage_estimator(config.advantage_estimator)
-        check_estimator_config(self.estimator, samples_per_prompt=config.samples_per_prompt,
-                               whiten_rewards=config.whiten_rewards, reward_shaping=config.reward_shaping)
         self.critic = self.estimator.needs_critic
         self._shared = self.critic and config.value_model == "shared"
         self.value_model: Optional[torch.nn.Module] = None
@@ -587,7 +574,10 @@ class Learner:
         done, real = self.speed.token_counts
         # the caching allocator's peak since the reset above (host-side bookkeeping: no device sync)
         peak_gib = torch.cuda.max_memory_allocated(self.device) / 2**30 if cuda else math.nan
-        stats = LearnerStats(**dict(zip(names, numbers)), dropped_samples=float(dropped), tokens=float(n_tokens),
+        values = dict(zip(names, numbers))
+        known = {f.name for f in dataclasses.fields(LearnerStats)}
+        extra = {k: values.pop(k) for k in list(values) if k not in known}  # the loss's own stats (learner.losses)
+        stats = LearnerStats(**values, loss_extra=extra, dropped_samples=float(dropped), tokens=float(n_tokens),
                              padded_token_ratio=done / max(real, 1), stale_versions=float(stale),
                              kl_coef=self.kl_coef, learning_rate=learning_rate, learner_forward_s=forward_s,
                              update_s=time.perf_counter() - t_start, learner_peak_memory_gib=peak_gib,

@@ -22,6 +22,7 @@ Choices, and where they come from:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 from typing import Callable, Optional, Sequence
@@ -29,16 +30,14 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from learner.algos import agg_loss, kl_penalty, ppo_clip_loss, value_loss
+from learner.algos import value_loss
 from learner.buffer import Experience, ExperienceBuffer, micro_row_groups
 from learner.kernels import clear_casts
+from learner.losses import LossInputs, policy_loss, policy_objective
 from learner.speed import SpeedPath
 from ppo_ray.batch import RolloutBatch, TrimPlan
 
 ADAM_EPS = 1e-5  # N+ (summarize_from_feedback_details ppo.py: eps=1e-5)
-
-# The per-token statistics of the policy loss (token means over the policy's tokens).
-POLICY_TOKEN_STATS = ("approx_kl", "clipfrac", "ratio_mean", "outside_support_frac", "dual_clipfrac")
 
 
 class LRPlan:
@@ -130,6 +129,8 @@ class PPOOptimiser:
         self.config, self.speed, self.group = config, speed, group
         self.policy_params, self.value_params = policy_params, value_params
         self.critic, self.shared = critic, shared
+        self.loss = policy_loss(config.policy_loss)  # the registered policy loss, and its knobs' values
+        self.loss_params = {p.name: getattr(config, p.name) for p in self.loss.params}
         self.policy_optimizer = torch.optim.Adam(policy_params, lr=config.learning_rate, eps=ADAM_EPS)
         self.value_optimizer = (torch.optim.Adam(value_params, lr=config.value_learning_rate, eps=ADAM_EPS)
                                 if critic else None)
@@ -265,8 +266,13 @@ class PPOOptimiser:
         rank, world = self.group.rank, self.group.world_size
         zero = torch.zeros((), device=device)
         critic = self.critic
-        sums = {k: zero.clone() for k in ("policy_loss", "value_loss", "kl_loss", *POLICY_TOKEN_STATS, "vf_clipfrac",
-                                          "policy_grad_norm", "value_grad_norm")}
+        sums = {k: zero.clone() for k in ("policy_loss", "value_loss", "kl_loss", "vf_clipfrac", "policy_grad_norm",
+                                          "value_grad_norm")}
+        # the loss's stats (its dataclass's fields, token means) summed x tokens: every field is summed
+        # (one list for the group's sum); returned: those without a default (every loss's, reported
+        # also by a member without rows) and the optional ones the loss set (its options' stats)
+        token_stats = {f.name: zero.clone() for f in dataclasses.fields(self.loss.stats)}
+        reported = {f.name for f in dataclasses.fields(self.loss.stats) if f.default is dataclasses.MISSING}
         pg_tokens, v_tokens = zero.clone(), zero.clone()
         first_ratio, first_tokens = zero.clone(), zero.clone()
         n_steps = 0
@@ -295,8 +301,9 @@ class PPOOptimiser:
                     sums["policy_loss"] += pg_loss.detach()
                     if cfg.kl_in_loss:
                         sums["kl_loss"] += st["kl_loss"]
-                    for k in POLICY_TOKEN_STATS:
-                        sums[k] += st[k] * n_pg
+                    for k, v in st["loss"].items():
+                        token_stats[k] += v * n_pg
+                        reported.add(k)
                     if v_loss is not None:
                         n_v = micro.mask.sum()
                         sums["value_loss"] += v_loss
@@ -304,7 +311,7 @@ class PPOOptimiser:
                         v_tokens += n_v
                     pg_tokens += n_pg
                     if n_steps == 0:  # before any optimiser step
-                        first_ratio += st["ratio_mean"] * n_pg
+                        first_ratio += st["loss"].ratio_mean * n_pg
                         first_tokens += n_pg
                 # Per minibatch: sum the group's gradients, clip each model's gradient norm,
                 # then step the optimisers (identically on every member).
@@ -323,13 +330,14 @@ class PPOOptimiser:
         for model in models:
             model.eval()
         # the group's sums of the per-token stats (grad norms are already the group's)
-        self.group.sum([sums[k] for k in ("policy_loss", "value_loss", "kl_loss", *POLICY_TOKEN_STATS, "vf_clipfrac")]
+        self.group.sum([sums[k] for k in ("policy_loss", "value_loss", "kl_loss", "vf_clipfrac")] + list(token_stats.values())
                        + [pg_tokens, v_tokens, first_ratio, first_tokens])
 
         out = {k: sums[k] / n_steps for k in ("policy_loss", "value_loss", "kl_loss", "policy_grad_norm",
                                                "value_grad_norm")}
-        for k in POLICY_TOKEN_STATS:
-            out[k] = sums[k] / pg_tokens.clamp(min=1)
+        for k, v in token_stats.items():
+            if k in reported:
+                out[k] = v / pg_tokens.clamp(min=1)
         out["vf_clipfrac"] = sums["vf_clipfrac"] / v_tokens.clamp(min=1)
         out["first_minibatch_ratio_mean"] = first_ratio / first_tokens.clamp(min=1)
         if not critic:
@@ -337,8 +345,6 @@ class PPOOptimiser:
                 del out[k]
         if not cfg.kl_in_loss:
             del out["kl_loss"]
-        if cfg.dual_clip is None:
-            del out["dual_clipfrac"]
         return out
 
     # ------------------------------------------------------------------ one micro-batch
@@ -369,23 +375,19 @@ class PPOOptimiser:
 
     def policy_loss(self, mb: Experience, pg_norm: Tensor, v_norm: Tensor,
                     kl_coef: float = 0.0) -> tuple[Tensor, dict, Optional[Tensor]]:
-        """One micro-batch's policy loss (PPO-clip over the policy's tokens, pg_norm, with
-        dual_clip's bound and is_correction's weights when set; plus, with kl_in_loss,
-        kl_coef x the k3 KL to the reference over the same tokens; minus the entropy bonus
-        over all real tokens, v_norm) and its stats, and with a shared trunk the (b, t)
-        float32 values from the same forward (else None)."""
+        """One micro-batch's policy objective (learner.losses.policy_objective: the configured
+        policy_loss over the policy's tokens, pg_norm, with is_correction's weights; plus, with
+        kl_in_loss, kl_coef x the k3 KL to the reference over the same tokens; minus the
+        entropy bonus over all real tokens, v_norm), its stats ({"loss": the loss's stats,
+        "kl_loss": with kl_in_loss}) and with a shared trunk the (b, t) float32 values from the
+        same forward (else None)."""
         cfg = self.config
         logp, ent, values = self.speed.train_stats(mb.rollouts, mb.seq_len, mb.response_tokens, mb.policy_mask, mb.mask,
                                                    entropy=cfg.entropy_coef > 0)
-        pg_loss, pg_stats = ppo_clip_loss(logp, mb.old_logprobs, mb.advantages, mb.policy_mask,
-                                          cfg.clip_epsilon, cfg.loss_agg, pg_norm, dual_clip=cfg.dual_clip,
-                                          weights=mb.is_weights)
-        if cfg.kl_in_loss:  # GRPO's k3 = pi_ref/pi - log(pi_ref/pi) - 1, with gradient through pi; clamped at 10
-            # (learner.algos.kl_penalty, as verl's low_var_kl), so one token cannot dominate the step
-            kl_loss = agg_loss(kl_penalty(logp, mb.ref_logprobs, "k3", mask=mb.policy_mask), mb.policy_mask,
-                               cfg.loss_agg, pg_norm)
-            pg_loss = pg_loss + kl_coef * kl_loss
-            pg_stats["kl_loss"] = kl_loss.detach()
-        if ent is not None:
-            pg_loss = pg_loss - cfg.entropy_coef * agg_loss(ent, mb.mask, cfg.loss_agg, v_norm)
-        return pg_loss, pg_stats, values
+        pg_loss, loss_stats, kl_loss = policy_objective(
+            self.loss, LossInputs(logp, mb.old_logprobs, mb.advantages, mb.policy_mask, cfg.clip_epsilon),
+            self.loss_params, loss_agg=cfg.loss_agg, normalizer=pg_norm, is_weights=mb.is_weights,
+            kl_coef=kl_coef, ref_logprobs=mb.ref_logprobs if cfg.kl_in_loss else None,
+            entropy=ent, entropy_coef=cfg.entropy_coef, entropy_mask=mb.mask, entropy_normalizer=v_norm)
+        stats = {"loss": loss_stats} if kl_loss is None else {"loss": loss_stats, "kl_loss": kl_loss}
+        return pg_loss, stats, values

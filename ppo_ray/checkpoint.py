@@ -71,29 +71,17 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from ppo_ray.atomic import atomic_dir, atomic_write_text, fsync_dir, remove_stale_temps
-from ppo_ray.config import PPOConfig
+from ppo_ray.config import MODEL_FIELDS, MUST_MATCH, PATH_FIELDS, PPOConfig  # noqa: F401 (MUST_MATCH: for callers)
 from ppo_ray.paths import EMBEDDED_PREFIX
 from ppo_ray.stats import LearnerState  # noqa: F401 (the checkpoint's learner part; defined in the bottom)
 
 if TYPE_CHECKING:
     from ppo_ray.modeling import LoraWeights
 
-# Fields that decide what a checkpoint's tensors are and how the run samples/learns: a
-# resume that changes one of them would silently mix two runs.
-MUST_MATCH = (
-    "model_name", "ref_model_name", "reward_model_name", "value_model_name", "reward_funcs",
-    "reward_weights", "lora_r", "lora_alpha", "lora_target_modules", "dtype", "seed", "batch_size",
-    "dataset", "prompt_column", "temperature", "top_k", "top_p", "max_new_tokens", "apply_chat_template",
-    "advantage_estimator", "samples_per_prompt", "grpo_norm_std",
-)
 LATEST = "latest"
 ABANDONED = "abandoned"
 CHECKSUMS = "checksums.json"
 STEP_NAME = re.compile(r"step-\d{6,}")  # what `latest` may name: a checkpoint directly under checkpoints/
-# Config fields that may name a path inside the run directory (the pipeline's PPO stage).
-PATH_FIELDS = ("model_name", "ref_model_name", "reward_model_name", "value_model_name", "dataset")
-# Config fields naming a model whose content a checkpoint records (fingerprints).
-MODEL_FIELDS = ("model_name", "ref_model_name", "reward_model_name", "value_model_name")
 RUN_DIR = "${run_dir}"
 
 log = logging.getLogger(__name__)

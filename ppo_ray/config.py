@@ -11,12 +11,21 @@ A config is built three ways, all validated the same way (in ``__post_init__``):
     PPOConfig.from_args(["--config", "tiny", "--kl_coef", "0.05"])  # the CLI
 
 Invalid values and unknown keys raise ``ConfigError`` naming the field (and, for an
-unknown key, the closest valid name). This module imports nothing of ours.
+unknown key, the closest valid name).
 
-The fields' docs are their attribute docstrings (``field_docs()`` reads them from the source);
-``SECTIONS`` groups the fields; ``ConfigParser`` (argparse) builds the command line from both,
-so `launch.py --help` and docs/CONFIG.md's tables (``fields_markdown()``) list every field by
-section with its type, default and doc.
+A field declares itself once, where it is declared: ``knob(default, section, *roles, ...)``
+says its section, the actors that read it, whether a resume must keep it, whether it names a
+path or a model or puts a role on GPUs, and its choices; its doc is the attribute docstring
+under it. Everything else is derived: the actors' config slices (``role_fields``), resume
+matching and path handling (``MUST_MATCH``, ``PATH_FIELDS``, ``MODEL_FIELDS``), ``GPU_FIELDS``,
+the choices' checks, ``launch.py --help`` (``ConfigParser``) and docs/CONFIG.md's tables
+(``fields_markdown()``). The seeds' names stay flat (one dataclass, not nested sections): a
+field is ``PPOConfig(kl_coef=0.05)``, ``--kl_coef`` and ``kl_coef:`` in YAML alike, and every
+checkpoint's config.yaml keeps loading. A registered advantage estimator's or policy loss's own
+parameters (learner.algos.Param) are declared at their registration and added here as fields
+of the learner (``_registered_params``); the choices of ``advantage_estimator`` and
+``policy_loss`` are the registries' names. This module imports, of ours, only those pure-math
+registries (learner.algos, learner.losses: torch and the standard library).
 """
 
 from __future__ import annotations
@@ -32,23 +41,23 @@ import textwrap
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import yaml
+
+# The registries of the pure math (torch and the standard library only): the choices of
+# advantage_estimator and policy_loss, their own parameters, and the enumerated options' choices.
+from learner.algos import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, IS_LEVELS, KL_KINDS, LOSS_AGG_MODES, REWARD_MODES,
+                           advantage_estimator, check_estimator_config)
+from learner.losses import POLICY_LOSSES
 
 # The LoRA targets of a Qwen3/Llama-style decoder: every attention and MLP projection.
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-# The choices of the config's enumerated fields that other modules also check (one home):
-KL_KINDS = ("k1", "k2", "k3")  # kl_estimator; learner.algos.kl_penalty
-IS_CORRECTIONS = ("none", "tis", "mis")  # is_correction; learner.algos.importance_weights
-IS_LEVELS = ("token", "sequence")        # is_level
-REWARD_MODES = ("last_token", "every_token")  # reward_shaping; learner.algos.shape_rewards
-LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean")  # loss_agg; learner.algos.agg_loss
 TRUNCATION_MODES = ("error", "left")  # prompt_truncation; ppo_ray.data, the generator
 # lora_sync's registry: mode -> its class in the actors layer, "module:Class" (actors.lora_sync.sync_class
-# imports it), so that this module names the modes without importing vLLM, torch or a layer above
+# imports it), so that this module names the modes without importing vLLM or a layer above
 # it. A mode's class owns its engine arguments, its load and its prefix-cache handling; a new mode is
 # one class and one line here.
 LORA_SYNC_MODES = {
@@ -85,8 +94,6 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # neither is the sampling distribution whose logprobs the learner reproduces, so such
 # temperatures are refused instead of guessed at.
 MIN_TEMPERATURE = 1e-2
-# The fields that put a role or stage on GPUs (PPOConfig.uses_gpus).
-GPU_FIELDS = ("generator_num_gpus", "learner_num_gpus", "scorer_num_gpus", "stage_num_gpus")
 
 
 # Experiment trackers (report_to) and logging levels (log_level).
@@ -98,270 +105,396 @@ class ConfigError(ValueError):
     """A config value, key or file that cannot be used. The message names it."""
 
 
+# ---------------------------------------------------------------------- how a field declares itself
+# The sections of --help and docs/CONFIG.md, in their order.
+MODEL = "model and LoRA"
+ALGORITHM = "PPO algorithm"
+GENERATION = "generation"
+REWARDS = "rewards"
+DATA = "data"
+STAGES = "SFT and reward-model stages"
+EVALUATION = "evaluation"
+RESOURCES = "resources and placement"
+FAULTS = "fault tolerance"
+LOGGING = "checkpoints and logging"
+SPEED = "learner speed (same math up to rounding; defaults = the options measured faster)"
+SECTIONS = (MODEL, ALGORITHM, GENERATION, REWARDS, DATA, STAGES, EVALUATION, RESOURCES, FAULTS, LOGGING, SPEED)
+# The roles whose actors read fields (each actor gets a slice of the config: PPOConfig.slice,
+# role_fields); the driver, the stages and the pipeline read the whole config.
+LEARNER, GENERATOR, REFERENCE, REWARD = "learner", "generator", "reference", "reward"
+ROLES = (LEARNER, GENERATOR, REFERENCE, REWARD)
+
+
+class fresh(typing.NamedTuple):
+    """knob's default for a mutable value: a new one from ``make()`` for every config."""
+
+    make: Any
+
+
+def knob(default: Any, section: str, *roles: str, must_match: bool = False, path: bool = False,
+         model: bool = False, gpu: bool = False, choices: Any = None, check: Any = (),
+         owner: Optional[tuple[str, str]] = None, doc: Optional[str] = None) -> Any:
+    """A PPOConfig field, and everything the system does with it by kind, declared once, here:
+
+    section: its --help / docs/CONFIG.md section (one of SECTIONS);
+    roles: the actors that read it (their config slices: role_fields);
+    must_match: a resume must keep it (it decides what the checkpoint's tensors are or how the
+        run samples and learns: checkpoint.check_compatible);
+    path: it may name a path inside the run directory (checkpoints store it as ${run_dir}/...);
+    model: it names a model whose content a checkpoint fingerprints (implies path);
+    gpu: it puts a role or stage on GPUs (PPOConfig.uses_gpus);
+    choices: its valid values (a tuple, or a registry dict: its names); None passes for Optional fields;
+    check: a rule, or a tuple of rules, each ``rule(value, **others) -> why it is invalid, or None``,
+        called with the fields its keyword-only parameters name (at_least, within, not_empty);
+    owner: (selector, name) for a registered estimator's or policy loss's own parameter
+        (learner.algos.Param), which applies when that one is selected;
+    doc: the field's doc where it is not an attribute docstring (a registered Param's).
+    A mutable default is ``fresh(list)``: a new one for every config."""
+    if section not in SECTIONS:
+        raise ValueError(f"knob: section {section!r} is not one of {SECTIONS}")
+    unknown = set(roles) - set(ROLES)
+    if unknown:
+        raise ValueError(f"knob: unknown roles {sorted(unknown)}; roles: {ROLES}")
+    meta = {"section": section, "roles": tuple(roles), "must_match": must_match, "path": path or model,
+            "model": model, "gpu": gpu, "choices": choices, "owner": owner, "doc": doc,
+            "check": tuple(check) if isinstance(check, (tuple, list)) else (check,)}
+    if isinstance(default, fresh):
+        return field(default_factory=default.make, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def at_least(low: float, *, strict: bool = False, null: Optional[str] = None, why: str = "") -> Callable:
+    """knob's rule: a finite value >= low (> low when strict); None passes where null is given
+    (its text says what null means; "" for nothing)."""
+    def rule(value: Any) -> Optional[str]:
+        if value is None and null is not None:
+            return None
+        if math.isfinite(value) and (value > low if strict else value >= low):
+            return None
+        return (f"must be {'>' if strict else '>='} {low:g}" + (" or null" if null is not None else "")
+                + (f" ({null})" if null else "") + why)
+    return rule
+
+
+def within(low: float, high: float, *, open_low: bool = False, open_high: bool = False) -> Callable:
+    """knob's rule: low <= value <= high (an open end excludes it)."""
+    def rule(value: Any) -> Optional[str]:
+        if (value > low if open_low else value >= low) and (value < high if open_high else value <= high):
+            return None
+        return f"must be in {'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'}"
+    return rule
+
+
+def not_empty(null: Optional[str] = None) -> Callable:
+    """knob's rule: a string with more than white space; None passes where null says what it means."""
+    def rule(value: Any) -> Optional[str]:
+        if (value is None and null is not None) or (value is not None and value.strip()):
+            return None
+        return "must not be empty" + (f" ({null})" if null else "")
+    return rule
+
+
+def custom_resources(value: Optional[dict[str, float]]) -> Optional[str]:
+    """knob's rule for a Ray resources mapping: custom names only (CPU and GPU have their own
+    fields, and Ray refuses them in `resources` too), amounts Ray can count (units of 1e-4)."""
+    for key, amount in (value or {}).items():
+        if key in ("CPU", "GPU", "memory", "object_store_memory"):
+            return f"{key!r} is not a custom resource (use the *_num_cpus / *_num_gpus fields)"
+        if not key.strip():
+            return "resource names must not be empty"
+        if not (math.isfinite(amount) and amount >= 1e-4):
+            return f"{key}: amounts must be finite and >= 0.0001"
+    return None
+
+
+def one_split_per_file(source: str, *, train_split: str, eval_split: str) -> Optional[str]:
+    """knob's rule for sft_dataset / preference_dataset: one local file is one split; train and
+    eval need two."""
+    if not source.endswith(DATA_FILE_SUFFIXES) or "{split}" in source:
+        return None
+    return ("a local file holds one split: put {split} in the path (data/sft_{split}.jsonl) or name a "
+            f"folder holding {train_split}.jsonl and {eval_split}.jsonl (or .parquet)")
+
+
+def _registered_params(cls: type) -> type:
+    """Add each registered estimator's and policy loss's own parameters (learner.algos.Param,
+    declared once at the registration) to PPOConfig as fields of the learner, section
+    ALGORITHM: flat like every field (--grpo_norm_std, grpo_norm_std: in YAML)."""
+    annotations = cls.__dict__["__annotations__"]
+    for selector, registry in (("advantage_estimator", ADVANTAGE_ESTIMATORS), ("policy_loss", POLICY_LOSSES)):
+        for owner in registry.values():
+            for p in owner.params:
+                if p.name in annotations:
+                    raise TypeError(f"{selector} {owner.name!r}: parameter {p.name!r} is already a config field")
+                annotations[p.name] = p.type
+                setattr(cls, p.name, knob(p.default, ALGORITHM, LEARNER, must_match=p.must_match,
+                                          check=p.check or (), owner=(selector, owner.name), doc=p.doc))
+    return cls
+
+
 @dataclass
+@_registered_params
 class PPOConfig:
     # ---------------------------------------------------------------- the seeds' fields
-    model_name: str = "Qwen/Qwen3-0.6B-Base"
+    model_name: str = knob("Qwen/Qwen3-0.6B-Base", MODEL, GENERATOR, must_match=True, model=True)
     """Policy base model: a hub id, a local HF directory, or "embedded:tldr" (the committed default-job model, ppo_ray/tldr_model.py), "embedded:tiny" / "embedded:small" (ppo_ray/tiny_model.py)."""
-    lora_r: int = 16
+    lora_r: int = knob(16, MODEL, LEARNER, GENERATOR, must_match=True, check=at_least(1))
     """LoRA rank of the policy (and value) adapters."""
-    lora_alpha: int = 32
+    lora_alpha: int = knob(32, MODEL, LEARNER, must_match=True, check=at_least(1))
     """LoRA scaling numerator: the update is (lora_alpha / lora_r) * B @ A."""
-    lora_dropout: float = 0.1
+    lora_dropout: float = knob(0.1, MODEL, LEARNER)
     """LoRA dropout of the policy and value adapters' PEFT config (saved with the adapter). PPO's forwards apply it only with ppo_dropout: true; by default they run without dropout, so dropout does not move the first minibatch's ratio off 1 (how close to 1 it is: old_logprobs)."""
-    learning_rate: float = 1e-5
+    learning_rate: float = knob(1e-5, ALGORITHM, LEARNER, check=at_least(0, strict=True))
     """Adam learning rate of the policy LoRA."""
-    value_learning_rate: float = 1e-4
+    value_learning_rate: float = knob(1e-4, ALGORITHM, LEARNER, check=at_least(0, strict=True))
     """Adam learning rate of the value model (its own optimiser)."""
-    batch_size: int = 32
+    batch_size: int = knob(32, ALGORITHM, LEARNER, must_match=True, check=at_least(1))
     """Rollouts per PPO step: batch_size / samples_per_prompt prompts, each sampled samples_per_prompt times (with the default 1, one rollout per prompt)."""
-    max_new_tokens: int = 10
+    max_new_tokens: int = knob(10, GENERATION, GENERATOR, must_match=True, check=at_least(1))
     """Maximum response length in tokens."""
-    gamma: float = 0.99
+    gamma: float = knob(0.99, ALGORITHM, LEARNER, check=within(0, 1))
     """Discount factor in the TD errors and GAE."""
-    lam: float = 0.95
+    lam: float = knob(0.95, ALGORITHM, LEARNER, check=within(0, 1))
     """GAE lambda."""
-    kl_coef: float = 0.1
+    kl_coef: float = knob(0.1, ALGORITHM, LEARNER)
     """beta: weight of the per-token KL penalty to the reference (SFT) model in the reward."""
-    clip_epsilon: float = 0.2
+    clip_epsilon: float = knob(0.2, ALGORITHM, LEARNER)
     """PPO-clip epsilon: the ratio is clipped to [1 - eps, 1 + eps]."""
-    temperature: float = 1.0
+    temperature: float = knob(1.0, GENERATION, LEARNER, GENERATOR, REFERENCE, must_match=True)
     """Sampling temperature; every logprob (generator, learner, reference) is of logits / temperature."""
-    top_k: int = 50
+    top_k: int = knob(50, GENERATION, LEARNER, GENERATOR, must_match=True)
     """Top-k truncation at sampling (0 or -1 = off); the learner applies the same truncation."""
-    top_p: float = 0.95
+    top_p: float = knob(0.95, GENERATION, LEARNER, GENERATOR, must_match=True)
     """Top-p (nucleus) truncation at sampling (1.0 = off); the learner applies the same truncation."""
 
     # ---------------------------------------------------------------- models
-    ref_model_name: Optional[str] = None
+    ref_model_name: Optional[str] = knob(None, MODEL, must_match=True, model=True)
     """Reference (SFT) model for the KL penalty; None = model_name (the policy's frozen base)."""
-    reward_model_name: Optional[str] = None
+    reward_model_name: Optional[str] = knob(None, REWARDS, must_match=True, model=True)
     """Reward model (AutoModelForSequenceClassification, num_labels=1); None = reward functions only."""
-    reward_funcs: list[str] = field(default_factory=list)
+    reward_funcs: list[str] = knob(fresh(list), REWARDS, REWARD, must_match=True)
     """Reward functions as "module:function", each (prompts, completions) -> list[float]."""
-    reward_weights: list[float] = field(default_factory=list)
+    reward_weights: list[float] = knob(fresh(list), REWARDS, REWARD, must_match=True)
     """Weights of [reward model, *reward_funcs] in the summed score; empty = all 1.0."""
-    value_model_name: Optional[str] = None
+    value_model_name: Optional[str] = knob(None, MODEL, LEARNER, must_match=True, model=True)
     """Base of the value model; None = model_name. (N+ initialises it from the reward model.) Only with value_model: separate."""
-    value_model: str = "separate"
+    value_model: str = knob("separate", MODEL, LEARNER, choices=("separate", "shared"))
     """separate: the value model has its own backbone (+ LoRA + head), as in the seeds and N+; shared: a value head on the policy's trunk, so one forward gives both logprobs and values (half the learner's forward/backward work; the value loss, weighted by vf_coef, then also trains the policy's LoRA)."""
-    vf_coef: float = 0.1
+    vf_coef: float = knob(0.1, ALGORITHM, LEARNER)
     """value_model: shared only: weight of the value loss in the loss that trains the shared LoRA (TRL / N+'s 0.1). With separate models each has its own Adam, which makes a weight moot. On the bundled task 0.02 learned about as well as separate models and 0.1 / 0.5 clearly worse (benchmarks/RESULTS.md, "The shared trunk on the main job")."""
-    lora_target_modules: list[str] = field(default_factory=lambda: list(ALL_PROJECTIONS))
+    lora_target_modules: list[str] = knob(fresh(lambda: list(ALL_PROJECTIONS)), MODEL, LEARNER, must_match=True)
     """Modules that receive LoRA adapters (default: all attention and MLP projections)."""
-    dtype: str = "float32"
+    dtype: str = knob("float32", MODEL, LEARNER, GENERATOR, REFERENCE, REWARD, must_match=True, choices=DTYPE_NAMES)
     """Compute dtype of every model: float32, bfloat16 or float16."""
 
     # ---------------------------------------------------------------- PPO
-    ppo_epochs: int = 4
+    ppo_epochs: int = knob(4, ALGORITHM, LEARNER, check=at_least(1))
     """Passes over the step's rollouts."""
-    mini_batch_size: Optional[int] = None
+    mini_batch_size: Optional[int] = knob(None, ALGORITHM, LEARNER)
     """Rollouts per optimiser step; None = batch_size (one minibatch, as in the N+ recipe)."""
-    micro_batch_size: int = 8
+    micro_batch_size: int = knob(8, ALGORITHM, LEARNER, REFERENCE, REWARD, check=at_least(1))
     """Rows per forward/backward: PPO's gradient accumulation up to mini_batch_size (and the scorers' forwards), and the SFT / RM stages' up to stage_batch_size unless stage_micro_batch_size is set."""
-    value_clip: Optional[float] = 0.2
+    value_clip: Optional[float] = knob(0.2, ALGORITHM, LEARNER)
     """Value clipping range around the old values; None = no clipping."""
-    max_grad_norm: Optional[float] = 1.0
+    max_grad_norm: Optional[float] = knob(1.0, ALGORITHM, LEARNER)
     """Gradient-norm clip per optimiser step; None = no clipping."""
-    advantage_estimator: str = "gae"
+    advantage_estimator: str = knob("gae", ALGORITHM, LEARNER, must_match=True, choices=ADVANTAGE_ESTIMATORS)
     """How the learner turns the step's scores and KL into advantages: a name registered in learner/algos.py (register_estimator): gae (the default: GAE over the shaped rewards, with the value model as its critic), or the critic-free group baselines grpo, rloo and reinforce_pp (REINFORCE++ with a group-mean baseline), which compare the scores of the samples_per_prompt (>= 2) samples of each prompt and then add, on every token, the KL penalty still to come (-kl_coef times the KL summed from that token to the response's end), as OpenRLHF orders them (verl's use_kl_in_reward instead puts the KL into the compared sums): a group of equal scores gets its KL term alone, 0 at kl_coef 0 or with kl_in_loss. An estimator without a critic builds no value model, and the value_* fields and statistics do not apply."""
-    samples_per_prompt: int = 1
+    policy_loss: str = knob("ppo_clip", ALGORITHM, LEARNER, choices=POLICY_LOSSES)
+    """The policy loss, a name registered in learner/losses.py (register_policy_loss): ppo_clip (PPO's clipped surrogate, the seeds'; dual_clip its parameter). A loss's own parameters are fields of their own; is_correction's weights, kl_in_loss's term and the entropy bonus compose with any loss (learner.losses.policy_objective)."""
+    samples_per_prompt: int = knob(1, ALGORITHM, LEARNER, must_match=True)
     """Responses sampled per prompt in one vLLM request (SamplingParams n), contiguous rows of one group in the batch; batch_size counts rollouts, so a step draws batch_size / samples_per_prompt prompts (it must divide batch_size). grpo, rloo and reinforce_pp need >= 2. Evaluation samples stay one per prompt."""
-    grpo_norm_std: bool = True
-    """grpo only: divide each group's centred scores by the group's std (unbiased, + 1e-6; GRPO); false = Dr. GRPO (Liu et al. 2025: centred scores, no std division), which also needs loss_agg: token_mean (an error otherwise): Dr. GRPO drops GRPO's per-response 1/|o_i| length normalisation too, and seq_mean_token_mean is that normalisation."""
-    whiten_advantages: bool = True
+    whiten_advantages: bool = knob(True, ALGORITHM, LEARNER)
     """Whiten advantages over the step's real tokens (not applied to grpo, rloo and reinforce_pp, whose advantages are on their method's own scale: reinforce_pp whitens as part of its definition)."""
-    whiten_rewards: bool = False
+    whiten_rewards: bool = knob(False, ALGORITHM, LEARNER)
     """Whiten the per-token shaped rewards before GAE (N+ recipe: off). Not with grpo, rloo or reinforce_pp, which read the scores and the KL, not the shaped rewards (an error)."""
-    kl_estimator: str = "k1"
+    kl_estimator: str = knob("k1", ALGORITHM, LEARNER, choices=KL_KINDS)
     """Per-token KL estimator in the reward: k1 (logp - logp_ref, the seeds'), k2 or k3 (clamped to at most 10 per token, as verl's low_var_kl and OpenRLHF's k3: learner.algos.kl_penalty)."""
-    reward_shaping: str = "last_token"
+    reward_shaping: str = knob("last_token", REWARDS, LEARNER, choices=REWARD_MODES)
     """last_token: score on the last real token, -beta*KL on every token; every_token: the seeds' literal r'_t = R - beta*KL_t. grpo, rloo and reinforce_pp take last_token only (they compare the sequence scores and add the per-token KL themselves)."""
-    missing_eos_penalty: Optional[float] = None
+    missing_eos_penalty: Optional[float] = knob(None, REWARDS, REWARD)
     """Score that replaces the reward of a response with no EOS (N+ uses -1); None = off."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = knob(0.0, ALGORITHM, LEARNER)
     """Entropy bonus weight in the policy loss."""
-    kl_target: Optional[float] = None
+    kl_target: Optional[float] = knob(None, ALGORITHM, LEARNER)
     """Adaptive KL controller (Ziegler et al. 2019): the per-sequence KL to the reference (the `kl` stat) that the controller steers toward by scaling the KL coefficient after every step, starting from kl_coef; None = off (the fixed kl_coef of the seeds). OpenRLHF's --kl_target, verl's kl_ctrl.type: adaptive."""
-    kl_horizon: int = 10000
+    kl_horizon: int = knob(10000, ALGORITHM, LEARNER)
     """Adaptive KL controller's horizon in rollouts: each step multiplies the coefficient by 1 + clip(kl / kl_target - 1, -0.2, 0.2) * batch_size / kl_horizon."""
-    lr_scheduler: str = "constant"
+    lr_scheduler: str = knob("constant", ALGORITHM, LEARNER, choices=("constant", "linear"))
     """Learning-rate schedule of the PPO optimisers (policy and value): constant, or linear (decay to 0 over the run's steps x ppo_epochs x minibatches optimiser steps, the N+ recipe). Saved and restored with checkpoints."""
-    loss_agg: str = "token_mean"
+    loss_agg: str = knob("token_mean", ALGORITHM, LEARNER, choices=LOSS_AGG_MODES)
     """Loss aggregation: token_mean (the sum over all real tokens of a minibatch / their count: every token weighs the same; verl's token-mean, OpenRLHF's token-level loss) or seq_mean_token_mean (each response's token mean, then the mean over responses: every response weighs the same, original GRPO's 1/|o_i|)."""
-    dual_clip: Optional[float] = None
-    """Dual-clip PPO (Ye et al. 2020): c >= 1 + clip_epsilon bounds each token's policy loss by -c * A where the advantage A is negative, so a token whose ratio grew far above 1 cannot dominate the loss (verl's clip_ratio_c defaults to 3); a smaller c would cut the gradient of tokens whose ratio is inside the trust region (an error). None = off (plain PPO-clip). The dual_clipfrac stat counts the tokens it bounded."""
-    kl_in_loss: bool = False
+    kl_in_loss: bool = knob(False, ALGORITHM, LEARNER)
     """Put the KL to the reference in the policy loss instead of the reward (as GRPO does): the rewards are the scores alone, and the loss adds kl_coef times the k3 estimate of KL(policy || reference) of the tokens being trained (with gradient), aggregated like the policy loss; the kl_loss stat reports it. k3 is clamped per token as verl's low_var_kl clamps it (log(pi_ref / pi) to [-20, 20], then k3 to at most 10; OpenRLHF clamps its k3 to 10 too), so one token the reference finds far likelier than the policy cannot dominate the step (unclamped, a log ratio of 25 gives 7.2e10); a clamped token gets no gradient from the KL. Needs untruncated sampling (top_k 0, top_p 1): the loss's policy logprobs are the sampling distribution's and the reference's are the full softmax's. Off = the seeds' KL penalty in the reward (kl_estimator)."""
-    is_correction: str = "none"
+    is_correction: str = knob("none", ALGORITHM, LEARNER, choices=IS_CORRECTIONS)
     """Off-policy correction for the generator/learner mismatch (vLLM's and the learner's logprobs of the same policy differ, most in bfloat16): tis weights each token's policy loss by min(pi_learner / pi_generator, is_cap) (truncated importance sampling); mis drops the tokens (or, is_level sequence, the responses) whose ratio is outside [1/is_cap, is_cap] from the policy loss; none = off. The mismatch itself (mismatch_outside_frac, mismatch_log_ratio_abs) is reported every step whatever this is; with a correction on, the rollout check of logprob_gap_check tests the share of tokens outside [1/is_cap, is_cap] (is_outside_frac, held to logprob_gap_outside_tolerance) instead of the largest gap of one token. Needs old_logprobs: learner (the learner's own logprobs) and no overlap_generation (whose stale steps already take the generator's logprobs as the PPO ratio's denominator)."""
-    is_cap: float = 2.0
+    is_cap: float = knob(2.0, ALGORITHM, LEARNER)
     """is_correction's C (> 1): tis's weight cap; mis keeps ratios in [1/C, C]."""
-    is_level: str = "token"
+    is_level: str = knob("token", ALGORITHM, LEARNER, choices=IS_LEVELS)
     """is_correction per token, or per sequence (the ratio of a response is the product of its tokens' ratios; one weight, or one keep/drop, per response)."""
-    nonfinite_reward: str = "error"
+    nonfinite_reward: str = knob("error", REWARDS, LEARNER, REWARD, choices=("error", "drop"))
     """What a NaN/inf score does: error (names the prompt) or drop (sample masked out and counted)."""
-    ppo_dropout: bool = False
+    ppo_dropout: bool = knob(False, ALGORITHM, LEARNER)
     """Apply dropout (lora_dropout and the models' own: dropout layers, and functional dropout such as attention_dropout, hidden_dropout or resid_pdrop in the model's config) in the learner's PPO forwards. Off by default, as in the N+ recipe and TRL (disable_dropout): the old logprobs come from a dropout-free pass, so dropout in the training forward alone would put the first minibatch's ratio off 1 (measured: 1.004 with lora_dropout 0.1; 0.92 and 1.19 at the first two steps with a tiny Qwen3's attention_dropout 0.3). Off turns every form off in the policy and the value model (learner.learner.disable_dropout); the adapters' saved config keeps lora_dropout."""
-    logprob_gap_check: str = "resync"
+    logprob_gap_check: str = knob("resync", ALGORITHM, choices=("resync", "error", "warn", "off"))
     """The generator-vs-learner checks: after every sync, in every mode, the sync check (each generator samples a small fixed probe with the version it just loaded; the learner recomputes those tokens' logprobs at the same version); on every fresh step (with old_logprobs: generator, at its check versions) the rollouts' own sampled-token logprobs too. A gap above logprob_gap_tolerance means a generator holds another policy (a lost or corrupted sync, stale KV). Each check holds the largest gap of one token to logprob_gap_tolerance, except the rollout check under is_correction, which holds the share of tokens outside the correction's band to logprob_gap_outside_tolerance (see there). resync (re-load the version into the generators, check again, sample a failed step again; stop with an error if the gap persists), error (stop the run), warn (log it; the run goes on with that generator) or off (no checks). Every failure is counted on the dashboard; the probe gap is reported every step (sync_probe_gap)."""
-    logprob_gap_tolerance: Optional[float] = None
+    logprob_gap_tolerance: Optional[float] = knob(None, ALGORITHM)
     """Threshold of logprob_gap_check in nats; None = by dtype: 1e-3 for float32 (measured agreement ~1e-6), 0.25 for bfloat16 and float16 (measured in bfloat16 on Qwen3-0.6B's architecture: largest gap 0.067; benchmarks/RESULTS.md)."""
-    logprob_gap_outside_tolerance: float = 0.05
+    logprob_gap_outside_tolerance: float = knob(0.05, ALGORITHM, check=within(0, 1))
     """With is_correction set, the rollout check's threshold instead of logprob_gap_tolerance: the largest share of a fresh step's policy-loss tokens whose ratio pi_learner / pi_generator is outside [1/is_cap, is_cap] (the step's is_outside_frac; per token whatever is_level, since a response's ratio drifts with its length even when each of its tokens is close). Those are the tokens the correction drops (mis) or caps or all but drops (tis): a mismatch that moves a few tokens that far is what it is built to absorb (the largest gap of one token grows with the number of tokens, so long bfloat16 responses would fail logprob_gap_tolerance), while a generator whose rollouts have more than this share outside is taken to hold another policy. The sync check after every sync keeps the largest-gap rule and logprob_gap_tolerance whatever is_correction is: its probe is small and fixed (4 prompts x 4 tokens), its largest gap does not grow with the responses, and it catches a lost or corrupted sync. Default 0.05: bfloat16's measured largest gap (0.067 nats over 212 tokens) is a tenth of the default band's edge (log 2 = 0.69 nats)."""
-    old_logprobs: str = "auto"
+    old_logprobs: str = knob("auto", ALGORITHM, LEARNER, choices=("auto", "learner", "generator"))
     """Where the rollout policy's logprobs of the sampled tokens come from (the PPO ratio's denominator and KL_t's log pi): auto (generator where it is proven equal: untruncated float32 sampling in the synchronous step, no is_correction; learner otherwise; PPOConfig.old_logprobs_source), learner (a no-grad policy forward over the rollouts at every step, the seeds' step 2) or generator (vLLM's logprobs from sampling, already in the rollouts: the learner skips the policy's no-grad forward, and its entropy stat is the sampled tokens' mean -logprob, an unbiased estimate; it still recomputes, and logprob_gap_check still runs, at every old_logprobs_check_every-th adapter version). generator needs untruncated sampling (top_k 0, top_p 1: the KL's full-softmax logprobs are then the sampled ones) and float32, where generator and learner agree to ~5e-6; under bfloat16 they differ by ~0.1 nats, so the learner recomputes. The value model's no-grad pass runs unless old_values is update. With overlap_generation, KL_t between checks then uses the behaviour policy's logprobs (one version old) instead of the current policy's, and behaviour_logprob_gap is not measured (NaN). The first minibatch's PPO ratio (first_minibatch_ratio_mean), before any optimiser step, is per mode: learner: 1 up to the rounding of two forwards of the same weights (the no-grad pass and the training forward): in float32 exactly 1 where both batch the rows alike, otherwise within a few float32 ulps per token (measured up to 2e-6); in bfloat16 up to ~1e-2 per token; generator: 1 within the generator-learner gap (float32: ~5e-6 per token, up to ~2e-5 measured; the mean within ~3e-7), and as learner at the check versions. A stale step of overlap_generation has the ratio pi_current / pi_behaviour, not 1, and ppo_dropout moves it off 1."""
-    old_logprobs_check_every: int = 10
+    old_logprobs_check_every: int = knob(10, ALGORITHM, LEARNER)
     """old_logprobs: generator only: the learner recomputes the policy's logprobs (and the generator-vs-learner check runs) at adapter versions 0, N, 2N, ...; 1 = every step (no saving)."""
-    old_values: str = "auto"
+    old_values: str = knob("auto", ALGORITHM, LEARNER, choices=("auto", "forward", "update"))
     """Where the value model's old values V_old(s_t) (GAE's baseline, the value clip's centre) come from: forward (a no-grad pass of the value model over the rollouts before the PPO epochs, the seeds' step 6), update (the PPO epochs' first value forward: with one minibatch per epoch, the value model's forward at the start of the first epoch has not been updated yet, so its outputs are the old values; the value model trains on that first minibatch before the policy does, each row's returns computed from its own values, GAE being per row, and the pass is not run) or auto (update where it applies: value_model separate, one minibatch per epoch (mini_batch_size null or batch_size), no ppo_dropout, an estimator with a critic whose advantages are per row (gae); forward otherwise). The two differ only in float rounding (a training forward's values instead of a no-grad one's, and the value model's gradient summed in another order); update saves one value forward per step (benchmarks/RESULTS.md, "the old values from the update")."""
 
     # ---------------------------------------------------------------- learner speed (same math up to float rounding; defaults = the options measured faster on both the CPU and a GPU, benchmarks/RESULTS.md)
-    learner_sort_by_length: bool = False
+    learner_sort_by_length: bool = knob(False, SPEED, LEARNER)
     """Learner micro-batches of length-sorted rows (longest first) instead of the shuffled order, in the no-grad pass and within each minibatch, so each micro-batch pays for little padding; the accumulated gradient is the same up to float summation order."""
-    learner_layout: str = "causal"
+    learner_layout: str = knob("causal", SPEED, LEARNER, choices=("masked", "causal"))
     """How the learner lays out a micro-batch: masked (left-padded prompts and an attention mask) or causal (each row's real tokens from column 0, padding after them, no attention mask: SDPA's causal flash kernel; the real tokens' outputs equal masked's up to float rounding)."""
-    logprob_chunk_size: int = 0
+    logprob_chunk_size: int = knob(0, SPEED, LEARNER)
     """Learner logprobs from the policy's hidden states through lm_head this many real response tokens at a time, each chunk's full-vocabulary logits recomputed in the backward (activation checkpoint) instead of kept; padding positions skip lm_head. 0 = the plain path (all positions' logits at once)."""
-    rms_norm_kernel: str = "fused"
+    rms_norm_kernel: str = knob("fused", SPEED, LEARNER, choices=("hf", "fused"))
     """RMSNorm forward in the learner's models (Qwen2/3, Llama, Mistral norms): hf (the model's own: 8 elementwise kernels) or fused (torch.nn.functional.rms_norm, one kernel). Equal in float32 up to rounding."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = knob(False, SPEED, LEARNER)
     """Recompute each decoder layer's activations in the backward (policy and value models, PPO epochs only): less memory for bigger micro-batches, one more forward of compute."""
-    lora_kernel: str = "merged"
+    lora_kernel: str = knob("merged", SPEED, LEARNER, choices=("peft", "fused", "merged"))
     """LoRA forward in the learner's models: peft (PEFT's: float32 adapters upcast the input and output of every projection under bfloat16), fused (base output + s*(x@A^T)@B^T in one addmm, in the model's dtype; adapters stay float32 master weights) or merged (one GEMM with W + s*B@A, the adapters' gradients from the factors: no LoRA kernels in the forward; under bfloat16 the forward sees the merged weight rounded once, as mixed precision sees master weights). Equal in float32 up to rounding."""
-    learner_compile: bool = False
+    learner_compile: bool = knob(False, SPEED, LEARNER)
     """torch.compile the learner's policy and value models (dynamic shapes; the first micro-batches pay the compile), per learner_compile_scope, and the policy's lm_head + logprob math (one fused graph over each chunk's logits instead of a float32 pass per op: the B=512 update 1.10x faster on an H100)."""
-    learner_compile_scope: str = "layer"
+    learner_compile_scope: str = knob("layer", SPEED, LEARNER, choices=("layer", "decoder"))
     """What learner_compile compiles: layer (each decoder layer: one small graph that all layers of both models share; the measured one) or decoder (each model's whole decoder, one graph per forward and backward: one guard check and one wrapper call per micro-batch instead of one per layer, but four whole-model compiles, two models x train/no-grad, which on an H100 had not finished the 0.6B preset's first update after 285 s and on the CPU at the same depth took 12.8 minutes; its speed is not measured yet). Fixed once compiled."""
 
     # ---------------------------------------------------------------- prompts and data
-    max_prompt_length: int = 512
+    max_prompt_length: int = knob(512, DATA, GENERATOR, check=at_least(1))
     """Prompt length limit in tokens."""
-    prompt_truncation: str = "error"
+    prompt_truncation: str = knob("error", DATA, GENERATOR, choices=TRUNCATION_MODES)
     """An over-long prompt: error (names its index) or left (keep the last max_prompt_length tokens)."""
-    dataset: str = "bundled"
+    dataset: str = knob("bundled", DATA, must_match=True, path=True, check=not_empty())
     """Prompt dataset: "bundled" (the embedded TL;DR-style task), a local JSONL/parquet file, or a hub id."""
-    prompt_column: str = "prompt"
+    prompt_column: str = knob("prompt", DATA, must_match=True, check=not_empty())
     """Column that holds the prompt text."""
-    apply_chat_template: bool = False
+    apply_chat_template: bool = knob(False, DATA, must_match=True)
     """Format each PPO prompt as one user message with the tokenizer's chat template (and its generation prompt) before tokenising, as OpenRLHF's --apply_chat_template: for instruct models. The tokenizer must have a chat template. Reward functions then see the formatted prompt text."""
-    sft_dataset: str = "bundled"
+    sft_dataset: str = knob("bundled", DATA, check=(not_empty(), one_split_per_file))
     """SFT data, also the pipeline's PPO prompts: "bundled" (ppo_ray/tasks/tldr_synth.py), or TL;DR SFT-schema data (id, subreddit, title, post, summary): a hub id, a local folder of {split}.jsonl/.parquet, or a file path containing "{split}"."""
-    preference_dataset: str = "bundled"
+    preference_dataset: str = knob("bundled", DATA, check=(not_empty(), one_split_per_file))
     """Reward-model pairs: "bundled", or summarize_from_feedback comparisons-schema data (info, summaries, choice): a hub id, a local folder, or a file path containing "{split}"."""
-    preference_config: Optional[str] = "comparisons"
+    preference_config: Optional[str] = knob("comparisons", DATA)
     """Hub config name of preference_dataset (null for a dataset without configs); unused for local data."""
-    train_split: str = "train"
+    train_split: str = knob("train", DATA, check=not_empty())
     """Split of sft_dataset / preference_dataset that SFT, the reward model and PPO train on."""
-    eval_split: str = "validation"
+    eval_split: str = knob("validation", DATA, check=not_empty())
     """Split for the SFT validation loss, the reward model's accuracy and PPO's held-out samples."""
-    data_max_rows: Optional[int] = None
+    data_max_rows: Optional[int] = knob(None, DATA)
     """Read at most this many rows per split of sft_dataset / preference_dataset, or of the bundled task's SFT and preference files (quick runs); None = all."""
-    bundled_ideal_fraction: float = 1.0
+    bundled_ideal_fraction: float = knob(1.0, DATA, check=within(0, 1))
     """Bundled task only: fraction of the posters' reference TL;DRs (SFT data) that state every key fact; the rest leave one out (ppo_ray/tasks/tldr_synth.py). 1.0 = every reference is ideal."""
 
     # ---------------------------------------------------------------- SFT and reward-model stages
-    sft_epochs: int = 3
+    sft_epochs: int = knob(3, STAGES, check=at_least(1))
     """Epochs of supervised fine-tuning on the reference summaries (launch.py sft)."""
-    sft_learning_rate: float = 3e-4
+    sft_learning_rate: float = knob(3e-4, STAGES, check=at_least(0, strict=True))
     """AdamW learning rate of the SFT full fine-tune (linear decay to 0)."""
-    rm_epochs: int = 2
+    rm_epochs: int = knob(2, STAGES, check=at_least(1))
     """Epochs of Bradley-Terry reward-model training on the preference pairs (launch.py rm)."""
-    rm_learning_rate: float = 1e-4
+    rm_learning_rate: float = knob(1e-4, STAGES, check=at_least(0, strict=True))
     """AdamW learning rate of the reward model (linear decay to 0)."""
-    stage_batch_size: int = 16
+    stage_batch_size: int = knob(16, STAGES, check=at_least(1))
     """Batch size of the SFT and reward-model stages."""
-    stage_micro_batch_size: Optional[int] = None
+    stage_micro_batch_size: Optional[int] = knob(None, STAGES)
     """Rows (RM: pairs) per forward/backward in the SFT and reward-model stages; None = micro_batch_size. The stages are full fine-tunes, so they can need a smaller micro-batch than the PPO learner's LoRA update."""
-    stage_dtype: Optional[str] = None
+    stage_dtype: Optional[str] = knob(None, STAGES, choices=DTYPE_NAMES)
     """Dtype of the SFT and reward-model full fine-tunes; None = dtype (float32 keeps the small AdamW steps that bfloat16 weights round away). Their outputs are saved in dtype, the one PPO loads them in."""
-    stage_num_cpus: Optional[float] = None
+    stage_num_cpus: Optional[float] = knob(None, STAGES, check=at_least(0, null=""))
     """CPUs reserved for the SFT / reward-model stage's Ray task; None = learner_num_cpus's (auto on a CPU-only run: none reserved, every core of the node for its torch threads: the stage runs alone)."""
-    stage_num_gpus: Optional[float] = None
+    stage_num_gpus: Optional[float] = knob(None, STAGES, gpu=True, check=at_least(0, null=""))
     """GPUs reserved for the SFT / reward-model stage's Ray task (it trains on a GPU when it has one); None = learner_num_gpus."""
-    stage_resources: Optional[dict[str, float]] = None
+    stage_resources: Optional[dict[str, float]] = knob(None, STAGES, check=custom_resources)
     """Custom Ray resources of the SFT / reward-model stage's task (see generator_resources); None = learner_resources."""
-    eval_every: int = 5
+    eval_every: int = knob(5, EVALUATION)
     """Score held-out samples with the gold judge every N PPO steps (bundled task; 0 = only at the ends)."""
-    eval_size: int = 64
+    eval_size: int = knob(64, EVALUATION, check=at_least(1))
     """Held-out prompts per evaluation."""
-    eval_samples: int = 4
+    eval_samples: int = knob(4, EVALUATION)
     """Prompts whose response and reward are appended to <run_dir>/eval_samples.jsonl and TensorBoard at every evaluation (every eval_every steps and at the end): held-out prompts in the pipeline, the first prompts of `dataset` in a plain PPO run; 0 = off."""
 
     # ---------------------------------------------------------------- run
-    seed: int = 0
+    seed: int = knob(0, ALGORITHM, LEARNER, GENERATOR, must_match=True)
     """One seed for prompt order, sampling, dropout and initialisation."""
-    steps: int = 20
+    steps: int = knob(20, ALGORITHM, LEARNER, check=at_least(1))
     """PPO steps that train() runs."""
-    output_dir: str = "runs"
+    output_dir: str = knob("runs", LOGGING)
     """Parent folder of run directories."""
-    log_level: str = "info"
+    log_level: str = knob("info", LOGGING, LEARNER, GENERATOR, REFERENCE, REWARD, choices=LOG_LEVELS)
     """Python logging level of the driver and the stage tasks: debug, info (one line per PPO step), warning or error. Below debug, Ray's, vLLM's and transformers' own messages are cut to errors."""
-    metrics_report_interval_ms: int = 1000
+    metrics_report_interval_ms: int = knob(1000, LOGGING)
     """How often Ray exports the driver's ray_ppo_* metrics to the node's Prometheus endpoint (Ray's own metrics_report_interval_ms, default 10000; at least 1000, Ray's floor): 1000 shows every step of a 2 s step to a scraper that polls each second. Set in the driver's environment before ray.init (RAY_metrics_report_interval_ms), so it also applies to a Ray that launch.py starts; a Ray the caller initialised first keeps its own. Prometheus sees one value per scrape_interval: per-step curves are exact in TensorBoard and metrics.jsonl."""
-    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    report_to: list[str] = knob(fresh(lambda: ["tensorboard"]), LOGGING)
     """Experiment trackers that receive each step's scalars and the eval samples: tensorboard (event files in <run_dir>/tensorboard), wandb (needs `pip install 'ppo-ray[wandb]'`; its own WANDB_* environment, and the wandb_* fields), or [] for none."""
-    wandb_project: Optional[str] = None
+    wandb_project: Optional[str] = knob(None, LOGGING, check=not_empty(null="null = default"))
     """Weights & Biases project of the run (report_to: wandb); None = $WANDB_PROJECT, else ppo-ray."""
-    wandb_name: Optional[str] = None
+    wandb_name: Optional[str] = knob(None, LOGGING, check=not_empty(null="null = default"))
     """wandb run name; None = the run directory's name."""
-    wandb_group: Optional[str] = None
+    wandb_group: Optional[str] = knob(None, LOGGING, check=not_empty(null="null = default"))
     """wandb group to file the run under (runs of one sweep or comparison, shown together); None = no group."""
-    wandb_tags: list[str] = field(default_factory=list)
+    wandb_tags: list[str] = knob(fresh(list), LOGGING)
     """wandb tags of the run (filters in wandb's run table)."""
-    checkpoint_every: int = 50
+    checkpoint_every: int = knob(50, LOGGING)
     """Checkpoint every N steps into <run_dir>/checkpoints (and at the end, and after checkpoint_every_minutes); 0 = no step rule."""
-    checkpoint_every_minutes: float = 30.0
+    checkpoint_every_minutes: float = knob(30.0, LOGGING)
     """Also checkpoint when this many minutes have passed since the last checkpoint (or the run's start); 0 = no time rule."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = knob(2, LOGGING)
     """How many of the newest checkpoints to keep (older ones are deleted after a new one is complete)."""
-    max_actor_restarts: int = 3
+    max_actor_restarts: int = knob(3, FAULTS)
     """Ray restarts a dead generator/reference/reward/learner actor up to this many times."""
-    max_step_retries: int = 2
+    max_step_retries: int = knob(2, FAULTS)
     """A step whose actor died is retried (after the restart) up to this many times, and so is every other call to the actors (the sync and its check, an evaluation, a checkpoint's state fetch, a restore); then the run fails."""
 
     # ---------------------------------------------------------------- placement and engines
-    num_generators: int = 1
+    num_generators: int = knob(1, RESOURCES, check=at_least(1))
     """vLLM generator replicas; prompts are split across them."""
-    generator_num_cpus: Optional[float] = None
+    generator_num_cpus: Optional[float] = knob(None, RESOURCES, check=at_least(0, null="null = auto"))
     """CPUs reserved per generator actor; None = auto: 1 when the run uses a GPU, 0 on a CPU-only run, where the generator then takes every core of its node for its torch threads, on which vLLM's in-process CPU engine computes (its phases take turns on the cores; halved under overlap_generation; PPOConfig.cpu_share). A number = that reservation and Ray's rule: torch threads = the CPUs reserved."""
-    generator_num_gpus: float = 0.0
+    generator_num_gpus: float = knob(0.0, RESOURCES, GENERATOR, gpu=True, check=at_least(0))
     """GPUs (fractional allowed) per generator actor; 0 on a CPU-only machine."""
-    num_learners: int = 1
+    num_learners: int = knob(1, RESOURCES, check=at_least(1))
     """Learner workers training one policy data-parallel (torch.distributed: gloo on CPUs, NCCL on GPUs); each takes a shard of every minibatch and the gradients are all-reduced."""
-    learner_num_cpus: Optional[float] = None
+    learner_num_cpus: Optional[float] = knob(None, RESOURCES, check=at_least(0, null="null = auto"))
     """CPUs reserved per learner actor; None = auto: 1 when the run uses a GPU, 0 on a CPU-only run, where the learner then takes every core of its node for its torch threads (shared with the other learners, and with the generator under overlap_generation; PPOConfig.cpu_share). A number = that reservation and Ray's rule: torch threads = the CPUs reserved."""
-    learner_num_gpus: float = 0.0
+    learner_num_gpus: float = knob(0.0, RESOURCES, gpu=True, check=at_least(0))
     """GPUs per learner actor."""
-    scorer_num_cpus: float = 0.0
+    scorer_num_cpus: float = knob(0.0, RESOURCES, check=at_least(0))
     """CPUs reserved per scorer actor (reference, reward); they are idle while others run."""
-    scorer_num_gpus: float = 0.0
+    scorer_num_gpus: float = knob(0.0, RESOURCES, gpu=True, check=at_least(0))
     """GPUs per scorer actor."""
-    scorer_torch_threads: int = 0
+    scorer_torch_threads: int = knob(0, RESOURCES, REFERENCE, REWARD)
     """torch CPU threads in each scorer actor; 0 = auto: on a CPU-only run whose scorers reserve no CPU (scorer_num_cpus 0), half the node's cores each (the reference and reward actors run at the same time, while the generator and the learner wait; a quarter under overlap_generation); otherwise Ray's rule (OMP_NUM_THREADS from scorer_num_cpus, 1 thread when it reserves under 2 CPUs). Keep twice this within the cores: on 2 cores, 2 threads each made both 3x slower (benchmarks/RESULTS.md, old_logprobs section)."""
-    cpu_malloc_keep: bool = True
+    cpu_malloc_keep: bool = knob(True, RESOURCES)
     """CPU-only runs: the actors' and the SFT / reward-model stage tasks' glibc malloc keeps the memory they free for their next allocations (MALLOC_MMAP_THRESHOLD_ 32 MiB, MALLOC_TRIM_THRESHOLD_ 1 GiB, MALLOC_TOP_PAD_ 16 MiB) instead of giving it back to the system and faulting it in again, zeroed, at the next micro-batch: the 25M peer step 0.9x on a 2-core AMD VM and 0.97x on a 2-core Intel one, the Qwen3 preset on the CPU 0.85x (benchmarks/RESULTS.md, "malloc kept" and "cpu_malloc_keep's memory"). What a process keeps beyond its live memory: at most 1 GiB free at the top of its heap (a free that leaves more there gives it back down to 16 MiB), and the free chunks between live ones, which glibc keeps under any setting (off too); an allocation of 32 MiB or more that the heap's free top cannot hold is given back when freed. So each process stays near its own peak, on or off, and a node holds the sum of its processes' peaks (per actor, on and off, for the main job, the 25M peer work and the Qwen3 preset on the CPU: benchmarks/RESULTS.md, "cpu_malloc_keep's memory"). A variable already set in the driver's environment wins; false = glibc's defaults; a run with a GPU keeps them."""
-    placement_strategy: str = "PACK"
+    placement_strategy: str = knob("PACK", RESOURCES, choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
     """Ray placement-group strategy for the actors' bundles (one per actor): PACK (as few nodes as possible), SPREAD, STRICT_PACK (one node) or STRICT_SPREAD (one node per actor)."""
-    generator_resources: dict[str, float] = field(default_factory=dict)
+    generator_resources: dict[str, float] = knob(fresh(dict), RESOURCES, check=custom_resources)
     """Custom Ray resources per generator actor, e.g. {gpu_node: 0.01}: only nodes that advertise them (ray start --resources) host it."""
-    learner_resources: dict[str, float] = field(default_factory=dict)
+    learner_resources: dict[str, float] = knob(fresh(dict), RESOURCES, check=custom_resources)
     """Custom Ray resources per learner actor (see generator_resources)."""
-    scorer_resources: dict[str, float] = field(default_factory=dict)
+    scorer_resources: dict[str, float] = knob(fresh(dict), RESOURCES, check=custom_resources)
     """Custom Ray resources per scorer actor, reference and reward (see generator_resources)."""
-    placement_timeout_s: float = 60.0
+    placement_timeout_s: float = knob(60.0, RESOURCES)
     """Seconds to wait for the cluster to reserve every actor's resources; then a ClusterError names what did not fit."""
-    overlap_generation: bool = False
+    overlap_generation: bool = knob(False, GENERATION, LEARNER)
     """Generate step k+1's rollouts while the learner trains on step k: rollouts are one LoRA version stale and the PPO ratio uses the generator's (behaviour) logprobs."""
-    lora_sync: str = "auto"
+    lora_sync: str = knob("auto", GENERATION, GENERATOR, choices=("auto", *LORA_SYNC_MODES))
     """How the generator takes new LoRA weights: adapter (a vLLM LoRARequest per version), merged (W0 + scale*B@A loaded into the engine's weights: base-model generation speed; the prefix cache is reset after every load) or auto (PPOConfig.lora_sync_mode: merged for a generator on the CPU, where vLLM's LoRA path made the peer work's generation 4.6x slower on the tiny model and 6x on the 25M one, benchmarks/RESULTS.md, "fast by default on the CPU"; adapter on a GPU, where merged is not measured)."""
-    vllm_kv_cache_gib: Optional[float] = None
+    vllm_kv_cache_gib: Optional[float] = knob(None, GENERATION, GENERATOR)
     """KV-cache size for vLLM on the CPU in GiB; None = a small default."""
-    vllm_gpu_memory_utilization: float = 0.3
+    vllm_gpu_memory_utilization: float = knob(0.3, GENERATION, GENERATOR)
     """Fraction of GPU memory vLLM may take on a GPU (it shares the device with the learner by default)."""
-    vllm_enforce_eager: Optional[bool] = None
+    vllm_enforce_eager: Optional[bool] = knob(None, GENERATION, GENERATOR)
     """vLLM's enforce_eager: True = no CUDA graphs / torch.compile (fast engine start, slower decode); None = eager on the CPU (no graphs there), graphs on a GPU."""
-    model_transfer: str = "ray"
+    model_transfer: str = knob("ray", RESOURCES, choices=("ray", "path"))
     """How a model directory on the driver's node (the pipeline's sft/ and rm/, a local path, the embedded model) reaches actors and stage tasks on other nodes: ray (its files go through Ray's object store into a per-node cache, keyed by content hash; no shared storage needed) or path (every node reads the same path: shared storage, checked on every node before any actor starts)."""
 
     # ------------------------------------------------------------------ validation
@@ -381,26 +514,19 @@ class PPOConfig:
             if not ok:
                 raise ConfigError(f"config field '{name}' = {getattr(self, name)!r} is invalid: {rule}")
 
-        for name in ("gamma", "lam", "bundled_ideal_fraction", "logprob_gap_outside_tolerance"):
-            need(0.0 <= getattr(self, name) <= 1.0, name, "must be in [0, 1]")
+        self._validate_declared(need)
         need(self.clip_epsilon > 0, "clip_epsilon", "must be > 0")
         need(self.kl_coef >= 0, "kl_coef", "must be >= 0")
         need(self.temperature >= MIN_TEMPERATURE, "temperature",
              f"must be >= {MIN_TEMPERATURE} (PPO samples; greedy is not a policy)")
         need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         need(self.top_k == -1 or self.top_k >= 0, "top_k", "must be >= 0 (0 or -1 = off)")
-        for name in ("batch_size", "lora_r", "lora_alpha", "max_new_tokens", "ppo_epochs", "sft_epochs",
-                     "rm_epochs", "stage_batch_size", "eval_size",
-                     "micro_batch_size", "max_prompt_length", "num_generators", "num_learners", "steps"):
-            need(getattr(self, name) >= 1, name, "must be >= 1")
         need(self.scorer_torch_threads >= 0, "scorer_torch_threads", "must be >= 0 (0 = auto)")
         need(self.lora_r <= max(VLLM_LORA_RANKS), "lora_r",
              f"must be <= {max(VLLM_LORA_RANKS)}, the largest LoRA rank the vLLM generator supports "
              f"(its max_lora_rank is one of {list(VLLM_LORA_RANKS)})")
         need(0.0 <= self.lora_dropout < 1.0, "lora_dropout", "must be in [0, 1)")
         need(self.eval_every >= 0, "eval_every", "must be >= 0")
-        for name in ("learning_rate", "value_learning_rate", "sft_learning_rate", "rm_learning_rate"):
-            need(getattr(self, name) > 0, name, "must be > 0")
         need(self.mini_batch_size is None or 1 <= self.mini_batch_size <= self.batch_size,
              "mini_batch_size", f"must be in [1, batch_size={self.batch_size}]")
         mb = self.mini_batch_size or self.batch_size
@@ -412,12 +538,6 @@ class PPOConfig:
         need(self.value_clip is None or self.value_clip > 0, "value_clip", "must be > 0 or null")
         need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or null")
         need(self.entropy_coef >= 0, "entropy_coef", "must be >= 0")
-        # Where A < 0 the bound -c * A replaces the PPO-clip loss -A * rho once rho > c: below
-        # 1 + clip_epsilon it would cut the gradient of tokens inside the trust region.
-        need(self.dual_clip is None or (math.isfinite(self.dual_clip) and self.dual_clip >= 1 + self.clip_epsilon),
-             "dual_clip", f"must be >= 1 + clip_epsilon = {1 + self.clip_epsilon:g} or null (null = off): a token "
-             "with a negative advantage and a ratio in (dual_clip, 1 + clip_epsilon], inside the trust region, "
-             "would lose its gradient")
         need(math.isfinite(self.is_cap) and self.is_cap > 1, "is_cap", "must be > 1")
         if self.is_correction != "none":
             need(self.old_logprobs in ("learner", "auto"), "is_correction",
@@ -426,14 +546,6 @@ class PPOConfig:
             need(not self.overlap_generation, "is_correction",
                  "cannot be combined with overlap_generation: its stale steps already take the generator's "
                  "logprobs as the PPO ratio's denominator (the trust region is around what was sampled)")
-        if self.advantage_estimator == "grpo" and not self.grpo_norm_std:
-            need(self.loss_agg == "token_mean", "grpo_norm_std",
-                 f"false (Dr. GRPO) needs loss_agg: token_mean (got {self.loss_agg}): Dr. GRPO (Liu et al. 2025) "
-                 "removes both of GRPO's biases, the std division and the per-response 1/|o_i| length "
-                 "normalisation, which seq_mean_token_mean applies (it favours long responses among those with "
-                 "negative advantages); token_mean weighs every token of a minibatch alike (the paper divides by a "
-                 "constant, the generation budget; token_mean by the minibatch's token count, the same for all "
-                 "its responses)")
         if self.kl_in_loss:
             need(self.top_k in (0, -1) and self.top_p == 1.0, "kl_in_loss",
                  f"needs untruncated sampling (top_k 0 and top_p 1.0; got top_k={self.top_k}, top_p={self.top_p}): "
@@ -471,18 +583,6 @@ class PPOConfig:
         need(self.max_step_retries >= 0, "max_step_retries", "must be >= 0")
         need(self.vllm_kv_cache_gib is None or self.vllm_kv_cache_gib > 0, "vllm_kv_cache_gib", "must be > 0 or null")
         need(0.0 < self.vllm_gpu_memory_utilization <= 1.0, "vllm_gpu_memory_utilization", "must be in (0, 1]")
-        for name in ("generator_num_gpus", "learner_num_gpus", "scorer_num_cpus", "scorer_num_gpus"):
-            need(getattr(self, name) >= 0, name, "must be >= 0")
-        for name in ("generator_num_cpus", "learner_num_cpus"):
-            need(getattr(self, name) is None or getattr(self, name) >= 0, name, "must be >= 0 or null (null = auto)")
-        for name in ("generator_resources", "learner_resources", "scorer_resources", "stage_resources"):
-            for key, amount in (getattr(self, name) or {}).items():
-                # CPU and GPU have their own fields; Ray refuses them in `resources` too.
-                need(key not in ("CPU", "GPU", "memory", "object_store_memory"), name,
-                     f"{key!r} is not a custom resource (use the *_num_cpus / *_num_gpus fields)")
-                need(bool(key.strip()), name, "resource names must not be empty")
-                # Ray counts resources in units of 1e-4 and rejects finer amounts.
-                need(math.isfinite(amount) and amount >= 1e-4, name, f"{key}: amounts must be finite and >= 0.0001")
         need(self.placement_timeout_s > 0, "placement_timeout_s", "must be > 0")
         need(self.kl_target is None or (math.isfinite(self.kl_target) and self.kl_target > 0), "kl_target",
              "must be > 0 or null (null = fixed kl_coef)")
@@ -491,41 +591,12 @@ class PPOConfig:
         need(self.kl_horizon >= self.batch_size, "kl_horizon",
              f"must be >= batch_size={self.batch_size} (a step then changes the coefficient by at most 20%)")
         need(self.eval_samples >= 0, "eval_samples", "must be >= 0 (0 = off)")
-        for name in ("stage_num_cpus", "stage_num_gpus"):
-            need(getattr(self, name) is None or getattr(self, name) >= 0, name, "must be >= 0 or null")
         need(self.metrics_report_interval_ms >= 1000, "metrics_report_interval_ms",
              "must be >= 1000 (Ray exports metrics at most once a second)")
         for tracker in self.report_to:
             need(tracker in REPORT_TO, "report_to", f"{tracker!r}: trackers are {list(REPORT_TO)} ([] = none)")
-        for name in ("wandb_project", "wandb_name", "wandb_group"):
-            value = getattr(self, name)
-            need(value is None or bool(value.strip()), name, "must not be empty (null = default)")
         need(all(tag.strip() for tag in self.wandb_tags), "wandb_tags", "must not hold an empty tag")
-        choices = {
-            "kl_estimator": KL_KINDS,
-            "reward_shaping": REWARD_MODES,
-            "loss_agg": LOSS_AGG_MODES,
-            "is_correction": IS_CORRECTIONS,
-            "is_level": IS_LEVELS,
-            "nonfinite_reward": ("error", "drop"),
-            "logprob_gap_check": ("resync", "error", "warn", "off"),
-            "old_logprobs": ("auto", "learner", "generator"),
-            "old_values": ("auto", "forward", "update"),
-            "value_model": ("separate", "shared"),
-            "prompt_truncation": TRUNCATION_MODES,
-            "lora_sync": ("auto", *LORA_SYNC_MODES),
-            "placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
-            "dtype": DTYPE_NAMES,
-            "learner_layout": ("masked", "causal"),
-            "lora_kernel": ("peft", "fused", "merged"),
-            "learner_compile_scope": ("layer", "decoder"),
-            "rms_norm_kernel": ("hf", "fused"),
-            "lr_scheduler": ("constant", "linear"),
-            "log_level": LOG_LEVELS,
-            "model_transfer": ("ray", "path"),
-        }
-        for name, allowed in choices.items():
-            need(getattr(self, name) in allowed, name, f"must be one of {list(allowed)}")
+        self._validate_estimator()
         self._validate_data_sources(need)
         need(len(self.lora_target_modules) > 0, "lora_target_modules", "must name at least one module")
         for spec in self.reward_funcs:
@@ -535,25 +606,40 @@ class PPOConfig:
              f"needs one weight per reward source ({n_sources}: reward model first, then reward_funcs)")
         need(all(math.isfinite(w) for w in self.reward_weights), "reward_weights", "must be finite")
 
+    def _validate_declared(self, need) -> None:
+        """Each field's declared choices and rules (knob's choices and check; a registered
+        parameter's only when its estimator or loss is selected), before the rules that relate
+        fields (which may divide by one)."""
+        for f in dataclasses.fields(self):
+            owner, value = f.metadata["owner"], getattr(self, f.name)
+            if owner is not None and getattr(self, owner[0]) != owner[1]:
+                continue
+            allowed = f.metadata["choices"]
+            if allowed is not None and value is not None:
+                need(value in allowed, f.name, f"must be one of {list(allowed)}")
+            for rule in f.metadata["check"]:
+                names = [n for n, q in inspect.signature(rule).parameters.items() if q.kind is q.KEYWORD_ONLY]
+                why = rule(value, **{n: getattr(self, n) for n in names})
+                need(why is None, f.name, why)
+
+    def _validate_estimator(self) -> None:
+        """The estimator's rules (learner.algos.check_estimator_config)."""
+        try:
+            check_estimator_config(advantage_estimator(self.advantage_estimator),
+                                   samples_per_prompt=self.samples_per_prompt, whiten_rewards=self.whiten_rewards,
+                                   reward_shaping=self.reward_shaping)
+        except ValueError as e:
+            raise ConfigError(f"config: {e}") from None
+
     def _validate_data_sources(self, need) -> None:
-        for name in ("dataset", "prompt_column", "sft_dataset", "preference_dataset", "train_split", "eval_split"):
-            need(bool(getattr(self, name).strip()), name, "must not be empty")
         need(self.eval_split != self.train_split, "eval_split",
              f"must differ from train_split={self.train_split!r} (held-out numbers on training data mean nothing)")
         # The SFT model, its reward model and the PPO prompts must come from one task.
         need((self.sft_dataset == "bundled") == (self.preference_dataset == "bundled"), "preference_dataset",
              f"must be 'bundled' exactly when sft_dataset is (sft_dataset = {self.sft_dataset!r})")
-        for name in ("sft_dataset", "preference_dataset"):
-            source = getattr(self, name)
-            # One local file is one split; train and eval need two.
-            need(not source.endswith(DATA_FILE_SUFFIXES) or "{split}" in source, name,
-                 "a local file holds one split: put {split} in the path (data/sft_{split}.jsonl) or name a "
-                 f"folder holding {self.train_split}.jsonl and {self.eval_split}.jsonl (or .parquet)")
         need(self.data_max_rows is None or self.data_max_rows >= 1, "data_max_rows", "must be >= 1 or null")
         need(self.stage_micro_batch_size is None or self.stage_micro_batch_size >= 1, "stage_micro_batch_size",
              "must be >= 1 or null")
-        need(self.stage_dtype is None or self.stage_dtype in DTYPE_NAMES, "stage_dtype",
-             f"must be one of {list(DTYPE_NAMES)} or null")
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -684,9 +770,11 @@ class PPOConfig:
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
-    def slice(self, role: str, names: Sequence[str]) -> "ConfigSlice":
-        """The fields `names` only, read-only, for one actor (`role` names it in errors): what
-        placement pickles into that actor instead of the whole config."""
+    def slice(self, role: str, names: Optional[Sequence[str]] = None) -> "ConfigSlice":
+        """The fields `names` (None = the fields declared with `role`: role_fields) only,
+        read-only, for one actor (`role` names it in errors): what placement pickles into that
+        actor instead of the whole config."""
+        names = role_fields(role) if names is None else names
         _check_keys(dict.fromkeys(names), source=f"config slice {role!r}")
         return ConfigSlice(role, {name: getattr(self, name) for name in names})
 
@@ -695,7 +783,7 @@ class ConfigSlice:
     """Some of a PPOConfig's fields, read-only: the part of the config one actor reads.
 
     Reading a field outside the slice raises AttributeError naming the field and the slice
-    (add it to that role's CONFIG_FIELDS). PPOConfig's derived values (effective_mini_batch_size,
+    (declare the role at the field: knob's roles). PPOConfig's derived values (effective_mini_batch_size,
     lora_scaling, logprob_gap_limit, ...) work when the fields they read are in the slice: they
     run PPOConfig's own property on it (one home of each rule).
     """
@@ -768,71 +856,44 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- sections, docs, the CLI
-# The fields by section, for `launch.py --help` and docs/CONFIG.md's tables (the class keeps the
-# seeds' block first, so sections cut across its order). Every field is in exactly one section
-# (field_sections() checks).
-SECTIONS: dict[str, tuple[str, ...]] = {
-    "model and LoRA": (
-        "model_name", "ref_model_name", "value_model_name", "value_model", "dtype",
-        "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"),
-    "PPO algorithm": (
-        "steps", "batch_size", "ppo_epochs", "mini_batch_size", "micro_batch_size", "learning_rate",
-        "value_learning_rate", "lr_scheduler", "gamma", "lam", "clip_epsilon", "value_clip", "vf_coef",
-        "max_grad_norm", "advantage_estimator", "samples_per_prompt", "grpo_norm_std", "whiten_advantages",
-        "whiten_rewards", "kl_coef", "kl_estimator", "kl_target", "kl_horizon", "entropy_coef", "loss_agg", "dual_clip",
-        "kl_in_loss", "is_correction", "is_cap", "is_level", "ppo_dropout", "logprob_gap_check",
-        "logprob_gap_tolerance", "logprob_gap_outside_tolerance", "old_logprobs", "old_logprobs_check_every",
-        "old_values", "seed"),
-    "generation": (
-        "max_new_tokens", "temperature", "top_k", "top_p", "overlap_generation", "lora_sync",
-        "vllm_kv_cache_gib", "vllm_gpu_memory_utilization", "vllm_enforce_eager"),
-    "rewards": (
-        "reward_model_name", "reward_funcs", "reward_weights", "reward_shaping", "missing_eos_penalty",
-        "nonfinite_reward"),
-    "data": (
-        "dataset", "prompt_column", "max_prompt_length", "prompt_truncation", "apply_chat_template",
-        "sft_dataset", "preference_dataset", "preference_config", "train_split", "eval_split",
-        "data_max_rows", "bundled_ideal_fraction"),
-    "SFT and reward-model stages": (
-        "sft_epochs", "sft_learning_rate", "rm_epochs", "rm_learning_rate", "stage_batch_size",
-        "stage_micro_batch_size", "stage_dtype", "stage_num_cpus", "stage_num_gpus", "stage_resources"),
-    "evaluation": ("eval_every", "eval_size", "eval_samples"),
-    "resources and placement": (
-        "num_generators", "generator_num_cpus", "generator_num_gpus", "generator_resources",
-        "num_learners", "learner_num_cpus", "learner_num_gpus", "learner_resources",
-        "scorer_num_cpus", "scorer_num_gpus", "scorer_resources", "scorer_torch_threads", "cpu_malloc_keep",
-        "placement_strategy", "placement_timeout_s", "model_transfer"),
-    "fault tolerance": ("max_actor_restarts", "max_step_retries"),
-    "checkpoints and logging": (
-        "output_dir", "checkpoint_every", "checkpoint_every_minutes", "keep_checkpoints", "log_level",
-        "metrics_report_interval_ms", "report_to", "wandb_project", "wandb_name", "wandb_group", "wandb_tags"),
-    "learner speed (same math up to rounding; defaults = the options measured faster)": (
-        "learner_sort_by_length", "learner_layout", "logprob_chunk_size", "rms_norm_kernel",
-        "gradient_checkpointing", "lora_kernel", "learner_compile", "learner_compile_scope"),
-}
-
-
 @functools.lru_cache(maxsize=None)
 def field_docs() -> dict[str, str]:
-    """Each field's doc: the attribute docstring under it in PPOConfig's source (their one home;
-    --help and docs/CONFIG.md's tables print them)."""
+    """Each field's doc: the attribute docstring under it in PPOConfig's source, or a registered
+    parameter's own (knob's doc): their one home; --help and docs/CONFIG.md's tables print them."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(PPOConfig)))
     body = tree.body[0].body
-    return {stmt.target.id: doc.value.value for stmt, doc in zip(body, body[1:])
+    docs = {stmt.target.id: doc.value.value for stmt, doc in zip(body, body[1:])
             if isinstance(stmt, ast.AnnAssign) and isinstance(doc, ast.Expr)
             and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
+    return {f.name: f.metadata["doc"] or docs[f.name] for f in dataclasses.fields(PPOConfig)}
 
 
 def field_sections() -> list[tuple[str, list[dataclasses.Field]]]:
-    """PPOConfig's fields grouped by SECTIONS, in SECTIONS' order."""
-    fields = {f.name: f for f in dataclasses.fields(PPOConfig)}
-    listed = [name for names in SECTIONS.values() for name in names]
-    missing, unknown = fields.keys() - set(listed), set(listed) - fields.keys()
-    twice = {name for name in listed if listed.count(name) > 1}
-    if missing or unknown or twice:
-        raise RuntimeError(f"config.SECTIONS: fields without a section {sorted(missing)}, "
-                           f"unknown {sorted(unknown)}, in two sections {sorted(twice)}")
-    return [(title, [fields[name] for name in names]) for title, names in SECTIONS.items()]
+    """PPOConfig's fields grouped by their sections (knob's section), in SECTIONS' order, each
+    section's fields in the class's order."""
+    fields = dataclasses.fields(PPOConfig)
+    return [(title, [f for f in fields if f.metadata["section"] == title]) for title in SECTIONS]
+
+
+def fields_where(kind: str) -> tuple[str, ...]:
+    """The names of the fields declared with `kind` (knob's must_match, path, model or gpu)."""
+    return tuple(f.name for f in dataclasses.fields(PPOConfig) if f.metadata[kind])
+
+
+def role_fields(role: str) -> tuple[str, ...]:
+    """The fields the `role` actor reads (knob's roles): its config slice (PPOConfig.slice)."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; roles: {ROLES}")
+    return tuple(f.name for f in dataclasses.fields(PPOConfig) if role in f.metadata["roles"])
+
+
+# What the system acts on by kind, derived from the declarations: a resume must keep these;
+# these may name a path inside the run directory; these name a model a checkpoint fingerprints;
+# these put a role or stage on GPUs.
+MUST_MATCH = fields_where("must_match")
+PATH_FIELDS = fields_where("path")
+MODEL_FIELDS = fields_where("model")
+GPU_FIELDS = fields_where("gpu")
 
 
 def type_name(hint: Any) -> str:
@@ -865,6 +926,18 @@ def fields_markdown() -> str:
         out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
         out.append("")
     return "\n".join(out)
+
+
+CONFIG_DOCS_MARKERS = ("<!-- config-fields: begin -->\n", "<!-- config-fields: end -->")
+
+
+def write_config_docs(path: str | Path = "docs/CONFIG.md") -> None:
+    """Put fields_markdown() between docs/CONFIG.md's markers (after a field, a registered
+    parameter or a doc changed): python -c 'from ppo_ray.config import write_config_docs; write_config_docs()'."""
+    path = Path(path)
+    begin, end = CONFIG_DOCS_MARKERS
+    head, rest = path.read_text().split(begin, 1)
+    path.write_text(head + begin + fields_markdown() + "\n" + end + rest.split(end, 1)[1])
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):

@@ -659,11 +659,9 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
     namespace, which the dashboard's Actors page does not show, so the name is what tells two
     runs on one cluster apart. An advantage estimator without a critic gets no value model:
     none is shipped or loaded."""
-    from learner.algos import advantage_estimator, check_estimator_config
+    from learner.algos import advantage_estimator
 
-    estimator = advantage_estimator(config.advantage_estimator)
-    check_estimator_config(estimator, samples_per_prompt=config.samples_per_prompt,  # before any actor starts
-                           whiten_rewards=config.whiten_rewards, reward_shaping=config.reward_shaping)
+    estimator = advantage_estimator(config.advantage_estimator)  # its rules were checked with the config
     if not estimator.needs_critic:
         value_model_dir = None
     demands = role_demands(config)
@@ -708,21 +706,14 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=index[i]))
 
-    # Each actor gets the config fields its role reads (CONFIG_FIELDS next to its class), not
-    # the whole config.
-    from actors.generator import Generator
-    from actors.reference import ReferenceScorer
-    from actors.reward import RewardScorer
-    from learner.learner import Learner
-
+    # Each actor gets the config fields its role reads (each field declares its roles:
+    # ppo_ray.config.knob), not the whole config.
     n_gen = config.num_generators
-    gen_config = config.slice("generator", Generator.CONFIG_FIELDS)
-    learner_config = config.slice("learner", Learner.CONFIG_FIELDS)
+    gen_config = config.slice("generator")
+    learner_config = config.slice("learner")
     gens = [ray.remote(GeneratorHost).options(**opts(i)).remote(gen_config, model_dir) for i in range(n_gen)]
-    ref = ray.remote(ReferenceHost).options(**opts(n_gen)).remote(
-        config.slice("reference", ReferenceScorer.CONFIG_FIELDS), ref_model_dir)
-    rew = ray.remote(RewardHost).options(**opts(n_gen + 1)).remote(
-        config.slice("reward", RewardScorer.CONFIG_FIELDS), reward_model_dir)
+    ref = ray.remote(ReferenceHost).options(**opts(n_gen)).remote(config.slice("reference"), ref_model_dir)
+    rew = ray.remote(RewardHost).options(**opts(n_gen + 1)).remote(config.slice("reward"), reward_model_dir)
     learners = [ray.remote(LearnerHost).options(**opts(n_gen + 2 + i)).remote(learner_config, model_dir, value_model_dir)
                 for i in range(config.num_learners)]
     roles = Roles(gens, ref, rew, learners, pg, store)

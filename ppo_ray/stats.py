@@ -102,8 +102,8 @@ class Responses:
 class LearnerStats:
     """One Learner.update: means over real tokens (over minibatches for losses and norms).
     The critic's statistics (CRITIC_FIELDS) are None for an advantage estimator without a
-    critic (no value model exists), an option's own statistics (dual_clipfrac, kl_loss,
-    is_*) None when it is off; as_dict() leaves None out."""
+    critic (no value model exists), an option's own statistics (kl_loss, is_*) None when it
+    is off; as_dict() leaves None out."""
 
     # step 7, the PPO epochs
     policy_loss: float
@@ -116,8 +116,10 @@ class LearnerStats:
     policy_grad_norm: float          # before clipping
     value_grad_norm: Optional[float] = None
     first_minibatch_ratio_mean: float  # before any optimiser step: 1 up to rounding or the generator gap (old_logprobs)
-    dual_clipfrac: Optional[float] = None  # tokens whose loss dual_clip bounded (None: dual_clip off)
     kl_loss: Optional[float] = None  # kl_in_loss: the loss's k3 KL term before beta (None: KL in the reward)
+    # the policy loss's own statistics beyond the four every loss reports (its stats dataclass's
+    # other fields, learner.losses; e.g. ppo_clip's dual_clipfrac with dual_clip set), by name
+    loss_extra: dict[str, float] = dataclasses.field(default_factory=dict)
     # steps 1-6, the rollouts
     entropy: float                   # of the rollout policy, per token
     explained_variance: Optional[float] = None  # old values vs returns
@@ -150,8 +152,15 @@ class LearnerStats:
     version: int                     # the adapter version after the update
 
     def as_dict(self) -> dict[str, float]:
-        """The fields in order, without the critic's when there is none."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        """The fields in order (loss_extra's in its place, by their own names), without the
+        critic's when there is none and without an option's when it is off."""
+        out: dict[str, float] = {}
+        for k, v in dataclasses.asdict(self).items():
+            if k == "loss_extra":
+                out.update(v)
+            elif v is not None:
+                out[k] = v
+        return out
 
 
 # The critic's statistics: present exactly when the advantage estimator has a critic.

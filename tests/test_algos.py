@@ -22,11 +22,11 @@ from learner.algos import (
     masked_mean,
     masked_var,
     masked_whiten,
-    ppo_clip_loss,
     response_mask_from_ids,
     shape_rewards,
     value_loss,
 )
+from learner.losses import ppo_clip_loss
 from ppo_ray.logprobs import entropy_from_logits, logprobs_from_logits
 from tolerances import rounding_tol
 
@@ -341,17 +341,16 @@ def test_ppo_loss_at_ratio_one_is_reinforce_gradient():
     N = int(m.sum())
     assert torch.allclose(logp.grad, torch.where(m, -adv / N, 0.0), atol=1e-12)
     assert loss.item() == pytest.approx(-(torch.where(m, adv, 0.0).sum() / N).item())
-    assert stats["clipfrac"].item() == 0.0
-    assert stats["approx_kl"].item() == 0.0
-    for key in ("ratio_mean", "ratio_max", "ratio_min"):
-        assert stats[key].item() == 1.0
+    assert stats.clipfrac.item() == 0.0
+    assert stats.approx_kl.item() == 0.0
+    assert stats.ratio_mean.item() == 1.0
 
 
 def _single_token_ppo(log_ratio, adv, eps=0.2):
     logp = t64([[log_ratio]]).requires_grad_(True)
     loss, stats = ppo_clip_loss(logp, t64([[0.0]]), t64([[adv]]), torch.tensor([[True]]), eps)
     loss.backward()
-    return loss.item(), logp.grad.item(), stats["clipfrac"].item()
+    return loss.item(), logp.grad.item(), stats.clipfrac.item()
 
 
 @pytest.mark.parametrize(
@@ -393,22 +392,22 @@ def test_ppo_clip_engages_exactly_outside_range():
     assert torch.equal(zero_grad[0], ratios > 1 + eps)  # A > 0
     assert torch.equal(zero_grad[1], ratios < 1 - eps)  # A < 0
     expected_clipfrac = ((ratios > 1 + eps).sum() + (ratios < 1 - eps).sum()).item() / (2 * n)
-    assert stats["clipfrac"].item() == pytest.approx(expected_clipfrac)
+    assert stats.clipfrac.item() == pytest.approx(expected_clipfrac)
 
 
 def test_ppo_stats_known():
     logp = t64([[math.log(2.0), math.log(0.5), 7.0]])
     m = torch.tensor([[True, True, False]])
     _, stats = ppo_clip_loss(logp, torch.zeros(1, 3, dtype=F64), t64([[1.0, 1.0, 1.0]]), m, 0.2)
-    assert stats["ratio_mean"].item() == pytest.approx(1.25)
-    assert stats["ratio_max"].item() == pytest.approx(2.0)
-    assert stats["ratio_min"].item() == pytest.approx(0.5)
+    assert stats.ratio_mean.item() == pytest.approx(1.25)
     # CleanRL approx_kl: mean((rho - 1) - log rho)
     exp_kl = ((2 - 1 - math.log(2)) + (0.5 - 1 + math.log(2))) / 2
-    assert stats["approx_kl"].item() == pytest.approx(exp_kl)
-    assert stats["clipfrac"].item() == pytest.approx(0.5)  # ratio 2 clipped for A > 0
+    assert stats.approx_kl.item() == pytest.approx(exp_kl)
+    assert stats.clipfrac.item() == pytest.approx(0.5)  # ratio 2 clipped for A > 0
+    assert stats.outside_support_frac.item() == 0.0 and stats.dual_clipfrac is None  # dual_clip off
     _, empty = ppo_clip_loss(logp, logp, t64([[1.0, 1.0, 1.0]]), torch.zeros_like(m), 0.2)
-    assert all(v.item() == 0.0 for v in empty.values())
+    assert [name for name, _ in empty.items()] == ["approx_kl", "clipfrac", "ratio_mean", "outside_support_frac"]
+    assert all(v.item() == 0.0 for _, v in empty.items())
 
 
 # ----------------------------------------------------------------------------------------
@@ -529,8 +528,8 @@ def _outputs_and_grads(fn, inputs):
     out = fn(**leaves)
     outs = out if isinstance(out, (tuple, list)) else (out,)
     flat = []
-    for o in outs:
-        flat.extend(o.values() if isinstance(o, dict) else [o])
+    for o in outs:  # a dict of stats, a loss's stats dataclass (its set fields) or a tensor
+        flat.extend(o.values() if isinstance(o, dict) else [v for _, v in o.items()] if hasattr(o, "items") else [o])
     # a generic scalar objective over every output (masked outputs are 0 and finite)
     obj = sum((o.double() * (i + 1.3)).sum() for i, o in enumerate(flat) if o.requires_grad)
     grads = {}

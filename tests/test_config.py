@@ -262,8 +262,8 @@ def test_docs_list_every_field_by_section():
     text = (root / "docs" / "CONFIG.md").read_text()
     block = text.split("<!-- config-fields: begin -->\n", 1)[1].split("<!-- config-fields: end -->", 1)[0]
     assert block.strip() == fields_markdown().strip(), (
-        "docs/CONFIG.md's field tables are stale: replace the part between its markers with the output of "
-        "python -c 'from ppo_ray.config import fields_markdown; print(fields_markdown())'")
+        "docs/CONFIG.md's field tables are stale: rewrite them with "
+        "python -c 'from ppo_ray.config import write_config_docs; write_config_docs()'")
     assert "(docs/CONFIG.md)" in (root / "README.md").read_text(), "README.md no longer links docs/CONFIG.md"
 
 

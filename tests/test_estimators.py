@@ -66,7 +66,8 @@ def test_launch_refuses_an_unknown_estimator_before_anything_starts(tmp_path, ca
     import launch
 
     code = launch.main(["--config", "tiny", "--run_dir", str(tmp_path / "run"), "--advantage_estimator", "gea"])
-    assert code == 2 and "unknown estimator 'gea'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 2 and "'advantage_estimator' = 'gea' is invalid: must be one of ['gae', 'grpo'" in err, err
     assert not (tmp_path / "run").exists()
 
 

@@ -96,9 +96,11 @@ def random_groups(seed: int, T: int = 7):
 def run(name: str, scores, kl, mask, groups, beta: float, norm_std: bool = True) -> torch.Tensor:
     """The estimator on these inputs. rewards are NaN: a group estimator must not read them
     (its statistics are of the scores, its per-token term of the KL)."""
-    return advantage_estimator(name).fn(AdvantageInputs(
+    estimator = advantage_estimator(name)
+    params = {"grpo_norm_std": norm_std} if name == "grpo" else {}  # grpo's own parameter (its Param)
+    return estimator.fn(AdvantageInputs(
         rewards=torch.full(mask.shape, float("nan")), mask=mask, scores=scores, values=None, gamma=0.9, lam=0.8,
-        groups=groups, grpo_norm_std=norm_std, kl=kl, kl_coef=beta))
+        groups=groups, kl=kl, kl_coef=beta), **params)
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.1])

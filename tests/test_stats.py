@@ -15,6 +15,7 @@ from ppo_ray.stats import LearnerStats, StepResult, StepTiming
 def learner_stats(**changes) -> LearnerStats:
     values = {f.name: float(i) for i, f in enumerate(dataclasses.fields(LearnerStats))}
     values["version"] = 3
+    values["loss_extra"] = {"dual_clipfrac": 0.5}  # a loss's own statistic (learner.losses)
     return LearnerStats(**{**values, **changes})
 
 
@@ -53,7 +54,8 @@ def test_as_dict_is_the_flat_record_and_scalars_drop_the_lists():
     record = result.as_dict()
     assert record["time/step_s"] == 4.0 and record["tokens_per_s"] == 5.0
     assert record["score/reward_model"] == 2.0 and record["adapter_version"] == 3
-    assert set(dataclasses.asdict(result.learner)) <= set(record)
+    assert set(dataclasses.asdict(result.learner)) - {"loss_extra"} <= set(record)
+    assert record["dual_clipfrac"] == 0.5 and "loss_extra" not in record  # a loss's own statistics, flat
     small = result.scalars()
     assert "generated_texts" not in small and "rewards" not in small and small["step"] == 3
     json.dumps(small)  # one JSONL line
