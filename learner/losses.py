@@ -21,8 +21,8 @@ a 0-dim tensor, the mean over the call's ``inputs.mask`` tokens (the optimiser w
 by its token count and reports the step's means under the fields' names), or None where an
 option is off (left out of the step's statistics).
 
-References: [PPO] Schulman et al. 2017, eq. 7; [DualClip] Ye et al. 2020, eq. 5; [CleanRL] ppo.py
-(approx_kl, clipfrac).
+References: [PPO] Schulman et al. 2017, eq. 7; [DualClip] Ye et al. 2020, eq. 5; [GSPO] Zheng et
+al. 2025, "Group Sequence Policy Optimization", eqs. 5-7; [CleanRL] ppo.py (approx_kl, clipfrac).
 """
 
 from __future__ import annotations
@@ -232,3 +232,52 @@ def ppo_clip_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, ma
                                       {"dual_clip": dual_clip}, loss_agg=loss_agg, normalizer=normalizer,
                                       is_weights=weights)
     return loss, stats
+
+
+# --------------------------------------------------------------------------------------
+# GSPO: the sequence's ratio
+# --------------------------------------------------------------------------------------
+
+GSPO_LOG_RATIO_MAX = 10.0  # a sequence's log ratio is clamped to at most this before exp (verl clamps it too)
+
+
+def _gspo_clip_check(eps: float) -> Optional[str]:
+    return None if math.isfinite(eps) and 0 < eps < 1 else "must be in (0, 1)"
+
+
+@register_policy_loss("gspo", params=(
+    Param("gspo_clip_epsilon", float, 4e-4,
+          "gspo only: the trust region of GSPO's sequence ratio, clipped to [1 - eps, 1 + eps]. The sequence ratio "
+          "is the geometric mean of the response's token ratios, so it moves far less than one token's ratio and "
+          "takes a far smaller eps than clip_epsilon (Zheng et al. 2025: 3e-4 below, 4e-4 above; verl's GSPO "
+          "recipe the same). The paper's objective weighs every response alike: use it with loss_agg: "
+          "seq_mean_token_mean.", check=_gspo_clip_check),))
+def gspo(inputs: LossInputs, *, gspo_clip_epsilon: float = 4e-4) -> tuple[Tensor, PolicyLossStats]:
+    """GSPO ([GSPO] eqs. 5-7, "GSPO-token"): one importance ratio per response, the geometric mean
+    of its tokens' ratios, ``s_i = exp(mean_t log(pi(y_t) / pi_old(y_t)))`` over the row's tokens
+    of ``inputs.mask``, clipped as PPO clips a token's: per token ``max(-A_t * s_it, -A_t *
+    clip(s_it, 1 - eps, 1 + eps))`` with ``s_it = sg(s_i) * pi(y_t) / sg(pi(y_t))``, whose value
+    is ``s_i`` and whose gradient is ``s_i * grad log pi(y_t)``. With one advantage per response
+    (the paper's, GRPO's) that is exactly the gradient of ``-A_i * s_i`` summed over the row's
+    tokens; with per-token advantages (GAE) each token keeps its own ``A_t``. A whole response is
+    clipped or not: clipfrac is the share of tokens in clipped responses, ratio_mean the tokens'
+    mean of their response's ``s_i``. A token outside the support (logprob -inf after an update
+    under top-k / top-p) takes no part in its response's mean and gets no gradient. ``log s_i``
+    is clamped to at most GSPO_LOG_RATIO_MAX (a response whose probability grew e^10-fold per
+    token), so the ratio stays finite.
+    """
+    mask = check_mask(inputs.mask)
+    logprobs = inputs.logprobs
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    live = mask & torch.isfinite(logprobs)
+    logratio = torch.where(mask, logprobs - inputs.old_logprobs, zero)  # (B, T), -inf outside the support
+    live_logratio = torch.where(live, logratio, zero)
+    seq_logratio = live_logratio.sum(dim=-1, keepdim=True) / live.sum(dim=-1, keepdim=True).clamp(min=1)  # (B, 1)
+    live_logp = torch.where(live, logprobs, zero)
+    log_s = (seq_logratio.detach() + live_logp - live_logp.detach()).clamp(max=GSPO_LOG_RATIO_MAX)  # (B, T)
+    s = torch.exp(log_s)
+    adv = torch.where(mask, inputs.advantages.to(logprobs.dtype), zero)
+    unclipped = -adv * s
+    clipped = -adv * torch.clamp(s, 1.0 - gspo_clip_epsilon, 1.0 + gspo_clip_epsilon)
+    loss_mat = torch.maximum(unclipped, clipped)
+    return loss_mat, PolicyLossStats(**_ratio_stats(logratio, s, clipped > unclipped, mask))
