@@ -727,7 +727,7 @@ def test_podmonitor_scrapes_the_metrics_port_of_every_ray_pod_of_the_rayjob():
     """deploy/podmonitor.yaml (Prometheus Operator, after KubeRay's config/prometheus/podMonitor.yaml)
     selects every Ray pod of rayjob.yaml, scrapes the container port where the pod's
     metrics-export-port listens, labels the series with their cluster as Ray's dashboards
-    filter them, and carries the label README.md says kube-prometheus-stack selects by."""
+    filter them, and carries the label docs/MONITORING.md says kube-prometheus-stack selects by."""
     monitor = yaml.safe_load((DEPLOY / "podmonitor.yaml").read_text())
     assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
     # KubeRay labels every Ray pod, head and workers, ray.io/is-ray-node: "yes" (not the RayJob's
@@ -750,11 +750,11 @@ def test_podmonitor_scrapes_the_metrics_port_of_every_ray_pod_of_the_rayjob():
     dashboard = json.loads((DEPLOY / "grafana" / "ppo-ray.json").read_text())
     assert any(v["name"] == "Cluster" and "ray_io_cluster" in v["query"]["query"]
                for v in dashboard["templating"]["list"])
-    # kube-prometheus-stack's Prometheus selects monitors by their `release` label, as README says
-    readme = (ROOT / "README.md").read_text()
+    # kube-prometheus-stack's Prometheus selects monitors by their `release` label, as docs/MONITORING.md says
+    page = (ROOT / "docs" / "MONITORING.md").read_text()
     said = re.search(r"kube-prometheus-stack selects the PodMonitors labelled\s+with its Helm release's name; "
-                     r"the file's label is\s+`release: ([^`]+)`", readme)
-    assert said and "deploy/podmonitor.yaml" in readme, "README.md does not say which label the PodMonitor needs"
+                     r"the file's label is\s+`release: ([^`]+)`", page)
+    assert said and "deploy/podmonitor.yaml" in page, "docs/MONITORING.md does not say which label the PodMonitor needs"
     assert monitor["metadata"]["labels"] == {"release": said[1]}
 
 
