@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -513,6 +513,12 @@ class LearnerHost(_Host):
         return self.learner.version
 
 
+# The Ray actor class of each role kind. create_roles takes another mapping (PPOTrainer.hosts),
+# e.g. subclasses of these; every replica of a kind, and every restart, runs the same class.
+HOSTS: Mapping[str, type] = {"generator": GeneratorHost, "reference": ReferenceHost, "reward": RewardHost,
+                             "learner": LearnerHost}
+
+
 # ----------------------------------------------------------------------------- creation
 @dataclass(frozen=True)
 class Demand:
@@ -653,12 +659,12 @@ def reserve(config: PPOConfig, demands: list[Demand], name: str) -> tuple[Placem
 
 
 def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, reward_model_dir: str | None,
-                 value_model_dir: str | None, namespace: str) -> Roles:
+                 value_model_dir: str | None, namespace: str, hosts: Mapping[str, type] = HOSTS) -> Roles:
     """Create the actors, each in its bundle of one placement group (reserve), named
     <run tag>/<role>, e.g. ppo-1a2b3c4d/learner: `namespace` is the run tag and also their Ray
     namespace, which the dashboard's Actors page does not show, so the name is what tells two
-    runs on one cluster apart. An advantage estimator without a critic gets no value model:
-    none is shipped or loaded."""
+    runs on one cluster apart. `hosts`: the actor class of each role kind (HOSTS). An
+    advantage estimator without a critic gets no value model: none is shipped or loaded."""
     from learner.algos import advantage_estimator, check_estimator_config
 
     estimator = advantage_estimator(config.advantage_estimator)
@@ -718,13 +724,13 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
     n_gen = config.num_generators
     gen_config = config.slice("generator", Generator.CONFIG_FIELDS)
     learner_config = config.slice("learner", Learner.CONFIG_FIELDS)
-    gens = [ray.remote(GeneratorHost).options(**opts(i)).remote(gen_config, model_dir) for i in range(n_gen)]
-    ref = ray.remote(ReferenceHost).options(**opts(n_gen)).remote(
+    gens = [ray.remote(hosts["generator"]).options(**opts(i)).remote(gen_config, model_dir) for i in range(n_gen)]
+    ref = ray.remote(hosts["reference"]).options(**opts(n_gen)).remote(
         config.slice("reference", ReferenceScorer.CONFIG_FIELDS), ref_model_dir)
-    rew = ray.remote(RewardHost).options(**opts(n_gen + 1)).remote(
+    rew = ray.remote(hosts["reward"]).options(**opts(n_gen + 1)).remote(
         config.slice("reward", RewardScorer.CONFIG_FIELDS), reward_model_dir)
-    learners = [ray.remote(LearnerHost).options(**opts(n_gen + 2 + i)).remote(learner_config, model_dir, value_model_dir)
-                for i in range(config.num_learners)]
+    learners = [ray.remote(hosts["learner"]).options(**opts(n_gen + 2 + i)).remote(
+        learner_config, model_dir, value_model_dir) for i in range(config.num_learners)]
     roles = Roles(gens, ref, rew, learners, pg, store)
     try:
         wait_ready(roles)

@@ -33,7 +33,7 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from ppo_ray.batch import fresh_enough, staleness_limit
 from ppo_ray.checkpoint import (CheckpointError, Lineage, branch_from, check_own_lineage, checkpoint_root,
@@ -45,7 +45,7 @@ from ppo_ray.faults import BadSync, Fault
 from ppo_ray.metrics import TrainingMetrics
 from ppo_ray.modeling import check_context_length, load_tokenizer
 from ppo_ray.paths import resolve_model_path
-from ppo_ray.placement import create_roles, init_ray
+from ppo_ray.placement import HOSTS, create_roles, init_ray
 from ppo_ray.rewards import check_reward_sources
 from ppo_ray.roles import RETRYABLE, SAMPLING_SEED_STEP, Generation, Roles, Update, role_names
 from ppo_ray.runlock import RunLock
@@ -119,6 +119,10 @@ class _Uncommitted:
 
 
 class PPOTrainer:
+    # The Ray actor class of each role kind (ppo_ray.placement.HOSTS); a subclass may name
+    # subclasses of them.
+    hosts: Mapping[str, type] = HOSTS
+
     def __init__(self, config: PPOConfig, *, run_dir: str | Path | None = None):
         self.config = config
         # Everything that can fail cheaply fails before any actor starts.
@@ -163,7 +167,7 @@ class PPOTrainer:
         self.roles: Roles = create_roles(
             config, model_dir=self.model_dir, ref_model_dir=self.ref_model_dir,
             reward_model_dir=self.reward_model_dir, value_model_dir=self.value_model_dir,
-            namespace=self.namespace)
+            namespace=self.namespace, hosts=self.hosts)
         self.supervisor = Supervisor(self.roles, self.metrics, config.max_step_retries)
         # The committed state: steps done, the adapter version every generator holds, and the
         # driver's copy of the learner's state (ObjectRefs in the object store, never pulled
