@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import ConfigSlice, PPOConfig
-from ppo_ray.faults import FaultPoints, StateLostError, fault_point, perturbed
+from ppo_ray.faults import StateLostError
 from ppo_ray.logs import actor_logger, level_number, quiet_env, quiet_libraries, ray_logging_level, without_actor_lines
 from ppo_ray.roles import SAMPLING_SEED_STEP, Roles, form_learner_group, role_names
 from ppo_ray.stats import GenerationSummary, ReferenceStats, RewardStats, SyncReport
@@ -290,7 +290,7 @@ def _check_version(role_object, expected: int | None, what: str) -> None:
                        "(a lost or repeated sync)")
 
 
-class _Host(FaultPoints):
+class _Host:
     """The actor hosts' base: Ray labels an actor's lines with repr(actor), in its log files
     (`:actor_name:`) and where they are forwarded; the class name by default, here the actor's
     Ray name (<run tag>/<role>), so two runs' or two replicas' lines are told apart."""
@@ -318,7 +318,6 @@ class GeneratorHost(_Host):
         self.model_dir = local_model_dir(model_dir)
         self.generator = Generator.from_config(config, self.model_dir)
 
-    @fault_point
     @ray.method(num_returns=2)
     def generate(self, prompt_ids: list[list[int]], step: int, offset: int,
                  expected_version: int | None = None,
@@ -334,23 +333,11 @@ class GeneratorHost(_Host):
                       summary.version, tokens, summary.seconds, tokens / max(summary.seconds, 1e-9))
         return batch, summary
 
-    @fault_point
     def load_adapter(self, version: int, weights: LoraWeights, restore: bool = False) -> SyncReport:
-        bad = getattr(self, "_ppo_bad_sync", None)
-        if bad is not None:  # a test's injected bad sync (ppo_ray.faults.BadSync), once
-            self._ppo_bad_sync = None
-            if bad == "previous":  # the sync is lost: the old weights stay, the new version is reported
-                self.generator.version = version
-                return SyncReport(version=version, write_s=0.0, register_s=0.0, retire_s=0.0, nbytes=0.0)
-            weights = perturbed(weights)
         report = self.generator.load_adapter(version, weights, restore=restore)
         self.log.info("adapter v%d loaded%s: %.2f MB, write %.2f s, register %.2f s", report.version,
                       " (restore)" if restore else "", report.nbytes / 1e6, report.write_s, report.register_s)
         return report
-
-    def arm_bad_sync(self, kind: str) -> None:
-        """Tests: make the next load_adapter a bad sync of `kind` (ppo_ray.faults.BadSync)."""
-        self._ppo_bad_sync = kind
 
     def probe(self, prompt_ids: list[list[int]], expected_version: int) -> RolloutBatch:
         """The sync check's probe rollouts, sampled with the adapter version just loaded."""
@@ -416,7 +403,6 @@ class ReferenceHost(_Host):
         self.model_dir = local_model_dir(model_dir)
         self.scorer = ReferenceScorer.from_config(config, self.model_dir)
 
-    @fault_point
     @ray.method(num_returns=2)
     def logprobs(self, *parts: RolloutBatch) -> tuple["Tensor", ReferenceStats]:
         batch = RolloutBatch.cat(parts)
@@ -437,7 +423,6 @@ class RewardHost(_Host):
         self.model_dir = local_model_dir(reward_model_dir)
         self.scorer = RewardScorer.from_config(config, self.model_dir)
 
-    @fault_point
     @ray.method(num_returns=2)
     def score(self, *parts: RolloutBatch) -> tuple["Tensor", RewardStats]:
         batch = RolloutBatch.cat(parts)
@@ -479,7 +464,6 @@ class LearnerHost(_Host):
         generator needs."""
         return self.learner.version, self.learner.lora_weights()
 
-    @fault_point
     @ray.method(num_returns=3)
     def update(self, ref_logprobs, scores, *parts: RolloutBatch, expected_version: int | None = None,
                max_staleness: int | None = None, planned_steps: int | None = None):
