@@ -492,3 +492,24 @@ def test_fault_specs_are_checked():
         Fault("learner", 1, "update", "during")
     assert Fault("learner-1", 3, "update", "after").method == "update"
     assert Fault("generator-0", 3, "idle").method is None
+
+
+def test_fault_injection_lives_in_the_tests():
+    """The product carries no fault injection: the trainer, Roles and the hosts have none of
+    its names; tests/fault_injection.py's classes are subclasses of the product's, one per
+    role kind, whose fault points keep each method's Ray options (num_returns)."""
+    from fault_injection import FAULTY_HOSTS, FaultyTrainer
+    from ppo_ray.placement import HOSTS
+    from ppo_ray.trainer import PPOTrainer
+
+    hooks = {"inject_faults", "_prepare_faults", "arm_fault", "arm_bad_sync", "kill_now", "exit_now"}
+    for cls in (PPOTrainer, Roles, *HOSTS.values()):
+        assert not hooks & set(dir(cls)), f"{cls.__name__} has {sorted(hooks & set(dir(cls)))}"
+    assert PPOTrainer.hosts is HOSTS and FaultyTrainer.hosts is FAULTY_HOSTS
+    assert FAULTY_HOSTS.keys() == HOSTS.keys()
+    for kind, faulty in FAULTY_HOSTS.items():
+        assert issubclass(faulty, HOSTS[kind])
+        for name, method in vars(faulty).items():
+            parent = getattr(HOSTS[kind], name, None)
+            if callable(method) and parent is not None:
+                assert getattr(method, "__ray_num_returns__", None) == getattr(parent, "__ray_num_returns__", None), name
