@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import ConfigSlice, PPOConfig
-from ppo_ray.faults import FaultPoints, StateLostError, fault_point, perturbed
+from ppo_ray.faults import StateLostError
 from ppo_ray.logs import actor_logger, level_number, quiet_env, quiet_libraries, ray_logging_level, without_actor_lines
 from ppo_ray.roles import SAMPLING_SEED_STEP, Roles, form_learner_group, role_names
 from ppo_ray.stats import GenerationSummary, ReferenceStats, RewardStats, SyncReport
@@ -290,7 +290,7 @@ def _check_version(role_object, expected: int | None, what: str) -> None:
                        "(a lost or repeated sync)")
 
 
-class _Host(FaultPoints):
+class _Host:
     """The actor hosts' base: Ray labels an actor's lines with repr(actor), in its log files
     (`:actor_name:`) and where they are forwarded; the class name by default, here the actor's
     Ray name (<run tag>/<role>), so two runs' or two replicas' lines are told apart."""
@@ -318,7 +318,6 @@ class GeneratorHost(_Host):
         self.model_dir = local_model_dir(model_dir)
         self.generator = Generator.from_config(config, self.model_dir)
 
-    @fault_point
     @ray.method(num_returns=2)
     def generate(self, prompt_ids: list[list[int]], step: int, offset: int,
                  expected_version: int | None = None,
@@ -334,23 +333,11 @@ class GeneratorHost(_Host):
                       summary.version, tokens, summary.seconds, tokens / max(summary.seconds, 1e-9))
         return batch, summary
 
-    @fault_point
     def load_adapter(self, version: int, weights: LoraWeights, restore: bool = False) -> SyncReport:
-        bad = getattr(self, "_ppo_bad_sync", None)
-        if bad is not None:  # a test's injected bad sync (ppo_ray.faults.BadSync), once
-            self._ppo_bad_sync = None
-            if bad == "previous":  # the sync is lost: the old weights stay, the new version is reported
-                self.generator.version = version
-                return SyncReport(version=version, write_s=0.0, register_s=0.0, retire_s=0.0, nbytes=0.0)
-            weights = perturbed(weights)
         report = self.generator.load_adapter(version, weights, restore=restore)
         self.log.info("adapter v%d loaded%s: %.2f MB, write %.2f s, register %.2f s", report.version,
                       " (restore)" if restore else "", report.nbytes / 1e6, report.write_s, report.register_s)
         return report
-
-    def arm_bad_sync(self, kind: str) -> None:
-        """Tests: make the next load_adapter a bad sync of `kind` (ppo_ray.faults.BadSync)."""
-        self._ppo_bad_sync = kind
 
     def probe(self, prompt_ids: list[list[int]], expected_version: int) -> RolloutBatch:
         """The sync check's probe rollouts, sampled with the adapter version just loaded."""
@@ -416,7 +403,6 @@ class ReferenceHost(_Host):
         self.model_dir = local_model_dir(model_dir)
         self.scorer = ReferenceScorer.from_config(config, self.model_dir)
 
-    @fault_point
     @ray.method(num_returns=2)
     def logprobs(self, *parts: RolloutBatch) -> tuple["Tensor", ReferenceStats]:
         batch = RolloutBatch.cat(parts)
@@ -437,7 +423,6 @@ class RewardHost(_Host):
         self.model_dir = local_model_dir(reward_model_dir)
         self.scorer = RewardScorer.from_config(config, self.model_dir)
 
-    @fault_point
     @ray.method(num_returns=2)
     def score(self, *parts: RolloutBatch) -> tuple["Tensor", RewardStats]:
         batch = RolloutBatch.cat(parts)
@@ -479,7 +464,6 @@ class LearnerHost(_Host):
         generator needs."""
         return self.learner.version, self.learner.lora_weights()
 
-    @fault_point
     @ray.method(num_returns=3)
     def update(self, ref_logprobs, scores, *parts: RolloutBatch, expected_version: int | None = None,
                max_staleness: int | None = None, planned_steps: int | None = None):
@@ -511,6 +495,12 @@ class LearnerHost(_Host):
     def load_state_dict(self, state: "LearnerState") -> int:
         self.learner.load_state_dict(state)
         return self.learner.version
+
+
+# The Ray actor class of each role kind. create_roles takes another mapping (PPOTrainer.hosts),
+# e.g. subclasses of these; every replica of a kind, and every restart, runs the same class.
+HOSTS: Mapping[str, type] = {"generator": GeneratorHost, "reference": ReferenceHost, "reward": RewardHost,
+                             "learner": LearnerHost}
 
 
 # ----------------------------------------------------------------------------- creation
@@ -653,12 +643,12 @@ def reserve(config: PPOConfig, demands: list[Demand], name: str) -> tuple[Placem
 
 
 def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, reward_model_dir: str | None,
-                 value_model_dir: str | None, namespace: str) -> Roles:
+                 value_model_dir: str | None, namespace: str, hosts: Mapping[str, type] = HOSTS) -> Roles:
     """Create the actors, each in its bundle of one placement group (reserve), named
     <run tag>/<role>, e.g. ppo-1a2b3c4d/learner: `namespace` is the run tag and also their Ray
     namespace, which the dashboard's Actors page does not show, so the name is what tells two
-    runs on one cluster apart. An advantage estimator without a critic gets no value model:
-    none is shipped or loaded."""
+    runs on one cluster apart. `hosts`: the actor class of each role kind (HOSTS). An
+    advantage estimator without a critic gets no value model: none is shipped or loaded."""
     from learner.algos import advantage_estimator
 
     estimator = advantage_estimator(config.advantage_estimator)  # its rules were checked with the config
@@ -711,11 +701,11 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
     n_gen = config.num_generators
     gen_config = config.slice("generator")
     learner_config = config.slice("learner")
-    gens = [ray.remote(GeneratorHost).options(**opts(i)).remote(gen_config, model_dir) for i in range(n_gen)]
-    ref = ray.remote(ReferenceHost).options(**opts(n_gen)).remote(config.slice("reference"), ref_model_dir)
-    rew = ray.remote(RewardHost).options(**opts(n_gen + 1)).remote(config.slice("reward"), reward_model_dir)
-    learners = [ray.remote(LearnerHost).options(**opts(n_gen + 2 + i)).remote(learner_config, model_dir, value_model_dir)
-                for i in range(config.num_learners)]
+    gens = [ray.remote(hosts["generator"]).options(**opts(i)).remote(gen_config, model_dir) for i in range(n_gen)]
+    ref = ray.remote(hosts["reference"]).options(**opts(n_gen)).remote(config.slice("reference"), ref_model_dir)
+    rew = ray.remote(hosts["reward"]).options(**opts(n_gen + 1)).remote(config.slice("reward"), reward_model_dir)
+    learners = [ray.remote(hosts["learner"]).options(**opts(n_gen + 2 + i)).remote(
+        learner_config, model_dir, value_model_dir) for i in range(config.num_learners)]
     roles = Roles(gens, ref, rew, learners, pg, store)
     try:
         wait_ready(roles)

@@ -176,9 +176,6 @@ class Roles:
         parts = [g.probe.remote(probe_ids, expected_version=version) for g in self.generators]
         return ray.get(self.learner.sync_gaps.remote(*parts, expected_version=version))
 
-    def arm_bad_sync(self, role: str, kind: str) -> None:
-        ray.get(self.actor(role).arm_bad_sync.remote(kind))
-
     def generator_versions(self) -> list[int]:
         return ray.get([g.version.remote() for g in self.generators])
 
@@ -216,7 +213,7 @@ class Roles:
             form_learner_group(self)
         return ray.get([learner.load_state_dict.remote(state) for learner in self.learners])
 
-    # ------------------------------------------------------------------ faults and restarts
+    # ------------------------------------------------------------------ restarts
     def wait_for_actors(self, timeout_s: float = 900.0) -> None:
         """Block until every role answers again (Ray re-runs a dead actor's constructor, up to
         config.max_actor_restarts times; a role out of restarts raises here)."""
@@ -252,17 +249,6 @@ class Roles:
 
     def actor(self, role: str) -> ActorHandle:
         return dict(zip(self.names(), self.all()))[role]
-
-    def kill_now(self, role: str) -> None:
-        """Tests (an idle fault): make `role`'s process exit now, and wait for its restart."""
-        try:
-            ray.get(self.actor(role).exit_now.remote())
-        except ACTOR_ERRORS:
-            pass  # it died, as asked
-        self.wait_for_actors()
-
-    def arm_fault(self, role: str, method: str, when: str, call: int) -> None:
-        ray.get(self.actor(role).arm_fault.remote(method, when, call))
 
     def release(self) -> None:
         """Kill every actor (no restarts) and remove the placement group, which frees the

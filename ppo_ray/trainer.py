@@ -22,7 +22,7 @@ copy of their state, lost rollouts regenerated identically); after it, only the 
 redone. Every other call to an actor (the sync check, the evaluations, a checkpoint's state
 fetch, a restore; ppo_ray.supervisor.PLACES) goes through the same retry rule: the lost actor
 is restarted, brought back to the committed state, and the call redone. No step is lost,
-doubled or restarted, and no checkpoint is needed (ppo_ray.faults, tests/test_faults.py).
+doubled or restarted, and no checkpoint is needed (tests/test_faults.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from ppo_ray.batch import fresh_enough, staleness_limit
 from ppo_ray.checkpoint import (CheckpointError, Lineage, branch_from, check_own_lineage, checkpoint_root,
@@ -41,11 +41,10 @@ from ppo_ray.checkpoint import (CheckpointError, Lineage, branch_from, check_own
                                 run_ids, save_checkpoint)
 from ppo_ray.config import PPOConfig
 from ppo_ray.data import PromptCursor, check_chat_template, encode_prompts, prompts_fingerprint
-from ppo_ray.faults import BadSync, Fault
 from ppo_ray.metrics import TrainingMetrics
 from ppo_ray.modeling import check_context_length, load_tokenizer
 from ppo_ray.paths import resolve_model_path
-from ppo_ray.placement import create_roles, init_ray
+from ppo_ray.placement import HOSTS, create_roles, init_ray
 from ppo_ray.rewards import check_reward_sources
 from ppo_ray.roles import RETRYABLE, SAMPLING_SEED_STEP, Generation, Roles, Update, role_names
 from ppo_ray.runlock import RunLock
@@ -119,6 +118,10 @@ class _Uncommitted:
 
 
 class PPOTrainer:
+    # The Ray actor class of each role kind (ppo_ray.placement.HOSTS); a subclass may name
+    # subclasses of them.
+    hosts: Mapping[str, type] = HOSTS
+
     def __init__(self, config: PPOConfig, *, run_dir: str | Path | None = None):
         self.config = config
         # Everything that can fail cheaply fails before any actor starts.
@@ -163,7 +166,7 @@ class PPOTrainer:
         self.roles: Roles = create_roles(
             config, model_dir=self.model_dir, ref_model_dir=self.ref_model_dir,
             reward_model_dir=self.reward_model_dir, value_model_dir=self.value_model_dir,
-            namespace=self.namespace)
+            namespace=self.namespace, hosts=self.hosts)
         self.supervisor = Supervisor(self.roles, self.metrics, config.max_step_retries)
         # The committed state: steps done, the adapter version every generator holds, and the
         # driver's copy of the learner's state (ObjectRefs in the object store, never pulled
@@ -177,8 +180,6 @@ class PPOTrainer:
         self._prompt_ids: tuple[Optional[str], list[list[int]]] = (None, [])  # (fingerprint, its prompts encoded once)
         self._cursor_from_checkpoint = False
         self._pending: Optional[Rollouts] = None  # overlap mode: the next step's rollouts, already generating
-        self._faults: list[Fault] = []
-        self._bad_syncs: list[BadSync] = []
         self._resyncs = 0  # re-syncs during the current step (StepResult.sync_resyncs)
         self._probe_ids = sync_probe_prompts(self.tokenizer, config.seed, config.max_prompt_length)
         self._last_checkpoint = time.monotonic()
@@ -233,7 +234,6 @@ class PPOTrainer:
         the same prompts, seeds and adapter version, so the retried step computes exactly
         what the first attempt would have. After it, nothing retries the step: a generator
         lost in the sync or the prefetch is restarted and brought to the committed version."""
-        self._prepare_faults(self.step + 1, current)
         t_start = time.perf_counter()
         self._resyncs = 0
         while True:
@@ -261,8 +261,6 @@ class PPOTrainer:
         self._commit(step)  # ---------------- the commit point: from here on the step is done
         upcoming = self._finish_prefetch(step.upcoming)
         t_generation_done = time.perf_counter()
-        for bad in [b for b in self._bad_syncs if b.step == self.step]:  # tests: a silent bad sync
-            self.roles.arm_bad_sync(bad.role, bad.kind)
         loads = self._sync_generators(self.version)
         t_sync_done = time.perf_counter()
         check = self._check_sync(self.version)
@@ -572,33 +570,6 @@ class PPOTrainer:
         log.warning("resuming from %s with changes to its config, applied from the next step: %s", ckpt, "; ".join(
             f"{k} {a!r} -> {b!r}" + (f" ({notes[k]})" if k in notes else "") for k, a, b in changes))
         return state
-
-    # ------------------------------------------------------------------ faults
-    def inject_faults(self, faults: Sequence[Fault | BadSync]) -> None:
-        """Tests: make actors die at named points of named steps, or a sync go silently wrong
-        (ppo_ray.faults). Each fault fires once, when its step runs."""
-        names = set(self.roles.names())
-        for fault in faults:
-            if fault.role not in names:
-                raise ValueError(f"fault role {fault.role!r}: this run's roles are {sorted(names)}")
-        self._faults = [f for f in faults if isinstance(f, Fault)]
-        self._bad_syncs = [f for f in faults if isinstance(f, BadSync)]
-
-    def _prepare_faults(self, step: int, current: Rollouts) -> None:
-        """Arm this step's faults in their actors (they die in the named call); an idle fault
-        kills its actor now and waits for Ray to restart it, so that the step's first call to
-        it finds a fresh process."""
-        prefetched = current.generation is not None
-        for fault in [f for f in self._faults if f.step == step]:
-            if fault.phase == "idle":
-                self.roles.kill_now(fault.role)
-                continue
-            if fault.phase == "generate" and prefetched:
-                raise ValueError(f"{fault}: step {step}'s rollouts were generated during step {step - 1} "
-                                 f"(overlap_generation): use phase 'prefetch' at step {step - 1}")
-            # this step's own generate call comes first when its rollouts are not prefetched
-            call = 2 if fault.phase == "prefetch" and not prefetched else 1
-            self.roles.arm_fault(fault.role, fault.method, fault.when, call)
 
     def _recover(self, current: Rollouts) -> None:
         """Back to the committed state after a failure before the commit point: wait for the

@@ -187,12 +187,13 @@ def tiny_test_config(**overrides):
 def tiny_trainer(ray_session, tiny_model_dir, tmp_path_factory):
     """ONE PPOTrainer (one vLLM generator actor, reference, reward and learner actors) over
     the tiny model, shared by the Ray tests of a session. Tests that step it must not
-    assume a particular starting step."""
-    from ppo_ray.trainer import PPOTrainer
+    assume a particular starting step. A FaultyTrainer (tests/fault_injection.py): unarmed it
+    runs as a PPOTrainer; test_faults.py and test_sync_check.py arm its faults."""
+    from fault_injection import FaultyTrainer
 
     # max_actor_restarts: tests/test_faults.py's matrix (-m slow) restarts each role up to
     # a dozen times on this one trainer; the default 3 would leave it with a dead generator.
-    trainer = PPOTrainer(tiny_test_config(max_actor_restarts=100))
+    trainer = FaultyTrainer(tiny_test_config(max_actor_restarts=100))
     # Its state before any step, for tests whose claim needs a fresh policy whatever ran
     # before them on this shared trainer: trainer.restore(trainer.initial_checkpoint).
     trainer.run_dir = tmp_path_factory.mktemp("tiny-trainer-initial")

@@ -6,7 +6,7 @@ object-store copy of the committed state (the runs write checkpoints only becaus
 checkpoint's state fetch is one of the places).
 
 Two kinds of fault:
-- in a step's phases (ppo_ray.faults.Fault: role x phase x before/after, or an idle kill
+- in a step's phases (Fault, tests/fault_injection.py: role x phase x before/after, or an idle kill
   between calls): the actor dies inside its own call, as an OOM kill or a segfault would;
 - at a place outside them (Kill, below: the evaluation, the sync check, a checkpoint's state
   fetch, the adapter's, a restore, the trainer's start, and a second death during a
@@ -50,8 +50,8 @@ import pytest
 import ray
 import torch
 
+from fault_injection import Fault, role_kind
 from ppo_ray.data import bundled_prompts
-from ppo_ray.faults import Fault, role_kind
 from ppo_ray.roles import Roles
 from ppo_ray.supervisor import PLACES
 from tolerances import TINY_LOGPROB_TOL
@@ -142,8 +142,6 @@ class DriverFaults:
 # test_every_actor_call_is_supervised_and_has_a_fault_case until it is placed.
 NO_ACTOR_CALL = {"names": "role names", "all": "the handles", "actor": "a handle by role",
                  "role_of": "reads an error", "store": "ray.put of a driver-side value"}
-TEST_HOOKS = {"arm_fault": "tests: arms a fault point", "arm_bad_sync": "tests: arms a bad sync",
-              "kill_now": "tests: an idle fault"}
 TEARDOWN = {"release": "kills the actors at the end: nothing to redo"}
 # Calls whose job is to see deaths: a death there is their answer, not a fault to recover from.
 SEES_DEATHS = {"wait_for_actors": "waits for restarts (an actor that dies again is waited for again)",
@@ -157,7 +155,7 @@ def public_methods() -> set[str]:
             if not name.startswith("_") and (isinstance(attr, staticmethod) or inspect.isfunction(attr))}
 
 
-RECORDED = sorted(public_methods() - set(NO_ACTOR_CALL) - set(TEST_HOOKS) - set(TEARDOWN))
+RECORDED = sorted(public_methods() - set(NO_ACTOR_CALL) - set(TEARDOWN))
 
 # The step's places are covered by the Fault matrix (every role dying before and after its
 # call in each phase, and between calls); these are the Fault phases' places.
@@ -459,7 +457,7 @@ def test_every_actor_call_is_supervised_and_has_a_fault_case(straight):
     assert not outside, f"Roles calls made outside the supervisor (a death there would end the run): {outside}"
     public = {name for name, attr in vars(Roles).items() if not name.startswith("_")
               and (isinstance(attr, staticmethod) or inspect.isfunction(attr))}
-    assert public == set(RECORDED) | set(NO_ACTOR_CALL) | set(TEST_HOOKS) | set(TEARDOWN)
+    assert public == set(RECORDED) | set(NO_ACTOR_CALL) | set(TEARDOWN)
     kills = [k for _, ks, _ in KILL_CASES for k in ks] + START_CASES
     killed = {(k.where, k.method) for k in kills}
     reached = FAULT_METHODS | {k.method for k in kills}
@@ -494,3 +492,24 @@ def test_fault_specs_are_checked():
         Fault("learner", 1, "update", "during")
     assert Fault("learner-1", 3, "update", "after").method == "update"
     assert Fault("generator-0", 3, "idle").method is None
+
+
+def test_fault_injection_lives_in_the_tests():
+    """The product carries no fault injection: the trainer, Roles and the hosts have none of
+    its names; tests/fault_injection.py's classes are subclasses of the product's, one per
+    role kind, whose fault points keep each method's Ray options (num_returns)."""
+    from fault_injection import FAULTY_HOSTS, FaultyTrainer
+    from ppo_ray.placement import HOSTS
+    from ppo_ray.trainer import PPOTrainer
+
+    hooks = {"inject_faults", "_prepare_faults", "arm_fault", "arm_bad_sync", "kill_now", "exit_now"}
+    for cls in (PPOTrainer, Roles, *HOSTS.values()):
+        assert not hooks & set(dir(cls)), f"{cls.__name__} has {sorted(hooks & set(dir(cls)))}"
+    assert PPOTrainer.hosts is HOSTS and FaultyTrainer.hosts is FAULTY_HOSTS
+    assert FAULTY_HOSTS.keys() == HOSTS.keys()
+    for kind, faulty in FAULTY_HOSTS.items():
+        assert issubclass(faulty, HOSTS[kind])
+        for name, method in vars(faulty).items():
+            parent = getattr(HOSTS[kind], name, None)
+            if callable(method) and parent is not None:
+                assert getattr(method, "__ray_num_returns__", None) == getattr(parent, "__ray_num_returns__", None), name

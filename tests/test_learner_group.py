@@ -116,14 +116,13 @@ def test_a_group_member_dying_in_the_update_leaves_the_run_as_straight(ray_sessi
     metrics.jsonl, the same numbers as the straight run (no tolerance)."""
     from conftest import tiny_test_config
     from ppo_ray.data import bundled_prompts
-    from ppo_ray.faults import Fault
-    from ppo_ray.trainer import PPOTrainer
+    from fault_injection import Fault, FaultyTrainer
     from test_checkpoint import assert_same_steps, from_step_two, metrics_steps
 
     straight_dir = tmp_path / "straight"
     straight_dir.mkdir()
-    trainer = PPOTrainer(tiny_test_config(steps=4, checkpoint_every=2, batch_size=8, max_new_tokens=10,
-                                          num_learners=2, learner_num_cpus=0.5), run_dir=straight_dir)
+    trainer = FaultyTrainer(tiny_test_config(steps=4, checkpoint_every=2, batch_size=8, max_new_tokens=10,
+                                             num_learners=2, learner_num_cpus=0.5), run_dir=straight_dir)
     try:
         assert trainer.roles.names()[-2:] == ["learner-0", "learner-1"]
         straight = trainer.train(bundled_prompts(), metrics_path=straight_dir / "metrics.jsonl", progress=False)

@@ -1,7 +1,7 @@
 """The sync check has no blind spot: a bad sync is caught in the step where it happens, in
 every mode, the run repairs it (re-sync) and goes on exactly as a straight run would.
 
-A bad sync is injected with ppo_ray.faults.BadSync: generator-0's load after step 1 either
+A bad sync is injected with BadSync (tests/fault_injection.py): generator-0's load after step 1 either
 keeps the old weights while reporting the new version ("previous": a lost sync) or loads
 the new weights with one LoRA B matrix nudged ("perturbed": a corrupted transfer). Before
 the sync check, such a sync was caught only on fresh steps whose learner recomputed the old
@@ -24,7 +24,7 @@ import pytest
 
 from conftest import tiny_test_config
 from ppo_ray.data import bundled_prompts
-from ppo_ray.faults import BadSync
+from fault_injection import BadSync
 
 KEYS = ("reward_mean", "kl", "policy_loss", "value_loss", "approx_kl", "clipfrac", "entropy",
         "explained_variance", "adapter_version", "response_tokens")
@@ -128,11 +128,11 @@ MODES = [
 @pytest.mark.slow  # each mode starts its own actors (~1 min) and runs 9 steps per kind
 @pytest.mark.parametrize("mode", MODES)
 def test_every_mode_catches_and_repairs_a_bad_sync(ray_session, tiny_model_dir, tmp_path, mode):
-    from ppo_ray.trainer import PPOTrainer
+    from fault_injection import FaultyTrainer
 
     if mode.get("old_logprobs") == "generator":
         mode = {**mode, "top_k": 0, "top_p": 1.0, "old_logprobs_check_every": 10}
-    trainer = PPOTrainer(tiny_test_config(**mode))
+    trainer = FaultyTrainer(tiny_test_config(**mode))
     try:
         trainer.run_dir = tmp_path
         start = trainer.save_checkpoint()
@@ -239,9 +239,10 @@ def test_with_tis_a_mismatch_it_absorbs_goes_on_and_a_lost_sync_still_stops_the_
     which TIS caps: two steps go on, none re-synced. Without the mismatch, a lost sync
     (BadSync previous) still stops the run, at float32's tolerance: the sync check's probe
     keeps the largest-gap rule under is_correction."""
-    from ppo_ray.trainer import LogprobGapError, PPOTrainer
+    from fault_injection import FaultyTrainer
+    from ppo_ray.trainer import LogprobGapError
 
-    trainer = PPOTrainer(tiny_test_config(is_correction="tis"))
+    trainer = FaultyTrainer(tiny_test_config(is_correction="tis"))
     try:
         base = trainer.config
         trainer.config = base.replace(logprob_gap_tolerance=0.25)
