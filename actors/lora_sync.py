@@ -24,6 +24,10 @@ Modes:
   Requests then find it in the cache by ``lora_int_id`` and do not reread the files; the
   prefix-cache key includes the adapter's name and path, so KV blocks never leak across
   versions. One adapter alive at a time: the previous one and its files are retired.
+* ``tensor``: as ``adapter``, but the A/B tensors reach the worker from memory (a vLLM worker
+  extension, ``actors.vllm_lora``, registers them with ``LoRAModel.from_lora_tensors``): no
+  file is written or read per version. The same checks as the file path (rank, bias, the
+  modules), the same LoRA kernels, the same samples.
 * ``merged``: W = W0 + (alpha / r) B A loaded into the engine's own weights by a vLLM worker
   extension (``actors.vllm_merge``): base-model generation speed, no LoRA kernels. It
   changes the weights in place, under a prefix cache whose keys know nothing of them: every
@@ -45,8 +49,10 @@ from ppo_ray.config import LORA_SYNC_MODES, VLLM_LORA_RANKS
 from ppo_ray.modeling import LoraWeights, write_lora_adapter
 from ppo_ray.stats import SyncReport
 
-# The vLLM worker extension that merges LoRA weights in place (lora_sync="merged").
+# The vLLM worker extensions: merging LoRA weights in place (lora_sync="merged"), and
+# registering an adapter from tensors (lora_sync="tensor").
 MERGED_WORKER = "actors.vllm_merge.MergedLoRAWorker"
+TENSOR_WORKER = "actors.vllm_lora.TensorLoRAWorker"
 
 # LoRA int ids must be unique per engine, and an engine may be shared by several
 # Generators in one process (the tests do): a per-process counter, not per instance.
@@ -185,6 +191,56 @@ class AdapterSync(LoraSync):
         if self._request is not None:
             self._retire(self._request)
             self._request = None
+
+
+class TensorSync(AdapterSync):
+    """lora_sync="tensor": each version a vLLM adapter registered from the learner's tensors in
+    the worker (actors.vllm_lora.TensorLoRAWorker), nothing on disk; requests name it by a
+    LoRARequest whose id is registered (its path is never read). The previous one is retired."""
+
+    @classmethod
+    def engine_args(cls, lora_r: int) -> dict[str, Any]:
+        return dict(AdapterSync.engine_args(lora_r), worker_extension_cls=TENSOR_WORKER)
+
+    @classmethod
+    def check_engine(cls, llm) -> None:
+        AdapterSync.check_engine(llm)
+        if llm.llm_engine.vllm_config.parallel_config.worker_extension_cls != TENSOR_WORKER:
+            raise ValueError(f"lora_sync='tensor' needs an engine built with worker_extension_cls={TENSOR_WORKER!r}")
+
+    def load(self, version: int, weights: LoraWeights) -> SyncReport:
+        """Register the tensors in the worker(s) (validated there as a file would be), retire
+        the previous adapter, reset the prefix cache."""
+        import json
+
+        from vllm.lora.request import LoRARequest
+
+        from actors.vllm_lora import NO_PATH
+        from actors.vllm_merge import pack_tensors
+
+        t0 = time.perf_counter()
+        request = LoRARequest(f"v{version}", next(_LORA_IDS), NO_PATH)
+        # adapter_config.json's content, as vLLM would read it (sets as lists)
+        config = json.loads(json.dumps(weights.spec.peft_config(self.model_dir).to_dict(), default=sorted))
+        try:
+            loaded = self.llm.collective_rpc("ppo_add_lora", args=(request.lora_int_id, pack_tensors(weights.tensors),
+                                                                   config))
+            if not all(loaded):
+                raise RuntimeError(f"vLLM did not register adapter v{version} (lora id {request.lora_int_id})")
+        except Exception as e:
+            self.llm.llm_engine.remove_lora(request.lora_int_id)  # a worker that took it before another failed
+            raise RuntimeError(f"loading LoRA adapter version {version} into vLLM from memory failed: {e}") from e
+        t1 = time.perf_counter()
+        previous, self._request = self._request, request
+        if previous is not None:
+            self._retire(previous)
+        self.reset_prefix_cache(version)
+        t2 = time.perf_counter()
+        return SyncReport(version=version, write_s=0.0, register_s=t1 - t0, retire_s=t2 - t1,
+                          nbytes=float(weights.nbytes))
+
+    def _retire(self, request) -> None:
+        self.llm.llm_engine.remove_lora(request.lora_int_id)  # nothing on disk
 
 
 class MergedSync(LoraSync):

@@ -63,6 +63,7 @@ TRUNCATION_MODES = ("error", "left")  # prompt_truncation; ppo_ray.data, the gen
 LORA_SYNC_MODES = {
     "adapter": "actors.lora_sync:AdapterSync",  # a vLLM LoRARequest per version
     "merged": "actors.lora_sync:MergedSync",    # W0 + scale * B @ A loaded into the engine's weights
+    "tensor": "actors.lora_sync:TensorSync",    # a LoRARequest per version, registered from memory (no file)
 }
 # logprob_gap_check's default threshold (nats) per dtype, from measurements (benchmarks/RESULTS.md,
 # "The generator-vs-learner gap per dtype"): float32 generator and learner agree to ~1e-6 on the tiny model; in bfloat16
@@ -487,7 +488,7 @@ class PPOConfig:
     overlap_generation: bool = knob(False, GENERATION, LEARNER)
     """Generate step k+1's rollouts while the learner trains on step k: rollouts are one LoRA version stale and the PPO ratio uses the generator's (behaviour) logprobs."""
     lora_sync: str = knob("auto", GENERATION, GENERATOR, choices=("auto", *LORA_SYNC_MODES))
-    """How the generator takes new LoRA weights: adapter (a vLLM LoRARequest per version), merged (W0 + scale*B@A loaded into the engine's weights: base-model generation speed; the prefix cache is reset after every load) or auto (PPOConfig.lora_sync_mode: merged for a generator on the CPU, where vLLM's LoRA path is several times slower than the base model's, benchmarks/RESULTS.md, "fast by default on the CPU"; adapter on a GPU)."""
+    """How the generator takes new LoRA weights: adapter (a vLLM LoRARequest per version, its adapter written to a scratch directory and read by vLLM), tensor (the same LoRARequest per version, registered in vLLM's worker from the learner's tensors in memory: no file per version; benchmarks/RESULTS.md, "LoRA sync from memory"), merged (W0 + scale*B@A loaded into the engine's weights: base-model generation speed; the prefix cache is reset after every load) or auto (PPOConfig.lora_sync_mode: merged for a generator on the CPU, where vLLM's LoRA path is several times slower than the base model's, benchmarks/RESULTS.md, "fast by default on the CPU"; adapter on a GPU)."""
     vllm_kv_cache_gib: Optional[float] = knob(None, GENERATION, GENERATOR)
     """KV-cache size for vLLM on the CPU in GiB; None = a small default."""
     vllm_gpu_memory_utilization: float = knob(0.3, GENERATION, GENERATOR)

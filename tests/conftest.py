@@ -54,7 +54,10 @@ def tiny_model_dir() -> pathlib.Path:
 def vllm_llm(tiny_model_dir: pathlib.Path):
     from actors.vllm_engine import build_llm
 
-    llm = build_llm(tiny_model_dir, dtype="float32", seed=0, enable_lora=True, max_lora_rank=16, max_loras=1)
+    # one engine for the adapter and tensor sync modes (the tensor mode's worker extension
+    # changes nothing for the adapter mode's requests)
+    llm = build_llm(tiny_model_dir, dtype="float32", seed=0, enable_lora=True, max_lora_rank=16, max_loras=1,
+                    worker_extension_cls="actors.vllm_lora.TensorLoRAWorker")
     yield llm
     try:  # stop the engine-core and worker processes now rather than at exit
         llm.llm_engine.engine_core.shutdown(timeout=10)

@@ -308,3 +308,54 @@ def test_batch_larger_than_one_prefill_step(make_generator, vllm_llm):
     big = gen.generate(prompts, step=7)
     few = gen.generate(prompts[-2:], step=7, prompt_offset=n - 2)
     assert big.responses[-2:] == few.responses
+
+
+@pytest.mark.equality
+def test_tensor_sync_samples_what_adapter_sync_samples_with_no_file(make_generator, tiny_model_dir, hf_model,
+                                                                     tokenizer, vllm_llm):
+    """lora_sync tensor: the learner's tensors registered in vLLM's worker from memory. The
+    same adapter gives the same samples and logprobs, bit for bit, as the file path (the same
+    LoRA kernels on the same weights); nothing is written per version; a broken adapter fails
+    in the load as the file path's does; many versions leave one adapter in the engine."""
+    engine = vllm_llm.llm_engine
+    peft_model = make_peft(tiny_model_dir)
+    w1, w2 = randomize_lora(peft_model, seed=1), randomize_lora(peft_model, seed=2)
+    by_file = make_generator(lora_sync="adapter")
+    by_file.load_adapter(1, w1)
+    want = by_file.generate(PROMPTS * 2, step=4)
+    by_file.close()
+
+    gen = make_generator(lora_sync="tensor")
+    report = gen.load_adapter(1, w1)
+    assert report.write_s == 0.0 and report.register_s > 0 and report.nbytes == w1.nbytes
+    assert list(gen.adapter_root.iterdir()) == []  # no file
+    assert set(engine.list_loras()) == {gen.sync.lora_request.lora_int_id}
+    got = gen.generate(PROMPTS * 2, step=4)
+    assert torch.equal(got.response_ids, want.response_ids) and torch.equal(got.gen_logprobs, want.gen_logprobs)
+    prompt = tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    cont = tokenizer(" My friend stopped calling me.", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    from peft import set_peft_model_state_dict
+
+    set_peft_model_state_dict(peft_model, w1.tensors)  # randomize_lora left w2's values in it
+    v1_lp = continuation_logprobs(peft_model, prompt, cont)
+    assert (gen.sequence_logprobs(prompt, cont) - v1_lp).abs().max() < tol(v1_lp)
+
+    # a broken adapter fails in the load and leaves version 1 in place
+    bad = LoraWeights({k.replace("q_proj", "qq_proj"): v for k, v in w1.tensors.items()}, w1.spec)
+    with pytest.raises(RuntimeError, match="version 2 into vLLM from memory failed: .*qq_proj"):
+        gen.load_adapter(2, bad)
+    wide = LoraWeights({k: v.repeat(4, 1) if ".lora_A." in k else v.repeat(1, 4) for k, v in w1.tensors.items()},
+                       LoraSpec(32, 64, w1.spec.target_modules))
+    with pytest.raises(ValueError, match="lora_r=32 is above the engine's max_lora_rank=16"):
+        gen.load_adapter(2, wide)
+    assert gen.version == 1 and set(engine.list_loras()) == {gen.sync.lora_request.lora_int_id}
+    assert (gen.sequence_logprobs(prompt, cont) - v1_lp).abs().max() < tol(v1_lp)
+
+    for v in range(2, 9):  # versions replace each other: one adapter alive, nothing on disk
+        gen.load_adapter(v, w1 if v % 2 else w2)
+        assert len(set(engine.list_loras())) == 1 and list(gen.adapter_root.iterdir()) == []
+    set_peft_model_state_dict(peft_model, w2.tensors)
+    v2_lp = continuation_logprobs(peft_model, prompt, cont)
+    assert (gen.sequence_logprobs(prompt, cont) - v2_lp).abs().max() < tol(v2_lp)  # version 8 = w2
+    gen.close()
+    assert set(engine.list_loras()) == set()

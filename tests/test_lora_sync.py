@@ -1,7 +1,7 @@
 """The LoRA sync modes' registry and classes (actors/lora_sync.py), without an engine: the
 config's choices are the registry's names, an unknown mode is a clear error, each mode's
 engine arguments are pinned, and the config names the modes without importing vLLM or torch.
-The modes' loads against a real engine: tests/test_generator.py (adapter),
+The modes' loads against a real engine: tests/test_generator.py (adapter, tensor),
 tests/test_vllm_merge.py (merged), tests/test_sync_check.py (both, in the trainer)."""
 
 import inspect
@@ -12,13 +12,13 @@ from types import SimpleNamespace
 import pytest
 
 import actors.lora_sync
-from actors.lora_sync import MERGED_WORKER, AdapterSync, LoraSync, MergedSync, sync_class
+from actors.lora_sync import MERGED_WORKER, TENSOR_WORKER, AdapterSync, LoraSync, MergedSync, TensorSync, sync_class
 from conftest import ROOT
 from ppo_ray.config import LORA_SYNC_MODES, ConfigError, PPOConfig
 
 
 def test_config_choices_are_the_registry_names():
-    assert list(LORA_SYNC_MODES) == ["adapter", "merged"]
+    assert list(LORA_SYNC_MODES) == ["adapter", "merged", "tensor"]
     for name in LORA_SYNC_MODES:
         assert PPOConfig(lora_sync=name).lora_sync == name
         assert issubclass(sync_class(name), LoraSync)
@@ -26,13 +26,13 @@ def test_config_choices_are_the_registry_names():
     # registration line would be unreachable from the config)
     classes = {cls for _, cls in inspect.getmembers(actors.lora_sync, inspect.isclass)
                if issubclass(cls, LoraSync) and not inspect.isabstract(cls)}
-    assert classes == {sync_class(name) for name in LORA_SYNC_MODES} == {AdapterSync, MergedSync}
+    assert classes == {sync_class(name) for name in LORA_SYNC_MODES} == {AdapterSync, MergedSync, TensorSync}
 
 
 def test_unknown_mode_is_an_error_naming_it():
-    with pytest.raises(ConfigError, match=r"'lora_sync' = 'nccl' is invalid: must be one of \['auto', 'adapter', 'merged'\]"):
+    with pytest.raises(ConfigError, match=r"'lora_sync' = 'nccl' is invalid: must be one of \['auto', 'adapter', 'merged', 'tensor'\]"):
         PPOConfig(lora_sync="nccl")
-    with pytest.raises(ValueError, match=r"lora_sync: unknown mode 'nccl'; the modes are \['adapter', 'merged'\]"):
+    with pytest.raises(ValueError, match=r"lora_sync: unknown mode 'nccl'; the modes are \['adapter', 'merged', 'tensor'\]"):
         sync_class("nccl")
     from actors.generator import Generator
 
@@ -46,6 +46,9 @@ def test_engine_args_of_each_mode():
     assert AdapterSync.engine_args(8) == dict(enable_lora=True, max_lora_rank=8, max_loras=1)
     assert AdapterSync.engine_args(9) == dict(enable_lora=True, max_lora_rank=16, max_loras=1)
     assert MergedSync.engine_args(8) == dict(worker_extension_cls=MERGED_WORKER)
+    # tensor: adapter's, and the worker extension that registers an adapter from tensors
+    assert TensorSync.engine_args(8) == dict(enable_lora=True, max_lora_rank=8, max_loras=1,
+                                             worker_extension_cls=TENSOR_WORKER)
 
 
 def test_each_mode_refuses_an_engine_built_for_another():
@@ -54,8 +57,15 @@ def test_each_mode_refuses_an_engine_built_for_another():
             lora_config=lora_config, parallel_config=SimpleNamespace(worker_extension_cls=extension))))
 
     for_adapter, for_merged = engine(SimpleNamespace(max_lora_rank=16), ""), engine(None, MERGED_WORKER)
+    for_tensor = engine(SimpleNamespace(max_lora_rank=16), TENSOR_WORKER)
     AdapterSync.check_engine(for_adapter)
+    AdapterSync.check_engine(for_tensor)  # the extension changes nothing for the file path
     MergedSync.check_engine(for_merged)
+    TensorSync.check_engine(for_tensor)
+    with pytest.raises(ValueError, match="lora_sync='tensor' needs an engine built with worker_extension_cls"):
+        TensorSync.check_engine(for_adapter)
+    with pytest.raises(ValueError, match="without enable_lora=True"):
+        TensorSync.check_engine(engine(None, TENSOR_WORKER))
     with pytest.raises(ValueError, match="without enable_lora=True"):
         AdapterSync.check_engine(for_merged)
     with pytest.raises(ValueError, match="lora_sync='merged' needs an engine built with worker_extension_cls"):

@@ -122,6 +122,7 @@ MODES = [
     pytest.param(dict(overlap_generation=True, old_logprobs="generator", lora_sync="merged"),
                  id="overlap-generator-merged"),
     pytest.param(dict(lora_sync="merged"), id="sync-learner-merged"),
+    pytest.param(dict(lora_sync="tensor"), id="sync-learner-tensor"),
 ]
 
 
