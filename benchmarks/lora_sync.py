@@ -53,7 +53,8 @@ def main(argv=None) -> dict:
     spec = LoraSpec.of(peft.peft_config["default"])
     state = {k: v.detach().float().clone() for k, v in get_peft_model_state_dict(peft).items()}
     del peft
-    llm = build_llm(lm_dir, dtype=args.dtype, seed=0, kv_cache_gib=1.0, **TensorSync.engine_args(args.lora_r))
+    llm = build_llm(lm_dir, dtype=args.dtype, seed=0, kv_cache_gib=1.0, max_model_len=1024,
+                    **TensorSync.engine_args(args.lora_r))
     tok = load_tokenizer(str(lm_dir))
     gens = {mode: Generator(llm, tok, model_dir=str(lm_dir), lora_sync=mode, max_new_tokens=4, seed=0)
             for mode in ("adapter", "tensor")}
