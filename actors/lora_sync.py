@@ -173,14 +173,18 @@ class AdapterSync(LoraSync):
             shutil.rmtree(path, ignore_errors=True)
             raise RuntimeError(f"loading LoRA adapter version {version} into vLLM failed: {e}") from e
         t2 = time.perf_counter()
+        self._make_current(request, version)
+        t3 = time.perf_counter()
+        return SyncReport(version=version, write_s=t1 - t0, register_s=t2 - t1, retire_s=t3 - t2,
+                          nbytes=float(weights.nbytes))
 
+    def _make_current(self, request, version: int) -> None:
+        """`request` (registered) becomes what generate() passes; the previous adapter is
+        retired and the prefix cache reset."""
         previous, self._request = self._request, request
         if previous is not None:
             self._retire(previous)
         self.reset_prefix_cache(version)
-        t3 = time.perf_counter()
-        return SyncReport(version=version, write_s=t1 - t0, register_s=t2 - t1, retire_s=t3 - t2,
-                          nbytes=float(weights.nbytes))
 
     def _retire(self, request) -> None:
         # The LRU cache may already have evicted it (max_loras=1): the return value is moot.
@@ -231,10 +235,7 @@ class TensorSync(AdapterSync):
             self.llm.llm_engine.remove_lora(request.lora_int_id)  # a worker that took it before another failed
             raise RuntimeError(f"loading LoRA adapter version {version} into vLLM from memory failed: {e}") from e
         t1 = time.perf_counter()
-        previous, self._request = self._request, request
-        if previous is not None:
-            self._retire(previous)
-        self.reset_prefix_cache(version)
+        self._make_current(request, version)
         t2 = time.perf_counter()
         return SyncReport(version=version, write_s=0.0, register_s=t1 - t0, retire_s=t2 - t1,
                           nbytes=float(weights.nbytes))
