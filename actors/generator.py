@@ -43,7 +43,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -80,8 +80,9 @@ def _default_adapter_root() -> str:
 class Generator:
     """vLLM rollouts for PPO, with the current LoRA version.
 
-    ``version`` is the adapter version generate() uses now: 0 = the base model (no
-    adapter) until the first ``load_adapter``.
+    ``version`` is the adapter version generate() uses by default, the newest held: 0 = the
+    base model (no adapter) until the first ``load_adapter``. ``versions`` are those held:
+    one, or with max_staleness k up to k + 1 (adapter and tensor sync; generate(version=)).
     """
 
     # The config fields from_config reads: the generator actor gets only these (PPOConfig.slice;
@@ -103,6 +104,7 @@ class Generator:
         prompt_truncation: str = "error",
         adapter_root: str | os.PathLike | None = None,
         lora_sync: str = "adapter",
+        max_staleness: int = 0,
     ):
         """``llm``: a ``vllm.LLM`` built with logprobs_mode="processed_logprobs"
         (actors.vllm_engine.build_llm) and the engine arguments of the sync mode ``lora_sync``
@@ -121,6 +123,10 @@ class Generator:
                 "'processed_logprobs' (logprobs of the distribution actually sampled from)")
         mode = sync_class(lora_sync)  # a ValueError naming an unknown mode
         mode.check_engine(llm)
+        lora_config = llm.llm_engine.vllm_config.lora_config
+        if max_staleness and (lora_config is None or lora_config.max_loras < max_staleness + 1):
+            raise ValueError(f"max_staleness {max_staleness} needs {max_staleness + 1} adapter versions alive, but the "
+                             f"vLLM engine holds {lora_config.max_loras if lora_config else 1} (max_loras)")
         if temperature < MIN_TEMPERATURE:  # vLLM clamps or samples greedily below it (ppo_ray.config)
             raise ValueError(f"temperature must be >= {MIN_TEMPERATURE} for PPO sampling, got {temperature}")
         if prompt_truncation not in TRUNCATION_MODES:
@@ -145,7 +151,6 @@ class Generator:
         # The sync mode's files (adapter mode: every version in its own subdirectory of this
         # one; at most one exists at a time, the current one).
         self.adapter_root = Path(tempfile.mkdtemp(prefix="ppo_ray_adapters_", dir=adapter_root or _default_adapter_root()))
-        self.version = 0  # 0 = the base model until the first load
         self.sync = mode(llm, self.model_dir, self.adapter_root)  # the LoRA sync mode (actors.lora_sync)
         self._closed = False
 
@@ -166,7 +171,7 @@ class Generator:
             enforce_eager=cfg.vllm_enforce_eager,
             use_tqdm_on_load=cfg.log_level == "debug",  # the weight loader's progress bar
         )
-        engine.update(sync_class(cfg.lora_sync_mode).engine_args(cfg.lora_r))
+        engine.update(sync_class(cfg.lora_sync_mode).engine_args(cfg.lora_r, versions=cfg.max_staleness + 1))
         if not current_platform.is_cpu() and cfg.vllm_kv_cache_gib is None:
             # On the CPU this fraction would be of host memory: there build_llm's KV size rules.
             engine["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
@@ -176,8 +181,25 @@ class Generator:
             llm, model_dir=model_dir,
             temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
             seed=cfg.seed, max_prompt_length=cfg.max_prompt_length, prompt_truncation=cfg.prompt_truncation,
-            lora_sync=cfg.lora_sync_mode,
+            lora_sync=cfg.lora_sync_mode, max_staleness=cfg.max_staleness,
         )
+
+    @property
+    def version(self) -> int:
+        """The newest adapter version held (0 = the base model, before any load)."""
+        return self.versions[-1]
+
+    @property
+    def versions(self) -> list[int]:
+        """The adapter versions held, ascending ([0], the base model, before any load)."""
+        return self.sync.versions or [0]
+
+    def _lora_request(self, version: Optional[int]):
+        """What vLLM samples `version` with (None = the newest held); a KeyError naming the
+        held versions when it is not held."""
+        if version is None or (version == 0 and not self.sync.versions):
+            return self.sync.lora_request
+        return self.sync.request(version)
 
     # ------------------------------------------------------------------ prompts
     def _encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> tuple[list[list[int]], list[str]]:
@@ -218,19 +240,20 @@ class Generator:
             detokenize=False,  # we decode with the HF tokenizer, once, below
         )
 
-    def probe(self, prompt_ids: Sequence[Sequence[int]]) -> RolloutBatch:
+    def probe(self, prompt_ids: Sequence[Sequence[int]], version: Optional[int] = None) -> RolloutBatch:
         """The sync check's probe (ppo_ray.trainer): sample the fixed probe prompts with the
         weights the engine holds now, at the PPO temperature without truncation, so that each
         sampled token's logprob is the full tempered softmax's, which the learner recomputes
         at the same version (Learner.sync_gap). Fixed seeds: the same weights give the same
         tokens on every replica."""
-        return self.generate(prompt_ids, step=PROBE_SEED_STEP, probe=True)
+        return self.generate(prompt_ids, step=PROBE_SEED_STEP, probe=True, version=version)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], step: int, prompt_offset: int = 0,
-                 probe: bool = False, samples_per_prompt: int = 1) -> RolloutBatch:
-        """Sample `samples_per_prompt` (n) responses per prompt with the current adapter, in one
-        vLLM request per prompt (SamplingParams(n=n): the prompt is prefilled once).
+                 probe: bool = False, samples_per_prompt: int = 1, version: Optional[int] = None) -> RolloutBatch:
+        """Sample `samples_per_prompt` (n) responses per prompt with adapter `version` (one held;
+        None = the newest), in one vLLM request per prompt (SamplingParams(n=n): the prompt is
+        prefilled once).
 
         ``prompts``: N texts, or N lists of token ids. ``step`` and ``prompt_offset``
         (this batch's first global prompt index, for replica splits) fix the per-prompt
@@ -250,7 +273,8 @@ class Generator:
         if n < 1:
             raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
         prompt_ids, prompt_texts = self._encode(prompts)
-        version, lora_request = self.version, self.sync.lora_request
+        lora_request = self._lora_request(version)
+        version = self.version if version is None else version
         params = [self.sampling_params(prompt_seed(self.seed, step, prompt_offset + i), probe, n)
                   for i in range(len(prompt_ids))]
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
@@ -344,7 +368,8 @@ class Generator:
         return torch.tensor([row[tok].logprob for tok, row in zip(continuation_ids, rows)], dtype=torch.float32)
 
     # ------------------------------------------------------------------ LoRA sync
-    def load_adapter(self, version: int, weights: LoraWeights, *, restore: bool = False) -> SyncReport:
+    def load_adapter(self, version: int, weights: LoraWeights, *, restore: bool = False,
+                     retire_below: Optional[int] = None) -> SyncReport:
         """Make LoRA ``version`` current, by the sync mode (``self.sync``, actors.lora_sync).
 
         ``weights``: the learner's adapter (Learner.lora_weights): PEFT
@@ -359,7 +384,10 @@ class Generator:
         worker reads and validates it, retire_s = remove the previous adapter and its files
         and reset the prefix cache; and the bytes). A failing load leaves the previous
         version current. ``restore=True`` accepts any version >= 0 (the trainer rolling back
-        to a checkpoint after a learner restart).
+        to a checkpoint after a learner restart, or giving a restarted replica the versions
+        that batches in flight need). ``retire_below``: first retire the held versions outside
+        [retire_below, version] (max_staleness: no batch in flight needs them; a restore that
+        starts afresh at `version` passes `version`).
         """
         self._check_open()
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
@@ -367,9 +395,10 @@ class Generator:
         if version <= self.version and not restore:
             raise ValueError(f"adapter version {version!r} is not newer than the current version {self.version}: "
                              "versions must increase strictly (a stale or repeated sync)")
-        report = self.sync.load(version, self._check_lora_weights(weights))
-        self.version = version
-        return report
+        weights = self._check_lora_weights(weights)
+        if retire_below is not None:
+            self.sync.retire([v for v in self.sync.versions if not retire_below <= v <= version])
+        return self.sync.load(version, weights)
 
     def _check_lora_weights(self, weights: LoraWeights) -> LoraWeights:
         """The adapter with CPU, contiguous copies of its A/B tensors; their rank must be the

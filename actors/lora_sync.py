@@ -23,7 +23,12 @@ Modes:
   raise there), so a broken adapter fails in the load, not silently at the next generate.
   Requests then find it in the cache by ``lora_int_id`` and do not reread the files; the
   prefix-cache key includes the adapter's name and path, so KV blocks never leak across
-  versions. One adapter alive at a time: the previous one and its files are retired.
+  versions. One adapter alive at a time, the previous one and its files retired; or, with
+  max_staleness k, the k + 1 versions that batches in flight were sampled with (``versions``:
+  the engine's max_loras is k + 1), each retired when the driver says no batch needs it
+  (``retire``). The engine's adapter cache (max_cpu_loras) then has room for one more
+  than that, so registering a version never evicts one still in use (an evicted adapter is
+  read again from its path: a tensor-mode adapter has none).
 * ``tensor``: as ``adapter``, but the A/B tensors reach the worker from memory (a vLLM worker
   extension, ``actors.vllm_lora``, registers them with ``LoRAModel.from_lora_tensors``): no
   file is written or read per version. The same checks as the file path (rank, bias, the
@@ -43,7 +48,7 @@ import tempfile
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from ppo_ray.config import LORA_SYNC_MODES, VLLM_LORA_RANKS
 from ppo_ray.modeling import LoraWeights, write_lora_adapter
@@ -82,10 +87,15 @@ class LoraSync(ABC):
         self.model_dir = model_dir
         self.scratch_dir = scratch_dir
 
+    # How many adapter versions the mode can hold at once: 1, or the engine's max_loras
+    # (AdapterSync.capacity).
+    capacity = 1
+
     @classmethod
     @abstractmethod
-    def engine_args(cls, lora_r: int) -> dict[str, Any]:
-        """The build_llm arguments this mode needs, for adapters of rank up to ``lora_r``."""
+    def engine_args(cls, lora_r: int, versions: int = 1) -> dict[str, Any]:
+        """The build_llm arguments this mode needs, for adapters of rank up to ``lora_r`` and
+        ``versions`` versions alive at once (max_staleness + 1)."""
 
     @classmethod
     @abstractmethod
@@ -94,8 +104,23 @@ class LoraSync(ABC):
 
     @property
     def lora_request(self):
-        """What generate() passes vLLM as ``lora_request``: None = the engine's own weights."""
+        """What generate() passes vLLM as ``lora_request`` for the newest version: None = the
+        engine's own weights."""
         return None
+
+    @property
+    def versions(self) -> list[int]:
+        """The adapter versions held (ascending); empty until the first load."""
+        return []
+
+    def request(self, version: int):
+        """``lora_request`` of a held ``version`` (a KeyError naming the held ones otherwise)."""
+        if version not in self.versions:
+            raise KeyError(f"adapter version {version} is not held (held: {self.versions})")
+        return self.lora_request
+
+    def retire(self, versions: list[int]) -> None:
+        """Retire these held versions (no batch needs them any more)."""
 
     def check_rank(self, r: int) -> None:
         """A ValueError if this engine cannot take adapters of rank ``r`` (before any load)."""
@@ -135,11 +160,16 @@ class AdapterSync(LoraSync):
 
     def __init__(self, llm, model_dir: str, scratch_dir: Path):
         super().__init__(llm, model_dir, scratch_dir)
-        self._request = None  # vllm LoRARequest of the current version; None = base model
+        self._held: dict[int, Any] = {}  # version -> its vllm LoRARequest, ascending
+        self.capacity = int(llm.llm_engine.vllm_config.lora_config.max_loras)
 
     @classmethod
-    def engine_args(cls, lora_r: int) -> dict[str, Any]:
-        return dict(enable_lora=True, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora_r), max_loras=1)
+    def engine_args(cls, lora_r: int, versions: int = 1) -> dict[str, Any]:
+        args = dict(enable_lora=True, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora_r),
+                    max_loras=int(versions))
+        if versions > 1:  # room to register the next version before the oldest is retired
+            args["max_cpu_loras"] = int(versions) + 1
+        return args
 
     @classmethod
     def check_engine(cls, llm) -> None:
@@ -148,7 +178,20 @@ class AdapterSync(LoraSync):
 
     @property
     def lora_request(self):
-        return self._request
+        return self._held[max(self._held)] if self._held else None
+
+    @property
+    def versions(self) -> list[int]:
+        return sorted(self._held)
+
+    def request(self, version: int):
+        if version not in self._held:
+            raise KeyError(f"adapter version {version} is not held (held: {self.versions})")
+        return self._held[version]
+
+    def retire(self, versions: list[int]) -> None:
+        for v in [v for v in versions if v in self._held]:
+            self._retire(self._held.pop(v))
 
     def check_rank(self, r: int) -> None:
         max_rank = self.llm.llm_engine.vllm_config.lora_config.max_lora_rank
@@ -179,11 +222,14 @@ class AdapterSync(LoraSync):
                           nbytes=float(weights.nbytes))
 
     def _make_current(self, request, version: int) -> None:
-        """`request` (registered) becomes what generate() passes; the previous adapter is
-        retired and the prefix cache reset."""
-        previous, self._request = self._request, request
-        if previous is not None:
-            self._retire(previous)
+        """`request` (registered) is held as `version`, replacing an earlier registration of that
+        version; beyond the capacity the oldest versions are retired (one version alive: the
+        previous one). The prefix cache is reset."""
+        if version in self._held:
+            self._retire(self._held.pop(version))
+        self._held[version] = request
+        for old in [v for v in sorted(self._held) if v != version][:max(0, len(self._held) - self.capacity)]:
+            self._retire(self._held.pop(old))
         self.reset_prefix_cache(version)
 
     def _retire(self, request) -> None:
@@ -192,9 +238,7 @@ class AdapterSync(LoraSync):
         shutil.rmtree(request.lora_path, ignore_errors=True)
 
     def close(self) -> None:
-        if self._request is not None:
-            self._retire(self._request)
-            self._request = None
+        self.retire(list(self._held))
 
 
 class TensorSync(AdapterSync):
@@ -203,8 +247,8 @@ class TensorSync(AdapterSync):
     LoRARequest whose id is registered (its path is never read). The previous one is retired."""
 
     @classmethod
-    def engine_args(cls, lora_r: int) -> dict[str, Any]:
-        return dict(AdapterSync.engine_args(lora_r), worker_extension_cls=TENSOR_WORKER)
+    def engine_args(cls, lora_r: int, versions: int = 1) -> dict[str, Any]:
+        return dict(AdapterSync.engine_args(lora_r, versions), worker_extension_cls=TENSOR_WORKER)
 
     @classmethod
     def check_engine(cls, llm) -> None:
@@ -249,9 +293,20 @@ class MergedSync(LoraSync):
     generation then samples with the engine's own weights (no LoRARequest). The engine is this
     generator's alone."""
 
+    def __init__(self, llm, model_dir: str, scratch_dir: Path):
+        super().__init__(llm, model_dir, scratch_dir)
+        self._version: Optional[int] = None  # the merged version; None until the first load
+
     @classmethod
-    def engine_args(cls, lora_r: int) -> dict[str, Any]:
+    def engine_args(cls, lora_r: int, versions: int = 1) -> dict[str, Any]:
+        if versions > 1:
+            raise ValueError(f"lora_sync='merged' holds one adapter version, not {versions} (max_staleness "
+                             f"{versions - 1}): use adapter or tensor")
         return dict(worker_extension_cls=MERGED_WORKER)  # base-model kernels; the LoRA is merged into the weights
+
+    @property
+    def versions(self) -> list[int]:
+        return [] if self._version is None else [self._version]
 
     @classmethod
     def check_engine(cls, llm) -> None:
@@ -269,6 +324,7 @@ class MergedSync(LoraSync):
         except Exception as e:
             raise RuntimeError(f"merging LoRA adapter version {version} into the vLLM weights failed: {e}") from e
         t1 = time.perf_counter()
+        self._version = version
         self.reset_prefix_cache(version)
         return SyncReport(version=version, write_s=0.0, register_s=t1 - t0, retire_s=time.perf_counter() - t1,
                           nbytes=float(weights.nbytes))

@@ -59,7 +59,7 @@ The critical path follows the data dependencies of today's synchronous step: gen
 then reference and reward concurrently (the learner's update() takes both as arguments,
 so it starts when the later one is done), then the learner, then the sync:
 ``critical = generate + max(reference, reward) + learner_forward + update + sync + sync_check``.
-In overlap mode (``--overlap_generation true``; the steps then run through
+In overlap mode (``--max_staleness 1`` or more; the steps then run through
 ``PPOTrainer.train``, which draws its own batches of the same prompts) a step's rollouts were
 generated during the previous step, so ``critical = max(reference, reward) + learner_forward
 + update + prefetch_wait + sync + sync_check``.
@@ -372,10 +372,10 @@ def connect_ray() -> bool:
 def measure_trainer(trainer, batches: Sequence[Sequence[str]], warmup: int) -> dict:
     """Run len(batches) steps on a built trainer; the first `warmup` are not recorded.
 
-    Synchronous mode: ppo_step on each fixed batch. Overlap mode (config.overlap_generation):
+    Synchronous mode: ppo_step on each fixed batch. Overlap mode (config.max_staleness >= 1):
     PPOTrainer.train over the same prompts (it draws its own batches of batch_size from them
     and generates step k+1 while the learner trains on step k)."""
-    overlap = bool(getattr(trainer.config, "overlap_generation", False))
+    overlap = bool(getattr(trainer.config, "max_staleness", 0))
     if overlap:
         flat = [p for batch in batches for p in batch]
         outs = trainer.train(flat, steps=len(batches), progress=False)
@@ -588,7 +588,7 @@ def describe(config) -> dict:
             "dtype", "lora_r", "lora_target_modules", "temperature", "top_k", "top_p", "reward_funcs",
             "max_prompt_length", "generator_num_cpus", "learner_num_cpus", "scorer_num_cpus", "vllm_kv_cache_gib",
             "lora_sync", "old_logprobs")
-    out = {k: getattr(config, k) for k in (*keys, "overlap_generation") if hasattr(config, k)}
+    out = {k: getattr(config, k) for k in (*keys, "max_staleness") if hasattr(config, k)}
     # what the auto fields resolved to on this run (lora_sync / old_logprobs "auto")
     return {**out, "lora_sync_mode": config.lora_sync_mode, "old_logprobs_source": config.old_logprobs_source}
 

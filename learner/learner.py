@@ -58,7 +58,7 @@ from learner.kernels import cached_casts
 from learner.optimise import DataGroup, PPOOptimiser
 from learner.speed import SpeedPath
 from learner.value_model import ValueHead, ValueModel
-from ppo_ray.batch import RolloutBatch, TrimPlan, fresh_enough, rollout_micro_batches, staleness_limit
+from ppo_ray.batch import RolloutBatch, TrimPlan, fresh_enough, rollout_micro_batches
 from ppo_ray.config import LEARNER, ConfigSlice, PPOConfig, role_fields
 from ppo_ray.modeling import LoraSpec, LoraWeights, load_causal_lm, pick_device
 from ppo_ray.stats import LearnerState, LearnerStats
@@ -437,12 +437,12 @@ class Learner:
     # ------------------------------------------------------------------ input checks
     def _check_inputs(self, batch: RolloutBatch, ref_logprobs: Tensor, scores: Tensor,
                       max_staleness: Optional[int] = None) -> None:
-        allowed = max_staleness if max_staleness is not None else staleness_limit(self.config.overlap_generation)
+        allowed = max_staleness if max_staleness is not None else self.config.max_staleness
         if not fresh_enough(batch.adapter_version, self.version, allowed):
             raise StaleRolloutsError(
                 f"stale rollouts: the batch was sampled with LoRA adapter version {batch.adapter_version} "
                 f"but the learner is at version {self.version}"
-                + (" (overlap_generation allows one version behind)" if allowed else "")
+                + (f" (max_staleness allows {allowed} behind)" if allowed else "")
                 + "; the generator did not load the learner's latest weights (or the batch is from another step)")
         b, t = batch.response_ids.shape
         if b == 0:
@@ -490,7 +490,7 @@ class Learner:
                 temperature); padding ignored.
             scores: (B,) sequence scores (NaN = dropped sample when nonfinite_reward=drop).
             max_staleness: how many versions behind the learner the batch may be (the driver
-                says; None = 1 with overlap_generation, else 0).
+                says; None = config.max_staleness).
             planned_steps: the run's planned total of PPO steps, where the learning-rate
                 schedule ends (the driver says; None = as planned so far, config.steps at first).
 

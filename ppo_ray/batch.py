@@ -40,12 +40,6 @@ def check_mask(mask: Tensor) -> Tensor:
     return mask
 
 
-def staleness_limit(overlap_generation: bool) -> int:
-    """How many adapter versions behind the learner a step's rollouts may be: 0, or 1 with
-    overlap_generation (the next step's batch is sampled while the learner trains)."""
-    return 1 if overlap_generation else 0
-
-
 def fresh_enough(sampled_version: int, learner_version: int, limit: int) -> bool:
     """The staleness rule, in one place (the driver and the learner): rollouts sampled with
     `sampled_version` may train a learner at `learner_version` when they are 0..`limit`

@@ -5,6 +5,8 @@ Layout (one directory per checkpoint, under ``<run_dir>/checkpoints``)::
     checkpoints/
       step-000010/
         adapter/                 the policy LoRA in PEFT format (PeftModel / vLLM load it)
+        behaviour/v000008/ ...   max_staleness: the earlier LoRA versions that the batches in flight
+                                 were sampled with (PEFT format), so a resume samples them again
         value.safetensors        the value model's trainable tensors (LoRA + head)
         optimizer.pt             both Adam states, their lr schedules, the KL coefficient (torch.save;
                                  loaded with weights_only=True)
@@ -80,6 +82,7 @@ if TYPE_CHECKING:
 
 LATEST = "latest"
 ABANDONED = "abandoned"
+BEHAVIOUR = "behaviour"  # the earlier adapters that batches in flight were sampled with (max_staleness)
 CHECKSUMS = "checksums.json"
 STEP_NAME = re.compile(r"step-\d{6,}")  # what `latest` may name: a checkpoint directly under checkpoints/
 RUN_DIR = "${run_dir}"
@@ -345,10 +348,13 @@ def config_changes(saved: PPOConfig, config: PPOConfig) -> list[tuple[str, Any, 
 
 
 def save_checkpoint(run_dir: str | Path, *, config: PPOConfig, learner_state: dict, trainer_state: dict,
-                    model_dir: str, keep: int = 2, lineage: Optional[Lineage] = None) -> Path:
+                    model_dir: str, keep: int = 2, lineage: Optional[Lineage] = None,
+                    behaviour: Optional[dict] = None) -> Path:
     """Write one checkpoint atomically, verify it, point ``latest`` at it, and prune its
     history to the newest `keep`. `lineage` says which run and checkpoint it continues (the
-    trainer knows); None = the one ``latest`` names, or a new run when there is none."""
+    trainer knows); None = the one ``latest`` names, or a new run when there is none.
+    `behaviour`: {version: LoraWeights} of the earlier adapter versions that batches in flight
+    were sampled with (max_staleness), written under behaviour/."""
     from safetensors.torch import save_file
 
     from ppo_ray.modeling import write_lora_adapter
@@ -363,6 +369,8 @@ def save_checkpoint(run_dir: str | Path, *, config: PPOConfig, learner_state: di
     final = root / name
     with atomic_dir(final, fsync=True) as tmp:
         write_lora_adapter(tmp / "adapter", learner_state.policy, base_model=model_dir)
+        for version, weights in sorted((behaviour or {}).items()):
+            write_lora_adapter(tmp / BEHAVIOUR / f"v{int(version):06d}", weights, base_model=model_dir)
         save_file({k: v.contiguous() for k, v in learner_state.value.items()}, str(tmp / "value.safetensors"))
         torch.save({"policy": learner_state.policy_optimizer, "value": learner_state.value_optimizer,
                     "policy_scheduler": learner_state.policy_scheduler,
@@ -372,6 +380,7 @@ def save_checkpoint(run_dir: str | Path, *, config: PPOConfig, learner_state: di
                     "data": trainer_state["data_rng"]}, tmp / "rng.pt")
         meta = {k: v for k, v in trainer_state.items() if k != "data_rng"}
         meta["version"] = int(learner_state.version)
+        meta["behaviour_versions"] = sorted(int(v) for v in (behaviour or {}))
         meta.update(run_id=lineage.run_id, checkpoint_id=uuid.uuid4().hex[:12], parent=lineage.parent,
                     parent_id=lineage.parent_id, saved_at=time.time())
         (tmp / "trainer.json").write_text(json.dumps(meta, indent=1))
@@ -523,5 +532,7 @@ def load_checkpoint(path: str | Path, config: Optional[PPOConfig] = None,
         raise CheckpointError(f"checkpoint {ckpt} is incomplete or corrupt: missing or bad entry {e}") from e
     # the step where the learning-rate schedule ends: the saved config's steps for checkpoints
     # written before the trainer recorded it
-    trainer_state = {"planned_steps": saved.steps, **meta, "data_rng": rng["data"]}
+    # max_staleness: the adapters of the batches that were in flight (none before they were kept)
+    behaviour = {int(v): read(f"{BEHAVIOUR}/v{int(v):06d}", read_lora_adapter) for v in meta.get("behaviour_versions", [])}
+    trainer_state = {"planned_steps": saved.steps, **meta, "data_rng": rng["data"], "behaviour": behaviour}
     return ckpt, learner_state, trainer_state

@@ -96,6 +96,16 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # temperatures are refused instead of guessed at.
 MIN_TEMPERATURE = 1e-2
 
+# max_staleness's ceiling: each version in flight is a LoRA slot in every vLLM engine (max_loras =
+# max_staleness + 1) and a batch of rollouts waiting in the object store.
+MAX_STALENESS = 8
+
+# Config keys that were renamed: old name -> (new name, the old value's translation). A config
+# file, a checkpoint's config.yaml or a replace() that uses the old name still loads.
+RENAMED: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "overlap_generation": ("max_staleness", lambda on: 1 if on in (True, "true", "True", 1) else 0),
+}
+
 
 # Experiment trackers (report_to) and logging levels (log_level).
 REPORT_TO = ("tensorboard", "wandb")
@@ -328,7 +338,7 @@ class PPOConfig:
     kl_in_loss: bool = knob(False, ALGORITHM, LEARNER)
     """Put the KL to the reference in the policy loss instead of the reward (as GRPO does): the rewards are the scores alone, and the loss adds kl_coef times the k3 estimate of KL(policy || reference) of the tokens being trained (with gradient), aggregated like the policy loss; the kl_loss stat reports it. k3 is clamped per token as verl's low_var_kl clamps it (log(pi_ref / pi) to [-20, 20], then k3 to at most 10; OpenRLHF clamps its k3 to 10 too), so one token the reference finds far likelier than the policy cannot dominate the step (unclamped, a log ratio of 25 gives 7.2e10); a clamped token gets no gradient from the KL. Needs untruncated sampling (top_k 0, top_p 1): the loss's policy logprobs are the sampling distribution's and the reference's are the full softmax's. Off = the seeds' KL penalty in the reward (kl_estimator)."""
     is_correction: str = knob("none", ALGORITHM, LEARNER, choices=IS_CORRECTIONS)
-    """Off-policy correction for the generator/learner mismatch (vLLM's and the learner's logprobs of the same policy differ, most in bfloat16): tis weights each token's policy loss by min(pi_learner / pi_generator, is_cap) (truncated importance sampling); mis drops the tokens (or, is_level sequence, the responses) whose ratio is outside [1/is_cap, is_cap] from the policy loss; none = off. The mismatch itself (mismatch_outside_frac, mismatch_log_ratio_abs) is reported every step whatever this is; with a correction on, the rollout check of logprob_gap_check tests the share of tokens outside [1/is_cap, is_cap] (is_outside_frac, held to logprob_gap_outside_tolerance) instead of the largest gap of one token. Needs old_logprobs: learner (the learner's own logprobs) and no overlap_generation (whose stale steps already take the generator's logprobs as the PPO ratio's denominator)."""
+    """Off-policy correction for the generator/learner mismatch (vLLM's and the learner's logprobs of the same policy differ, most in bfloat16): tis weights each token's policy loss by min(pi_learner / pi_generator, is_cap) (truncated importance sampling); mis drops the tokens (or, is_level sequence, the responses) whose ratio is outside [1/is_cap, is_cap] from the policy loss; none = off. The mismatch itself (mismatch_outside_frac, mismatch_log_ratio_abs) is reported every step whatever this is; with a correction on, the rollout check of logprob_gap_check tests the share of tokens outside [1/is_cap, is_cap] (is_outside_frac, held to logprob_gap_outside_tolerance) instead of the largest gap of one token. Needs old_logprobs: learner (the learner's own logprobs) and max_staleness 0 (whose stale steps already take the generator's logprobs as the PPO ratio's denominator)."""
     is_cap: float = knob(2.0, ALGORITHM, LEARNER)
     """is_correction's C (> 1): tis's weight cap; mis keeps ratios in [1/C, C]."""
     is_level: str = knob("token", ALGORITHM, LEARNER, choices=IS_LEVELS)
@@ -344,7 +354,7 @@ class PPOConfig:
     logprob_gap_outside_tolerance: float = knob(0.05, ALGORITHM, check=within(0, 1))
     """With is_correction set, the rollout check's threshold instead of logprob_gap_tolerance: the largest share of a fresh step's policy-loss tokens whose ratio pi_learner / pi_generator is outside [1/is_cap, is_cap] (the step's is_outside_frac; per token whatever is_level, since a response's ratio drifts with its length even when each of its tokens is close). Those are the tokens the correction drops (mis) or caps or all but drops (tis): a mismatch that moves a few tokens that far is what it is built to absorb (the largest gap of one token grows with the number of tokens, so long bfloat16 responses would fail logprob_gap_tolerance), while a generator whose rollouts have more than this share outside is taken to hold another policy. The sync check after every sync keeps the largest-gap rule and logprob_gap_tolerance whatever is_correction is: its probe is small and fixed (4 prompts x 4 tokens), its largest gap does not grow with the responses, and it catches a lost or corrupted sync. Default 0.05: bfloat16's largest gap is a tenth of the default band's edge, log 2 (benchmarks/RESULTS.md, "The generator-vs-learner gap per dtype")."""
     old_logprobs: str = knob("auto", ALGORITHM, LEARNER, choices=("auto", "learner", "generator"))
-    """Where the rollout policy's logprobs of the sampled tokens come from (the PPO ratio's denominator and KL_t's log pi): auto (generator where it is proven equal: untruncated float32 sampling in the synchronous step, no is_correction; learner otherwise; PPOConfig.old_logprobs_source), learner (a no-grad policy forward over the rollouts at every step, the seeds' step 2) or generator (vLLM's logprobs from sampling, already in the rollouts: the learner skips the policy's no-grad forward, and its entropy stat is the sampled tokens' mean -logprob, an unbiased estimate; it still recomputes, and logprob_gap_check still runs, at every old_logprobs_check_every-th adapter version). generator needs untruncated sampling (top_k 0, top_p 1: the KL's full-softmax logprobs are then the sampled ones) and float32, where generator and learner agree to ~5e-6; under bfloat16 they differ by ~0.1 nats, so the learner recomputes. The value model's no-grad pass runs unless old_values is update. With overlap_generation, KL_t between checks then uses the behaviour policy's logprobs (one version old) instead of the current policy's, and behaviour_logprob_gap is not measured (NaN). The first minibatch's PPO ratio (first_minibatch_ratio_mean), before any optimiser step, is per mode: learner: 1 up to the rounding of two forwards of the same weights (the no-grad pass and the training forward): in float32 exactly 1 where both batch the rows alike, otherwise within a few float32 ulps per token (measured up to 2e-6); in bfloat16 up to ~1e-2 per token; generator: 1 within the generator-learner gap (float32: ~5e-6 per token, up to ~2e-5 measured; the mean within ~3e-7), and as learner at the check versions. A stale step of overlap_generation has the ratio pi_current / pi_behaviour, not 1, and ppo_dropout moves it off 1."""
+    """Where the rollout policy's logprobs of the sampled tokens come from (the PPO ratio's denominator and KL_t's log pi): auto (generator where it is proven equal: untruncated float32 sampling in the synchronous step, no is_correction; learner otherwise; PPOConfig.old_logprobs_source), learner (a no-grad policy forward over the rollouts at every step, the seeds' step 2) or generator (vLLM's logprobs from sampling, already in the rollouts: the learner skips the policy's no-grad forward, and its entropy stat is the sampled tokens' mean -logprob, an unbiased estimate; it still recomputes, and logprob_gap_check still runs, at every old_logprobs_check_every-th adapter version). generator needs untruncated sampling (top_k 0, top_p 1: the KL's full-softmax logprobs are then the sampled ones) and float32, where generator and learner agree to ~5e-6; under bfloat16 they differ by ~0.1 nats, so the learner recomputes. The value model's no-grad pass runs unless old_values is update. With max_staleness >= 1, KL_t between checks then uses the behaviour policy's logprobs (one version old) instead of the current policy's, and behaviour_logprob_gap is not measured (NaN). The first minibatch's PPO ratio (first_minibatch_ratio_mean), before any optimiser step, is per mode: learner: 1 up to the rounding of two forwards of the same weights (the no-grad pass and the training forward): in float32 exactly 1 where both batch the rows alike, otherwise within a few float32 ulps per token (measured up to 2e-6); in bfloat16 up to ~1e-2 per token; generator: 1 within the generator-learner gap (float32: ~5e-6 per token, up to ~2e-5 measured; the mean within ~3e-7), and as learner at the check versions. A stale step (max_staleness >= 1) has the ratio pi_current / pi_behaviour, not 1, and ppo_dropout moves it off 1."""
     old_logprobs_check_every: int = knob(10, ALGORITHM, LEARNER)
     """old_logprobs: generator only: the learner recomputes the policy's logprobs (and the generator-vs-learner check runs) at adapter versions 0, N, 2N, ...; 1 = every step (no saving)."""
     old_values: str = knob("auto", ALGORITHM, LEARNER, choices=("auto", "forward", "update"))
@@ -458,13 +468,13 @@ class PPOConfig:
     num_generators: int = knob(1, RESOURCES, check=at_least(1))
     """vLLM generator replicas; prompts are split across them."""
     generator_num_cpus: Optional[float] = knob(None, RESOURCES, check=at_least(0, null="null = auto"))
-    """CPUs reserved per generator actor; None = auto: 1 when the run uses a GPU, 0 on a CPU-only run, where the generator then takes every core of its node for its torch threads, on which vLLM's in-process CPU engine computes (its phases take turns on the cores; halved under overlap_generation; PPOConfig.cpu_share). A number = that reservation and Ray's rule: torch threads = the CPUs reserved."""
+    """CPUs reserved per generator actor; None = auto: 1 when the run uses a GPU, 0 on a CPU-only run, where the generator then takes every core of its node for its torch threads, on which vLLM's in-process CPU engine computes (its phases take turns on the cores; halved under max_staleness >= 1; PPOConfig.cpu_share). A number = that reservation and Ray's rule: torch threads = the CPUs reserved."""
     generator_num_gpus: float = knob(0.0, RESOURCES, GENERATOR, gpu=True, check=at_least(0))
     """GPUs (fractional allowed) per generator actor; 0 on a CPU-only machine."""
     num_learners: int = knob(1, RESOURCES, check=at_least(1))
     """Learner workers training one policy data-parallel (torch.distributed: gloo on CPUs, NCCL on GPUs); each takes a shard of every minibatch and the gradients are all-reduced."""
     learner_num_cpus: Optional[float] = knob(None, RESOURCES, check=at_least(0, null="null = auto"))
-    """CPUs reserved per learner actor; None = auto: 1 when the run uses a GPU, 0 on a CPU-only run, where the learner then takes every core of its node for its torch threads (shared with the other learners, and with the generator under overlap_generation; PPOConfig.cpu_share). A number = that reservation and Ray's rule: torch threads = the CPUs reserved."""
+    """CPUs reserved per learner actor; None = auto: 1 when the run uses a GPU, 0 on a CPU-only run, where the learner then takes every core of its node for its torch threads (shared with the other learners, and with the generator under max_staleness >= 1; PPOConfig.cpu_share). A number = that reservation and Ray's rule: torch threads = the CPUs reserved."""
     learner_num_gpus: float = knob(0.0, RESOURCES, gpu=True, check=at_least(0))
     """GPUs per learner actor."""
     scorer_num_cpus: float = knob(0.0, RESOURCES, check=at_least(0))
@@ -472,7 +482,7 @@ class PPOConfig:
     scorer_num_gpus: float = knob(0.0, RESOURCES, gpu=True, check=at_least(0))
     """GPUs per scorer actor."""
     scorer_torch_threads: int = knob(0, RESOURCES, REFERENCE, REWARD)
-    """torch CPU threads in each scorer actor; 0 = auto: on a CPU-only run whose scorers reserve no CPU (scorer_num_cpus 0), half the node's cores each (the reference and reward actors run at the same time, while the generator and the learner wait; a quarter under overlap_generation); otherwise Ray's rule (OMP_NUM_THREADS from scorer_num_cpus, 1 thread when it reserves under 2 CPUs). Keep twice this within the cores: the two scorers run at the same time, and more threads than cores slow both (benchmarks/RESULTS.md, "The first minibatch's ratio, per old_logprobs mode")."""
+    """torch CPU threads in each scorer actor; 0 = auto: on a CPU-only run whose scorers reserve no CPU (scorer_num_cpus 0), half the node's cores each (the reference and reward actors run at the same time, while the generator and the learner wait; a quarter under max_staleness >= 1); otherwise Ray's rule (OMP_NUM_THREADS from scorer_num_cpus, 1 thread when it reserves under 2 CPUs). Keep twice this within the cores: the two scorers run at the same time, and more threads than cores slow both (benchmarks/RESULTS.md, "The first minibatch's ratio, per old_logprobs mode")."""
     cpu_malloc_keep: bool = knob(True, RESOURCES)
     """CPU-only runs: the actors' and the SFT / reward-model stage tasks' glibc malloc keeps the memory they free for their next allocations (MALLOC_MMAP_THRESHOLD_ 32 MiB, MALLOC_TRIM_THRESHOLD_ 1 GiB, MALLOC_TOP_PAD_ 16 MiB) instead of giving it back to the system and faulting it in again, zeroed, at the next micro-batch: faster CPU steps (benchmarks/RESULTS.md, "the old values from the update, and malloc kept"). What a process keeps beyond its live memory: at most 1 GiB free at the top of its heap (a free that leaves more there gives it back down to 16 MiB), and the free chunks between live ones, which glibc keeps under any setting (off too); an allocation of 32 MiB or more that the heap's free top cannot hold is given back when freed. So each process stays near its own peak, on or off, and a node holds the sum of its processes' peaks (per actor, on and off, for the main job, the 25M peer work and the Qwen3 preset on the CPU: benchmarks/RESULTS.md, "cpu_malloc_keep's memory"). A variable already set in the driver's environment wins; false = glibc's defaults; a run with a GPU keeps them."""
     placement_strategy: str = knob("PACK", RESOURCES, choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
@@ -485,8 +495,8 @@ class PPOConfig:
     """Custom Ray resources per scorer actor, reference and reward (see generator_resources)."""
     placement_timeout_s: float = knob(60.0, RESOURCES)
     """Seconds to wait for the cluster to reserve every actor's resources; then a ClusterError names what did not fit."""
-    overlap_generation: bool = knob(False, GENERATION, LEARNER)
-    """Generate step k+1's rollouts while the learner trains on step k: rollouts are one LoRA version stale and the PPO ratio uses the generator's (behaviour) logprobs."""
+    max_staleness: int = knob(0, GENERATION, LEARNER, GENERATOR, check=within(0, MAX_STALENESS))
+    """Asynchronous training with bounded staleness: the rollouts of step t are sampled with adapter version max(0, t - 1 - max_staleness), so the generators sample the next max_staleness steps' batches while the learner trains on this one. 0 = the synchronous step (the seeds' loop); 1 = one step of overlap (what overlap_generation: true was; a config or checkpoint that says overlap_generation still loads); 2 or more keeps max_staleness + 1 adapter versions alive in each generator's vLLM engine (max_loras), each retired when no batch needs it, and the engine's continuous batching runs the batches of several steps at once, so the short responses of the next steps fill the slots the longest ones of this step leave (lora_sync adapter or tensor: auto picks tensor; merged holds one set of weights and refuses 2 or more). Stale steps take the generator's (behaviour) logprobs as the PPO ratio's denominator; the learner refuses rollouts more than max_staleness versions behind. The version of a batch is a function of its step, not of timing, so a batch lost to an actor failure or left in flight at a checkpoint is generated again exactly (checkpoints keep the last max_staleness adapters): a retried or resumed run equals a straight one."""
     lora_sync: str = knob("auto", GENERATION, GENERATOR, choices=("auto", *LORA_SYNC_MODES))
     """How the generator takes new LoRA weights: adapter (a vLLM LoRARequest per version, its adapter written to a scratch directory and read by vLLM), tensor (the same LoRARequest per version, registered in vLLM's worker from the learner's tensors in memory: no file per version; benchmarks/RESULTS.md, "LoRA sync from memory"), merged (W0 + scale*B@A loaded into the engine's weights: base-model generation speed; the prefix cache is reset after every load) or auto (PPOConfig.lora_sync_mode: merged for a generator on the CPU, where vLLM's LoRA path is several times slower than the base model's, benchmarks/RESULTS.md, "fast by default on the CPU"; adapter on a GPU)."""
     vllm_kv_cache_gib: Optional[float] = knob(None, GENERATION, GENERATOR)
@@ -544,9 +554,12 @@ class PPOConfig:
             need(self.old_logprobs in ("learner", "auto"), "is_correction",
                  f"needs old_logprobs: learner (got {self.old_logprobs!r}): the correction weighs the learner's "
                  "logprobs against the generator's, and old_logprobs: generator skips the learner's")
-            need(not self.overlap_generation, "is_correction",
-                 "cannot be combined with overlap_generation: its stale steps already take the generator's "
+            need(not self.max_staleness, "is_correction",
+                 "cannot be combined with max_staleness >= 1: its stale steps already take the generator's "
                  "logprobs as the PPO ratio's denominator (the trust region is around what was sampled)")
+        need(self.max_staleness <= 1 or self.lora_sync_mode != "merged", "max_staleness",
+             "needs lora_sync adapter or tensor above 1: merged weights hold one adapter version, and "
+             f"max_staleness {self.max_staleness} keeps {self.max_staleness + 1} alive in the generators")
         if self.kl_in_loss:
             need(self.top_k in (0, -1) and self.top_p == 1.0, "kl_in_loss",
                  f"needs untruncated sampling (top_k 0 and top_p 1.0; got top_k={self.top_k}, top_p={self.top_p}): "
@@ -667,22 +680,25 @@ class PPOConfig:
     @property
     def lora_sync_mode(self) -> str:
         """lora_sync resolved: auto = merged for a generator on the CPU (generator_num_gpus 0),
-        adapter on a GPU."""
+        adapter on a GPU; tensor on the CPU with max_staleness >= 2 (several versions alive,
+        which merged weights cannot hold)."""
         if self.lora_sync != "auto":
             return self.lora_sync
-        return "adapter" if self.generator_num_gpus > 0 else "merged"
+        if self.generator_num_gpus > 0:
+            return "adapter"
+        return "merged" if self.max_staleness <= 1 else "tensor"
 
     @property
     def old_logprobs_source(self) -> str:
         """old_logprobs resolved: "generator" or "learner". auto = generator where the two are
         proven equal (untruncated sampling in float32: they agree to ~5e-6, and the learner
         still recomputes and checks them every old_logprobs_check_every versions) in the
-        synchronous step (under overlap_generation generator's KL_t would take the behaviour
+        synchronous step (under max_staleness >= 1 generator's KL_t would take the behaviour
         policy's logprobs) without is_correction (which weighs the two against each other)."""
         if self.old_logprobs != "auto":
             return self.old_logprobs
         equal = self.top_k in (0, -1) and self.top_p == 1.0 and self.dtype == "float32"
-        return "generator" if equal and not self.overlap_generation and self.is_correction == "none" else "learner"
+        return "generator" if equal and not self.max_staleness and self.is_correction == "none" else "learner"
 
     @property
     def old_values_source(self) -> str:
@@ -713,7 +729,7 @@ class PPOConfig:
         the CPUs it reserves). role: generator, learner, reference, reward or stage."""
         if self.uses_gpus:
             return 0
-        overlap = 2 if self.overlap_generation else 1  # the generator runs beside everything else
+        overlap = 2 if self.max_staleness else 1  # the generator runs beside everything else
         if role == "generator":  # the in-process vLLM engine computes on this actor's torch threads
             return overlap * self.num_generators if self.generator_num_cpus is None else 0
         if role in ("reference", "reward"):
@@ -742,6 +758,7 @@ class PPOConfig:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
     def replace(self, **changes: Any) -> "PPOConfig":
+        changes = _renamed(changes, "replace()")
         _check_keys(changes, source="replace()")
         return dataclasses.replace(self, **changes)
 
@@ -749,6 +766,7 @@ class PPOConfig:
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> "PPOConfig":
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a mapping of field: value, got {type(data).__name__}")
+        data = _renamed(data, source)
         _check_keys(data, source)
         return cls(**data)
 
@@ -757,6 +775,7 @@ class PPOConfig:
         """A YAML file, or a shipped preset by name (resolve_config), then `overrides` on top."""
         path = resolve_config(path)
         data = read_yaml(path)
+        overrides = _renamed(overrides, "overrides")
         _check_keys(overrides, source="overrides")
         data.update(overrides)
         return cls.from_dict(data, source=str(path))
@@ -1025,12 +1044,29 @@ def parse_overrides(argv: Sequence[str]) -> tuple[PPOConfig, list[str]]:
 
 
 # ---------------------------------------------------------------------- helpers
+def _renamed(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """`data` with every renamed key (RENAMED) under its new name and value; a ConfigError
+    when the old and the new name are both given and disagree."""
+    out = dict(data)
+    for old, (new, translate) in RENAMED.items():
+        if old not in out:
+            continue
+        value = translate(out.pop(old))
+        if new in out and out[new] != value:
+            raise ConfigError(f"{source}: {old} (now {new}) says {new} = {value!r}, but {new} = {out[new]!r} is "
+                              f"given too: keep only {new}")
+        out.setdefault(new, value)
+    return out
+
+
 def _check_keys(data: dict[str, Any], source: str, prefix: str = "") -> None:
     valid = PPOConfig.field_names()
     for key in data:
         if key not in valid:
             close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.5)
             hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+            if key in RENAMED:
+                hint = f"; it was renamed {prefix}{RENAMED[key][0]}"
             raise ConfigError(f"{source}: unknown config key {prefix}{key}{hint}")
 
 

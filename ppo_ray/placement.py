@@ -279,7 +279,8 @@ def _check_version(role_object, expected: int | None, what: str) -> None:
     back at version 0 (its constructor ran again): a StateLostError, which the trainer
     recovers from. A live actor at another version is a lost or doubled sync: a bug, raised
     as such."""
-    if expected is None or role_object.version == expected:
+    held = getattr(role_object, "versions", None) or [role_object.version]  # a generator may hold several
+    if expected is None or expected in held:
         return
     context = ray.get_runtime_context()
     role = (context.get_actor_name() or "actor").rsplit("/", 1)[-1]  # <run tag>/<role>
@@ -325,7 +326,7 @@ class GeneratorHost(_Host):
         _check_version(self.generator, expected_version, f"step {step + 1}'s rollouts")
         t0 = time.perf_counter()
         batch = self.generator.generate(prompt_ids, step=step, prompt_offset=offset,
-                                        samples_per_prompt=samples_per_prompt)
+                                        samples_per_prompt=samples_per_prompt, version=expected_version)
         summary = GenerationSummary.of(batch, seconds=time.perf_counter() - t0)
         tokens = sum(summary.lengths)
         self.log.info("%s: %d rollouts with adapter v%d, %d response tokens, %.2f s (%.0f tok/s)",
@@ -333,8 +334,9 @@ class GeneratorHost(_Host):
                       summary.version, tokens, summary.seconds, tokens / max(summary.seconds, 1e-9))
         return batch, summary
 
-    def load_adapter(self, version: int, weights: LoraWeights, restore: bool = False) -> SyncReport:
-        report = self.generator.load_adapter(version, weights, restore=restore)
+    def load_adapter(self, version: int, weights: LoraWeights, restore: bool = False,
+                     retire_below: int | None = None) -> SyncReport:
+        report = self.generator.load_adapter(version, weights, restore=restore, retire_below=retire_below)
         self.log.info("adapter v%d loaded%s: %.2f MB, write %.2f s, register %.2f s", report.version,
                       " (restore)" if restore else "", report.nbytes / 1e6, report.write_s, report.register_s)
         return report
@@ -342,10 +344,14 @@ class GeneratorHost(_Host):
     def probe(self, prompt_ids: list[list[int]], expected_version: int) -> RolloutBatch:
         """The sync check's probe rollouts, sampled with the adapter version just loaded."""
         _check_version(self.generator, expected_version, "the sync check")
-        return self.generator.probe(prompt_ids)
+        return self.generator.probe(prompt_ids, version=expected_version)
 
     def version(self) -> int:
         return self.generator.version
+
+    def versions(self) -> list[int]:
+        """The adapter versions held (max_staleness: those of the batches in flight, and the newest)."""
+        return self.generator.versions
 
 
 CPU_SHARE_ENV = "PPO_RAY_CPU_SHARE"

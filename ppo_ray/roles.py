@@ -163,11 +163,13 @@ class Roles:
             raise
 
     def load_adapter(self, version: int, weights, restore: bool = False,
-                     generators: Optional[list[ActorHandle]] = None) -> list[SyncReport]:
+                     generators: Optional[list[ActorHandle]] = None,
+                     retire_below: Optional[int] = None) -> list[SyncReport]:
         """The LoRA sync: every replica (or the given ones) loads adapter `version` from the
-        object store entry `weights`; waited for. Their load reports (version, bytes, seconds)."""
+        object store entry `weights`, first retiring the versions below `retire_below` (no batch
+        in flight needs them); waited for. Their load reports (version, bytes, seconds)."""
         gens = self.generators if generators is None else generators
-        return ray.get([g.load_adapter.remote(version, weights, restore) for g in gens])
+        return ray.get([g.load_adapter.remote(version, weights, restore, retire_below) for g in gens])
 
     def sync_gaps(self, probe_ids: list[list[int]], version: int) -> list[float]:
         """The sync check: every replica samples the probe prompts with the version it just
@@ -176,15 +178,20 @@ class Roles:
         parts = [g.probe.remote(probe_ids, expected_version=version) for g in self.generators]
         return ray.get(self.learner.sync_gaps.remote(*parts, expected_version=version))
 
-    def generator_versions(self) -> list[int]:
-        return ray.get([g.version.remote() for g in self.generators])
+    def generator_versions(self) -> list[list[int]]:
+        """The adapter versions each replica holds (ascending)."""
+        return ray.get([g.versions.remote() for g in self.generators])
 
-    def bring_generators_to(self, version: int, weights) -> None:
-        """Give every generator that holds another version (a restarted one: the base model)
-        adapter `version` from the object store entry `weights`."""
-        stale = [g for g, v in zip(self.generators, self.generator_versions()) if v != version]
-        if stale:
-            self.load_adapter(version, weights, restore=True, generators=stale)
+    def bring_generators_to(self, weights: dict[int, Any]) -> None:
+        """Give every generator the adapter versions `weights` names ({version: object store
+        entry}) that it does not hold (a restarted one holds the base model only), oldest first,
+        so the newest is the one it samples with by default (merged sync holds one version:
+        name one)."""
+        held = self.generator_versions()
+        for version in sorted(weights):
+            missing = [g for g, h in zip(self.generators, held) if version not in h]
+            if missing:
+                self.load_adapter(version, weights[version], restore=True, generators=missing)
 
     @staticmethod
     def intact(generation: Optional[Generation]) -> bool:

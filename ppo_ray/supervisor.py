@@ -34,7 +34,7 @@ PLACES = {
     "restore": "a checkpoint's state loaded into the learners and its adapter into the generators (and the "
                "committed state into the learners after a step failed for another reason than an actor)",
     "step": "the step, up to its commit point",
-    "prefetch": "the next step's rollouts, generated during this one (overlap_generation)",
+    "prefetch": "the next steps' rollouts, generated during this one (max_staleness >= 1)",
     "sync": "the committed adapter loaded into the generators",
     "sync check": "the probe after every sync",
     "evaluation": "sampling with the committed policy (the eval samples, PPOTrainer.generate)",

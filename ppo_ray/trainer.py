@@ -31,11 +31,12 @@ import logging
 import math
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from ppo_ray.batch import fresh_enough, staleness_limit
+from ppo_ray.batch import fresh_enough
 from ppo_ray.checkpoint import (CheckpointError, Lineage, branch_from, check_own_lineage, checkpoint_root,
                                 config_changes, load_checkpoint, model_fingerprints, resolve_checkpoint, resumed_config,
                                 run_ids, save_checkpoint)
@@ -106,7 +107,6 @@ class _Uncommitted:
     """Everything a step produced before its commit point."""
 
     rollouts: Rollouts
-    upcoming: Optional[Rollouts]
     generated: GenerationSummary  # the replicas' summaries, joined
     stats: LearnerStats
     update: Update      # its weights and state: ObjectRefs of the new LoRA and the learner's state
@@ -174,12 +174,17 @@ class PPOTrainer:
         self.step = 0
         self.version, weights_ref, self._learner_state = self.supervisor.run(
             lambda _: self._first_state(), where="start", step=0, recover=self.roles.wait_for_actors)
-        self._weights = {self.version: weights_ref}  # LoRA weights of the committed version and the one before
+        # LoRA weights of the committed version and of those that batches in flight were sampled
+        # with (max_staleness of them)
+        self._weights = {self.version: weights_ref}
         self.cursor = PromptCursor(config.seed)
         self._prompts_key: Optional[str] = None  # fingerprint of the list the cursor indexes
         self._prompt_ids: tuple[Optional[str], list[list[int]]] = (None, [])  # (fingerprint, its prompts encoded once)
         self._cursor_from_checkpoint = False
-        self._pending: Optional[Rollouts] = None  # overlap mode: the next step's rollouts, already generating
+        # max_staleness >= 1: the next steps' batches, drawn and generating (step order), and the
+        # step train() runs to (no batch is drawn for a step past it)
+        self._inflight: deque[Rollouts] = deque()
+        self._target: Optional[int] = None
         self._resyncs = 0  # re-syncs during the current step (StepResult.sync_resyncs)
         self._probe_ids = sync_probe_prompts(self.tokenizer, config.seed, config.max_prompt_length)
         self._last_checkpoint = time.monotonic()
@@ -223,22 +228,23 @@ class PPOTrainer:
                                                   samples_per_prompt=self.config.samples_per_prompt)
         return rollouts
 
-    def _run_step(self, current: Rollouts, upcoming: Optional[Rollouts] = None) -> tuple[StepResult, Optional[Rollouts]]:
+    def _run_step(self, current: Rollouts) -> StepResult:
         """One step, supervised: attempts until one reaches the commit point, then the
-        committed step's sync. `upcoming` (overlap mode) is the next step's batch, generated
-        while the learner trains. Returns (the step's result, upcoming rollouts in flight).
+        committed step's sync. Under max_staleness k (in train()) the next k steps' batches
+        are drawn and generating while the learner trains (self._inflight, _fill).
 
         Before the commit point an actor that dies (or comes back without its state) costs a
         retry of the step from the committed state: every learner is restored from the
         driver's copy of its state, intact rollouts are reused and lost ones regenerated with
         the same prompts, seeds and adapter version, so the retried step computes exactly
         what the first attempt would have. After it, nothing retries the step: a generator
-        lost in the sync or the prefetch is restarted and brought to the committed version."""
+        lost in the sync or the prefetch is restarted and brought to the committed version
+        (and to those the batches in flight need)."""
         t_start = time.perf_counter()
         self._resyncs = 0
         while True:
             try:
-                step = self.supervisor.run(lambda _: self._until_commit(current, upcoming, t_start), where="step",
+                step = self.supervisor.run(lambda _: self._until_commit(current, t_start), where="step",
                                            step=self.step + 1, recover=lambda: self._recover(current))
                 break
             except Exception as error:
@@ -259,14 +265,14 @@ class PPOTrainer:
                     continue
                 raise
         self._commit(step)  # ---------------- the commit point: from here on the step is done
-        upcoming = self._finish_prefetch(step.upcoming)
+        self._finish_prefetch()
         t_generation_done = time.perf_counter()
         loads = self._sync_generators(self.version)
         t_sync_done = time.perf_counter()
         check = self._check_sync(self.version)
-        return self._result(step, loads, check, t_generation_done, t_sync_done), upcoming
+        return self._result(step, loads, check, t_generation_done, t_sync_done)
 
-    def _until_commit(self, current: Rollouts, upcoming: Optional[Rollouts], t_start: float) -> _Uncommitted:
+    def _until_commit(self, current: Rollouts, t_start: float) -> _Uncommitted:
         """Steps 1-11 up to the commit point: everything the step produces, nothing committed."""
         roles = self.roles
         # 1-2. Rollouts (already in flight when prefetched or kept from a failed attempt).
@@ -277,11 +283,10 @@ class PPOTrainer:
         ref_logprobs, reference_stats = roles.reference_logprobs(parts)
         scores, reward_stats = roles.score(parts)
         # 5-11 in the learner, with its old logprobs (step 2) and KL_t (step 3): values, rewards, GAE, PPO.
-        limit = staleness_limit(self.config.overlap_generation)
+        limit = self.config.max_staleness
         update = roles.update(ref_logprobs, scores, parts, expected_version=self.version, max_staleness=limit,
                               planned_steps=self.planned_steps)
-        if upcoming is not None:  # overlap: the next step generates while the learner trains
-            upcoming = self._submit(replace(upcoming, version=self.version))
+        self._fill(current)  # max_staleness: the next steps generate while the learner trains
 
         summaries: list[GenerationSummary] = roles.fetch(current.generation.summaries)
         versions = {s.version for s in summaries}
@@ -292,37 +297,83 @@ class PPOTrainer:
         scores, reward_stats, reference_stats = roles.fetch([scores, reward_stats, reference_stats])
         t_update_done = time.perf_counter()
         self._check_logprob_gap(stats)
-        return _Uncommitted(current, upcoming, GenerationSummary.join(summaries), stats, update, scores.tolist(),
+        return _Uncommitted(current, GenerationSummary.join(summaries), stats, update, scores.tolist(),
                             reward_stats, reference_stats, t_start, t_update_done)
 
     def _commit(self, step: _Uncommitted) -> None:
         """The step's one commit point: the step count, the version, the learner's state."""
         new_version = step.stats.version
-        self._weights = {self.version: self._weights[self.version], new_version: step.update.weights}
+        self._weights[new_version] = step.update.weights
+        self._weights = {v: w for v, w in self._weights.items() if v >= new_version - self.config.max_staleness}
         self.step += 1
         self.version = new_version
         self._learner_state = step.update.state
 
-    def _finish_prefetch(self, upcoming: Optional[Rollouts]) -> Optional[Rollouts]:
-        """Wait for the prefetched rollouts (the sync queues behind them anyway); lost ones
-        are regenerated with the version they were sampled with (the one before the commit)."""
-        if upcoming is None:
-            return None
+    def _finish_prefetch(self) -> None:
+        """Before the sync: wait for the batches in flight whose adapter version the sync
+        retires (merged sync holds one version: all of them; adapter and tensor sync keep every
+        version a batch in flight needs: none); the sync queues behind them anyway. Lost ones
+        are regenerated with the version they were sampled with."""
+        for rollouts in [r for r in self._inflight if r.version < self._keep_from(self.version)]:
+            self.supervisor.run(lambda _, r=rollouts: self.roles.fetch(r.generation.summaries), where="prefetch",
+                                step=self.step, recover=lambda: self._regenerate_lost([]))
 
-        def regenerate() -> None:
-            self.roles.wait_for_actors()
-            self.roles.bring_generators_to(upcoming.version, self._weights[upcoming.version])
-            self._submit(upcoming)
+    # ------------------------------------------------------------------ batches in flight (max_staleness)
+    def _version_for(self, step: int) -> int:
+        """The adapter version the batch of step index `step` (0-based: the sampling seeds' step)
+        is sampled with: max_staleness versions before the one its step trains, never below
+        the first. A function of the step alone, so a lost or resumed batch is generated
+        again exactly."""
+        rule = max(0, self.version - (self.step - step) - self.config.max_staleness)
+        # a run resumed with a larger max_staleness than its checkpoint's has no older adapters
+        return max(rule, min(self._weights))
 
-        self.supervisor.run(lambda _: self.roles.fetch(upcoming.generation.summaries), where="prefetch",
-                            step=self.step, recover=regenerate)
-        return upcoming
+    def _keep_from(self, version: int) -> int:
+        """The oldest adapter version the generators keep once `version` is loaded: the oldest a
+        batch in flight can need (merged sync holds one: `version` itself)."""
+        return version if self.config.lora_sync_mode == "merged" else version - self.config.max_staleness
+
+    def _needed(self) -> dict:
+        """{version: weights} the generators must hold: the committed one and, with adapter or
+        tensor sync, every one a batch in flight was sampled with."""
+        keep = self._keep_from(self.version)
+        return {v: w for v, w in self._weights.items() if v >= keep}
+
+    def _fill(self, current: Rollouts) -> None:
+        """train() under max_staleness k: draw and submit the batches of the next k steps (up
+        to train()'s last) that are not in flight yet, each with its version (_version_for)."""
+        if self._target is None:
+            return
+        last = self._inflight[-1].step if self._inflight else current.step
+        for step in range(last + 1, min(self._target, current.step + self.config.max_staleness + 1)):
+            self._inflight.append(self._submit(self._draw(step)))
+
+    def _regenerate_lost(self, also: list[Rollouts]) -> None:
+        """After a failure: every batch of `also` and of those in flight whose generation was
+        lost is generated again (same prompts, seeds and version), oldest first; then every
+        generator holds the versions the committed state needs. A merged-sync generator holds
+        one version: it is given each lost batch's before that batch is submitted (its calls
+        run in order)."""
+        self.roles.wait_for_actors()
+        for rollouts in [*also, *self._inflight]:
+            if self.roles.intact(rollouts.generation):
+                continue
+            if self.config.lora_sync_mode == "merged":
+                self.roles.bring_generators_to({rollouts.version: self._weights[rollouts.version]})
+            else:
+                self.roles.bring_generators_to(self._needed())
+            self._submit(rollouts)
+        self.roles.bring_generators_to(self._needed())  # queued behind those generations
 
     def _sync_generators(self, version: int) -> list[SyncReport]:
         """The committed LoRA goes from the learner's object store entry to every replica; a
         replica that dies here is restarted and given it."""
         weights = self._weights[version]
-        loads = self.supervisor.run(lambda attempt: self.roles.load_adapter(version, weights, restore=attempt > 0),
+        # max_staleness with adapter or tensor sync: first retire the versions no batch in flight
+        # needs (otherwise the load replaces the previous version once it is in place)
+        keep = self._keep_from(version)
+        loads = self.supervisor.run(lambda attempt: self.roles.load_adapter(version, weights, restore=attempt > 0,
+                                                                            retire_below=keep if keep < version else None),
                                     where="sync", step=self.step, recover=self.roles.wait_for_actors)
         bad = [r.version for r in loads if r.version != version]
         if bad:
@@ -491,10 +542,15 @@ class PPOTrainer:
             raise ValueError("save_checkpoint needs the trainer's run_dir (PPOTrainer(config, run_dir=...))")
         learner_state = self.supervisor.run(lambda _: self.roles.fetch(self._learner_state), where="checkpoint",
                                             step=self.step, recover=self._back_to_committed)
-        # overlap mode: the next step's batch is already drawn (and generated); a resumed run
-        # draws it again and generates it with the checkpoint's adapter
-        order, rng = self._pending.cursor if self._pending is not None else self.cursor.state()
-        path = save_checkpoint(self.run_dir, config=self.config, learner_state=learner_state,
+        # max_staleness: the next steps' batches are drawn (and generating); a resumed run draws
+        # them again and samples them with the versions they were sampled with, kept here
+        order, rng = self._inflight[0].cursor if self._inflight else self.cursor.state()
+        behaviour = {v: w for v, w in self._needed().items() if v < self.version}
+        if behaviour:
+            behaviour = dict(zip(behaviour, self.supervisor.run(lambda _: self.roles.fetch(list(behaviour.values())),
+                                                                where="checkpoint", step=self.step,
+                                                                recover=self._back_to_committed)))
+        path = save_checkpoint(self.run_dir, config=self.config, learner_state=learner_state, behaviour=behaviour,
                                model_dir=self.model_dir, keep=self.config.keep_checkpoints, lineage=self.lineage,
                                trainer_state={"step": self.step, "order": order, "data_rng": rng,
                                               "prompts_sha256": self._prompts_key,
@@ -525,16 +581,20 @@ class PPOTrainer:
 
         def load(attempt: int) -> int:  # a redo re-forms the learner group (a restarted member left it)
             version = self.roles.restore_learners(self._learner_state, reform=attempt > 0)[0]
-            self._weights = {version: self.roles.store(learner_state.policy)}
-            self.roles.load_adapter(version, self._weights[version], restore=True)
+            self._weights = {v: self.roles.store(w) for v, w in state["behaviour"].items()}
+            self._weights[version] = self.roles.store(learner_state.policy)
+            self.version, self.step = version, int(state["step"])
+            # the generators start afresh at the checkpoint's versions: its own and (max_staleness)
+            # those of the batches that were in flight
+            oldest = min(self._needed())
+            self.roles.load_adapter(oldest, self._weights[oldest], restore=True, retire_below=oldest)
+            self.roles.bring_generators_to(self._needed())
             return version
 
-        version = self.supervisor.run(load, where="restore", step=int(state["step"]),
-                                      recover=self.roles.wait_for_actors)
-        self.version, self.step = version, int(state["step"])
-        self._check_sync(version)
+        self.supervisor.run(load, where="restore", step=int(state["step"]), recover=self.roles.wait_for_actors)
+        self._check_sync(self.version)
         self.cursor.set_state((state["order"], state["data_rng"]))
-        self._pending = None
+        self._inflight.clear()
         self._prompts_key = state.get("prompts_sha256")
         self._cursor_from_checkpoint = self._prompts_key is not None
         self.lineage = Lineage.after(ckpt)
@@ -578,10 +638,7 @@ class PPOTrainer:
         step's rollouts if they were lost."""
         self.roles.wait_for_actors()
         self._restore_learners()
-        if not self.roles.intact(current.generation):
-            self.roles.bring_generators_to(current.version, self._weights[current.version])
-            self._submit(current)  # same prompts, seeds and version: the same samples
-        self.roles.bring_generators_to(self.version, self._weights[self.version])  # queued behind that generation
+        self._regenerate_lost([current])  # same prompts, seeds and version: the same samples
 
     def _back_to_committed(self) -> None:
         """Back to the committed state after a failure outside a step (the sync check, an
@@ -591,7 +648,7 @@ class PPOTrainer:
         committed version (a restarted one is on the base model)."""
         self.roles.wait_for_actors()
         self._restore_learners()
-        self.roles.bring_generators_to(self.version, self._weights[self.version])
+        self.roles.bring_generators_to(self._needed())
 
     def _restore_learners(self, best_effort: bool = False) -> None:
         """Every learner back to the committed state. best_effort: on the way out of a failed
@@ -607,14 +664,14 @@ class PPOTrainer:
             log.exception("could not put the learners back to the committed state after a failed step")
 
     # ------------------------------------------------------------------ many steps
-    def _draw(self, ahead: int = 0) -> Rollouts:
+    def _draw(self, step: int) -> Rollouts:
         """The next config.prompts_per_step prompts (of train()'s list, encoded once: batch_size
-        rollouts of samples_per_prompt samples each), as rollouts of step self.step + ahead + 1
-        to be sampled with the current version."""
+        rollouts of samples_per_prompt samples each), as the rollouts of step index `step`
+        (0-based), to be sampled with its version (_version_for)."""
         cursor = self.cursor.state()
         ids = self._prompt_ids[1]
         rows = self.cursor.draw(len(ids), self.config.prompts_per_step)
-        return Rollouts([ids[i] for i in rows], step=self.step + ahead, version=self.version, cursor=cursor)
+        return Rollouts([ids[i] for i in rows], step=step, version=self._version_for(step), cursor=cursor)
 
     def _checkpoint_due(self) -> bool:
         cfg = self.config
@@ -672,19 +729,17 @@ class PPOTrainer:
                              config=self.config.to_dict(), run_tag=self.namespace,
                              adaptive_kl=self.config.kl_target is not None, aside=self._abandoned)
         self._last_checkpoint = time.monotonic()
+        self._target = target
         try:
             while self.step < target:
-                current, self._pending = self._pending or self._draw(), None
-                upcoming = (self._draw(ahead=1)
-                            if self.config.overlap_generation and self.step + 1 < target else None)
+                current = self._inflight.popleft() if self._inflight else self._draw(self.step)
                 before = self.step
                 try:
-                    result, self._pending = self._run_step(current, upcoming)
+                    result = self._run_step(current)
                 except BaseException:
                     # the batches drawn for what did not happen are drawn again next time
-                    lost = current if self.step == before else upcoming
-                    if lost is not None and lost.cursor is not None:
-                        self.cursor.set_state(lost.cursor)
+                    if self.step == before:
+                        self._inflight.appendleft(current)
                     raise
                 if self._eval_due(result.step, target):
                     self._evaluate(result, evaluate, eval_prompts, runlog)
@@ -697,9 +752,10 @@ class PPOTrainer:
                 self.save_checkpoint()
         finally:
             runlog.close()
-            if self._pending is not None:  # a stopped run: its prefetched batch is drawn again next time
-                self.cursor.set_state(self._pending.cursor)
-                self._pending = None
+            self._target = None
+            if self._inflight:  # a stopped run: the batches in flight are drawn again next time
+                self.cursor.set_state(self._inflight[0].cursor)
+                self._inflight.clear()
         return history
 
     def _plan_steps(self, steps: int, why: str) -> None:

@@ -9,7 +9,7 @@ session puts this folder on their PYTHONPATH: conftest.ray_session).
 
     phase       the call that dies (role)                      when
     generate    generator-i.generate of this step's rollouts   before / after its work
-    prefetch    generator-i.generate of the NEXT step's        before / after (overlap_generation)
+    prefetch    generator-i.generate of the NEXT step's        before / after (max_staleness >= 1)
                 rollouts, submitted during this step
     score       reference.logprobs, reward.score               before / after
     update      learner(-i).update                             before / after
@@ -162,14 +162,18 @@ class FaultyGeneratorHost(FaultPoints, GeneratorHost):
     generate = fault_point(GeneratorHost.generate)
 
     @fault_point
-    def load_adapter(self, version, weights, restore: bool = False) -> SyncReport:
+    def load_adapter(self, version, weights, restore: bool = False, retire_below=None) -> SyncReport:
         bad, self._bad_sync = getattr(self, "_bad_sync", None), None
         if bad == "previous":  # the sync is lost: the old weights stay, the new version is reported
-            self.generator.version = version
+            sync = self.generator.sync
+            if hasattr(sync, "_held"):  # adapter / tensor: the newest registration held under the new version too
+                sync._held[version] = sync.lora_request
+            else:  # merged
+                sync._version = version
             return SyncReport(version=version, write_s=0.0, register_s=0.0, retire_s=0.0, nbytes=0.0)
         if bad == "perturbed":
             weights = perturbed(weights)
-        return super().load_adapter(version, weights, restore)
+        return super().load_adapter(version, weights, restore, retire_below)
 
     def arm_bad_sync(self, kind: str) -> None:
         """Make the next load_adapter a bad sync of `kind` (BadSync), once."""
@@ -227,9 +231,9 @@ class FaultyTrainer(PPOTrainer):
         self._faults = [f for f in faults if isinstance(f, Fault)]
         self._bad_syncs = [f for f in faults if isinstance(f, BadSync)]
 
-    def _run_step(self, current: Rollouts, upcoming: Optional[Rollouts] = None):
+    def _run_step(self, current: Rollouts):
         self._prepare_faults(self.step + 1, current)
-        return super()._run_step(current, upcoming)
+        return super()._run_step(current)
 
     def _sync_generators(self, version: int):
         # the committed step's sync (_run_step's only call of it): a silent bad sync if armed
@@ -248,7 +252,7 @@ class FaultyTrainer(PPOTrainer):
                 continue
             if fault.phase == "generate" and prefetched:
                 raise ValueError(f"{fault}: step {step}'s rollouts were generated during step {step - 1} "
-                                 f"(overlap_generation): use phase 'prefetch' at step {step - 1}")
+                                 f"(max_staleness >= 1): use phase 'prefetch' at step {step - 1}")
             # this step's own generate call comes first when its rollouts are not prefetched
             call = 2 if fault.phase == "prefetch" and not prefetched else 1
             arm_fault(self.roles, fault.role, fault.method, fault.when, call)

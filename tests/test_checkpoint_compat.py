@@ -109,12 +109,18 @@ def test_old_checkpoint_is_found_and_verified(run_dir, caplog):
 
 def test_old_config_yaml_resumes_as_the_same_config(run_dir):
     """resumed_config reads every key of the old config.yaml as the field of that name with
-    that value (the ${run_dir} path placed in the copy's run directory); no key is unknown
-    (a field renamed or removed would stop every old checkpoint's resume), and a field the
-    checkpoint predates (none here yet) takes its default."""
+    that value (the ${run_dir} path placed in the copy's run directory), or a renamed key as
+    its new field (ppo_ray.config.RENAMED: overlap_generation false is max_staleness 0); no
+    other key is unknown (a field removed would stop every old checkpoint's resume), and a
+    field the checkpoint predates takes its default."""
+    from ppo_ray.config import RENAMED
+
     data = saved_yaml(run_dir)
     names = PPOConfig.field_names()
-    assert sorted(set(data) - set(names)) == []
+    assert sorted(set(data) - set(names)) == ["overlap_generation"]
+    for old, (new, translate) in RENAMED.items():
+        data[new] = translate(data.pop(old))
+    assert data["max_staleness"] == 0
     cfg = resumed_config(run_dir / "checkpoints" / STEP, run_dir)
     differ = {k: (v, getattr(cfg, k)) for k, v in data.items() if getattr(cfg, k) != localized(v, run_dir)}
     assert differ == {}

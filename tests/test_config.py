@@ -163,14 +163,14 @@ def test_placement_fields(tmp_path):
 def test_cpu_rule_fits_the_machine():
     """Issue 33: a CPU-only run reserves no CPU for its actors and gives each phase the node's
     cores (the generator and the learner all of them, the two scorers, which run together,
-    half each; under overlap_generation the generator and the learners share them); with a GPU, or an explicit reservation,
+    half each; under max_staleness >= 1 the generator and the learners share them); with a GPU, or an explicit reservation,
     Ray's rule (threads = the CPUs reserved) as before."""
     cfg = PPOConfig()
     assert not cfg.uses_gpus and cfg.generator_num_cpus is None and cfg.learner_num_cpus is None
     assert [cfg.num_cpus(r) for r in ("generator", "learner", "reference", "reward")] == [0.0] * 4
     assert [cfg.cpu_share(r) for r in ("generator", "learner", "reference", "reward", "stage")] == [1, 1, 2, 2, 1]
     assert cfg.stage_demand[0] == 0.0
-    overlap = cfg.replace(overlap_generation=True, num_learners=2)
+    overlap = cfg.replace(max_staleness=1, num_learners=2)
     assert [overlap.cpu_share(r) for r in ("generator", "learner", "reference", "stage")] == [2, 4, 4, 1]
     assert cfg.replace(generator_num_cpus=1).cpu_share("generator") == 0
     gpu = cfg.replace(learner_num_gpus=0.5, generator_num_gpus=0.5)
@@ -212,6 +212,34 @@ def test_lora_sync_auto_merges_on_the_cpu():
     assert PPOConfig(generator_num_gpus=1, lora_sync="merged").lora_sync_mode == "merged"
     with pytest.raises(ConfigError, match="'lora_sync'"):
         PPOConfig(lora_sync="both")
+
+
+def test_max_staleness_replaces_overlap_generation(tmp_path):
+    """max_staleness is the one knob: overlap_generation (a config file's, a checkpoint's, a
+    replace()'s) still loads as max_staleness 0 or 1, and both given and disagreeing is an
+    error naming both; merged sync, which holds one adapter version, refuses 2 or more, and
+    auto picks tensor on the CPU there; the range is checked."""
+    assert PPOConfig().max_staleness == 0
+    assert PPOConfig.from_dict({"overlap_generation": True}).max_staleness == 1
+    assert PPOConfig.from_dict({"overlap_generation": False}).max_staleness == 0
+    assert PPOConfig().replace(overlap_generation=True).max_staleness == 1
+    path = tmp_path / "old.yaml"
+    path.write_text("overlap_generation: true\n")
+    assert PPOConfig.from_yaml(path).max_staleness == 1
+    assert PPOConfig.from_yaml(path, max_staleness=1).max_staleness == 1
+    with pytest.raises(ConfigError, match=r"overlap_generation \(now max_staleness\) says max_staleness = 1, but "
+                                          r"max_staleness = 2"):
+        PPOConfig.from_yaml(path, max_staleness=2, lora_sync="tensor")
+    with pytest.raises(ConfigError, match="unknown config key --overlap_generation; it was renamed --max_staleness"):
+        PPOConfig.from_args(["--overlap_generation", "true"])
+    assert PPOConfig(max_staleness=1).lora_sync_mode == "merged"
+    assert PPOConfig(max_staleness=2).lora_sync_mode == "tensor"
+    assert PPOConfig(max_staleness=2, generator_num_gpus=1).lora_sync_mode == "adapter"
+    with pytest.raises(ConfigError, match="'max_staleness' = 2 is invalid: needs lora_sync adapter or tensor"):
+        PPOConfig(max_staleness=2, lora_sync="merged")
+    for bad in (-1, 9):
+        with pytest.raises(ConfigError, match="'max_staleness'"):
+            PPOConfig(max_staleness=bad)
 
 
 def test_cli_syntaxes():

@@ -18,7 +18,7 @@ test_every_actor_call_is_supervised_and_has_a_fault_case fails for a call made o
 supervisor, for a Roles method that no case reaches, and for a place without a case.
 
 One snapshot of the session trainer (a checkpoint written once, restored before each run),
-then STEPS steps straight, in each mode (synchronous and overlap_generation), as the
+then STEPS steps straight, in each mode (synchronous and max_staleness 1), as the
 reference. Each case restores the snapshot, arms one fault and runs the same steps.
 Tolerance: none in the synchronous step (float32 on the CPU, seeded sampling, seeded
 shuffles, the learner's state restored bit for bit, old logprobs recomputed by the learner).
@@ -264,7 +264,7 @@ def _live_adapter(trainer) -> dict:
 
 
 def _configure(trainer, base, mode: str) -> None:
-    trainer.config = base.replace(overlap_generation=mode == "overlap", eval_every=EVERY, checkpoint_every=EVERY,
+    trainer.config = base.replace(max_staleness=int(mode == "overlap"), eval_every=EVERY, checkpoint_every=EVERY,
                                   report_to=[])
 
 

@@ -850,10 +850,10 @@ def test_a_crash_while_writing_keeps_the_latest_checkpoint(tiny_path, tmp_path, 
 # ------------------------------------------------------------------ overlap mode
 @pytest.mark.equality
 def test_overlap_mode_takes_one_version_stale_rollouts_with_behaviour_logprobs(tiny_path, special):
-    """overlap_generation: a batch sampled with version v-1 is accepted (v-2 is not), the
+    """max_staleness 1: a batch sampled with version v-1 is accepted (v-2 is not), the
     PPO ratio's denominator is the generator's logprobs (the behaviour policy), and the
     staleness is reported."""
-    cfg = make_config(overlap_generation=True, learning_rate=3e-3)
+    cfg = make_config(max_staleness=1, learning_rate=3e-3)
     learner = Learner(cfg, tiny_path)
     kept = keep_experience(learner)
     stale_batch, ref, scores = rollout_inputs(learner, sampled_batch(learner, special, seed=3), seed=3)  # v0
@@ -882,7 +882,7 @@ def test_overlap_mode_takes_one_version_stale_rollouts_with_behaviour_logprobs(t
 
 @pytest.mark.equality
 def test_fresh_rollouts_report_zero_staleness(tiny_path, special):
-    learner = Learner(make_config(overlap_generation=True), tiny_path)
+    learner = Learner(make_config(max_staleness=1), tiny_path)
     batch, ref, scores = rollout_inputs(learner, sampled_batch(learner, special, seed=5), seed=5)
     stats, _ = learner.update(batch, ref, scores)
     assert stats.stale_versions == 0.0 and stats.behaviour_logprob_gap == 0.0

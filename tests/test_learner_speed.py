@@ -388,7 +388,7 @@ def test_defaults_are_the_options_measured_faster():
     assert cfg.old_logprobs == "auto" and cfg.old_logprobs_source == "learner"  # top_k 50, top_p 0.95
     untruncated = cfg.replace(top_k=0, top_p=1.0)
     assert untruncated.old_logprobs_source == "generator"
-    for other in (dict(dtype="bfloat16"), dict(top_k=-1, top_p=0.9), dict(overlap_generation=True),
+    for other in (dict(dtype="bfloat16"), dict(top_k=-1, top_p=0.9), dict(max_staleness=1),
                   dict(is_correction="tis")):
         assert untruncated.replace(**other).old_logprobs_source == "learner", other
     assert untruncated.replace(old_logprobs="learner").old_logprobs_source == "learner"
@@ -640,10 +640,10 @@ def test_generator_old_logprobs_refuse_non_finite_generator_logprobs(tiny_path, 
 
 @pytest.mark.equality
 def test_generator_old_logprobs_with_stale_rollouts(tiny_path, batch):
-    """overlap_generation: rollouts one version behind, between checks: the ratio's
+    """max_staleness 1: rollouts one version behind, between checks: the ratio's
     denominator and KL_t use the generator's (behaviour) logprobs; nothing of the current
     policy is recomputed, so the behaviour gap is not measured."""
-    learner = learner_with(tiny_path, old_logprobs="generator", overlap_generation=True)
+    learner = learner_with(tiny_path, old_logprobs="generator", max_staleness=1)
     b, ref, scores = rollout_inputs(learner, batch)  # sampled at version 0
     learner.update(b, ref, scores)  # version 0 -> 1 (a check)
     stats, _ = learner.update(b, ref, scores)  # version 1, rollouts of version 0

@@ -5,7 +5,7 @@ A bad sync is injected with BadSync (tests/fault_injection.py): generator-0's lo
 keeps the old weights while reporting the new version ("previous": a lost sync) or loads
 the new weights with one LoRA B matrix nudged ("perturbed": a corrupted transfer). Before
 the sync check, such a sync was caught only on fresh steps whose learner recomputed the old
-logprobs; with overlap_generation (every step after the first is stale) or old_logprobs:
+logprobs; with max_staleness 1 (every step after the first is stale) or old_logprobs:
 generator (checked at 1 of every old_logprobs_check_every versions) it went unseen.
 
 Real Ray actors, vLLM and PEFT on the tiny model, float32 (tolerance 1e-3: generator and
@@ -113,13 +113,13 @@ def test_the_sync_check_is_cheap_and_reported(tiny_trainer):
 
 
 MODES = [
-    pytest.param(dict(overlap_generation=True, lora_sync="adapter"), id="overlap-learner-adapter"),
-    pytest.param(dict(overlap_generation=True, lora_sync="merged"), id="overlap-learner-merged"),
+    pytest.param(dict(max_staleness=1, lora_sync="adapter"), id="overlap-learner-adapter"),
+    pytest.param(dict(max_staleness=1, lora_sync="merged"), id="overlap-learner-merged"),
     pytest.param(dict(old_logprobs="generator", lora_sync="adapter"), id="sync-generator-adapter"),
     pytest.param(dict(old_logprobs="generator", lora_sync="merged"), id="sync-generator-merged"),
-    pytest.param(dict(overlap_generation=True, old_logprobs="generator", lora_sync="adapter"),
+    pytest.param(dict(max_staleness=1, old_logprobs="generator", lora_sync="adapter"),
                  id="overlap-generator-adapter"),
-    pytest.param(dict(overlap_generation=True, old_logprobs="generator", lora_sync="merged"),
+    pytest.param(dict(max_staleness=1, old_logprobs="generator", lora_sync="merged"),
                  id="overlap-generator-merged"),
     pytest.param(dict(lora_sync="merged"), id="sync-learner-merged"),
     pytest.param(dict(lora_sync="tensor"), id="sync-learner-tensor"),

@@ -235,14 +235,14 @@ def test_bad_reward_functions_are_named(tiny_trainer, fn, match):
 @pytest.mark.equality
 @pytest.mark.slow  # ~75 s; overlap with a fault runs by default in tests/test_faults.py
 def test_overlap_mode_with_merged_sync(ray_session, tiny_model_dir):
-    """overlap_generation: step k+1 is generated while the learner trains on step k, so from
+    """max_staleness 1: step k+1 is generated while the learner trains on step k, so from
     step 2 on the rollouts are one adapter version behind and the ratio is taken against the
     generator's (behaviour) logprobs. The generator runs lora_sync="merged" (the LoRA merged
     into its weights; one engine start for both features): its logprobs agree with the
     learner's PEFT forward."""
     from ppo_ray.trainer import PPOTrainer
 
-    trainer = PPOTrainer(tiny_test_config(overlap_generation=True, lora_sync="merged", steps=4))
+    trainer = PPOTrainer(tiny_test_config(max_staleness=1, lora_sync="merged", steps=4))
     try:
         history = trainer.train(bundled_prompts(), progress=False)
         assert trainer.version == 4 and ray.get([g.version.remote() for g in trainer.roles.generators]) == [4]
