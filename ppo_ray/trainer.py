@@ -214,7 +214,7 @@ class PPOTrainer:
         the learner's losses and diagnostics, per-phase seconds (`result["policy_loss"]`
         works too). A step whose actor dies is retried from the last committed step."""
         current = Rollouts(self._encode(prompts), step=self.step, version=self.version)
-        return self._run_step(current)[0]
+        return self._run_step(current)
 
     def _encode(self, prompts: Sequence[str]) -> list[list[int]]:
         cfg = self.config
@@ -277,7 +277,12 @@ class PPOTrainer:
         roles = self.roles
         # 1-2. Rollouts (already in flight when prefetched or kept from a failed attempt).
         if current.generation is None:
-            self._submit(current)
+            if current.version != self.version and self.config.lora_sync_mode == "merged":
+                # the first batch after a resume under max_staleness 1: merged sync holds one
+                # version, so the batch's goes in first, and the committed one after it
+                self._regenerate_lost([current])
+            else:
+                self._submit(current)
         parts = current.generation.parts
         # 3-4. Reference logprobs and rewards, concurrently, straight from the object store.
         ref_logprobs, reference_stats = roles.reference_logprobs(parts)
@@ -316,7 +321,7 @@ class PPOTrainer:
         are regenerated with the version they were sampled with."""
         for rollouts in [r for r in self._inflight if r.version < self._keep_from(self.version)]:
             self.supervisor.run(lambda _, r=rollouts: self.roles.fetch(r.generation.summaries), where="prefetch",
-                                step=self.step, recover=lambda: self._regenerate_lost([]))
+                                step=self.step, recover=lambda: self._regenerate_lost([], hold=False))
 
     # ------------------------------------------------------------------ batches in flight (max_staleness)
     def _version_for(self, step: int) -> int:
@@ -348,12 +353,12 @@ class PPOTrainer:
         for step in range(last + 1, min(self._target, current.step + self.config.max_staleness + 1)):
             self._inflight.append(self._submit(self._draw(step)))
 
-    def _regenerate_lost(self, also: list[Rollouts]) -> None:
+    def _regenerate_lost(self, also: list[Rollouts], hold: bool = True) -> None:
         """After a failure: every batch of `also` and of those in flight whose generation was
-        lost is generated again (same prompts, seeds and version), oldest first; then every
-        generator holds the versions the committed state needs. A merged-sync generator holds
-        one version: it is given each lost batch's before that batch is submitted (its calls
-        run in order)."""
+        lost is generated again (same prompts, seeds and version), oldest first; then (`hold`)
+        every generator holds the versions the committed state needs (not before the sync,
+        which loads the new one). A merged-sync generator holds one version: it is given each
+        lost batch's before that batch is submitted (its calls run in order)."""
         self.roles.wait_for_actors()
         for rollouts in [*also, *self._inflight]:
             if self.roles.intact(rollouts.generation):
@@ -363,7 +368,8 @@ class PPOTrainer:
             else:
                 self.roles.bring_generators_to(self._needed())
             self._submit(rollouts)
-        self.roles.bring_generators_to(self._needed())  # queued behind those generations
+        if hold:
+            self.roles.bring_generators_to(self._needed())  # queued behind those generations
 
     def _sync_generators(self, version: int) -> list[SyncReport]:
         """The committed LoRA goes from the learner's object store entry to every replica; a
@@ -545,7 +551,7 @@ class PPOTrainer:
         # max_staleness: the next steps' batches are drawn (and generating); a resumed run draws
         # them again and samples them with the versions they were sampled with, kept here
         order, rng = self._inflight[0].cursor if self._inflight else self.cursor.state()
-        behaviour = {v: w for v, w in self._needed().items() if v < self.version}
+        behaviour = {v: w for v, w in self._weights.items() if v < self.version}
         if behaviour:
             behaviour = dict(zip(behaviour, self.supervisor.run(lambda _: self.roles.fetch(list(behaviour.values())),
                                                                 where="checkpoint", step=self.step,
@@ -588,7 +594,8 @@ class PPOTrainer:
             # those of the batches that were in flight
             oldest = min(self._needed())
             self.roles.load_adapter(oldest, self._weights[oldest], restore=True, retire_below=oldest)
-            self.roles.bring_generators_to(self._needed())
+            if len(self._needed()) > 1:
+                self.roles.bring_generators_to(self._needed())
             return version
 
         self.supervisor.run(load, where="restore", step=int(state["step"]), recover=self.roles.wait_for_actors)

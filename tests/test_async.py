@@ -103,3 +103,33 @@ def test_an_actor_killed_mid_stream_leaves_the_run_as_if_it_had_not_happened(asy
     _assert_same(got, straight, False, role, trainer.config.learning_rate)
     held = ray.get([g.versions.remote() for g in trainer.roles.generators])
     assert all(h[-1] == trainer.version for h in held), held
+
+
+def test_a_resume_under_merged_sync_and_max_staleness_1_equals_the_straight_run(tiny_trainer, tmp_path):
+    """Merged sync holds one set of weights, so after a resume the batch that was in flight
+    (sampled with the version before the checkpoint's) goes into the generator first, then the
+    checkpoint's version: the resumed step equals the straight run's. On the session trainer
+    (merged sync on the CPU)."""
+    trainer = tiny_trainer
+    base = trainer.config
+    trainer.config = base.replace(max_staleness=1, eval_every=0, checkpoint_every=EVERY, report_to=[])
+    assert trainer.config.lora_sync_mode == "merged"
+    try:
+        trainer.restore(trainer.initial_checkpoint)
+        trainer.run_dir = tmp_path
+        straight = trainer.train(bundled_prompts(), steps=EVERY + 1, progress=False)
+        trainer.run_dir = None
+        start = straight[0]["step"] - 1
+        ckpt = tmp_path / "checkpoints" / f"step-{start + EVERY:06d}"
+        assert json.loads((ckpt / "trainer.json").read_text())["behaviour_versions"] == [start + EVERY - 1]
+        trainer.restore(ckpt)
+        resumed = trainer.train(bundled_prompts(), steps=1, progress=False)
+    finally:
+        trainer.config = base
+        trainer.run_dir = None
+    want = straight[-1]
+    got = resumed[0]
+    assert got["step"] == want["step"] and got["stale_versions"] == want["stale_versions"] == 1
+    assert got.generated_texts == want.generated_texts
+    for key in ("reward_mean", "kl", "policy_loss", "value_loss", "first_minibatch_ratio_mean"):
+        assert abs(got[key] - want[key]) <= 1e-5 * (1 + abs(want[key])), (key, got[key], want[key])
