@@ -105,6 +105,7 @@ class Generator:
         adapter_root: str | os.PathLike | None = None,
         lora_sync: str = "adapter",
         max_staleness: int = 0,
+        streaming: bool = False,
     ):
         """``llm``: a ``vllm.LLM`` built with logprobs_mode="processed_logprobs"
         (actors.vllm_engine.build_llm) and the engine arguments of the sync mode ``lora_sync``
@@ -152,6 +153,25 @@ class Generator:
         # one; at most one exists at a time, the current one).
         self.adapter_root = Path(tempfile.mkdtemp(prefix="ppo_ray_adapters_", dir=adapter_root or _default_adapter_root()))
         self.sync = mode(llm, self.model_dir, self.adapter_root)  # the LoRA sync mode (actors.lora_sync)
+        # streaming: one thread owns the engine and runs every caller's batches at once
+        # (actors.engine_loop); otherwise each generate() is one llm.generate, a barrier
+        self._loop = None
+        if streaming:
+            from actors.engine_loop import EngineLoop
+            from vllm.platforms import current_platform
+
+            from actors.lora_sync import AdapterSync
+
+            if not issubclass(mode, AdapterSync):
+                raise ValueError(f"lora_sync={lora_sync!r} holds one set of weights: it cannot stream batches of "
+                                 "several adapter versions")
+            scheduler = llm.llm_engine.vllm_config.scheduler_config
+            if current_platform.is_cpu() and scheduler.enable_chunked_prefill:
+                raise ValueError("a streaming generator on the CPU needs an engine built with "
+                                 "enable_chunked_prefill=False (vLLM's CPU runner crashes on a seeded request "
+                                 "whose prefill is chunked)")
+            self.sync.streaming = True
+            self._loop = EngineLoop(llm.llm_engine)
         self._closed = False
 
     @classmethod
@@ -172,6 +192,8 @@ class Generator:
             use_tqdm_on_load=cfg.log_level == "debug",  # the weight loader's progress bar
         )
         engine.update(sync_class(cfg.lora_sync_mode).engine_args(cfg.lora_r, versions=cfg.max_staleness + 1))
+        if cfg.streams_rollouts and current_platform.is_cpu():
+            engine["enable_chunked_prefill"] = False  # actors.engine_loop
         if not current_platform.is_cpu() and cfg.vllm_kv_cache_gib is None:
             # On the CPU this fraction would be of host memory: there build_llm's KV size rules.
             engine["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
@@ -181,7 +203,7 @@ class Generator:
             llm, model_dir=model_dir,
             temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
             seed=cfg.seed, max_prompt_length=cfg.max_prompt_length, prompt_truncation=cfg.prompt_truncation,
-            lora_sync=cfg.lora_sync_mode, max_staleness=cfg.max_staleness,
+            lora_sync=cfg.lora_sync_mode, max_staleness=cfg.max_staleness, streaming=cfg.streams_rollouts,
         )
 
     @property
@@ -278,10 +300,7 @@ class Generator:
         params = [self.sampling_params(prompt_seed(self.seed, step, prompt_offset + i), probe, n)
                   for i in range(len(prompt_ids))]
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
-        outputs = []
-        for start, end in self._prefill_groups(prompt_ids, n):
-            outputs += self.llm.generate(requests[start:end], params[start:end], use_tqdm=False,
-                                         lora_request=lora_request)
+        outputs = self._run(requests, params, lora_request, prompt_ids, n)
 
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
@@ -322,6 +341,24 @@ class Generator:
             raise RuntimeError("vLLM returned a non-finite logprob for a sampled token")
         return batch
 
+    def _run(self, requests: list, params: list, lora_request, prompt_ids: Sequence[Sequence[int]], n: int) -> list:
+        """vLLM's final RequestOutputs of `requests`, in order: streamed into the engine with
+        whatever else runs there (streaming), or one llm.generate per prefill group."""
+        if self._loop is not None:
+            from vllm.sampling_params import RequestOutputKind
+
+            final = []
+            for p in params:
+                p = p.clone()
+                p.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when it finishes
+                final.append(p)
+            return self._loop.run([(r, p, lora_request) for r, p in zip(requests, final)])
+        outputs = []
+        for start, end in self._prefill_groups(prompt_ids, n):
+            outputs += self.llm.generate(requests[start:end], params[start:end], use_tqdm=False,
+                                         lora_request=lora_request)
+        return outputs
+
     @torch.no_grad()
     def _prefill_groups(self, prompt_ids: Sequence[Sequence[int]], n: int = 1) -> list[tuple[int, int]]:
         """Split the batch so each llm.generate call's prompts prefill in ONE engine step.
@@ -361,8 +398,7 @@ class Generator:
             raise ValueError("sequence_logprobs needs a non-empty prompt and continuation")
         ids = prompt_ids + continuation_ids
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, seed=0)
-        out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False,
-                                lora_request=self.sync.lora_request)[0]
+        out = self._run([TokensPrompt(prompt_token_ids=ids)], [params], self.sync.lora_request, [ids], 1)[0]
         # prompt_logprobs[j] is a dict {ids[j]: Logprob} for j >= 1 (None for the first token).
         rows = out.prompt_logprobs[len(prompt_ids):]
         return torch.tensor([row[tok].logprob for tok, row in zip(continuation_ids, rows)], dtype=torch.float32)
@@ -396,9 +432,14 @@ class Generator:
             raise ValueError(f"adapter version {version!r} is not newer than the current version {self.version}: "
                              "versions must increase strictly (a stale or repeated sync)")
         weights = self._check_lora_weights(weights)
-        if retire_below is not None:
-            self.sync.retire([v for v in self.sync.versions if not retire_below <= v <= version])
-        return self.sync.load(version, weights)
+
+        def load() -> SyncReport:
+            if retire_below is not None:
+                self.sync.retire([v for v in self.sync.versions if not retire_below <= v <= version])
+            return self.sync.load(version, weights)
+
+        # streaming: between two engine steps, on the engine's thread
+        return self._loop.call(load) if self._loop is not None else load()
 
     def _check_lora_weights(self, weights: LoraWeights) -> LoraWeights:
         """The adapter with CPU, contiguous copies of its A/B tensors; their rank must be the
@@ -435,6 +476,10 @@ class Generator:
         """Release the sync mode's hold on the engine (adapter mode: retire the current
         adapter) and delete the adapter directory. The engine is not shut down (it may be
         shared); the generator cannot be used afterwards."""
-        self.sync.close()
+        if self._loop is not None:
+            self._loop.call(self.sync.close)
+            self._loop.close()
+        else:
+            self.sync.close()
         shutil.rmtree(self.adapter_root, ignore_errors=True)
         self._closed = True

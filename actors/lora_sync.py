@@ -86,6 +86,9 @@ class LoraSync(ABC):
         self.llm = llm
         self.model_dir = model_dir
         self.scratch_dir = scratch_dir
+        # A streaming generator (actors.engine_loop) loads while other versions' requests run:
+        # the prefix cache is then reset only when the engine is idle (reset_prefix_cache).
+        self.streaming = False
 
     # How many adapter versions the mode can hold at once: 1, or the engine's max_loras
     # (AdapterSync.capacity).
@@ -149,6 +152,10 @@ class LoraSync(ABC):
         does not have anyway. The offline engine runs no
         request between generate() calls, so the reset must succeed; vLLM returns False
         (and keeps the cache) while blocks are in use."""
+        if self.streaming and self.llm.llm_engine.has_unfinished_requests():
+            # requests of earlier versions still run; the cache's keys hold each registration's
+            # name and path, so no version reads another's blocks (merged sync does not stream)
+            return
         if not self.llm.reset_prefix_cache():
             raise RuntimeError(f"after loading LoRA adapter version {version}: vLLM refused to reset its prefix "
                                "cache (requests still running?); its KV blocks would hold another policy's keys")
@@ -208,7 +215,8 @@ class AdapterSync(LoraSync):
         try:
             write_lora_adapter(path, weights, base_model=self.model_dir)
             t1 = time.perf_counter()
-            request = LoRARequest(f"v{version}", next(_LORA_IDS), str(path))
+            lora_id = next(_LORA_IDS)
+            request = LoRARequest(f"v{version}-{lora_id}", lora_id, str(path))
             # Load now (not lazily at the next generate), so a broken adapter fails here.
             if not self.llm.llm_engine.add_lora(request):
                 raise RuntimeError(f"vLLM did not register adapter v{version} (lora id {request.lora_int_id} taken?)")
@@ -267,7 +275,8 @@ class TensorSync(AdapterSync):
         from actors.vllm_merge import pack_tensors
 
         t0 = time.perf_counter()
-        request = LoRARequest(f"v{version}", next(_LORA_IDS), NO_PATH)
+        lora_id = next(_LORA_IDS)  # the name, with the path part of the prefix-cache key: one per registration
+        request = LoRARequest(f"v{version}-{lora_id}", lora_id, NO_PATH)
         # adapter_config.json's content, as vLLM would read it (sets as lists)
         config = json.loads(json.dumps(weights.spec.peft_config(self.model_dir).to_dict(), default=sorted))
         try:

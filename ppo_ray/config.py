@@ -689,6 +689,13 @@ class PPOConfig:
         return "merged" if self.max_staleness <= 1 else "tensor"
 
     @property
+    def streams_rollouts(self) -> bool:
+        """Whether each generator streams the batches in flight through its engine at once
+        (actors.engine_loop): max_staleness >= 1 with adapter or tensor sync, which keep
+        several versions alive. Merged sync holds one: its batches run one after another."""
+        return self.max_staleness >= 1 and self.lora_sync_mode != "merged"
+
+    @property
     def old_logprobs_source(self) -> str:
         """old_logprobs resolved: "generator" or "learner". auto = generator where the two are
         proven equal (untruncated sampling in float32: they agree to ~5e-6, and the learner

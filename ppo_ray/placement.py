@@ -696,8 +696,13 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
         # max_restarts: Ray re-runs a dead actor's constructor (the trainer then re-syncs its
         # adapter / restores the learner's checkpoint and retries the step); calls are not
         # retried by Ray itself (max_task_retries=0): the trainer decides what is safe to redo.
+        # A streaming generator (max_staleness, actors.engine_loop) takes the calls of every batch
+        # in flight at once (their engine work is queued to one thread); every other actor runs
+        # its calls one after another, in the order they were made.
+        concurrency = 2 * (config.max_staleness + 2) if d.role.startswith("generator") and config.streams_rollouts \
+            else 1
         return dict(name=f"{namespace}/{d.role}", namespace=namespace, num_cpus=d.cpus, num_gpus=d.gpus,
-                    resources=d.resources, max_concurrency=1, runtime_env={"env_vars": env},
+                    resources=d.resources, max_concurrency=concurrency, runtime_env={"env_vars": env},
                     max_restarts=config.max_actor_restarts, max_task_retries=0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=index[i]))

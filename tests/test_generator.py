@@ -364,3 +364,69 @@ def test_tensor_sync_samples_what_adapter_sync_samples_with_no_file(make_generat
     assert (gen.sequence_logprobs(prompt, cont) - v2_lp).abs().max() < tol(v2_lp)  # version 8 = w2
     gen.close()
     assert set(engine.list_loras()) == set()
+
+
+@pytest.fixture(scope="module")
+def streaming_llm(tiny_model_dir):
+    """An engine for a streaming generator: three adapter versions alive (max_staleness 2, tensor
+    sync) and no chunked prefill (actors.engine_loop)."""
+    from actors.lora_sync import TensorSync
+    from actors.vllm_engine import build_llm
+
+    llm = build_llm(tiny_model_dir, dtype="float32", seed=0, enable_chunked_prefill=False, max_model_len=128,
+                    **TensorSync.engine_args(16, versions=3))
+    yield llm
+    try:
+        llm.llm_engine.engine_core.shutdown(timeout=10)
+    except Exception:  # pragma: no cover - best effort
+        pass
+
+
+def test_streaming_runs_the_batches_of_several_versions_at_once(streaming_llm, tokenizer, tiny_model_dir):
+    """max_staleness: a streaming generator (actors.engine_loop) runs the batches of several
+    adapter versions in one engine at once while another version loads. Each batch samples
+    what it samples alone: the same tokens, its logprobs within the float32 rounding that the
+    batch composition moves, and its own adapter (the same seeds under two versions give other
+    samples). The driver's retirement leaves the versions asked for."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from actors.generator import Generator
+
+    gen = Generator(streaming_llm, tokenizer, model_dir=tiny_model_dir, temperature=1.0, top_k=0, top_p=1.0,
+                    max_new_tokens=24, seed=0, max_prompt_length=64, lora_sync="tensor", max_staleness=2,
+                    streaming=True)
+    try:
+        peft_model = make_peft(tiny_model_dir)
+        w1, w2, w3 = (randomize_lora(peft_model, seed=s) for s in (1, 2, 3))
+        gen.load_adapter(1, w1)
+        gen.load_adapter(2, w2)
+        prompts = PROMPTS * 4
+        alone = [gen.generate(prompts, step=1, version=v) for v in (1, 2)]
+        assert gen._loop.peak_batches == 1
+        assert not torch.equal(alone[0].response_ids, alone[1].response_ids)  # each version is its own policy
+        with ThreadPoolExecutor(3) as pool:
+            batches = [pool.submit(gen.generate, prompts, 1, version=v) for v in (1, 2)]
+            loaded = pool.submit(gen.load_adapter, 3, w3)
+            together = [b.result() for b in batches]
+            assert loaded.result().version == 3
+        assert gen._loop.peak_batches >= 2  # they shared engine steps
+        for got, want, v in zip(together, alone, (1, 2)):
+            assert got.adapter_version == v
+            assert torch.equal(got.response_ids, want.response_ids), v
+            assert (got.gen_logprobs - want.gen_logprobs).abs().max() <= tol(want.gen_logprobs), v
+        assert gen.versions == [1, 2, 3]
+        gen.load_adapter(4, w1, retire_below=2)
+        assert gen.versions == [2, 3, 4] and len(streaming_llm.llm_engine.list_loras()) == 3
+        with pytest.raises(KeyError, match=r"adapter version 1 is not held \(held: \[2, 3, 4\]\)"):
+            gen.generate(prompts, step=1, version=1)
+    finally:
+        gen.close()
+
+
+def test_a_streaming_generator_needs_an_engine_that_does_not_chunk_prefills(vllm_llm, tokenizer, tiny_model_dir):
+    """On the CPU a seeded request whose prefill is chunked crashes vLLM's runner, and a stream of
+    batches would be chunked: the shared engine (chunked prefill on) is refused, naming why."""
+    from actors.generator import Generator
+
+    with pytest.raises(ValueError, match="enable_chunked_prefill=False"):
+        Generator(vllm_llm, tokenizer, model_dir=tiny_model_dir, lora_sync="tensor", streaming=True)
