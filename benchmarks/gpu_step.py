@@ -43,12 +43,13 @@ r=16 on all 7 projections, temperature 0.7).
 
 Learner efficiency, per step: ``padded_token_ratio`` (token positions the learner's forwards
 computed / real tokens, over its no-grad pass and PPO epochs; Learner.update's stat) and
-``mfu_update`` / ``mfu_learner``: model FLOPs of the real tokens (``learner_flops``: forward
+``mfu_update`` / ``mfu_learner``: model FLOPs of the real tokens (``learner_flops``, learner/flops.py: the count the
+learner reports every step; forward
 2 N per token and model with N the decoder's 440M matmul parameters, backward 2 N (frozen
 base: input gradients only), plus LoRA, causal attention and the policy's lm_head on response
 tokens; padding and recomputation not counted) over the update's (the PPO epochs') or the
-whole learner's seconds, over the card's dense bf16 peak (``PEAK_BF16_FLOPS``: 989.4 TFLOP/s
-for the H100 SXM and the H200). ``floor_fraction_update``: the update's FLOPs at the
+whole learner's seconds, over the card's dense bf16 peak (``peak_flops``, learner.flops.PEAK_FLOPS:
+989.4 TFLOP/s for the H100 SXM and the H200). ``floor_fraction_update``: the update's FLOPs at the
 device's own measured matmul rate (``gemm``, measured at the start: an 8192^3 bf16 GEMM on a
 GPU, 2048^3 fp32 on the CPU) over its seconds. Other ``--field value`` options go to the config (the
 learner speed options of ppo_ray.config; the preset turns them on).
@@ -71,7 +72,11 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from benchmarks.clock import DeviceClock
-from benchmarks.flops import gemm_rate, learner_flops  # noqa: F401 - benchmarks.learner_profile imports learner_flops from here
+# The product's counts and GPU peaks (learner.flops: one copy; the learner's learner_mfu divides
+# by the same table). A large bf16 matmul measures ~790-800 TFLOP/s on an H100/H200, so 100% MFU
+# is out of reach by construction; 40% is ~50% of what cuBLAS attains. benchmarks.learner_profile
+# imports learner_flops and peak_flops from here.
+from learner.flops import gemm_rate, learner_flops, peak_flops  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET = REPO / "configs" / "qwen3-0.6b-tldr.yaml"
@@ -122,20 +127,6 @@ def write_models(root: Path, shape: dict, dtype: str, device: str) -> tuple[Path
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return out[0], out[1]
-
-
-# The card's dense bf16 matrix rate, the denominator of MFU (NVIDIA's datasheets: H100 SXM
-# 989.4 TFLOP/s without sparsity; the H200 is the same GH100 chip at the same clocks). A large
-# bf16 matmul measures ~790-800 TFLOP/s on these cards (/work/.library/device/KINDS.md), so
-# 100% MFU is out of reach by construction; 40% is ~50% of what cuBLAS attains.
-PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12}
-
-
-def peak_flops(gpu_name: str) -> Optional[float]:
-    for key, value in PEAK_BF16_FLOPS.items():
-        if key in gpu_name:
-            return value
-    return None
 
 
 def prompt_ids(batch_size: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:

@@ -54,6 +54,7 @@ from torch import Tensor
 from learner.algos import adaptive_kl_coef, advantage_estimator
 from learner.buffer import Experience, ExperienceBuffer
 from learner.experience import RolloutScores, make_experience, score_tensors
+from learner.flops import decoder_shape, device_peak_flops, update_flops
 from learner.kernels import cached_casts
 from learner.optimise import DataGroup, PPOOptimiser
 from learner.speed import SpeedPath
@@ -212,6 +213,13 @@ class Learner:
         for model in self.models:
             model.to(self.device).eval()
         self.vocab_size = self.policy.get_input_embeddings().weight.shape[0]
+        # The model shapes an update's FLOPs are counted from (learner.flops; None: a model
+        # those rules do not count, whose learner_flops is NaN), and the device's peak rate,
+        # measured on the CPU at the first update (peak_flops_per_s).
+        self._flop_shapes = (decoder_shape(base.config),
+                             decoder_shape(self.value_model.backbone.get_base_model().config)
+                             if self.critic and not self._shared else None)
+        self._peak_flops: Optional[float] = None
         self.speed = SpeedPath(config, self.policy, self.value_model, self._shared)  # how token stats are computed
 
         # Steps 10-11 (learner.optimise): the optimisers, their schedules and the PPO epochs.
@@ -421,6 +429,32 @@ class Learner:
             raise ValueError(f"old_values: update does not apply: {why}; use forward or auto")
         return why is None
 
+    def peak_flops_per_s(self) -> float:
+        """The peak FLOP/s of this learner's device in its dtype (learner.flops.device_peak_flops:
+        a GPU's datasheet rate, NaN for a card not listed; on the CPU one large float32 matmul
+        timed on the learner's threads, ~0.05 s), found once per learner and cached."""
+        if self._peak_flops is None:
+            self._peak_flops = device_peak_flops(self.device, self.config.dtype)
+        return self._peak_flops
+
+    def count_flops(self, plan: TrimPlan, recomputed: bool, values_in_update: bool) -> float:
+        """Model FLOPs of an update of the rows of `plan` (the whole batch, every member's
+        rows: a learner group's total) as it ran: the no-grad pass that ran (recomputed, the
+        value model's pass unless values_in_update) and ppo_epochs x forward and backward of
+        the policy and the value model, on the real tokens (learner.flops' rules). NaN when the
+        policy's or a separate value model's shape is not one those rules count."""
+        policy, value = self._flop_shapes
+        separate = self.critic and not self._shared
+        if policy is None or (separate and value is None):
+            return math.nan
+        spec = LoraSpec.of(self.policy.peft_config["default"])
+        prompt_lens = [plan.prompt_len - start for start in plan.prompt_start]
+        flops = update_flops(policy, prompt_lens, plan.response_end, ppo_epochs=self.config.ppo_epochs,
+                             lora_r=spec.r, lora_targets=spec.target_modules,
+                             value_model="separate" if separate else "shared" if self._shared else "none",
+                             values_in_update=values_in_update, recomputed=recomputed, value_shape=value)
+        return flops["learner_forward"] + flops["update"]
+
     def _generator_logprobs(self, batch: RolloutBatch, fwd: RolloutScores) -> RolloutScores:
         """fwd (values only) completed from the generator's logprobs of the sampled tokens
         (old_logprobs: generator; untruncated sampling, so they are the full-softmax
@@ -501,6 +535,7 @@ class Learner:
             lora_weights).
         """
         cfg = self.config
+        peak_flops = self.peak_flops_per_s() * self.world_size  # measured once, off the update's clock
         t_start = time.perf_counter()
         self.speed.token_counts = [0, 0]
         cuda = self.device.type == "cuda"
@@ -578,7 +613,9 @@ class Learner:
         known = {f.name for f in dataclasses.fields(LearnerStats)}
         extra = {k: values.pop(k) for k in list(values) if k not in known}  # the loss's own stats (learner.losses)
         stats = LearnerStats(**values, loss_extra=extra, dropped_samples=float(dropped), tokens=float(n_tokens),
-                             padded_token_ratio=done / max(real, 1), stale_versions=float(stale),
+                             padded_token_ratio=done / max(real, 1),
+                             learner_flops=self.count_flops(plan, recompute, values_in_update),
+                             learner_peak_flops_per_s=peak_flops, stale_versions=float(stale),
                              kl_coef=self.kl_coef, learning_rate=learning_rate, learner_forward_s=forward_s,
                              update_s=time.perf_counter() - t_start, learner_peak_memory_gib=peak_gib,
                              version=self.version)

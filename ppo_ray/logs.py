@@ -19,6 +19,7 @@ Bottom layer: imports nothing of ours (StepResult only for its annotation), and 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import threading
@@ -132,7 +133,8 @@ def format_step(result: "StepResult", total: int | None = None, *, adaptive_kl: 
     """One PPO step's console line: step, reward, KL (and beta when it moves: `adaptive_kl`,
     the config's kl_target set; a fixed beta is the config's own), losses, the gold score and
     the eval reward when the step was evaluated (result.extra), stale versions (overlap mode),
-    step seconds, tokens/s."""
+    the rollout queue's depth (when not 0), step seconds, tokens/s of the step and, where
+    measured, of the generation and the learner, and the learner's MFU."""
     learner, extra = result.learner, result.extra
     parts = [f"step {result.step}" + (f"/{total}" if total else ""),
              f"reward {_num(result.reward_mean, '+.4f')}", f"kl {_num(learner.kl, '.4f')}"]
@@ -147,10 +149,27 @@ def format_step(result: "StepResult", total: int | None = None, *, adaptive_kl: 
             parts.append(f"{label} {_num(extra[key], '.3f')}")
     if learner.stale_versions:
         parts.append(f"stale {_num(learner.stale_versions, '.0f')}")
-    rate = result.tokens_per_s  # a big model on a CPU: 0.37 tok/s, not "0 tok/s"
-    rate_fmt = ".0f" if not isinstance(rate, (int, float)) or abs(rate) >= 10 else ".2g"
-    parts += [f"{_num(result.timing.step_s, '.2f')} s", f"{_num(rate, rate_fmt)} tok/s"]
+    if result.queue_depth:
+        parts.append(f"queue {_num(result.queue_depth, '.0f')}")
+    parts += [f"{_num(result.timing.step_s, '.2f')} s", f"{_rate(result.tokens_per_s)} tok/s"]
+    # each phase's own rate where measured: "(gen 420, learn 310)", then the learner's MFU
+    phases = [f"{label} {_rate(rate)}" for label, rate in (("gen", result.rollout_tokens_per_s),
+                                                          ("learn", result.learner_tokens_per_s)) if _finite(rate)]
+    if phases:
+        parts[-1] += f" ({', '.join(phases)})"
+    if _finite(result.learner_mfu):
+        parts.append(f"mfu {_num(100 * result.learner_mfu, '.2g' if abs(result.learner_mfu) < 0.1 else '.0f')}%")
     return "  ".join(parts)
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _rate(rate) -> str:
+    """Tokens per second: whole numbers from 10 up, two significant digits below (a big model
+    on a CPU: 0.37 tok/s, not "0 tok/s")."""
+    return _num(rate, ".0f" if not isinstance(rate, (int, float)) or abs(rate) >= 10 else ".2g")
 
 
 # ----------------------------------------------------------------------------- the console, kept

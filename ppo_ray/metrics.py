@@ -43,6 +43,15 @@ STEP_GAUGES: dict[str, str] = {
     "policy_grad_norm": "policy gradient norm before clipping (max_grad_norm), mean over the step's optimiser steps",
     "value_grad_norm": "value gradient norm before clipping (max_grad_norm), mean over the step's optimiser steps",
     "tokens_per_s": "generated response tokens per second of step wall time",
+    "rollout_tokens_per_s": "response tokens the generator replicas made together per second of generation (the "
+                            "slowest replica's seconds, time/generate_s)",
+    "learner_tokens_per_s": "real response tokens the learner trained on per second of its update (time/update_s, "
+                            "its no-grad pass included)",
+    "learner_flops_per_s": "the learner's achieved model FLOP/s: model FLOPs of its forwards and backwards on the real "
+                           "prompt + response tokens per second of its update (learner/flops.py)",
+    "learner_mfu": "learner_flops_per_s / the device's peak: a GPU's dense datasheet rate in the learner's dtype, or on "
+                   "the CPU one large float32 matmul's measured rate (not set for an unlisted GPU)",
+    "queue_depth": "rollout batches generated or being generated beyond the one the step trained on, at its start",
     "response_tokens": "response tokens generated in the step (EOS included, padding not)",
     "response_length_mean": "mean response length of the step's rollouts, in tokens (EOS included)",
     "response_length_max": "longest response of the step, in tokens (EOS included; max_new_tokens when one was cut)",

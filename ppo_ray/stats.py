@@ -143,6 +143,16 @@ class LearnerStats:
     # counts, settings and seconds
     tokens: float                    # real response tokens
     padded_token_ratio: float        # tokens the learner's forwards computed / real tokens
+    # model FLOPs of this update on the real prompt + response tokens (learner/flops.py's
+    # rules: the no-grad pass that ran, ppo_epochs x forward + backward of the policy and the
+    # value model; padding and recomputation not counted); a learner group's total. NaN: a
+    # model those rules do not count (learner.flops.DECODER_TYPES)
+    learner_flops: float
+    # learner_mfu's denominator, FLOP/s: on a GPU the card's dense datasheet rate in the
+    # learner's dtype (learner.flops.PEAK_FLOPS; NaN for a card not listed), on the CPU one
+    # 1024^3 float32 matmul's measured rate on the learner's threads (timed once per learner,
+    # at its first update); times the learner group's size
+    learner_peak_flops_per_s: float
     stale_versions: float            # how many versions behind the rollouts were
     kl_coef: float                   # the beta this step used (adaptive KL moves the next one)
     learning_rate: float             # the policy's lr at the step's first optimiser step
@@ -212,6 +222,14 @@ class StepResult(Mapping):
     response_lengths: list[int]         # tokens per rollout, EOS included (the generators' response masks)
     sync_probe_gap: float = math.nan    # the sync check's largest generator-vs-learner probe gap (NaN: off)
     sync_resyncs: int = 0               # re-syncs the step needed (a failed sync check or rollout check)
+    # throughput (StepResult.rates: how each is defined); NaN when not measured
+    rollout_tokens_per_s: float = math.nan
+    learner_tokens_per_s: float = math.nan
+    learner_flops_per_s: float = math.nan
+    learner_mfu: float = math.nan
+    # rollout batches generated or being generated beyond the one this step trained on, at
+    # the step's start (0: the synchronous step, which generates its own)
+    queue_depth: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)  # evaluations merged in by train()
 
     @property
@@ -244,6 +262,31 @@ class StepResult(Mapping):
         wall = self.timing.step_s
         return self.response_tokens / wall if wall > 0 else math.nan
 
+    @staticmethod
+    def rates(timing: StepTiming, learner: LearnerStats, response_tokens: float) -> dict[str, float]:
+        """A step's throughput (the fields of these names; NaN where a time is 0):
+
+        rollout_tokens_per_s   the response tokens every generator replica made together /
+                               generate_s (the slowest replica's seconds: the replicas run at once)
+        learner_tokens_per_s   the real response tokens the learner trained on (LearnerStats.tokens:
+                               the policy loss's tokens; prompts, padding and dropped rows not
+                               counted) / the learner's whole update (update_s, its no-grad pass
+                               included): comparable with rollout_tokens_per_s, token for token
+        learner_flops_per_s    LearnerStats.learner_flops (prompt + response tokens through every
+                               forward and backward) / update_s
+        learner_mfu            learner_flops_per_s / LearnerStats.learner_peak_flops_per_s: the
+                               fraction of a GPU's datasheet peak, or on the CPU of one large float32
+                               matmul's measured rate; NaN where the peak or the FLOPs are unknown"""
+        def per_s(amount: float, seconds: float) -> float:
+            return amount / seconds if seconds > 0 else math.nan
+
+        flops_per_s = per_s(learner.learner_flops, timing.update_s)
+        peak = learner.learner_peak_flops_per_s
+        return {"rollout_tokens_per_s": per_s(float(response_tokens), timing.generate_s),
+                "learner_tokens_per_s": per_s(learner.tokens, timing.update_s),
+                "learner_flops_per_s": flops_per_s,
+                "learner_mfu": flops_per_s / peak if peak > 0 else math.nan}
+
     def as_dict(self) -> dict[str, Any]:
         """The flat record: the metrics JSONL's line (lists included)."""
         return {
@@ -260,6 +303,11 @@ class StepResult(Mapping):
             "sync_probe_gap": self.sync_probe_gap,
             "sync_resyncs": self.sync_resyncs,
             "tokens_per_s": self.tokens_per_s,
+            "rollout_tokens_per_s": self.rollout_tokens_per_s,
+            "learner_tokens_per_s": self.learner_tokens_per_s,
+            "learner_flops_per_s": self.learner_flops_per_s,
+            "learner_mfu": self.learner_mfu,
+            "queue_depth": self.queue_depth,
             "response_tokens": self.response_tokens,
             "response_lengths": self.response_lengths,
             "response_length_mean": self.response_length_mean,

@@ -460,7 +460,10 @@ class PPOTrainer:
             generated_texts=generated.texts, finish_reasons=generated.finish_reasons,
             rewards=step.scores, learner=stats, reward_parts=step.reward_stats.parts(), adapter_version=self.version,
             timing=timing, lora_sync_bytes=loads[0].nbytes, response_lengths=generated.lengths,
-            sync_probe_gap=check.gap, sync_resyncs=self._resyncs)
+            sync_probe_gap=check.gap, sync_resyncs=self._resyncs,
+            # tokens and FLOPs per second of the generation and the learner (StepResult.rates)
+            **StepResult.rates(timing, stats, sum(generated.lengths)),
+            queue_depth=0.0)  # rollout batches beyond this step's at its start: none yet
 
     def _check_logprob_gap(self, stats: LearnerStats) -> None:
         """The generator and the learner must give a sampled token the same logprob at the

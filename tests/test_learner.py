@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from learner.buffer import Experience, ExperienceBuffer
+from learner.flops import decoder_shape, update_flops
 from ppo_ray.batch import TrimPlan, rollout_micro_batches
 from learner.learner import Learner, StaleRolloutsError, disable_dropout
 from learner.value_model import ValueModel
@@ -32,9 +33,11 @@ STAT_KEYS = {
     "policy_grad_norm", "value_grad_norm", "gen_logprob_max_abs_diff", "truncated_tokens",
     "dropped_samples", "tokens", "learner_forward_s", "update_s", "version", "outside_support_frac",
     "behaviour_logprob_gap", "stale_versions", "padded_token_ratio", "kl_coef", "learning_rate",
-    "learner_peak_memory_gib", "mismatch_outside_frac", "mismatch_log_ratio_abs",
+    "learner_peak_memory_gib", "mismatch_outside_frac", "mismatch_log_ratio_abs", "learner_flops",
+    "learner_peak_flops_per_s",
 }
-MEASURED_STATS = ("learner_peak_memory_gib",)  # CUDA's allocator peak: NaN on the CPU
+# CUDA's allocator peak: NaN on the CPU; the device's peak FLOP/s: measured on the CPU, NaN on an unlisted GPU
+MEASURED_STATS = ("learner_peak_memory_gib", "learner_peak_flops_per_s")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -197,7 +200,8 @@ def token_mean_tol(logprobs: torch.Tensor, mask: torch.Tensor, rows: int | None 
 # stats that sum per-token terms over a row (up to T of them) before the mean over rows
 ROW_SUM_STATS = ("kl", "shaped_reward_mean", "advantage_mean", "return_mean")
 NORM_STATS = ("policy_grad_norm", "value_grad_norm")
-TIMING_STATS = ("learner_forward_s", "update_s", "padded_token_ratio", *MEASURED_STATS)  # not a function of the numbers
+# not a function of the numbers (learner_flops: of the passes a path runs)
+TIMING_STATS = ("learner_forward_s", "update_s", "padded_token_ratio", "learner_flops", *MEASURED_STATS)
 
 
 def update_tols(config: PPOConfig, batch: RolloutBatch, weights: dict, updates: int = 1,
@@ -263,6 +267,17 @@ def test_update_runs_and_changes_only_lora(tiny_path, special):
     assert stats.learner_peak_memory_gib > 0 if cuda else math.isnan(stats.learner_peak_memory_gib)
     assert learner.version == 1 and stats.version == 1
     assert stats.tokens == float(batch.response_mask.sum())
+    # the update's model FLOPs (learner.flops, counted by hand in test_flops.py) on its real
+    # tokens, of the passes it ran (version 0: the policy's no-grad pass; the value model's
+    # unless its old values came from the update); the CPU's peak is a measured matmul rate
+    shape = decoder_shape(learner.policy.get_base_model().config)
+    flops = update_flops(shape, batch.prompt_mask.sum(1).tolist(), batch.response_mask.sum(1).tolist(),
+                         ppo_epochs=learner.config.ppo_epochs, lora_r=learner.config.lora_r,
+                         lora_targets=learner.config.lora_target_modules, value_model="separate",
+                         values_in_update=learner.values_in_update(len(batch)), recomputed=True)
+    assert stats.learner_flops == flops["learner_forward"] + flops["update"] > 0
+    if not cuda:
+        assert stats.learner_peak_flops_per_s > 0
     assert stats.truncated_tokens == 0
     # the generator's logprobs (here the learner's own, from logprobs()) vs the update's pass
     assert stats.gen_logprob_max_abs_diff < logprob_tol(batch.gen_logprobs, batch.response_mask)

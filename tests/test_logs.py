@@ -124,3 +124,15 @@ def test_console_log_keeps_everything_printed_in_the_run_directory(tmp_path, roo
     with console_log(tmp_path) as second:
         print("again")
     assert second != path and path.read_text() == text
+
+
+def test_the_line_names_each_phases_rate_the_mfu_and_a_queue_where_measured():
+    """After the step's tok/s: the generation's and the learner's own rates, then the
+    learner's MFU, each only when measured (NaN: left out); the rollout queue when not empty."""
+    out = replace(_step(), rollout_tokens_per_s=412.6, learner_tokens_per_s=8.25, learner_mfu=0.031)
+    assert format_step(out).endswith("2.50 s  96 tok/s (gen 413, learn 8.2)  mfu 3.1%")
+    assert format_step(replace(out, learner_mfu=0.42)).endswith("  mfu 42%")
+    assert format_step(replace(out, learner_mfu=float("nan"), rollout_tokens_per_s=float("nan"))).endswith(
+        "96 tok/s (learn 8.2)")
+    assert format_step(_step()).endswith("2.50 s  96 tok/s")  # none measured
+    assert "  queue 2  2.50 s" in format_step(replace(out, queue_depth=2.0)) and "queue" not in format_step(out)

@@ -49,3 +49,12 @@ def test_response_length_eos_grad_norm_and_memory_gauges():
         "value_grad_norm": 2.0, "learner_peak_memory_gib": float("nan")})  # NaN: a learner without CUDA
     assert recorded == {"ppo_response_length_mean": 12.5, "ppo_response_length_max": 32.0, "ppo_no_eos_frac": 0.25,
                         "ppo_policy_grad_norm": 0.5, "ppo_value_grad_norm": 2.0}
+
+
+def test_throughput_gauges():
+    """The step's rates are gauges; an MFU without a known peak (NaN) is not exported."""
+    recorded = TrainingMetrics(run="unit").record_step({
+        "rollout_tokens_per_s": 400.0, "learner_tokens_per_s": 120.0, "learner_flops_per_s": 2.5e10,
+        "learner_mfu": float("nan"), "queue_depth": 0.0})
+    assert recorded == {"ppo_rollout_tokens_per_s": 400.0, "ppo_learner_tokens_per_s": 120.0,
+                        "ppo_learner_flops_per_s": 2.5e10, "ppo_queue_depth": 0.0}

@@ -49,7 +49,8 @@ def test_train_writes_tensorboard_eval_samples_and_the_run_tag(tiny_trainer, tmp
             assert events[step] == pytest.approx(value, rel=1e-6, abs=1e-9), (name, step)
     for name in ("train/reward_mean", "train/kl", "train/policy_loss", "train/value_loss", "time/step_s",
                  "train/tokens_per_s", "eval/eval_reward_mean", "train/response_length_max", "train/no_eos_frac",
-                 "train/policy_grad_norm"):
+                 "train/policy_grad_norm", "train/rollout_tokens_per_s", "train/learner_tokens_per_s",
+                 "train/learner_flops_per_s", "train/learner_mfu", "train/queue_depth", "train/learner_flops"):
         assert name in acc.Tags()["scalars"], name
     # the response lengths come from the generators' masks: one per rollout, a response cut
     # without EOS is max_new_tokens long, one with EOS at most that

@@ -210,8 +210,8 @@ def test_with_generator_equal_to_learner_every_correction_is_none_bit_for_bit(ti
     base_stats, base_weights = update(tiny_path, batch, ref, scores)
     stats, weights = update(tiny_path, batch, ref, scores, **options)
     assert base_stats.mismatch_outside_frac == 0 and base_stats.mismatch_log_ratio_abs == 0
-    timed = {"learner_forward_s", "update_s", "learner_peak_memory_gib", "is_weight_mean", "is_masked_frac",
-             "is_outside_frac"}
+    timed = {"learner_forward_s", "update_s", "learner_peak_memory_gib", "learner_peak_flops_per_s",
+             "is_weight_mean", "is_masked_frac", "is_outside_frac"}
     got = {k: v for k, v in stats.as_dict().items() if k not in timed}
     assert got == {k: v for k, v in base_stats.as_dict().items() if k not in timed}
     assert all(torch.equal(weights[k], base_weights[k]) for k in base_weights)

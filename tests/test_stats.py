@@ -104,3 +104,26 @@ def test_reward_stats_give_the_step_its_score_columns():
     assert list(stats.parts().items()) == [("score/reward_model", 2.0), ("score/pkg.mod:fn", 0.5),
                                            ("dropped_nonfinite", 1.0)]
     assert dataclasses.replace(step_result(), reward_parts=stats.parts())["score/pkg.mod:fn"] == 0.5
+
+
+def test_step_rates_are_tokens_and_flops_per_second_of_each_phase():
+    """StepResult.rates (the driver's _result): generation's tokens over generate_s (the
+    slowest replica), the learner's trained tokens and model FLOPs over its update_s, MFU
+    against its peak; NaN where a time is 0 or the peak or FLOPs unknown."""
+    timing = step_result().timing  # generate_s 1.0, update_s 2.0
+    learner = learner_stats(tokens=30.0, learner_flops=8e9, learner_peak_flops_per_s=1e11)
+    rates = StepResult.rates(timing, learner, 20)
+    assert rates == {"rollout_tokens_per_s": 20.0, "learner_tokens_per_s": 15.0, "learner_flops_per_s": 4e9,
+                     "learner_mfu": 0.04}
+    unknown = StepResult.rates(timing, learner_stats(tokens=30.0, learner_flops=8e9,
+                                                     learner_peak_flops_per_s=math.nan), 20)
+    assert math.isnan(unknown["learner_mfu"]) and unknown["learner_flops_per_s"] == 4e9
+    assert math.isnan(StepResult.rates(timing, learner_stats(learner_flops=math.nan), 20)["learner_mfu"])
+    untimed = StepResult.rates(dataclasses.replace(timing, generate_s=0.0, update_s=0.0), learner, 20)
+    assert all(math.isnan(v) for v in untimed.values())
+    # the record's columns; a StepResult made without them says NaN (0 for the queue), not a number
+    record = dataclasses.replace(step_result(), **rates, queue_depth=1.0).scalars()
+    assert {k: record[k] for k in (*rates, "queue_depth")} == {**rates, "queue_depth": 1.0}
+    bare = step_result().as_dict()
+    assert all(math.isnan(bare[k]) for k in rates) and bare["queue_depth"] == 0.0
+    assert "learner_flops" in bare and "learner_peak_flops_per_s" in bare  # the learner's own, beside

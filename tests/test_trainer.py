@@ -72,6 +72,17 @@ def test_three_steps_end_to_end(tiny_trainer):
         # every phase was timed (a phase left at 0 or NaN was not), and none outlasts the step
         for phase in ("generate", "reference", "reward", "learner_forward", "update", "sync", "sync_check"):
             assert 0 < out[f"time/{phase}_s"] < out["time/step_s"], phase
+        # throughput (StepResult.rates): each phase's tokens and the learner's model FLOPs
+        # (learner/flops.py, counted on this step's real tokens) per second of that phase
+        assert out["rollout_tokens_per_s"] == pytest.approx(out["response_tokens"] / out["time/generate_s"])
+        assert out["learner_tokens_per_s"] == pytest.approx(out["tokens"] / out["time/update_s"])
+        assert out["learner_flops"] > 0
+        assert out["learner_flops_per_s"] == pytest.approx(out["learner_flops"] / out["time/update_s"])
+        # the CPU's peak: a measured matmul rate (a GPU's: its datasheet's, NaN for one not listed)
+        if math.isfinite(out["learner_peak_flops_per_s"]) or tiny_trainer.config.learner_num_gpus == 0:
+            assert out["learner_peak_flops_per_s"] > 0
+            assert out["learner_mfu"] == pytest.approx(out["learner_flops_per_s"] / out["learner_peak_flops_per_s"])
+        assert out["queue_depth"] == 0.0  # the synchronous step generates its own rollouts
     _assert_generator_matches_learner(tiny_trainer)  # after syncs too
 
 
