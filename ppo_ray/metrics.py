@@ -51,7 +51,7 @@ STEP_GAUGES: dict[str, str] = {
                            "prompt + response tokens per second of its update (learner/flops.py)",
     "learner_mfu": "learner_flops_per_s / the device's peak: a GPU's dense datasheet rate in the learner's dtype, or on "
                    "the CPU one large float32 matmul's measured rate (not set for an unlisted GPU)",
-    "queue_depth": "rollout batches generated or being generated beyond the one the step trained on, at its start",
+    "queue_depth": "rollout batches in flight beyond the one the step trained on, while its learner trained (0 .. max_staleness)",
     "response_tokens": "response tokens generated in the step (EOS included, padding not)",
     "response_length_mean": "mean response length of the step's rollouts, in tokens (EOS included)",
     "response_length_max": "longest response of the step, in tokens (EOS included; max_new_tokens when one was cut)",

@@ -227,8 +227,8 @@ class StepResult(Mapping):
     learner_tokens_per_s: float = math.nan
     learner_flops_per_s: float = math.nan
     learner_mfu: float = math.nan
-    # rollout batches generated or being generated beyond the one this step trained on, at
-    # the step's start (0: the synchronous step, which generates its own)
+    # rollout batches drawn and generating beyond the one this step trained on, while its
+    # learner trained (max_staleness k: k, fewer at the run's end; 0 in the synchronous step)
     queue_depth: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)  # evaluations merged in by train()
 

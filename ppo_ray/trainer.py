@@ -115,6 +115,7 @@ class _Uncommitted:
     reference_stats: ReferenceStats
     t_start: float
     t_update_done: float
+    queue_depth: int  # batches in flight beyond this one while the learner trained
 
 
 class PPOTrainer:
@@ -292,6 +293,7 @@ class PPOTrainer:
         update = roles.update(ref_logprobs, scores, parts, expected_version=self.version, max_staleness=limit,
                               planned_steps=self.planned_steps)
         self._fill(current)  # max_staleness: the next steps generate while the learner trains
+        queue_depth = len(self._inflight)
 
         summaries: list[GenerationSummary] = roles.fetch(current.generation.summaries)
         versions = {s.version for s in summaries}
@@ -303,7 +305,7 @@ class PPOTrainer:
         t_update_done = time.perf_counter()
         self._check_logprob_gap(stats)
         return _Uncommitted(current, GenerationSummary.join(summaries), stats, update, scores.tolist(),
-                            reward_stats, reference_stats, t_start, t_update_done)
+                            reward_stats, reference_stats, t_start, t_update_done, queue_depth)
 
     def _commit(self, step: _Uncommitted) -> None:
         """The step's one commit point: the step count, the version, the learner's state."""
@@ -463,7 +465,7 @@ class PPOTrainer:
             sync_probe_gap=check.gap, sync_resyncs=self._resyncs,
             # tokens and FLOPs per second of the generation and the learner (StepResult.rates)
             **StepResult.rates(timing, stats, sum(generated.lengths)),
-            queue_depth=0.0)  # rollout batches beyond this step's at its start: none yet
+            queue_depth=float(step.queue_depth))
 
     def _check_logprob_gap(self, stats: LearnerStats) -> None:
         """The generator and the learner must give a sampled token the same logprob at the

@@ -53,6 +53,9 @@ def test_the_lag_is_a_function_of_the_step_and_versions_retire(async_run):
     older ones retired (the engine's max_loras is k + 1)."""
     trainer, _, straight, _ = async_run
     assert [h["stale_versions"] for h in straight.history] == [min(t, K) for t in range(STEPS)]
+    # the batches drawn ahead while each step's learner trained (none past the run's last step)
+    assert [h["queue_depth"] for h in straight.history] == [min(K, STEPS - 1 - t) for t in range(STEPS)]
+    assert ray.get(trainer.roles.generators[0].__ray_call__.remote(lambda host: host.generator._loop is not None))
     assert [h["adapter_version"] for h in straight.history] == list(range(1, STEPS + 1))
     held = ray.get([g.versions.remote() for g in trainer.roles.generators])
     assert held == [list(range(max(0, trainer.version - K), trainer.version + 1))] * 2, held
