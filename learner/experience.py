@@ -69,10 +69,13 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
             whiten_advantages, gamma, lam, and the estimator's own parameters).
         kl_coef: this step's beta.
         estimator: the advantage estimator; with ``needs_critic`` fwd.values are the critic's.
-        stale: how many versions behind the learner the rollouts are (overlap mode: 1). The
-            PPO ratio's denominator is then the behaviour policy that sampled them (the
-            generator's logprobs, same temperature and truncation), not the current policy:
-            PPO's trust region is around what was sampled.
+        stale: how many versions behind the learner the rollouts are (max_staleness). The PPO
+            ratio's denominator is then the behaviour policy that sampled them (the generator's
+            logprobs, same temperature and truncation): PPO's trust region is around what was
+            sampled. With is_correction it is instead the learner's own logprobs at the update's
+            start (the proximal policy, decoupled PPO: Hilton et al. 2021, AReaL), and the
+            correction's weights (tis) or mask (mis) are pi_proximal / pi_behaviour, so the
+            trust region is around the current policy and the staleness is importance-weighted.
         recomputed: whether fwd's logprobs are the learner's own (else the generator's).
         rows_kept: (B,) bool, the rows whose score was finite.
         value_pass: with a critic and no fwd.values (old_values: update), what gives the old
@@ -85,7 +88,8 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
     """
     mask = batch.response_mask  # (B, T) bool
     zero = torch.zeros((), device=mask.device)
-    behaviour = batch.gen_logprobs.float() if stale else fwd.logprobs
+    decoupled = bool(stale) and config.is_correction != "none" and recomputed  # proximal = the learner's own
+    behaviour = batch.gen_logprobs.float() if stale and not decoupled else fwd.logprobs
     finite_old = torch.isfinite(behaviour)
     policy_mask = mask & finite_old  # tokens with a defined PPO ratio
     old_logprobs = torch.where(policy_mask, behaviour, zero)
@@ -139,10 +143,11 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
         advantages = masked_whiten(advantages, mask)
 
     # The generator vs the learner on the same version's sampled tokens: the mismatch, and
-    # (is_correction) the off-policy correction's weights or its mask. Not measured (NaN) for
-    # stale rollouts (the current policy is not the one that sampled; behaviour_logprob_gap
-    # measures that distance) or when nothing was recomputed to compare with (config refuses
-    # is_correction in both cases).
+    # (is_correction) the off-policy correction's weights or its mask: for stale rollouts
+    # (decoupled) against the behaviour policy, which also absorbs the mismatch. The mismatch is
+    # not measured (NaN) for stale rollouts (the current policy is not the one that sampled;
+    # behaviour_logprob_gap measures that distance) or when nothing was recomputed to compare
+    # with (config refuses is_correction there).
     gen = torch.where(policy_mask, batch.gen_logprobs.float(), zero)  # (B, T) the sampler's, 0 off the policy's tokens
     gen_diff = torch.where(policy_mask, (gen - fwd.logprobs).abs(), zero)
     mismatch = mismatch_stats(old_logprobs, gen, policy_mask)

@@ -896,6 +896,31 @@ def test_overlap_mode_takes_one_version_stale_rollouts_with_behaviour_logprobs(t
 
 
 @pytest.mark.equality
+def test_a_stale_step_with_a_correction_is_decoupled_ppo(tiny_path, special):
+    """max_staleness 1 with is_correction tis: a stale step's PPO ratio is taken against the
+    learner's own logprobs at the update's start (the proximal policy), and each token's loss is
+    weighted by min(pi_proximal / pi_behaviour, is_cap), the behaviour policy being the one that
+    sampled (decoupled PPO); the weights are reported."""
+    cfg = make_config(max_staleness=1, learning_rate=3e-3, is_correction="tis", old_logprobs="learner")
+    learner = Learner(cfg, tiny_path)
+    kept = keep_experience(learner)
+    stale_batch, ref, scores = rollout_inputs(learner, sampled_batch(learner, special, seed=3), seed=3)  # v0
+    learner.update(*rollout_inputs(learner, sampled_batch(learner, special, seed=4), seed=4))  # -> v1
+    current = learner.rollout_scores(stale_batch, logprobs=True).logprobs.cpu()
+    stats, _ = learner.update(stale_batch, ref, scores)
+    exp = kept[-1]
+    m = exp.policy_mask
+    tol = rounding_tol(current[m].abs().max().item(), TINY_TERMS)  # two forwards of the same weights
+    assert (exp.old_logprobs[m] - current[m]).abs().max() <= tol  # proximal: the current policy
+    assert (current - stale_batch.gen_logprobs)[m].abs().mean() > 1e-3  # one version apart
+    want = torch.exp(exp.old_logprobs - stale_batch.gen_logprobs).clamp(max=cfg.is_cap)
+    assert torch.allclose(exp.is_weights[m], want[m], rtol=1e-6, atol=0)
+    assert stats.is_weight_mean == pytest.approx(want[m].mean().item(), rel=1e-5)
+    assert stats.first_minibatch_ratio_mean == pytest.approx(1.0, abs=token_mean_tol(current, m))
+    assert stats.stale_versions == 1.0 and math.isnan(stats.gen_logprob_max_abs_diff)
+
+
+@pytest.mark.equality
 def test_fresh_rollouts_report_zero_staleness(tiny_path, special):
     learner = Learner(make_config(max_staleness=1), tiny_path)
     batch, ref, scores = rollout_inputs(learner, sampled_batch(learner, special, seed=5), seed=5)

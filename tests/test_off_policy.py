@@ -162,8 +162,6 @@ def test_the_config_takes_the_corrections_from_the_math():
 @pytest.mark.parametrize("changes, message", [
     (dict(is_correction="tis", old_logprobs="generator", top_k=0, top_p=1.0),
      r"'is_correction' = 'tis' is invalid: needs old_logprobs: learner"),
-    (dict(is_correction="mis", max_staleness=1), r"'is_correction' = 'mis' is invalid: cannot be combined "
-                                                          r"with max_staleness >= 1"),
     (dict(is_correction="both"), r"'is_correction' = 'both' is invalid: must be one of \['none', 'tis', 'mis'\]"),
     (dict(is_level="batch"), r"'is_level' = 'batch' is invalid"),
     (dict(is_cap=1.0), r"'is_cap' = 1.0 is invalid: must be > 1"),
