@@ -1,14 +1,18 @@
 """Synchronous vs bounded staleness (max_staleness), measured: samples/s, wall time to a
 reward level, and the reward at equal samples, over seeds. Writes a JSON and a markdown table.
 
-    python -m benchmarks.async_compare [--modes 0:merged,0:tensor,1:tensor,2:tensor,4:tensor]
+    python -m benchmarks.async_compare [--modes 0:merged,0:tensor,1:tensor:tis,2:tensor:tis,...]
         [--seeds 0,1,2] [--steps 12] [--num_generators 2] [--out_dir DIR] [--<PPOConfig field> VALUE ...]
 
-A mode is max_staleness:lora_sync. Every run builds its own trainer (the tiny preset by default,
+A mode is max_staleness:lora_sync[:is_correction] (none by default; tis on a stale step is decoupled
+PPO). Every run builds its own trainer (the tiny preset by default,
 2 generator replicas, 1 learner), then times train() over `steps` steps of batch_size rollouts
 (the engine starts are not timed). Per run:
 
-* samples/s: steps x batch_size / the wall time of train();
+* samples/s: steps x batch_size / the wall time of train(); response tokens/s: the tokens of
+  those samples / the same time (the policies of two modes sample other lengths as they learn,
+  so samples/s alone mixes speed and what was learnt: a run with a learning rate near 0 keeps
+  the workload equal);
 * reward: the mean score of each step's rollouts (the same reward as training; the run is the
   same task with the same seed in every mode, so the curves are comparable);
 * time to the level: the wall time until the moving mean of 3 steps' rewards first reaches
@@ -41,13 +45,14 @@ DEFAULTS = dict(num_generators=2, max_new_tokens=128, batch_size=16, micro_batch
                 checkpoint_every=0, report_to=[])
 
 
-def run_one(staleness: int, lora_sync: str, seed: int, steps: int, overrides: dict) -> dict:
+def run_one(staleness: int, lora_sync: str, correction: str, seed: int, steps: int, overrides: dict) -> dict:
     from ppo_ray.config import PPOConfig
     from ppo_ray.data import bundled_prompts
     from ppo_ray.trainer import PPOTrainer
 
     config = PPOConfig.from_yaml(overrides.pop("config", "tiny"), **{
-        **DEFAULTS, **overrides, "max_staleness": staleness, "lora_sync": lora_sync, "seed": seed, "steps": steps})
+        **DEFAULTS, **overrides, "max_staleness": staleness, "lora_sync": lora_sync, "is_correction": correction,
+        "seed": seed, "steps": steps})
     trainer = PPOTrainer(config)
     try:
         t0 = time.perf_counter()
@@ -59,7 +64,9 @@ def run_one(staleness: int, lora_sync: str, seed: int, steps: int, overrides: di
     for h in history:
         now += h.timing.step_s
         ends.append(now)
-    return {"max_staleness": staleness, "lora_sync": config.lora_sync_mode, "seed": seed, "wall_s": wall,
+    return {"max_staleness": staleness, "lora_sync": config.lora_sync_mode + ("" if correction == "none" else
+                                                                               f" + {correction}"),
+            "seed": seed, "wall_s": wall,
             "samples_per_s": steps * config.batch_size / wall,
             "rewards": [h["reward_mean"] for h in history], "step_end_s": ends,
             "response_length_mean": [h["response_length_mean"] for h in history],
@@ -101,6 +108,9 @@ def summarise(runs: list[dict], level: Optional[float]) -> tuple[float, list[dic
 
         rows.append({"max_staleness": m[0], "lora_sync": m[1], "seeds": len(mine),
                      "samples_per_s": spread([r["samples_per_s"] for r in mine]),
+                     # every step has batch_size samples: tokens/s = samples/s x the mean length
+                     "tokens_per_s": spread([r["samples_per_s"] * statistics.fmean(r["response_length_mean"])
+                                             for r in mine]),
                      "time_to_level_s": spread([time_to(r, level) for r in mine]),
                      "reached": sum(math.isfinite(time_to(r, level)) for r in mine),
                      "final_reward": spread(final[m]),
@@ -112,23 +122,31 @@ def summarise(runs: list[dict], level: Optional[float]) -> tuple[float, list[dic
 def table(level: float, rows: list[dict]) -> str:
     base = next((r["samples_per_s"][0] for r in rows if (r["max_staleness"], r["lora_sync"]) == (0, "tensor")),
                 rows[0]["samples_per_s"][0])
-    lines = [f"| max_staleness | lora_sync | samples/s | vs 0 (same sync) | time to reward {level:.3f} (s) | "
-             "final reward (last 3 steps) |", "|---|---|---|---|---|---|"]
+    lines = [f"| max_staleness | lora_sync | samples/s | vs 0 tensor | response tokens/s | mean length | "
+             f"time to reward {level:.3f} (s) | final reward (last 3 steps) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         (s, sd), (t, tsd), (f, fsd) = r["samples_per_s"], r["time_to_level_s"], r["final_reward"]
+        tok, tsd_ = r["tokens_per_s"]
         lines.append(f"| {r['max_staleness']} | {r['lora_sync']} | {s:.2f} ± {sd:.2f} | {s / base:.2f}x | "
+                     f"{tok:.0f} ± {tsd_:.0f} | {r['response_length_mean']:.1f} | "
                      f"{t:.1f} ± {tsd:.1f} ({r['reached']}/{r['seeds']}) | {f:.3f} ± {fsd:.3f} |")
     return "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.async_compare", description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", default="0:merged,0:tensor,1:tensor,2:tensor,4:tensor")
+    parser.add_argument("--modes", default="0:merged,0:tensor,1:tensor:tis,2:tensor:tis,4:tensor:tis,2:tensor")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--level", type=float, default=None)
     parser.add_argument("--out_dir", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--summarise", default=None, help="a JSON this wrote: print its table again, measure nothing")
     args, rest = parser.parse_known_args(argv)
+    if args.summarise:
+        saved = json.loads(Path(args.summarise).read_text())
+        level, rows = summarise(saved["runs"], args.level)
+        print(table(level, rows))
+        return saved
     overrides: dict = {}
     for key, value in zip(rest[::2], rest[1::2]):
         import yaml
@@ -138,11 +156,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
     init_ray()
     runs = []
-    modes = [(int(m.split(":")[0]), m.split(":")[1]) for m in args.modes.split(",")]
+    modes = [(int(parts[0]), parts[1], parts[2] if len(parts) > 2 else "none")
+             for parts in (m.split(":") for m in args.modes.split(","))]
     for seed in [int(s) for s in args.seeds.split(",")]:
-        for staleness, sync in modes:
+        for staleness, sync, correction in modes:
             load = load_average()
-            run = run_one(staleness, sync, seed, args.steps, dict(overrides))
+            run = run_one(staleness, sync, correction, seed, args.steps, dict(overrides))
             run["load_before"] = load
             runs.append(run)
             print(f"[async_compare] max_staleness {staleness} {run['lora_sync']} seed {seed}: "

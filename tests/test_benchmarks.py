@@ -491,3 +491,24 @@ def test_compare_estimators_runs_selection_and_table(tmp_path):
     assert (ratios[1]["loop_x"], ratios[1]["learner_x"]) == (0.5, 0.5) and "loop_x" not in ratios[2]
     with pytest.raises(SystemExit, match="no sft, rm, data"):
         ce.main(["--base", str(tmp_path), "--out", str(tmp_path / "out"), "--runs", "gae"])
+
+
+def test_async_compare_summarises_runs():
+    """benchmarks.async_compare's summary on made-up runs: the level is 0.9 x the synchronous
+    tensor runs' final reward, the time to it is the end of the first step whose 3-step moving
+    mean reaches it (NaN when none does), and tokens/s is samples/s x the mean length."""
+    import math
+
+    from benchmarks.async_compare import summarise, table, time_to
+
+    def run(k, sync, seed, rewards, sps):
+        return {"max_staleness": k, "lora_sync": sync, "seed": seed, "samples_per_s": sps, "rewards": rewards,
+                "step_end_s": [1.0, 2.0, 3.0, 4.0], "response_length_mean": [10.0, 20.0, 30.0, 40.0],
+                "step_s": [1.0] * 4}
+
+    runs = [run(0, "tensor", 0, [0.0, 1.0, 2.0, 3.0], 2.0), run(2, "tensor + tis", 0, [0.0, 0.0, 0.0, 0.0], 3.0)]
+    level, rows = summarise(runs, None)
+    assert level == pytest.approx(0.9 * 2.0)  # the last 3 steps' mean of the synchronous run
+    assert time_to(runs[0], level) == 4.0 and math.isnan(time_to(runs[1], level))  # moving means 1, 2 at steps 3, 4
+    assert rows[1]["tokens_per_s"] == (3.0 * 25.0, 0.0) and rows[1]["reached"] == 0
+    assert "| 2 | tensor + tis | 3.00 ± 0.00 | 1.50x | 75 ± 0 | 25.0 |" in table(level, rows)
