@@ -125,7 +125,10 @@ class Generator:
         mode = sync_class(lora_sync)  # a ValueError naming an unknown mode
         mode.check_engine(llm)
         lora_config = llm.llm_engine.vllm_config.lora_config
-        if max_staleness and (lora_config is None or lora_config.max_loras < max_staleness + 1):
+        # adapter and tensor sync keep the k + 1 versions in flight alive (merged sync holds one:
+        # its batches run one after another, and the config refuses k >= 2 for it)
+        pooled = lora_config is not None and lora_sync != "merged"
+        if max_staleness and pooled and lora_config.max_loras < max_staleness + 1:
             raise ValueError(f"max_staleness {max_staleness} needs {max_staleness + 1} adapter versions alive, but the "
                              f"vLLM engine holds {lora_config.max_loras if lora_config else 1} (max_loras)")
         if temperature < MIN_TEMPERATURE:  # vLLM clamps or samples greedily below it (ppo_ray.config)
@@ -191,7 +194,8 @@ class Generator:
             enforce_eager=cfg.vllm_enforce_eager,
             use_tqdm_on_load=cfg.log_level == "debug",  # the weight loader's progress bar
         )
-        engine.update(sync_class(cfg.lora_sync_mode).engine_args(cfg.lora_r, versions=cfg.max_staleness + 1))
+        versions = 1 if cfg.lora_sync_mode == "merged" else cfg.max_staleness + 1  # the versions alive at once
+        engine.update(sync_class(cfg.lora_sync_mode).engine_args(cfg.lora_r, versions=versions))
         if cfg.streams_rollouts and current_platform.is_cpu():
             engine["enable_chunked_prefill"] = False  # actors.engine_loop
         if not current_platform.is_cpu() and cfg.vllm_kv_cache_gib is None:
