@@ -42,6 +42,8 @@ import hashlib
 import os
 import shutil
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -70,6 +72,20 @@ def prompt_seed(run_seed: int, step: int, index: int) -> int:
     """
     digest = hashlib.blake2b(f"{run_seed}:{step}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def segment_seed(run_seed: int, step: int, index: int, sample: int, segment: int) -> int:
+    """The sampling seed of segment `segment` >= 1 of sample `sample` of prompt `index` under
+    partial_rollout continue (segment 0 is the whole response's seed, prompt_seed): a hash
+    like prompt_seed's, of its own domain."""
+    digest = hashlib.blake2b(f"{run_seed}:{step}:{index}:{sample}:{segment}".encode(), digest_size=8,
+                             person=b"ppo-ray-segment").digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+# How long a partial rollout waits for its next adapter version to be loaded (the driver loads
+# every version into every replica after its step; a longer wait means the run has stopped).
+VERSION_WAIT_S = 3600.0
 
 
 def _default_adapter_root() -> str:
@@ -175,6 +191,10 @@ class Generator:
                                  "whose prefill is chunked)")
             self.sync.streaming = True
             self._loop = EngineLoop(llm.llm_engine)
+        # the versions held, as the last load left them, for partial rollouts waiting on one
+        # (set on the engine's thread, read under the condition by the actor's other threads)
+        self._held_changed = threading.Condition()
+        self._held_now: frozenset = frozenset(self.versions)
         self._closed = False
 
     @classmethod
@@ -250,17 +270,18 @@ class Generator:
         return ids_list, self.tokenizer.batch_decode(ids_list)
 
     # ------------------------------------------------------------------ rollouts
-    def sampling_params(self, seed: int, probe: bool = False, n: int = 1):
+    def sampling_params(self, seed: int, probe: bool = False, n: int = 1, max_tokens: Optional[int] = None):
         """vLLM SamplingParams for one prompt: the PPO sampling settings and its own seed, `n`
-        samples (vLLM gives sample j the seed `seed + j`: vllm/v1/engine/parallel_sampling.py).
-        `probe` (the sync check, see probe()): the same temperature with no top-k/top-p, and
-        PROBE_NEW_TOKENS tokens."""
+        samples (vLLM gives sample j the seed `seed + j`: vllm/v1/engine/parallel_sampling.py),
+        `max_tokens` (default max_new_tokens). `probe` (the sync check, see probe()): the same
+        temperature with no top-k/top-p, and PROBE_NEW_TOKENS tokens."""
         from vllm import SamplingParams
 
+        if max_tokens is None:
+            max_tokens = min(PROBE_NEW_TOKENS, self.max_new_tokens) if probe else self.max_new_tokens
         return SamplingParams(
             n=n, temperature=self.temperature, top_k=0 if probe or self.top_k <= 0 else self.top_k,
-            top_p=1.0 if probe else self.top_p,
-            max_tokens=min(PROBE_NEW_TOKENS, self.max_new_tokens) if probe else self.max_new_tokens, seed=seed,
+            top_p=1.0 if probe else self.top_p, max_tokens=max_tokens, seed=seed,
             logprobs=0,  # just the sampled token's (processed) logprob
             ignore_eos=True, stop_token_ids=[self.eos_token_id],  # the tokenizer's EOS is the one stop token
             detokenize=False,  # we decode with the HF tokenizer, once, below
@@ -276,7 +297,8 @@ class Generator:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], step: int, prompt_offset: int = 0,
-                 probe: bool = False, samples_per_prompt: int = 1, version: Optional[int] = None) -> RolloutBatch:
+                 probe: bool = False, samples_per_prompt: int = 1, version: Optional[int] = None,
+                 segment_versions: Optional[Sequence[int]] = None, segment_tokens: int = 0) -> RolloutBatch:
         """Sample `samples_per_prompt` (n) responses per prompt with adapter `version` (one held;
         None = the newest), in one vLLM request per prompt (SamplingParams(n=n): the prompt is
         prefilled once).
@@ -291,6 +313,14 @@ class Generator:
         including EOS, gen_logprobs (B, T) float32 (0 on padding), adapter_version, and
         groups (B,): each row's global prompt index (prompt_offset + i), so groups stay
         distinct when the replicas' batches are concatenated.
+
+        Partial rollouts (config partial_rollout continue): with `segment_versions` [v_0, v_1,
+        ...] (v_0 = `version`, ascending) and 0 < `segment_tokens` < max_new_tokens, a response's
+        tokens [j c, (j + 1) c) (c = segment_tokens) are sampled with v_j (the last one for
+        every later j): a response still going after its segment is submitted again, prompt +
+        its tokens so far, with the next version and its own seed (segment_seed), waiting
+        until that version is loaded if it is not yet. The batch records each token's version
+        (token_versions). Needs a streaming generator (others run while one waits).
         """
         from vllm.inputs import TokensPrompt
 
@@ -301,49 +331,127 @@ class Generator:
         prompt_ids, prompt_texts = self._encode(prompts)
         lora_request = self._lora_request(version)
         version = self.version if version is None else version
-        params = [self.sampling_params(prompt_seed(self.seed, step, prompt_offset + i), probe, n)
+        schedule = self._schedule(version, segment_versions, segment_tokens)
+        params = [self.sampling_params(prompt_seed(self.seed, step, prompt_offset + i), probe, n,
+                                       max_tokens=segment_tokens if schedule else None)
                   for i in range(len(prompt_ids))]
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
         outputs = self._run(requests, params, lora_request, prompt_ids, n)
 
-        responses: list[list[int]] = []
-        logprobs: list[list[float]] = []
-        finish_reasons: list[str] = []
-        completions = []  # (prompt index, completion), the n of a prompt contiguous, in sample order
+        rows: list[list] = []  # [prompt index, sample index, token ids, logprobs, finish reason], n per prompt in order
         for i, out in enumerate(outputs):
             if len(out.outputs) != n:
                 raise RuntimeError(f"vLLM returned {len(out.outputs)} samples for prompt {prompt_offset + i}, "
                                    f"asked for {n}")
-            completions += [(i, c) for c in sorted(out.outputs, key=lambda c: c.index)]
-        for i, c in completions:
-            ids = list(c.token_ids)
-            if c.logprobs is None or len(c.logprobs) != len(ids):
-                raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} logprobs for "
-                                   f"{len(ids)} tokens of prompt {prompt_offset + i}")
-            # logprobs=0: each step's dict holds exactly the sampled token.
-            lps = [step_lps[tok].logprob for tok, step_lps in zip(ids, c.logprobs)]
-            if self.eos_token_id in ids[:-1]:
-                raise RuntimeError(f"vLLM generated past EOS for prompt {prompt_offset + i}")
-            ended = bool(ids) and ids[-1] == self.eos_token_id
-            if c.finish_reason not in ("stop", "length") or (c.finish_reason == "stop") != ended:
-                raise RuntimeError(f"prompt {prompt_offset + i}: vLLM finish_reason={c.finish_reason!r} but "
-                                   f"response {'ends' if ended else 'does not end'} with EOS")
-            responses.append(ids)
-            logprobs.append(lps)
-            finish_reasons.append(c.finish_reason)
-
+            rows += [[i, c.index, *self._completion(c, prompt_offset + i)]
+                     for c in sorted(out.outputs, key=lambda c: c.index)]
+        token_versions = None
+        if schedule:
+            token_versions = [[version] * len(row[2]) for row in rows]
+            self._continue(rows, token_versions, prompt_ids, step, prompt_offset, schedule, segment_tokens)
+        responses = [row[2] for row in rows]
+        finish_reasons = [row[4] for row in rows]
         texts = self.tokenizer.batch_decode([r[:-1] if fr == "stop" else r for r, fr in zip(responses, finish_reasons)],
                                             skip_special_tokens=True)
         # vLLM stops at the first EOS: every returned token is real
-        rows = [i for i, _ in completions]  # each row's prompt (n contiguous rows per prompt)
-        batch = RolloutBatch.from_tokens([prompt_ids[i] for i in rows], responses, self.pad_token_id,
-                                         self.eos_token_id, gen_logprobs=logprobs, adapter_version=version,
-                                         groups=[prompt_offset + i for i in rows],
-                                         prompts=[prompt_texts[i] for i in rows], responses=texts,
+        prompt_of = [row[0] for row in rows]  # each row's prompt (n contiguous rows per prompt)
+        batch = RolloutBatch.from_tokens([prompt_ids[i] for i in prompt_of], responses, self.pad_token_id,
+                                         self.eos_token_id, gen_logprobs=[row[3] for row in rows],
+                                         adapter_version=version, groups=[prompt_offset + i for i in prompt_of],
+                                         token_versions=token_versions,
+                                         prompts=[prompt_texts[i] for i in prompt_of], responses=texts,
                                          finish_reasons=finish_reasons)
         if not torch.isfinite(batch.gen_logprobs).all():
             raise RuntimeError("vLLM returned a non-finite logprob for a sampled token")
         return batch
+
+    def _completion(self, c, index: int) -> tuple[list[int], list[float], str]:
+        """One vLLM CompletionOutput's (token ids, their logprobs, finish reason), checked."""
+        ids = list(c.token_ids)
+        if c.logprobs is None or len(c.logprobs) != len(ids):
+            raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} logprobs for "
+                               f"{len(ids)} tokens of prompt {index}")
+        # logprobs=0: each step's dict holds exactly the sampled token.
+        lps = [step_lps[tok].logprob for tok, step_lps in zip(ids, c.logprobs)]
+        if self.eos_token_id in ids[:-1]:
+            raise RuntimeError(f"vLLM generated past EOS for prompt {index}")
+        ended = bool(ids) and ids[-1] == self.eos_token_id
+        if c.finish_reason not in ("stop", "length") or (c.finish_reason == "stop") != ended:
+            raise RuntimeError(f"prompt {index}: vLLM finish_reason={c.finish_reason!r} but "
+                               f"response {'ends' if ended else 'does not end'} with EOS")
+        return ids, lps, c.finish_reason
+
+    # ------------------------------------------------------------------ partial rollouts
+    def _schedule(self, version: int, segment_versions: Optional[Sequence[int]], segment_tokens: int) -> list[int]:
+        """The checked per-segment versions of a partial rollout, [] when the batch samples with
+        `version` alone (no schedule, a schedule of one version, or segments as long as a response)."""
+        if segment_versions is None:
+            return []
+        schedule = [int(v) for v in segment_versions]
+        if not schedule or schedule[0] != version or any(b < a for a, b in zip(schedule, schedule[1:])):
+            raise ValueError(f"segment_versions {schedule} must start at the batch's version {version} and not "
+                             "decrease")
+        if segment_tokens < 1:
+            raise ValueError(f"segment_tokens must be >= 1 with segment_versions, got {segment_tokens}")
+        if len(set(schedule)) == 1 or segment_tokens >= self.max_new_tokens:
+            return []
+        if self._loop is None:
+            raise ValueError("partial rollouts need a streaming generator (Generator(streaming=True)): a response "
+                             "waiting for its next version would block every other batch")
+        return schedule
+
+    def _continue(self, rows: list[list], token_versions: list[list[int]], prompt_ids: Sequence[Sequence[int]],
+                  step: int, prompt_offset: int, schedule: list[int], segment_tokens: int) -> None:
+        """Partial rollouts: segment after segment, every response cut at its segment's length
+        (finish reason length before max_new_tokens) goes on with the next segment's version
+        (generate's docstring); `rows` and `token_versions` grow in place."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        segment = 1
+        while True:
+            going = [r for r, row in enumerate(rows) if row[4] == "length" and len(row[2]) < self.max_new_tokens]
+            if not going:
+                return
+            version = schedule[min(segment, len(schedule) - 1)]
+            self._wait_for_version(version)
+            lora_request = self._lora_request(version)
+            requests = []
+            for r in going:
+                i, sample, ids = rows[r][:3]
+                params = self.sampling_params(segment_seed(self.seed, step, prompt_offset + i, sample, segment),
+                                              max_tokens=min(segment_tokens, self.max_new_tokens - len(ids)))
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+                requests.append((TokensPrompt(prompt_token_ids=[*prompt_ids[i], *ids]), params, lora_request))
+            for r, out in zip(going, self._loop.run(requests)):
+                ids, lps, finish_reason = self._completion(out.outputs[0], prompt_offset + rows[r][0])
+                rows[r][2] = rows[r][2] + ids
+                rows[r][3] = rows[r][3] + lps
+                rows[r][4] = finish_reason
+                token_versions[r] += [version] * len(ids)
+            segment += 1
+
+    def _wait_for_version(self, version: int) -> None:
+        """Block until adapter `version` is held (the driver loads every version into every
+        replica after its step), at most VERSION_WAIT_S."""
+        deadline = time.monotonic() + VERSION_WAIT_S
+        with self._held_changed:
+            while version not in self._held_now:
+                self._check_open()
+                if version < min(self._held_now):
+                    raise RuntimeError(f"adapter version {version} was retired before a partial rollout that needs it "
+                                       f"went on (held: {sorted(self._held_now)})")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"a partial rollout waited {VERSION_WAIT_S:.0f} s for adapter version {version} "
+                                       f"(held: {sorted(self._held_now)})")
+                self._held_changed.wait(timeout=min(left, 5.0))
+
+    def _note_held(self) -> None:
+        """After a load or retire: wake the partial rollouts waiting for a version."""
+        with self._held_changed:
+            self._held_now = frozenset(self.versions)
+            self._held_changed.notify_all()
 
     def _run(self, requests: list, params: list, lora_request, prompt_ids: Sequence[Sequence[int]], n: int) -> list:
         """vLLM's final RequestOutputs of `requests`, in order: streamed into the engine with
@@ -438,9 +546,12 @@ class Generator:
         weights = self._check_lora_weights(weights)
 
         def load() -> SyncReport:
-            if retire_below is not None:
-                self.sync.retire([v for v in self.sync.versions if not retire_below <= v <= version])
-            return self.sync.load(version, weights)
+            try:
+                if retire_below is not None:
+                    self.sync.retire([v for v in self.sync.versions if not retire_below <= v <= version])
+                return self.sync.load(version, weights)
+            finally:
+                self._note_held()
 
         # streaming: between two engine steps, on the engine's thread
         return self._loop.call(load) if self._loop is not None else load()
@@ -487,3 +598,4 @@ class Generator:
             self.sync.close()
         shutil.rmtree(self.adapter_root, ignore_errors=True)
         self._closed = True
+        self._note_held()  # a partial rollout waiting for a version fails

@@ -4,8 +4,9 @@ reward level, and the reward at equal samples, over seeds. Writes a JSON and a m
     python -m benchmarks.async_compare [--modes 0:merged,0:tensor,1:tensor:tis,2:tensor:tis,...]
         [--seeds 0,1,2] [--steps 12] [--num_generators 2] [--out_dir DIR] [--<PPOConfig field> VALUE ...]
 
-A mode is max_staleness:lora_sync[:is_correction] (none by default; tis on a stale step is decoupled
-PPO). Every run builds its own trainer (the tiny preset by default,
+A mode is max_staleness:lora_sync[:is_correction[:partial_rollout]] (is_correction none by default;
+tis on a stale step is decoupled PPO; partial_rollout finish by default, continue lets long
+responses go on with newer versions). Every run builds its own trainer (the tiny preset by default,
 2 generator replicas, 1 learner), then times train() over `steps` steps of batch_size rollouts
 (the engine starts are not timed). Per run:
 
@@ -45,14 +46,15 @@ DEFAULTS = dict(num_generators=2, max_new_tokens=128, batch_size=16, micro_batch
                 checkpoint_every=0, report_to=[])
 
 
-def run_one(staleness: int, lora_sync: str, correction: str, seed: int, steps: int, overrides: dict) -> dict:
+def run_one(staleness: int, lora_sync: str, correction: str, seed: int, steps: int, overrides: dict,
+            partial: str = "finish") -> dict:
     from ppo_ray.config import PPOConfig
     from ppo_ray.data import bundled_prompts
     from ppo_ray.trainer import PPOTrainer
 
     config = PPOConfig.from_yaml(overrides.pop("config", "tiny"), **{
         **DEFAULTS, **overrides, "max_staleness": staleness, "lora_sync": lora_sync, "is_correction": correction,
-        "seed": seed, "steps": steps})
+        "partial_rollout": partial, "seed": seed, "steps": steps})
     trainer = PPOTrainer(config)
     try:
         t0 = time.perf_counter()
@@ -64,8 +66,9 @@ def run_one(staleness: int, lora_sync: str, correction: str, seed: int, steps: i
     for h in history:
         now += h.timing.step_s
         ends.append(now)
-    return {"max_staleness": staleness, "lora_sync": config.lora_sync_mode + ("" if correction == "none" else
-                                                                               f" + {correction}"),
+    label = config.lora_sync_mode + ("" if correction == "none" else f" + {correction}") + \
+        ("" if partial == "finish" else f" + {partial}")
+    return {"max_staleness": staleness, "lora_sync": label,
             "seed": seed, "wall_s": wall,
             "samples_per_s": steps * config.batch_size / wall,
             "rewards": [h["reward_mean"] for h in history], "step_end_s": ends,
@@ -156,12 +159,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
     init_ray()
     runs = []
-    modes = [(int(parts[0]), parts[1], parts[2] if len(parts) > 2 else "none")
+    modes = [(int(parts[0]), parts[1], parts[2] if len(parts) > 2 else "none", parts[3] if len(parts) > 3 else "finish")
              for parts in (m.split(":") for m in args.modes.split(","))]
     for seed in [int(s) for s in args.seeds.split(",")]:
-        for staleness, sync, correction in modes:
+        for staleness, sync, correction, partial in modes:
             load = load_average()
-            run = run_one(staleness, sync, correction, seed, args.steps, dict(overrides))
+            run = run_one(staleness, sync, correction, seed, args.steps, dict(overrides), partial)
             run["load_before"] = load
             runs.append(run)
             print(f"[async_compare] max_staleness {staleness} {run['lora_sync']} seed {seed}: "

@@ -577,7 +577,11 @@ class Learner:
         #      version behind, whose behaviour policy is the generator's.
         #      old_values: update: the value model trains on the first minibatch (the whole
         #      batch) within, once the rewards are shaped: learner.optimise.value_pass.
-        stale = self.version - batch.adapter_version
+        stale = self.version - batch.adapter_version  # the batch's oldest version: what the rules read
+        # what is reported: the versions behind, per response token (partial_rollout continue: a
+        # response's later tokens come from newer versions), averaged over the step's tokens
+        stale_mean = float(stale) if batch.token_versions is None or not mask.any() else \
+            float((self.version - batch.token_versions)[mask].double().mean())
         trained: dict[str, Tensor] = {}
 
         def value_pass(returns_of) -> Tensor:
@@ -615,7 +619,7 @@ class Learner:
         stats = LearnerStats(**values, loss_extra=extra, dropped_samples=float(dropped), tokens=float(n_tokens),
                              padded_token_ratio=done / max(real, 1),
                              learner_flops=self.count_flops(plan, recompute, values_in_update),
-                             learner_peak_flops_per_s=peak_flops, stale_versions=float(stale),
+                             learner_peak_flops_per_s=peak_flops, stale_versions=stale_mean,
                              kl_coef=self.kl_coef, learning_rate=learning_rate, learner_forward_s=forward_s,
                              update_s=time.perf_counter() - t_start, learner_peak_memory_gib=peak_gib,
                              version=self.version)

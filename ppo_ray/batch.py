@@ -81,6 +81,11 @@ class RolloutBatch:
     # the samples_per_prompt samples of one prompt share it and are contiguous rows. None = not
     # known (a batch built by hand); the group estimators need it.
     groups: Optional[Tensor] = None
+    # (B, T) long: the adapter version that sampled each response token (partial_rollout
+    # continue: a response moves on to newer versions as it grows; values on padding mean
+    # nothing). None = every token was sampled with adapter_version, which is in any case the
+    # batch's oldest version (the one the staleness checks read).
+    token_versions: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         b, p = self.prompt_ids.shape
@@ -94,6 +99,10 @@ class RolloutBatch:
         if self.groups is not None and (self.groups.shape != (b,) or self.groups.dtype != torch.long):
             raise ValueError(f"RolloutBatch.groups must be a (B,) = ({b},) long tensor, got "
                              f"{tuple(self.groups.shape)} {self.groups.dtype}")
+        if self.token_versions is not None and (self.token_versions.shape != bt
+                                                or self.token_versions.dtype != torch.long):
+            raise ValueError(f"RolloutBatch.token_versions must be a (B, T) = {tuple(bt)} long tensor, got "
+                             f"{tuple(self.token_versions.shape)} {self.token_versions.dtype}")
         if self.pad_token_id == self.eos_token_id:
             raise ValueError("pad_token_id equals eos_token_id: pad must be a distinct token")
 
@@ -101,15 +110,21 @@ class RolloutBatch:
     def from_tokens(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_token_id: int,
                     eos_token_id: int, gen_logprobs: Optional[Sequence[Sequence[float]]] = None,
                     adapter_version: int = 0, groups: Optional[Sequence[int]] = None,
+                    token_versions: Optional[Sequence[Sequence[int]]] = None,
                     **texts: list[str]) -> "RolloutBatch":
         """Token lists -> a RolloutBatch: prompts left-padded, responses right-padded (at
         least one response column), every given token real; gen_logprobs per response
-        token (0 when not given, and on padding); `groups`: each row's group id (None = none).
+        token (0 when not given, and on padding); `groups`: each row's group id (None = none);
+        `token_versions`: each response token's adapter version (None = all adapter_version).
         `texts`: prompts, responses, finish_reasons."""
         response_t = pad_rows(response_ids, pad_token_id, "right", min_width=1)  # (B, T)
         t = response_t.shape[1]
         logprobs = (pad_rows(gen_logprobs, 0.0, "right", torch.float32, min_width=t) if gen_logprobs is not None
                     else torch.zeros(len(response_ids), t))
+        if token_versions is not None:
+            token_versions = torch.stack([
+                torch.as_tensor(list(v) + [v[-1] if v else adapter_version] * (t - len(v)), dtype=torch.long)
+                for v in token_versions]) if len(token_versions) else torch.zeros(0, t, dtype=torch.long)
         return RolloutBatch(
             prompt_ids=pad_rows(prompt_ids, pad_token_id, "left"),                                 # (B, P)
             prompt_mask=pad_rows(_real(prompt_ids), False, "left", torch.bool),                   # (B, P)
@@ -117,7 +132,8 @@ class RolloutBatch:
             response_mask=pad_rows(_real(response_ids), False, "right", torch.bool, min_width=1),  # (B, T)
             gen_logprobs=logprobs,                                                                # (B, T)
             adapter_version=adapter_version, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
-            groups=None if groups is None else torch.as_tensor(groups, dtype=torch.long), **texts)
+            groups=None if groups is None else torch.as_tensor(groups, dtype=torch.long),
+            token_versions=token_versions, **texts)
 
     # ------------------------------------------------------------------ views
     def __len__(self) -> int:
@@ -130,6 +146,14 @@ class RolloutBatch:
     @property
     def response_lengths(self) -> Tensor:
         return self.response_mask.sum(dim=1)  # (B,)
+
+    def versions_of_tokens(self) -> Tensor:
+        """(B, T) long: each response token's adapter version (token_versions, or adapter_version
+        everywhere)."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return torch.full(self.response_ids.shape, self.adapter_version, dtype=torch.long,
+                          device=self.response_ids.device)
 
     @property
     def has_eos(self) -> Tensor:
@@ -191,6 +215,7 @@ class RolloutBatch:
             responses=[self.responses[i] for i in rows] if self.responses else [],
             finish_reasons=[self.finish_reasons[i] for i in rows] if self.finish_reasons else [],
             groups=None if self.groups is None else self.groups[idx],
+            token_versions=None if self.token_versions is None else self.token_versions[idx],
         )
 
     def to(self, device: torch.device | str) -> "RolloutBatch":
@@ -201,6 +226,7 @@ class RolloutBatch:
             response_ids=self.response_ids.to(device), response_mask=self.response_mask.to(device),
             gen_logprobs=self.gen_logprobs.to(device),
             groups=None if self.groups is None else self.groups.to(device),
+            token_versions=None if self.token_versions is None else self.token_versions.to(device),
         )
 
     def trimmed(self, p_keep: Optional[int] = None, t_keep: Optional[int] = None) -> "RolloutBatch":
@@ -214,6 +240,7 @@ class RolloutBatch:
             prompt_ids=self.prompt_ids[:, p_keep:], prompt_mask=self.prompt_mask[:, p_keep:],
             response_ids=self.response_ids[:, :t_keep], response_mask=self.response_mask[:, :t_keep],
             gen_logprobs=self.gen_logprobs[:, :t_keep],
+            token_versions=None if self.token_versions is None else self.token_versions[:, :t_keep],
         )
 
     @staticmethod
@@ -252,6 +279,8 @@ class RolloutBatch:
             responses=[s for b in parts for s in b.responses],
             finish_reasons=[s for b in parts for s in b.finish_reasons],
             groups=torch.cat([b.groups for b in parts]) if first.groups is not None else None,
+            token_versions=(torch.cat([right(b.versions_of_tokens(), t, 0) for b in parts])
+                            if any(b.token_versions is not None for b in parts) else None),
         )
 
 

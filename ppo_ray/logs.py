@@ -148,7 +148,7 @@ def format_step(result: "StepResult", total: int | None = None, *, adaptive_kl: 
         if key in extra:
             parts.append(f"{label} {_num(extra[key], '.3f')}")
     if learner.stale_versions:
-        parts.append(f"stale {_num(learner.stale_versions, '.0f')}")
+        parts.append(f"stale {_num(learner.stale_versions, '.0f' if float(learner.stale_versions).is_integer() else '.2f')}")
     if result.queue_depth:
         parts.append(f"queue {_num(result.queue_depth, '.0f')}")
     parts += [f"{_num(result.timing.step_s, '.2f')} s", f"{_rate(result.tokens_per_s)} tok/s"]

@@ -62,7 +62,7 @@ STEP_GAUGES: dict[str, str] = {
     "shaped_reward_mean": "mean per-sequence shaped return of the step: score - beta * summed KL",
     "kl_coef": "beta, the KL coefficient the step used (moves with the adaptive controller, kl_target)",
     "learning_rate": "the policy's learning rate at the step's first optimiser step (lr_scheduler)",
-    "stale_versions": "adapter versions the step's rollouts were behind the learner (0 .. max_staleness)",
+    "stale_versions": "adapter versions the step's rollouts were behind the learner (0 .. max_staleness; the mean over the response tokens)",
     "sync_probe_gap": "the sync check's largest |generator - learner| logprob of the probe tokens after the step's "
                       "sync, in nats (logprob_gap_tolerance bounds it)",
     "mismatch_outside_frac": "fraction of the step's sampled tokens whose probability ratio learner / generator (same "

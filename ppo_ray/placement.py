@@ -321,12 +321,14 @@ class GeneratorHost(_Host):
 
     @ray.method(num_returns=2)
     def generate(self, prompt_ids: list[list[int]], step: int, offset: int,
-                 expected_version: int | None = None,
-                 samples_per_prompt: int = 1) -> tuple[RolloutBatch, GenerationSummary]:
+                 expected_version: int | None = None, samples_per_prompt: int = 1,
+                 segment_versions: list[int] | None = None,
+                 segment_tokens: int = 0) -> tuple[RolloutBatch, GenerationSummary]:
         _check_version(self.generator, expected_version, f"step {step + 1}'s rollouts")
         t0 = time.perf_counter()
         batch = self.generator.generate(prompt_ids, step=step, prompt_offset=offset,
-                                        samples_per_prompt=samples_per_prompt, version=expected_version)
+                                        samples_per_prompt=samples_per_prompt, version=expected_version,
+                                        segment_versions=segment_versions, segment_tokens=segment_tokens)
         summary = GenerationSummary.of(batch, seconds=time.perf_counter() - t0)
         tokens = sum(summary.lengths)
         self.log.info("%s: %d rollouts with adapter v%d, %d response tokens, %.2f s (%.0f tok/s)",
@@ -449,6 +451,11 @@ class LearnerHost(_Host):
         self.log = actor_logger(config.log_level)
         self.model_dir, self.value_model_dir = local_model_dir(model_dir), local_model_dir(value_model_dir)
         self.learner = Learner(config, self.model_dir, self.value_model_dir)
+        import torch
+
+        # the count decides the float32 sums' order: a restarted learner must compute as its predecessor
+        self.log.info("learner (pid %d): %d torch threads, %d cores this process may run on", os.getpid(),
+                      torch.get_num_threads(), len(os.sched_getaffinity(0)))
 
     def rendezvous_address(self) -> str:
         """tcp://<this node's IP>:<a free port>: where rank 0 of the learner group listens."""

@@ -153,7 +153,7 @@ class LearnerStats:
     # 1024^3 float32 matmul's measured rate on the learner's threads (timed once per learner,
     # at its first update); times the learner group's size
     learner_peak_flops_per_s: float
-    stale_versions: float            # how many versions behind the rollouts were
+    stale_versions: float            # how many versions behind the rollouts were (mean over their tokens: partial_rollout continue)
     kl_coef: float                   # the beta this step used (adaptive KL moves the next one)
     learning_rate: float             # the policy's lr at the step's first optimiser step
     learner_forward_s: float         # the no-grad pass (steps 2 and 6)

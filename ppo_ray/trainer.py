@@ -226,8 +226,21 @@ class PPOTrainer:
         """1-2. Generate on every replica, not waited for. Each replica must hold
         rollouts.version (else StateLostError)."""
         rollouts.generation = self.roles.generate(rollouts.prompt_ids, rollouts.step, rollouts.version,
-                                                  samples_per_prompt=self.config.samples_per_prompt)
+                                                  samples_per_prompt=self.config.samples_per_prompt,
+                                                  segment_versions=self._segments(rollouts),
+                                                  segment_tokens=self.config.partial_rollout_tokens)
         return rollouts
+
+    def _segments(self, rollouts: Rollouts) -> Optional[list[int]]:
+        """partial_rollout continue: the adapter versions of a batch's successive segments of
+        partial_rollout_tokens tokens, from its own up to the one before its step's synchronous
+        version (which is loaded only as its step starts: waiting for it would put the tail
+        back on the step's path); a function of the step, like the batch's version. None
+        under finish."""
+        if self.config.partial_rollout != "continue":
+            return None
+        newest = self.version - (self.step - rollouts.step) - 1
+        return list(range(rollouts.version, max(rollouts.version, newest) + 1))
 
     def _run_step(self, current: Rollouts) -> StepResult:
         """One step, supervised: attempts until one reaches the commit point, then the

@@ -136,3 +136,64 @@ def test_a_resume_under_merged_sync_and_max_staleness_1_equals_the_straight_run(
     assert got.generated_texts == want.generated_texts
     for key in ("reward_mean", "kl", "policy_loss", "value_loss", "first_minibatch_ratio_mean"):
         assert abs(got[key] - want[key]) <= 1e-5 * (1 + abs(want[key])), (key, got[key], want[key])
+
+
+SEGMENT = 4  # partial_rollout_tokens in the continue cases (the test config samples up to 12 tokens)
+
+
+@pytest.fixture(scope="module")
+def continue_run(async_run, tmp_path_factory):
+    """async_run's trainer under partial_rollout continue: its straight run from the snapshot."""
+    trainer, snapshot, _, _ = async_run
+    base = trainer.config
+    trainer.config = base.replace(partial_rollout="continue", partial_rollout_tokens=SEGMENT)
+    try:
+        trainer.restore(snapshot)
+        run_dir = tmp_path_factory.mktemp("continue-straight")
+        yield trainer, snapshot, _run(trainer, run_dir), run_dir
+    finally:
+        trainer.config = base
+
+
+def test_a_partial_rollout_goes_on_with_newer_versions_and_resumes_exactly(continue_run, async_run, tmp_path):
+    """partial_rollout continue: the batch of step t = 2 (version 0; its step's synchronous version
+    is 2) samples its first SEGMENT tokens with version 0 and the rest with version 1, so its
+    tokens are between 1 and 2 versions behind; the steps before have no newer version to go on
+    with and equal the finish run's. A resume from the checkpoint of step EVERY, with that batch
+    in flight, samples it again the same way."""
+    trainer, _, straight, run_dir = continue_run
+    finish = async_run[2]
+    stale = [h["stale_versions"] for h in straight.history]
+    assert stale[:2] == [0, 1] and 1 < stale[2] < 2, stale
+    for got, want in zip(straight.history[:2], finish.history[:2]):
+        assert got.generated_texts == want.generated_texts
+    ckpt = run_dir / "checkpoints" / f"step-{EVERY:06d}"
+    import shutil
+
+    shutil.copytree(run_dir, tmp_path / "run")
+    trainer.restore(tmp_path / "run" / "checkpoints" / ckpt.name)
+    history = trainer.train(bundled_prompts(), steps=STEPS - EVERY, progress=False)
+    for g, w in zip(history, straight.history[EVERY:]):
+        assert g.generated_texts == w.generated_texts, f"step {g['step']}: other samples"
+        assert g["stale_versions"] == w["stale_versions"]
+        for key in ("reward_mean", "kl", "policy_loss", "value_loss", "first_minibatch_ratio_mean"):
+            assert abs(g[key] - w[key]) <= 1e-5 * (1 + abs(w[key])), (g["step"], key, g[key], w[key])
+
+
+@pytest.mark.slow
+def test_a_generator_killed_during_partial_rollouts_leaves_the_run_as_if_it_had_not_happened(continue_run, tmp_path):
+    """A replica dies before sampling the batches in flight (whose later segments wait for
+    versions not trained yet): they are sampled again by the same rule, and the run equals the
+    straight one."""
+    trainer, snapshot, straight, _ = continue_run
+    trainer.restore(snapshot)
+    start = trainer.step
+    before = len(trainer.retries)
+    trainer.inject_faults([Fault("generator-1", start + 1, "prefetch", "before")])
+    try:
+        got = _run(trainer, tmp_path)
+    finally:
+        trainer.inject_faults([])
+    failures = trainer.retries[before:]
+    assert failures and failures[0]["role"] == "generator-1", failures
+    _assert_same(got, straight, False, "generator-1", trainer.config.learning_rate)

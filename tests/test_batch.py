@@ -98,3 +98,23 @@ def test_staleness_rule():
     assert fresh_enough(3, 3, 0) and not fresh_enough(2, 3, 0)
     assert fresh_enough(2, 3, 1) and not fresh_enough(1, 3, 1)
     assert not fresh_enough(4, 3, 1)  # sampled with a newer adapter than the learner holds
+
+
+def test_token_versions_follow_the_rows_and_columns():
+    """partial_rollout continue: each token's version travels with its token through select,
+    trimmed, to and cat (a batch without them reads as its adapter_version everywhere)."""
+    prompts, responses = [[1, 2], [3]], [[5, 6, 7, EOS], [6]]
+    got = RolloutBatch.from_tokens(prompts, responses, PAD, EOS, adapter_version=2,
+                                   token_versions=[[2, 2, 3, 3], [2]])
+    assert got.token_versions.shape == got.response_ids.shape and got.token_versions[0].tolist() == [2, 2, 3, 3]
+    assert got.select([1, 0]).token_versions[1].tolist() == [2, 2, 3, 3]
+    assert got.trimmed(0, 3).token_versions.tolist()[0] == [2, 2, 3]
+    assert got.to("cpu").token_versions is not None
+    plain = RolloutBatch.from_tokens([[4]], [[7, 7, 7, 7, 7]], PAD, EOS, adapter_version=2)
+    assert plain.token_versions is None and plain.versions_of_tokens().tolist() == [[2] * 5]
+    both = RolloutBatch.cat([got, plain])
+    real = [row[mask].tolist() for row, mask in zip(both.token_versions, both.response_mask)]
+    assert real == [[2, 2, 3, 3], [2], [2] * 5]
+    with pytest.raises(ValueError, match=r"token_versions must be a \(B, T\)"):
+        RolloutBatch(got.prompt_ids, got.prompt_mask, got.response_ids, got.response_mask, got.gen_logprobs, 2,
+                     PAD, EOS, token_versions=torch.zeros(2, 1, dtype=torch.long))

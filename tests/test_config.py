@@ -240,6 +240,12 @@ def test_max_staleness_replaces_overlap_generation(tmp_path):
     for bad in (-1, 9):
         with pytest.raises(ConfigError, match="'max_staleness'"):
             PPOConfig(max_staleness=bad)
+    # partial rollouts go on with versions newer than the batch's: there are some from k = 2
+    assert PPOConfig(max_staleness=2, partial_rollout="continue").partial_rollout_tokens == 32
+    with pytest.raises(ConfigError, match="'partial_rollout' = 'continue' is invalid: continue needs max_staleness >= 2"):
+        PPOConfig(max_staleness=1, partial_rollout="continue")
+    with pytest.raises(ConfigError, match="'partial_rollout_tokens'"):
+        PPOConfig(max_staleness=2, partial_rollout="continue", partial_rollout_tokens=0)
 
 
 def test_cli_syntaxes():

@@ -423,6 +423,66 @@ def test_streaming_runs_the_batches_of_several_versions_at_once(streaming_llm, t
         gen.close()
 
 
+def test_a_partial_rollout_continues_on_the_next_version_when_it_arrives(streaming_llm, tokenizer, tiny_model_dir):
+    """partial_rollout continue: a response's first segment_tokens tokens are sampled with the
+    batch's version, the rest with the next one, which the generator waits for while it is not
+    loaded. The first segment is the plain batch's own start (same seeds, same version); the
+    tail's logprobs are the new version's (vLLM's prompt logprobs of the same tokens under it);
+    each token's version is recorded."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from actors.generator import Generator
+
+    c = 6
+    gen = Generator(streaming_llm, tokenizer, model_dir=tiny_model_dir, temperature=1.0, top_k=0, top_p=1.0,
+                    max_new_tokens=24, seed=0, max_prompt_length=64, lora_sync="tensor", max_staleness=2,
+                    streaming=True)
+    try:
+        peft_model = make_peft(tiny_model_dir)
+        w1, w2 = (randomize_lora(peft_model, seed=s) for s in (1, 2))
+        gen.load_adapter(1, w1)
+        plain = gen.generate(PROMPTS, step=3, version=1, samples_per_prompt=2)
+        assert plain.token_versions is None
+        # segments as long as a response, or one version: the plain batch
+        same = gen.generate(PROMPTS, step=3, version=1, samples_per_prompt=2, segment_versions=[1, 2],
+                            segment_tokens=24)
+        assert torch.equal(same.response_ids, plain.response_ids) and same.token_versions is None
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(gen.generate, PROMPTS, 3, version=1, samples_per_prompt=2, segment_versions=[1, 2],
+                                 segment_tokens=c)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 2 or not gen._loop.idle():  # the first segments ran
+                assert time.monotonic() - t0 < 120 and not future.done()
+                time.sleep(0.2)
+            time.sleep(0.5)
+            assert not future.done()  # the longer responses wait for version 2
+            gen.load_adapter(2, w2)
+            got = future.result(timeout=120)
+        lengths = plain.response_lengths.tolist()
+        assert max(lengths) > c  # some responses go on past their first segment
+        versions = got.versions_of_tokens()
+        for row, n in enumerate(got.response_lengths.tolist()):
+            head = min(n, c)
+            # the first segment: the plain batch's first tokens (a response that ends there, all of it)
+            assert got.response_ids[row, :head].tolist() == plain.response_ids[row, :head].tolist(), row
+            assert (got.gen_logprobs[row, :head] - plain.gen_logprobs[row, :head]).abs().max() <= \
+                tol(plain.gen_logprobs[row, :head]), row
+            assert versions[row, :n].tolist() == [1] * head + [2] * (n - head), row
+            if lengths[row] <= c:
+                assert n == lengths[row]
+            if n > c:  # the tail: version 2's logprobs of those tokens
+                ids = got.response_ids[row, :n].tolist()
+                prompt = got.prompt_ids[row][got.prompt_mask[row]].tolist()
+                want = gen.sequence_logprobs(prompt, ids)[c:]  # temperature 1, untruncated: the sampled ones
+                assert (got.gen_logprobs[row, c:n] - want).abs().max() <= tol(want), row
+        assert got.adapter_version == 1 and len(got) == len(plain)
+        with pytest.raises(ValueError, match="must start at the batch's version 1"):
+            gen.generate(PROMPTS, step=3, version=1, segment_versions=[2, 1], segment_tokens=c)
+    finally:
+        gen.close()
+
+
 def test_a_streaming_generator_needs_an_engine_that_does_not_chunk_prefills(vllm_llm, tokenizer, tiny_model_dir):
     """On the CPU a seeded request whose prefill is chunked crashes vLLM's runner, and a stream of
     batches would be chunked: the shared engine (chunked prefill on) is refused, naming why."""
