@@ -36,9 +36,8 @@ def install(host) -> None:
     generator = host.generator
     generate = type(generator).generate.__get__(generator)
 
-    def mismatched(prompts, step, prompt_offset=0, probe=False, samples_per_prompt=1, version=None):
-        batch = generate(prompts, step, prompt_offset=prompt_offset, probe=probe, samples_per_prompt=samples_per_prompt,
-                         version=version)
+    def mismatched(prompts, step, prompt_offset=0, probe=False, **options):
+        batch = generate(prompts, step, prompt_offset=prompt_offset, probe=probe, **options)
         return batch if probe else injected_mismatch(batch, seed=step)
 
     generator.generate = mismatched  # an instance attribute: Generator.probe calls it too
