@@ -155,6 +155,7 @@ def continue_run(async_run, tmp_path_factory):
         trainer.config = base
 
 
+@pytest.mark.slow  # a straight run of its own and a resume; tests/test_generator.py covers the rule fast
 def test_a_partial_rollout_goes_on_with_newer_versions_and_resumes_exactly(continue_run, async_run, tmp_path):
     """partial_rollout continue: the batch of step t = 2 (version 0; its step's synchronous version
     is 2) samples its first SEGMENT tokens with version 0 and the rest with version 1, so its
