@@ -195,6 +195,7 @@ class Generator:
         # (set on the engine's thread, read under the condition by the actor's other threads)
         self._held_changed = threading.Condition()
         self._held_now: frozenset = frozenset(self.versions)
+        self._waiting: list[int] = []  # the versions partial rollouts wait for now, one entry per waiting call
         self._closed = False
 
     @classmethod
@@ -436,16 +437,27 @@ class Generator:
         replica after its step), at most VERSION_WAIT_S."""
         deadline = time.monotonic() + VERSION_WAIT_S
         with self._held_changed:
-            while version not in self._held_now:
-                self._check_open()
-                if version < min(self._held_now):
-                    raise RuntimeError(f"adapter version {version} was retired before a partial rollout that needs it "
-                                       f"went on (held: {sorted(self._held_now)})")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"a partial rollout waited {VERSION_WAIT_S:.0f} s for adapter version {version} "
-                                       f"(held: {sorted(self._held_now)})")
-                self._held_changed.wait(timeout=min(left, 5.0))
+            self._waiting.append(version)
+            try:
+                while version not in self._held_now:
+                    self._check_open()
+                    if version < min(self._held_now):
+                        raise RuntimeError(f"adapter version {version} was retired before a partial rollout that "
+                                           f"needs it went on (held: {sorted(self._held_now)})")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"a partial rollout waited {VERSION_WAIT_S:.0f} s for adapter version "
+                                           f"{version} (held: {sorted(self._held_now)})")
+                    self._held_changed.wait(timeout=min(left, 5.0))
+            finally:
+                self._waiting.remove(version)
+
+    @property
+    def waiting_for(self) -> list[int]:
+        """The adapter versions that partial rollouts are waiting for now (one entry per waiting
+        generate call, ascending)."""
+        with self._held_changed:
+            return sorted(self._waiting)
 
     def _note_held(self) -> None:
         """After a load or retire: wake the partial rollouts waiting for a version."""

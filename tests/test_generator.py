@@ -451,12 +451,11 @@ def test_a_partial_rollout_continues_on_the_next_version_when_it_arrives(streami
         with ThreadPoolExecutor(1) as pool:
             future = pool.submit(gen.generate, PROMPTS, 3, version=1, samples_per_prompt=2, segment_versions=[1, 2],
                                  segment_tokens=c)
-            t0 = time.monotonic()
-            while time.monotonic() - t0 < 2 or not gen._loop.idle():  # the first segments ran
-                assert time.monotonic() - t0 < 120 and not future.done()
-                time.sleep(0.2)
-            time.sleep(0.5)
-            assert not future.done()  # the longer responses wait for version 2
+            deadline = time.monotonic() + 120
+            while gen.waiting_for != [2]:  # the first segments ran; the longer responses wait for version 2
+                assert time.monotonic() < deadline and not future.done()
+                time.sleep(0.05)
+            assert gen._loop.idle() and not future.done()
             gen.load_adapter(2, w2)
             got = future.result(timeout=120)
         lengths = plain.response_lengths.tolist()
