@@ -365,11 +365,24 @@ class Learner:
         self.version = int(state.version)
 
     # ------------------------------------------------------------------ scoring helpers
-    def sync_gap(self, batch: RolloutBatch) -> float:
+    def sync_gap(self, batch: RolloutBatch, weights: Optional[LoraWeights] = None) -> float:
         """The sync check (ppo_ray.trainer): the largest |generator - learner| logprob over the
         real tokens of a probe `batch` that the generator sampled untruncated at this
         version (Generator.probe): its logprobs are the full tempered softmax's, which the
-        full-softmax scores recompute. A non-finite logprob on either side is an infinite gap."""
+        full-softmax scores recompute. A non-finite logprob on either side is an infinite gap.
+        `weights`: the probe was sampled with this older version of the policy adapter (one a
+        batch in flight needs, loaded again into a restarted replica): the policy takes those
+        tensors for the scores and its own back after, bit for bit."""
+        if weights is not None:
+            from peft import set_peft_model_state_dict
+
+            own = self.lora_weights()
+            _check_tensors("policy adapter", own.tensors, weights.tensors)
+            set_peft_model_state_dict(self.policy, weights.tensors)
+            try:
+                return self.sync_gap(batch)
+            finally:
+                set_peft_model_state_dict(self.policy, own.tensors)
         mask = batch.response_mask
         diff = (batch.gen_logprobs.float() - self.rollout_scores(batch, full=True).full_logprobs.cpu()).abs()
         diff = torch.where(torch.isnan(diff), torch.full((), math.inf), diff)

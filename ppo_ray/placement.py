@@ -344,7 +344,8 @@ class GeneratorHost(_Host):
         return report
 
     def probe(self, prompt_ids: list[list[int]], expected_version: int) -> RolloutBatch:
-        """The sync check's probe rollouts, sampled with the adapter version just loaded."""
+        """The sync check's probe rollouts, sampled with adapter `expected_version` (one this
+        replica holds: the one just loaded, or an older one loaded again)."""
         _check_version(self.generator, expected_version, "the sync check")
         return self.generator.probe(prompt_ids, version=expected_version)
 
@@ -493,11 +494,17 @@ class LearnerHost(_Host):
                       stats.clipfrac, stats.kl, stats.update_s)
         return stats, weights, (self.learner.state_dict() if self.learner.rank == 0 else None)
 
-    def sync_gaps(self, *parts: RolloutBatch, expected_version: int) -> list[float]:
+    def sync_gaps(self, *parts: RolloutBatch, expected_version: int,
+                  weights: "LoraWeights | None" = None) -> list[float]:
         """The sync check: per generator replica, the largest |generator - learner| logprob
-        of its probe tokens, both at `expected_version` (Learner.sync_gap)."""
-        _check_version(self.learner, expected_version, "the sync check")
-        return [self.learner.sync_gap(part) for part in parts]
+        of its probe tokens, both at `expected_version` (Learner.sync_gap); `weights`: that
+        version's adapter, older than the learner's."""
+        if weights is None:
+            _check_version(self.learner, expected_version, "the sync check")
+        elif expected_version >= self.learner.version:
+            raise RuntimeError(f"the learner is at version {self.learner.version}: the sync check of version "
+                                    f"{expected_version} takes its own weights, not older ones")
+        return [self.learner.sync_gap(part, weights) for part in parts]
 
     def version(self) -> int:
         return self.learner.version

@@ -174,27 +174,34 @@ class Roles:
         gens = self.generators if generators is None else generators
         return ray.get([g.load_adapter.remote(version, weights, restore, retire_below) for g in gens])
 
-    def sync_gaps(self, probe_ids: list[list[int]], version: int) -> list[float]:
-        """The sync check: every replica samples the probe prompts with the version it just
-        loaded; rank 0's learner, at the same version, recomputes their logprobs. Per
-        replica, the largest gap (the probe rollouts go replica -> learner by reference)."""
-        parts = [g.probe.remote(probe_ids, expected_version=version) for g in self.generators]
-        return ray.get(self.learner.sync_gaps.remote(*parts, expected_version=version))
+    def sync_gaps(self, probe_ids: list[list[int]], version: int, weights=None,
+                  generators: Optional[list[ActorHandle]] = None) -> list[float]:
+        """The sync check: every replica (or the given ones) samples the probe prompts with
+        `version`; rank 0's learner, at the same version, recomputes their logprobs (`weights`:
+        the object store entry of `version`'s adapter when it is older than the learner's).
+        Per replica, the largest gap (the probe rollouts go replica -> learner by reference)."""
+        gens = self.generators if generators is None else generators
+        parts = [g.probe.remote(probe_ids, expected_version=version) for g in gens]
+        return ray.get(self.learner.sync_gaps.remote(*parts, expected_version=version, weights=weights))
 
     def generator_versions(self) -> list[list[int]]:
         """The adapter versions each replica holds (ascending)."""
         return ray.get([g.versions.remote() for g in self.generators])
 
-    def bring_generators_to(self, weights: dict[int, Any]) -> None:
+    def bring_generators_to(self, weights: dict[int, Any]) -> dict[int, list[int]]:
         """Give every generator the adapter versions `weights` names ({version: object store
         entry}) that it does not hold (a restarted one holds the base model only), oldest first,
         so the newest is the one it samples with by default (merged sync holds one version:
-        name one)."""
+        name one). Returns {version: the replicas (indices) that loaded it}."""
         held = self.generator_versions()
+        loaded = {}
         for version in sorted(weights):
-            missing = [g for g, h in zip(self.generators, held) if version not in h]
+            missing = [i for i, h in enumerate(held) if version not in h]
             if missing:
-                self.load_adapter(version, weights[version], restore=True, generators=missing)
+                self.load_adapter(version, weights[version], restore=True,
+                                  generators=[self.generators[i] for i in missing])
+                loaded[version] = missing
+        return loaded
 
     @staticmethod
     def intact(generation: Optional[Generation]) -> bool:

@@ -379,12 +379,52 @@ class PPOTrainer:
             if self.roles.intact(rollouts.generation):
                 continue
             if self.config.lora_sync_mode == "merged":
-                self.roles.bring_generators_to({rollouts.version: self._weights[rollouts.version]})
+                self._bring_generators_to({rollouts.version: self._weights[rollouts.version]})
             else:
-                self.roles.bring_generators_to(self._needed())
+                self._bring_generators_to(self._needed())
             self._submit(rollouts)
         if hold:
-            self.roles.bring_generators_to(self._needed())  # queued behind those generations
+            self._bring_generators_to(self._needed())  # queued behind those generations
+
+    def _bring_generators_to(self, weights: dict) -> None:
+        """Roles.bring_generators_to, then the sync check of every version it loaded, on the
+        replicas that loaded it, before they sample with it (_check_loaded)."""
+        for version, replicas in sorted(self.roles.bring_generators_to(weights).items()):
+            self._check_loaded(version, replicas)
+
+    def _check_loaded(self, version: int, replicas: list[int]) -> None:
+        """The sync check of `version` loaded again into generator `replicas` (a restarted
+        replica, a resume): older than the learner's version (one a batch in flight needs), the
+        learner scores the probe with that version's adapter, which the driver holds
+        (Learner.sync_gap). No step is reported for it; a gap over logprob_gap_limit is, by
+        logprob_gap_check, loaded again and checked once more (resync), an error, or a warning.
+        Unsupervised: it runs inside a supervised place's recovery or attempt, whose failure
+        handling covers it."""
+        cfg = self.config
+        if cfg.logprob_gap_check == "off":
+            return
+        gens = [self.roles.generators[i] for i in replicas]
+        weights = None if version == self.version else self._weights[version]
+        for again in (False, True):
+            gaps = self.roles.sync_gaps(self._probe_ids, version, weights=weights, generators=gens)
+            bad = [i for i, g in zip(replicas, gaps) if g > cfg.logprob_gap_limit]
+            if not bad:
+                return
+            self.metrics.record_logprob_gap(cfg.lora_sync_mode)
+            message = (f"after step {self.step}: generator replica(s) {bad}, given adapter version {version} again, "
+                       f"compute logprobs up to {max(gaps):.3g} nats away from the learner's with that version "
+                       f"(logprob_gap_tolerance {cfg.logprob_gap_limit:g} for {cfg.dtype}, "
+                       f"lora_sync={cfg.lora_sync_mode}): the load did not deliver it")
+            if cfg.logprob_gap_check == "warn":
+                log.warning(message)
+                return
+            if cfg.logprob_gap_check == "error" or again:
+                raise LogprobGapError(message + ("; it persists after loading it again" if again else ""))
+            log.warning("%s; loading it again", message)
+            self._resyncs += 1
+            gens = [self.roles.generators[i] for i in bad]
+            replicas = bad
+            self.roles.load_adapter(version, self._weights[version], restore=True, generators=gens)
 
     def _sync_generators(self, version: int) -> list[SyncReport]:
         """The committed LoRA goes from the learner's object store entry to every replica; a
@@ -614,6 +654,9 @@ class PPOTrainer:
             self.roles.load_adapter(oldest, self._weights[oldest], restore=True, retire_below=oldest)
             if len(self._needed()) > 1:
                 self.roles.bring_generators_to(self._needed())
+            every = list(range(len(self.roles.generators)))
+            for held in sorted(self._needed())[:-1]:  # the batches in flight's (the newest: _check_sync)
+                self._check_loaded(held, every)
             return version
 
         self.supervisor.run(load, where="restore", step=int(state["step"]), recover=self.roles.wait_for_actors)
@@ -673,7 +716,7 @@ class PPOTrainer:
         committed version (a restarted one is on the base model)."""
         self.roles.wait_for_actors()
         self._restore_learners()
-        self.roles.bring_generators_to(self._needed())
+        self._bring_generators_to(self._needed())
 
     def _restore_learners(self, best_effort: bool = False) -> None:
         """Every learner back to the committed state. best_effort: on the way out of a failed

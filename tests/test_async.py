@@ -19,7 +19,7 @@ import json
 import pytest
 import ray
 
-from fault_injection import Fault
+from fault_injection import Fault, arm_bad_sync
 from ppo_ray.data import bundled_prompts
 from test_faults import EVERY, STEPS, _assert_same, _run
 
@@ -82,6 +82,45 @@ def test_a_resume_with_batches_in_flight_equals_the_straight_run(async_run, tmp_
         assert g["stale_versions"] == w["stale_versions"]
         for key in ("reward_mean", "kl", "policy_loss", "value_loss", "first_minibatch_ratio_mean"):
             assert abs(g[key] - w[key]) <= 1e-5 * (1 + abs(w[key])), (g["step"], key, g[key], w[key])
+
+
+def test_a_resume_checks_each_older_version_it_loads_again(async_run, tmp_path, caplog):
+    """A resume gives every replica the versions of the batches in flight again (behaviour/),
+    and each gets the sync check before it samples: the learner scores the probe with that
+    version's adapter and takes its own back. generator-1's first load (the oldest version) is
+    made a bad one (a LoRA B matrix nudged): under logprob_gap_check error the resume stops
+    naming the replica and the version; under resync the check loads it again, and the resumed
+    step samples what the straight run sampled."""
+    import logging
+    import re
+    import shutil
+
+    from ppo_ray.trainer import LogprobGapError
+
+    trainer, _, straight, run_dir = async_run
+    shutil.copytree(run_dir, tmp_path / "run")
+    ckpt = tmp_path / "run" / "checkpoints" / f"step-{EVERY:06d}"
+    oldest = json.loads((ckpt / "trainer.json").read_text())["behaviour_versions"][0]
+    named = f"generator replica(s) [1], given adapter version {oldest} again"
+    assert trainer.config.logprob_gap_check == "error"
+    arm_bad_sync(trainer.roles, "generator-1", "perturbed")
+    with pytest.raises(LogprobGapError, match=re.escape(named)):
+        trainer.restore(ckpt)
+    base = trainer.config
+    trainer.config = base.replace(logprob_gap_check="resync")
+    try:
+        arm_bad_sync(trainer.roles, "generator-1", "perturbed")
+        with caplog.at_level(logging.WARNING, logger="ppo_ray.trainer"):
+            trainer.restore(ckpt)
+        assert named in caplog.text, caplog.text
+        assert "loading it again" in caplog.text and "persists" not in caplog.text
+        (step,) = trainer.train(bundled_prompts(), steps=1, progress=False)
+    finally:
+        trainer.config = base
+    want = straight.history[EVERY]
+    assert step.generated_texts == want.generated_texts
+    for key in ("kl", "policy_loss", "first_minibatch_ratio_mean"):  # the learner's own weights came back
+        assert abs(step[key] - want[key]) <= 1e-5 * (1 + abs(want[key])), (key, step[key], want[key])
 
 
 @pytest.mark.parametrize("role,phase,when,offset", [

@@ -547,6 +547,23 @@ def test_first_ratio_is_one_with_the_models_attention_dropout(attention_dropout_
             assert gap < tol, f"step {step + 1}: first minibatch ratio {stats.first_minibatch_ratio_mean!r}"
 
 
+def test_the_sync_gap_of_an_older_version_uses_its_weights_and_gives_the_learners_back(tiny_path, special):
+    """The sync check of a version loaded again into a restarted replica (ppo_ray.trainer's
+    _check_loaded): the learner, a version further on, scores the probe with the older adapter
+    (the gap is 0 against that version's own logprobs, and not against its own), then holds its
+    own weights again, bit for bit."""
+    learner = Learner(make_config(), tiny_path)
+    batch, ref, scores = rollout_inputs(learner, random_batch(special))
+    full = learner.rollout_scores(batch, full=True).full_logprobs.cpu()
+    probe = replace(batch, gen_logprobs=full)  # what a replica holding version 0 would sample and report
+    v0 = learner.lora_weights()
+    learner.update(batch, ref, scores)
+    v1 = learner.lora_weights().tensors
+    assert learner.sync_gap(probe) > 1e-3  # the learner has moved on
+    assert learner.sync_gap(probe, v0) == 0.0  # the same forward with version 0's tensors
+    assert all(torch.equal(t, v1[k]) for k, t in learner.lora_weights().tensors.items())
+
+
 def test_stale_version_is_an_error_naming_both_versions(tiny_path, special):
     learner = Learner(make_config(), tiny_path)
     batch, ref, scores = rollout_inputs(learner, random_batch(special))
