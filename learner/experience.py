@@ -60,8 +60,8 @@ def score_tensors(scores: RolloutScores) -> list[Optional[Tensor]]:
 @torch.no_grad()
 def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tensor, scores: Tensor, *, config,
                     kl_coef: float, estimator: AdvantageEstimator, stale: int, recomputed: bool,
-                    rows_kept: Tensor, value_pass: Optional[Callable[[ReturnsOf], Tensor]] = None
-                    ) -> tuple[Experience, dict[str, Tensor]]:
+                    rows_kept: Tensor, value_pass: Optional[Callable[[ReturnsOf], Tensor]] = None,
+                    gap_limit: float = math.inf) -> tuple[Experience, dict[str, Tensor]]:
     """Steps 3, 5 and 7-9 on one device (batch, fwd, ref_logprobs (B, T) and scores (B,) all on it).
 
     Args:
@@ -168,6 +168,7 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
         "shaped_reward_mean": masked_mean(reward_sums, rows_kept),
         "advantage_mean": raw_advantage_mean,
         "gen_logprob_max_abs_diff": gen_diff.amax(),
+        "gen_logprob_gap_tokens": (gen_diff > gap_limit).sum().float() if gen_diff.dim() else gen_diff,
         "truncated_tokens": (mask & ~finite_old).sum(),
         "behaviour_logprob_gap": behaviour_gap,
         **mismatch,

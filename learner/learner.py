@@ -527,8 +527,8 @@ class Learner:
 
     # ------------------------------------------------------------------ the update
     def update(self, batch: RolloutBatch, ref_logprobs: Tensor, scores: Tensor,
-               max_staleness: Optional[int] = None,
-               planned_steps: Optional[int] = None) -> tuple[LearnerStats, Optional[LoraWeights]]:
+               max_staleness: Optional[int] = None, planned_steps: Optional[int] = None,
+               gap_limit: Optional[float] = None) -> tuple[LearnerStats, Optional[LoraWeights]]:
         """One PPO update on one step's rollouts.
 
         Args:
@@ -540,6 +540,9 @@ class Learner:
                 says; None = config.max_staleness).
             planned_steps: the run's planned total of PPO steps, where the learning-rate
                 schedule ends (the driver says; None = as planned so far, config.steps at first).
+            gap_limit: the rollout check's logprob_gap_limit, over which a sampled token's
+                generator-learner gap is counted (gen_logprob_gap_tokens; the driver says, as
+                its config may change; None = none counted).
 
         Returns:
             (stats, lora_weights): the step's LearnerStats (ppo_ray/stats.py: the PPO
@@ -606,7 +609,8 @@ class Learner:
             experience, rollout_stats = make_experience(
                 batch, fwd, ref_logprobs, scores, config=cfg, kl_coef=self.kl_coef, estimator=self.estimator,
                 stale=stale, recomputed=recompute, rows_kept=rows_kept,
-                value_pass=value_pass if values_in_update else None)
+                value_pass=value_pass if values_in_update else None,
+                gap_limit=math.inf if gap_limit is None else gap_limit)
         if self.experience_hook is not None:
             self.experience_hook(experience)
         buffer = ExperienceBuffer(experience, cfg.effective_mini_batch_size, cfg.micro_batch_size, plan,

@@ -480,14 +480,14 @@ class LearnerHost(_Host):
 
     @ray.method(num_returns=3)
     def update(self, ref_logprobs, scores, *parts: RolloutBatch, expected_version: int | None = None,
-               max_staleness: int | None = None, planned_steps: int | None = None):
+               max_staleness: int | None = None, planned_steps: int | None = None, gap_limit: float | None = None):
         """(stats, new LoRA weights, learner state after the update). The state (LearnerState:
         adapters, value head, both Adam states, RNG; rank 0's only, every member holds the
         same; None from the others) stays in the object store as the driver's copy of the step's commit: a learner
         that dies later is restored from it, with no checkpoint needed."""
         _check_version(self.learner, expected_version, "the update")
         stats, weights = self.learner.update(RolloutBatch.cat(parts), ref_logprobs, scores, max_staleness,
-                                             planned_steps)
+                                             planned_steps, gap_limit=gap_limit)
         value = "" if stats.value_loss is None else f"  value_loss {stats.value_loss:.4f}"
         self.log.info("update to adapter v%d: %d response tokens  policy_loss %+.4f%s  approx_kl %.4f  clipfrac %.3f"
                       "  kl %.4f  %.2f s", stats.version, stats.tokens, stats.policy_loss, value, stats.approx_kl,

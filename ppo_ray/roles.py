@@ -138,13 +138,14 @@ class Roles:
         return self.reward.score.remote(*parts)
 
     def update(self, ref_logprobs, scores, parts: list, expected_version: int, max_staleness: int,
-               planned_steps: int) -> Update:
+               planned_steps: int, gap_limit: Optional[float] = None) -> Update:
         """The learner's steps on every learner, not waited for (its old logprobs when it
         recomputes step 2's, KL_t of step 3 with the reference's logprobs, and steps 5-11):
         each gets the same refs and takes its own shard of the rows."""
         return Update([UpdateCall(*learner.update.remote(ref_logprobs, scores, *parts,
                                                          expected_version=expected_version,
-                                                         max_staleness=max_staleness, planned_steps=planned_steps))
+                                                         max_staleness=max_staleness, planned_steps=planned_steps,
+                                                         gap_limit=gap_limit))
                        for learner in self.learners])
 
     def learner_stats(self, update: Update) -> LearnerStats:

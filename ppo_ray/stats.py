@@ -133,6 +133,7 @@ class LearnerStats:
     # checks
     gen_logprob_max_abs_diff: float  # generator vs learner logprob of the sampled tokens (NaN: stale rollouts)
     truncated_tokens: float          # sampled tokens outside the learner's top-k/top-p support
+    gen_logprob_gap_tokens: float    # sampled tokens whose generator-learner gap is over logprob_gap_limit (NaN: stale)
     behaviour_logprob_gap: float     # mean |learner - behaviour| logprob (overlap mode's distance)
     mismatch_outside_frac: float     # tokens whose pi_learner / pi_generator is outside [0.9, 1.1] (NaN: not measured)
     mismatch_log_ratio_abs: float    # mean |log pi_learner - log pi_generator| (NaN: not measured)

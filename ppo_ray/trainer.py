@@ -304,7 +304,7 @@ class PPOTrainer:
         # 5-11 in the learner, with its old logprobs (step 2) and KL_t (step 3): values, rewards, GAE, PPO.
         limit = self.config.max_staleness
         update = roles.update(ref_logprobs, scores, parts, expected_version=self.version, max_staleness=limit,
-                              planned_steps=self.planned_steps)
+                              planned_steps=self.planned_steps, gap_limit=self.config.logprob_gap_limit)
         self._fill(current)  # max_staleness: the next steps generate while the learner trains
         queue_depth = len(self._inflight)
 
@@ -523,8 +523,8 @@ class PPOTrainer:
     def _check_logprob_gap(self, stats: LearnerStats) -> None:
         """The generator and the learner must give a sampled token the same logprob at the
         same version (stale rollouts in overlap mode report NaN: another policy by design).
-        Without is_correction the largest gap of one token is held to logprob_gap_tolerance.
-        With it, the share of tokens whose ratio is outside the correction's band
+        Without is_correction the largest gap of one token is held to logprob_gap_tolerance
+        (under top_p < 1, plus log(1 / top_p) for the few tokens at the nucleus's edge). With it, the share of tokens whose ratio is outside the correction's band
         [1/is_cap, is_cap] (is_outside_frac) is held to logprob_gap_outside_tolerance: the
         correction absorbs a mismatch that moves a few tokens far, and the largest gap of one
         token grows with the number of tokens (long bfloat16 responses). A lost or corrupted
@@ -537,16 +537,25 @@ class PPOTrainer:
         gap = stats.gen_logprob_max_abs_diff
         if cfg.logprob_gap_check == "off" or not math.isfinite(gap):
             return
-        dropped = stats.truncated_tokens / max(stats.tokens, 1.0)
+        outside = stats.truncated_tokens
         if cfg.is_correction == "none":
-            close = gap <= cfg.logprob_gap_limit
-            how = f"by up to {gap:.3g} nats (logprob_gap_tolerance {cfg.logprob_gap_limit:g} for {cfg.dtype})"
+            # Under top_p < 1, where the cumulative probability meets top_p within rounding the
+            # learner and vLLM can keep nuclei that differ by one edge token: the sampled token's
+            # logprob is then renormalised over masses that differ by that token's, at most
+            # log(1 / top_p) more. Such tokens count with the ones outside the learner's support.
+            edge = -math.log(cfg.top_p) if cfg.top_p < 1 else 0.0
+            close = gap <= cfg.logprob_gap_limit + edge
+            if edge:
+                outside += stats.gen_logprob_gap_tokens
+            how = (f"by up to {gap:.3g} nats (logprob_gap_tolerance {cfg.logprob_gap_limit:g} for {cfg.dtype}"
+                   + (f", plus up to {edge:.3g} at the top_p edge on at most {TRUNCATED_TOKENS_LIMIT:.0%} of the "
+                      f"tokens: {stats.gen_logprob_gap_tokens:.0f} over the tolerance)" if edge else ")"))
         else:
             close = stats.is_outside_frac <= cfg.logprob_gap_outside_tolerance
             how = (f"by more than a factor is_cap {cfg.is_cap:g} on {stats.is_outside_frac:.1%} of its tokens "
                    f"(is_correction {cfg.is_correction}: logprob_gap_outside_tolerance "
                    f"{cfg.logprob_gap_outside_tolerance:.1%}; largest gap {gap:.3g} nats)")
-        if close and dropped <= TRUNCATED_TOKENS_LIMIT:
+        if close and outside / max(stats.tokens, 1.0) <= TRUNCATED_TOKENS_LIMIT:
             return
         message = (f"step {self.step + 1}: the generator's logprobs of its own samples differ from the learner's "
                    f"at the same adapter version {self.version} {how}, and {stats.truncated_tokens:.0f} of its "

@@ -30,7 +30,7 @@ STAT_KEYS = {
     "policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "ratio_mean",
     "first_minibatch_ratio_mean", "vf_clipfrac", "explained_variance", "kl", "kl_per_token",
     "score_mean", "shaped_reward_mean", "advantage_mean", "return_mean", "value_mean",
-    "policy_grad_norm", "value_grad_norm", "gen_logprob_max_abs_diff", "truncated_tokens",
+    "policy_grad_norm", "value_grad_norm", "gen_logprob_max_abs_diff", "truncated_tokens", "gen_logprob_gap_tokens",
     "dropped_samples", "tokens", "learner_forward_s", "update_s", "version", "outside_support_frac",
     "behaviour_logprob_gap", "stale_versions", "padded_token_ratio", "kl_coef", "learning_rate",
     "learner_peak_memory_gib", "mismatch_outside_frac", "mismatch_log_ratio_abs", "learner_flops",
@@ -278,7 +278,7 @@ def test_update_runs_and_changes_only_lora(tiny_path, special):
     assert stats.learner_flops == flops["learner_forward"] + flops["update"] > 0
     if not cuda:
         assert stats.learner_peak_flops_per_s > 0
-    assert stats.truncated_tokens == 0
+    assert stats.truncated_tokens == 0 and stats.gen_logprob_gap_tokens == 0
     # the generator's logprobs (here the learner's own, from logprobs()) vs the update's pass
     assert stats.gen_logprob_max_abs_diff < logprob_tol(batch.gen_logprobs, batch.response_mask)
     assert stats.kl != 0.0
