@@ -89,6 +89,8 @@ def assert_same(got: Any, want: Any, what: str = "", derived: dict[str, tuple[An
     AssertionError otherwise. `derived` ({name: (got, want)}): values that follow from the
     floats (a checkpoint's file hashes): a difference there is in the last digits when the
     floats differ that way, and a plain failure when they are equal."""
+    import torch
+
     diffs = list(_leaves(got, want, "run"))
     extra = [(name, a, b) for name, (a, b) in (derived or {}).items() if a != b]
     if not diffs and not extra:
@@ -96,8 +98,6 @@ def assert_same(got: Any, want: Any, what: str = "", derived: dict[str, tuple[An
     lines = []
     for path, a, b in diffs + extra:
         gap = ""
-        import torch
-
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.is_floating_point():
             gap = f" (up to {(a.double() - b.double()).abs().max().item():.3g})"
         lines.append(f"{path}: {_show(a)} vs {_show(b)}{gap}")
