@@ -526,8 +526,9 @@ class PPOTrainer:
         Without is_correction the largest gap of one token is held to logprob_gap_tolerance
         (under top_p < 1, plus log(1 / top_p) for the few tokens at the nucleus's edge). With
         it, the share of tokens whose ratio is outside the correction's band [1/is_cap, is_cap]
-        (is_outside_frac) is held to logprob_gap_outside_tolerance: the correction absorbs a mismatch that moves a few tokens far, and the largest gap of one
-        token grows with the number of tokens (long bfloat16 responses). A lost or corrupted
+        (is_outside_frac) is held to logprob_gap_outside_tolerance: the correction absorbs a
+        mismatch that moves a few tokens far, and the largest gap of one token grows with the
+        number of tokens (long bfloat16 responses). A lost or corrupted
         sync is still caught by the sync check's probe (_check_sync), whose rule is the
         largest gap whatever is_correction is.
         A sampled token that the learner's top-k/top-p truncation drops has no logprob to
