@@ -14,6 +14,9 @@ Plain class, no Ray: ppo_ray.placement hosts it in a Ray actor.
 - Scores are summed with weights (reward model first, then functions, in config order).
 - missing_eos_penalty (N+ / TRL): a response cut at max_new_tokens without EOS gets that
   score instead of the model's.
+- overlong_buffer (DAPO's soft overlong punishment): a response longer than
+  max_new_tokens - overlong_buffer tokens gets a penalty added, linear to -overlong_penalty at
+  max_new_tokens; its mean is the source "overlong_penalty".
 - A non-finite score is an error naming the source and the prompt index, or, with
   nonfinite="drop", the sample's score becomes NaN, which the learner masks out and counts.
 """
@@ -34,6 +37,15 @@ from ppo_ray.rewards import RewardError, RewardFn, check_reward_sources
 from ppo_ray.stats import RewardStats
 
 
+def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, factor: float) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), (B,) float32 from (B,) response
+    lengths in tokens: 0 up to max_new_tokens - buffer, then -(length - (max_new_tokens -
+    buffer)) / buffer * factor, -factor at max_new_tokens (verl's overlong_reward in
+    verl/workers/reward_manager/dapo.py: min(-exceed_len / buffer_len * penalty_factor, 0))."""
+    exceed = lengths.float() - (max_new_tokens - buffer)
+    return torch.clamp(-exceed / buffer * factor, max=0.0)
+
+
 class RewardScorer:
     # The config fields from_config reads (and log_level, scorer_torch_threads: its actor
     # host's): the reward actor gets only these (PPOConfig.slice).
@@ -42,12 +54,16 @@ class RewardScorer:
     def __init__(self, reward_model_name: Optional[str] = None, reward_funcs: Sequence[str] = (),
                  weights: Sequence[float] = (), *, missing_eos_penalty: Optional[float] = None,
                  nonfinite: str = "error", dtype: str = "float32", micro_batch_size: int = 8,
-                 device: Optional[str] = None):
+                 device: Optional[str] = None, max_new_tokens: int = 0, overlong_buffer: int = 0,
+                 overlong_penalty: float = 1.0):
         self.funcs = check_reward_sources(reward_model_name, reward_funcs, weights)
         self.device = pick_device(device)  # the GPU Ray gave this actor (scorer_num_gpus), else the CPU
         self.model = load_reward_model(reward_model_name, dtype).to(self.device) if reward_model_name else None
         self.weights = list(weights) if weights else [1.0] * (len(self.funcs) + (self.model is not None))
         self.missing_eos_penalty = missing_eos_penalty
+        if overlong_buffer and not 0 < overlong_buffer < max_new_tokens:
+            raise ValueError(f"overlong_buffer {overlong_buffer} must be in (0, max_new_tokens={max_new_tokens})")
+        self.max_new_tokens, self.overlong_buffer, self.overlong_penalty = max_new_tokens, overlong_buffer, overlong_penalty
         self.nonfinite = nonfinite
         self.micro_batch_size = micro_batch_size
 
@@ -58,7 +74,8 @@ class RewardScorer:
         functions only) and cfg's reward functions, as `cfg` sets it up."""
         return cls(reward_model_dir, cfg.reward_funcs, cfg.reward_weights, missing_eos_penalty=cfg.missing_eos_penalty,
                    nonfinite=cfg.nonfinite_reward, dtype=cfg.dtype, micro_batch_size=cfg.micro_batch_size,
-                   device=device)
+                   device=device, max_new_tokens=cfg.max_new_tokens, overlong_buffer=cfg.overlong_buffer,
+                   overlong_penalty=cfg.overlong_penalty)
 
     def model_scores(self, batch: RolloutBatch) -> Tensor:
         """(B,) float32 reward-model scores at the last real token."""
@@ -98,6 +115,11 @@ class RewardScorer:
             means[name] = float(finite.mean()) if len(finite) else math.nan
         if self.missing_eos_penalty is not None:
             total = torch.where(batch.has_eos, total, torch.full_like(total, self.missing_eos_penalty))
+        if self.overlong_buffer:
+            penalty = overlong_penalty(batch.response_lengths, self.max_new_tokens, self.overlong_buffer,
+                                       self.overlong_penalty)
+            total = total + penalty
+            means["overlong_penalty"] = float(penalty.mean())
         dropped = float((~torch.isfinite(total)).sum())
         total = torch.where(torch.isfinite(total), total, torch.full_like(total, math.nan))
         return total, RewardStats(means, dropped, seconds=time.perf_counter() - t0)

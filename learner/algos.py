@@ -61,7 +61,7 @@ Tensor = torch.Tensor
 # takes its fields' choices from here and from the registries below):
 KL_KINDS = ("k1", "k2", "k3")                           # kl_penalty; config kl_estimator
 REWARD_MODES = ("last_token", "every_token")            # shape_rewards; config reward_shaping
-LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean")  # agg_loss; config loss_agg
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")  # agg_loss; loss_agg
 IS_CORRECTIONS = ("none", "tis", "mis")                 # importance_weights; config is_correction
 IS_LEVELS = ("token", "sequence")                       # importance_weights; config is_level
 
@@ -238,21 +238,31 @@ def agg_loss(
     mask: Tensor,
     mode: str = "token_mean",
     normalizer: float | Tensor | None = None,
+    norm_tokens: int | None = None,
 ) -> Tensor:
     """Aggregate a per-token loss ``(B, T)`` into a scalar.
 
-    Modes:
+    Modes (verl's ``agg_loss`` names them with hyphens: verl/trainer/ppo/core_algos.py):
         ``"token_mean"``: mean over all real tokens of the batch (every token weighs the
-        same, long responses weigh more) -- [N+]/[TRL]. With ``normalizer``: sum over
-        real tokens / normalizer.
+        same, long responses weigh more) -- [N+]/[TRL], DAPO's token-level loss. With
+        ``normalizer``: sum over real tokens / normalizer.
         ``"seq_mean_token_mean"``: per-row mean over its real tokens, then mean over rows
-        that have at least one real token (every response weighs the same). With
-        ``normalizer``: sum of those row means / normalizer.
+        that have at least one real token (every response weighs the same: GRPO's
+        1/|o_i|). With ``normalizer``: sum of those row means / normalizer.
+        ``"seq_mean_token_sum"``: per-row sum over its real tokens, then mean over rows
+        that have at least one real token (a response weighs by its length, the batch by
+        its rows). With ``normalizer``: sum of those row sums / normalizer.
+        ``"token_sum_norm"``: sum over all real tokens / (B * ``norm_tokens``), a constant
+        per row (Dr. GRPO, Liu et al. 2025: the generation budget; TRL's ``dr_grpo``
+        divides by rows x max_completion_length; verl's seq-mean-token-sum-norm by the
+        padded length alone). ``norm_tokens`` is required without ``normalizer``. With
+        ``normalizer``: sum over real tokens / normalizer.
 
     ``normalizer`` (float or 0-dim tensor, > 0) is for gradient accumulation over
-    micro-batches / data-parallel shards: pass the total number of real tokens (or of
-    non-empty rows for ``seq_mean_token_mean``) in the full batch, and the sum of the
-    micro-batch losses equals the full-batch loss (value and gradient).
+    micro-batches / data-parallel shards: pass the full batch's total: its real tokens
+    (token_mean), its non-empty rows (seq_mean_*), or its rows x norm_tokens
+    (token_sum_norm), and the sum of the micro-batch losses equals the full-batch loss
+    (value and gradient).
 
     Args:
         loss_mat: ``(B, T)`` per-token loss.
@@ -274,6 +284,21 @@ def agg_loss(
             return masked_mean(row_mean, nonempty)
         zero = torch.zeros((), dtype=row_mean.dtype, device=row_mean.device)
         return torch.where(nonempty, row_mean, zero).sum() / normalizer
+    if mode == "seq_mean_token_sum":
+        zero = torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device)
+        row_sum = torch.where(mask, loss_mat, zero).sum(dim=-1)  # (B,), 0 for empty rows
+        nonempty = mask.any(dim=-1)
+        if normalizer is None:
+            return masked_mean(row_sum, nonempty)
+        return torch.where(nonempty, row_sum, zero).sum() / normalizer
+    if mode == "token_sum_norm":
+        if normalizer is None:
+            if norm_tokens is None or norm_tokens < 1:
+                raise ValueError(f"loss_agg token_sum_norm needs norm_tokens >= 1 (the constant per row), "
+                                 f"got {norm_tokens!r}")
+            normalizer = mask.shape[0] * norm_tokens
+        zero = torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device)
+        return torch.where(mask, loss_mat, zero).sum() / normalizer
     raise ValueError(f"unknown loss_agg mode {mode!r}; valid: {LOSS_AGG_MODES}")
 
 
@@ -694,21 +719,21 @@ GRPO_EPS = 1e-6  # verl's epsilon in compute_grpo_outcome_advantage
 
 
 def _dr_grpo_check(norm_std: bool, *, loss_agg: str) -> Optional[str]:
-    if norm_std or loss_agg == "token_mean":
+    if norm_std or loss_agg != "seq_mean_token_mean":
         return None
-    return (f"false (Dr. GRPO) needs loss_agg: token_mean (got {loss_agg}): Dr. GRPO (Liu et al. 2025) "
-            "removes both of GRPO's biases, the std division and the per-response 1/|o_i| length "
-            "normalisation, which seq_mean_token_mean applies (it favours long responses among those with "
-            "negative advantages); token_mean weighs every token of a minibatch alike (the paper divides by a "
-            "constant, the generation budget; token_mean by the minibatch's token count, the same for all "
-            "its responses)")
+    return (f"false (Dr. GRPO) needs loss_agg: token_sum_norm, token_mean or seq_mean_token_sum (got {loss_agg}): "
+            "Dr. GRPO (Liu et al. 2025) removes both of GRPO's biases, the std division and the per-response "
+            "1/|o_i| length normalisation, which seq_mean_token_mean applies (it favours long responses among "
+            "those with negative advantages); token_sum_norm divides by a constant, the generation budget, as "
+            "the paper does, seq_mean_token_sum by the rows alone, and token_mean by the minibatch's token count, "
+            "the same for all its responses")
 
 
 @register_estimator("grpo", needs_critic=False, needs_groups=True, normalized=True, params=(
     Param("grpo_norm_std", bool, True, "grpo only: divide each group's centred scores by the group's std "
           "(unbiased, + 1e-6; GRPO); false = Dr. GRPO (Liu et al. 2025: centred scores, no std division), which "
-          "also needs loss_agg: token_mean (an error otherwise): Dr. GRPO drops GRPO's per-response 1/|o_i| "
-          "length normalisation too, and seq_mean_token_mean is that normalisation.",
+          "refuses loss_agg: seq_mean_token_mean (token_sum_norm is the paper's constant): Dr. GRPO drops GRPO's "
+          "per-response 1/|o_i| length normalisation too, and seq_mean_token_mean is that normalisation.",
           check=_dr_grpo_check, must_match=True),))
 def grpo_advantages(inputs: AdvantageInputs, *, grpo_norm_std: bool = True) -> Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath, "outcome supervision"): every real token of a

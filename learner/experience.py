@@ -156,8 +156,11 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
         mismatch = {k: gen_diff for k in mismatch}
     is_weights, policy_mask_is = importance_weights(old_logprobs, gen, policy_mask, config.is_correction,
                                                     config.is_cap, config.is_level)
+    loss_mask = policy_mask_is  # the policy loss's tokens
+    if config.overlong_filter:  # DAPO's overlong filtering: responses cut without EOS leave the policy loss
+        loss_mask = policy_mask_is & batch.has_eos.unsqueeze(1)
     experience = Experience(
-        rollouts=batch, mask=mask, policy_mask=policy_mask_is, scores=scores, old_logprobs=old_logprobs,
+        rollouts=batch, mask=mask, policy_mask=loss_mask, scores=scores, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs, kl=kl, rewards=rewards, values=values, advantages=advantages, returns=returns,
         is_weights=is_weights)
     stats = {
@@ -173,6 +176,8 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
         "behaviour_logprob_gap": behaviour_gap,
         **mismatch,
     }
+    if config.overlong_filter:
+        stats["overlong_filtered"] = masked_mean((~batch.has_eos).float(), mask.any(dim=1))
     if config.is_correction == "tis":
         stats["is_weight_mean"] = masked_mean(is_weights, policy_mask)
     elif config.is_correction == "mis":

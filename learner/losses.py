@@ -22,7 +22,9 @@ by its token count and reports the step's means under the fields' names), or Non
 option is off (left out of the step's statistics).
 
 References: [PPO] Schulman et al. 2017, eq. 7; [DualClip] Ye et al. 2020, eq. 5; [GSPO] Zheng et
-al. 2025, "Group Sequence Policy Optimization", eqs. 5-7; [CleanRL] ppo.py (approx_kl, clipfrac).
+al. 2025, "Group Sequence Policy Optimization", eqs. 5-7; [DAPO] Yu et al. 2025, "DAPO: An
+Open-Source LLM Reinforcement Learning System at Scale", eq. 10 (clip-higher); [CISPO] MiniMax
+2025, "MiniMax-M1", eqs. 4-5; [CleanRL] ppo.py (approx_kl, clipfrac).
 """
 
 from __future__ import annotations
@@ -109,7 +111,8 @@ def policy_loss(name: str) -> PolicyLoss:
 
 
 def policy_objective(loss: PolicyLoss, inputs: LossInputs, params: dict, *, loss_agg: str,
-                     normalizer: float | Tensor | None = None, is_weights: Optional[Tensor] = None,
+                     normalizer: float | Tensor | None = None, norm_tokens: Optional[int] = None,
+                     is_weights: Optional[Tensor] = None,
                      kl_coef: float = 0.0, ref_logprobs: Optional[Tensor] = None,
                      entropy: Optional[Tensor] = None, entropy_coef: float = 0.0,
                      entropy_mask: Optional[Tensor] = None, entropy_normalizer: float | Tensor | None = None,
@@ -123,7 +126,8 @@ def policy_objective(loss: PolicyLoss, inputs: LossInputs, params: dict, *, loss
     * ``w`` = ``is_weights`` (``(B, T)``, no grad: TIS's truncated importance weights; None = 1;
       MIS instead leaves the dropped tokens out of ``inputs.mask``);
     * ``agg`` = :func:`learner.algos.agg_loss` over ``inputs.mask`` with ``loss_agg`` and
-      ``normalizer`` (a minibatch's token or row count, for gradient accumulation);
+      ``normalizer`` (a minibatch's token or row count, for gradient accumulation), or
+      ``norm_tokens`` (token_sum_norm's constant per row, without a normalizer);
     * the KL term (``ref_logprobs`` given: ``kl_in_loss``) is GRPO's k3 estimate of
       KL(policy || reference) with gradient through the policy's logprobs, clamped as
       :func:`learner.algos.kl_penalty` k3 is, aggregated like the loss;
@@ -135,15 +139,15 @@ def policy_objective(loss: PolicyLoss, inputs: LossInputs, params: dict, *, loss
     loss_mat, stats = loss.fn(inputs, **params)
     if is_weights is not None:
         loss_mat = loss_mat * is_weights.to(loss_mat.dtype)
-    total = agg_loss(loss_mat, inputs.mask, loss_agg, normalizer)
+    total = agg_loss(loss_mat, inputs.mask, loss_agg, normalizer, norm_tokens)
     kl_loss = None
     if ref_logprobs is not None:
         kl_loss = agg_loss(kl_penalty(inputs.logprobs, ref_logprobs, "k3", mask=inputs.mask), inputs.mask,
-                           loss_agg, normalizer)
+                           loss_agg, normalizer, norm_tokens)
         total = total + kl_coef * kl_loss
         kl_loss = kl_loss.detach()
     if entropy is not None:
-        total = total - entropy_coef * agg_loss(entropy, entropy_mask, loss_agg, entropy_normalizer)
+        total = total - entropy_coef * agg_loss(entropy, entropy_mask, loss_agg, entropy_normalizer, norm_tokens)
     return total, stats, kl_loss
 
 
@@ -176,27 +180,41 @@ class ClipStats(PolicyLossStats):
     dual_clipfrac: Optional[Tensor] = None
 
 
-def _dual_clip_check(c: Optional[float], *, clip_epsilon: float) -> Optional[str]:
+def _dual_clip_check(c: Optional[float], *, clip_epsilon: float, clip_epsilon_high: Optional[float]) -> Optional[str]:
     # Where A < 0 the bound -c * A replaces the PPO-clip loss -A * rho once rho > c: below
-    # 1 + clip_epsilon it would cut the gradient of tokens inside the trust region.
-    if c is None or (math.isfinite(c) and c >= 1 + clip_epsilon):
+    # 1 + the upper clip it would cut the gradient of tokens inside the trust region.
+    high, name = (clip_epsilon, "clip_epsilon") if clip_epsilon_high is None else (clip_epsilon_high, "clip_epsilon_high")
+    if c is None or (math.isfinite(c) and c >= 1 + high):
         return None
-    return (f"must be >= 1 + clip_epsilon = {1 + clip_epsilon:g} or null (null = off): a token with a negative "
-            "advantage and a ratio in (dual_clip, 1 + clip_epsilon], inside the trust region, would lose its "
+    return (f"must be >= 1 + {name} = {1 + high:g} or null (null = off): a token with a negative "
+            f"advantage and a ratio in (dual_clip, 1 + {name}], inside the trust region, would lose its "
             "gradient")
 
 
+def _clip_high_check(eps_high: Optional[float]) -> Optional[str]:
+    return None if eps_high is None or (math.isfinite(eps_high) and eps_high > 0) else "must be > 0 or null"
+
+
 @register_policy_loss("ppo_clip", stats=ClipStats, params=(
+    Param("clip_epsilon_high", Optional[float], None,
+          "ppo_clip only: the upper clip, so the ratio is clipped to [1 - clip_epsilon, 1 + clip_epsilon_high] "
+          "(DAPO's clip-higher, Yu et al. 2025: 0.2 and 0.28; verl's clip_ratio_low / clip_ratio_high): a larger "
+          "upper bound lets an unlikely token with a positive advantage grow further in one step, against the "
+          "entropy collapse of long RL runs. None = clip_epsilon (the symmetric clip).", check=_clip_high_check),
     Param("dual_clip", Optional[float], None,
           "ppo_clip only: dual-clip PPO (Ye et al. 2020): c >= 1 + clip_epsilon bounds each token's policy loss by "
           "-c * A where the advantage A is negative, so a token whose ratio grew far above 1 cannot dominate the "
           "loss (verl's clip_ratio_c defaults to 3); a smaller c would cut the gradient of tokens whose ratio is "
           "inside the trust region (an error). None = off (plain PPO-clip). The dual_clipfrac stat counts the "
           "tokens it bounded.", check=_dual_clip_check),))
-def ppo_clip(inputs: LossInputs, *, dual_clip: Optional[float] = None) -> tuple[Tensor, ClipStats]:
+def ppo_clip(inputs: LossInputs, *, dual_clip: Optional[float] = None,
+             clip_epsilon_high: Optional[float] = None) -> tuple[Tensor, ClipStats]:
     """PPO's clipped surrogate ([PPO] eq. 7) per token, to minimise:
-    ``max(-A * rho, -A * clip(rho, 1 - eps, 1 + eps))`` with ``rho = exp(logp - logp_old)``
-    ([N+], [TRL]). At ``rho = 1`` its gradient w.r.t. ``logp`` is ``-A`` per token (REINFORCE).
+    ``max(-A * rho, -A * clip(rho, 1 - eps, 1 + eps_high))`` with ``rho = exp(logp - logp_old)``
+    ([N+], [TRL]); ``eps_high`` = clip_epsilon_high, or eps when None ([DAPO] eq. 10, clip-higher;
+    verl's compute_policy_loss_vanilla in verl/trainer/ppo/core_algos.py clips the same way with
+    clip_ratio_low / clip_ratio_high). At ``rho = 1`` its gradient w.r.t. ``logp`` is ``-A`` per
+    token (REINFORCE).
 
     dual_clip: c >= 1 + eps, or None. Dual-clip PPO ([DualClip] eq. 5): where ``A < 0`` the
     loss is also bounded by ``-c * A``, so a token whose ratio has grown far above 1 (the new
@@ -205,12 +223,13 @@ def ppo_clip(inputs: LossInputs, *, dual_clip: Optional[float] = None) -> tuple[
     """
     mask = check_mask(inputs.mask)
     logprobs, eps = inputs.logprobs, inputs.clip_epsilon
+    eps_high = eps if clip_epsilon_high is None else clip_epsilon_high
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     logratio = torch.where(mask, logprobs - inputs.old_logprobs, zero)
     ratio = torch.exp(logratio)
     adv = torch.where(mask, inputs.advantages.to(logprobs.dtype), zero)
     unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - eps, 1.0 + eps)
+    clipped = -adv * torch.clamp(ratio, 1.0 - eps, 1.0 + eps_high)
     loss_mat = torch.maximum(unclipped, clipped)
     dual_active = None
     if dual_clip is not None:
@@ -281,3 +300,50 @@ def gspo(inputs: LossInputs, *, gspo_clip_epsilon: float = 4e-4) -> tuple[Tensor
     clipped = -adv * torch.clamp(s, 1.0 - gspo_clip_epsilon, 1.0 + gspo_clip_epsilon)
     loss_mat = torch.maximum(unclipped, clipped)
     return loss_mat, PolicyLossStats(**_ratio_stats(logratio, s, clipped > unclipped, mask))
+
+
+# --------------------------------------------------------------------------------------
+# CISPO: the clipped importance weight, out of the gradient
+# --------------------------------------------------------------------------------------
+
+
+def _cispo_low_check(eps: Optional[float]) -> Optional[str]:
+    return None if eps is None or (math.isfinite(eps) and 0 <= eps <= 1) else "must be in [0, 1] or null"
+
+
+def _cispo_high_check(eps: float) -> Optional[str]:
+    return None if math.isfinite(eps) and eps > 0 else "must be > 0"
+
+
+@register_policy_loss("cispo", params=(
+    Param("cispo_epsilon_high", float, 5.0,
+          "cispo only: the importance weight's upper bound is 1 + this (MiniMax-M1's eps_high; SkyRL's "
+          "cispo_eps_clip_high, default 5). A token whose ratio is above it keeps its gradient, at weight 1 + "
+          "this.", check=_cispo_high_check),
+    Param("cispo_epsilon_low", Optional[float], None,
+          "cispo only: the weight's lower bound is 1 - this; None = no lower bound (MiniMax-M1 sets eps_low large, "
+          "so it never binds).", check=_cispo_low_check),))
+def cispo(inputs: LossInputs, *, cispo_epsilon_high: float = 5.0,
+          cispo_epsilon_low: Optional[float] = None) -> tuple[Tensor, PolicyLossStats]:
+    """CISPO ([CISPO] eqs. 4-5) per token, to minimise: ``-sg(clip(rho, 1 - eps_low, 1 + eps_high)) *
+    A * logp``, REINFORCE weighted by the clipped importance ratio ``rho = exp(logp - logp_old)``
+    under a stop-gradient. Unlike PPO's clip, no token loses its gradient: a clipped one keeps
+    ``-w * A`` at the bound's weight ``w`` (SkyRL's compute_policy_loss_cispo in
+    skyrl_train/utils/ppo_utils.py and verl's in verl/trainer/ppo/core_algos.py compute the
+    same). At ``rho = 1`` the gradient is ``-A`` per token, as PPO's. The loss's value carries
+    ``logp`` and so is not comparable with PPO's. A token outside the support (logprob -inf
+    after an update under top-k / top-p) contributes 0 and no gradient. clipfrac counts the
+    tokens whose weight was clipped, ratio_mean the unclipped ratio's mean.
+    """
+    mask = check_mask(inputs.mask)
+    logprobs = inputs.logprobs
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    live = mask & torch.isfinite(logprobs)
+    logratio = torch.where(mask, logprobs - inputs.old_logprobs, zero)
+    ratio = torch.exp(logratio)
+    low = -math.inf if cispo_epsilon_low is None else 1.0 - cispo_epsilon_low
+    weight = torch.clamp(ratio.detach(), min=low, max=1.0 + cispo_epsilon_high)
+    adv = torch.where(mask, inputs.advantages.to(logprobs.dtype), zero)
+    loss_mat = torch.where(live, -weight * adv * torch.where(live, logprobs, zero), zero)
+    clipped = (ratio > 1.0 + cispo_epsilon_high) | (ratio < low)
+    return loss_mat, PolicyLossStats(**_ratio_stats(logratio, ratio, clipped, mask))

@@ -201,9 +201,15 @@ class PPOOptimiser:
     # ------------------------------------------------------------------ steps 10-11: the epochs
     def normalizer(self, mask: Tensor) -> Tensor:
         """What a minibatch's micro-batch losses are divided by (see learner.algos.agg_loss):
-        its real tokens (token_mean) or its non-empty rows (seq_mean_token_mean)."""
-        if self.config.loss_agg == "seq_mean_token_mean":
+        its real tokens (token_mean), its non-empty rows (seq_mean_token_mean,
+        seq_mean_token_sum) or its rows x the constant per row (token_sum_norm:
+        PPOConfig.loss_agg_norm_tokens)."""
+        agg = self.config.loss_agg
+        if agg in ("seq_mean_token_mean", "seq_mean_token_sum"):
             return mask.any(dim=1).sum().clamp(min=1).float()
+        if agg == "token_sum_norm":
+            n = self.config.loss_agg_tokens or self.config.max_new_tokens
+            return torch.tensor(float(mask.shape[0] * n), device=mask.device)
         return mask.sum().clamp(min=1).float()
 
     def shuffle_generator(self, version: int) -> torch.Generator:

@@ -261,7 +261,7 @@ class PPOConfig:
     """Adam learning rate of the value model (its own optimiser)."""
     batch_size: int = knob(32, ALGORITHM, LEARNER, must_match=True, check=at_least(1))
     """Rollouts per PPO step: batch_size / samples_per_prompt prompts, each sampled samples_per_prompt times (with the default 1, one rollout per prompt)."""
-    max_new_tokens: int = knob(10, GENERATION, GENERATOR, must_match=True, check=at_least(1))
+    max_new_tokens: int = knob(10, GENERATION, GENERATOR, LEARNER, REWARD, must_match=True, check=at_least(1))
     """Maximum response length in tokens."""
     gamma: float = knob(0.99, ALGORITHM, LEARNER, check=within(0, 1))
     """Discount factor in the TD errors and GAE."""
@@ -325,6 +325,12 @@ class PPOConfig:
     """last_token: score on the last real token, -beta*KL on every token; every_token: the seeds' literal r'_t = R - beta*KL_t. grpo, rloo and reinforce_pp take last_token only (they compare the sequence scores and add the per-token KL themselves)."""
     missing_eos_penalty: Optional[float] = knob(None, REWARDS, REWARD)
     """Score that replaces the reward of a response with no EOS (N+ uses -1); None = off."""
+    overlong_buffer: int = knob(0, REWARDS, REWARD, check=at_least(0))
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13; verl's overlong_buffer in verl/workers/reward_manager/dapo.py): a response longer than max_new_tokens - overlong_buffer tokens gets min(0, -(length - (max_new_tokens - overlong_buffer)) / overlong_buffer * overlong_penalty) added to its score, a penalty that grows linearly to -overlong_penalty at max_new_tokens (a response cut there without EOS gets the whole of it, on top of missing_eos_penalty when that is set). Reported as the score/overlong_penalty source. 0 = off; must be < max_new_tokens."""
+    overlong_penalty: float = knob(1.0, REWARDS, REWARD, check=at_least(0))
+    """overlong_buffer's largest penalty (DAPO's and verl's penalty_factor, 1.0)."""
+    overlong_filter: bool = knob(False, ALGORITHM, LEARNER)
+    """DAPO's overlong filtering (Yu et al. 2025, section 3.4; TRL's mask_truncated_completions): responses cut at max_new_tokens without EOS are left out of the policy loss (and of kl_in_loss's term); their scores still count in the group baselines, and the value model still trains on them. The overlong_filtered stat is the share of the step's responses left out."""
     entropy_coef: float = knob(0.0, ALGORITHM, LEARNER)
     """Entropy bonus weight in the policy loss."""
     kl_target: Optional[float] = knob(None, ALGORITHM, LEARNER)
@@ -334,7 +340,9 @@ class PPOConfig:
     lr_scheduler: str = knob("constant", ALGORITHM, LEARNER, choices=("constant", "linear"))
     """Learning-rate schedule of the PPO optimisers (policy and value): constant, or linear (decay to 0 over the run's steps x ppo_epochs x minibatches optimiser steps, the N+ recipe). Saved and restored with checkpoints."""
     loss_agg: str = knob("token_mean", ALGORITHM, LEARNER, choices=LOSS_AGG_MODES)
-    """Loss aggregation: token_mean (the sum over all real tokens of a minibatch / their count: every token weighs the same; verl's token-mean, OpenRLHF's token-level loss) or seq_mean_token_mean (each response's token mean, then the mean over responses: every response weighs the same, original GRPO's 1/|o_i|)."""
+    """Loss aggregation (learner.algos.agg_loss; verl's loss_agg_mode): token_mean (the sum over all real tokens of a minibatch / their count: every token weighs the same; verl's token-mean, OpenRLHF's token-level loss, DAPO's), seq_mean_token_mean (each response's token mean, then the mean over responses: every response weighs the same, original GRPO's 1/|o_i|), seq_mean_token_sum (each response's token sum, then the mean over responses: the loss grows with the responses' length) or token_sum_norm (the sum over all real tokens / (rows x loss_agg_tokens), a constant: Dr. GRPO's, TRL's dr_grpo; the step size no longer depends on the lengths the policy happens to write). The value loss and the entropy bonus aggregate the same way."""
+    loss_agg_tokens: Optional[int] = knob(None, ALGORITHM, LEARNER, check=at_least(1, null="max_new_tokens"))
+    """loss_agg token_sum_norm only: its constant tokens per row; None = max_new_tokens (the generation budget, as Dr. GRPO and TRL divide)."""
     kl_in_loss: bool = knob(False, ALGORITHM, LEARNER)
     """Put the KL to the reference in the policy loss instead of the reward (as GRPO does): the rewards are the scores alone, and the loss adds kl_coef times the k3 estimate of KL(policy || reference) of the tokens being trained (with gradient), aggregated like the policy loss; the kl_loss stat reports it. k3 is clamped per token as verl's low_var_kl clamps it (log(pi_ref / pi) to [-20, 20], then k3 to at most 10; OpenRLHF clamps its k3 to 10 too), so one token the reference finds far likelier than the policy cannot dominate the step (unclamped, a log ratio of 25 gives 7.2e10); a clamped token gets no gradient from the KL. Needs untruncated sampling (top_k 0, top_p 1): the loss's policy logprobs are the sampling distribution's and the reference's are the full softmax's. Off = the seeds' KL penalty in the reward (kl_estimator)."""
     is_correction: str = knob("none", ALGORITHM, LEARNER, choices=IS_CORRECTIONS)
@@ -575,6 +583,8 @@ class PPOConfig:
         need(self.logprob_chunk_size >= 0, "logprob_chunk_size", "must be >= 0 (0 = all positions at once)")
         need(self.missing_eos_penalty is None or math.isfinite(self.missing_eos_penalty), "missing_eos_penalty",
              "must be finite or null")
+        need(self.overlong_buffer < self.max_new_tokens, "overlong_buffer",
+             f"must be < max_new_tokens={self.max_new_tokens} (the punishment starts overlong_buffer tokens before it)")
         need(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
         need(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
         need(math.isfinite(self.checkpoint_every_minutes) and self.checkpoint_every_minutes >= 0,

@@ -140,6 +140,7 @@ class LearnerStats:
     is_weight_mean: Optional[float] = None  # is_correction tis: the mean importance weight
     is_masked_frac: Optional[float] = None  # is_correction mis: tokens dropped from the policy loss
     is_outside_frac: Optional[float] = None  # is_correction: tokens whose own ratio is outside [1/is_cap, is_cap]
+    overlong_filtered: Optional[float] = None  # overlong_filter: share of responses (no EOS) left out of the policy loss
     dropped_samples: float           # non-finite scores dropped (nonfinite_reward: drop)
     # counts, settings and seconds
     tokens: float                    # real response tokens

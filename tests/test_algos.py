@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from learner.algos import (
+    LOSS_AGG_MODES,
     agg_loss,
     compute_gae_advantages,
     compute_returns,
@@ -181,6 +182,12 @@ def test_agg_loss_modes():
     assert agg_loss(loss_mat, m, "seq_mean_token_mean").item() == pytest.approx((2.0 + 10.0) / 2)
     assert agg_loss(loss_mat, m, "token_mean", normalizer=8).item() == pytest.approx(2.0)
     assert agg_loss(loss_mat, m, "seq_mean_token_mean", normalizer=4.0).item() == pytest.approx(3.0)
+    assert agg_loss(loss_mat, m, "seq_mean_token_sum").item() == pytest.approx((6.0 + 10.0) / 2)
+    assert agg_loss(loss_mat, m, "seq_mean_token_sum", normalizer=4.0).item() == pytest.approx(4.0)
+    assert agg_loss(loss_mat, m, "token_sum_norm", norm_tokens=4).item() == pytest.approx(16.0 / (3 * 4))
+    assert agg_loss(loss_mat, m, "token_sum_norm", normalizer=32).item() == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="token_sum_norm needs norm_tokens >= 1"):
+        agg_loss(loss_mat, m, "token_sum_norm")
     with pytest.raises(ValueError, match="bogus"):
         agg_loss(loss_mat, m, "bogus")
 
@@ -478,7 +485,7 @@ def test_explained_variance():
 
 
 @pytest.mark.equality
-@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("loss_agg", LOSS_AGG_MODES)
 def test_normalizer_micro_batches_equal_full_batch(loss_agg):
     """Three micro-batches with the full batch's normalizer sum to the full batch's loss and
     gradients (float64: the rounding of a sum over the batch's tokens)."""
@@ -503,8 +510,9 @@ def test_normalizer_micro_batches_equal_full_batch(loss_agg):
             total = total + (pl + vl).item()
         return total, logp.grad, values.grad
 
-    full, g_logp, g_val = run([slice(0, B)], None)
-    n = m.sum() if loss_agg == "token_mean" else m.any(-1).sum()
+    norm_tokens = 5  # token_sum_norm's constant per row
+    n = {"token_mean": m.sum(), "token_sum_norm": B * norm_tokens}.get(loss_agg, m.any(-1).sum())
+    full, g_logp, g_val = run([slice(0, B)], n if loss_agg == "token_sum_norm" else None)
     tokens = int(m.sum())
     # the loss's terms: -A * ratio and (V - R)^2 per token, before the division by n
     size = max((adv * cur.exp() / old.exp()).abs().max(), ((vals - returns).abs() + 0.2).square().max())
@@ -579,6 +587,8 @@ def test_masked_garbage_changes_nothing(seed):
         (lambda x, mask: agg_loss(x, mask, "token_mean"), {"x": lp}),
         (lambda x, mask: agg_loss(x, mask, "seq_mean_token_mean"), {"x": lp}),
         (lambda x, mask: agg_loss(x, mask, "token_mean", normalizer=11), {"x": lp}),
+        (lambda x, mask: agg_loss(x, mask, "seq_mean_token_sum"), {"x": lp}),
+        (lambda x, mask: agg_loss(x, mask, "token_sum_norm", norm_tokens=7), {"x": lp}),
         (lambda a, b, mask: kl_penalty(a, b, "k1", mask=mask), {"a": lp, "b": ref}),
         (lambda a, b, mask: kl_penalty(a, b, "k2", mask=mask), {"a": lp, "b": ref}),
         (lambda a, b, mask: kl_penalty(a, b, "k3", mask=mask), {"a": lp, "b": ref}),

@@ -253,15 +253,19 @@ def test_reward_options_a_group_estimator_does_not_read_are_config_errors(name, 
     assert not (tmp_path / "run").exists()
 
 
-def test_dr_grpo_needs_token_mean_loss_aggregation():
+def test_dr_grpo_refuses_the_per_response_mean_aggregation():
     """grpo_norm_std: false is Dr. GRPO, which also drops GRPO's per-response 1/|o_i| length
     normalisation: seq_mean_token_mean is that normalisation, so the pair is refused, naming
-    both fields. GRPO with std keeps either aggregation; other estimators ignore the field."""
+    both fields; the length-free aggregations pass. GRPO with std keeps any aggregation; other
+    estimators ignore the field."""
     grpo = dict(advantage_estimator="grpo", samples_per_prompt=2)
     with pytest.raises(ConfigError, match=r"'grpo_norm_std' = False is invalid: false \(Dr. GRPO\) needs loss_agg: "
-                                          r"token_mean \(got seq_mean_token_mean\).*1/\|o_i\|"):
+                                          r"token_sum_norm, token_mean or seq_mean_token_sum \(got "
+                                          r"seq_mean_token_mean\).*1/\|o_i\|"):
         PPOConfig(**grpo, grpo_norm_std=False, loss_agg="seq_mean_token_mean")
     assert PPOConfig(**grpo, grpo_norm_std=False).loss_agg == "token_mean"
+    for agg in ("token_sum_norm", "seq_mean_token_sum"):
+        assert PPOConfig(**grpo, grpo_norm_std=False, loss_agg=agg).loss_agg == agg
     PPOConfig(**grpo, loss_agg="seq_mean_token_mean")  # the original GRPO's aggregation
     PPOConfig(advantage_estimator="rloo", samples_per_prompt=2, grpo_norm_std=False, loss_agg="seq_mean_token_mean")
 

@@ -144,11 +144,17 @@ def expected_experience(cfg: PPOConfig, full_old: torch.Tensor, ref: torch.Tenso
     return {"kl": kl, "rewards": rewards, "returns": returns, "advantages": whitened}
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """token_mean: every real token weighs the same; seq_mean_token_mean: every row does."""
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, cfg: PPOConfig) -> torch.Tensor:
+    """token_mean: every real token weighs the same; seq_mean_token_mean: every row does;
+    seq_mean_token_sum: every row's sum, the mean over rows; token_sum_norm: the tokens' sum over
+    rows x the constant per row (loss_agg_tokens, else max_new_tokens)."""
+    mode = cfg.loss_agg
     if mode == "token_mean":
         return loss[mask].sum() / mask.sum()
-    rows = [loss[i][mask[i]].mean() for i in range(len(mask)) if mask[i].any()]
+    if mode == "token_sum_norm":
+        return loss[mask].sum() / (len(mask) * (cfg.loss_agg_tokens or cfg.max_new_tokens))
+    reduce = torch.mean if mode == "seq_mean_token_mean" else torch.sum
+    rows = [reduce(loss[i][mask[i]]) for i in range(len(mask)) if mask[i].any()]
     return torch.stack(rows).mean()
 
 
@@ -168,19 +174,23 @@ def expected_gradients(cfg: PPOConfig, other: Learner, weights: dict, exp, batch
     ratio = torch.exp(torch.where(mask, logp - exp.old_logprobs, 0.0))
     adv = exp.advantages
     eps = cfg.clip_epsilon
-    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps, 1 + eps))
-    policy_loss = aggregate(pg, mask, cfg.loss_agg)
+    if cfg.policy_loss == "cispo":  # MiniMax-M1 eq. 4: REINFORCE weighted by sg(clip(ratio)), no lower bound
+        pg = -ratio.detach().clamp(max=1 + cfg.cispo_epsilon_high) * adv * torch.where(mask, logp, 0.0)
+    else:  # PPO-clip, with clip-higher's upper bound
+        eps_high = eps if cfg.clip_epsilon_high is None else cfg.clip_epsilon_high
+        pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps, 1 + eps_high))
+    policy_loss = aggregate(pg, mask, cfg)
     if cfg.entropy_coef:
         p = torch.softmax(logits.float() / cfg.temperature, dim=-1)
         entropy = -(p * torch.log_softmax(logits.float() / cfg.temperature, dim=-1)).sum(-1)   # (N, T)
-        policy_loss = policy_loss - cfg.entropy_coef * aggregate(entropy, mask, cfg.loss_agg)
+        policy_loss = policy_loss - cfg.entropy_coef * aggregate(entropy, mask, cfg)
     policy_loss.backward()
     v = other.value_model(batch)                                                         # (N, T)
     v_loss = (v - exp.returns) ** 2
     if cfg.value_clip is not None:
         clipped = exp.values + (v - exp.values).clamp(-cfg.value_clip, cfg.value_clip)
         v_loss = torch.maximum(v_loss, (clipped - exp.returns) ** 2)
-    (0.5 * aggregate(v_loss, mask, cfg.loss_agg)).backward()
+    (0.5 * aggregate(v_loss, mask, cfg)).backward()
     out = {}
     for name, model in (("policy", other.policy), ("value", other.value_model)):
         grads = {n: p.grad.detach().clone() for n, p in trainable(model).items()}
@@ -196,25 +206,35 @@ def grad_tol(grads: dict, tokens: int) -> float:
 
 
 # ------------------------------------------------------------------ the cases
+UNCLIPPED = {"max_grad_norm": None}
 CASES = [
-    pytest.param({}, id="defaults"),                                   # value_clip 0.2, token_mean, k1, ...
-    pytest.param({"value_clip": None}, id="value_clip-off"),
-    pytest.param({"value_clip": 0.01}, id="value_clip-0.01"),
-    pytest.param({"entropy_coef": 0.5}, id="entropy_coef"),
-    pytest.param({"kl_estimator": "k2"}, id="kl-k2"),
-    pytest.param({"kl_estimator": "k3"}, id="kl-k3"),
-    pytest.param({"clip_epsilon": 1e-4}, id="clip_epsilon"),
-    pytest.param({"whiten_rewards": True}, id="whiten_rewards"),
-    pytest.param({"reward_shaping": "every_token"}, id="every_token"),
-    pytest.param({"loss_agg": "seq_mean_token_mean"}, id="seq_mean_token_mean"),
-    pytest.param({"gamma": 0.9, "lam": 0.7}, id="gamma-lam"),
-    pytest.param({"max_grad_norm": 1e-3}, id="max_grad_norm"),
+    pytest.param({}, {}, id="defaults"),  # value_clip 0.2, token_mean, k1, ...
+    pytest.param({"value_clip": None}, {}, id="value_clip-off"),
+    pytest.param({"value_clip": 0.01}, {}, id="value_clip-0.01"),
+    pytest.param({"entropy_coef": 0.5}, {}, id="entropy_coef"),
+    pytest.param({"kl_estimator": "k2"}, {}, id="kl-k2"),
+    pytest.param({"kl_estimator": "k3"}, {}, id="kl-k3"),
+    pytest.param({"clip_epsilon": 1e-4}, {}, id="clip_epsilon"),
+    pytest.param({"whiten_rewards": True}, {}, id="whiten_rewards"),
+    pytest.param({"reward_shaping": "every_token"}, {}, id="every_token"),
+    pytest.param({"loss_agg": "seq_mean_token_mean"}, {}, id="seq_mean_token_mean"),
+    # the aggregations below scale token_mean's gradient (all rows' tokens summed over another
+    # count), which max_grad_norm's clip would undo: they run unclipped
+    pytest.param({"loss_agg": "seq_mean_token_sum"}, UNCLIPPED, id="seq_mean_token_sum"),
+    pytest.param({"loss_agg": "token_sum_norm"}, UNCLIPPED, id="token_sum_norm"),
+    pytest.param({"loss_agg": "token_sum_norm", "loss_agg_tokens": 3}, UNCLIPPED, id="token_sum_norm-3"),
+    pytest.param({"clip_epsilon_high": 1e-4}, {}, id="clip_epsilon_high"),
+    pytest.param({"policy_loss": "cispo", "cispo_epsilon_high": 1e-3}, {}, id="cispo"),
+    pytest.param({"gamma": 0.9, "lam": 0.7}, {}, id="gamma-lam"),
+    pytest.param({"max_grad_norm": 1e-3}, {}, id="max_grad_norm"),
 ]
 
 
-@pytest.mark.parametrize("option", CASES)
-def test_update_follows_its_options(tiny_path, option):
-    cfg = config(**option)
+@pytest.mark.parametrize("option, base", CASES)
+def test_update_follows_its_options(tiny_path, option, base):
+    """option: the settings under test; base: other settings the case runs with (the
+    comparison below sets only option's back to their defaults)."""
+    cfg = config(**base, **option)
     learner, batch, ref, scores, steps, exp = run_update(cfg, tiny_path)
     mask = exp.mask
     other = Learner(cfg, tiny_path)  # same seed: the same initial weights as the learner's
@@ -246,7 +266,7 @@ def test_update_follows_its_options(tiny_path, option):
     # The option matters: recomputed with it at its default, the experience or a step's
     # gradients move by far more than their tolerance, so a learner ignoring it would fail.
     if option:
-        default = config(**{k: getattr(PPOConfig, k) for k in option})
+        default = config(**base, **{k: getattr(PPOConfig, k) for k in option})
         default_exp = expected_experience(default, full_old, ref, scores, exp.values, mask)
         moved = [max((default_exp[k] - want[k]).abs()[mask].max().item() for k in want) / tol]
         for weights in steps:

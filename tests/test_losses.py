@@ -169,3 +169,129 @@ def test_gspo_in_the_learner_is_the_sequence_objectives_gradient(tiny_path, spec
     naive_gspo(logp, mb.old_logprobs, mb.advantages, mb.policy_mask, 0.02, "token_mean").backward()
     want = {n: p.grad.clone() for n, p in learner.policy.named_parameters() if p.requires_grad}
     assert_grads_close(got, want, int(exp.policy_mask.sum()))
+
+
+# --------------------------------------------------------------------------------------
+# clip-higher and CISPO: float64 loops over tokens, written from the peers' formulas
+# --------------------------------------------------------------------------------------
+
+
+def loop_objective(logprobs, old, adv, mask, token_loss):
+    """token_mean of token_loss(logp, logp_old, A) over the mask's tokens, one token at a time."""
+    total, n = 0.0, 0
+    for i in range(len(mask)):
+        for t in range(mask.shape[1]):
+            if mask[i, t]:
+                total = total + token_loss(logprobs[i, t], old[i, t], adv[i, t])
+                n += 1
+    return total / n
+
+
+def value_and_grad(fn, logprobs):
+    logprobs.grad = None
+    loss = fn()
+    loss.backward()
+    grad = logprobs.grad.clone()
+    logprobs.grad = None
+    return loss.detach(), grad
+
+
+def assert_same_objective(got, want, logprobs, mask):
+    """Values and gradients of two objectives equal within float64 rounding of the token sum."""
+    (lg, gg), (lw, gw) = value_and_grad(got, logprobs), value_and_grad(want, logprobs)
+    n = int(mask.sum())
+    assert lg.item() == pytest.approx(lw.item(), abs=rounding_tol(lw.abs().item() + 1, n, F64))
+    torch.testing.assert_close(torch.where(mask, gg, 0.0), torch.where(mask, gw, 0.0),
+                               atol=rounding_tol(gw[mask].abs().max().item() + 1e-3, n, F64), rtol=0)
+    return gg
+
+
+def objective(name, logprobs, old, adv, mask, params, eps=0.2):
+    return lambda: policy_objective(POLICY_LOSSES[name], LossInputs(logprobs, old, adv, mask, eps), params,
+                                    loss_agg="token_mean")[0]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_clip_higher_equals_the_loop_reference(seed):
+    """DAPO's clip-higher, as verl's compute_policy_loss_vanilla (verl/trainer/ppo/core_algos.py)
+    writes it: -A * r against -A * clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high), the larger
+    one per token. eps_high 0.01 clips tokens above 1.01 that eps 0.2 would not."""
+    logprobs, old, adv, mask = random_rows(seed=seed)
+    adv = torch.randn(adv.shape, generator=torch.Generator().manual_seed(seed), dtype=F64)  # per-token signs
+
+    def token(lp, lo, a, low=0.2, high=0.01):
+        r = torch.exp(lp - lo)
+        return torch.maximum(-a * r, -a * torch.clamp(r, 1 - low, 1 + high))
+
+    grad = assert_same_objective(objective("ppo_clip", logprobs, old, adv, mask, {"clip_epsilon_high": 0.01}),
+                                 lambda: loop_objective(logprobs, old, adv, mask, token), logprobs, mask)
+    ratio = torch.exp(logprobs.detach() - old)
+    cut = mask & (adv > 0) & (ratio > 1.01)  # above the new upper bound: no gradient
+    assert cut.any() and (grad[cut] == 0).all()
+    kept = mask & (adv > 0) & (ratio < 1.01) & (ratio > 0.8)
+    assert kept.any() and (grad[kept] != 0).all()
+    # None is the symmetric clip
+    symmetric = objective("ppo_clip", logprobs, old, adv, mask, {"clip_epsilon_high": None})
+    assert_same_objective(symmetric, lambda: loop_objective(logprobs, old, adv, mask,
+                                                            lambda a, b, c: token(a, b, c, 0.2, 0.2)), logprobs, mask)
+
+
+@pytest.mark.parametrize("low", [None, 0.05])
+@pytest.mark.parametrize("seed", range(3))
+def test_cispo_equals_the_loop_reference(seed, low):
+    """CISPO as SkyRL's compute_policy_loss_cispo (skyrl_train/utils/ppo_utils.py) writes it:
+    -A * clamp(r, 1 - eps_low, 1 + eps_high).detach() * logp, MiniMax-M1 eq. 4 (eps_low None:
+    no lower bound, the paper's). A token whose weight was clipped keeps its gradient -w * A,
+    which PPO-clip would have zeroed."""
+    logprobs, old, adv, mask = random_rows(seed=seed)
+    adv = torch.randn(adv.shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    high = 0.02
+
+    def token(lp, lo, a):
+        w = math.exp(lp.item() - lo.item())  # a plain number: no gradient through the weight
+        w = min(w, 1 + high) if low is None else min(max(w, 1 - low), 1 + high)
+        return -a * w * lp
+
+    params = {"cispo_epsilon_high": high, "cispo_epsilon_low": low}
+    grad = assert_same_objective(objective("cispo", logprobs, old, adv, mask, params),
+                                 lambda: loop_objective(logprobs, old, adv, mask, token), logprobs, mask)
+    ratio = torch.exp(logprobs.detach() - old)
+    n = int(mask.sum())
+    clipped = mask & (ratio > 1 + high)
+    assert clipped.any()
+    torch.testing.assert_close(grad[clipped], -(1 + high) * adv[clipped] / n, rtol=1e-12, atol=0)
+    if low is not None:
+        below = mask & (ratio < 1 - low)
+        assert below.any()
+        torch.testing.assert_close(grad[below], -(1 - low) * adv[below] / n, rtol=1e-12, atol=0)
+    _, stats, _ = policy_objective(POLICY_LOSSES["cispo"], LossInputs(logprobs, old, adv, mask, 0.2), params,
+                                   loss_agg="token_mean")
+    outside = clipped | (mask & (ratio < 1 - low)) if low is not None else clipped
+    assert stats.clipfrac.item() == pytest.approx(float(outside.sum()) / n)
+
+
+def test_cispo_at_ratio_one_is_ppo_clips_gradient_and_ignores_tokens_outside_the_support():
+    """At r = 1 CISPO's gradient is REINFORCE's, -A per token, as PPO-clip's; a token whose new
+    logprob is -inf (outside a truncated support) adds 0 and gets no gradient."""
+    logprobs, old, adv, mask = random_rows(seed=5, spread=0.0)
+    cispo_grad = value_and_grad(objective("cispo", logprobs, old, adv, mask, {}), logprobs)[1]
+    clip_grad = value_and_grad(objective("ppo_clip", logprobs, old, adv, mask, {}), logprobs)[1]
+    torch.testing.assert_close(torch.where(mask, cispo_grad, 0.0), torch.where(mask, clip_grad, 0.0),
+                               atol=rounding_tol(adv.abs().max(), 1, F64), rtol=0)
+    lp = logprobs.detach().clone()
+    lp[0, 0] = -math.inf
+    lp.requires_grad_(True)
+    loss, grad = value_and_grad(objective("cispo", lp, old, adv, mask, {}), lp)
+    assert math.isfinite(loss.item()) and grad[0, 0] == 0 and torch.isfinite(grad[mask]).all()
+
+
+def test_clip_higher_and_cispo_bounds_are_checked_by_the_config():
+    with pytest.raises(ConfigError, match="'clip_epsilon_high' = -0.1 is invalid: must be > 0 or null"):
+        PPOConfig(clip_epsilon_high=-0.1)
+    with pytest.raises(ConfigError, match=r"'dual_clip' = 1.25 is invalid: must be >= 1 \+ clip_epsilon_high = 1.28"):
+        PPOConfig(clip_epsilon_high=0.28, dual_clip=1.25)
+    with pytest.raises(ConfigError, match="'cispo_epsilon_low' = 1.5 is invalid: must be in"):
+        PPOConfig(policy_loss="cispo", cispo_epsilon_low=1.5)
+    with pytest.raises(ConfigError, match="'cispo_epsilon_high' = 0.0 is invalid: must be > 0"):
+        PPOConfig(policy_loss="cispo", cispo_epsilon_high=0.0)
+    PPOConfig(clip_epsilon_high=0.28, dual_clip=3.0)
