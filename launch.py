@@ -315,10 +315,16 @@ def _main(argv: list[str] | None) -> int:
         return 2
 
     run_dir = Path(run_dir_opt or Path(config.output_dir) / time.strftime("%Y%m%d-%H%M%S"))
+    from ppo_ray.tasks.pipeline import task_stages
+
+    if stage not in ("all", *task_stages(config)) and not has_reward:
+        print(f"error: task {config.task!r} has no stage {stage!r}; its stages: {', '.join(task_stages(config))}",
+              file=sys.stderr)
+        return 2
     if stage in ("rm", "ppo") and not has_reward and not (run_dir / "sft").is_dir():
         print(f"error: stage {stage!r} needs {run_dir / 'sft'} from stage 'sft' (pass --run_dir)", file=sys.stderr)
         return 2
-    if stage == "ppo" and not has_reward and not (run_dir / "rm").is_dir():
+    if stage == "ppo" and not has_reward and "rm" in task_stages(config) and not (run_dir / "rm").is_dir():
         print(f"error: stage 'ppo' needs {run_dir / 'rm'} from stage 'rm' (pass --run_dir)", file=sys.stderr)
         return 2
     from ppo_ray.data import DataError
@@ -332,7 +338,7 @@ def _main(argv: list[str] | None) -> int:
     # Cheap checks of what the stage needs, before anything is written (a rejected command
     # leaves an existing run directory as it was) and before Ray or any actor starts.
     prompts = None
-    stages = ("sft", "rm", "ppo") if stage == "all" and not has_reward else (stage,)
+    stages = task_stages(config) if stage == "all" and not has_reward else (stage,)
     try:
         check_context(config)
         check_trackers(config.report_to)

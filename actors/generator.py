@@ -271,17 +271,20 @@ class Generator:
         return ids_list, self.tokenizer.batch_decode(ids_list)
 
     # ------------------------------------------------------------------ rollouts
-    def sampling_params(self, seed: int, probe: bool = False, n: int = 1, max_tokens: Optional[int] = None):
+    def sampling_params(self, seed: int, probe: bool = False, n: int = 1, max_tokens: Optional[int] = None,
+                        greedy: bool = False):
         """vLLM SamplingParams for one prompt: the PPO sampling settings and its own seed, `n`
         samples (vLLM gives sample j the seed `seed + j`: vllm/v1/engine/parallel_sampling.py),
         `max_tokens` (default max_new_tokens). `probe` (the sync check, see probe()): the same
-        temperature with no top-k/top-p, and PROBE_NEW_TOKENS tokens."""
+        temperature with no top-k/top-p, and PROBE_NEW_TOKENS tokens. `greedy` (evaluation
+        only, e.g. pass@1): temperature 0, vLLM's argmax decoding; its logprobs are then not the
+        PPO sampling distribution's, so rollouts never use it."""
         from vllm import SamplingParams
 
         if max_tokens is None:
             max_tokens = min(PROBE_NEW_TOKENS, self.max_new_tokens) if probe else self.max_new_tokens
         return SamplingParams(
-            n=n, temperature=self.temperature, top_k=0 if probe or self.top_k <= 0 else self.top_k,
+            n=n, temperature=0.0 if greedy else self.temperature, top_k=0 if probe or self.top_k <= 0 else self.top_k,
             top_p=1.0 if probe else self.top_p, max_tokens=max_tokens, seed=seed,
             logprobs=0,  # just the sampled token's (processed) logprob
             ignore_eos=True, stop_token_ids=[self.eos_token_id],  # the tokenizer's EOS is the one stop token
@@ -299,7 +302,8 @@ class Generator:
     @torch.no_grad()
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], step: int, prompt_offset: int = 0,
                  probe: bool = False, samples_per_prompt: int = 1, version: Optional[int] = None,
-                 segment_versions: Optional[Sequence[int]] = None, segment_tokens: int = 0) -> RolloutBatch:
+                 segment_versions: Optional[Sequence[int]] = None, segment_tokens: int = 0,
+                 greedy: bool = False) -> RolloutBatch:
         """Sample `samples_per_prompt` (n) responses per prompt with adapter `version` (one held;
         None = the newest), in one vLLM request per prompt (SamplingParams(n=n): the prompt is
         prefilled once).
@@ -322,6 +326,8 @@ class Generator:
         its tokens so far, with the next version and its own seed (segment_seed), waiting
         until that version is loaded if it is not yet. The batch records each token's version
         (token_versions). Needs a streaming generator (others run while one waits).
+
+        ``greedy``: argmax decoding (temperature 0) for evaluation (sampling_params).
         """
         from vllm.inputs import TokensPrompt
 
@@ -333,8 +339,10 @@ class Generator:
         lora_request = self._lora_request(version)
         version = self.version if version is None else version
         schedule = self._schedule(version, segment_versions, segment_tokens)
+        if greedy and (probe or schedule):
+            raise ValueError("greedy decoding is for evaluation: not with the probe or a partial rollout")
         params = [self.sampling_params(prompt_seed(self.seed, step, prompt_offset + i), probe, n,
-                                       max_tokens=segment_tokens if schedule else None)
+                                       max_tokens=segment_tokens if schedule else None, greedy=greedy)
                   for i in range(len(prompt_ids))]
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
         outputs = self._run(requests, params, lora_request, prompt_ids, n)

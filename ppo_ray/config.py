@@ -411,6 +411,10 @@ class PPOConfig:
     """Read at most this many rows per split of sft_dataset / preference_dataset, or of the bundled task's SFT and preference files (quick runs); None = all."""
     bundled_ideal_fraction: float = knob(1.0, DATA, check=within(0, 1))
     """Bundled task only: fraction of the posters' reference TL;DRs (SFT data) that state every key fact; the rest leave one out (ppo_ray/tasks/tldr_synth.py). 1.0 = every reference is ideal."""
+    task: str = knob("tldr", DATA, must_match=True, choices=("tldr", "arith"))
+    """The pipeline's bundled task (launch.py's stages): tldr (the TL;DR-style summaries: SFT -> reward model -> PPO, judged by the gold judge; ppo_ray/tasks/tldr_synth.py) or arith (multi-digit addition with a verifier as the reward: SFT -> RL, judged by pass@1 and pass@k on held-out problems; ppo_ray/tasks/arith.py). Plain PPO runs with reward sources (stage ppo) do not read it."""
+    arith_digits: int = knob(3, DATA, must_match=True, check=at_least(1))
+    """task arith only: digits of each operand."""
 
     # ---------------------------------------------------------------- SFT and reward-model stages
     sft_epochs: int = knob(3, STAGES, check=at_least(1))
@@ -437,6 +441,8 @@ class PPOConfig:
     """Score held-out samples with the gold judge every N PPO steps (bundled task; 0 = only at the ends)."""
     eval_size: int = knob(64, EVALUATION, check=at_least(1))
     """Held-out prompts per evaluation."""
+    eval_k: int = knob(8, EVALUATION, check=at_least(1))
+    """task arith: samples per held-out problem for pass@k (k = eval_k, at the training temperature; pass@1 is greedy)."""
     eval_samples: int = knob(4, EVALUATION)
     """Prompts whose response and reward are appended to <run_dir>/eval_samples.jsonl and TensorBoard at every evaluation (every eval_every steps and at the end): held-out prompts in the pipeline, the first prompts of `dataset` in a plain PPO run; 0 = off."""
 

@@ -323,12 +323,13 @@ class GeneratorHost(_Host):
     def generate(self, prompt_ids: list[list[int]], step: int, offset: int,
                  expected_version: int | None = None, samples_per_prompt: int = 1,
                  segment_versions: list[int] | None = None,
-                 segment_tokens: int = 0) -> tuple[RolloutBatch, GenerationSummary]:
+                 segment_tokens: int = 0, greedy: bool = False) -> tuple[RolloutBatch, GenerationSummary]:
         _check_version(self.generator, expected_version, f"step {step + 1}'s rollouts")
         t0 = time.perf_counter()
         batch = self.generator.generate(prompt_ids, step=step, prompt_offset=offset,
                                         samples_per_prompt=samples_per_prompt, version=expected_version,
-                                        segment_versions=segment_versions, segment_tokens=segment_tokens)
+                                        segment_versions=segment_versions, segment_tokens=segment_tokens,
+                                        greedy=greedy)
         summary = GenerationSummary.of(batch, seconds=time.perf_counter() - t0)
         tokens = sum(summary.lengths)
         self.log.info("%s: %d rollouts with adapter v%d, %d response tokens, %.2f s (%.0f tok/s)",

@@ -570,12 +570,13 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ evaluation
     def generate(self, prompts: Sequence[str], seed_step: int = SAMPLING_SEED_STEP, *,
-                 score: bool = False) -> Responses:
-        """Sample one response per prompt with the current policy (no training): Responses
-        (texts, finish_reasons, version). A fixed `seed_step` gives every prompt the same
-        sampling seed before and after training, so comparisons of two policies use common
-        random numbers. With `score`, the reward actor scores the responses too (`rewards`:
-        one float per prompt). An actor lost on the way is restarted and the call redone (the
+                 score: bool = False, samples_per_prompt: int = 1, greedy: bool = False) -> Responses:
+        """Sample `samples_per_prompt` responses per prompt (contiguous, in the prompts' order)
+        with the current policy (no training): Responses (texts, finish_reasons, version). A
+        fixed `seed_step` gives every prompt the same sampling seed before and after training,
+        so comparisons of two policies use common random numbers; `greedy` decodes by argmax
+        instead (pass@1). With `score`, the reward actor scores the responses too (`rewards`:
+        one float per response). An actor lost on the way is restarted and the call redone (the
         generators at the committed version, the same seeds: the same samples)."""
         prompt_ids = self._encode(prompts)
         kept: list[Optional[Generation]] = [None]
@@ -585,7 +586,8 @@ class PPOTrainer:
             # must hold the committed version (a restarted one raises StateLostError, never
             # samples the base model)
             if not self.roles.intact(kept[0]):
-                kept[0] = self.roles.generate(prompt_ids, seed_step, self.version)
+                kept[0] = self.roles.generate(prompt_ids, seed_step, self.version,
+                                              samples_per_prompt=samples_per_prompt, greedy=greedy)
             generation = kept[0]
             generated = GenerationSummary.join(self.roles.fetch(generation.summaries))
             rewards = None

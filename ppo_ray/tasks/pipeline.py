@@ -1,4 +1,6 @@
-"""The RLHF pipeline on the bundled task: SFT -> reward model -> PPO, judged by the gold judge.
+"""The pipelines on the bundled tasks (config task): tldr's SFT -> reward model -> PPO, judged
+by the gold judge, and arith's SFT -> RL with a verifier as the reward, judged by pass@1 and
+pass@k (ppo_ray.tasks.arith; the run directory has no rm/, and report.json the pass rates).
 
     run_dir/
       config.yaml          the config used
@@ -79,12 +81,18 @@ def _load_info(stage: str, part: str, data) -> dict:
             f"{key}_query_cuts": dict(data.query_cuts)}
 
 
+def task_stages(config: PPOConfig) -> tuple[str, ...]:
+    """The stages `launch.py` (stage all) runs for the config's task, in order."""
+    return ("sft", "ppo") if config.task == "arith" else ("sft", "rm", "ppo")
+
+
 def sft_ids(config: PPOConfig, data_dir: Path, tok, part: str) -> SFTIds:
     """SFT (query ids, response ids + EOS) of one part, from the bundled task or sft_dataset."""
     if config.uses_bundled_data:
         path = data_dir / f"sft_{'train' if part == 'train' else 'validation'}.jsonl"
         rows = read_rows(path)[: config.data_max_rows]
-        q, r = _encode(tok, column(rows, "prompt", str(path)), column(rows, "summary", str(path)))
+        target = "answer" if config.task == "arith" else "summary"
+        q, r = _encode(tok, column(rows, "prompt", str(path)), column(rows, target, str(path)))
         return SFTIds(q, r, {})
     from ppo_ray.tasks.tldr import load_sft
 
@@ -134,6 +142,11 @@ def write_data(config: PPOConfig, run_dir: Path) -> Path:
     data_dir = run_dir / "data"
     if not config.uses_bundled_data:  # named datasets are read where they are
         return data_dir
+    if config.task == "arith":
+        from ppo_ray.tasks.arith import write_task as write_arith
+
+        write_arith(data_dir, seed=config.seed, digits=config.arith_digits)
+        return data_dir
     from ppo_ray.tasks.tldr_synth import write_task
 
     write_task(data_dir, seed=config.seed, ideal_fraction=config.bundled_ideal_fraction)
@@ -153,7 +166,7 @@ def run_sft(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
     settings = stage_settings(config, config.sft_epochs, config.sft_learning_rate)
     stats = run_stage(config, "sft", base, (train.queries, train.responses), settings, run_dir / "sft",
                       val=(val.queries, val.responses))
-    if config.uses_bundled_data:  # the SFT policy's fact copying, greedy, on validation posts (gold judge)
+    if config.uses_bundled_data and config.task == "tldr":  # the SFT policy's fact copying, greedy, on validation posts (gold judge)
         from ppo_ray.tasks.tldr_eval import sft_copy_report
 
         rows = read_rows(data_dir / "prompts_validation.jsonl")[: config.eval_size]
@@ -194,6 +207,12 @@ def ppo_config(config: PPOConfig, run_dir: Path, data_dir: Path) -> PPOConfig:
     the SFT backbone with a zero head unless config.value_model_name says otherwise ("rm"
     = the run's reward model, the N+ recipe's init)."""
     value = config.value_model_name
+    if config.task == "arith":  # the verifier is the reward; no reward model exists
+        if value == "rm":
+            raise ValueError("value_model_name 'rm' needs the reward-model stage, which task arith does not have")
+        data = dict(dataset=str(data_dir / "prompts_train.jsonl"), prompt_column="prompt")
+        return config.replace(model_name=str(run_dir / "sft"), ref_model_name=None, reward_model_name=None,
+                              value_model_name=value, reward_funcs=[ARITH_VERIFIER], reward_weights=[], **data)
     if value == "rm":
         value = str(run_dir / "rm")
     # the bundled task's prompts; real data's are read from sft_dataset (run_ppo_real)
@@ -250,6 +269,8 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
     its checkpoint's plus the command's overrides, ppo_ray.checkpoint.resumed_config)."""
     if not config.uses_bundled_data:  # real data: no gold judge, see run_ppo_real
         return run_ppo_real(config, run_dir, data_dir, resume, cfg)
+    if config.task == "arith":
+        return run_rl_arith(config, run_dir, data_dir, resume, cfg)
     from ppo_ray.data import load_prompts
     from ppo_ray.tasks.tldr_synth import copy_accuracy, gold_score, win_rate
 
@@ -310,6 +331,76 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
+
+
+ARITH_VERIFIER = "ppo_ray.tasks.arith:verify"
+
+
+def run_rl_arith(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[str | Path] = None,
+                 cfg: Optional[PPOConfig] = None) -> dict:
+    """The RL stage of task arith: the verifier is the reward (ppo_config). Held-out problems
+    (the first eval_size of the test and validation splits) are scored before and after, by
+    pass@1 (greedy) and pass@k (eval_k samples at the training temperature, Chen et al.'s
+    unbiased estimator, which with n = k is "any of the k right"), and the validation split's
+    pass@1 every eval_every steps. The verifier only scores: the evaluation's numbers never
+    reach the learner."""
+    from ppo_ray.data import load_prompts
+    from ppo_ray.modeling import load_tokenizer
+    from ppo_ray.tasks.arith import is_right, pass_at_k
+
+    cfg = cfg or ppo_config(config, run_dir, data_dir)
+    test_rows = read_rows(data_dir / "prompts_test.jsonl")[: cfg.eval_size]
+    val_rows = read_rows(data_dir / "prompts_validation.jsonl")[: cfg.eval_size]
+    k = cfg.eval_k
+
+    def solve(trainer, rows: list[dict], sampled: bool = True) -> dict:
+        prompts = [row["prompt"] for row in rows]
+        greedy = trainer.generate(prompts, greedy=True).texts
+        out = {"greedy": greedy, "greedy_right": [is_right(p, t) for p, t in zip(prompts, greedy)]}
+        if sampled:
+            texts = trainer.generate(prompts, samples_per_prompt=k).texts  # k contiguous per prompt
+            samples = [texts[i * k:(i + 1) * k] for i in range(len(prompts))]
+            out.update(samples=samples, right=[sum(is_right(p, s) for s in ss) for p, ss in zip(prompts, samples)])
+        return out
+
+    def rates(res: dict) -> dict:
+        out = {"pass1": _mean([float(r) for r in res["greedy_right"]])}
+        if "right" in res:
+            out[f"pass{k}"] = _mean([pass_at_k(k, c, k) for c in res["right"]])
+            out["sample_accuracy"] = _mean([c / k for c in res["right"]])
+        return out
+
+    def evaluate(trainer, step: int) -> dict:
+        return {"pass1_val": rates(solve(trainer, val_rows, sampled=False))["pass1"]}
+
+    metrics = run_dir / "metrics.jsonl"
+    prompts = load_prompts(cfg, load_tokenizer(cfg.model_name))
+    with ppo_trainer(cfg, run_dir, resume) as trainer:
+        sft = before_training(trainer, run_dir, lambda: {**solve(trainer, test_rows), "val": solve(trainer, val_rows)})
+        trainer.train(prompts, metrics_path=metrics, evaluate=evaluate, eval_prompts=[r["prompt"] for r in val_rows])
+        rl, rl_val = solve(trainer, test_rows), solve(trainer, val_rows)
+        trainer.save_adapter(run_dir / "adapter")
+    history = read_metrics(metrics)
+    report = {f"{name}_test_{who}": value for who, res in (("sft", sft), ("rl", rl))
+              for name, value in rates(res).items()}
+    report.update({f"{name}_val_{who}": value for who, res in (("sft", sft["val"]), ("rl", rl_val))
+                   for name, value in rates(res).items()})
+    report.update({"final_kl": history[-1]["kl"], "final_reward": history[-1]["reward_mean"],
+                   "rl_steps": len(history), "eval_prompts": len(test_rows), "eval_k": k})
+    with open(run_dir / HELD_OUT, "w") as f:
+        for split, rows, before, after in (("test", test_rows, sft, rl), ("val", val_rows, sft["val"], rl_val)):
+            for i, row in enumerate(rows):
+                f.write(json.dumps({"split": split, "index": i, "prompt": row["prompt"], "answer": row["answer"],
+                                    "sft_greedy": before["greedy"][i], "sft_samples": before["samples"][i],
+                                    "rl_greedy": after["greedy"][i], "rl_samples": after["samples"][i]}) + "\n")
+    lines = ["| # | problem | answer | SFT greedy | SFT right of k | RL greedy | RL right of k |", "|---|---|---|---|---|---|---|"]
+    for i, row in enumerate(test_rows[:20]):
+        lines.append(f"| {i} | {row['prompt']} | {row['answer']} | {sft['greedy'][i]!r} | {sft['right'][i]}/{k} | "
+                     f"{rl['greedy'][i]!r} | {rl['right'][i]}/{k} |")
+    (run_dir / "samples.md").write_text("# Held-out problems before (SFT) and after RL\n\n" + "\n".join(lines) + "\n")
+    plot_curves(metrics, run_dir / "curves.png", report["pass1_val_sft"], gold_key="pass1_val",
+                gold_title="pass@1 (held-out validation, greedy)", reward_title="verifier reward (share right)")
+    return report
 
 
 def run_ppo_real(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[str | Path] = None,
@@ -392,9 +483,13 @@ def write_samples(path: Path, rows, sft_texts, sft_gold, ppo_texts, ppo_gold, n:
     path.write_text("# Held-out summaries before (SFT) and after PPO\n\n" + "\n".join(lines) + "\n")
 
 
-def plot_curves(metrics_path: Path, out_path: Path, gold_before: Optional[float] = None) -> None:
+def plot_curves(metrics_path: Path, out_path: Path, gold_before: Optional[float] = None, *,
+                gold_key: str = "gold_val", gold_title: str = "gold score (held-out validation)",
+                reward_title: str = "reward-model score") -> None:
     """The run's curves over PPO steps; `gold_before` (the SFT policy's held-out gold on the
-    same validation prompts) is drawn as step 0 of the gold panel, so the gain reads off it."""
+    same validation prompts) is drawn as step 0 of the gold panel, so the gain reads off it.
+    `gold_key` / the titles: the held-out metric's panel and the reward's (task arith: pass@1
+    and the verifier's reward)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -402,19 +497,19 @@ def plot_curves(metrics_path: Path, out_path: Path, gold_before: Optional[float]
 
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     steps = [r["step"] for r in rows]
-    panels = [("reward_mean", "reward-model score"), ("kl", "KL to SFT (nats/seq)"),
-              ("gold_val", "gold score (held-out validation)"), ("policy_loss", "policy loss"),
+    panels = [("reward_mean", reward_title), ("kl", "KL to SFT (nats/seq)"),
+              (gold_key, gold_title), ("policy_loss", "policy loss"),
               ("value_loss", "value loss"), ("clipfrac", "clip fraction")]
     fig, axes = plt.subplots(2, 3, figsize=(12, 6))
     for ax, (key, title) in zip(axes.flat, panels):
         pts = [(s, r[key]) for s, r in zip(steps, rows) if key in r and r[key] is not None
                and math.isfinite(r[key])]
-        if key == "gold_val" and gold_before is not None:
+        if key == gold_key and gold_before is not None:
             pts = [(0, gold_before)] + pts
             ax.axhline(gold_before, color="grey", linestyle="--", linewidth=1, label="SFT (step 0)")
             ax.legend(loc="lower right")
         if pts:
-            ax.plot(*zip(*pts), marker="o" if key == "gold_val" else None)
+            ax.plot(*zip(*pts), marker="o" if key == gold_key else None)
         ax.set_title(title)
         ax.set_xlabel("PPO step")
         ax.grid(alpha=0.3)

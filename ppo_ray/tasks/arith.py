@@ -1,0 +1,117 @@
+"""The second bundled task: multi-digit addition, scored by a verifier (RLVR).
+
+A prompt is ``"{a}+{b}="`` with two ``digits``-digit operands; the answer is the decimal sum,
+and the policy's response is right when it is exactly that number (surrounding whitespace
+ignored) followed by EOS. The byte-level tokenizer of the embedded models writes each digit as
+its own token when no space precedes it (``"347+589="`` is 8 tokens), so the model sees the
+digits one by one.
+
+- :func:`write_task` writes the splits as JSONL: ``sft_{train,validation}.jsonl`` (prompt,
+  answer: the SFT warm start's targets) and ``prompts_{train,validation,test}.jsonl`` (prompt,
+  answer: what RL samples from, and the held-out problems). No problem (an unordered pair of
+  operands) is in two splits.
+- :func:`verify` is the reward function (``ppo_ray.tasks.arith:verify``): 1.0 for the right
+  sum, else 0.0. It reads the operands back from the prompt, so it needs no data and cannot
+  be fooled by a row's stored answer; a prompt that is not an addition is a RewardError
+  naming it.
+- :func:`pass_at_k` is the unbiased pass@k estimator of Chen et al. 2021 (HumanEval, eq. 1)
+  from n samples with c right.
+
+Deterministic: the same arguments write byte-identical files. Importing this module has no
+side effects and imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from pathlib import Path
+from typing import Sequence
+
+from ppo_ray.rewards import RewardError
+
+PROMPT = re.compile(r"^(\d+)\+(\d+)=$")
+ANSWER = re.compile(r"^\d+$")
+
+
+def prompt_of(a: int, b: int) -> str:
+    return f"{a}+{b}="
+
+
+def operands(prompt: str) -> tuple[int, int]:
+    """(a, b) of a task prompt; a RewardError naming the prompt for anything else."""
+    m = PROMPT.match(prompt.strip())
+    if m is None:
+        raise RewardError(f"arith verifier: {prompt[:60]!r} is not an addition prompt ('<a>+<b>=')")
+    return int(m.group(1)), int(m.group(2))
+
+
+def is_right(prompt: str, completion: str) -> bool:
+    """The completion is exactly the sum (whitespace around it ignored)."""
+    a, b = operands(prompt)
+    text = completion.strip()
+    return ANSWER.match(text) is not None and int(text) == a + b and (text == "0" or not text.startswith("0"))
+
+
+def verify(prompts: list[str], completions: list[str]) -> list[float]:
+    """The task's reward function: 1.0 where the completion is the right sum, else 0.0."""
+    if len(prompts) != len(completions):
+        raise RewardError(f"arith verifier: {len(prompts)} prompts but {len(completions)} completions")
+    return [1.0 if is_right(p, c) else 0.0 for p, c in zip(prompts, completions)]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are right (Chen et al. 2021, eq. 1):
+    1 - C(n - c, k) / C(n, k); needs 1 <= k <= n."""
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass_at_k needs 1 <= k <= n and 0 <= c <= n (got n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def _problems(rng: random.Random, n: int, digits: int, taken: set) -> list[tuple[int, int]]:
+    lo, hi = 10 ** (digits - 1), 10 ** digits - 1
+    if n > (hi - lo + 1) ** 2 // 4:
+        raise ValueError(f"{n} problems is too many for {digits}-digit operands")
+    out = []
+    while len(out) < n:
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        key = (min(a, b), max(a, b))
+        if key in taken:
+            continue
+        taken.add(key)
+        out.append((a, b))
+    return out
+
+
+SPLITS = {"sft_train": 10000, "sft_validation": 200, "prompts_train": 4000, "prompts_validation": 200,
+          "prompts_test": 200}
+
+
+def write_task(out_dir: str | Path, seed: int = 0, digits: int = 3,
+               sizes: dict[str, int] | None = None) -> dict[str, Path]:
+    """Write the splits (SPLITS' names and sizes, or `sizes`) under `out_dir` as JSONL rows
+    {id, prompt, answer}; returns {file name: path}. Every problem is in one split only."""
+    if digits < 1:
+        raise ValueError(f"digits must be >= 1, got {digits}")
+    sizes = {**SPLITS, **(sizes or {})}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(f"arith-{seed}-{digits}")
+    taken: set = set()
+    paths = {}
+    for name, n in sizes.items():
+        rows = [{"id": f"{name}-{i}", "prompt": prompt_of(a, b), "answer": str(a + b)}
+                for i, (a, b) in enumerate(_problems(rng, n, digits, taken))]
+        path = out / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        paths[path.name] = path
+    return paths
+
+
+def score_samples(prompts: Sequence[str], samples: Sequence[Sequence[str]]) -> list[int]:
+    """How many of each prompt's samples are right."""
+    return [sum(is_right(p, s) for s in ss) for p, ss in zip(prompts, samples)]

@@ -1,0 +1,57 @@
+"""ppo_ray/tasks/arith.py: the verifiable task's data, its verifier and pass@k."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from ppo_ray.rewards import RewardError
+from ppo_ray.tasks.arith import is_right, operands, pass_at_k, verify, write_task
+
+
+SMALL = {"sft_train": 300, "sft_validation": 20, "prompts_train": 300, "prompts_validation": 20, "prompts_test": 50}
+
+
+def test_the_splits_are_deterministic_disjoint_and_right(tmp_path):
+    a = write_task(tmp_path / "a", seed=3, digits=2, sizes=SMALL)
+    b = write_task(tmp_path / "b", seed=3, digits=2, sizes=SMALL)
+    assert {name: p.read_bytes() for name, p in a.items()} == {name: p.read_bytes() for name, p in b.items()}
+    c = write_task(tmp_path / "c", seed=4, digits=2, sizes=SMALL)
+    assert a["prompts_test.jsonl"].read_bytes() != c["prompts_test.jsonl"].read_bytes()
+    seen = {}
+    for name, path in a.items():
+        for row in map(json.loads, path.read_text().splitlines()):
+            x, y = operands(row["prompt"])
+            assert 10 <= x <= 99 and 10 <= y <= 99 and row["answer"] == str(x + y)
+            key = (min(x, y), max(x, y))
+            assert seen.setdefault(key, name) == name, f"{row['prompt']} is in {seen[key]} and {name}"
+    assert len(a["sft_train.jsonl"].read_text().splitlines()) == 300
+
+
+@pytest.mark.parametrize("completion, right", [
+    ("936", True), (" 936 ", True), ("936\n", True), ("0936", False), ("93", False), ("9 36", False),
+    ("936.0", False), ("-936", False), ("", False), ("nine", False), ("9360", False)])
+def test_the_verifier_takes_exactly_the_sum(completion, right):
+    assert is_right("347+589=", completion) is right
+    assert verify(["347+589="], [completion]) == [1.0 if right else 0.0]
+
+
+def test_the_verifier_names_a_prompt_that_is_not_an_addition():
+    with pytest.raises(RewardError, match="'Summarize this' is not an addition prompt"):
+        verify(["Summarize this"], ["1"])
+    with pytest.raises(RewardError, match="2 prompts but 1 completions"):
+        verify(["1+1=", "2+2="], ["2"])
+
+
+@pytest.mark.parametrize("n, c, k", [(8, 0, 8), (8, 3, 8), (8, 3, 1), (8, 3, 4), (10, 1, 3), (5, 5, 2), (6, 2, 5)])
+def test_pass_at_k_is_the_share_of_k_subsets_with_a_right_sample(n, c, k):
+    """Chen et al.'s estimator equals its definition: over every k-subset of the n samples
+    (c of them right), the share that holds at least one right one."""
+    samples = [True] * c + [False] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    want = sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+    assert pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12)
+    with pytest.raises(ValueError, match="pass_at_k needs"):
+        pass_at_k(n, c, n + 1)
