@@ -166,8 +166,10 @@ class RewardWorker:
             return CallResult(check_values(spec, self.funcs[spec](list(prompts), list(completions)), len(prompts)))
         except RewardTimeout as e:
             return CallResult(None, TIMEOUT, str(e))
+        except RewardError as e:  # unusable values, a verifier's failure: the message names it
+            return CallResult(None, EXCEPTION, str(e))
         except Exception as e:  # noqa: BLE001 - a user's function: any failure is reported, not raised
-            return CallResult(None, EXCEPTION, f"{type(e).__name__}: {e}")
+            return CallResult(None, EXCEPTION, f"raised {type(e).__name__}: {e}")
 
 
 # ----------------------------------------------------------------------------- the HTTP verifier
