@@ -284,7 +284,7 @@ class PPOConfig:
     reward_model_name: Optional[str] = knob(None, REWARDS, must_match=True, model=True)
     """Reward model (AutoModelForSequenceClassification, num_labels=1); None = reward functions only."""
     reward_funcs: list[str] = knob(fresh(list), REWARDS, REWARD, must_match=True)
-    """Reward functions as "module:function", each (prompts, completions) -> list[float]."""
+    """Reward functions as "module:function", each (prompts, completions) -> list[float], or a verifier service's http(s):// URL (reward_verifier_batch_size)."""
     reward_weights: list[float] = knob(fresh(list), REWARDS, REWARD, must_match=True)
     """Weights of [reward model, *reward_funcs] in the summed score; empty = all 1.0."""
     value_model_name: Optional[str] = knob(None, MODEL, LEARNER, must_match=True, model=True)
@@ -353,6 +353,26 @@ class PPOConfig:
     """is_correction per token, or per sequence (the ratio of a response is the product of its tokens' ratios; one weight, or one keep/drop, per response)."""
     nonfinite_reward: str = knob("error", REWARDS, LEARNER, REWARD, choices=("error", "drop"))
     """What a NaN/inf score does: error (names the prompt) or drop (sample masked out and counted)."""
+    reward_workers: int = knob(0, REWARDS, REWARD, check=at_least(0))
+    """Reward workers: Ray actors, started by the reward actor, that run the Python reward_funcs (the reward model stays in the reward actor). A batch is cut into chunks (reward_chunk_size), run on the workers at once, each call under reward_timeout_s: a worker past it is killed and replaced, and reward_failure decides about the rows. 0 = the functions run inside the reward actor as one call each on the whole batch, with no time limit (a Python function cannot be stopped in-thread)."""
+    reward_chunk_size: int = knob(0, REWARDS, REWARD, check=at_least(0))
+    """Rows per call to a reward worker; 0 = the batch split evenly over the workers (ceil(batch / reward_workers) rows, one call per worker). Smaller chunks balance uneven rows and lose less to a failure (fewer rows to bisect), for more calls."""
+    reward_timeout_s: float = knob(60.0, REWARDS, REWARD, check=at_least(0, strict=True))
+    """Time limit of one reward-worker call (a chunk of one function), and of each HTTP verifier request (connect and each read). Past it the call is a timeout: the worker is killed and a fresh one started; reward_failure decides about its rows. Not applied to reward functions that run inside the reward actor (reward_workers 0)."""
+    reward_failure: str = knob("error", REWARDS, REWARD, choices=("error", "score", "drop"))
+    """What a reward-function call that raises, returns unusable values or times out does (and a verifier request that fails): error (the step fails with a RewardError naming the function, the call's rows and what happened), score (its rows get reward_failure_score) or drop (its rows' scores are NaN, masked out by the learner and counted; needs nonfinite_reward: drop). With score or drop a failed call of several rows is bisected (its halves called again, down to single rows, at most reward_retry_calls extra calls per function and batch), so only the rows that fail on their own get the policy. A function that returns NaN/inf for a row follows nonfinite_reward. With score or drop (or reward_workers >= 1, or a verifier) the step reports the counts reward_timeouts, reward_exceptions, reward_nonfinite, reward_rows_dropped, reward_rows_fixed_score and reward_retry_calls."""
+    reward_failure_score: float = knob(0.0, REWARDS, REWARD)
+    """reward_failure score only: the score of a row whose reward-function call failed (before reward_weights)."""
+    reward_retry_calls: int = knob(16, REWARDS, REWARD, check=at_least(0))
+    """reward_failure score or drop: the most extra calls per reward function and batch that bisect failed calls down to their failing rows (a chunk of n rows needs at most 2n - 2); when they run out, a failed call's rows all get the policy. With a function that hangs, each round of them can take reward_timeout_s."""
+    reward_verifier_batch_size: int = knob(0, REWARDS, REWARD, check=at_least(0))
+    """A reward_funcs entry that is a URL (http://host:port/path) is a verifier service: the reward actor POSTs {"prompts": [...], "responses": [...]} and reads {"scores": [...]}, one number per response. This: rows per request (0 = the whole batch in one), where the service limits it."""
+    reward_verifier_concurrency: int = knob(1, REWARDS, REWARD, check=at_least(1))
+    """Verifier requests the reward actor sends at once (threads)."""
+    reward_verifier_retries: int = knob(2, REWARDS, REWARD, check=at_least(0))
+    """Retries of a verifier request refused, reset or answered with HTTP 5xx, after reward_verifier_backoff_s, then twice that, and so on; a timeout, a 4xx or a malformed reply is not retried (reward_failure decides)."""
+    reward_verifier_backoff_s: float = knob(0.5, REWARDS, REWARD, check=at_least(0))
+    """The first wait before a verifier request is retried (doubling each retry)."""
     ppo_dropout: bool = knob(False, ALGORITHM, LEARNER)
     """Apply dropout (lora_dropout and the models' own: dropout layers, and functional dropout such as attention_dropout, hidden_dropout or resid_pdrop in the model's config) in the learner's PPO forwards. Off by default, as in the N+ recipe and TRL (disable_dropout): the old logprobs come from a dropout-free pass, so dropout in the training forward alone would put the first minibatch's ratio off 1 (benchmarks/RESULTS.md, "Correctness fixes: stale prefix-cache KV, dropout and the ratio"). Off turns every form off in the policy and the value model (learner.learner.disable_dropout); the adapters' saved config keeps lora_dropout."""
     logprob_gap_check: str = knob("resync", ALGORITHM, choices=("resync", "error", "warn", "off"))
@@ -495,6 +515,8 @@ class PPOConfig:
     """CPUs reserved per scorer actor (reference, reward); they are idle while others run."""
     scorer_num_gpus: float = knob(0.0, RESOURCES, gpu=True, check=at_least(0))
     """GPUs per scorer actor."""
+    reward_worker_num_cpus: float = knob(1.0, RESOURCES, REWARD, check=at_least(0))
+    """CPUs each reward worker (reward_workers) reserves; they run outside the run's placement group, wherever Ray finds them (a worker that cannot start within placement_timeout_s fails the reward actor's start, naming this field)."""
     scorer_torch_threads: int = knob(0, RESOURCES, REFERENCE, REWARD)
     """torch CPU threads in each scorer actor; 0 = auto: on a CPU-only run whose scorers reserve no CPU (scorer_num_cpus 0), half the node's cores each (the reference and reward actors run at the same time, while the generator and the learner wait; a quarter under max_staleness >= 1); otherwise Ray's rule (OMP_NUM_THREADS from scorer_num_cpus, 1 thread when it reserves under 2 CPUs). Keep twice this within the cores: the two scorers run at the same time, and more threads than cores slow both (benchmarks/RESULTS.md, "The first minibatch's ratio, per old_logprobs mode")."""
     cpu_malloc_keep: bool = knob(True, RESOURCES)
@@ -507,8 +529,8 @@ class PPOConfig:
     """Custom Ray resources per learner actor (see generator_resources)."""
     scorer_resources: dict[str, float] = knob(fresh(dict), RESOURCES, check=custom_resources)
     """Custom Ray resources per scorer actor, reference and reward (see generator_resources)."""
-    placement_timeout_s: float = knob(60.0, RESOURCES)
-    """Seconds to wait for the cluster to reserve every actor's resources; then a ClusterError names what did not fit."""
+    placement_timeout_s: float = knob(60.0, RESOURCES, REWARD)
+    """Seconds to wait for the cluster to reserve every actor's resources (and to start the reward workers); then a ClusterError names what did not fit."""
     max_staleness: int = knob(0, GENERATION, LEARNER, GENERATOR, check=within(0, MAX_STALENESS))
     """Asynchronous training with bounded staleness: the rollouts of step t are sampled with adapter version max(0, t - 1 - max_staleness), so the generators sample the next max_staleness steps' batches while the learner trains on this one. 0 = the synchronous step (the seeds' loop); 1 = one step of overlap (what overlap_generation: true was; a config or checkpoint that says overlap_generation still loads); 2 or more keeps max_staleness + 1 adapter versions alive in each generator's vLLM engine (max_loras), each retired when no batch needs it, and the engine's continuous batching runs the batches of several steps at once, so the short responses of the next steps fill the slots the longest ones of this step leave (lora_sync adapter or tensor: auto picks tensor; merged holds one set of weights and refuses 2 or more). Stale steps take the generator's (behaviour) logprobs as the PPO ratio's denominator; the learner refuses rollouts more than max_staleness versions behind. The version of a batch is a function of its step, not of timing, so a batch lost to an actor failure or left in flight at a checkpoint is generated again exactly (checkpoints keep the last max_staleness adapters): a retried or resumed run equals a straight one."""
     partial_rollout: str = knob("finish", GENERATION, choices=("finish", "continue"))
@@ -635,7 +657,11 @@ class PPOConfig:
         self._validate_data_sources(need)
         need(len(self.lora_target_modules) > 0, "lora_target_modules", "must name at least one module")
         for spec in self.reward_funcs:
-            need(_is_func_spec(spec), "reward_funcs", f"entry {spec!r} must look like 'package.module:function'")
+            need(_is_func_spec(spec) or spec.startswith(("http://", "https://")), "reward_funcs",
+                 f"entry {spec!r} must look like 'package.module:function' or be a verifier's http(s):// URL")
+        need(math.isfinite(self.reward_failure_score), "reward_failure_score", "must be finite")
+        need(self.reward_failure != "drop" or self.nonfinite_reward == "drop", "reward_failure",
+             "drop needs nonfinite_reward: drop (a dropped row's score is NaN, which the learner masks out only then)")
         n_sources = len(self.reward_funcs) + (self.reward_model_name is not None)
         need(not self.reward_weights or len(self.reward_weights) == n_sources, "reward_weights",
              f"needs one weight per reward source ({n_sources}: reward model first, then reward_funcs)")

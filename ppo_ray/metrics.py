@@ -6,6 +6,10 @@
     metrics.record_retry("generator")                  # a caller retried a failed actor call
     metrics.record_logprob_gap("merged")               # a step failed the generator-vs-learner check
 
+A step with guarded reward calls (reward_workers, reward_failure, a verifier) also counts its
+failures: `ppo_reward_failures{kind=timeout|exception|nonfinite|row_dropped|row_fixed_score|
+retry_call}`, from the step's reward_<kind> keys.
+
 Each node's Ray exports what its processes record on that node's Prometheus endpoint
 (`ray start --metrics-export-port P` -> http://<node>:P/metrics), with Ray's `ray_` prefix:
 `ppo_reward_mean` is scraped as `ray_ppo_reward_mean`, the counter `ppo_retries` as
@@ -76,6 +80,11 @@ PHASE_PREFIX, PHASE_SUFFIX = "time/", "_s"
 PHASE_GAUGE = "ppo_phase_seconds"  # one gauge, tagged phase=generate|reference|reward|...
 RETRY_COUNTER = "ppo_retries"      # exported as ray_ppo_retries_total
 GAP_COUNTER = "ppo_logprob_gap_exceeded"  # exported as ray_ppo_logprob_gap_exceeded_total
+REWARD_FAILURE_COUNTER = "ppo_reward_failures"  # exported as ray_ppo_reward_failures_total{kind=...}
+# kind -> the step's key (ppo_ray.stats.RewardFailures.parts: present with guarded reward calls)
+REWARD_FAILURE_KINDS = {"timeout": "reward_timeouts", "exception": "reward_exceptions",
+                        "nonfinite": "reward_nonfinite", "row_dropped": "reward_rows_dropped",
+                        "row_fixed_score": "reward_rows_fixed_score", "retry_call": "reward_retry_calls"}
 
 _PROM_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 
@@ -93,7 +102,8 @@ class TrainingMetrics:
     """The gauges and counters of one training run. Create it after Ray is initialised, in
     the process that calls record_* (Ray's metric objects are per process)."""
 
-    def __init__(self, run: str, roles: Sequence[str] = (), lora_sync: str | None = None):
+    def __init__(self, run: str, roles: Sequence[str] = (), lora_sync: str | None = None,
+                 reward_failures: bool = False):
         self.run = run
         tags = ("run",)
         self._gauges = {key: Gauge(metric_name(key), description=text, tag_keys=tags)
@@ -107,17 +117,28 @@ class TrainingMetrics:
                              "the correction's band, logprob_gap_outside_tolerance): the generator sampled from "
                              "another policy",
                              tag_keys=("run", "lora_sync"))
+        self._reward_failures = Counter(
+            REWARD_FAILURE_COUNTER, description="guarded reward-function calls (reward_workers, reward_failure, "
+            "verifiers) by kind: calls past reward_timeout_s (timeout) or that raised (exception), function scores "
+            "that were NaN/inf (nonfinite), scores dropped (row_dropped) or set to reward_failure_score "
+            "(row_fixed_score) by reward_failure, extra calls that isolated failing rows (retry_call)",
+            tag_keys=("run", "kind"))
         # Every counter's series exists from the start, at 0: a counter Ray has not seen
         # incremented is not exported at all, and Grafana shows "No data" for a healthy run.
         for role in roles:
             _zero(self._retries, {"run": run, "role": role})
         if lora_sync is not None:
             _zero(self._gaps, {"run": run, "lora_sync": lora_sync})
+        if reward_failures:
+            for kind in REWARD_FAILURE_KINDS:
+                _zero(self._reward_failures, {"run": run, "kind": kind})
 
     def record_step(self, out: Mapping[str, object]) -> dict[str, float]:
-        """Set the gauges from one ppo_step output. Missing, non-numeric and non-finite values
+        """Set the gauges from one ppo_step output, and count its reward failures (the
+        reward_<kind> keys, when present and > 0). Missing, non-numeric and non-finite values
         are skipped (Ray drops a NaN gauge from the export anyway). Returns what was set,
-        keyed by metric name (phases as ppo_phase_seconds{phase=...})."""
+        keyed by metric name (phases as ppo_phase_seconds{phase=...}, reward failures as
+        ppo_reward_failures{kind=...})."""
         recorded: dict[str, float] = {}
         tags = {"run": self.run}
         for key, gauge in self._gauges.items():
@@ -132,6 +153,11 @@ class TrainingMetrics:
                     phase = key[len(PHASE_PREFIX):-len(PHASE_SUFFIX)]
                     self._phases.set(value, tags={"run": self.run, "phase": phase})
                     recorded[f"{PHASE_GAUGE}{{phase={phase}}}"] = value
+        for kind, key in REWARD_FAILURE_KINDS.items():
+            value = _finite(out.get(key))
+            if value:  # Counter.inc refuses 0
+                self._reward_failures.inc(value, tags={"run": self.run, "kind": kind})
+                recorded[f"{REWARD_FAILURE_COUNTER}{{kind={kind}}}"] = value
         return recorded
 
     def record_logprob_gap(self, lora_sync: str) -> None:

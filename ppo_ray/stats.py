@@ -74,6 +74,24 @@ class ReferenceStats:
 
 
 @dataclass(frozen=True)
+class RewardFailures:
+    """What went wrong in one score call's guarded reward-function calls (actors.reward:
+    reward workers, an HTTP verifier, or a reward_failure policy other than error), counted."""
+
+    timeouts: float = 0.0          # calls past reward_timeout_s (a worker's: killed and replaced)
+    exceptions: float = 0.0        # calls that raised, returned unusable values, whose worker died, or a
+                                   # verifier request that failed after its retries
+    nonfinite: float = 0.0         # function scores (row x function) that were NaN/inf: nonfinite_reward's rule
+    rows_dropped: float = 0.0      # function scores (row x function) dropped by reward_failure: drop
+    rows_fixed_score: float = 0.0  # function scores (row x function) set to reward_failure_score
+    retry_calls: float = 0.0       # extra calls that isolated the failing rows of failed calls (bisection)
+
+    def parts(self) -> dict[str, float]:
+        """The counts as StepResult keys: reward_timeouts, reward_exceptions, ..."""
+        return {f"reward_{name}": value for name, value in dataclasses.asdict(self).items()}
+
+
+@dataclass(frozen=True)
 class RewardStats:
     """What the reward actor's score call sends the driver beside its (B,) scores."""
 
@@ -81,11 +99,14 @@ class RewardStats:
                                     # order): its mean finite score (NaN: none finite)
     dropped_nonfinite: float        # combined scores that were not finite (nonfinite_reward: drop)
     seconds: float
+    failures: Optional[RewardFailures] = None  # guarded calls' failures; None: the calls were not guarded
 
     def parts(self) -> dict[str, float]:
-        """StepResult.reward_parts: score/<source> means, then dropped_nonfinite."""
+        """StepResult.reward_parts: score/<source> means, then dropped_nonfinite, then (guarded
+        calls only) the failure counts (RewardFailures.parts)."""
         return {**{f"score/{name}": mean for name, mean in self.source_means.items()},
-                "dropped_nonfinite": self.dropped_nonfinite}
+                "dropped_nonfinite": self.dropped_nonfinite,
+                **(self.failures.parts() if self.failures is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -217,7 +238,7 @@ class StepResult(Mapping):
     finish_reasons: list[str]           # per rollout: "stop" (ended with EOS) or "length" (cut at max_new_tokens)
     rewards: list[float]                # the reward actor's combined score per rollout (NaN: dropped)
     learner: LearnerStats
-    reward_parts: dict[str, float]      # score/<source> means and dropped_nonfinite
+    reward_parts: dict[str, float]      # score/<source> means, dropped_nonfinite (and reward_<failure> counts)
     adapter_version: int                # the version the generators hold after the sync
     timing: StepTiming
     lora_sync_bytes: int

@@ -46,7 +46,7 @@ from ppo_ray.metrics import TrainingMetrics
 from ppo_ray.modeling import check_context_length, load_tokenizer
 from ppo_ray.paths import resolve_model_path
 from ppo_ray.placement import HOSTS, create_roles, init_ray
-from ppo_ray.rewards import check_reward_sources
+from ppo_ray.rewards import check_reward_sources, guarded_calls
 from ppo_ray.roles import RETRYABLE, SAMPLING_SEED_STEP, Generation, Roles, Update, role_names
 from ppo_ray.runlock import RunLock
 from ppo_ray.runlog import RunLog
@@ -161,7 +161,9 @@ class PPOTrainer:
         self.namespace = f"ppo-{uuid.uuid4().hex[:8]}"
         # Prometheus gauges and counters (those at 0 for each role and the sync mode), tagged run=namespace
         self.metrics = TrainingMetrics(run=self.namespace, roles=role_names(config.num_generators, config.num_learners),
-                                       lora_sync=config.lora_sync_mode)
+                                       lora_sync=config.lora_sync_mode,
+                                       reward_failures=guarded_calls(config.reward_workers, config.reward_failure,
+                                                                     config.reward_funcs))
         log.info("run tag %s (actors %s/<role>, their Ray namespace, Prometheus label run=\"%s\")",
                  self.namespace, self.namespace, self.namespace)
         self.roles: Roles = create_roles(

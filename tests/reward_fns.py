@@ -45,3 +45,31 @@ def e_fraction_held_in_eval(prompts, completions):
         while time.monotonic() < deadline:
             time.sleep(0.1)
     return letter_e_fraction(prompts, completions)
+
+
+# The reward pool's tests (tests/test_reward_pool.py): responses "r<i>" score i exactly; the
+# row whose response is "r3" sleeps, raises or returns NaN.
+def row_number(completion: str) -> float:
+    return float(completion[1:])
+
+
+def sleeps_on_r3(prompts, completions):
+    import time
+
+    if "r3" in completions:
+        time.sleep(600)  # past any test's reward_timeout_s: the pool kills this worker
+    return [row_number(c) for c in completions]
+
+
+def raises_on_r3(prompts, completions):
+    if "r3" in completions:
+        raise ValueError("row r3 is bad")
+    return [row_number(c) for c in completions]
+
+
+def nan_on_r3(prompts, completions):
+    return [math.nan if c == "r3" else row_number(c) for c in completions]
+
+
+def numbers(prompts, completions):
+    return [row_number(c) for c in completions]

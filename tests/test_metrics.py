@@ -58,3 +58,15 @@ def test_throughput_gauges():
         "learner_mfu": float("nan"), "queue_depth": 0.0})
     assert recorded == {"ppo_rollout_tokens_per_s": 400.0, "ppo_learner_tokens_per_s": 120.0,
                         "ppo_learner_flops_per_s": 2.5e10, "ppo_queue_depth": 0.0}
+
+
+def test_reward_failures_are_counted_by_kind():
+    """A step with guarded reward calls counts its failures (the reward_<kind> keys > 0); a step
+    without them (the default path: no such keys) counts nothing."""
+    metrics = TrainingMetrics(run="unit", reward_failures=True)  # the series exist at 0
+    recorded = metrics.record_step({"reward_timeouts": 2.0, "reward_exceptions": 0.0, "reward_nonfinite": 1.0,
+                                    "reward_rows_dropped": 1.0, "reward_rows_fixed_score": 0.0,
+                                    "reward_retry_calls": 2.0})
+    assert recorded == {"ppo_reward_failures{kind=timeout}": 2.0, "ppo_reward_failures{kind=nonfinite}": 1.0,
+                        "ppo_reward_failures{kind=row_dropped}": 1.0, "ppo_reward_failures{kind=retry_call}": 2.0}
+    assert TrainingMetrics(run="unit").record_step({"step": 1}) == {"ppo_step": 1.0}
