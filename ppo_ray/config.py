@@ -433,8 +433,10 @@ class PPOConfig:
     """Bundled task only: fraction of the posters' reference TL;DRs (SFT data) that state every key fact; the rest leave one out (ppo_ray/tasks/tldr_synth.py). 1.0 = every reference is ideal."""
     task: str = knob("tldr", DATA, must_match=True, choices=("tldr", "arith"))
     """The pipeline's bundled task (launch.py's stages): tldr (the TL;DR-style summaries: SFT -> reward model -> PPO, judged by the gold judge; ppo_ray/tasks/tldr_synth.py) or arith (multi-digit addition with a verifier as the reward: SFT -> RL, judged by pass@1 and pass@k on held-out problems; ppo_ray/tasks/arith.py). Plain PPO runs with reward sources (stage ppo) do not read it."""
-    arith_digits: int = knob(3, DATA, must_match=True, check=at_least(1))
+    arith_digits: int = knob(2, DATA, must_match=True, check=at_least(1))
     """task arith only: digits of each operand."""
+    arith_carry_slip: float = knob(0.6, DATA, must_match=True, check=within(0, 1))
+    """task arith only: the SFT data's annotator forgets the units carry of a problem that has one with this probability (the tens digit one too small), so SFT learns the slip and RL, scored by the verifier, has it to undo (ppo_ray/tasks/arith.py). 0 = every SFT answer right."""
 
     # ---------------------------------------------------------------- SFT and reward-model stages
     sft_epochs: int = knob(3, STAGES, check=at_least(1))

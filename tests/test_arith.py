@@ -8,7 +8,7 @@ import json
 import pytest
 
 from ppo_ray.rewards import RewardError
-from ppo_ray.tasks.arith import is_right, operands, pass_at_k, verify, write_task
+from ppo_ray.tasks.arith import is_right, operands, pass_at_k, units_carry, verify, write_task
 
 
 SMALL = {"sft_train": 300, "sft_validation": 20, "prompts_train": 300, "prompts_validation": 20, "prompts_test": 50}
@@ -24,10 +24,28 @@ def test_the_splits_are_deterministic_disjoint_and_right(tmp_path):
     for name, path in a.items():
         for row in map(json.loads, path.read_text().splitlines()):
             x, y = operands(row["prompt"])
-            assert 10 <= x <= 99 and 10 <= y <= 99 and row["answer"] == str(x + y)
+            assert 10 <= x <= 99 and 10 <= y <= 99
+            assert row["answer"] == str(x + y - 10 * row.get("slip", False))
             key = (min(x, y), max(x, y))
             assert seen.setdefault(key, name) == name, f"{row['prompt']} is in {seen[key]} and {name}"
     assert len(a["sft_train.jsonl"].read_text().splitlines()) == 300
+
+
+@pytest.mark.parametrize("slip", [0.0, 0.6, 1.0])
+def test_the_sft_annotator_forgets_the_units_carry_at_its_rate(tmp_path, slip):
+    """SFT answers slip (a + b - 10) only where the units digits carry, at about carry_slip of
+    those; the prompts' answers are always the true sums."""
+    paths = write_task(tmp_path, seed=1, digits=2, carry_slip=slip, sizes=SMALL)
+    rows = [json.loads(line) for line in paths["sft_train.jsonl"].read_text().splitlines()]
+    carry = [r for r in rows if units_carry(*operands(r["prompt"]))]
+    assert not any(r["slip"] for r in rows if not units_carry(*operands(r["prompt"])))
+    rate = sum(r["slip"] for r in carry) / len(carry)
+    assert rate == slip if slip in (0.0, 1.0) else abs(rate - slip) < 4 * (slip * (1 - slip) / len(carry)) ** 0.5
+    for r in carry:
+        a, b = operands(r["prompt"])
+        assert r["answer"] == str(a + b - 10 * r["slip"]) and is_right(r["prompt"], r["answer"]) is not r["slip"]
+    for r in map(json.loads, paths["prompts_test.jsonl"].read_text().splitlines()):
+        assert is_right(r["prompt"], r["answer"])
 
 
 @pytest.mark.parametrize("completion, right", [

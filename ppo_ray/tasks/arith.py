@@ -1,5 +1,12 @@
 """The second bundled task: multi-digit addition, scored by a verifier (RLVR).
 
+Like the TL;DR task's posters, whose references leave facts out, the SFT data here comes from
+a sloppy annotator: where the units digits add up to 10 or more, the SFT answer forgets that
+carry with probability ``carry_slip`` (the tens digit is one too small). A model fine-tuned
+on it learns the slip as the likelier answer to such problems, while the right one stays in
+its samples: the margin RL closes with the verifier, which knows the true sum (issue 46: "SFT
+leaves a clear margin that RL can close"; benchmarks/RESULTS.md measures it).
+
 A prompt is ``"{a}+{b}="`` with two ``digits``-digit operands; the answer is the decimal sum,
 and the policy's response is right when it is exactly that number (surrounding whitespace
 ignored) followed by EOS. The byte-level tokenizer of the embedded models writes each digit as
@@ -7,9 +14,10 @@ its own token when no space precedes it (``"347+589="`` is 8 tokens), so the mod
 digits one by one.
 
 - :func:`write_task` writes the splits as JSONL: ``sft_{train,validation}.jsonl`` (prompt,
-  answer: the SFT warm start's targets) and ``prompts_{train,validation,test}.jsonl`` (prompt,
-  answer: what RL samples from, and the held-out problems). No problem (an unordered pair of
-  operands) is in two splits.
+  answer: the SFT warm start's targets, with the annotator's slips; ``slip``: whether this
+  answer has one) and ``prompts_{train,validation,test}.jsonl`` (prompt, answer: the true sum;
+  what RL samples from, and the held-out problems). No problem (an unordered pair of operands)
+  is in two splits.
 - :func:`verify` is the reward function (``ppo_ray.tasks.arith:verify``): 1.0 for the right
   sum, else 0.0. It reads the operands back from the prompt, so it needs no data and cannot
   be fooled by a row's stored answer; a prompt that is not an addition is a RewardError
@@ -74,8 +82,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def _problems(rng: random.Random, n: int, digits: int, taken: set) -> list[tuple[int, int]]:
     lo, hi = 10 ** (digits - 1), 10 ** digits - 1
-    if n > (hi - lo + 1) ** 2 // 4:
-        raise ValueError(f"{n} problems is too many for {digits}-digit operands")
+    span = hi - lo + 1
+    if len(taken) + n > span * (span + 1) // 2 * 0.98:  # unordered pairs; rejection sampling needs some slack
+        raise ValueError(f"{len(taken) + n} distinct problems is too many for {digits}-digit operands "
+                         f"({span * (span + 1) // 2} exist)")
     out = []
     while len(out) < n:
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
@@ -87,16 +97,24 @@ def _problems(rng: random.Random, n: int, digits: int, taken: set) -> list[tuple
     return out
 
 
-SPLITS = {"sft_train": 10000, "sft_validation": 200, "prompts_train": 4000, "prompts_validation": 200,
-          "prompts_test": 200}
+SPLITS = {"sft_train": 2500, "sft_validation": 100, "prompts_train": 1000, "prompts_validation": 200,
+          "prompts_test": 200}  # 4000 of the 4095 distinct 2-digit problems
 
 
-def write_task(out_dir: str | Path, seed: int = 0, digits: int = 3,
+def units_carry(a: int, b: int) -> bool:
+    return a % 10 + b % 10 >= 10
+
+
+def write_task(out_dir: str | Path, seed: int = 0, digits: int = 2, carry_slip: float = 0.6,
                sizes: dict[str, int] | None = None) -> dict[str, Path]:
     """Write the splits (SPLITS' names and sizes, or `sizes`) under `out_dir` as JSONL rows
-    {id, prompt, answer}; returns {file name: path}. Every problem is in one split only."""
+    {id, prompt, answer} (SFT rows also `slip`); returns {file name: path}. Every problem is in
+    one split only. An SFT answer to a problem with a units carry is a + b - 10 (the carry
+    forgotten) with probability `carry_slip`; the prompts' answers are the true sums."""
     if digits < 1:
         raise ValueError(f"digits must be >= 1, got {digits}")
+    if not 0.0 <= carry_slip <= 1.0:
+        raise ValueError(f"carry_slip must be in [0, 1], got {carry_slip}")
     sizes = {**SPLITS, **(sizes or {})}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -104,8 +122,13 @@ def write_task(out_dir: str | Path, seed: int = 0, digits: int = 3,
     taken: set = set()
     paths = {}
     for name, n in sizes.items():
-        rows = [{"id": f"{name}-{i}", "prompt": prompt_of(a, b), "answer": str(a + b)}
-                for i, (a, b) in enumerate(_problems(rng, n, digits, taken))]
+        rows = []
+        for i, (a, b) in enumerate(_problems(rng, n, digits, taken)):
+            row = {"id": f"{name}-{i}", "prompt": prompt_of(a, b), "answer": str(a + b)}
+            if name.startswith("sft"):
+                row["slip"] = units_carry(a, b) and rng.random() < carry_slip
+                row["answer"] = str(a + b - 10 * row["slip"])
+            rows.append(row)
         path = out / f"{name}.jsonl"
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
         paths[path.name] = path

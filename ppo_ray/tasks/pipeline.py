@@ -145,7 +145,7 @@ def write_data(config: PPOConfig, run_dir: Path) -> Path:
     if config.task == "arith":
         from ppo_ray.tasks.arith import write_task as write_arith
 
-        write_arith(data_dir, seed=config.seed, digits=config.arith_digits)
+        write_arith(data_dir, seed=config.seed, digits=config.arith_digits, carry_slip=config.arith_carry_slip)
         return data_dir
     from ppo_ray.tasks.tldr_synth import write_task
 
