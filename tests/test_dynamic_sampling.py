@@ -247,3 +247,17 @@ def _from_step_two(trainer, run_dir, new_dir):
     trainer.restore(new_dir)
     assert trainer.step == 2 and trainer.version == 2
     return trainer
+
+
+def test_ppo_step_filters_and_fills_without_drawing(dynamic_run):
+    """ppo_step(prompts) has no cursor to draw from: one round, its varying groups first in
+    generation order and the constant ones filling (here 2 of 4 prompts are marked)."""
+    from reward_fns import SAME_MARK
+
+    trainer, prompts, order, _, _ = dynamic_run
+    cursor = trainer.cursor.state()
+    plain = [p for p in prompts if SAME_MARK not in p]
+    out = trainer.ppo_step([SAME_MARK + plain[0], plain[1], SAME_MARK + plain[2], plain[3]])
+    assert out.rewards == [1.0, 1.0, 2.0, 3.0, 1.0, 1.0, 6.0, 7.0]
+    assert out.dynamic_sampling == DynamicSampling(rounds=1, kept_frac=0.5, filled=2)
+    assert trainer.cursor.state()[0] == cursor[0]
