@@ -84,8 +84,6 @@ def sync_probe_prompts(tokenizer, seed: int, max_prompt_length: int, n: int = 4,
     """The sync check's fixed probe prompts: `n` prompts of `length` ordinary token ids (no
     special tokens) drawn with the run seed. Random tokens share no prefix-cache block with
     real prompts, so the probe neither reads KV that rollouts left nor leaves KV they reuse."""
-    import torch
-
     special = set(tokenizer.all_special_ids)
     vocab = [i for i in range(tokenizer.vocab_size) if i not in special]
     rows = torch.randint(len(vocab), (n, min(length, max_prompt_length)), generator=torch.Generator().manual_seed(seed))
