@@ -706,13 +706,51 @@ def group_mean_baseline(scores: Tensor, valid: Tensor, dense: Tensor, n_groups: 
     dev = torch.where(valid, r - mean[dense], zero)                                 # (B,)
     # unbiased (Bessel) std, as verl (torch.std) and OpenRLHF (Tensor.std) compute GRPO's
     var = _group_sum(dev.square(), dense, n_groups) / (count - 1).clamp(min=1)      # (G,)
-    hi = torch.full((n_groups,), -math.inf, dtype=r.dtype, device=r.device).scatter_reduce_(
-        0, dense, torch.where(valid, r, torch.full_like(r, -math.inf)), "amax")
-    lo = torch.full((n_groups,), math.inf, dtype=r.dtype, device=r.device).scatter_reduce_(
-        0, dense, torch.where(valid, r, torch.full_like(r, math.inf)), "amin")
+    hi, lo = _group_range(r, valid, dense, n_groups)
     same = (hi == lo)[dense]                                                        # (B,)
     dev = torch.where(same, zero, dev)
     return dev, var.sqrt()[dense], count[dense]
+
+
+def _group_range(x: Tensor, valid: Tensor, dense: Tensor, n_groups: int) -> tuple[Tensor, Tensor]:
+    """(G,) per-group (max, min) of the (B,) ``x`` over the valid rows; a group without a
+    valid row gets (-inf, inf)."""
+    hi = torch.full((n_groups,), -math.inf, dtype=x.dtype, device=x.device).scatter_reduce_(
+        0, dense, torch.where(valid, x, torch.full_like(x, -math.inf)), "amax")
+    lo = torch.full((n_groups,), math.inf, dtype=x.dtype, device=x.device).scatter_reduce_(
+        0, dense, torch.where(valid, x, torch.full_like(x, math.inf)), "amin")
+    return hi, lo
+
+
+def varying_groups(scores: Tensor, groups: Tensor) -> Tensor:
+    """DAPO's dynamic-sampling filter (Yu et al. 2025, section 3.2, eq. 11: keep a prompt when
+    0 < |{o_i correct}| < G, i.e. its group's rewards are not all equal; verl's
+    recipe/dapo filter_groups on the sequence score): which rows belong to a group whose
+    scores vary.
+
+    A group baseline gives a group of equal scores a score advantage of exactly 0
+    (group_mean_baseline): it carries no policy-gradient signal, only its KL term. Non-finite
+    scores (rows dropped by nonfinite_reward / reward_failure: drop) take no part, as they
+    take none in the baselines: a group varies when it has two finite scores that differ, so a
+    group with fewer than two finite scores does not. Scores are compared exactly (in float64,
+    which holds every float32 value): two scores that differ in the last bit differ.
+
+    Args:
+        scores: ``(B,)`` float sequence scores; NaN/inf = a dropped row.
+        groups: ``(B,)`` long group ids (RolloutBatch.groups; rows of one id are samples of
+            one prompt, in any order).
+
+    Returns:
+        ``(B,)`` bool: True on every row of a varying group.
+    """
+    if scores.shape != groups.shape or scores.dim() != 1:
+        raise ValueError(f"varying_groups: scores {tuple(scores.shape)} and groups {tuple(groups.shape)} must be "
+                         "(B,) alike")
+    s = scores.double()
+    finite = torch.isfinite(s)
+    ids, dense = torch.unique(groups, return_inverse=True)
+    hi, lo = _group_range(torch.where(finite, s, torch.zeros_like(s)), finite, dense, ids.numel())
+    return (hi > lo)[dense]  # (B,); a group of one finite score has hi == lo, of none -inf > inf: False
 
 
 GRPO_EPS = 1e-6  # verl's epsilon in compute_grpo_outcome_advantage

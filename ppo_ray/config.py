@@ -331,6 +331,10 @@ class PPOConfig:
     """overlong_buffer's largest penalty (DAPO's and verl's penalty_factor, 1.0)."""
     overlong_filter: bool = knob(False, ALGORITHM, LEARNER)
     """DAPO's overlong filtering (Yu et al. 2025, section 3.4; TRL's mask_truncated_completions): responses cut at max_new_tokens without EOS are left out of the policy loss (and of kl_in_loss's term); their scores still count in the group baselines, and the value model still trains on them. The overlong_filtered stat is the share of the step's responses left out."""
+    dynamic_sampling: bool = knob(False, ALGORITHM)
+    """DAPO's dynamic sampling (Yu et al. 2025, section 3.2, eq. 11; verl's recipe/dapo filter_groups): groups whose scores do not vary (all of a prompt's samples_per_prompt scores equal: under the group baselines grpo, rloo and reinforce_pp their advantage is 0, only the KL term) are dropped after scoring, and train() draws the next prompts_per_step prompts of its data cursor, generates and scores them (a generation round) until prompts_per_step groups vary or dynamic_sampling_max_rounds extra rounds have run; the step trains on the first prompts_per_step varying groups in generation order (varying groups beyond them are discarded, as DAPO does). When the cap leaves too few, the first dropped groups fill the batch (batch_size never changes). Non-finite scores (nonfinite_reward: drop) do not count: a group varies when two of its finite scores differ. Every prompt drawn counts in the cursor (a resumed run continues exactly), round r's prompts are sampled with seeds of the global indices r * prompts_per_step + i, and a retried step reuses its rounds. Each step reports dynamic_sampling_rounds, dynamic_sampling_kept_frac and dynamic_sampling_filled. ppo_step(prompts) filters and fills but draws nothing more (1 round). Any advantage_estimator: with gae a constant group still has advantages (the value model's errors), so there the filter is a choice of what to learn from rather than a cut of zero-gradient rows. Needs samples_per_prompt >= 2 and max_staleness 0 (the design for the asynchronous step: docs/ARCHITECTURE.md, "Bounded staleness")."""
+    dynamic_sampling_max_rounds: int = knob(4, ALGORITHM, check=at_least(0))
+    """dynamic_sampling: the most extra generation rounds (of prompts_per_step prompts each) a step runs beyond its first (verl's max_num_gen_batches counts the first too, and stops the run with an error at its cap, where this fills the batch); 0 = filter and fill, never draw more."""
     entropy_coef: float = knob(0.0, ALGORITHM, LEARNER)
     """Entropy bonus weight in the policy loss."""
     kl_target: Optional[float] = knob(None, ALGORITHM, LEARNER)
@@ -600,6 +604,13 @@ class PPOConfig:
             need(self.max_staleness >= 2, "partial_rollout",
                  f"continue needs max_staleness >= 2 (got {self.max_staleness}): below it a batch's adapter version is "
                  "already the newest its step may sample with, so there is no newer one to continue on")
+        if self.dynamic_sampling:
+            need(self.samples_per_prompt >= 2, "dynamic_sampling",
+                 f"needs samples_per_prompt >= 2 (got {self.samples_per_prompt}): it keeps the prompts whose samples' "
+                 "scores differ, and one sample never differs from itself")
+            need(self.max_staleness == 0, "dynamic_sampling",
+                 f"needs max_staleness 0 (got {self.max_staleness}): the synchronous step only for now; how it will "
+                 "work with a stream of groups is in docs/ARCHITECTURE.md, \"Bounded staleness\"")
         need(self.max_staleness <= 1 or self.lora_sync_mode != "merged", "max_staleness",
              "needs lora_sync adapter or tensor above 1: merged weights hold one adapter version, and "
              f"max_staleness {self.max_staleness} keeps {self.max_staleness + 1} alive in the generators")

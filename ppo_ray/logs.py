@@ -133,7 +133,8 @@ def format_step(result: "StepResult", total: int | None = None, *, adaptive_kl: 
     """One PPO step's console line: step, reward, KL (and beta when it moves: `adaptive_kl`,
     the config's kl_target set; a fixed beta is the config's own), losses, the gold score and
     the eval reward when the step was evaluated (result.extra), stale versions (overlap mode),
-    the rollout queue's depth (when not 0), step seconds, tokens/s of the step and, where
+    the rollout queue's depth (when not 0), dynamic sampling's rounds, kept share and filled
+    groups (when it is on), step seconds, tokens/s of the step and, where
     measured, of the generation and the learner, and the learner's MFU."""
     learner, extra = result.learner, result.extra
     parts = [f"step {result.step}" + (f"/{total}" if total else ""),
@@ -151,6 +152,10 @@ def format_step(result: "StepResult", total: int | None = None, *, adaptive_kl: 
         parts.append(f"stale {_num(learner.stale_versions, '.0f' if float(learner.stale_versions).is_integer() else '.2f')}")
     if result.queue_depth:
         parts.append(f"queue {_num(result.queue_depth, '.0f')}")
+    if result.dynamic_sampling is not None:  # "rounds 2 kept 62%", and the filled groups when there are any
+        ds = result.dynamic_sampling
+        parts.append(f"rounds {ds.rounds} kept {_num(100 * ds.kept_frac, '.0f')}%"
+                     + (f" filled {ds.filled}" if ds.filled else ""))
     parts += [f"{_num(result.timing.step_s, '.2f')} s", f"{_rate(result.tokens_per_s)} tok/s"]
     # each phase's own rate where measured: "(gen 420, learn 310)", then the learner's MFU
     phases = [f"{label} {_rate(rate)}" for label, rate in (("gen", result.rollout_tokens_per_s),

@@ -56,6 +56,10 @@ STEP_GAUGES: dict[str, str] = {
     "learner_mfu": "learner_flops_per_s / the device's peak: a GPU's dense datasheet rate in the learner's dtype, or on "
                    "the CPU one large float32 matmul's measured rate (not set for an unlisted GPU)",
     "queue_depth": "rollout batches in flight beyond the one the step trained on, while its learner trained (0 .. max_staleness)",
+    "dynamic_sampling_rounds": "dynamic_sampling: generation rounds the step ran (1 = none beyond its first batch)",
+    "dynamic_sampling_kept_frac": "dynamic_sampling: groups whose scores vary / groups generated in the step",
+    "dynamic_sampling_filled": "dynamic_sampling: groups of constant scores that filled the step's batch (the rounds' "
+                               "cap left too few varying)",
     "response_tokens": "response tokens generated in the step (EOS included, padding not)",
     "response_length_mean": "mean response length of the step's rollouts, in tokens (EOS included)",
     "response_length_max": "longest response of the step, in tokens (EOS included; max_new_tokens when one was cut)",

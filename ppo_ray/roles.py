@@ -116,15 +116,16 @@ class Roles:
     def generate(self, prompt_ids: Sequence[Sequence[int]], seed_step: int,
                  expected_version: Optional[int] = None, samples_per_prompt: int = 1,
                  segment_versions: Optional[list[int]] = None, segment_tokens: int = 0,
-                 greedy: bool = False) -> Generation:
+                 greedy: bool = False, index_offset: int = 0) -> Generation:
         """Steps 1-2 on every replica, not waited for: contiguous chunks of the prompts (order
-        kept; each prompt's sampling seed follows (seed_step, its global index)), each prompt
-        sampled `samples_per_prompt` times (contiguous rows; group id = its global index, so a
-        group never spans replicas). A replica that holds another adapter version than
+        kept; each prompt's sampling seed follows (seed_step, its global index: index_offset +
+        its position)), each prompt sampled `samples_per_prompt` times (contiguous rows; group id
+        = its global index, so a group never spans replicas). A replica that holds another adapter version than
         `expected_version` raises StateLostError. `segment_versions`, `segment_tokens`: a partial
         rollout's (Generator.generate); `greedy`: argmax decoding, for evaluation."""
         chunks = [(s, e) for s, e in split_evenly(len(prompt_ids), len(self.generators)) if e > s]
-        calls = [gen.generate.remote(list(prompt_ids[s:e]), seed_step, s, expected_version=expected_version,
+        calls = [gen.generate.remote(list(prompt_ids[s:e]), seed_step, index_offset + s,
+                                     expected_version=expected_version,
                                      samples_per_prompt=samples_per_prompt, segment_versions=segment_versions,
                                      segment_tokens=segment_tokens, greedy=greedy)
                  for gen, (s, e) in zip(self.generators, chunks)]

@@ -65,6 +65,13 @@ class GenerationSummary:
                    lengths=[n for p in parts for n in p.lengths], version=versions[0],
                    seconds=max(p.seconds for p in parts))
 
+    def select(self, rows: Sequence[int]) -> "GenerationSummary":
+        """Rows `rows` (in that order), seconds unchanged: the rows a step trains on
+        (dynamic_sampling) out of those it generated."""
+        return dataclasses.replace(self, texts=[self.texts[i] for i in rows],
+                                   finish_reasons=[self.finish_reasons[i] for i in rows],
+                                   lengths=[self.lengths[i] for i in rows])
+
 
 @dataclass(frozen=True)
 class ReferenceStats:
@@ -107,6 +114,37 @@ class RewardStats:
         return {**{f"score/{name}": mean for name, mean in self.source_means.items()},
                 "dropped_nonfinite": self.dropped_nonfinite,
                 **(self.failures.parts() if self.failures is not None else {})}
+
+    @classmethod
+    def join(cls, parts: Sequence["RewardStats"], rows: Sequence[int]) -> "RewardStats":
+        """Several score calls' stats as one (dynamic_sampling's rounds, `rows` rows each): each
+        source's mean weighted by the calls' rows (NaN means left out), counts and seconds
+        summed."""
+        if len(parts) == 1:
+            return parts[0]
+        means = {}
+        for name in parts[0].source_means:
+            pairs = [(p.source_means[name], n) for p, n in zip(parts, rows) if not math.isnan(p.source_means[name])]
+            total = sum(n for _, n in pairs)
+            means[name] = sum(m * n for m, n in pairs) / total if total else math.nan
+        failures = [p.failures for p in parts if p.failures is not None]
+        return cls(source_means=means, dropped_nonfinite=sum(p.dropped_nonfinite for p in parts),
+                   seconds=sum(p.seconds for p in parts),
+                   failures=RewardFailures(**{f.name: sum(getattr(x, f.name) for x in failures)
+                                              for f in dataclasses.fields(RewardFailures)}) if failures else None)
+
+
+@dataclass(frozen=True)
+class DynamicSampling:
+    """One step's dynamic sampling (config dynamic_sampling; PPOTrainer._dynamic_sampling)."""
+
+    rounds: int        # generation rounds the step ran (1 = none beyond its first batch)
+    kept_frac: float   # groups whose scores vary / groups generated, over the rounds
+    filled: int        # groups trained on whose scores do not vary (the rounds' cap left too few varying)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"dynamic_sampling_rounds": self.rounds, "dynamic_sampling_kept_frac": self.kept_frac,
+                "dynamic_sampling_filled": self.filled}
 
 
 @dataclass(frozen=True)
@@ -253,6 +291,8 @@ class StepResult(Mapping):
     # rollout batches drawn and generating beyond the one this step trained on, while its
     # learner trained (max_staleness k: k, fewer at the run's end; 0 in the synchronous step)
     queue_depth: float = 0.0
+    # dynamic_sampling's rounds, kept fraction and filled groups; None (no keys) when it is off
+    dynamic_sampling: Optional[DynamicSampling] = None
     extra: dict[str, Any] = field(default_factory=dict)  # evaluations merged in by train()
 
     @property
@@ -331,6 +371,7 @@ class StepResult(Mapping):
             "learner_flops_per_s": self.learner_flops_per_s,
             "learner_mfu": self.learner_mfu,
             "queue_depth": self.queue_depth,
+            **(self.dynamic_sampling.as_dict() if self.dynamic_sampling is not None else {}),
             "response_tokens": self.response_tokens,
             "response_lengths": self.response_lengths,
             "response_length_mean": self.response_length_mean,

@@ -32,11 +32,14 @@ import math
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from ppo_ray.batch import fresh_enough
+import torch
+
+from learner.algos import varying_groups
+from ppo_ray.batch import RolloutBatch, fresh_enough
 from ppo_ray.checkpoint import (CheckpointError, Lineage, branch_from, check_own_lineage, checkpoint_root,
                                 config_changes, load_checkpoint, model_fingerprints, resolve_checkpoint, resumed_config,
                                 run_ids, save_checkpoint)
@@ -50,8 +53,8 @@ from ppo_ray.rewards import check_reward_sources, guarded_calls
 from ppo_ray.roles import RETRYABLE, SAMPLING_SEED_STEP, Generation, Roles, Update, role_names
 from ppo_ray.runlock import RunLock
 from ppo_ray.runlog import RunLog
-from ppo_ray.stats import (GenerationSummary, LearnerStats, ReferenceStats, Responses, RewardStats, StepResult,
-                           StepTiming, SyncReport)
+from ppo_ray.stats import (DynamicSampling, GenerationSummary, LearnerStats, ReferenceStats, Responses, RewardStats,
+                           StepResult, StepTiming, SyncReport)
 from ppo_ray.supervisor import Supervisor
 from ppo_ray.tracking import check_trackers
 
@@ -81,8 +84,6 @@ def sync_probe_prompts(tokenizer, seed: int, max_prompt_length: int, n: int = 4,
     """The sync check's fixed probe prompts: `n` prompts of `length` ordinary token ids (no
     special tokens) drawn with the run seed. Random tokens share no prefix-cache block with
     real prompts, so the probe neither reads KV that rollouts left nor leaves KV they reuse."""
-    import torch
-
     special = set(tokenizer.all_special_ids)
     vocab = [i for i in range(tokenizer.vocab_size) if i not in special]
     rows = torch.randint(len(vocab), (n, min(length, max_prompt_length)), generator=torch.Generator().manual_seed(seed))
@@ -93,13 +94,45 @@ def sync_probe_prompts(tokenizer, seed: int, max_prompt_length: int, n: int = 4,
 class Rollouts:
     """One step's rollouts: what to generate, and (once submitted) the generation in flight.
     A retry reuses it while it is intact and regenerates it, with the same prompts, seeds and
-    adapter version, when it is not."""
+    adapter version, when it is not. Under dynamic_sampling the step's extra generation rounds
+    are Rollouts too, kept in its `rounds` as they are drawn, so a retry reuses (or
+    regenerates) exactly them and draws no prompt twice."""
 
     prompt_ids: list[list[int]]
     step: int                                # PPOTrainer.step before the step: the sampling seeds' step index
     version: int                             # the adapter version they are (to be) sampled with
     cursor: Optional[tuple] = None           # the prompt cursor before this batch was drawn
     generation: Optional[Generation] = None  # the replicas' ObjectRefs once submitted
+    # the global index of its first prompt (the sampling seeds' and group ids' index): dynamic
+    # sampling's round r starts at r * prompts_per_step, so no two rounds share a seed
+    index_offset: int = 0
+    rounds: list["Rollouts"] = field(default_factory=list)  # dynamic_sampling: the extra rounds, in order
+    # dynamic_sampling: (scores (B,), RewardStats) once fetched; a retry filters and trains on these
+    scored: Optional[tuple] = None
+
+    def batches(self) -> list["Rollouts"]:
+        """This batch and its extra rounds, in generation order."""
+        return [self, *self.rounds]
+
+    def forget(self) -> None:
+        """Sample every round again (a re-sync: what the generators sampled is not to be used)."""
+        for rollouts in self.batches():
+            rollouts.generation, rollouts.scored = None, None
+
+
+@dataclass
+class _Picked:
+    """dynamic_sampling's outcome (PPOTrainer._dynamic_sampling): the batch the step trains on
+    and what the driver reports of it."""
+
+    batch: object                              # ObjectRef of the selected RolloutBatch
+    scores: object                             # ObjectRef of its (B,) scores: the ones the filter saw
+    score_list: list[float]
+    reward_stats: RewardStats                  # every round's score calls, joined
+    generated: GenerationSummary               # the selected rows; seconds of every round's generation
+    generated_tokens: int                      # response tokens of every round
+    summaries: list[GenerationSummary]         # every round's replicas (the stale-version check)
+    info: DynamicSampling
 
 
 @dataclass
@@ -116,6 +149,8 @@ class _Uncommitted:
     t_start: float
     t_update_done: float
     queue_depth: int  # batches in flight beyond this one while the learner trained
+    generated_tokens: int  # response tokens of every rollout generated (dynamic_sampling: every round's)
+    dynamic: Optional[DynamicSampling] = None
 
 
 class PPOTrainer:
@@ -230,7 +265,8 @@ class PPOTrainer:
         rollouts.generation = self.roles.generate(rollouts.prompt_ids, rollouts.step, rollouts.version,
                                                   samples_per_prompt=self.config.samples_per_prompt,
                                                   segment_versions=self._segments(rollouts),
-                                                  segment_tokens=self.config.partial_rollout_tokens)
+                                                  segment_tokens=self.config.partial_rollout_tokens,
+                                                  index_offset=rollouts.index_offset)
         return rollouts
 
     def _segments(self, rollouts: Rollouts) -> Optional[list[int]]:
@@ -277,7 +313,7 @@ class PPOTrainer:
                                 error, self.version)
                     self._resync(self.version, list(range(len(self.roles.generators))))
                     self._check_sync(self.version)
-                    current.generation = None
+                    current.forget()
                     continue
                 raise
         self._commit(step)  # ---------------- the commit point: from here on the step is done
@@ -300,9 +336,14 @@ class PPOTrainer:
             else:
                 self._submit(current)
         parts = current.generation.parts
+        # 4 first under dynamic_sampling: the rewards decide which rollouts the step trains on,
+        # and more rounds are generated until enough prompts' scores vary
+        picked = self._dynamic_sampling(current) if self.config.dynamic_sampling else None
+        if picked is not None:
+            parts = [picked.batch]
         # 3-4. Reference logprobs and rewards, concurrently, straight from the object store.
         ref_logprobs, reference_stats = roles.reference_logprobs(parts)
-        scores, reward_stats = roles.score(parts)
+        scores, reward_stats = (picked.scores, None) if picked is not None else roles.score(parts)
         # 5-11 in the learner, with its old logprobs (step 2) and KL_t (step 3): values, rewards, GAE, PPO.
         limit = self.config.max_staleness
         update = roles.update(ref_logprobs, scores, parts, expected_version=self.version, max_staleness=limit,
@@ -310,17 +351,99 @@ class PPOTrainer:
         self._fill(current)  # max_staleness: the next steps generate while the learner trains
         queue_depth = len(self._inflight)
 
-        summaries: list[GenerationSummary] = roles.fetch(current.generation.summaries)
+        summaries: list[GenerationSummary] = (picked.summaries if picked is not None
+                                              else roles.fetch(current.generation.summaries))
         versions = {s.version for s in summaries}
         if versions != {current.version} or not fresh_enough(current.version, self.version, limit):
             raise StaleAdapterError(f"generators sampled with adapter versions {sorted(versions)} "
                                     f"but the learner is at version {self.version}")
         stats = roles.learner_stats(update)  # raises a learner's own error (e.g. stale rollouts)
-        scores, reward_stats, reference_stats = roles.fetch([scores, reward_stats, reference_stats])
+        if picked is not None:
+            reference_stats = roles.fetch(reference_stats)
+            generated, score_list, reward_stats = picked.generated, picked.score_list, picked.reward_stats
+            generated_tokens = picked.generated_tokens
+        else:
+            scores, reward_stats, reference_stats = roles.fetch([scores, reward_stats, reference_stats])
+            generated, score_list = GenerationSummary.join(summaries), scores.tolist()
+            generated_tokens = sum(generated.lengths)
         t_update_done = time.perf_counter()
         self._check_logprob_gap(stats)
-        return _Uncommitted(current, GenerationSummary.join(summaries), stats, update, scores.tolist(),
-                            reward_stats, reference_stats, t_start, t_update_done, queue_depth)
+        return _Uncommitted(current, generated, stats, update, score_list, reward_stats, reference_stats, t_start,
+                            t_update_done, queue_depth, generated_tokens, picked.info if picked is not None else None)
+
+    def _dynamic_sampling(self, current: Rollouts) -> _Picked:
+        """DAPO's dynamic sampling (config dynamic_sampling; Yu et al. 2025, section 3.2): score
+        the step's batch, keep the groups whose scores vary (learner.algos.varying_groups),
+        and while fewer than the batch's prompts vary and dynamic_sampling_max_rounds allows,
+        draw the next prompts of the cursor (train() only: ppo_step's caller gave its prompts),
+        generate (seeds of their own: Rollouts.index_offset) and score them. The step trains on
+        the first varying groups in generation order, filled up with the first constant ones
+        when the cap leaves too few (pick_groups); the driver builds that batch from the rounds'
+        batches and puts it, with the scores the filter saw, into the object store.
+
+        Each round is recorded in current.rounds as it is drawn, and its scores once fetched,
+        so a retry after an actor's death reuses them (a lost generation is regenerated by
+        _recover, identically) and draws only the rounds the first attempt had not reached: the
+        retried step trains on the same rollouts, and the cursor holds every prompt drawn once."""
+        cfg, roles = self.config, self.roles
+        wanted = len(current.prompt_ids)
+        batches: list[RolloutBatch] = []    # per round, its rollouts (rows in prompt order)
+        positions: list[list[int]] = []     # per round, each row's group: its position in the round
+        varies: list[bool] = []             # per group generated, in generation order
+        for r in range(cfg.dynamic_sampling_max_rounds + 1):
+            if r > len(current.rounds):
+                if current.cursor is None:
+                    break  # ppo_step(prompts): no cursor to draw more from
+                current.rounds.append(self._draw_round(current, r))  # recorded before anything can fail
+            rollouts = current.batches()[r]
+            if rollouts.generation is None:
+                self._submit(rollouts)
+            if rollouts.scored is None:
+                rollouts.scored = tuple(roles.fetch(list(roles.score(rollouts.generation.parts))))
+            batch = RolloutBatch.cat(roles.fetch(rollouts.generation.parts))
+            rows_vary = varying_groups(rollouts.scored[0], batch.groups).tolist()  # (B,)
+            position = _group_positions(batch.groups.tolist())
+            flags = [False] * (max(position) + 1)
+            for row, group in enumerate(position):
+                flags[group] = rows_vary[row]
+            batches.append(batch)
+            positions.append(position)
+            varies += flags
+            if sum(varies) >= wanted:
+                break
+        rounds = current.batches()[:len(batches)]
+        chosen, filled = pick_groups(varies, wanted)
+        chosen = set(chosen)
+        # the chosen groups' rows, round by round: the step's batch, in generation order
+        parts, scores, picked_rows, first_group, first_row = [], [], [], 0, 0
+        for batch, position, rollouts in zip(batches, positions, rounds):
+            rows = [i for i, g in enumerate(position) if first_group + g in chosen]
+            if rows:
+                parts.append(batch.select(rows))
+                scores.append(rollouts.scored[0][rows])
+                picked_rows += [first_row + i for i in rows]
+            first_group += max(position) + 1
+            first_row += len(batch)
+        per_round = [roles.fetch(rollouts.generation.summaries) for rollouts in rounds]
+        summaries = [s for replicas in per_round for s in replicas]
+        joined = GenerationSummary.join(summaries)
+        # each round's replicas run at once (its slowest one's seconds); the rounds one after another
+        generated = replace(joined.select(picked_rows), seconds=sum(max(s.seconds for s in r) for r in per_round))
+        selected_scores = torch.cat(scores)  # (B,)
+        return _Picked(batch=roles.store(RolloutBatch.cat(parts)), scores=roles.store(selected_scores),
+                       score_list=selected_scores.tolist(),
+                       reward_stats=RewardStats.join([r.scored[1] for r in rounds], [len(b) for b in batches]),
+                       generated=generated, generated_tokens=sum(joined.lengths), summaries=summaries,
+                       info=DynamicSampling(rounds=len(batches), kept_frac=sum(varies) / len(varies), filled=filled))
+
+    def _draw_round(self, current: Rollouts, r: int) -> Rollouts:
+        """dynamic_sampling's extra round `r` (>= 1) of the step of `current`: the cursor's next
+        prompts, as many as the step's, sampled with its step's seeds at the global indices
+        r * len(current.prompt_ids) + i and with its version."""
+        ids = self._prompt_ids[1]
+        n = len(current.prompt_ids)
+        rows = self.cursor.draw(len(ids), n)
+        return Rollouts([ids[i] for i in rows], step=current.step, version=current.version, index_offset=r * n)
 
     def _commit(self, step: _Uncommitted) -> None:
         """The step's one commit point: the step count, the version, the learner's state."""
@@ -377,7 +500,7 @@ class PPOTrainer:
         which loads the new one). A merged-sync generator holds one version: it is given each
         lost batch's before that batch is submitted (its calls run in order)."""
         self.roles.wait_for_actors()
-        for rollouts in [*also, *self._inflight]:
+        for rollouts in [r for batch in [*also, *self._inflight] for r in batch.batches()]:
             if self.roles.intact(rollouts.generation):
                 continue
             if self.config.lora_sync_mode == "merged":
@@ -519,8 +642,8 @@ class PPOTrainer:
             timing=timing, lora_sync_bytes=loads[0].nbytes, response_lengths=generated.lengths,
             sync_probe_gap=check.gap, sync_resyncs=self._resyncs,
             # tokens and FLOPs per second of the generation and the learner (StepResult.rates)
-            **StepResult.rates(timing, stats, sum(generated.lengths)),
-            queue_depth=float(step.queue_depth))
+            **StepResult.rates(timing, stats, step.generated_tokens),
+            queue_depth=float(step.queue_depth), dynamic_sampling=step.dynamic)
 
     def _check_logprob_gap(self, stats: LearnerStats) -> None:
         """The generator and the learner must give a sampled token the same logprob at the
@@ -720,7 +843,7 @@ class PPOTrainer:
         step's rollouts if they were lost."""
         self.roles.wait_for_actors()
         self._restore_learners()
-        self._regenerate_lost([current])  # same prompts, seeds and version: the same samples
+        self._regenerate_lost([current])  # same prompts, seeds and version: the same samples (every round)
 
     def _back_to_committed(self) -> None:
         """Back to the committed state after a failure outside a step (the sync check, an
@@ -897,6 +1020,28 @@ class PPOTrainer:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
+
+
+def pick_groups(varies: Sequence[bool], wanted: int) -> tuple[list[int], int]:
+    """dynamic_sampling's choice among the groups generated, flagged in generation order
+    (`varies`: the group's scores vary): the positions of the groups the step trains on,
+    ascending (generation order), and how many of them do not vary. The first `wanted` varying
+    groups (DAPO discards the varying groups beyond them); when fewer vary, every varying group
+    and the first constant ones, up to `wanted` (under a group baseline a constant group's
+    advantage is its KL term alone, so the fill adds no policy-gradient signal, and the batch
+    keeps its size)."""
+    if len(varies) < wanted:
+        raise ValueError(f"pick_groups: {len(varies)} groups generated, {wanted} wanted")
+    keep = [i for i, v in enumerate(varies) if v][:wanted]
+    fill = [i for i, v in enumerate(varies) if not v][:wanted - len(keep)]
+    return sorted(keep + fill), len(fill)
+
+
+def _group_positions(groups: list[int]) -> list[int]:
+    """Each row's group as its position among the batch's groups in order of first appearance
+    (group ids, not row order, say which rows are one prompt's samples)."""
+    order: dict[int, int] = {}
+    return [order.setdefault(g, len(order)) for g in groups]
 
 
 # The rollout check's share of sampled tokens that the learner's truncation may drop: a token

@@ -73,3 +73,12 @@ def nan_on_r3(prompts, completions):
 
 def numbers(prompts, completions):
     return [row_number(c) for c in completions]
+
+
+# tests/test_dynamic_sampling.py: a group's scores are equal when its prompt holds SAME_MARK, and
+# differ otherwise (each row scores its position in the score call).
+SAME_MARK = "SAME "
+
+
+def same_for_marked_prompts(prompts, completions):
+    return [1.0 if SAME_MARK in p else float(i) for i, p in enumerate(prompts)]

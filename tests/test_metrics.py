@@ -37,10 +37,17 @@ def test_metric_name_replaces_what_prometheus_does_not_allow():
 def test_every_step_gauge_is_a_key_of_the_step_result():
     """A gauge whose key no step produces would never be set: every STEP_GAUGES key is in
     StepResult.as_dict() (the evaluation keys arrive through its `extra`, at evaluation steps)."""
+    from ppo_ray.stats import DynamicSampling
     from test_stats import step_result
 
     record = step_result().as_dict()
+    dynamic = {"dynamic_sampling_rounds", "dynamic_sampling_kept_frac", "dynamic_sampling_filled"}
+    assert set(STEP_GAUGES) - set(record) == {"gold_val", "eval_reward_mean", *dynamic}
+    # dynamic sampling's keys come with its stats (config dynamic_sampling), and are gauges
+    record = step_result(dynamic_sampling=DynamicSampling(rounds=2, kept_frac=0.625, filled=0)).as_dict()
     assert set(STEP_GAUGES) - set(record) == {"gold_val", "eval_reward_mean"}
+    assert TrainingMetrics(run="unit").record_step({k: record[k] for k in dynamic}) == {
+        "ppo_dynamic_sampling_rounds": 2.0, "ppo_dynamic_sampling_kept_frac": 0.625, "ppo_dynamic_sampling_filled": 0.0}
 
 
 def test_response_length_eos_grad_norm_and_memory_gauges():

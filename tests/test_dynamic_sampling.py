@@ -1,0 +1,263 @@
+"""DAPO's dynamic sampling (config dynamic_sampling; Yu et al. 2025, section 3.2, eq. 11).
+
+Without Ray: the filter (learner.algos.varying_groups) equals a float64 loop on random groups
+with NaN rows, one-value groups and ties; the choice of groups (ppo_ray.trainer.pick_groups);
+the joined reward stats; the config's rules; the console line.
+
+On the real actors (one GRPO trainer for the module, a reward that is constant for marked
+prompts and varies for the others, tests/reward_fns.py): a straight run of 3 steps whose
+prompts are marked so that step 1 needs a second round, step 2 none and step 3 reaches the cap
+and fills; each step trains on exactly the groups the rule picks (their scores are the reward's
+known values), reports its rounds, kept share and filled groups, and the cursor holds every
+prompt drawn. Then the run resumed at step 2 from its checkpoint, and step 3 retried after the
+reward actor's death in its second round, each equal to the straight run's step 3 exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+
+from exact import assert_same, rerun_if_last_digits_differ
+from learner.algos import varying_groups
+from ppo_ray.config import ConfigError
+from ppo_ray.stats import DynamicSampling, RewardFailures, RewardStats
+from ppo_ray.trainer import pick_groups
+
+
+# ---------------------------------------------------------------------------------- the filter
+def naive_varying(scores, groups) -> list[bool]:
+    """Per row: its group has two finite scores that differ (Python floats: float64)."""
+    s, g = [float(x) for x in scores], [int(x) for x in groups]
+    out = []
+    for i in range(len(s)):
+        finite = [s[j] for j in range(len(s)) if g[j] == g[i] and math.isfinite(s[j])]
+        out.append(len(finite) >= 2 and max(finite) > min(finite))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_varying_groups_equals_a_float64_loop(seed):
+    """Random groups of 1-5 rows with scattered ids (not contiguous: the filter reads the ids),
+    scores from a few values (ties and constant groups are common), NaN and inf rows."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, 6, (12,), generator=g).tolist()
+    ids = torch.randperm(500, generator=g)[: len(sizes)] * 3
+    groups = torch.cat([torch.full((n,), int(i)) for n, i in zip(sizes, ids)])
+    perm = torch.randperm(len(groups), generator=g)
+    groups = groups[perm]
+    scores = torch.randint(0, 3, (len(groups),), generator=g).float() / 2
+    bad = torch.rand(len(groups), generator=g) < 0.2
+    scores[bad] = torch.tensor([math.nan, math.inf, -math.inf])[torch.randint(0, 3, (int(bad.sum()),), generator=g)]
+    got = varying_groups(scores, groups)
+    assert got.dtype == torch.bool and got.shape == scores.shape
+    assert got.tolist() == naive_varying(scores, groups)
+
+
+def test_varying_groups_edge_cases():
+    nan = math.nan
+    scores = torch.tensor([1.0, 1.0,      # equal: constant
+                           1.0, nan,      # one finite score: constant
+                           nan, nan,      # none finite: constant
+                           2.0, 2.0, 3.0,  # a tie and one different: varies
+                           5.0,           # a group of one: constant
+                           0.0, nan, 1.0,  # NaN between two that differ: varies
+                           1.0, 1.0 + 2 ** -23])  # one float32 ulp apart: varies (compared exactly)
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 3, 4, 5, 5, 5, 6, 6])
+    assert varying_groups(scores, groups).tolist() == [False] * 6 + [True] * 3 + [False] + [True] * 5
+    with pytest.raises(ValueError, match="alike"):
+        varying_groups(scores, groups[:-1])
+
+
+def test_pick_groups_takes_the_first_varying_then_fills_with_the_first_constant():
+    #            0      1     2      3     4     5      6     7
+    varies = [False, True, False, True, True, False, True, True]
+    assert pick_groups(varies, 4) == ([1, 3, 4, 6], 0)         # the varying group 7 is discarded
+    assert pick_groups(varies[:4], 4) == ([0, 1, 2, 3], 2)     # the cap: both constant ones fill
+    assert pick_groups([False] * 8, 4) == ([0, 1, 2, 3], 4)
+    assert pick_groups([True, False, False, False, True], 2) == ([0, 4], 0)
+    with pytest.raises(ValueError):
+        pick_groups([True], 2)
+
+
+def test_reward_stats_of_several_rounds_join_weighted_by_rows():
+    a = RewardStats({"fn": 1.0, "rm": math.nan}, dropped_nonfinite=1.0, seconds=0.5,
+                    failures=RewardFailures(timeouts=1.0))
+    b = RewardStats({"fn": 4.0, "rm": 2.0}, dropped_nonfinite=2.0, seconds=0.25, failures=None)
+    joined = RewardStats.join([a, b], [8, 4])
+    assert joined.source_means == {"fn": (8 * 1.0 + 4 * 4.0) / 12, "rm": 2.0}
+    assert joined.dropped_nonfinite == 3.0 and joined.seconds == 0.75 and joined.failures.timeouts == 1.0
+    assert RewardStats.join([a], [8]) is a
+
+
+def test_the_config_rules(tmp_path):
+    from conftest import tiny_test_config
+
+    with pytest.raises(ConfigError, match="dynamic_sampling.*samples_per_prompt >= 2"):
+        tiny_test_config(dynamic_sampling=True)
+    with pytest.raises(ConfigError, match="dynamic_sampling.*max_staleness 0"):
+        tiny_test_config(dynamic_sampling=True, samples_per_prompt=2, max_staleness=1, lora_sync="tensor")
+    with pytest.raises(ConfigError, match="dynamic_sampling_max_rounds"):
+        tiny_test_config(dynamic_sampling=True, samples_per_prompt=2, dynamic_sampling_max_rounds=-1)
+    config = tiny_test_config(dynamic_sampling=True, samples_per_prompt=2, advantage_estimator="gae")
+    assert config.dynamic_sampling_max_rounds == 4  # any estimator; the default cap
+
+
+def test_the_step_line_and_record_show_dynamic_sampling_only_when_it_is_on():
+    from dataclasses import replace
+
+    from ppo_ray.logs import format_step
+    from test_stats import step_result
+
+    off = step_result()
+    assert "rounds" not in format_step(off) and not any(k.startswith("dynamic") for k in off.as_dict())
+    on = replace(off, dynamic_sampling=DynamicSampling(rounds=2, kept_frac=0.625, filled=0))
+    assert "  rounds 2 kept 62%  " in format_step(on)
+    assert "  rounds 3 kept 12% filled 3  " in format_step(replace(on, dynamic_sampling=DynamicSampling(3, 0.125, 3)))
+    assert {k: v for k, v in on.as_dict().items() if k.startswith("dynamic")} == {
+        "dynamic_sampling_rounds": 2, "dynamic_sampling_kept_frac": 0.625, "dynamic_sampling_filled": 0}
+
+
+# ---------------------------------------------------------------------------------- real actors
+STEPS = 3
+PROMPTS_PER_STEP = 4  # batch_size 8 / samples_per_prompt 2
+# Which drawn prompts (by draw position: round after round, step after step) get SAME_MARK:
+# step 1: round 1 keeps 2 (positions 1, 3), round 2 keeps 3 (4, 6, 7): 2 rounds, 5 of 8 kept,
+# the first 4 trained on and position 7 discarded; step 2: all 4 vary, 1 round; step 3: only
+# position 13 varies in 2 rounds (the cap, dynamic_sampling_max_rounds 1): 3 constant groups
+# (12, 14, 15) fill the batch.
+MARKED = {0, 2, 5, 12, 14, 15, 16, 17, 18, 19}
+# Per step: the rewards trained on (a varying group's rows score their positions in the round's
+# score call, a marked group's 1.0), rounds, kept share, filled.
+EXPECTED = [([2.0, 3.0, 6.0, 7.0, 0.0, 1.0, 4.0, 5.0], 2, 5 / 8, 0),
+            ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], 1, 1.0, 0),
+            ([1.0, 1.0, 2.0, 3.0, 1.0, 1.0, 1.0, 1.0], 2, 1 / 8, 3)]
+KEYS = ("reward_mean", "kl", "policy_loss", "approx_kl", "clipfrac", "entropy", "score_mean", "adapter_version",
+        "response_tokens", "dynamic_sampling_rounds", "dynamic_sampling_kept_frac", "dynamic_sampling_filled")
+
+
+def marked_prompts(seed: int) -> tuple[list[str], list[int]]:
+    """The bundled prompts, those the run draws at MARKED positions with SAME_MARK in front,
+    and the order the run's cursor draws them in (PromptCursor with the run seed)."""
+    from ppo_ray.data import PromptCursor, bundled_prompts
+    from reward_fns import SAME_MARK
+
+    prompts = bundled_prompts()
+    order = PromptCursor(seed).draw(len(prompts), len(prompts))
+    marked = {order[i] for i in MARKED}
+    return [SAME_MARK + p if i in marked else p for i, p in enumerate(prompts)], order
+
+
+def steps_of(history) -> list[dict]:
+    return [{"step": h["step"], **{k: h[k] for k in KEYS}, "rewards": h["rewards"],
+             "generated_texts": h["generated_texts"]} for h in history]
+
+
+@pytest.fixture(scope="module")
+def dynamic_run(ray_session, tiny_model_dir, tmp_path_factory):
+    """(trainer, its prompts, their draw order, the straight run's history, its run dir): GRPO
+    with dynamic sampling, STEPS steps, a checkpoint at step 2. A FaultyTrainer (a PPOTrainer
+    unless armed) for the retry test."""
+    from conftest import tiny_test_config
+    from fault_injection import FaultyTrainer
+
+    config = tiny_test_config(advantage_estimator="grpo", samples_per_prompt=2, batch_size=8, max_new_tokens=8,
+                              dynamic_sampling=True, dynamic_sampling_max_rounds=1, steps=STEPS,
+                              checkpoint_every=2, report_to=[], reward_funcs=["reward_fns:same_for_marked_prompts"],
+                              reward_weights=[1.0])
+    prompts, order = marked_prompts(config.seed)
+    run_dir = tmp_path_factory.mktemp("dynamic-straight")
+    trainer = FaultyTrainer(config, run_dir=run_dir)
+    try:
+        history = trainer.train(prompts, progress=False)
+        yield trainer, prompts, order, history, run_dir
+    finally:
+        trainer.shutdown()
+
+
+def test_each_step_trains_on_the_groups_the_rule_picks_and_reports_them(dynamic_run):
+    """Every step's learner batch is batch_size rows whose scores (the ones the filter saw: the
+    learner's score_mean is their mean) are those of the first varying groups in generation
+    order, filled by the first constant groups only at the cap; the rounds, the kept share
+    and the filled groups are reported, in the record and the metrics; the cursor holds
+    every prompt drawn, extra rounds included (the next prompts are the ones after them)."""
+    trainer, prompts, order, history, _ = dynamic_run
+    assert [h.step for h in history] == [1, 2, 3]
+    for h, (rewards, rounds, kept, filled) in zip(history, EXPECTED):
+        assert h.rewards == rewards and len(h.generated_texts) == len(h.response_lengths) == 8
+        assert h.learner.score_mean == pytest.approx(sum(rewards) / 8, rel=1e-6)  # float32 sum of 8 small ints
+        pairs = [rewards[i:i + 2] for i in range(0, 8, 2)]
+        assert sum(a == b for a, b in pairs) == filled  # every group varies unless filled
+        assert h.dynamic_sampling == DynamicSampling(rounds=rounds, kept_frac=kept, filled=filled)
+        assert (h["dynamic_sampling_rounds"], h["dynamic_sampling_kept_frac"], h["dynamic_sampling_filled"]) == (
+            rounds, kept, filled)
+    drawn = sum(r for _, r, _, _ in EXPECTED) * PROMPTS_PER_STEP
+    assert drawn == 20 and trainer.cursor.order == order[drawn:]
+
+
+@rerun_if_last_digits_differ
+def test_a_resumed_run_equals_the_straight_one(dynamic_run, tmp_path):
+    """Resumed at step 2 (whose cursor holds step 1's extra round), step 3 (an extra round and a
+    fill) equals the straight run's exactly, and leaves the cursor where the straight run did."""
+    trainer, prompts, order, straight, run_dir = dynamic_run
+    resumed = _from_step_two(trainer, run_dir, tmp_path).train(prompts, progress=False)
+    assert_same(steps_of(resumed), steps_of(straight[2:]), "resumed vs straight")
+    assert trainer.cursor.order == order[20:]
+
+
+@rerun_if_last_digits_differ
+def test_a_step_retried_after_a_death_in_its_extra_round_equals_the_straight_one(dynamic_run, tmp_path):
+    """The reward actor dies as it is asked to score step 3's second round: the retry reuses the
+    recorded rounds (the first one's scores, the second one's prompts and samples), draws no
+    prompt again, and the step equals the straight run's."""
+    _a_death_in_the_extra_round(dynamic_run, tmp_path, "reward", "score")
+
+
+@pytest.mark.slow  # a generator restart starts a vLLM engine (~1 min on 2 cores)
+@rerun_if_last_digits_differ
+def test_a_generator_lost_with_the_extra_rounds_samples_regenerates_them_exactly(dynamic_run, tmp_path):
+    """The generator dies once it has sampled step 3's second round, before returning it: the
+    round is sampled again with its own seeds on the restarted generator, and the step equals
+    the straight run's."""
+    _a_death_in_the_extra_round(dynamic_run, tmp_path, "generator-0", "generate", when="after")
+
+
+def _a_death_in_the_extra_round(dynamic_run, tmp_path, role: str, method: str, when: str = "before") -> None:
+    from fault_injection import arm_fault
+
+    trainer, prompts, order, straight, run_dir = dynamic_run
+    _from_step_two(trainer, run_dir, tmp_path)
+    before = len(trainer.retries)
+    arm_fault(trainer.roles, role, method, when, call=2)  # step 3's second call: its extra round's
+    got = trainer.train(prompts, progress=False)
+    assert [(r["step"], r["role"]) for r in trainer.retries[before:]] == [(3, role)]
+    assert_same(steps_of(got), steps_of(straight[2:]), f"{role} lost in the extra round vs straight")
+    assert trainer.cursor.order == order[20:]
+
+
+def _from_step_two(trainer, run_dir, new_dir):
+    """A new run directory holding only the straight run's step-2 checkpoint, restored."""
+    (new_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run_dir / "checkpoints" / "step-000002", new_dir / "checkpoints" / "step-000002")
+    (new_dir / "checkpoints" / "latest").write_text("step-000002\n")
+    trainer.run_dir = new_dir
+    trainer.restore(new_dir)
+    assert trainer.step == 2 and trainer.version == 2
+    return trainer
+
+
+def test_ppo_step_filters_and_fills_without_drawing(dynamic_run):
+    """ppo_step(prompts) has no cursor to draw from: one round, its varying groups first in
+    generation order and the constant ones filling (here 2 of 4 prompts are marked)."""
+    from reward_fns import SAME_MARK
+
+    trainer, prompts, order, _, _ = dynamic_run
+    cursor = trainer.cursor.state()
+    plain = [p for p in prompts if SAME_MARK not in p]
+    out = trainer.ppo_step([SAME_MARK + plain[0], plain[1], SAME_MARK + plain[2], plain[3]])
+    assert out.rewards == [1.0, 1.0, 2.0, 3.0, 1.0, 1.0, 6.0, 7.0]
+    assert out.dynamic_sampling == DynamicSampling(rounds=1, kept_frac=0.5, filled=2)
+    assert trainer.cursor.state()[0] == cursor[0]
