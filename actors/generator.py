@@ -339,8 +339,9 @@ class Generator:
         lora_request = self._lora_request(version)
         version = self.version if version is None else version
         schedule = self._schedule(version, segment_versions, segment_tokens)
-        if greedy and (probe or schedule):
-            raise ValueError("greedy decoding is for evaluation: not with the probe or a partial rollout")
+        if greedy and (probe or schedule or n > 1):
+            raise ValueError("greedy decoding is for evaluation, one sample per prompt: not with the probe, a "
+                             f"partial rollout or samples_per_prompt {n} > 1 (vLLM's greedy sampling takes n = 1)")
         params = [self.sampling_params(prompt_seed(self.seed, step, prompt_offset + i), probe, n,
                                        max_tokens=segment_tokens if schedule else None, greedy=greedy)
                   for i in range(len(prompt_ids))]

@@ -178,6 +178,27 @@ def test_seeds(make_generator):
     assert not torch.equal(other_seed.response_ids[:, :4], a.response_ids[:, :4])
 
 
+def test_greedy_decoding_takes_the_models_argmax_whatever_the_seed(make_generator, hf_model):
+    """greedy (evaluation's pass@1): every token is the HF model's argmax after the prompt and
+    the tokens before it (within float32 rounding of the top two logits), the same for any
+    step or seed; one sample per prompt, and not with the probe."""
+    gen = make_generator(max_new_tokens=8)
+    a = gen.generate(PROMPTS, step=5, greedy=True)
+    b = make_generator(max_new_tokens=8, seed=3).generate(PROMPTS, step=9, greedy=True)
+    assert torch.equal(a.response_ids, b.response_ids) and a.responses == b.responses
+    with torch.no_grad():
+        for i in range(len(b)):
+            prompt = b.prompt_ids[i][b.prompt_mask[i]]
+            resp = b.response_ids[i][b.response_mask[i]]
+            logits = hf_model(torch.cat([prompt, resp]).unsqueeze(0)).logits[0, len(prompt) - 1:-1].float()
+            top = logits.max(dim=-1).values
+            chosen = logits.gather(1, resp.unsqueeze(1)).squeeze(1)
+            assert (top - chosen <= tol(top)).all(), f"row {i}: a token is not the argmax"
+    for bad in (dict(probe=True), dict(samples_per_prompt=2)):
+        with pytest.raises(ValueError, match="greedy decoding is for evaluation, one sample per prompt"):
+            gen.generate(PROMPTS, step=0, greedy=True, **bad)
+
+
 # ---------------------------------------------------------------------------- LoRA sync
 def make_peft(tiny_model_dir):
     from peft import LoraConfig, get_peft_model

@@ -365,3 +365,39 @@ def test_all_stages_end_to_end_on_the_bundled_task(tmp_path):
     from ppo_ray.modeling import load_causal_lm
 
     PeftModel.from_pretrained(load_causal_lm(str(run_dir / "sft")), str(run_dir / "adapter"))
+
+
+def test_the_verifiable_task_end_to_end(tmp_path):
+    """`launch.py --config arith-tiny`: data -> SFT -> RL with the verifier -> pass@1 / pass@k
+    (short). No reward model is trained; the report's rates are the held-out samples',
+    recomputed here with the verifier."""
+    from ppo_ray.tasks.arith import is_right, pass_at_k
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "--config", "arith-tiny", "--run_dir", str(run_dir),
+         "--steps", "2", "--sft_epochs", "1", "--eval_size", "8", "--eval_k", "4", "--eval_every", "1",
+         "--batch_size", "32", "--micro_batch_size", "32", "--vllm_kv_cache_gib", "0.25", "--data_max_rows", "256"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == report
+    assert not (run_dir / "rm").exists() and "rm_val_accuracy" not in report
+    held = [json.loads(x) for x in (run_dir / "held_out.jsonl").read_text().splitlines()]
+    for split in ("test", "val"):
+        rows = [h for h in held if h["split"] == split]
+        assert len(rows) == 8 and all(len(h["sft_samples"]) == len(h["rl_samples"]) == 4 for h in rows)
+        for who in ("sft", "rl"):
+            greedy = [is_right(h["prompt"], h[f"{who}_greedy"]) for h in rows]
+            right = [sum(is_right(h["prompt"], s) for s in h[f"{who}_samples"]) for h in rows]
+            assert report[f"pass1_{split}_{who}"] == sum(greedy) / 8, (split, who)
+            assert report[f"pass4_{split}_{who}"] == sum(pass_at_k(4, c, 4) for c in right) / 8, (split, who)
+            assert report[f"sample_accuracy_{split}_{who}"] == sum(c / 4 for c in right) / 8, (split, who)
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and all(0 <= m["pass1_val"] <= 1 for m in metrics)
+    assert all(m["score/ppo_ray.tasks.arith:verify"] in (m["reward_mean"],) for m in metrics)
+    for name in ("curves.png", "samples.md", "sft/model.safetensors", "adapter/adapter_model.safetensors",
+                 "data/sft_train.jsonl", "data/prompts_test.jsonl"):
+        assert (run_dir / name).is_file(), name
+    assert report["rl_steps"] == 2 and report["eval_k"] == 4
