@@ -295,6 +295,10 @@ def test_launch_rejects_bad_arguments(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--gamma", "2"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "'gamma' = 2.0 is invalid" in proc.stderr
+    # the verifiable task has no reward-model stage
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "rm", "--config", "arith-tiny", "--run_dir",
+                           str(tmp_path / "run")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "task 'arith' has no stage 'rm'; its stages: sft, ppo" in proc.stderr
     assert not any(tmp_path.iterdir()), "a rejected command must not write a run directory"
 
 
