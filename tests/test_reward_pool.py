@@ -51,7 +51,10 @@ ROWS = [f"r{i}" for i in range(B)]  # row 3 is the bad one
 # ----------------------------------------------------------------------------- the pool, on Ray
 @pytest.fixture(scope="module")
 def reward_host(ray_session):
-    """make(fn, policy): a real reward actor with 2 reward workers over `fn`, killed at the end."""
+    """make(fn, policy): a real reward actor with 2 reward workers over `fn`, killed at the end.
+    The workers reserve no CPU (reward_worker_num_cpus 0): the module's hosts live until its end,
+    and in the full suite the session's Ray cluster has other tests' actors on its 2 CPUs (with
+    0.5 each the fourth host's workers waited past placement_timeout_s)."""
     from ppo_ray.placement import RewardHost
 
     made = []
@@ -59,7 +62,7 @@ def reward_host(ray_session):
     def make(fn: str, policy: str):
         cfg = tiny_test_config(reward_funcs=[fn], reward_weights=[], reward_workers=2, reward_chunk_size=2, reward_timeout_s=TIMEOUT_S,
                                reward_failure=policy, reward_failure_score=-1.5, nonfinite_reward="drop",
-                               reward_worker_num_cpus=0.5)
+                               reward_worker_num_cpus=0)
         actor = ray_session.remote(RewardHost).options(max_concurrency=1).remote(cfg.slice("reward"), None)
         made.append(actor)
         return actor
