@@ -36,8 +36,6 @@ import math
 import random
 import re
 from pathlib import Path
-from typing import Sequence
-
 from ppo_ray.rewards import RewardError
 
 PROMPT = re.compile(r"^(\d+)\+(\d+)=$")
@@ -134,7 +132,3 @@ def write_task(out_dir: str | Path, seed: int = 0, digits: int = 2, carry_slip: 
         paths[path.name] = path
     return paths
 
-
-def score_samples(prompts: Sequence[str], samples: Sequence[Sequence[str]]) -> list[int]:
-    """How many of each prompt's samples are right."""
-    return [sum(is_right(p, s) for s in ss) for p, ss in zip(prompts, samples)]
