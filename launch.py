@@ -412,7 +412,8 @@ def _run(config, stage: str, stages: tuple[str, ...], done: dict, resume, run_di
             report.update(run_plain_ppo(config, run_dir, resume, prompts))
             mark_done(run_dir, "ppo", report)
         else:
-            data_dir = pipeline.write_data(config, run_dir)
+            # the data is the SFT stage's: written when SFT starts, kept by the stages built on it
+            data_dir = pipeline.write_data(config, run_dir, keep="sft" not in stages or "sft" in done)
             run = {"sft": lambda: pipeline.run_sft(config, run_dir, data_dir),
                    "rm": lambda: pipeline.run_rm(config, run_dir, data_dir),
                    "ppo": lambda: pipeline.run_ppo(config, run_dir, data_dir, resume, ppo_config)}

@@ -512,3 +512,45 @@ def test_async_compare_summarises_runs():
     assert time_to(runs[0], level) == 4.0 and math.isnan(time_to(runs[1], level))  # moving means 1, 2 at steps 3, 4
     assert rows[1]["tokens_per_s"] == (3.0 * 25.0, 0.0) and rows[1]["reached"] == 0
     assert "| 2 | tensor + tis | 3.00 ± 0.00 | 1.50x | 75 ± 0 | 25.0 |" in table(level, rows)
+
+
+def test_compare_estimators_on_the_verifiable_task(tmp_path):
+    """The verifiable task's rows (issue 46's comparison): NAME= labels a run (its run
+    directory and table row), --with's options come before the run's own, an arith run
+    directory becomes pass@1 / pass@k / generation rounds per step, and the tables switch to
+    those columns; a base without sft or data is refused naming them."""
+    from benchmarks import compare_estimators as ce
+
+    assert ce.split_label("dapo=grpo:clip_epsilon_high=0.28") == ("dapo", "grpo:clip_epsilon_high=0.28")
+    assert ce.split_label("grpo:n=4") == ("grpo:n=4", "grpo:n=4")
+    assert ce.parse_run("gspo=grpo:policy_loss=gspo") == ["--advantage_estimator", "grpo", "--policy_loss", "gspo"]
+    assert ce.run_dir_name("dapo=grpo:dynamic_sampling=true", 2) == "dapo-s2"
+    with pytest.raises(SystemExit, match="needs both"):
+        ce.split_label("=grpo")
+    run = tmp_path / "dapo-s0"
+    run.mkdir()
+    report = {"pass1_test_rl": 0.9, "pass8_test_rl": 0.97, "sample_accuracy_test_rl": 0.7, "pass1_val_rl": 0.88,
+              "eval_k": 8, "final_kl": 0.5, "seconds": 100.0}
+    (run / "report-ppo.json").write_text(json.dumps(report))
+    steps = [{"time/step_s": 2.0, "time/learner_forward_s": 0.5, "time/update_s": 1.0, "dynamic_sampling_rounds": 1},
+             {"time/step_s": 4.0, "time/learner_forward_s": 0.5, "time/update_s": 1.0, "dynamic_sampling_rounds": 2}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    row = ce.summarise(run, "dapo=grpo:dynamic_sampling=true", 0)
+    assert row["run"] == "dapo" and (row["pass1_test"], row["passk_test"], row["rounds"], row["loop_s"]) == \
+        (0.9, 0.97, 1.5, 6.0)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in s.items() if "dynamic" not in k}) + "\n"
+                                               for s in steps))
+    assert ce.summarise(run, "grpo", 0)["rounds"] == 1.0  # without dynamic sampling a step is one round
+    table = ce.tables([row, {**row, "seed": 1, "pass1_test": 0.8}], ["dapo=grpo:dynamic_sampling=true"])
+    assert "| dapo | 2 | 0.850 ± 0.071 | 0.970 ± 0.000 |" in table and "win vs SFT" not in table
+    base = tmp_path / "base"
+    base.mkdir()
+    from ppo_ray.config import PPOConfig
+
+    PPOConfig.from_yaml("arith-tiny").to_yaml(base / "config.yaml")
+    assert ce.task_of(base) == "arith" and ce.task_of(tmp_path) == "tldr"
+    with pytest.raises(SystemExit, match="has no sft, data"):
+        ce.main(["--base", str(base), "--out", str(tmp_path / "out"), "--runs", "grpo"])
+    with pytest.raises(SystemExit, match="share a name"):
+        (base / "sft").mkdir(), (base / "data").mkdir()
+        ce.main(["--base", str(base), "--out", str(tmp_path / "out"), "--runs", "a=grpo", "a=gae"])

@@ -99,3 +99,28 @@ def test_plot_curves_writes_a_png_from_gappy_metrics(tmp_path):
     (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     plot_curves(tmp_path / "m.jsonl", tmp_path / "c.png", gold_before=0.4)
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("task", ["arith", "tldr"])
+def test_a_later_stage_keeps_the_data_its_sft_was_trained_on(tmp_path, caplog, task):
+    """`launch.py ppo --seed 1` on a run whose SFT was trained on seed 0's data: the data stays
+    seed 0's (another seed's test split would hold problems the SFT model was trained on), with
+    a warning; a starting SFT stage writes it for its own seed, and says so in data/task.json."""
+    from ppo_ray.config import PPOConfig
+    from ppo_ray.tasks.pipeline import DATA_STAMP, write_data
+
+    data_dir = write_data(PPOConfig(task=task, seed=0), tmp_path)
+    before = {p.name: p.read_text() for p in data_dir.iterdir()}
+    assert json.loads(before[DATA_STAMP])["seed"] == 0
+    with caplog.at_level("WARNING"):
+        assert write_data(PPOConfig(task=task, seed=1), tmp_path, keep=True) == data_dir
+    assert {p.name: p.read_text() for p in data_dir.iterdir()} == before
+    assert "kept, not rewritten" in caplog.text and "'seed': 1" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        write_data(PPOConfig(task=task, seed=0), tmp_path, keep=True)
+    assert "kept" not in caplog.text  # the same spec: nothing to say
+    write_data(PPOConfig(task=task, seed=1), tmp_path)  # SFT starts: the data is the new seed's
+    after = {p.name: p.read_text() for p in data_dir.iterdir()}
+    assert json.loads(after[DATA_STAMP])["seed"] == 1
+    assert all(after[name] != before[name] for name in before)

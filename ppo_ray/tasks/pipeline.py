@@ -26,6 +26,7 @@ and the KL to SFT, and samples.md holds held-out summaries to read.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from contextlib import contextmanager
@@ -36,6 +37,7 @@ from ppo_ray.atomic import atomic_write_text
 from ppo_ray.config import PPOConfig
 from ppo_ray.data import column, read_rows
 
+log = logging.getLogger(__name__)
 
 def _encode(tok, prompts, responses):
     q = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
@@ -138,18 +140,44 @@ def real_prompts(config: PPOConfig, tok, part: str, max_rows: int | None = None)
 
 
 # ----------------------------------------------------------------------------- stages
-def write_data(config: PPOConfig, run_dir: Path) -> Path:
+DATA_STAMP = "task.json"  # in the data directory: what the bundled task's files were written for
+
+
+def data_spec(config: PPOConfig) -> dict:
+    """What the bundled task's files depend on: the task, its seed and its parameters."""
+    if config.task == "arith":
+        return {"task": "arith", "seed": config.seed, "digits": config.arith_digits,
+                "carry_slip": config.arith_carry_slip}
+    return {"task": config.task, "seed": config.seed, "ideal_fraction": config.bundled_ideal_fraction}
+
+
+def write_data(config: PPOConfig, run_dir: Path, keep: bool = False) -> Path:
+    """The bundled task's splits in run_dir/data, written for config's seed and task parameters.
+
+    `keep`: the run's SFT stage is not starting now (a later stage alone, or --resume auto past
+    SFT). Then the data the SFT model was trained on stays as it is, whatever this command's
+    seed: writing another seed's problems would put problems the SFT model was trained on into
+    the test split (the seed of `launch.py ppo --seed S` seeds the PPO stage's sampling and LoRA
+    only). A warning says when the two differ."""
     data_dir = run_dir / "data"
     if not config.uses_bundled_data:  # named datasets are read where they are
+        return data_dir
+    spec, stamp = data_spec(config), data_dir / DATA_STAMP
+    if keep and any(data_dir.glob("*.jsonl")):
+        written = json.loads(stamp.read_text()) if stamp.is_file() else None
+        if written != spec:
+            log.warning("%s holds the data the run's SFT stage was trained on (%s); it is kept, not rewritten for "
+                        "this command's %s", data_dir, written or "written before data stamps", spec)
         return data_dir
     if config.task == "arith":
         from ppo_ray.tasks.arith import write_task as write_arith
 
         write_arith(data_dir, seed=config.seed, digits=config.arith_digits, carry_slip=config.arith_carry_slip)
-        return data_dir
-    from ppo_ray.tasks.tldr_synth import write_task
+    else:
+        from ppo_ray.tasks.tldr_synth import write_task
 
-    write_task(data_dir, seed=config.seed, ideal_fraction=config.bundled_ideal_fraction)
+        write_task(data_dir, seed=config.seed, ideal_fraction=config.bundled_ideal_fraction)
+    atomic_write_text(stamp, json.dumps(spec) + "\n")
     return data_dir
 
 
