@@ -5,6 +5,7 @@
     python launch.py ppo --config configs/tiny.yaml --steps 30 --kl_coef 0.05
     RAY_ADDRESS=... python launch.py ppo --config ...   # attach to a running cluster
     ray job submit --working-dir . -- python launch.py ppo --config ...
+    python launch.py eval runs/x          # evaluate a finished run as its PPO stage did (eval --help)
 
 Stages: `sft` writes the bundled task's data and the SFT checkpoint, `rm` the reward model,
 `ppo` trains the policy with PPO. `ppo` uses the run directory's SFT and reward model when
@@ -198,7 +199,8 @@ def build_parser():
                           usage="python launch.py [all|sft|rm|ppo] [--config FILE|PRESET] [--run_dir DIR] [--resume DIR] "
                                 "[--<field> VALUE ...]",
                           epilog=f"stages (the positional argument): {', '.join(STAGES)}; default: all (ppo with "
-                                 "--resume).\nA config file is trusted input: its reward_funcs are imported and run.")
+                                 "--resume).\nlaunch.py eval RUN_DIR [...]: evaluate a finished run (launch.py eval "
+                                 "--help).\nA config file is trusted input: its reward_funcs are imported and run.")
     parser.add_argument("--run_dir", "--run-dir", metavar="DIR",
                         help="run directory (default: output_dir/<time>; with --resume, the checkpoint's run)")
     parser.add_argument("--resume", metavar="DIR|auto",
@@ -230,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["eval"]:  # evaluate a finished run: its own command (ppo_ray/tasks/evaluate.py)
+        from ppo_ray.tasks.evaluate import main as evaluate
+
+        return evaluate(argv[1:])
     from ppo_ray.config import ConfigError, PPOConfig
 
     parser = build_parser()
