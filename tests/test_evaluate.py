@@ -125,3 +125,29 @@ def test_tldr_rows_without_facts_skip_the_gold_judge():
     assert why.startswith("f.jsonl: row 1 has no column 'facts' (1 of 2 rows lack it")
     with pytest.raises(DataError, match="f.jsonl: row 0 column 'facts': expected three strings"):
         tldr_columns([{"prompt": "x", "facts": "a"}], "f.jsonl")
+
+
+def test_an_evaluation_in_chunks_keeps_each_prompts_global_index(monkeypatch, caplog):
+    """evaluation.generate asks for EVAL_CHUNK prompts at a time, each chunk with the global index
+    of its first prompt (trainer.generate's index_offset: the sampling seed follows it), and
+    logs a progress line per chunk. The stand-in's sample is its prompt's global index, so the
+    joined texts show every prompt got its own index, in order, whatever the chunking."""
+    import logging
+
+    from ppo_ray.stats import Responses
+    from ppo_ray.tasks import evaluation
+
+    class Trainer:
+        def generate(self, prompts, *, samples_per_prompt, greedy, score, index_offset):
+            texts = [f"{index_offset + i}/{j}" for i in range(len(prompts)) for j in range(samples_per_prompt)]
+            return Responses(texts, ["stop"] * len(texts), 7, [float(len(t)) for t in texts] if score else None)
+
+    monkeypatch.setattr(evaluation, "EVAL_CHUNK", 3)
+    with caplog.at_level(logging.INFO, logger=evaluation.__name__):
+        out = evaluation.generate(Trainer(), [f"p{i}" for i in range(7)], samples_per_prompt=2, score=True,
+                                  label="SFT policy")
+    assert out.texts == [f"{i}/{j}" for i in range(7) for j in range(2)] and out.version == 7
+    assert out.rewards == [float(len(t)) for t in out.texts]
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        "SFT policy: 3/7 prompts", "SFT policy: 6/7 prompts", "SFT policy: 7/7 prompts"]
+    assert evaluation.generate(Trainer(), ["a", "b"]).rewards is None

@@ -288,7 +288,7 @@ def numbers(plan: Plan, after: dict, before: Optional[dict]) -> dict:
 def sample_lines(plan: Plan, results: dict[str, dict]):
     """One JSON object per prompt: its index, prompt (and the task's columns), and per policy
     every per-prompt field of its evaluation (<policy>_<field>: texts -> the text)."""
-    names = {"texts": "", "greedy": "_greedy", "samples": "_samples"}
+    names = {"texts": "", "stops": "_stop"}  # as held_out.jsonl names them
     for i, row in enumerate(plan.rows):
         line = {"index": i, **{k: v for k, v in row.items() if k in ("id", "prompt", "answer", "summary")}}
         for who, res in results.items():
@@ -360,9 +360,10 @@ def main(argv: list[str]) -> int:
     from ppo_ray.placement import ClusterError
     from ppo_ray.rewards import RewardError
     from ppo_ray.rundir import RunDirError
+    from ppo_ray.tasks.tldr import TLDRDataError
 
     expected = (EvalError, ConfigError, CheckpointError, DataError, FileNotFoundError, RunDirError, RewardError,
-                ContextLengthError, ClusterError)
+                ContextLengthError, ClusterError, TLDRDataError)
     try:
         p = plan(argv)
     except expected as e:
