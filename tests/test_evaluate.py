@@ -55,7 +55,7 @@ def test_a_missing_run_or_checkpoint_is_named(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text("task: arith\n")
     err = refused([tmp_path / "run"], capsys, tmp_path)
-    assert "no checkpoint there" in err and str(tmp_path / "run") in err
+    assert f"run directory {tmp_path / 'run'}: no checkpoint there" in err
     err = refused([], capsys, tmp_path)
     assert "give one run directory" in err
 
@@ -68,7 +68,13 @@ def test_bad_options_are_named(arith_run, tmp_path, capsys):
     err = refused([arith_run, "--split", "test", "--prompts", prompts], capsys, arith_run)
     assert "--split and --prompts: give one of them" in err
     err = refused([arith_run, "--checkpoint", tmp_path], capsys, arith_run)
-    assert f"--resume {tmp_path}: no checkpoint there" in err
+    assert f"--checkpoint {tmp_path}: no checkpoint there" in err
+    err = refused([arith_run, "--checkpoint", tmp_path / "step-000001"], capsys, arith_run)
+    assert f"--checkpoint {tmp_path / 'step-000001'}: no such file or directory" in err
+    other = tmp_path / "other"
+    shutil.copytree(arith_run / "checkpoints", other / "checkpoints")
+    err = refused([arith_run, "--checkpoint", other / "checkpoints" / "step-000001"], capsys, arith_run, other)
+    assert f"checkpoint {other / 'checkpoints' / 'step-000001'} is not one of {arith_run}'s" in err
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     err = refused([arith_run, "--out", tmp_path / "full"], capsys, arith_run, tmp_path)

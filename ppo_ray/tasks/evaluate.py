@@ -84,8 +84,8 @@ def build_parser():
 def plan(argv: list[str]) -> Optional[Plan]:
     """Parse and check everything; None for --help (printed). EvalError, ConfigError,
     CheckpointError, DataError or FileNotFoundError name what is wrong. Reads only."""
-    from ppo_ray.checkpoint import (check_compatible, check_fingerprints, read_meta, resolve_checkpoint,
-                                    resumed_config)
+    from ppo_ray.checkpoint import (CheckpointError, check_compatible, check_fingerprints, read_meta,
+                                    resolve_checkpoint, resumed_config)
     from ppo_ray.config import ConfigError
 
     parser = build_parser()
@@ -108,12 +108,13 @@ def plan(argv: list[str]) -> Optional[Plan]:
     if split not in SPLITS:
         raise EvalError(f"unknown split {split!r}; splits: {', '.join(SPLITS)}")
 
-    if options.checkpoint is not None:
-        checkpoint = resolve_checkpoint(options.checkpoint)
-        if run_dir.resolve() not in checkpoint.resolve().parents:
-            raise EvalError(f"checkpoint {checkpoint} is not one of {run_dir}'s (its config's paths are the run's)")
-    else:
-        checkpoint = resolve_checkpoint(run_dir)  # CheckpointError naming the run when it has none intact
+    try:  # the newest intact checkpoint of the run, or the one named (CheckpointError naming it)
+        checkpoint = resolve_checkpoint(options.checkpoint or run_dir)
+    except CheckpointError as e:  # its messages speak of --resume
+        raise CheckpointError(str(e).replace("--resume ", "--checkpoint " if options.checkpoint else
+                                             "run directory ", 1)) from None
+    if run_dir.resolve() not in checkpoint.resolve().parents:
+        raise EvalError(f"checkpoint {checkpoint} is not one of {run_dir}'s (its config's paths are the run's)")
     saved = resumed_config(checkpoint, run_dir)
     cfg = saved.replace(**overrides) if overrides else saved
     # the checks restore() makes, here before any actor starts
@@ -255,9 +256,9 @@ def evaluate_policy(plan: Plan, trainer, label: str) -> dict:
     elif plan.kind == "arith":  # no answers: the samples only, greedy and sampled as for the pass rates
         prompts = ev.prompts_of(plan.rows)
         k = plan.config.eval_k
+        greedy = ev.generate(trainer, prompts, greedy=True, label=f"{label}, greedy").texts
         texts = ev.generate(trainer, prompts, samples_per_prompt=k, label=f"{label}, sampled").texts
-        res = {"greedy": ev.generate(trainer, prompts, greedy=True, label=f"{label}, greedy").texts,
-               "samples": [texts[i * k:(i + 1) * k] for i in range(len(prompts))]}
+        res = {"greedy": greedy, "samples": [texts[i * k:(i + 1) * k] for i in range(len(prompts))]}
     elif plan.kind == "tldr":
         res = ev.judge(trainer, plan.rows, label=label, gold="gold" not in plan.skipped, score=plan.score)
     else:
