@@ -124,7 +124,7 @@ def plan(argv: list[str]) -> Optional[Plan]:
     sft_dir = run_dir / "sft"
     has_sft = sft_dir.is_dir() and Path(cfg.model_name).resolve() == sft_dir.resolve()
     pipeline_task = has_sft and cfg.uses_bundled_data  # the bundled task's data, with its judge
-    kind = (cfg.task if cfg.task in ("arith", "tldr") else "reward") if pipeline_task else "reward"
+    kind = cfg.task if pipeline_task and cfg.task in ("arith", "tldr") else "reward"
     score = kind != "arith" and bool(cfg.reward_model_name or cfg.reward_funcs)
 
     from ppo_ray.modeling import load_tokenizer
