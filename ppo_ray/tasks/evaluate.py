@@ -163,8 +163,6 @@ def plan(argv: list[str]) -> Optional[Plan]:
         elif any("summary" not in row for row in rows):
             first = next(i for i, row in enumerate(rows) if "summary" not in row)
             skipped["reference"] = f"{source}: row {first} has no column 'summary' (the reference summary)"
-    if kind != "reward" and not score and skipped:
-        log.warning("no metric of the task can be computed (%s): eval writes the samples only", "; ".join(skipped.values()))
     out = Path(options.out) if options.out else run_dir / EVAL_DIR / time.strftime("%Y%m%d-%H%M%S")
     if not options.out:
         n = 1
@@ -303,15 +301,13 @@ def write_samples_md(plan: Plan, path: Path, after: dict, before: Optional[dict]
     from ppo_ray.tasks.evaluation import write_arith_samples
     from ppo_ray.tasks.pipeline import write_held_out_texts, write_samples
 
-    if plan.kind == "arith" and "right" in after:
+    if plan.kind == "arith":
         write_arith_samples(path, plan.rows, plan.config.eval_k, after, before)
     elif plan.kind == "tldr" and "gold" in after and before is not None:
         write_samples(path, plan.rows, before["texts"], before["gold"], after["texts"], after["gold"])
-    else:
-        texts = after.get("texts") or after["greedy"]
+    else:  # no judge: the texts to read (the real path's samples.md)
         write_held_out_texts(path, [row["prompt"] for row in plan.rows],
-                             (before.get("texts") or before["greedy"]) if before is not None else [""] * len(texts),
-                             texts)
+                             before["texts"] if before is not None else [""] * len(after["texts"]), after["texts"])
 
 
 def run(plan: Plan) -> dict:
@@ -325,6 +321,8 @@ def run(plan: Plan) -> dict:
     t0 = time.perf_counter()
     ray_was_up = ray.is_initialized()
     log.info("evaluating %s on %s (%d prompts) -> %s", plan.checkpoint, plan.source, len(plan.rows), plan.out)
+    for metric, why in plan.skipped.items():
+        log.warning("%s skipped: %s", metric, why)
     trainer = PPOTrainer(plan.config)
     try:
         before = evaluate_policy(plan, trainer, "SFT policy") if plan.has_sft else None
