@@ -387,14 +387,17 @@ def _run(config, stage: str, stages: tuple[str, ...], done: dict, resume, run_di
     `ppo_config`: the pipeline's resumed PPO stage's config (its checkpoint's plus the overrides)."""
     from ppo_ray.checkpoint import CheckpointError
     from ppo_ray.data import DataError
+    from ppo_ray.machine import machine_info
     from ppo_ray.modeling import ContextLengthError
     from ppo_ray.placement import ClusterError
     from ppo_ray.rewards import RewardError
     from ppo_ray.rundir import RunDirError, mark_done
     from ppo_ray.tasks.tldr import TLDRDataError
-    from ppo_ray.tracking import read_run_file
+    from ppo_ray.tracking import read_run_file, update_run_file
 
     config.to_yaml(run_dir / f"config{'' if stage == 'all' else '-' + stage}.yaml")
+    # the driver's machine and packages, for the report page (the latest command's)
+    update_run_file(run_dir, environment={**machine_info(), "recorded": time.strftime("%Y-%m-%d %H:%M:%S")})
     log.info("run directory: %s (console log: %s)", run_dir, log_path.relative_to(run_dir))
 
     import ray
@@ -449,8 +452,22 @@ def _run(config, stage: str, stages: tuple[str, ...], done: dict, resume, run_di
         # is the last line of stdout (scripts read it with tail -1 | jq).
         ray.shutdown()
     (run_dir / f"report{'' if stage == 'all' else '-' + stage}.json").write_text(json.dumps(report, indent=2))
+    if stage in ("all", "ppo"):
+        write_page(run_dir)
     print(json.dumps(report))
     return 0
+
+
+def write_page(run_dir: Path) -> None:
+    """<run_dir>/report.html from what the run directory holds (ppo_ray.tasks.report_page). The
+    page is a view of files already written: failing to build it costs a warning, not the run."""
+    from ppo_ray.tasks.report_page import write_report_page
+
+    try:
+        log.info("report page: %s", write_report_page(run_dir))
+    except Exception as e:  # noqa: BLE001
+        log.warning("the report page of %s was not written (python -m ppo_ray.tasks.report_page %s): %r",
+                    run_dir, run_dir, e)
 
 
 if __name__ == "__main__":
