@@ -549,6 +549,9 @@ def plot_curves(metrics_path: Path, out_path: Path | BinaryIO, gold_before: Opti
             ax.legend(loc="lower right")
         if pts:
             ax.plot(*zip(*pts), marker="o" if key == gold_key else None)
+        else:  # e.g. value loss under a critic-free estimator: say so rather than draw empty axes
+            ax.text(0.5, 0.5, "not measured in this run" if key != "value_loss" else "no value model",
+                    ha="center", va="center", transform=ax.transAxes, color="grey")
         ax.set_title(title)
         ax.set_xlabel("PPO step")
         ax.grid(alpha=0.3)
