@@ -362,14 +362,16 @@ def greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[f
     return ids[len(prompt):], gaps, logit_max
 
 
-def same_until_a_near_tie(got: list[int], want: list[int], gaps: list[float], tol: float) -> None:
+def same_until_a_near_tie(got: list[int], want: list[int], gaps: list[float], tol: float) -> int:
     """Equal token for token, except that at a step where the reference's best two tokens are
-    within rounding (gap <= tol) the two may part, and nothing after that is compared."""
+    within rounding (gap <= tol) the two may part, and nothing after that is compared. Returns
+    how many tokens were compared."""
+    assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
         if gaps[i] <= tol:
-            return
+            return i
         assert a == b, f"token {i}: {a} != {b} (reference margin {gaps[i]:.3g} > {tol:.3g}); {got} vs {want}"
-    assert len(got) == len(want)
+    return len(got)
 
 
 @pytest.mark.slow
@@ -402,8 +404,8 @@ def test_served_adapter_and_merged_model_complete_as_the_peft_model_does(tiny_mo
         served_base = [server.complete("base", p, n_tokens) for p in prompts]
     finally:
         server.stop()
-    for got, (want, gaps, _) in zip(served, reference):
-        same_until_a_near_tie(got, want, gaps, tol)
+    compared = [same_until_a_near_tie(got, want, gaps, tol) for got, (want, gaps, _) in zip(served, reference)]
+    assert sum(compared) >= len(prompts) * n_tokens // 2, compared  # near ties are rare: most tokens were compared
     assert served_base != served  # the adapter was applied
 
     server = Server(exported["merged"], tmp_path / "merged-server.log", "--served-model-name", "merged")
@@ -412,5 +414,7 @@ def test_served_adapter_and_merged_model_complete_as_the_peft_model_does(tiny_mo
         served_merged = [server.complete("merged", p, n_tokens) for p in prompts]
     finally:
         server.stop()
-    for got, (want, gaps, _) in zip(served_merged, reference):
-        same_until_a_near_tie(got, want, gaps, tol)
+    compared = [same_until_a_near_tie(got, want, gaps, tol) for got, (want, gaps, _) in zip(served_merged, reference)]
+    assert sum(compared) >= len(prompts) * n_tokens // 2, compared
+    print(f"tokens compared: {compared} of {n_tokens} per prompt; smallest reference margin "
+          f"{min(g for _, gaps, _ in reference for g in gaps):.3g} (tolerance {tol:.3g})")
