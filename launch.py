@@ -296,8 +296,8 @@ def build_parser():
 
     parser = ConfigParser(prog="launch.py", description=__doc__,
                           usage="python launch.py [all|sft|rm|ppo] [--config FILE|PRESET] [--run_dir DIR] [--resume DIR] "
-                                "[--<field> VALUE ...]\n       python launch.py export RUN_DIR|CHECKPOINT [--merged OUT] "
-                                "[--adapter OUT] [--dtype DTYPE]",
+                                "[--<field> VALUE ...]\n       python launch.py export RUN_DIR|CHECKPOINT "
+                                "[--merged OUT] [--adapter OUT] [--dtype DTYPE]",
                           epilog=f"stages (the positional argument): {', '.join(STAGES)}; default: all (ppo with "
                                  "--resume).\ncommands (first, each with its own options: launch.py COMMAND --help): "
                                  + "; ".join(f"{name}: {c.summary}" for name, c in COMMANDS.items())

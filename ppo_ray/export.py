@@ -229,7 +229,7 @@ def _from_run_dir(run_dir: Path) -> ExportSource:
     if same is None:
         notes.append(f"{ADAPTER_DIR}/ is identical to none of the run's checkpoints still present (newest: "
                      f"{newest.name}); the config is {newest.name}'s")
-    return ExportSource(run_dir, adapter, adapter_config, base, config.model_name, run_dir, same or None, config,
+    return ExportSource(run_dir, adapter, adapter_config, base, config.model_name, run_dir, same, config,
                         True, notes)
 
 

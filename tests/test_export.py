@@ -134,7 +134,8 @@ def test_exported_adapter_loads_with_peft_elsewhere_and_names_its_base(tiny_mode
     assert Path(config["base_model_name_or_path"]).is_absolute()
     assert config["r"] == R and config["lora_alpha"] == 8
     # the tensors are the trained ones, byte for byte
-    assert (out / "adapter_model.safetensors").read_bytes() == (random_adapter / "adapter_model.safetensors").read_bytes()
+    weights = "adapter_model.safetensors"
+    assert (out / weights).read_bytes() == (random_adapter / weights).read_bytes()
     ids = tokens(load_tokenizer(str(tiny_model_dir)))
     reference, _ = token_logprobs(PeftModel.from_pretrained(load_causal_lm(str(tiny_model_dir)),
                                                             str(random_adapter)).eval(), ids)
