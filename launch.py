@@ -5,6 +5,11 @@
     python launch.py ppo --config configs/tiny.yaml --steps 30 --kl_coef 0.05
     RAY_ADDRESS=... python launch.py ppo --config ...   # attach to a running cluster
     ray job submit --working-dir . -- python launch.py ppo --config ...
+    python launch.py export runs/x --merged /tmp/m      # a finished run's LoRA merged into its base
+
+Commands (the first argument; each has its own options, `launch.py export --help`): `export`
+writes a run's LoRA (its final adapter/ or a checkpoint's) as a merged model and/or a portable
+PEFT adapter, each with a model card (ppo_ray/export.py, docs/EXPORT.md).
 
 Stages: `sft` writes the bundled task's data and the SFT checkpoint, `rm` the reward model,
 `ppo` trains the policy with PPO. `ppo` uses the run directory's SFT and reward model when
@@ -55,17 +60,112 @@ its own files: `--resume CKPT --run_dir OTHER` is refused while OTHER holds a ru
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger("ppo_ray.launch")
 
 DEFAULT_CONFIG = "tldr-tiny"  # a preset's name: ppo_ray/configs/tldr-tiny.yaml (ppo_ray.config.resolve_config)
 STAGES = ("all", "sft", "rm", "ppo")
+
+
+# --------------------------------------------------------------------------- commands that are not stages
+class CommandParser(argparse.ArgumentParser):
+    """A command's own options (not PPOConfig's): errors raise ConfigError, which _main prints
+    as one `error:` line with exit 2 (argparse would print its usage and exit)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(allow_abbrev=False, exit_on_error=False, add_help=False, **kwargs)
+        self.add_argument("-h", "--help", action="store_true", help="show this message and exit")
+        self.add_argument("--log_level", "--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                          help="console log level (default: info)")
+
+    def error(self, message: str):
+        from ppo_ray.config import ConfigError
+
+        raise ConfigError(f"command line: {message}")
+
+
+@dataclass(frozen=True)
+class Command:
+    """A first argument that is not a stage: it reads a run, writes elsewhere, and starts no
+    Ray. `parser` builds its options; `run(options, argv)` is its exit status (2: bad input,
+    named on stderr, nothing written)."""
+
+    summary: str
+    parser: Callable[[], CommandParser]
+    run: Callable[[argparse.Namespace, list], int]
+
+
+def export_parser() -> CommandParser:
+    parser = CommandParser(
+        prog="launch.py export",
+        usage="python launch.py export RUN_DIR|CHECKPOINT|ADAPTER_DIR [--merged OUT] [--adapter OUT] "
+              "[--dtype float32|bfloat16|float16]",
+        description="A run's LoRA for use outside ppo-ray (docs/EXPORT.md): the base with the LoRA merged, loadable "
+                    "by transformers and vLLM without PEFT, and/or the PEFT adapter with its base named by hub id or "
+                    "absolute path; each with a model card (README.md). The source: a run directory (its final "
+                    "adapter/), a checkpoint (RUN/checkpoints/step-N) or a PEFT adapter directory. An OUT must not "
+                    "exist or be empty; it is written whole or not at all.")
+    parser.add_argument("source", metavar="RUN_DIR|CHECKPOINT|ADAPTER_DIR", nargs="?")  # optional for --help
+    parser.add_argument("--merged", metavar="OUT", help="write the merged model (safetensors, config, tokenizer) here")
+    parser.add_argument("--adapter", metavar="OUT", help="write the portable PEFT adapter here")
+    parser.add_argument("--dtype", help="the merged model's dtype: float32, bfloat16 or float16 (default: the run's "
+                                        "dtype)")
+    return parser
+
+
+def run_export(options: argparse.Namespace, argv: list) -> int:
+    from ppo_ray.export import ExportError, check_dtype, check_output, export, find_source
+
+    if options.source is None:
+        print("error: name what to export: a run directory, a checkpoint or an adapter directory", file=sys.stderr)
+        return 2
+    try:
+        # the cheap checks first: nothing is loaded before the options are known to be usable
+        check_dtype(options.dtype)
+        for what in ("merged", "adapter"):
+            if getattr(options, what) is not None:
+                check_output(getattr(options, what), f"--{what}")
+        source = find_source(options.source)
+        summary = export(source, merged=options.merged, adapter=options.adapter, dtype=options.dtype,
+                         command=["ppo-ray", "export", *argv])
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0
+
+
+COMMANDS: dict[str, Command] = {
+    "export": Command("a run's LoRA as a merged model and/or a portable PEFT adapter", export_parser, run_export),
+}
+
+
+def run_command(name: str, argv: list) -> int:
+    """`launch.py <command> ...`: its options parsed by its own parser, then run."""
+    from ppo_ray.config import ConfigError
+    from ppo_ray.logs import setup_logging
+
+    command = COMMANDS[name]
+    parser = command.parser()
+    try:
+        options = parser.parse_args(argv)
+    except (ConfigError, argparse.ArgumentError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if options.help:
+        print(parser.format_help())
+        return 0
+    setup_logging(options.log_level)
+    return command.run(options, argv)
 
 
 def check_ray_address() -> None:
@@ -196,9 +296,12 @@ def build_parser():
 
     parser = ConfigParser(prog="launch.py", description=__doc__,
                           usage="python launch.py [all|sft|rm|ppo] [--config FILE|PRESET] [--run_dir DIR] [--resume DIR] "
-                                "[--<field> VALUE ...]",
+                                "[--<field> VALUE ...]\n       python launch.py export RUN_DIR|CHECKPOINT "
+                                "[--merged OUT] [--adapter OUT] [--dtype DTYPE]",
                           epilog=f"stages (the positional argument): {', '.join(STAGES)}; default: all (ppo with "
-                                 "--resume).\nA config file is trusted input: its reward_funcs are imported and run.")
+                                 "--resume).\ncommands (first, each with its own options: launch.py COMMAND --help): "
+                                 + "; ".join(f"{name}: {c.summary}" for name, c in COMMANDS.items())
+                                 + ".\nA config file is trusted input: its reward_funcs are imported and run.")
     parser.add_argument("--run_dir", "--run-dir", metavar="DIR",
                         help="run directory (default: output_dir/<time>; with --resume, the checkpoint's run)")
     parser.add_argument("--resume", metavar="DIR|auto",
@@ -230,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:
+        return run_command(argv[0], argv[1:])
     from ppo_ray.config import ConfigError, PPOConfig
 
     parser = build_parser()
@@ -245,7 +350,12 @@ def _main(argv: list[str] | None) -> int:
     auto = resume == "auto"
     stage = positional[0] if positional else ("ppo" if resume is not None and not auto else "all")
     if stage not in STAGES or len(positional) > 1:
-        print(f"error: unknown stage {' '.join(positional)!r}; stages: {', '.join(STAGES)}", file=sys.stderr)
+        if stage in COMMANDS:
+            print(f"error: {stage} is a command, not a stage: it comes first (python launch.py {stage} --help)",
+                  file=sys.stderr)
+            return 2
+        print(f"error: unknown stage {' '.join(positional)!r}; stages: {', '.join(STAGES)}; commands: "
+              f"{', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     if resume is not None and not auto and stage != "ppo":
         print(f"error: --resume continues the PPO stage; stage {stage!r} cannot resume (use: launch.py ppo --resume "
