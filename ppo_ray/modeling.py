@@ -138,11 +138,13 @@ def pick_device(device: str | None = None) -> torch.device:
     return torch.device(device)
 
 
-def load_causal_lm(name: str, dtype: str = "float32"):
-    """AutoModelForCausalLM in eval mode (callers switch to train mode where they train)."""
+def load_causal_lm(name: str, dtype: str = "float32", use_safetensors: bool | None = None):
+    """AutoModelForCausalLM in eval mode (callers switch to train mode where they train).
+    use_safetensors=True refuses a model whose weights are not safetensors (no pickle)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=DTYPES[dtype])
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=DTYPES[dtype],
+                                                 use_safetensors=use_safetensors)
     model.eval()
     return model
 

@@ -35,7 +35,11 @@ STAGE_OUTPUTS: dict[str, tuple[str, ...]] = {
     "ppo": ("checkpoints", "metrics.jsonl", "eval_samples.jsonl", "eval-before-ppo.json", TENSORBOARD_DIR,
             "adapter", "samples.md", "held_out.jsonl", "curves.png", "report-ppo.json"),
 }
-STAGE_OUTPUTS["all"] = (*STAGE_OUTPUTS["sft"], *STAGE_OUTPUTS["rm"], *STAGE_OUTPUTS["ppo"], "report.json")
+# The pipeline's report and its page (report.html, a view of the directory that `all` and `ppo`
+# write at their end): a fresh `all` refuses to write over them, and they move aside with
+# whatever stage starts over (invalidate).
+RUN_REPORTS = ("report.json", "report.html")
+STAGE_OUTPUTS["all"] = (*STAGE_OUTPUTS["sft"], *STAGE_OUTPUTS["rm"], *STAGE_OUTPUTS["ppo"], *RUN_REPORTS)
 # The pipeline's stages in order: each is built on the ones before it (rm on sft, ppo on both).
 PIPELINE = ("sft", "rm", "ppo")
 
@@ -54,7 +58,7 @@ def invalidate(run_dir: Path, stages: Iterable[str], why: str) -> Path | None:
     names = list(dict.fromkeys(s for stage in stages for s in (stage, *downstream(stage))))
     outputs = held_outputs(run_dir, names)
     if outputs:  # with them, the config each stage saved and the pipeline's report, of the old stages
-        outputs += [n for n in (*(f"config-{s}.yaml" for s in names), "report.json")
+        outputs += [n for n in (*(f"config-{s}.yaml" for s in names), *RUN_REPORTS)
                     if n not in outputs and _present(Path(run_dir) / n)]
     where = move_aside(run_dir, outputs, why=why)
     forget_done(run_dir, names)

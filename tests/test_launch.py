@@ -369,6 +369,21 @@ def test_all_stages_end_to_end_on_the_bundled_task(tmp_path):
     from ppo_ray.modeling import load_causal_lm
 
     PeftModel.from_pretrained(load_causal_lm(str(run_dir / "sft")), str(run_dir / "adapter"))
+    # launch.py export (tests/test_export.py tests it in depth): the pipeline's base is the run's
+    # SFT model (${run_dir}/sft in the checkpoint's config), named by its absolute path; the
+    # card has the report's numbers and the run tag
+    out = tmp_path / "export"
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "export", "run", "--adapter", str(out / "a"),
+                           "--merged", str(out / "m")], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = json.loads((out / "a" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((run_dir / "sft").resolve())
+    card = (out / "m" / "README.md").read_text()
+    assert "this is the run's final adapter" in card and f"run tag: `{report['run_tag']}`" in card
+    assert f"| gold_test_ppo | {report['gold_test_ppo']:.4g} |" in card
+    from transformers import AutoModelForCausalLM
+
+    assert not any("lora" in n for n, _ in AutoModelForCausalLM.from_pretrained(str(out / "m")).named_parameters())
 
     # `launch.py eval` on the finished run (its default --out: run_dir/eval/<time>/, beside the
     # run's files, none of them touched) reproduces the report's test numbers exactly: the same

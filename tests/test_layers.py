@@ -3,7 +3,7 @@ statement, at module level or inside a function, parsed with ast; nothing is imp
 
     tasks (top)   ppo_ray/tasks/, ppo_ray/tldr_model.py, launch.py
     driver        ppo_ray/{trainer, roles, supervisor, interrupts, placement, checkpoint, runlog,
-                  metrics, rundir, runlock}.py
+                  metrics, rundir, runlock, export}.py
     roles         actors/, learner/          (plain classes: no Ray, no driver)
     bottom        every other ppo_ray/*.py   (the shared vocabulary)
     math          learner/algos.py, learner/losses.py (the PPO math and its registries)
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 DRIVER = {"trainer", "roles", "supervisor", "interrupts", "placement", "checkpoint", "runlog", "metrics", "rundir",
-          "runlock"}
+          "runlock", "export"}
 TOP_FILES = {"ppo_ray/tldr_model.py", "launch.py"}
 ROLE_PACKAGES = ("actors", "learner")
 MATH = {"learner.algos", "learner.losses"}

@@ -8,6 +8,7 @@ the policy itself with HF generate; gen_logprobs are the learner's own logprobs.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import replace
 
@@ -241,6 +242,25 @@ def assert_same_update(got: tuple, want: tuple, tols: dict, keys=None) -> None:
 
 
 # ------------------------------------------------------------------ the update
+def test_a_cpu_peak_timed_under_load_is_raised_to_the_rate_an_update_reached(tiny_path, special):
+    """The CPU's peak FLOP/s is one matmul timed at the first update; timed while other
+    processes held the cores it is too low, and learner_mfu read 130-170% (a DAPO run beside
+    three others, 2026-11-29). An update that computes faster than the peak raises it to its own
+    rate, so learner_mfu never exceeds 1; a peak above the update's rate stays as it was."""
+    from ppo_ray.stats import StepResult, StepTiming
+
+    learner = Learner(make_config(), tiny_path)
+    learner._peak_flops = 1.0  # "measured" while the cores were busy: 1 FLOP/s
+    stats, _ = learner.update(*rollout_inputs(learner, random_batch(special)))
+    rate = stats.learner_flops / stats.update_s
+    assert stats.learner_peak_flops_per_s == pytest.approx(rate) and learner.peak_flops_per_s() == pytest.approx(rate)
+    timing = StepTiming(**{f.name: 0.0 for f in dataclasses.fields(StepTiming)} | {"update_s": stats.update_s})
+    assert StepResult.rates(timing, stats, 1)["learner_mfu"] == pytest.approx(1.0)
+    learner._peak_flops = high = 1e30
+    stats, _ = learner.update(*rollout_inputs(learner, random_batch(special)))
+    assert stats.learner_peak_flops_per_s == high
+
+
 @pytest.mark.equality
 def test_update_runs_and_changes_only_lora(tiny_path, special):
     learner = Learner(make_config(), tiny_path)

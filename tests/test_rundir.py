@@ -155,6 +155,24 @@ def test_overwrite_moves_the_old_outputs_aside(tmp_path):
     assert held_outputs(run, ["all"]) == [] and stages_done(run) == {}
 
 
+def test_the_report_page_moves_aside_with_the_report_and_a_fresh_run_refuses_it(tmp_path):
+    """report.html (ppo_ray.tasks.report_page, written at the end of `all` and `ppo`) is one of
+    the run's reports: --overwrite of any stage moves it aside with report.json, and a fresh
+    `all` does not write over it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "report.json").write_text("{}")
+    (run / "report.html").write_text("<!DOCTYPE html>")
+    launch.plan_run_dir(run, "ppo", ("ppo",), None, overwrite=True)
+    [moved] = (run / "replaced").iterdir()
+    assert sorted(p.name for p in moved.iterdir()) == ["metrics.jsonl", "report.html", "report.json"]
+    (run / "report.html").write_text("<!DOCTYPE html>")
+    assert held_outputs(run, ["all"]) == ["report.html"]
+    with pytest.raises(RunDirError, match="report.html"):
+        launch.plan_run_dir(run, "all", ("sft", "rm", "ppo"), None, overwrite=False)
+
+
 def test_resume_auto_continues_what_the_run_directory_holds(tmp_path, learner_state):
     run = tmp_path / "run"
     all_stages = ("sft", "rm", "ppo")

@@ -298,11 +298,10 @@ def sample_lines(plan: Plan, results: dict[str, dict]):
 
 
 def write_samples_md(plan: Plan, path: Path, after: dict, before: Optional[dict]) -> None:
-    from ppo_ray.tasks.evaluation import write_arith_samples
-    from ppo_ray.tasks.pipeline import write_held_out_texts, write_samples
+    from ppo_ray.tasks.pipeline import write_arith_samples, write_held_out_texts, write_samples
 
-    if plan.kind == "arith":
-        write_arith_samples(path, plan.rows, plan.config.eval_k, after, before)
+    if plan.kind == "arith":  # a run of the verifiable task has an SFT stage: `before` is its policy's
+        write_arith_samples(path, plan.rows, before, after, plan.config.eval_k)
     elif plan.kind == "tldr" and "gold" in after and before is not None:
         write_samples(path, plan.rows, before["texts"], before["gold"], after["texts"], after["gold"])
     else:  # no judge: the texts to read (the real path's samples.md)

@@ -170,17 +170,3 @@ def arith_numbers(tag: str, k: int, after: dict, before: Optional[dict] = None) 
     pairs = ([("sft", before)] if before is not None else []) + [("rl", after)]
     return {f"{name}_{tag}_{who}": value for who, res in pairs for name, value in arith_rates(res, k).items()}
 
-
-def write_arith_samples(path, rows: Sequence[dict], k: int, after: dict, before: Optional[dict] = None,
-                        n: int = 20) -> None:
-    """samples.md of task arith: held-out problems, each policy's greedy answer and right of k
-    (`-` where the verifier did not score: a problem without its answer)."""
-    who = ([("SFT", before)] if before is not None else []) + [("RL", after)]
-    head = "| # | problem | answer | " + " | ".join(f"{w} greedy | {w} right of k" for w, _ in who) + " |"
-    lines = [head, "|" + "---|" * (3 + 2 * len(who))]
-    for i, row in enumerate(rows[:n]):
-        cells = " | ".join(f"{res['greedy'][i]!r} | {str(res['right'][i]) + '/' + str(k) if 'right' in res else '-'}"
-                           for _, res in who)
-        lines.append(f"| {i} | {row['prompt']} | {row.get('answer', '')} | {cells} |")
-    title = "Held-out problems before (SFT) and after RL" if before is not None else "Held-out problems after RL"
-    path.write_text(f"# {title}\n\n" + "\n".join(lines) + "\n")

@@ -12,6 +12,7 @@ pass@k (ppo_ray.tasks.arith; the run directory has no rm/, and report.json the p
       curves.png           reward, KL, gold score and losses over steps
       samples.md           before/after summaries of held-out prompts
       report.json          the summary printed at the end
+      report.html          all of it on one page (launch.py, ppo_ray.tasks.report_page)
 
 The gold judge (ppo_ray.tasks.tldr_synth) is used only here, to evaluate: SFT learns from the
 reference summaries, the reward model from the preference pairs, PPO from the reward model.
@@ -31,7 +32,7 @@ import math
 import re
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple, Optional
+from typing import BinaryIO, Callable, Iterator, NamedTuple, Optional
 
 from ppo_ray.atomic import atomic_write_text
 from ppo_ray.config import PPOConfig
@@ -360,7 +361,7 @@ def run_rl_arith(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optio
     reach the learner."""
     from ppo_ray.data import load_prompts
     from ppo_ray.modeling import load_tokenizer
-    from ppo_ray.tasks.evaluation import arith_numbers, arith_rates, solve, write_arith_samples
+    from ppo_ray.tasks.evaluation import arith_numbers, arith_rates, solve
 
     cfg = cfg or ppo_config(config, run_dir, data_dir)
     test_rows = read_rows(data_dir / "prompts_test.jsonl")[: cfg.eval_size]
@@ -389,7 +390,7 @@ def run_rl_arith(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optio
                 f.write(json.dumps({"split": split, "index": i, "prompt": row["prompt"], "answer": row["answer"],
                                     "sft_greedy": before["greedy"][i], "sft_samples": before["samples"][i],
                                     "rl_greedy": after["greedy"][i], "rl_samples": after["samples"][i]}) + "\n")
-    write_arith_samples(run_dir / "samples.md", test_rows, k, rl, sft)
+    write_arith_samples(run_dir / "samples.md", test_rows, sft, rl, k)
     plot_curves(metrics, run_dir / "curves.png", report["pass1_val_sft"], gold_key="pass1_val",
                 gold_title="pass@1 (held-out validation, greedy)", reward_title="verifier reward (share right)")
     return report
@@ -462,6 +463,23 @@ def write_held_out_texts(path: Path, prompts, sft_texts, ppo_texts, n: int = 12)
     path.write_text("# Held-out summaries before (SFT) and after PPO\n\n" + "\n".join(lines) + "\n")
 
 
+def write_arith_samples(path: Path, rows, sft: dict, rl: dict, k: int, n: int = 20) -> None:
+    """samples.md of task arith: held-out problems with the SFT and RL greedy answers and how
+    many of k samples were right (`sft`, `rl`: ppo_ray.tasks.evaluation.solve() results; `-`
+    where the verifier did not score: `launch.py eval` on problems without their answers)."""
+    def cell(text: str) -> str:
+        return repr(text).replace("|", "\\|")
+
+    def right(res: dict, i: int) -> str:
+        return f"{res['right'][i]}/{k}" if "right" in res else "-"
+
+    lines = ["| # | problem | answer | SFT greedy | SFT right of k | RL greedy | RL right of k |", "|---|---|---|---|---|---|---|"]
+    for i, row in enumerate(rows[:n]):
+        lines.append(f"| {i} | {row['prompt']} | {row.get('answer', '')} | {cell(sft['greedy'][i])} | {right(sft, i)} | "
+                     f"{cell(rl['greedy'][i])} | {right(rl, i)} |")
+    path.write_text("# Held-out problems before (SFT) and after RL\n\n" + "\n".join(lines) + "\n")
+
+
 def write_samples(path: Path, rows, sft_texts, sft_gold, ppo_texts, ppo_gold, n: int = 12) -> None:
     def cell(s: str) -> str:
         return s.replace("|", "\\|").replace("\n", " ")
@@ -474,13 +492,14 @@ def write_samples(path: Path, rows, sft_texts, sft_gold, ppo_texts, ppo_gold, n:
     path.write_text("# Held-out summaries before (SFT) and after PPO\n\n" + "\n".join(lines) + "\n")
 
 
-def plot_curves(metrics_path: Path, out_path: Path, gold_before: Optional[float] = None, *,
+def plot_curves(metrics_path: Path, out_path: Path | BinaryIO, gold_before: Optional[float] = None, *,
                 gold_key: str = "gold_val", gold_title: str = "gold score (held-out validation)",
                 reward_title: str = "reward-model score") -> None:
     """The run's curves over PPO steps; `gold_before` (the SFT policy's held-out gold on the
     same validation prompts) is drawn as step 0 of the gold panel, so the gain reads off it.
     `gold_key` / the titles: the held-out metric's panel and the reward's (task arith: pass@1
-    and the verifier's reward)."""
+    and the verifier's reward). `out_path`: a file, or a binary stream the PNG is written to
+    (the report page's curves of a run that wrote none)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -501,9 +520,12 @@ def plot_curves(metrics_path: Path, out_path: Path, gold_before: Optional[float]
             ax.legend(loc="lower right")
         if pts:
             ax.plot(*zip(*pts), marker="o" if key == gold_key else None)
+        else:  # e.g. value loss under a critic-free estimator: say so rather than draw empty axes
+            ax.text(0.5, 0.5, "not measured in this run" if key != "value_loss" else "no value model",
+                    ha="center", va="center", transform=ax.transAxes, color="grey")
         ax.set_title(title)
         ax.set_xlabel("PPO step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out_path, dpi=100)
+    fig.savefig(out_path, dpi=100, format="png")
     plt.close(fig)

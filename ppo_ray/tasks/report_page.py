@@ -1,0 +1,431 @@
+"""The run's report page: <run_dir>/report.html, one self-contained file to open in a browser.
+
+    python -m ppo_ray.tasks.report_page RUN_DIR     # (re)build it for a run directory
+
+launch.py writes it at the end of `all` and `ppo`, from what the run directory holds; the same
+function rebuilds it for any run directory, finished or partial (a piece that is missing is
+left out, and one that cannot be read is named on the page, never a crash):
+- the headline numbers: report.json (or report-ppo.json, or run.json's finished stages), the
+  SFT -> PPO/RL pairs (`<metric>_<test|val>_<sft|ppo|rl>`) side by side;
+- the curves: curves.png (pipeline.plot_curves), or drawn from metrics.jsonl when the run
+  wrote none (a plain `launch.py ppo`, a run stopped mid-PPO);
+- the held-out samples (samples.md's table: summaries with gold scores, or arith's greedy
+  answers and right-of-k counts) and the last evaluation's samples (eval_samples.jsonl);
+- the config (config*.yaml), the environment the run recorded in run.json (launch.py:
+  ppo_ray.machine.machine_info) and the timings (stage seconds, PPO step times from
+  metrics.jsonl).
+
+Self-contained: the image is a data: URI, the CSS is inline, there is no script and no link
+to anything outside the file. Every text from the run directory is HTML-escaped: a sample
+that holds `<script>` shows as text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import json
+import logging
+import math
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ppo_ray.atomic import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+PAGE = "report.html"
+# report files, most complete first: the pipeline's (stage all), then a single stage's
+REPORTS = ("report.json", "report-ppo.json", "report-rm.json", "report-sft.json")
+# a before/after pair of report.json: gold_test_sft / gold_test_ppo, pass1_val_sft / pass1_val_rl, ...
+PAIR = re.compile(r"^(?P<metric>.+)_(?P<split>test|val)_(?P<who>sft|ppo|rl)$")
+# the config's fields a reader looks for first (the whole file follows them)
+KEY_FIELDS = ("task", "model_name", "seed", "steps", "batch_size", "samples_per_prompt", "advantage_estimator",
+              "policy_loss", "learning_rate", "kl_coef", "max_new_tokens", "temperature", "dtype",
+              "num_generators", "num_learners", "sft_dataset", "reward_funcs")
+EVAL_SAMPLE_ROWS = 8
+PROMPT_CHARS = 400  # eval samples' prompts are cut to this many characters on the page
+
+CSS = """
+body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 24px auto; max-width: 1150px;
+       padding: 0 16px; color: #1d1d1f; line-height: 1.4; }
+h1 { font-size: 1.6em; margin-bottom: 0.2em; } h2 { font-size: 1.25em; margin-top: 1.6em;
+     border-bottom: 1px solid #ccc; padding-bottom: 0.2em; } h3 { font-size: 1.05em; }
+.meta { color: #555; font-size: 0.92em; }
+table { border-collapse: collapse; margin: 0.6em 0 1em; font-size: 0.92em; }
+th, td { border: 1px solid #c8c8c8; padding: 4px 8px; text-align: left; vertical-align: top; }
+th { background: #eef1f5; } tr:nth-child(even) td { background: #fafafa; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+table.samples td { white-space: pre-wrap; overflow-wrap: anywhere; max-width: 420px; }
+table.samples td.num { white-space: nowrap; }
+table.samples { width: 100%; }
+img.curves { max-width: 100%; height: auto; border: 1px solid #ddd; }
+pre { background: #f6f8fa; border: 1px solid #ddd; padding: 8px; overflow-x: auto; font-size: 0.85em; }
+.note { color: #8a4b00; } details summary { cursor: pointer; margin: 0.4em 0; }
+.cols { display: flex; flex-wrap: wrap; gap: 24px; align-items: flex-start; }
+"""
+
+
+# ----------------------------------------------------------------------------- reading the run directory
+def _read_json(path: Path) -> Optional[Any]:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    from ppo_ray.tasks.pipeline import read_metrics
+
+    return read_metrics(path)
+
+
+def headline(run_dir: Path) -> tuple[Optional[str], dict]:
+    """(where the numbers come from, the report): the first of REPORTS present, else the
+    statistics of the stages run.json records as finished (a run stopped before its report)."""
+    for name in REPORTS:
+        report = _read_json(run_dir / name)
+        if isinstance(report, dict):
+            return name, report
+    from ppo_ray.tracking import read_run_file
+
+    done = read_run_file(run_dir).get("stages_done") or {}
+    merged = {k: v for stats in done.values() if isinstance(stats, dict) for k, v in stats.items()}
+    return ("run.json (finished stages: " + ", ".join(done) + ")" if merged else None), merged
+
+
+def split_pairs(report: dict) -> tuple[list[tuple[str, str, Any, Any, str]], dict]:
+    """The report's before/after pairs as rows (metric, split, SFT value, after value, after's
+    name: PPO or RL), a dict value's numbers each a row of its own (copy_test_sft's all_right:
+    metric `copy.all_right`), and the rest of the report."""
+    pairs: dict[tuple[str, str], dict] = {}
+    rest = {}
+    for key, value in report.items():
+        m = PAIR.match(key)
+        if m is None:
+            rest[key] = value
+            continue
+        # a dict's fractions (copy_test_sft's all_right), not its counts (n)
+        flat = {m["metric"]: value} if not isinstance(value, dict) else \
+            {f"{m['metric']}.{k}": v for k, v in value.items() if isinstance(v, float)}
+        for metric, v in flat.items():
+            pairs.setdefault((metric, m["split"]), {})[m["who"]] = v
+    rows = []
+    for (metric, split), by in pairs.items():
+        after = "rl" if "rl" in by else "ppo"
+        rows.append((metric, split, by.get("sft"), by.get(after), after.upper()))
+    rows.sort(key=lambda r: (r[1] != "test", r[0].startswith("copy."), r[0].count("."), r[0]))
+    return rows, rest
+
+
+def _is_scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def parse_markdown_table(text: str) -> tuple[Optional[str], list[str], list[list[str]]]:
+    """(the first `# ` heading, header cells, body rows) of a markdown file holding one table
+    (samples.md: pipeline.write_samples; cells escape `|` as `\\|`)."""
+    title = next((line[2:].strip() for line in text.splitlines() if line.startswith("# ")), None)
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("|"):
+            continue
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip("|"))]
+        if all(re.fullmatch(r":?-{3,}:?", c) for c in cells):
+            continue  # the separator row
+        rows.append(cells)
+    return title, (rows[0] if rows else []), rows[1:]
+
+
+# ----------------------------------------------------------------------------- HTML pieces
+def esc(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def fmt(value: Any) -> str:
+    """A report value as text: floats to 4 significant digits (thousands with one decimal)."""
+    if value is None:
+        return "–"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:,.1f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return f"{value:,}"
+
+
+NUMBER_TEXT = re.compile(r"-?\d+(,\d{3})*(\.\d+)?(e[-+]?\d+)?(/\d+)?")  # a number as text (samples.md's 0.67, 7/8)
+
+
+def table(header: list[str], rows: list[list[Any]], cls: str = "") -> str:
+    """An HTML table; numbers (and cells that read as one) right-aligned and formatted (fmt),
+    every cell escaped. A header of empty names is left out."""
+    head = "".join(f"<th>{esc(h)}</th>" for h in header)
+    body = []
+    for row in rows:
+        cells = []
+        for v in row:
+            number = (isinstance(v, (int, float)) and not isinstance(v, bool)) or \
+                (isinstance(v, str) and NUMBER_TEXT.fullmatch(v) is not None)
+            cells.append(f'<td class="num">{esc(fmt(v))}</td>' if number else f"<td>{esc(fmt(v))}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    attr = f' class="{cls}"' if cls else ""
+    thead = f"<thead><tr>{head}</tr></thead>" if any(header) else ""
+    return f"<table{attr}>{thead}<tbody>{''.join(body)}</tbody></table>"
+
+
+def png_img(data: bytes, alt: str) -> str:
+    return (f'<img class="curves" alt="{esc(alt)}" src="data:image/png;base64,'
+            f'{base64.b64encode(data).decode("ascii")}">')
+
+
+# ----------------------------------------------------------------------------- sections
+def section_summary(run_dir: Path) -> str:
+    source, report = headline(run_dir)
+    if source is None:
+        return "<h2>Summary</h2><p class=\"note\">No report yet: the run has not finished a stage.</p>"
+    pairs, rest = split_pairs(report)
+    out = [f"<h2>Summary</h2><p class=\"meta\">From {esc(source)}.</p>"]
+    if pairs:
+        after = pairs[0][4]
+        out.append(f"<h3>Before (SFT) and after ({esc(after)}), held-out prompts</h3>")
+        out.append(table(["metric", "split", "SFT", after, "change"],
+                         [[m, s, a, b, (b - a) if _numbers(a, b) else None] for m, s, a, b, _ in pairs]))
+    # the headline first; the SFT and reward-model stages' own statistics beside it
+    groups: dict[str, list] = {"Headline numbers": [], "SFT stage": [], "Reward-model stage": []}
+    for key, value in rest.items():
+        if _is_scalar(value) and key not in ("run_dir", "run_tag"):  # those two head the page
+            group = "SFT stage" if key.startswith("sft_") else "Reward-model stage" if key.startswith("rm_") \
+                else "Headline numbers"
+            groups[group].append([key, value])
+    tables = [f"<div><h3>{esc(name)}</h3>{table(['key', 'value'], rows)}</div>"
+              for name, rows in groups.items() if rows]
+    if tables:
+        out.append('<div class="cols">' + "".join(tables) + "</div>")
+    nested = {k: v for k, v in rest.items() if not _is_scalar(v)}
+    if nested:
+        out.append("<details><summary>Other statistics of the report (nested)</summary>"
+                   f"<pre>{esc(json.dumps(nested, indent=1))}</pre></details>")
+    return "".join(out)
+
+
+def _numbers(*values: Any) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
+
+
+def section_curves(run_dir: Path) -> str:
+    png = run_dir / "curves.png"
+    if png.is_file():
+        return "<h2>Curves</h2>" + png_img(png.read_bytes(), "the run's curves (curves.png)")
+    rows = _read_jsonl(run_dir / "metrics.jsonl")
+    if not rows:
+        return ""
+    from ppo_ray.tasks.pipeline import plot_curves
+
+    keys = {k for r in rows for k in r}
+    if "gold_val" in keys:
+        panel = {}
+    elif "pass1_val" in keys:
+        panel = dict(gold_key="pass1_val", gold_title="pass@1 (held-out validation, greedy)",
+                     reward_title="verifier reward (share right)")
+    else:
+        panel = dict(gold_key="eval_reward_mean", gold_title="reward on the eval prompts", reward_title="reward")
+    buf = io.BytesIO()
+    plot_curves(run_dir / "metrics.jsonl", buf, **panel)
+    return ("<h2>Curves</h2><p class=\"meta\">Drawn from metrics.jsonl (the run wrote no curves.png).</p>"
+            + png_img(buf.getvalue(), "the run's curves, from metrics.jsonl"))
+
+
+def section_samples(run_dir: Path) -> str:
+    out = []
+    md = run_dir / "samples.md"
+    if md.is_file():
+        title, header, rows = parse_markdown_table(md.read_text())
+        out.append(f"<h3>{esc(title or 'samples.md')}</h3>")
+        if header:
+            out.append(table(header, rows, cls="samples"))
+        else:
+            out.append(f"<pre>{esc(md.read_text())}</pre>")
+        if (run_dir / "held_out.jsonl").is_file():
+            out.append('<p class="meta">Every held-out sample behind the numbers: held_out.jsonl.</p>')
+    evals = _read_jsonl(run_dir / "eval_samples.jsonl")
+    if evals:
+        last = max(r.get("step", 0) for r in evals)
+        shown = [r for r in evals if r.get("step", 0) == last][:EVAL_SAMPLE_ROWS]
+        rows = [[_cut(r.get("prompt", "")), r.get("response", ""), r.get("reward"), r.get("finish_reason")]
+                for r in shown]
+        inner = (f'<p class="meta">The policy at step {esc(last)}, sampled with the evaluation\'s fixed seeds '
+                 f"(eval_samples.jsonl; prompts cut to {PROMPT_CHARS} characters).</p>"
+                 + table(["prompt", "response", "reward", "finish"], rows, cls="samples"))
+        if out:  # the held-out table is the main one; these fold away
+            out.append(f"<details><summary>Eval samples at step {esc(last)}</summary>{inner}</details>")
+        else:
+            out.append(f"<h3>Eval samples at step {esc(last)}</h3>{inner}")
+    return "<h2>Samples</h2>" + "".join(out) if out else ""
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= PROMPT_CHARS else text[:PROMPT_CHARS] + "…"
+
+
+def section_config(run_dir: Path) -> str:
+    import yaml
+
+    files = sorted(run_dir.glob("config*.yaml"))
+    if not files:
+        return ""
+    out = ["<h2>Config</h2>"]
+    for path in files:
+        text = path.read_text()
+        data = yaml.safe_load(text)
+        if isinstance(data, dict):
+            rows = [[k, json.dumps(data[k]) if not _is_scalar(data[k]) else data[k]] for k in KEY_FIELDS if k in data]
+            out.append(f"<h3>{esc(path.name)}</h3>" + table(["field", "value"], rows))
+        out.append(f"<details><summary>{esc(path.name)}, whole ({len(text.splitlines())} lines)</summary>"
+                   f"<pre>{esc(text)}</pre></details>")
+    return "".join(out)
+
+
+def section_environment(run_dir: Path) -> str:
+    from ppo_ray.tracking import read_run_file
+
+    env = read_run_file(run_dir).get("environment")
+    note = ""
+    if not isinstance(env, dict):
+        from ppo_ray.machine import machine_info
+
+        env = machine_info()
+        note = ('<p class="note">The run recorded no environment (run.json); this is the machine that built '
+                "the page.</p>")
+    rows = [["python", env.get("python")]]
+    rows += [[pkg, v] for pkg, v in (env.get("versions") or {}).items()]
+    rows += [["host", env.get("host")], ["CPU", env.get("cpu")], ["CPUs (usable)", env.get("cpus")],
+             ["memory (GiB)", env.get("mem_gib")]]
+    gpus = env.get("gpus") or []
+    rows += [[f"GPU {i}", f"{g.get('name')}, {g.get('memory_mib')} MiB, driver {g.get('driver')}"]
+             for i, g in enumerate(gpus)] or [["GPUs", "none"]]
+    when = f" (recorded {esc(env['recorded'])})" if env.get("recorded") else ""
+    return f"<h2>Environment{when}</h2>{note}" + table(["", ""], rows)
+
+
+def section_timings(run_dir: Path) -> str:
+    out = []
+    stage_rows = []
+    for name in REPORTS:
+        report = _read_json(run_dir / name)
+        if isinstance(report, dict):
+            for key in ("sft_seconds", "rm_seconds"):
+                if key in report and key not in [r[0] for r in stage_rows]:
+                    stage_rows.append([key, report[key]])
+            if "seconds" in report:
+                stage_rows.append([f"{name}: the command's seconds", report["seconds"]])
+    rows = _read_jsonl(run_dir / "metrics.jsonl")
+    steps = [r["time/step_s"] for r in rows if _numbers(r.get("time/step_s"))]
+    if steps:
+        stage_rows.append(["PPO steps' seconds (sum of time/step_s)", sum(steps)])
+    if stage_rows:
+        out.append(table(["stage", "seconds"], stage_rows))
+    if steps:
+        q = statistics.quantiles(steps, n=10, method="inclusive") if len(steps) >= 2 else [steps[0]] * 9
+        out.append("<h3>Per PPO step (metrics.jsonl)</h3>" + table(
+            ["steps", "mean s", "median s", "min s", "p90 s", "max s"],
+            [[len(steps), statistics.fmean(steps), statistics.median(steps), min(steps), q[8], max(steps)]]))
+        # in the rows' order (StepTiming's); sub-phases overlap (sync_write_s is part of sync_s)
+        phases = list(dict.fromkeys(k for r in rows for k in r if k.startswith("time/") and k != "time/step_s"))
+        total = statistics.fmean(steps)
+        phase_rows = []
+        for key in phases:
+            values = [r[key] for r in rows if _numbers(r.get(key))]
+            if values:
+                mean = statistics.fmean(values)
+                phase_rows.append([key.removeprefix("time/"), mean, 100 * mean / total if total else None])
+        rates = [[key, statistics.median(v)] for key in ("tokens_per_s", "rollout_tokens_per_s",
+                                                         "learner_tokens_per_s", "learner_mfu")
+                 if (v := [r[key] for r in rows if _numbers(r.get(key))])]
+        out.append('<div class="cols">')
+        if phase_rows:
+            out.append("<div><h3>Phases, mean per step (they overlap)</h3>"
+                       + table(["phase", "mean s", "% of step"], phase_rows) + "</div>")
+        if rates:
+            out.append("<div><h3>Throughput, median over steps</h3>" + table(["rate", "median"], rates) + "</div>")
+        out.append("</div>")
+    return "<h2>Timings</h2>" + "".join(out) if out else ""
+
+
+def section_files(run_dir: Path) -> str:
+    rows = []
+    for p in sorted(run_dir.iterdir()):
+        if p.name.startswith(".") or p.name == PAGE:
+            continue
+        size = p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+        rows.append([p.name + ("/" if p.is_dir() else ""), size])
+    return "<h2>Files in the run directory</h2>" + table(["name", "bytes"], rows) if rows else ""
+
+
+SECTIONS: tuple[tuple[str, Callable[[Path], str]], ...] = (
+    ("summary", section_summary), ("curves", section_curves), ("samples", section_samples),
+    ("config", section_config), ("environment", section_environment), ("timings", section_timings),
+    ("files", section_files))
+
+
+# ----------------------------------------------------------------------------- the page
+def build_page(run_dir: Path) -> str:
+    """The page's HTML for `run_dir`. A section that cannot be read (a damaged file) is a line
+    naming the error; the other sections are unaffected."""
+    run_dir = Path(run_dir)
+    from ppo_ray.tracking import read_run_file
+
+    run = read_run_file(run_dir)
+    meta = [f"Run directory <code>{esc(run_dir.resolve())}</code>"]
+    if run.get("run_tag"):
+        meta.append(f"run tag <code>{esc(run['run_tag'])}</code>")
+    if run.get("stages_done"):
+        meta.append("stages finished: " + esc(", ".join(run["stages_done"])))
+    meta.append(f"page written {esc(time.strftime('%Y-%m-%d %H:%M:%S'))}")
+    parts = []
+    for name, section in SECTIONS:
+        try:
+            parts.append(section(run_dir))
+        except Exception as e:  # noqa: BLE001 (one unreadable file costs its section, not the page)
+            log.warning("report page of %s: the %s section failed: %r", run_dir, name, e)
+            parts.append(f'<h2>{esc(name.capitalize())}</h2><p class="note">Could not be built: '
+                         f"{esc(type(e).__name__)}: {esc(e)}</p>")
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>ppo-ray run {esc(run_dir.name)}</title><style>{CSS}</style></head><body>"
+            f"<h1>ppo-ray run {esc(run_dir.name)}</h1><p class=\"meta\">{' · '.join(meta)}</p>"
+            + "".join(parts) + "</body></html>\n")
+
+
+def write_report_page(run_dir: str | Path) -> Path:
+    """Write <run_dir>/report.html (atomically) from what the run directory holds; returns its path."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir}: not a run directory")
+    path = run_dir / PAGE
+    atomic_write_text(path, build_page(run_dir))
+    return path
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ppo_ray.tasks.report_page",
+                                     description="(Re)build a run directory's report.html.")
+    parser.add_argument("run_dir", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    for run_dir in args.run_dir:
+        try:
+            print(write_report_page(run_dir))
+        except FileNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
