@@ -6,10 +6,13 @@
     RAY_ADDRESS=... python launch.py ppo --config ...   # attach to a running cluster
     ray job submit --working-dir . -- python launch.py ppo --config ...
     python launch.py export runs/x --merged /tmp/m      # a finished run's LoRA merged into its base
+    python launch.py eval runs/x                        # a finished run evaluated as its PPO stage did
 
 Commands (the first argument; each has its own options, `launch.py export --help`): `export`
 writes a run's LoRA (its final adapter/ or a checkpoint's) as a merged model and/or a portable
-PEFT adapter, each with a model card (ppo_ray/export.py, docs/EXPORT.md).
+PEFT adapter, each with a model card (ppo_ray/export.py, docs/EXPORT.md); `eval` evaluates a
+finished run's SFT policy and checkpoint with its PPO stage's evaluation, functions and seeds
+(ppo_ray/tasks/evaluate.py; its options include PPOConfig's fields).
 
 Stages: `sft` writes the bundled task's data and the SFT checkpoint, `rm` the reward model,
 `ppo` trains the policy with PPO. `ppo` uses the run directory's SFT and reward model when
@@ -301,6 +304,7 @@ def build_parser():
                           epilog=f"stages (the positional argument): {', '.join(STAGES)}; default: all (ppo with "
                                  "--resume).\ncommands (first, each with its own options: launch.py COMMAND --help): "
                                  + "; ".join(f"{name}: {c.summary}" for name, c in COMMANDS.items())
+                                 + "; eval: a finished run evaluated as its PPO stage did"
                                  + ".\nA config file is trusted input: its reward_funcs are imported and run.")
     parser.add_argument("--run_dir", "--run-dir", metavar="DIR",
                         help="run directory (default: output_dir/<time>; with --resume, the checkpoint's run)")
@@ -333,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["eval"]:  # its options include PPOConfig's fields: its own parser (ppo_ray/tasks/evaluate.py)
+        from ppo_ray.tasks.evaluate import main as evaluate
+
+        return evaluate(argv[1:])
     if argv and argv[0] in COMMANDS:
         return run_command(argv[0], argv[1:])
     from ppo_ray.config import ConfigError, PPOConfig
@@ -350,12 +358,12 @@ def _main(argv: list[str] | None) -> int:
     auto = resume == "auto"
     stage = positional[0] if positional else ("ppo" if resume is not None and not auto else "all")
     if stage not in STAGES or len(positional) > 1:
-        if stage in COMMANDS:
+        if stage in (*COMMANDS, "eval"):
             print(f"error: {stage} is a command, not a stage: it comes first (python launch.py {stage} --help)",
                   file=sys.stderr)
             return 2
         print(f"error: unknown stage {' '.join(positional)!r}; stages: {', '.join(STAGES)}; commands: "
-              f"{', '.join(COMMANDS)}", file=sys.stderr)
+              f"{', '.join((*COMMANDS, 'eval'))}", file=sys.stderr)
         return 2
     if resume is not None and not auto and stage != "ppo":
         print(f"error: --resume continues the PPO stage; stage {stage!r} cannot resume (use: launch.py ppo --resume "

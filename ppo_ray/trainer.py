@@ -695,13 +695,16 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ evaluation
     def generate(self, prompts: Sequence[str], seed_step: int = SAMPLING_SEED_STEP, *,
-                 score: bool = False, samples_per_prompt: int = 1, greedy: bool = False) -> Responses:
+                 score: bool = False, samples_per_prompt: int = 1, greedy: bool = False,
+                 index_offset: int = 0) -> Responses:
         """Sample `samples_per_prompt` responses per prompt (contiguous, in the prompts' order)
         with the current policy (no training): Responses (texts, finish_reasons, version). A
         fixed `seed_step` gives every prompt the same sampling seed before and after training,
         so comparisons of two policies use common random numbers; `greedy` decodes by argmax
         instead (pass@1). With `score`, the reward actor scores the responses too (`rewards`:
-        one float per response). An actor lost on the way is restarted and the call redone (the
+        one float per response). `index_offset`: the global index of prompts[0] (each prompt's
+        seed follows its global index), so a long list asked for in chunks gets the samples
+        of one call. An actor lost on the way is restarted and the call redone (the
         generators at the committed version, the same seeds: the same samples)."""
         prompt_ids = self._encode(prompts)
         kept: list[Optional[Generation]] = [None]
@@ -711,8 +714,8 @@ class PPOTrainer:
             # must hold the committed version (a restarted one raises StateLostError, never
             # samples the base model)
             if not self.roles.intact(kept[0]):
-                kept[0] = self.roles.generate(prompt_ids, seed_step, self.version,
-                                              samples_per_prompt=samples_per_prompt, greedy=greedy)
+                kept[0] = self.roles.generate(prompt_ids, seed_step, self.version, samples_per_prompt=samples_per_prompt,
+                                              greedy=greedy, index_offset=index_offset)
             generation = kept[0]
             generated = GenerationSummary.join(self.roles.fetch(generation.summaries))
             rewards = None

@@ -385,6 +385,30 @@ def test_all_stages_end_to_end_on_the_bundled_task(tmp_path):
 
     assert not any("lora" in n for n, _ in AutoModelForCausalLM.from_pretrained(str(out / "m")).named_parameters())
 
+    # `launch.py eval` on the finished run (its default --out: run_dir/eval/<time>/, beside the
+    # run's files, none of them touched) reproduces the report's test numbers exactly: the same
+    # judge on the same samples (same functions, same seeds), means and win rates taken in the
+    # same order. It also reports the reward model's mean score of each policy's samples.
+    from conftest import snapshot
+
+    run_files = snapshot(run_dir)
+    proc = _launch(["eval", run_dir], tmp_path)
+    (out,) = (run_dir / "eval").iterdir()
+    ev = json.loads((out / "eval.json").read_text())
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == ev
+    assert ev["policies"] == ["sft", "ppo"] and ev["step"] == 2 and ev["eval_prompts"] == 8
+    keys = ["gold_test_sft", "gold_test_ppo", "gold_test_reference", "win_rate_ppo_vs_sft",
+            "win_rate_sft_vs_reference", "win_rate_ppo_vs_reference", "copy_test_sft", "copy_test_ppo"]
+    assert {k: ev[k] for k in keys} == {k: report[k] for k in keys}
+    test = [h for h in held if h["split"] == "test"]
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert [(s["sft"], s["sft_stop"], s["sft_gold"], s["ppo"], s["ppo_stop"], s["ppo_gold"]) for s in samples] == \
+        [(h["sft"], h["sft_stop"], h["sft_gold"], h["ppo"], h["ppo_stop"], h["ppo_gold"]) for h in test]
+    rewards = {who: [s[f"{who}_reward"] for s in samples] for who in ("sft", "ppo")}
+    assert ev["reward_test_sft"] == sum(rewards["sft"]) / 8 and ev["reward_test_ppo"] == sum(rewards["ppo"]) / 8
+    assert all(math.isfinite(r) for rs in rewards.values() for r in rs)
+    assert {k: v for k, v in snapshot(run_dir).items() if not k.startswith("eval/")} == run_files
+
 
 def test_the_verifiable_task_end_to_end(tmp_path):
     """`launch.py --config arith-tiny`: data -> SFT -> RL with the verifier -> pass@1 / pass@k
@@ -420,3 +444,27 @@ def test_the_verifiable_task_end_to_end(tmp_path):
                  "data/sft_train.jsonl", "data/prompts_test.jsonl"):
         assert (run_dir / name).is_file(), name
     assert report["rl_steps"] == 2 and report["eval_k"] == 4
+
+    # `launch.py eval` on the finished run reproduces the report's test numbers exactly: the same
+    # evaluation functions and seeds, the SFT policy from a fresh trainer, the trained one from the
+    # run's newest checkpoint (step 2, written at the end). Pass rates are means of counts taken in
+    # the same order: equal, not close. The run directory is left as it was.
+    from conftest import snapshot
+
+    run_files = snapshot(run_dir)
+    out = tmp_path / "eval"
+    proc = _launch(["eval", run_dir, "--out", out], tmp_path)
+    ev = json.loads((out / "eval.json").read_text())
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == ev
+    assert ev["checkpoint"] == str(run_dir / "checkpoints" / "step-000002") and ev["step"] == 2
+    assert ev["policies"] == ["sft", "rl"] and ev["eval_prompts"] == 8 and ev["eval_k"] == 4
+    keys = [f"{rate}_test_{who}" for who in ("sft", "rl") for rate in ("pass1", "pass4", "sample_accuracy")]
+    assert {k: ev[k] for k in keys} == {k: report[k] for k in keys}
+    assert ev["pass1_test_rl_minus_sft"] == report["pass1_test_rl"] - report["pass1_test_sft"]
+    # the very samples behind them
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    test = [h for h in held if h["split"] == "test"]
+    fields = ("prompt", "answer", "sft_greedy", "sft_samples", "rl_greedy", "rl_samples")
+    assert [{f: s[f] for f in fields} for s in samples] == [{f: h[f] for f in fields} for h in test]
+    assert (out / "samples.md").read_text() == (run_dir / "samples.md").read_text()
+    assert snapshot(run_dir) == run_files

@@ -225,3 +225,17 @@ def test_all_stages_on_local_tldr_files_report_rm_score_and_kl(data, tiny_model_
     assert [m["step"] for m in metrics] == [1, 2] and not any("gold_val" in m for m in metrics)
     for name in ("samples.md", "curves.png", "adapter/adapter_model.safetensors"):
         assert (run_dir / name).is_file(), name
+
+    # `launch.py eval` on the held-out split the PPO stage sampled (eval_split: validation):
+    # the same samples (the SFT policy's as kept in eval-before-ppo.json, both in samples.md),
+    # and the reward model's mean score of each policy's
+    out = tmp_path / "eval"
+    proc = run_launch(["eval", str(run_dir), "--split", "validation", "--out", str(out)], cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ev = json.loads((out / "eval.json").read_text())
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert ev["policies"] == ["sft", "ppo"] and ev["eval_prompts"] == len(samples) == 4
+    assert [s["sft"] for s in samples] == json.loads((run_dir / "eval-before-ppo.json").read_text())["texts"]
+    assert (out / "samples.md").read_text() == (run_dir / "samples.md").read_text()
+    for who in ("sft", "ppo"):
+        assert ev[f"reward_val_{who}"] == sum(s[f"{who}_reward"] for s in samples) / 4

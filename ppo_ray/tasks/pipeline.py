@@ -301,21 +301,14 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
     if config.task == "arith":
         return run_rl_arith(config, run_dir, data_dir, resume, cfg)
     from ppo_ray.data import load_prompts
-    from ppo_ray.tasks.tldr_synth import copy_accuracy, gold_score, win_rate
+    from ppo_ray.tasks.evaluation import judge, tldr_numbers
 
     cfg = cfg or ppo_config(config, run_dir, data_dir)
     test_rows = read_rows(data_dir / "prompts_test.jsonl")[: cfg.eval_size]
     val_rows = read_rows(data_dir / "prompts_validation.jsonl")[: cfg.eval_size]
 
-    def judge(trainer, rows: list[dict]) -> dict:
-        out = trainer.generate([row["prompt"] for row in rows])
-        stops = [reason == "stop" for reason in out.finish_reasons]
-        golds = [gold_score(row, text, stop) for row, text, stop in zip(rows, out.texts, stops)]
-        return {"texts": out.texts, "stops": stops, "gold": golds}
-
     def evaluate(trainer, step: int) -> dict:
-        golds = judge(trainer, val_rows)["gold"]
-        return {"gold_val": sum(golds) / len(golds)}
+        return {"gold_val": _mean(judge(trainer, val_rows)["gold"])}
 
     metrics = run_dir / "metrics.jsonl"
     from ppo_ray.modeling import load_tokenizer
@@ -330,30 +323,23 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
         trainer.save_adapter(run_dir / "adapter")
 
     history = read_metrics(metrics)
-    sft_gold, ppo_gold = sft["gold"], ppo["gold"]
-    # the N+ paper's metric: each policy against the test posts' reference summaries (the
-    # `summary` column: the posters' TL;DRs, of mixed quality), by the same judge
-    ref_gold = [gold_score(row, row["summary"], True) for row in test_rows]
+    # the gold numbers (ppo_ray.tasks.evaluation, which `launch.py eval` calls too): each policy,
+    # against each other and against the test posts' reference summaries (the N+ paper's metric),
+    # and the same samples fact by fact (copy_test_*, kept last)
+    test = tldr_numbers("test", test_rows, ppo, sft)
+    copy = {k: test.pop(k) for k in ("copy_test_sft", "copy_test_ppo")}
     report = {
-        "gold_test_sft": sum(sft_gold) / len(sft_gold),
-        "gold_test_ppo": sum(ppo_gold) / len(ppo_gold),
-        "gold_test_reference": _mean(ref_gold),
-        "win_rate_ppo_vs_sft": win_rate(ppo_gold, sft_gold),
-        "win_rate_sft_vs_reference": win_rate(sft_gold, ref_gold),
-        "win_rate_ppo_vs_reference": win_rate(ppo_gold, ref_gold),
+        **test,
         "final_kl": history[-1]["kl"],
         "final_reward": history[-1]["reward_mean"],
         "ppo_steps": len(history),
         "eval_prompts": len(test_rows),
-        # the same test samples, fact by fact (tldr_synth.copy_accuracy)
-        "copy_test_sft": copy_accuracy(test_rows, sft["texts"]),
-        "copy_test_ppo": copy_accuracy(test_rows, ppo["texts"]),
+        **copy,
     }
     if "val" in sft:  # validation prompts: what hyperparameters may be chosen by (the test split never)
-        report.update({"gold_val_sft": _mean(sft["val"]["gold"]), "gold_val_ppo": _mean(ppo_val["gold"]),
-                       "win_rate_val_ppo_vs_sft": win_rate(ppo_val["gold"], sft["val"]["gold"])})
+        report.update(tldr_numbers("val", val_rows, ppo_val, sft["val"], reference=False, copy=False))
     write_held_out(run_dir / HELD_OUT, {"test": (sft, ppo), **({"val": (sft["val"], ppo_val)} if "val" in sft else {})})
-    write_samples(run_dir / "samples.md", test_rows, sft["texts"], sft_gold, ppo["texts"], ppo_gold)
+    write_samples(run_dir / "samples.md", test_rows, sft["texts"], sft["gold"], ppo["texts"], ppo["gold"])
     plot_curves(metrics, run_dir / "curves.png", report.get("gold_val_sft"))
     return report
 
@@ -375,45 +361,27 @@ def run_rl_arith(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optio
     reach the learner."""
     from ppo_ray.data import load_prompts
     from ppo_ray.modeling import load_tokenizer
-    from ppo_ray.tasks.arith import is_right, pass_at_k
+    from ppo_ray.tasks.evaluation import arith_numbers, arith_rates, solve
 
     cfg = cfg or ppo_config(config, run_dir, data_dir)
     test_rows = read_rows(data_dir / "prompts_test.jsonl")[: cfg.eval_size]
     val_rows = read_rows(data_dir / "prompts_validation.jsonl")[: cfg.eval_size]
     k = cfg.eval_k
 
-    def solve(trainer, rows: list[dict], sampled: bool = True) -> dict:
-        prompts = [row["prompt"] for row in rows]
-        greedy = trainer.generate(prompts, greedy=True).texts
-        out = {"greedy": greedy, "greedy_right": [is_right(p, t) for p, t in zip(prompts, greedy)]}
-        if sampled:
-            texts = trainer.generate(prompts, samples_per_prompt=k).texts  # k contiguous per prompt
-            samples = [texts[i * k:(i + 1) * k] for i in range(len(prompts))]
-            out.update(samples=samples, right=[sum(is_right(p, s) for s in ss) for p, ss in zip(prompts, samples)])
-        return out
-
-    def rates(res: dict) -> dict:
-        out = {"pass1": _mean([float(r) for r in res["greedy_right"]])}
-        if "right" in res:
-            out[f"pass{k}"] = _mean([pass_at_k(k, c, k) for c in res["right"]])
-            out["sample_accuracy"] = _mean([c / k for c in res["right"]])
-        return out
-
     def evaluate(trainer, step: int) -> dict:
-        return {"pass1_val": rates(solve(trainer, val_rows, sampled=False))["pass1"]}
+        return {"pass1_val": arith_rates(solve(trainer, val_rows, k, sampled=False), k)["pass1"]}
 
     metrics = run_dir / "metrics.jsonl"
     prompts = load_prompts(cfg, load_tokenizer(cfg.model_name))
     with ppo_trainer(cfg, run_dir, resume) as trainer:
-        sft = before_training(trainer, run_dir, lambda: {**solve(trainer, test_rows), "val": solve(trainer, val_rows)})
+        sft = before_training(trainer, run_dir, lambda: {**solve(trainer, test_rows, k),
+                                                         "val": solve(trainer, val_rows, k)})
         trainer.train(prompts, metrics_path=metrics, evaluate=evaluate, eval_prompts=[r["prompt"] for r in val_rows])
-        rl, rl_val = solve(trainer, test_rows), solve(trainer, val_rows)
+        rl, rl_val = solve(trainer, test_rows, k), solve(trainer, val_rows, k)
         trainer.save_adapter(run_dir / "adapter")
     history = read_metrics(metrics)
-    report = {f"{name}_test_{who}": value for who, res in (("sft", sft), ("rl", rl))
-              for name, value in rates(res).items()}
-    report.update({f"{name}_val_{who}": value for who, res in (("sft", sft["val"]), ("rl", rl_val))
-                   for name, value in rates(res).items()})
+    # the pass rates (ppo_ray.tasks.evaluation, which `launch.py eval` calls too)
+    report = {**arith_numbers("test", k, rl, sft), **arith_numbers("val", k, rl_val, sft["val"])}
     report.update({"final_kl": history[-1]["kl"], "final_reward": history[-1]["reward_mean"],
                    "rl_steps": len(history), "eval_prompts": len(test_rows), "eval_k": k})
     with open(run_dir / HELD_OUT, "w") as f:
@@ -441,14 +409,13 @@ def run_ppo_real(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optio
     prompts = real_prompts(config, tok, "train")
     held_out = real_prompts(config, tok, "eval", max_rows=cfg.eval_size)
     metrics = run_dir / "metrics.jsonl"
-    with ppo_trainer(cfg, run_dir, resume) as trainer:
-        def sampled() -> dict:  # what before_training keeps in the run directory
-            out = trainer.generate(held_out)
-            return {"texts": out.texts, "finish_reasons": out.finish_reasons, "version": out.version}
+    from ppo_ray.tasks.evaluation import sample
 
-        sft_texts = before_training(trainer, run_dir, sampled)["texts"]
+    with ppo_trainer(cfg, run_dir, resume) as trainer:
+        # what before_training keeps in the run directory: texts, finish reasons, version
+        sft_texts = before_training(trainer, run_dir, lambda: sample(trainer, held_out))["texts"]
         trainer.train(prompts, metrics_path=metrics, eval_prompts=held_out)
-        ppo_texts = trainer.generate(held_out).texts  # same sampling seeds as before training
+        ppo_texts = sample(trainer, held_out)["texts"]  # same sampling seeds as before training
         trainer.save_adapter(run_dir / "adapter")
     history = read_metrics(metrics)
     write_held_out_texts(run_dir / "samples.md", held_out, sft_texts, ppo_texts)
@@ -498,14 +465,18 @@ def write_held_out_texts(path: Path, prompts, sft_texts, ppo_texts, n: int = 12)
 
 def write_arith_samples(path: Path, rows, sft: dict, rl: dict, k: int, n: int = 20) -> None:
     """samples.md of task arith: held-out problems with the SFT and RL greedy answers and how
-    many of k samples were right (`sft`, `rl`: run_rl_arith's solve() results)."""
+    many of k samples were right (`sft`, `rl`: ppo_ray.tasks.evaluation.solve() results; `-`
+    where the verifier did not score: `launch.py eval` on problems without their answers)."""
     def cell(text: str) -> str:
         return repr(text).replace("|", "\\|")
 
+    def right(res: dict, i: int) -> str:
+        return f"{res['right'][i]}/{k}" if "right" in res else "-"
+
     lines = ["| # | problem | answer | SFT greedy | SFT right of k | RL greedy | RL right of k |", "|---|---|---|---|---|---|---|"]
     for i, row in enumerate(rows[:n]):
-        lines.append(f"| {i} | {row['prompt']} | {row['answer']} | {cell(sft['greedy'][i])} | {sft['right'][i]}/{k} | "
-                     f"{cell(rl['greedy'][i])} | {rl['right'][i]}/{k} |")
+        lines.append(f"| {i} | {row['prompt']} | {row.get('answer', '')} | {cell(sft['greedy'][i])} | {right(sft, i)} | "
+                     f"{cell(rl['greedy'][i])} | {right(rl, i)} |")
     path.write_text("# Held-out problems before (SFT) and after RL\n\n" + "\n".join(lines) + "\n")
 
 
