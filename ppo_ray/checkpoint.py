@@ -225,7 +225,8 @@ def branch_from(ckpt: Path) -> Optional[Path]:
     return where
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The file's SHA-256, hex (read in 1 MiB blocks)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -234,7 +235,7 @@ def _sha256(path: Path) -> str:
 
 
 def _write_checksums(ckpt: Path) -> None:
-    sums = {p.relative_to(ckpt).as_posix(): _sha256(p) for p in sorted(ckpt.rglob("*"))
+    sums = {p.relative_to(ckpt).as_posix(): file_sha256(p) for p in sorted(ckpt.rglob("*"))
             if p.is_file() and p.name != CHECKSUMS}
     (ckpt / CHECKSUMS).write_text(json.dumps(sums, indent=1))
 
@@ -256,7 +257,7 @@ def verify_checkpoint(ckpt: Path) -> None:
         path = ckpt / name
         if not path.is_file():
             raise CheckpointError(f"checkpoint {ckpt} is damaged: {path} is missing")
-        if _sha256(path) != digest:
+        if file_sha256(path) != digest:
             raise CheckpointError(f"checkpoint {ckpt} is damaged: {path} fails its sha256 checksum "
                                   f"({path.stat().st_size} bytes; an interrupted copy or a full disk?)")
 

@@ -29,7 +29,6 @@ Driver layer: imports ppo_ray.checkpoint and the bottom (config, modeling, paths
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -40,8 +39,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ppo_ray.atomic import atomic_dir
-from ppo_ray.checkpoint import (CHECKSUMS, CheckpointError, ancestry, checkpoint_root, model_fingerprint, read_meta,
-                                resolve_checkpoint, resumed_config, verify_checkpoint)
+from ppo_ray.checkpoint import (CHECKSUMS, CheckpointError, ancestry, checkpoint_root, file_sha256, model_fingerprint,
+                                read_meta, resolve_checkpoint, resumed_config, verify_checkpoint)
 from ppo_ray.config import VLLM_LORA_RANKS, PPOConfig
 from ppo_ray.modeling import DTYPES
 from ppo_ray.paths import resolve_model_path
@@ -90,14 +89,6 @@ class ExportSource:
 
 
 # --------------------------------------------------------------------------- finding the source
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _base_config(base: str) -> dict:
     try:
         return json.loads((Path(base) / "config.json").read_text())
@@ -205,7 +196,7 @@ def _from_checkpoint(ckpt: Path) -> ExportSource:
     base = _base_from_config(config, ckpt)
     _check_fingerprint(ckpt, config)
     final = run_dir is not None and (run_dir / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file() and \
-        _sha256(run_dir / ADAPTER_DIR / ADAPTER_WEIGHTS) == _sha256(adapter / ADAPTER_WEIGHTS)
+        file_sha256(run_dir / ADAPTER_DIR / ADAPTER_WEIGHTS) == file_sha256(adapter / ADAPTER_WEIGHTS)
     return ExportSource(ckpt, adapter, adapter_config, base, config.model_name, run_dir, ckpt, config, final)
 
 
@@ -224,7 +215,7 @@ def _from_run_dir(run_dir: Path) -> ExportSource:
     config = resumed_config(newest, run_dir)
     base = _base_from_config(config, run_dir)
     _check_fingerprint(newest, config)
-    digest = _sha256(adapter / ADAPTER_WEIGHTS)
+    digest = file_sha256(adapter / ADAPTER_WEIGHTS)
     same = next((c for c in ancestry(newest) if _adapter_digest_in(c) == digest), None)
     if same is None:
         notes.append(f"{ADAPTER_DIR}/ is identical to none of the run's checkpoints still present (newest: "
