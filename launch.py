@@ -98,13 +98,12 @@ class CommandParser(argparse.ArgumentParser):
 
 @dataclass(frozen=True)
 class Command:
-    """A first argument that is not a stage: it reads a run, writes elsewhere, and starts no
-    Ray. `parser` builds its options; `run(options, argv)` is its exit status (2: bad input,
+    """A first argument that is not a stage: it reads a run and writes elsewhere (never into
+    the run). `main(argv)`, the arguments after the command, is its exit status (2: bad input,
     named on stderr, nothing written)."""
 
     summary: str
-    parser: Callable[[], CommandParser]
-    run: Callable[[argparse.Namespace, list], int]
+    main: Callable[[list], int]
 
 
 def export_parser() -> CommandParser:
@@ -147,18 +146,12 @@ def run_export(options: argparse.Namespace, argv: list) -> int:
     return 0
 
 
-COMMANDS: dict[str, Command] = {
-    "export": Command("a run's LoRA as a merged model and/or a portable PEFT adapter", export_parser, run_export),
-}
-
-
-def run_command(name: str, argv: list) -> int:
-    """`launch.py <command> ...`: its options parsed by its own parser, then run."""
+def export_main(argv: list) -> int:
+    """`launch.py export ...`: its options (export_parser), then run_export; starts no Ray."""
     from ppo_ray.config import ConfigError
     from ppo_ray.logs import setup_logging
 
-    command = COMMANDS[name]
-    parser = command.parser()
+    parser = export_parser()
     try:
         options = parser.parse_args(argv)
     except (ConfigError, argparse.ArgumentError) as e:
@@ -168,7 +161,21 @@ def run_command(name: str, argv: list) -> int:
         print(parser.format_help())
         return 0
     setup_logging(options.log_level)
-    return command.run(options, argv)
+    return run_export(options, argv)
+
+
+def eval_main(argv: list) -> int:
+    """`launch.py eval ...`: its options include PPOConfig's fields, so it parses its own
+    (ppo_ray/tasks/evaluate.py); it starts Ray and the run's actors."""
+    from ppo_ray.tasks.evaluate import main as evaluate
+
+    return evaluate(argv)
+
+
+COMMANDS: dict[str, Command] = {
+    "export": Command("a run's LoRA as a merged model and/or a portable PEFT adapter", export_main),
+    "eval": Command("a finished run evaluated as its PPO stage did", eval_main),
+}
 
 
 def check_ray_address() -> None:
@@ -300,11 +307,11 @@ def build_parser():
     parser = ConfigParser(prog="launch.py", description=__doc__,
                           usage="python launch.py [all|sft|rm|ppo] [--config FILE|PRESET] [--run_dir DIR] [--resume DIR] "
                                 "[--<field> VALUE ...]\n       python launch.py export RUN_DIR|CHECKPOINT "
-                                "[--merged OUT] [--adapter OUT] [--dtype DTYPE]",
+                                "[--merged OUT] [--adapter OUT] [--dtype DTYPE]\n       python launch.py eval RUN_DIR "
+                                "[--checkpoint CKPT] [--split SPLIT|--prompts FILE] [--out DIR] [--<field> VALUE ...]",
                           epilog=f"stages (the positional argument): {', '.join(STAGES)}; default: all (ppo with "
                                  "--resume).\ncommands (first, each with its own options: launch.py COMMAND --help): "
                                  + "; ".join(f"{name}: {c.summary}" for name, c in COMMANDS.items())
-                                 + "; eval: a finished run evaluated as its PPO stage did"
                                  + ".\nA config file is trusted input: its reward_funcs are imported and run.")
     parser.add_argument("--run_dir", "--run-dir", metavar="DIR",
                         help="run directory (default: output_dir/<time>; with --resume, the checkpoint's run)")
@@ -337,12 +344,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["eval"]:  # its options include PPOConfig's fields: its own parser (ppo_ray/tasks/evaluate.py)
-        from ppo_ray.tasks.evaluate import main as evaluate
-
-        return evaluate(argv[1:])
     if argv and argv[0] in COMMANDS:
-        return run_command(argv[0], argv[1:])
+        return COMMANDS[argv[0]].main(argv[1:])
     from ppo_ray.config import ConfigError, PPOConfig
 
     parser = build_parser()
@@ -358,12 +361,12 @@ def _main(argv: list[str] | None) -> int:
     auto = resume == "auto"
     stage = positional[0] if positional else ("ppo" if resume is not None and not auto else "all")
     if stage not in STAGES or len(positional) > 1:
-        if stage in (*COMMANDS, "eval"):
+        if stage in COMMANDS:
             print(f"error: {stage} is a command, not a stage: it comes first (python launch.py {stage} --help)",
                   file=sys.stderr)
             return 2
         print(f"error: unknown stage {' '.join(positional)!r}; stages: {', '.join(STAGES)}; commands: "
-              f"{', '.join((*COMMANDS, 'eval'))}", file=sys.stderr)
+              f"{', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     if resume is not None and not auto and stage != "ppo":
         print(f"error: --resume continues the PPO stage; stage {stage!r} cannot resume (use: launch.py ppo --resume "
