@@ -40,6 +40,7 @@ from ppo_ray.data import column, read_rows
 
 log = logging.getLogger(__name__)
 
+
 def _encode(tok, prompts, responses):
     q = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     r = [tok(x, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for x in responses]
