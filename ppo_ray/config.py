@@ -1058,17 +1058,19 @@ class ConfigParser(argparse.ArgumentParser):
     Every error raises ConfigError naming the option (argparse would print and exit): an
     unknown option names the closest field; abbreviations are not accepted (a prefix of a
     field must not silently pick one). The caller may add options of its own (launch.py's
-    --run_dir, --resume) before parse().
+    --run_dir, --resume) before parse(). `config_option=False`: --config is still parsed (so
+    that the caller can refuse it with its reason) but not listed in --help.
     """
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, config_option: bool = True, **kwargs: Any) -> None:
         kwargs.setdefault("usage", "%(prog)s [--config FILE|PRESET] [--<field> VALUE ...]")
         super().__init__(allow_abbrev=False, exit_on_error=False, add_help=False, formatter_class=_HelpFormatter,
                          **kwargs)
         self.add_argument("-h", "--help", action="store_true", help="show this message and exit")
         self.add_argument("--config", metavar="FILE|PRESET",
                           help="YAML file of field: value pairs, or a shipped preset's name "
-                               f"({', '.join(preset_names())}), loaded first; the --<field> options override it")
+                               f"({', '.join(preset_names())}), loaded first; the --<field> options override it"
+                          if config_option else argparse.SUPPRESS)
         hints, docs = typing.get_type_hints(PPOConfig), field_docs()
         for title, fields in field_sections():
             group = self.add_argument_group(title)

@@ -58,6 +58,12 @@ def test_a_missing_run_or_checkpoint_is_named(tmp_path, capsys):
     assert f"run directory {tmp_path / 'run'}: no checkpoint there" in err
     err = refused([], capsys, tmp_path)
     assert "give one run directory" in err
+    # --config is refused with its reason, and --help does not offer it
+    err = refused([tmp_path / "run", "--config", "tiny"], capsys, tmp_path)
+    assert "--config: eval runs with the run's own config" in err
+    assert launch.main(["eval", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--checkpoint CKPT" in out and "--config" not in out
 
 
 def test_bad_options_are_named(arith_run, tmp_path, capsys):

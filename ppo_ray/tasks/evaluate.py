@@ -67,7 +67,7 @@ class Plan:
 def build_parser():
     from ppo_ray.config import ConfigParser
 
-    parser = ConfigParser(prog="launch.py eval", usage=USAGE, description=__doc__)
+    parser = ConfigParser(prog="launch.py eval", usage=USAGE, description=__doc__, config_option=False)
     parser.add_argument("--checkpoint", metavar="CKPT",
                         help="a checkpoint of RUN_DIR (checkpoints/step-N; default: the run's newest intact one)")
     parser.add_argument("--split", metavar="test|validation",
@@ -323,13 +323,15 @@ def run(plan: Plan) -> dict:
     for metric, why in plan.skipped.items():
         log.warning("%s skipped: %s", metric, why)
     trainer = PPOTrainer(plan.config)
+    ended = False
     try:
         before = evaluate_policy(plan, trainer, "SFT policy") if plan.has_sft else None
         trainer.restore(plan.checkpoint)
         after = evaluate_policy(plan, trainer, f"policy of step {trainer.step}")
         step = trainer.step
+        ended = True
     finally:
-        trainer.shutdown()
+        trainer.shutdown(graceful=ended)
         if not ray_was_up and ray.is_initialized():
             ray.shutdown()
     report = {"run_dir": str(plan.run_dir), "checkpoint": str(plan.checkpoint), "step": step,
