@@ -2,6 +2,7 @@
 # Submit launch.py to a running Ray cluster as a Ray job (`ray job submit`).
 #
 #   deploy/submit.sh [--no-wait] [--] [launch.py arguments ...]
+#   deploy/submit.sh --wait <submission id>
 #
 #   ray start --head --dashboard-host 127.0.0.1          # a local head (dashboard 127.0.0.1:8265)
 #   deploy/submit.sh ppo --config configs/tiny.yaml --steps 20 --run_dir "$PWD/runs/tiny"
@@ -10,9 +11,17 @@
 # The repository root is the job's working dir: Ray uploads it (deploy/runtime_env.yaml
 # lists what it leaves out) and runs `python launch.py <arguments>` in a copy of it on the
 # head node. The nodes must already have the dependencies (README set-up, `ray start` from
-# the project's .venv). Without --no-wait it streams the job's logs and exits 0 when the job
-# SUCCEEDED, 1 when it failed; --no-wait prints the submission id and returns
-# (`ray job status|logs|stop <id>` then).
+# the project's .venv). Without --no-wait it streams the job's logs, then waits for the job's
+# end and exits with its final status: 0 SUCCEEDED, 1 FAILED, 5 STOPPED (Ray's own `ray job
+# submit` exits 0 for a stopped job, and for one still running when its log stream ends; a
+# stream that ends early is said, and the wait goes on). --no-wait prints the submission id
+# and returns (`ray job status|logs|stop <id>` then). --wait <id> only waits for a submitted
+# job's end (after --no-wait, or a lost connection) and exits with its status, as above.
+#
+# The job's submission id is ppo-ray-<stage>-<run tag> (e.g. ppo-ray-ppo-ppo-1a2b3c4d): the
+# run tag is the trainer's (its actors' names <run tag>/<role>, the `run` label of its
+# Prometheus series, run.json), chosen here and passed to the job as PPO_RAY_RUN_TAG, so the
+# Jobs page's Submission ID column links the job to its actors and series.
 #
 # Environment:
 #   RAY_ADDRESS           the head's dashboard/job API, default http://127.0.0.1:8265
@@ -25,7 +34,9 @@
 #                         resources reserved for the driver, default 0: Ray then runs it on
 #                         the head node (where relative paths and the run dir live); > 0 lets
 #                         Ray place it on any node that has them.
-#   SUBMISSION_ID         the job's id (default: Ray makes one)
+#   SUBMISSION_ID         the job's id (default ppo-ray-<stage>-<run tag>)
+#   PPO_RAY_RUN_TAG       the run tag (default ppo-<8 hex>, new for each submission)
+#   STATUS_POLL_S         seconds between status queries while waiting without a log stream (10)
 #   JOB_NAME              the job's name, the Name column of the dashboard's Jobs page (its
 #                         `job_name` metadata); default "ppo-ray <stage> <run dir>", e.g.
 #                         "ppo-ray ppo /shared/runs/a" ("ppo-ray all" without --run_dir)
@@ -49,9 +60,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 NO_WAIT=()
+WAIT_FOR=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --no-wait) NO_WAIT=(--no-wait); shift ;;
+        --wait) WAIT_FOR=${2:?--wait needs a submission id}; shift 2 ;;
         --) shift; break ;;
         *) break ;;
     esac
@@ -120,6 +133,45 @@ except urllib.error.HTTPError as e:
 except (urllib.error.URLError, OSError) as e:
     fail(f"no Ray cluster at RAY_ADDRESS={address} ({getattr(e, 'reason', e)}); {start_hint}")
 PY
+
+# The job's final status, polled with `ray job status` until it is one: exit 0 SUCCEEDED,
+# 1 FAILED, 5 STOPPED; 6 when the status cannot be read (after a minute of tries).
+wait_for_end() {
+    local id=$1 out status said="" unread=0
+    while :; do
+        out=$(ray job status --address "$ADDRESS" "$id" 2>&1) || true
+        case "$out" in
+            *"Job '$id' succeeded"*) status=SUCCEEDED ;;
+            *"Job '$id' failed"*) status=FAILED ;;
+            *"Job '$id' was stopped"*) status=STOPPED ;;
+            *"Status for job '$id': "*) status=${out##*"Status for job '$id': "}; status=${status%%[^A-Z]*} ;;
+            *) status="" ;;
+        esac
+        case "$status" in
+            SUCCEEDED) return 0 ;;
+            FAILED) echo "job $id FAILED (ray job logs $id)" >&2; return 1 ;;
+            STOPPED) echo "job $id was STOPPED" >&2; return 5 ;;
+            PENDING|RUNNING)
+                unread=0
+                if [ -z "$said" ]; then
+                    echo "job $id is $status: waiting for its end (Ctrl-C leaves it running; its logs: ray job logs --follow $id)" >&2
+                    said=1
+                fi ;;
+            *)
+                unread=$((unread + 1))
+                if [ "$unread" -ge 6 ]; then
+                    echo "error: cannot read the status of job $id: $out" >&2
+                    return 6
+                fi ;;
+        esac
+        sleep "${STATUS_POLL_S:-10}"
+    done
+}
+
+if [ -n "$WAIT_FOR" ]; then
+    wait_for_end "$WAIT_FOR"
+    exit $?
+fi
 
 # The entrypoint's Python: the job runs `python launch.py`, and `python` is whatever the
 # head's PATH gives the Ray processes. A tiny job (no working dir, no upload) imports the
@@ -211,15 +263,25 @@ case "$run_dir" in
             "dir in Ray's session dir on the head node" >&2 ;;
 esac
 
-# The Jobs page's Name column: the stage (launch.py's first argument, else "all") and the run dir.
+# The Jobs page's Name column: the stage (launch.py's first argument, else "all") and the run
+# dir; its Submission ID column: ppo-ray-<stage>-<run tag>.
 stage=all
-case "${1:-}" in all|sft|rm|ppo) stage=$1 ;; esac
+case "${1:-}" in all|sft|rm|ppo|eval|export) stage=$1 ;; esac
 job_name=${JOB_NAME:-"ppo-ray $stage${run_dir:+ $run_dir}"}
-metadata=$(python3 -c 'import json, sys; print(json.dumps({"job_name": sys.argv[1]}))' "$job_name")
+run_tag=${PPO_RAY_RUN_TAG:-ppo-$(python3 -c 'import uuid; print(uuid.uuid4().hex[:8])')}
+submission_id=${SUBMISSION_ID:-ppo-ray-$stage-$run_tag}
+metadata=$(python3 -c 'import json, sys; print(json.dumps({"job_name": sys.argv[1], "run_tag": sys.argv[2]}))' \
+           "$job_name" "$run_tag")
 
 args=(--address "$ADDRESS" --working-dir . --runtime-env "$RUNTIME_ENV" --metadata-json "$metadata"
-      --entrypoint-num-cpus "${ENTRYPOINT_NUM_CPUS:-0}" --entrypoint-num-gpus "${ENTRYPOINT_NUM_GPUS:-0}")
-if [ -n "${SUBMISSION_ID:-}" ]; then
-    args+=(--submission-id "$SUBMISSION_ID")
+      --entrypoint-num-cpus "${ENTRYPOINT_NUM_CPUS:-0}" --entrypoint-num-gpus "${ENTRYPOINT_NUM_GPUS:-0}"
+      --submission-id "$submission_id" --no-wait)
+ray job submit "${args[@]}" -- env PPO_RAY_RUN_TAG="$run_tag" python launch.py "$@"
+echo "run tag $run_tag, submission id $submission_id" >&2
+if [ ${#NO_WAIT[@]} -gt 0 ]; then
+    exit 0
 fi
-exec ray job submit "${args[@]}" ${NO_WAIT[@]+"${NO_WAIT[@]}"} -- python launch.py "$@"
+# The logs until the job ends or the stream does (a dropped connection, a restarted
+# dashboard): the job's final status decides the exit code, not the stream.
+ray job logs --address "$ADDRESS" --follow "$submission_id" || true
+wait_for_end "$submission_id"

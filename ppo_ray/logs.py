@@ -179,6 +179,21 @@ def _rate(rate) -> str:
 
 # ----------------------------------------------------------------------------- the console, kept
 LOGS_DIR = "logs"
+# Where the actor lines kept off the console go: the launch logs open now (console_log).
+_OFF_CONSOLE: list["_LogFile"] = []
+
+
+def log_off_console(data: dict, lines: Sequence[str]) -> None:
+    """Lines Ray forwarded from an actor that the console does not print (its own line per
+    call: placement.keep_actor_lines_off_the_console) into the launch log, prefixed as Ray
+    prefixes what it prints: (<actor name> pid=<pid>, ip=<node>)."""
+    if not _OFF_CONSOLE or not lines:
+        return
+    name = data.get("actor_name") or data.get("task_name") or "worker"
+    prefix = f"({name} pid={data.get('pid')}" + (f", ip={data['ip']}" if data.get("ip") else "") + ") "
+    text = "".join(f"{prefix}{line}\n" for line in lines)
+    for sink in list(_OFF_CONSOLE):
+        sink.write(text, log_off_console)
 
 
 class _Tee:
@@ -231,7 +246,8 @@ class _LogFile:
 @contextmanager
 def console_log(run_dir: Path, argv: Sequence[str] = ()) -> Iterator[Path]:
     """Everything this process prints while inside, also in <run_dir>/logs/launch-<time>.log:
-    our log lines, the lines of actors and stage tasks that Ray forwards to the driver, the
+    our log lines, the lines of actors and stage tasks that Ray forwards to the driver
+    (the actors' own line per call too, which the console leaves out: log_off_console), the
     final report and, when the block raises, the traceback. One file per invocation, so a
     resumed or re-applied job keeps the earlier attempts' logs; the run directory outlives
     the cluster (a RayJob's pods are deleted after the job). Yields the file's path."""
@@ -250,12 +266,14 @@ def console_log(run_dir: Path, argv: Sequence[str] = ()) -> Iterator[Path]:
              if isinstance(h, logging.StreamHandler) and h.stream in old]
     for handler in moved:
         handler.setStream(sys.stdout if handler.stream is old[0] else sys.stderr)
+    _OFF_CONSOLE.append(sink)
     try:
         yield path
     except BaseException:
         sink.write("".join(traceback.format_exc()), None)  # the console gets it from the caller
         raise
     finally:
+        _OFF_CONSOLE.remove(sink)
         for handler in moved:
             handler.setStream(old[0] if handler.stream is sys.stdout else old[1])
         sys.stdout, sys.stderr = old

@@ -11,6 +11,7 @@ ppo_ray.roles import ray.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
@@ -26,8 +27,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import ConfigSlice, PPOConfig
 from ppo_ray.faults import StateLostError
-from ppo_ray.logs import actor_logger, level_number, quiet_env, quiet_libraries, ray_logging_level, without_actor_lines
-from ppo_ray.roles import SAMPLING_SEED_STEP, Roles, form_learner_group, role_names
+from ppo_ray.logs import (ACTOR_MARK, actor_logger, level_number, log_off_console, quiet_env, quiet_libraries,
+                          ray_logging_level, without_actor_lines)
+from ppo_ray.roles import EXIT_TIMEOUT_S, Roles, call_label, end_actors, form_learner_group, role_names
 from ppo_ray.stats import GenerationSummary, ReferenceStats, RewardStats, SyncReport
 
 if TYPE_CHECKING:
@@ -102,8 +104,9 @@ def _metrics_interval() -> str:
 def keep_actor_lines_off_the_console(log_level: str = "info") -> None:
     """Ray forwards every line an actor writes to the driver, which prints it; the actors'
     own line per call (ppo_ray.logs.actor_logger) is for their logs (the dashboard's
-    Actors page), so the driver drops those lines from what it prints, and its console stays
-    one line per step. At `debug` they are printed too. Uses Ray's stream dispatcher (Ray
+    Actors page), so the driver leaves those lines out of what it prints (they go to the
+    launch log: logs.log_off_console), and its console stays one line per step. At `debug`
+    they are printed too. Uses Ray's stream dispatcher (Ray
     2.60's ray._private.ray_logging): where a Ray version has none, the lines are printed,
     nothing else changes. Idempotent."""
     if level_number(log_level) <= logging.DEBUG:
@@ -122,6 +125,8 @@ def keep_actor_lines_off_the_console(log_level: str = "info") -> None:
             if lines is None:
                 return handle(data)
             kept = without_actor_lines(lines)
+            if len(kept) < len(lines):
+                log_off_console(data, [line for line in lines if ACTOR_MARK in line])
             if kept:
                 handle(data if len(kept) == len(lines) else {**data, "lines": kept})
         handler._ppo_ray = True  # type: ignore[attr-defined]
@@ -333,7 +338,7 @@ class GeneratorHost(_Host):
         summary = GenerationSummary.of(batch, seconds=time.perf_counter() - t0)
         tokens = sum(summary.lengths)
         self.log.info("%s: %d rollouts with adapter v%d, %d response tokens, %.2f s (%.0f tok/s)",
-                      f"step {step + 1}" if step < SAMPLING_SEED_STEP else "samples", len(summary.lengths),
+                      call_label(step), len(summary.lengths),
                       summary.version, tokens, summary.seconds, tokens / max(summary.seconds, 1e-9))
         return batch, summary
 
@@ -343,6 +348,10 @@ class GeneratorHost(_Host):
         self.log.info("adapter v%d loaded%s: %.2f MB, write %.2f s, register %.2f s", report.version,
                       " (restore)" if restore else "", report.nbytes / 1e6, report.write_s, report.register_s)
         return report
+
+    def close(self) -> None:
+        """Before the actor exits (Roles.release): retire the adapter, delete its files."""
+        self.generator.close()
 
     def probe(self, prompt_ids: list[list[int]], expected_version: int) -> RolloutBatch:
         """The sync check's probe rollouts, sampled with adapter `expected_version` (one this
@@ -490,6 +499,12 @@ class RewardWorkerPool:
         self.workers[self.workers.index(worker)] = fresh
         self.starting[fresh.__ray_ready__.remote()] = (fresh, time.monotonic() + self.start_timeout_s)
 
+    def close(self) -> None:
+        """End every worker (roles.end_actors: each exits on its own, or is killed after
+        EXIT_TIMEOUT_S), replacements still starting included."""
+        end_actors([*self.workers, *(w for w, _ in self.starting.values())], EXIT_TIMEOUT_S)
+        self.workers, self.starting = [], {}
+
     def worker_ids(self) -> list[str]:
         """The workers' Ray actor ids, in pool order (a replaced worker's slot holds its successor's)."""
         return [w._actor_id.hex() for w in self.workers]
@@ -552,16 +567,31 @@ class RewardHost(_Host):
         self.scorer = RewardScorer.from_config(config, self.model_dir, runner=self.pool)
 
     @ray.method(num_returns=2)
-    def score(self, *parts: RolloutBatch) -> tuple["Tensor", RewardStats]:
+    def score(self, *parts: RolloutBatch, label: str = "") -> tuple["Tensor", RewardStats]:
+        """The rollouts' combined scores and stats. The log line: `label` (roles.call_label:
+        "step N", "eval", "samples"), then the mean of the combined scores, which is the
+        console's `reward` of a training step (weighted, with the penalties), then each
+        source's own mean (with its weight when not 1)."""
+        import torch
+
         batch = RolloutBatch.cat(parts)
         scores, stats = self.scorer.score(batch)
-        means = "  ".join(f"{source} {mean:+.4f}" for source, mean in stats.source_means.items())
+        weights = dict(zip(stats.source_means, self.scorer.weights))
+        means = "  ".join(f"{source} {mean:+.4f}" + (f" x{weights[source]:g}" if weights.get(source, 1) != 1 else "")
+                          for source, mean in stats.source_means.items())
+        finite = scores[torch.isfinite(scores)]
         failed = {k: v for k, v in (stats.failures.parts() if stats.failures else {}).items() if v}
-        self.log.info("scored %d rollouts of adapter v%d: %s%s%s, %.2f s", batch.response_ids.shape[0],
-                      batch.adapter_version, means,
+        self.log.info("%sscored %d rollouts of adapter v%d: reward %+.4f (%s)%s%s, %.2f s",
+                      f"{label}: " if label else "", batch.response_ids.shape[0], batch.adapter_version,
+                      float(finite.mean()) if len(finite) else math.nan, means,
                       f", {stats.dropped_nonfinite:g} not finite" if stats.dropped_nonfinite else "",
                       "".join(f", {k} {v:g}" for k, v in failed.items()), stats.seconds)
         return scores, stats
+
+    def close(self) -> None:
+        """Before the actor exits (Roles.release): end the reward workers it started."""
+        if self.pool is not None:
+            self.pool.close()
 
     def reward_workers(self) -> list[str]:
         """The reward workers' Ray actor ids (RewardWorkerPool.worker_ids; [] without workers)."""

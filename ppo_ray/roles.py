@@ -27,6 +27,44 @@ ACTOR_ERRORS = (ray.exceptions.RayActorError,)
 RETRYABLE = (*ACTOR_ERRORS, StateLostError)
 # Sampling-seed steps from here up are no training step's: PPOTrainer.generate and the eval samples.
 SAMPLING_SEED_STEP = 10**9
+EVAL_SEED_STEP = SAMPLING_SEED_STEP + 1  # sampling seeds of the eval samples: a step index no training step reaches
+# How long a normal end waits for the actors to exit on their own (end_actors).
+EXIT_TIMEOUT_S = 30.0
+
+
+def call_label(seed_step: int) -> str:
+    """What an actor's log line calls a generate or score call of sampling-seed step
+    `seed_step`: "step N" (1-based) for a training step, "eval" for the eval samples (the
+    same prompts and seeds at every evaluation), "samples" for PPOTrainer.generate."""
+    if seed_step < SAMPLING_SEED_STEP:
+        return f"step {seed_step + 1}"
+    return "eval" if seed_step == EVAL_SEED_STEP else "samples"
+
+
+def end_actors(actors: Sequence[Optional[ActorHandle]], graceful_s: float = 0.0) -> list[ActorHandle]:
+    """End `actors` (None entries skipped), no restarts. graceful_s > 0: each is first asked
+    to close (its `close` method, where it has one: an actor that owns others ends them) and
+    then to exit (Ray's __ray_terminate__: after the calls queued before it, exit code 0; the
+    dashboard and the state API then say it exited, INTENDED_USER_EXIT, not "killed by
+    ray.kill"); those still alive after graceful_s seconds are killed. graceful_s 0 (an
+    error or an interrupt unwinds: an actor may be stuck in a call) kills them all at once.
+    Returns the actors that had to be killed."""
+    actors = [a for a in actors if a is not None]
+    left = list(actors)
+    if graceful_s > 0 and actors:
+        exits = {}
+        for actor in actors:
+            try:
+                if hasattr(actor, "close"):
+                    actor.close.remote()
+                exits[actor.__ray_terminate__.remote()] = actor
+            except Exception:  # noqa: BLE001 - already dead: nothing to ask
+                pass
+        done, _ = ray.wait(list(exits), num_returns=len(exits), timeout=graceful_s)
+        left = [a for ref, a in exits.items() if ref not in done]
+    for actor in left:
+        ray.kill(actor, no_restart=True)
+    return left
 
 
 def role_names(num_generators: int, num_learners: int) -> list[str]:
@@ -135,9 +173,10 @@ class Roles:
         """Step 3, not waited for: refs of the (B, T) reference logprobs and of its ReferenceStats."""
         return self.reference.logprobs.remote(*parts)
 
-    def score(self, parts: list) -> tuple[Any, Any]:
-        """Step 4, not waited for: refs of the (B,) scores and of the RewardStats."""
-        return self.reward.score.remote(*parts)
+    def score(self, parts: list, seed_step: int) -> tuple[Any, Any]:
+        """Step 4, not waited for: refs of the (B,) scores and of the RewardStats; the rollouts
+        were sampled with `seed_step`'s seeds (the reward actor's log line names the call)."""
+        return self.reward.score.remote(*parts, label=call_label(seed_step))
 
     def update(self, ref_logprobs, scores, parts: list, expected_version: int, max_staleness: int,
                planned_steps: int, gap_limit: Optional[float] = None) -> Update:
@@ -270,13 +309,18 @@ class Roles:
     def actor(self, role: str) -> ActorHandle:
         return dict(zip(self.names(), self.all()))[role]
 
-    def release(self) -> None:
-        """Kill every actor (no restarts) and remove the placement group, which frees the
-        resources it reserved. Safe to call twice."""
-        for actor in [*self.all(), self.model_store]:
-            if actor is not None:
-                ray.kill(actor)
+    def release(self, graceful_s: float = 0.0) -> list[str]:
+        """End every actor (end_actors: with graceful_s > 0 each closes and exits on its own,
+        the rest are killed; no restarts) and remove the placement group, which frees the
+        resources it reserved. Returns the names of the actors that were killed. Safe to call
+        twice."""
+        named = dict(zip(self.all(), self.names()))
+        killed = end_actors([*self.all(), self.model_store], graceful_s)
         self.model_store = None
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+        return [named.get(a, "models") for a in killed]
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
             self.placement_group = None

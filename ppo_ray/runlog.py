@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from pathlib import Path
@@ -29,6 +30,23 @@ from ppo_ray.tracking import Trackers, read_run_file, update_run_file
 log = logging.getLogger("ppo_ray.trainer")
 
 EVAL_SAMPLES = "eval_samples.jsonl"
+# The run tag a process's trainer takes instead of a fresh one: deploy/submit.sh sets it, so
+# that the job's submission id (ppo-ray-<stage>-<run tag>) names its actors and series.
+RUN_TAG_ENV = "PPO_RAY_RUN_TAG"
+RUN_TAG_FORMAT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+
+
+def new_run_tag() -> str:
+    """The run tag of a new PPOTrainer: $PPO_RAY_RUN_TAG when set, else ppo-<8 hex>. It is
+    the Ray namespace of the run's actors (named <run tag>/<role>) and the `run` label of its
+    Prometheus series, so it must be a short name (letters, digits, . _ -)."""
+    tag = os.environ.get(RUN_TAG_ENV, "")
+    if not tag:
+        return f"ppo-{uuid.uuid4().hex[:8]}"
+    if not RUN_TAG_FORMAT.fullmatch(tag):
+        raise ValueError(f"{RUN_TAG_ENV}={tag!r} is not a run tag: 1-63 letters, digits, '.', '_' or '-', "
+                         "starting with a letter or digit (it names the run's Ray namespace and Prometheus label)")
+    return tag
 
 
 class RunLog:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -50,9 +49,10 @@ from ppo_ray.modeling import check_context_length, load_tokenizer
 from ppo_ray.paths import resolve_model_path
 from ppo_ray.placement import HOSTS, create_roles, init_ray
 from ppo_ray.rewards import check_reward_sources, guarded_calls
-from ppo_ray.roles import RETRYABLE, SAMPLING_SEED_STEP, Generation, Roles, Update, role_names
+from ppo_ray.roles import (EVAL_SEED_STEP, EXIT_TIMEOUT_S, RETRYABLE, SAMPLING_SEED_STEP, Generation, Roles, Update,
+                           role_names)
 from ppo_ray.runlock import RunLock
-from ppo_ray.runlog import RunLog
+from ppo_ray.runlog import RunLog, new_run_tag
 from ppo_ray.stats import (DynamicSampling, GenerationSummary, LearnerStats, ReferenceStats, Responses, RewardStats,
                            StepResult, StepTiming, SyncReport)
 from ppo_ray.supervisor import Supervisor
@@ -193,7 +193,7 @@ class PPOTrainer:
         self._abandoned: Optional[Path] = None  # where restore() moved an abandoned branch's checkpoints
         init_ray(log_level=config.log_level, metrics_report_interval_ms=config.metrics_report_interval_ms)
         # The run tag: Ray namespace of the actors and the `run` label of every Prometheus series.
-        self.namespace = f"ppo-{uuid.uuid4().hex[:8]}"
+        self.namespace = new_run_tag()
         # Prometheus gauges and counters (those at 0 for each role and the sync mode), tagged run=namespace
         self.metrics = TrainingMetrics(run=self.namespace, roles=role_names(config.num_generators, config.num_learners),
                                        lora_sync=config.lora_sync_mode,
@@ -343,7 +343,7 @@ class PPOTrainer:
             parts = [picked.batch]
         # 3-4. Reference logprobs and rewards, concurrently, straight from the object store.
         ref_logprobs, reference_stats = roles.reference_logprobs(parts)
-        scores, reward_stats = (picked.scores, None) if picked is not None else roles.score(parts)
+        scores, reward_stats = (picked.scores, None) if picked is not None else roles.score(parts, current.step)
         # 5-11 in the learner, with its old logprobs (step 2) and KL_t (step 3): values, rewards, GAE, PPO.
         limit = self.config.max_staleness
         update = roles.update(ref_logprobs, scores, parts, expected_version=self.version, max_staleness=limit,
@@ -399,7 +399,7 @@ class PPOTrainer:
             if rollouts.generation is None:
                 self._submit(rollouts)
             if rollouts.scored is None:
-                rollouts.scored = tuple(roles.fetch(list(roles.score(rollouts.generation.parts))))
+                rollouts.scored = tuple(roles.fetch(list(roles.score(rollouts.generation.parts, rollouts.step))))
             batch = RolloutBatch.cat(roles.fetch(rollouts.generation.parts))
             rows_vary = varying_groups(rollouts.scored[0], batch.groups).tolist()  # (B,)
             position = _group_positions(batch.groups.tolist())
@@ -720,7 +720,7 @@ class PPOTrainer:
             generated = GenerationSummary.join(self.roles.fetch(generation.summaries))
             rewards = None
             if score:
-                scores, _ = self.roles.score(generation.parts)
+                scores, _ = self.roles.score(generation.parts, seed_step)
                 rewards = self.roles.fetch(scores).tolist()
             return Responses(generated.texts, generated.finish_reasons, generated.version, rewards)
 
@@ -1014,11 +1014,15 @@ class PPOTrainer:
         return [{"step": step, "prompt": p, "response": t, "reward": r, "finish_reason": f}
                 for p, t, r, f in zip(prompts, out.texts, out.rewards, out.finish_reasons)]
 
-    def shutdown(self) -> None:
-        """Kill the actors and remove their placement group (its reserved resources are freed),
-        and give up the run directory's lock."""
+    def shutdown(self, graceful: bool = True) -> None:
+        """End the actors and remove their placement group (its reserved resources are freed),
+        and give up the run directory's lock. `graceful` (a normal end): each actor closes and
+        exits on its own (the dashboard says it exited), and those that have not within
+        EXIT_TIMEOUT_S are killed; False (an error or an interrupt unwinds) kills them at once."""
         try:
-            self.roles.release()
+            killed = self.roles.release(EXIT_TIMEOUT_S if graceful else 0.0)
+            if graceful and killed:
+                log.warning("actors %s did not exit within %g s and were killed", ", ".join(killed), EXIT_TIMEOUT_S)
         finally:
             if self._lock is not None:
                 self._lock.release()
@@ -1051,4 +1055,3 @@ def _group_positions(groups: list[int]) -> list[int]:
 # at the top-k/top-p boundary can flip sides by rounding (rare: well under 1e-3 of the tokens
 # in float32), while a generator holding another policy samples many outside the support.
 TRUNCATED_TOKENS_LIMIT = 0.01
-EVAL_SEED_STEP = SAMPLING_SEED_STEP + 1  # sampling seeds of the eval samples: a step index no training step reaches

@@ -150,11 +150,29 @@ def ray_head():
 
 
 # ----------------------------------------------------------------------------- submit + metrics
+def _pids_running(*words: str) -> list[int]:
+    """The processes whose command line has each of `words` (/proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
+        except OSError:
+            continue
+        if all(w.encode() in args for w in words):
+            out.append(int(entry.name))
+    return out
+
+
 @pytest.mark.slow  # ~150 s: a local head, submit.sh and Prometheus; the preflight and manifests run by default
 def test_submitted_job_exports_ppo_metrics(ray_head, tmp_path):
+    """The tiny PPO job through submit.sh, as a Ray user meets it: its metrics on the head's
+    endpoint; its submission id ppo-ray-ppo-<run tag> and the run tag everywhere; its log
+    stream cut mid-run (the follower killed, as a dropped connection ends it) while submit.sh
+    still waits for the job's end; the actors' own lines (the reward actor's labelled, its
+    reward the console's), in their logs and in the run's launch log; the actors exited, not
+    killed; and after the job, its gauges leave the endpoint while its counters stay."""
     run_dir = tmp_path / "run"
-    sid = f"ppo-deploy-test-{uuid.uuid4().hex[:8]}"
-    env = {**ray_head.client_env, "RAY_ADDRESS": ray_head.dashboard, "SUBMISSION_ID": sid}
+    env = {**ray_head.client_env, "RAY_ADDRESS": ray_head.dashboard, "STATUS_POLL_S": "2"}
     log_path = tmp_path / "submit.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -163,11 +181,23 @@ def test_submitted_job_exports_ppo_metrics(ray_head, tmp_path):
             cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     # Scrape while the job runs and briefly after: the driver's last values reach the
-    # endpoint when it exits, and a finished job's series vanish some seconds later.
+    # endpoint when it exits.
     final: list = []  # the latest scrape in which the run had finished step 2
     deadline = time.monotonic() + 600
     after_exit = None
+    sid, cut = None, False
     while time.monotonic() < deadline:
+        if sid is None:
+            jobs = json.loads(_get(f"{ray_head.dashboard}/api/jobs/", ray_head.token))
+            sid = next((j["submission_id"] for j in jobs if j["metadata"].get("job_name") == f"ppo-ray ppo {run_dir}"),
+                       None)
+        elif not cut and json.loads(_get(f"{ray_head.dashboard}/api/jobs/{sid}", ray_head.token))["status"] \
+                == "RUNNING" and "rollouts with adapter" not in log_path.read_text():
+            followers = _pids_running("logs", "--follow", sid)
+            if followers:  # the log stream ends while the job runs (before its actors start)
+                for pid in followers:
+                    os.kill(pid, signal.SIGTERM)
+                cut = True
         samples = _ppo_samples(ray_head.metrics_url)
         if any(n == "ray_ppo_step" and v == 2 for n, _, v in samples):
             final = samples
@@ -184,9 +214,15 @@ def test_submitted_job_exports_ppo_metrics(ray_head, tmp_path):
     job = json.loads(_get(f"{ray_head.dashboard}/api/jobs/{sid}", ray_head.token))
     assert job["status"] == "SUCCEEDED" and job["metadata"]["job_name"] == f"ppo-ray ppo {run_dir}", job
     assert final, f"no ray_ppo_step == 2 on {ray_head.metrics_url}; job log:\n{log[-3000:]}"
+    # the stream was cut while the job ran; submit.sh said so and returned at the job's end
+    assert cut and f"job {sid} is RUNNING: waiting for its end" in log, log[-3000:]
 
     runs = {labels["run"] for _, labels, _ in final}
     assert len(runs) == 1 and next(iter(runs)).startswith("ppo-"), runs
+    run = next(iter(runs))
+    # one run tag: the submission id's, the job's metadata, run.json's, the series' label
+    assert sid == f"ppo-ray-ppo-{run}" and job["metadata"]["run_tag"] == run, (sid, job)
+    assert json.loads((run_dir / "run.json").read_text())["run_tag"] == run
     gauges = {name: value for name, labels, value in final if "phase" not in labels}
     assert gauges["ray_ppo_step"] == 2 and gauges["ray_ppo_adapter_version"] == 2
     # The exported values are the run's own: the same as metrics.jsonl's last line.
@@ -203,20 +239,47 @@ def test_submitted_job_exports_ppo_metrics(ray_head, tmp_path):
     assert "note: no absolute --run_dir" not in log
 
     # The Actors page names each actor <run tag>/<role>; each one's own log (worker-*.err,
-    # the page's Log link) has its line per call, which the driver's log does not repeat.
-    run = next(iter(runs))
-    actors = json.loads(_get(f"{ray_head.dashboard}/api/v0/actors?limit=1000", ray_head.token))
-    names = {a.get("name") for a in actors["data"]["result"]["result"]}
+    # the page's Log link) has its line per call, which the driver's console does not repeat
+    # and its launch log keeps. The reward actor's line names the call (step N, eval) and
+    # starts with the console's reward.
+    actors = json.loads(_get(f"{ray_head.dashboard}/api/v0/actors?limit=1000&detail=1", ray_head.token))
+    actors = {a.get("name"): a for a in actors["data"]["result"]["result"]}
     roles = {"generator-0": "step 2: 4 rollouts with adapter v1, ", "reference": "reference logprobs: 4 rollouts",
-             "reward": "scored 4 rollouts of adapter v1", "learner": "update to adapter v2: "}
-    assert {f"{run}/{role}" for role in roles} <= names, names
+             "reward": "step 2: scored 4 rollouts of adapter v1: reward ", "learner": "update to adapter v2: "}
+    assert {f"{run}/{role}" for role in roles} <= set(actors), sorted(actors)
     from ppo_ray.logs import ACTOR_MARK
+    texts = [f.read_text(errors="replace") for f in [*ray_head.logs.glob("worker-*.err"),
+                                                      *ray_head.logs.glob("old/worker-*.err")]]
+    launch_log = "".join(f.read_text() for f in (run_dir / "logs").glob("launch-*.log"))
     for role, line in roles.items():
-        texts = [f.read_text(errors="replace") for f in [*ray_head.logs.glob("worker-*.err"),
-                                                          *ray_head.logs.glob("old/worker-*.err")]]
         own = [t for t in texts if f":actor_name:{run}/{role}\n" in t]
         assert len(own) == 1 and ACTOR_MARK + line in own[0], (role, [t[-1500:] for t in own])
+        assert re.search(rf"\({re.escape(run)}/{role} pid=\d+, ip=[\d.]+\) .*{re.escape(ACTOR_MARK + line)}",
+                         launch_log), (role, launch_log[-3000:])
+        # a normal end: each actor exited (exit code 0), none "killed by ray.kill"
+        cause = actors[f"{run}/{role}"]["death_cause"]["actor_died_error_context"]
+        assert actors[f"{run}/{role}"]["state"] == "DEAD" and "INTENDED_USER_EXIT" in cause["error_message"] \
+            and "exit code 0" in cause["error_message"] and cause["reason"] != "RAY_KILL", (role, cause)
     assert ACTOR_MARK not in log
+    (reward_log,) = [t for t in texts if f":actor_name:{run}/reward\n" in t]
+    shown = re.search(r"step 2: scored 4 rollouts of adapter v1: reward ([-+]\d+\.\d{4}) \(", reward_log)
+    assert shown and float(shown.group(1)) == pytest.approx(last["reward_mean"], abs=1e-4), reward_log[-2000:]
+    assert re.search(r"eval: scored 4 rollouts of adapter v2: reward ", reward_log), reward_log[-2000:]
+
+    # After the job: the gauges leave the endpoint (the node's agent keeps a gauge two of its
+    # report intervals after the last report: 20 s at Ray's default 10 s) while the counters
+    # stay at their final values.
+    deadline = time.monotonic() + 60
+    while True:
+        mine = [(n, labels, v) for n, labels, v in _ppo_samples(ray_head.metrics_url) if labels.get("run") == run]
+        if not any(not n.endswith("_total") for n, _, _ in mine) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert mine and all(n.endswith("_total") for n, _, _ in mine), mine
+    counters = {(n, labels.get("role") or labels.get("lora_sync")): v for n, labels, v in mine}
+    assert counters == {("ray_ppo_retries_total", r): 0.0 for r in ("generator-0", "reference", "reward",
+                                                                    "learner")} | {
+        ("ray_ppo_logprob_gap_exceeded_total", "merged"): 0.0}, counters
 
 
 def test_counters_exist_at_0_and_the_report_interval_reaches_ray(ray_head, tmp_path):
@@ -710,17 +773,64 @@ def test_submit_preflight_names_what_the_clusters_python_cannot_import(ray_head,
 
 def test_submitted_job_is_named_by_its_stage_and_run_dir(ray_head, tmp_path):
     """The Jobs page's Name column (the job_name metadata): "ppo-ray <stage> <run dir>", or
-    JOB_NAME. The job is launch.py --help (the upload and the submission are the real ones)."""
-    for args, extra, name in ((["rm", "--run_dir", str(tmp_path / "r")], {}, f"ppo-ray rm {tmp_path / 'r'}"),
-                              (["--config", "configs/tiny.yaml"], {"JOB_NAME": "my sweep 3"}, "my sweep 3")):
-        sid = f"ppo-name-test-{uuid.uuid4().hex[:8]}"
-        env = {**ray_head.client_env, "RAY_ADDRESS": ray_head.dashboard, "SUBMISSION_ID": sid, "PREFLIGHT": "0",
-               **extra}
+    JOB_NAME; its Submission ID column: ppo-ray-<stage>-<run tag> (or SUBMISSION_ID), the run
+    tag also in the metadata and handed to the job as PPO_RAY_RUN_TAG, which the trainer takes
+    (test_submitted_job_exports_ppo_metrics follows a generated one to the actors). The job is
+    launch.py --help (the upload and the submission are the real ones)."""
+    tag = f"ppo-nametest{uuid.uuid4().hex[:6]}"
+    sid = f"ppo-name-test-{uuid.uuid4().hex[:8]}"
+    for args, extra, name, sid in (
+            (["rm", "--run_dir", str(tmp_path / "r")], {"PPO_RAY_RUN_TAG": tag}, f"ppo-ray rm {tmp_path / 'r'}",
+             f"ppo-ray-rm-{tag}"),
+            (["--config", "configs/tiny.yaml"], {"JOB_NAME": "my sweep 3", "SUBMISSION_ID": sid}, "my sweep 3", sid)):
+        env = {**ray_head.client_env, "RAY_ADDRESS": ray_head.dashboard, "PREFLIGHT": "0", **extra}
         proc = subprocess.run([str(SUBMIT), *args, "--help"], env=env, cwd=tmp_path, capture_output=True, text=True,
                               timeout=300)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         job = json.loads(_get(f"{ray_head.dashboard}/api/jobs/{sid}", ray_head.token))
         assert job["status"] == "SUCCEEDED" and job["metadata"]["job_name"] == name, job
+        run_tag = job["metadata"]["run_tag"]
+        assert re.fullmatch(r"ppo-[0-9a-f]{8}", run_tag) if "PPO_RAY_RUN_TAG" not in extra else run_tag == tag, job
+        assert f"env PPO_RAY_RUN_TAG={run_tag} python launch.py" in job["entrypoint"], job
+        assert f"run tag {run_tag}, submission id {sid}" in proc.stderr
+
+
+def test_submit_exits_with_the_jobs_final_status_not_the_log_streams(ray_head, tmp_path):
+    """`ray job submit` exits 0 for a job that was stopped, and for one still running when its
+    log stream ends. submit.sh --wait <id> (the wait that follows submit.sh's own log stream)
+    polls the job until it ends and exits with its status: 1 FAILED, 5 STOPPED. Both jobs are
+    still running when the waits start, and each wait returns only after its job ended."""
+    env = {**ray_head.client_env, "RAY_ADDRESS": ray_head.dashboard, "STATUS_POLL_S": "1"}
+    ray_env = {**env, "RAY_AUTH_MODE": "token"}
+    jobs = {"fails": ("import sys, time; time.sleep(6); sys.exit(3)", 1),
+            "stopped": ("import time; time.sleep(300)", 5)}
+    sids = {key: f"ppo-wait-test-{key}-{uuid.uuid4().hex[:8]}" for key in jobs}
+    for key, (code, _) in jobs.items():
+        subprocess.run([str(BIN / "ray"), "job", "submit", "--address", ray_head.dashboard, "--submission-id",
+                        sids[key], "--no-wait", "--", "python", "-c", code], env=ray_env, check=True,
+                       capture_output=True, timeout=120)
+    waits = {key: subprocess.Popen([str(SUBMIT), "--wait", sids[key]], env=env, cwd=tmp_path,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for key in jobs}
+    try:
+        deadline = time.monotonic() + 120
+        while json.loads(_get(f"{ray_head.dashboard}/api/jobs/{sids['stopped']}", ray_head.token))["status"] \
+                != "RUNNING":
+            assert time.monotonic() < deadline, "the job to stop did not start"
+            time.sleep(0.5)
+        time.sleep(3)  # its wait has seen it running
+        subprocess.run([str(BIN / "ray"), "job", "stop", "--address", ray_head.dashboard, sids["stopped"]],
+                       env=ray_env, check=True, capture_output=True, timeout=120)
+        for key, (_, code) in jobs.items():
+            out, err = waits[key].communicate(timeout=120)
+            returned_ms = time.time() * 1000
+            job = json.loads(_get(f"{ray_head.dashboard}/api/jobs/{sids[key]}", ray_head.token))
+            assert waits[key].returncode == code, (key, out[-2000:], err[-2000:], job)
+            assert job["status"] == {1: "FAILED", 5: "STOPPED"}[code] and job["end_time"] <= returned_ms, job
+            assert f"job {sids[key]} is RUNNING: waiting for its end" in err or \
+                f"job {sids[key]} is PENDING: waiting for its end" in err, err
+    finally:
+        for proc in waits.values():
+            proc.kill()
 
 
 def test_podmonitor_scrapes_the_metrics_port_of_every_ray_pod_of_the_rayjob():

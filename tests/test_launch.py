@@ -359,6 +359,9 @@ def test_all_stages_end_to_end_on_the_bundled_task(tmp_path):
     (log_file,) = (run_dir / "logs").glob("launch-*.log")
     console = log_file.read_text()
     assert f"run directory: {run_dir}" in console and "step 2/2" in console
+    # with the actors' own lines, which the console leaves out (prefixed as Ray prints them)
+    assert re.search(r"\(ppo-[0-9a-f]{8}/generator-0 pid=\d+[^)]*\) .*INFO ppo_ray\.actor: step 2: ", console), console
+    assert "INFO ppo_ray.actor:" not in proc.stderr
     assert console.rstrip().splitlines()[-1] == proc.stdout.strip().splitlines()[-1]  # the report, last
     for name in ("curves.png", "samples.md", "config.yaml", "sft/model.safetensors", "rm/model.safetensors",
                  "adapter/adapter_model.safetensors", "data/prompts_test.jsonl"):

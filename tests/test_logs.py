@@ -126,6 +126,25 @@ def test_console_log_keeps_everything_printed_in_the_run_directory(tmp_path, roo
     assert second != path and path.read_text() == text
 
 
+def test_the_launch_log_keeps_the_actor_lines_the_console_leaves_out(tmp_path, capsys):
+    """The actors' own lines that Ray forwards and the console leaves out
+    (placement.keep_actor_lines_off_the_console hands them to log_off_console) go to the
+    launch log open at the time, prefixed as Ray prefixes what it prints; with none open,
+    nowhere."""
+    from ppo_ray.logs import ACTOR_MARK, console_log, log_off_console
+
+    line = f"2026-11-30 02:00:00{ACTOR_MARK}step 1: scored 8 rollouts of adapter v0: reward +0.7228 (...), 0.01 s"
+    data = {"actor_name": "ppo-1a2b3c4d/reward", "pid": 42, "ip": "10.0.1.7", "lines": [line]}
+    with console_log(tmp_path) as path:
+        log_off_console(data, [line])
+        log_off_console({"task_name": "ppo/sft", "pid": 7}, ["epoch 1"])
+    log_off_console(data, ["after the block"])
+    lines = path.read_text().splitlines()
+    assert lines[1:] == [f"(ppo-1a2b3c4d/reward pid=42, ip=10.0.1.7) {line}", "(ppo/sft pid=7) epoch 1"]
+    out, err = capsys.readouterr()
+    assert ACTOR_MARK not in out + err
+
+
 def test_the_line_names_each_phases_rate_the_mfu_and_a_queue_where_measured():
     """After the step's tok/s: the generation's and the learner's own rates, then the
     learner's MFU, each only when measured (NaN: left out); the rollout queue when not empty."""

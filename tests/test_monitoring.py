@@ -76,6 +76,32 @@ def test_train_writes_tensorboard_eval_samples_and_the_run_tag(tiny_trainer, tmp
     assert read_run_file(tmp_path)["run_tag"] == trainer.namespace and trainer.namespace.startswith("ppo-")
 
 
+def test_the_run_tag_is_ppo_ray_run_tag_when_set(monkeypatch):
+    """deploy/submit.sh hands the job its run tag (PPO_RAY_RUN_TAG, also in the submission id);
+    a tag that cannot name a Ray namespace and a Prometheus label is refused, naming the
+    variable; unset, a fresh ppo-<8 hex> each time."""
+    from ppo_ray.runlog import RUN_TAG_ENV, new_run_tag
+
+    monkeypatch.delenv(RUN_TAG_ENV, raising=False)
+    first, second = new_run_tag(), new_run_tag()
+    assert re.fullmatch(r"ppo-[0-9a-f]{8}", first) and first != second
+    monkeypatch.setenv(RUN_TAG_ENV, "ppo-1a2b3c4d")
+    assert new_run_tag() == "ppo-1a2b3c4d"
+    for bad in ("my run", "-x", "a/b", "x" * 64):
+        monkeypatch.setenv(RUN_TAG_ENV, bad)
+        with pytest.raises(ValueError, match=rf"PPO_RAY_RUN_TAG={re.escape(repr(bad))} is not a run tag"):
+            new_run_tag()
+
+
+def test_actor_calls_are_labelled_by_their_seed_step():
+    """The generator's and the reward actor's log lines name the call: a training step
+    (1-based), the eval samples, or PPOTrainer.generate's samples."""
+    from ppo_ray.roles import EVAL_SEED_STEP, SAMPLING_SEED_STEP, call_label
+
+    assert [call_label(s) for s in (0, 41, SAMPLING_SEED_STEP, EVAL_SEED_STEP)] == ["step 1", "step 42", "samples",
+                                                                                    "eval"]
+
+
 # ----------------------------------------------------------------------------- Grafana
 def exported_metrics() -> set[str]:
     """Every series name the driver exports (Ray adds ray_; counters get _total)."""

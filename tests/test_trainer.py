@@ -100,7 +100,7 @@ def _actor_logs(logs_dir, actor_name: str) -> str:
 def test_each_actor_logs_a_line_per_call_in_its_own_log_and_not_on_the_console(tiny_trainer, capfd):
     """Each actor is named <run tag>/<role>, and its Ray log file (the dashboard's per-actor
     Log) gets one INFO line per call: tokens and seconds (generator), losses (learner), rows
-    (scorers). Ray forwards those files to the driver too, which drops these lines: the
+    (scorers), the training calls labelled by their step. Ray forwards those files to the driver too, which drops these lines: the
     console stays one line per step."""
     import sys
     import time
@@ -114,7 +114,7 @@ def test_each_actor_logs_a_line_per_call_in_its_own_log_and_not_on_the_console(t
     tiny_trainer.ppo_step(bundled_prompts()[:8])
     expected = {"generator-0": f"step {tiny_trainer.step}: 8 rollouts with adapter v{before}, ",
                 "reference": f"reference logprobs: 8 rollouts of adapter v{before}, ",
-                "reward": f"scored 8 rollouts of adapter v{before}: ",
+                "reward": f"step {tiny_trainer.step}: scored 8 rollouts of adapter v{before}: reward ",
                 "learner": f"update to adapter v{before + 1}: "}
     assert set(expected) == set(role_names(1, 1))
     missing = dict(expected)
@@ -284,6 +284,21 @@ def test_old_logprobs_from_the_generator(ray_session, tiny_model_dir):
         history = trainer.train(bundled_prompts(), progress=False)
     finally:
         trainer.shutdown()
+    # a normal end: every actor exited on its own (what the dashboard shows), none was killed
+    import time
+
+    from ppo_ray.roles import role_names
+
+    names = {f"{trainer.namespace}/{role}" for role in role_names(1, 1)}
+    deadline = time.monotonic() + 30
+    while True:
+        causes = {a["Name"]: (a["State"], str(a.get("DeathCause"))) for a in ray._private.state.actors().values()
+                  if a["Name"] in names}
+        if all(state == "DEAD" for state, _ in causes.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert set(causes) == names and all(state == "DEAD" and "INTENDED_USER_EXIT" in cause and "ray.kill" not in cause
+                                        for state, cause in causes.values()), causes
     assert [h["adapter_version"] for h in history] == [1, 2, 3]
     gaps = [h["gen_logprob_max_abs_diff"] for h in history]
     assert gaps[0] < TINY_LOGPROB_TOL and math.isnan(gaps[1]) and gaps[2] < TINY_LOGPROB_TOL, gaps

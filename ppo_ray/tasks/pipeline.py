@@ -264,12 +264,14 @@ def ppo_trainer(cfg: PPOConfig, run_dir: Path, resume: Optional[str | Path] = No
     if resume is None:
         check_fresh(run_dir, "ppo")
     trainer = PPOTrainer(cfg, run_dir=run_dir)  # a failure to start leaves the old run's files alone
+    ended = False
     try:
         if resume is not None:
             trainer.restore(resume)
         yield trainer
+        ended = True
     finally:
-        trainer.shutdown()
+        trainer.shutdown(graceful=ended)  # an error or an interrupt: the actors are killed at once
 
 
 BEFORE_EVAL = "eval-before-ppo.json"
