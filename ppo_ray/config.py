@@ -331,8 +331,8 @@ class PPOConfig:
     """overlong_buffer's largest penalty (DAPO's and verl's penalty_factor, 1.0)."""
     overlong_filter: bool = knob(False, ALGORITHM, LEARNER)
     """DAPO's overlong filtering (Yu et al. 2025, section 3.4; TRL's mask_truncated_completions): responses cut at max_new_tokens without EOS are left out of the policy loss (and of kl_in_loss's term); their scores still count in the group baselines, and the value model still trains on them. The overlong_filtered stat is the share of the step's responses left out."""
-    dynamic_sampling: bool = knob(False, ALGORITHM)
-    """DAPO's dynamic sampling (Yu et al. 2025, section 3.2, eq. 11; verl's recipe/dapo filter_groups): groups whose scores do not vary (all of a prompt's samples_per_prompt scores equal: under the group baselines grpo, rloo and reinforce_pp their advantage is 0, only the KL term) are dropped after scoring, and train() draws the next prompts_per_step prompts of its data cursor, generates and scores them (a generation round) until prompts_per_step groups vary or dynamic_sampling_max_rounds extra rounds have run; the step trains on the first prompts_per_step varying groups in generation order (varying groups beyond them are discarded, as DAPO does). When the cap leaves too few, the first dropped groups fill the batch (batch_size never changes). Non-finite scores (nonfinite_reward: drop) do not count: a group varies when two of its finite scores differ. Every prompt drawn counts in the cursor (a resumed run continues exactly), round r's prompts are sampled with seeds of the global indices r * prompts_per_step + i, and a retried step reuses its rounds. Each step reports dynamic_sampling_rounds, dynamic_sampling_kept_frac and dynamic_sampling_filled. ppo_step(prompts) filters and fills but draws nothing more (1 round). Any advantage_estimator: with gae a constant group still has advantages (the value model's errors), so there the filter is a choice of what to learn from rather than a cut of zero-gradient rows. Needs samples_per_prompt >= 2 and max_staleness 0 (the design for the asynchronous step: docs/ARCHITECTURE.md, "Bounded staleness")."""
+    dynamic_sampling: bool = knob(False, ALGORITHM, GENERATOR)  # the generator: lora_sync_mode reads it
+    """DAPO's dynamic sampling (Yu et al. 2025, section 3.2, eq. 11; verl's recipe/dapo filter_groups): groups whose scores do not vary (all of a prompt's samples_per_prompt scores equal: under the group baselines grpo, rloo and reinforce_pp their advantage is 0, only the KL term) are dropped after scoring, and train() draws the next prompts_per_step prompts of its data cursor, generates and scores them (a generation round) until prompts_per_step groups vary or dynamic_sampling_max_rounds extra rounds have run; the step trains on the first prompts_per_step varying groups in generation order (varying groups beyond them are discarded, as DAPO does). When the cap leaves too few, the first dropped groups fill the batch (batch_size never changes). Non-finite scores (nonfinite_reward: drop) do not count: a group varies when two of its finite scores differ. Every prompt drawn counts in the cursor (a resumed run continues exactly), round r's prompts are sampled with seeds of the global indices r * prompts_per_step + i, and a retried step reuses its rounds. Each step reports dynamic_sampling_rounds, dynamic_sampling_kept_frac and dynamic_sampling_filled. ppo_step(prompts) filters and fills but draws nothing more (1 round). Any advantage_estimator: with gae a constant group still has advantages (the value model's errors), so there the filter is a choice of what to learn from rather than a cut of zero-gradient rows. Needs samples_per_prompt >= 2. Under max_staleness >= 1 each batch draws its window of (1 + dynamic_sampling_max_rounds) x prompts_per_step prompts at once (its extra rounds take the window's next prompts, so batches in flight never wait for each other's scores; prompts of a window its batch does not reach are not trained on in that epoch), every round is sampled with the batch's adapter version, and lora_sync must keep several versions (adapter or tensor; auto picks tensor on the CPU); the rounds run as the batch's step starts, not streamed (docs/ARCHITECTURE.md, "Bounded staleness")."""
     dynamic_sampling_max_rounds: int = knob(4, ALGORITHM, check=at_least(0))
     """dynamic_sampling: the most extra generation rounds (of prompts_per_step prompts each) a step runs beyond its first (verl's max_num_gen_batches counts the first too, and stops the run with an error at its cap, where this fills the batch); 0 = filter and fill, never draw more."""
     entropy_coef: float = knob(0.0, ALGORITHM, LEARNER)
@@ -544,7 +544,7 @@ class PPOConfig:
     partial_rollout_tokens: int = knob(32, GENERATION, check=at_least(1))
     """partial_rollout continue: the tokens a response samples with one version before it moves on to the next."""
     lora_sync: str = knob("auto", GENERATION, GENERATOR, choices=("auto", *LORA_SYNC_MODES))
-    """How the generator takes new LoRA weights: adapter (a vLLM LoRARequest per version, its adapter written to a scratch directory and read by vLLM), tensor (the same LoRARequest per version, registered in vLLM's worker from the learner's tensors in memory: no file per version; benchmarks/RESULTS.md, "LoRA sync from memory"), merged (W0 + scale*B@A loaded into the engine's weights: base-model generation speed; the prefix cache is reset after every load) or auto (PPOConfig.lora_sync_mode: merged for a generator on the CPU, where vLLM's LoRA path is several times slower than the base model's, benchmarks/RESULTS.md, "fast by default on the CPU"; adapter on a GPU)."""
+    """How the generator takes new LoRA weights: adapter (a vLLM LoRARequest per version, its adapter written to a scratch directory and read by vLLM), tensor (the same LoRARequest per version, registered in vLLM's worker from the learner's tensors in memory: no file per version; benchmarks/RESULTS.md, "LoRA sync from memory"), merged (W0 + scale*B@A loaded into the engine's weights: base-model generation speed; the prefix cache is reset after every load) or auto (PPOConfig.lora_sync_mode: merged for a generator on the CPU, where vLLM's LoRA path is several times slower than the base model's, benchmarks/RESULTS.md, "fast by default on the CPU", but tensor when several versions must stay alive: max_staleness >= 2, or 1 with dynamic_sampling; adapter on a GPU)."""
     vllm_kv_cache_gib: Optional[float] = knob(None, GENERATION, GENERATOR)
     """KV-cache size for vLLM on the CPU in GiB; None = a small default."""
     vllm_gpu_memory_utilization: float = knob(0.3, GENERATION, GENERATOR)
@@ -608,9 +608,10 @@ class PPOConfig:
             need(self.samples_per_prompt >= 2, "dynamic_sampling",
                  f"needs samples_per_prompt >= 2 (got {self.samples_per_prompt}): it keeps the prompts whose samples' "
                  "scores differ, and one sample never differs from itself")
-            need(self.max_staleness == 0, "dynamic_sampling",
-                 f"needs max_staleness 0 (got {self.max_staleness}): the synchronous step only for now; how it will "
-                 "work with a stream of groups is in docs/ARCHITECTURE.md, \"Bounded staleness\"")
+            need(self.max_staleness == 0 or self.lora_sync_mode != "merged", "dynamic_sampling",
+                 f"with max_staleness {self.max_staleness} needs lora_sync adapter or tensor (got merged): a batch's "
+                 "extra rounds are sampled with its own adapter version, which merged weights no longer hold once "
+                 "the next version is loaded")
         need(self.max_staleness <= 1 or self.lora_sync_mode != "merged", "max_staleness",
              "needs lora_sync adapter or tensor above 1: merged weights hold one adapter version, and "
              f"max_staleness {self.max_staleness} keeps {self.max_staleness + 1} alive in the generators")
@@ -740,13 +741,14 @@ class PPOConfig:
     @property
     def lora_sync_mode(self) -> str:
         """lora_sync resolved: auto = merged for a generator on the CPU (generator_num_gpus 0),
-        adapter on a GPU; tensor on the CPU with max_staleness >= 2 (several versions alive,
-        which merged weights cannot hold)."""
+        adapter on a GPU; tensor on the CPU with max_staleness >= 2, or 1 with dynamic_sampling
+        (several versions alive, which merged weights cannot hold)."""
         if self.lora_sync != "auto":
             return self.lora_sync
         if self.generator_num_gpus > 0:
             return "adapter"
-        return "merged" if self.max_staleness <= 1 else "tensor"
+        several = self.max_staleness >= 2 or (self.max_staleness == 1 and self.dynamic_sampling)
+        return "tensor" if several else "merged"
 
     @property
     def streams_rollouts(self) -> bool:

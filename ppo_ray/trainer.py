@@ -107,6 +107,9 @@ class Rollouts:
     # sampling's round r starts at r * prompts_per_step, so no two rounds share a seed
     index_offset: int = 0
     rounds: list["Rollouts"] = field(default_factory=list)  # dynamic_sampling: the extra rounds, in order
+    # dynamic_sampling under max_staleness >= 1: the rest of the batch's window, the prompts its
+    # extra rounds take in order (_draw); empty in the synchronous step (they come from the cursor)
+    window: list[list[int]] = field(default_factory=list)
     # dynamic_sampling: (scores (B,), RewardStats) once fetched; a retry filters and trains on these
     scored: Optional[tuple] = None
 
@@ -437,13 +440,24 @@ class PPOTrainer:
                        info=DynamicSampling(rounds=len(batches), kept_frac=sum(varies) / len(varies), filled=filled))
 
     def _draw_round(self, current: Rollouts, r: int) -> Rollouts:
-        """dynamic_sampling's extra round `r` (>= 1) of the step of `current`: the cursor's next
-        prompts, as many as the step's, sampled with its step's seeds at the global indices
-        r * len(current.prompt_ids) + i and with its version."""
-        ids = self._prompt_ids[1]
+        """dynamic_sampling's extra round `r` (>= 1) of the step of `current`: as many prompts as
+        the step's, sampled with its step's seeds at the global indices r * len(current.prompt_ids)
+        + i and with its version. The synchronous step draws them from the cursor; under
+        max_staleness >= 1 they are the next ones of the batch's window (_draw), so that no
+        batch's draws wait for, or depend on, another batch's scores."""
         n = len(current.prompt_ids)
-        rows = self.cursor.draw(len(ids), n)
-        return Rollouts([ids[i] for i in rows], step=current.step, version=current.version, index_offset=r * n)
+        if self._windowed:
+            prompts = current.window[(r - 1) * n:r * n]
+        else:
+            ids = self._prompt_ids[1]
+            prompts = [ids[i] for i in self.cursor.draw(len(ids), n)]
+        return Rollouts(prompts, step=current.step, version=current.version, index_offset=r * n)
+
+    @property
+    def _windowed(self) -> bool:
+        """dynamic_sampling with batches in flight (max_staleness >= 1): each batch draws its
+        window of (1 + dynamic_sampling_max_rounds) x prompts_per_step prompts at once."""
+        return self.config.dynamic_sampling and self.config.max_staleness >= 1
 
     def _commit(self, step: _Uncommitted) -> None:
         """The step's one commit point: the step count, the version, the learner's state."""
@@ -875,11 +889,18 @@ class PPOTrainer:
     def _draw(self, step: int) -> Rollouts:
         """The next config.prompts_per_step prompts (of train()'s list, encoded once: batch_size
         rollouts of samples_per_prompt samples each), as the rollouts of step index `step`
-        (0-based), to be sampled with its version (_version_for)."""
+        (0-based), to be sampled with its version (_version_for). Under dynamic_sampling with
+        max_staleness >= 1 the batch draws its whole window: (1 + dynamic_sampling_max_rounds)
+        x prompts_per_step consecutive prompts of the cursor, the first prompts_per_step its
+        first round, the rest its extra rounds' in order (_draw_round); the prompts of a window
+        that its batch does not reach are not trained on in this epoch. The window, like the
+        batch, is a function of the cursor before it: a resumed or retried run draws the same."""
         cursor = self.cursor.state()
         ids = self._prompt_ids[1]
-        rows = self.cursor.draw(len(ids), self.config.prompts_per_step)
-        return Rollouts([ids[i] for i in rows], step=step, version=self._version_for(step), cursor=cursor)
+        n = self.config.prompts_per_step
+        width = n * (1 + self.config.dynamic_sampling_max_rounds) if self._windowed else n
+        prompts = [ids[i] for i in self.cursor.draw(len(ids), width)]
+        return Rollouts(prompts[:n], step=step, version=self._version_for(step), cursor=cursor, window=prompts[n:])
 
     def _checkpoint_due(self) -> bool:
         cfg = self.config

@@ -11,6 +11,8 @@ and fills; each step trains on exactly the groups the rule picks (their scores a
 known values), reports its rounds, kept share and filled groups, and the cursor holds every
 prompt drawn. Then the run resumed at step 2 from its checkpoint, and step 3 retried after the
 reward actor's death in its second round, each equal to the straight run's step 3 exactly.
+With batches in flight (max_staleness 1, a second trainer): each batch's rounds come from its
+own window of the cursor, and the run resumed at step 2 equals the straight one.
 """
 
 from __future__ import annotations
@@ -98,8 +100,11 @@ def test_the_config_rules(tmp_path):
 
     with pytest.raises(ConfigError, match="dynamic_sampling.*samples_per_prompt >= 2"):
         tiny_test_config(dynamic_sampling=True)
-    with pytest.raises(ConfigError, match="dynamic_sampling.*max_staleness 0"):
-        tiny_test_config(dynamic_sampling=True, samples_per_prompt=2, max_staleness=1, lora_sync="tensor")
+    with pytest.raises(ConfigError, match="dynamic_sampling.*with max_staleness 1 needs lora_sync adapter or tensor"):
+        tiny_test_config(dynamic_sampling=True, samples_per_prompt=2, max_staleness=1, lora_sync="merged")
+    # with batches in flight auto keeps several versions on the CPU too (merged holds one)
+    assert tiny_test_config(dynamic_sampling=True, samples_per_prompt=2, max_staleness=1).lora_sync_mode == "tensor"
+    assert tiny_test_config(samples_per_prompt=2, max_staleness=1).lora_sync_mode == "merged"
     with pytest.raises(ConfigError, match="dynamic_sampling_max_rounds"):
         tiny_test_config(dynamic_sampling=True, samples_per_prompt=2, dynamic_sampling_max_rounds=-1)
     config = tiny_test_config(dynamic_sampling=True, samples_per_prompt=2, advantage_estimator="gae")
@@ -139,15 +144,15 @@ KEYS = ("reward_mean", "kl", "policy_loss", "approx_kl", "clipfrac", "entropy", 
         "response_tokens", "dynamic_sampling_rounds", "dynamic_sampling_kept_frac", "dynamic_sampling_filled")
 
 
-def marked_prompts(seed: int) -> tuple[list[str], list[int]]:
-    """The bundled prompts, those the run draws at MARKED positions with SAME_MARK in front,
-    and the order the run's cursor draws them in (PromptCursor with the run seed)."""
+def marked_prompts(seed: int, positions: set[int] = MARKED) -> tuple[list[str], list[int]]:
+    """The bundled prompts, those the run draws at `positions` with SAME_MARK in front, and
+    the order the run's cursor draws them in (PromptCursor with the run seed)."""
     from ppo_ray.data import PromptCursor, bundled_prompts
     from reward_fns import SAME_MARK
 
     prompts = bundled_prompts()
     order = PromptCursor(seed).draw(len(prompts), len(prompts))
-    marked = {order[i] for i in MARKED}
+    marked = {order[i] for i in positions}
     return [SAME_MARK + p if i in marked else p for i, p in enumerate(prompts)], order
 
 
@@ -247,6 +252,65 @@ def _from_step_two(trainer, run_dir, new_dir):
     trainer.restore(new_dir)
     assert trainer.step == 2 and trainer.version == 2
     return trainer
+
+
+# ------------------------------------------------------------- with batches in flight (windows)
+# max_staleness 1: each batch draws its window of (1 + 1) x 4 positions at once, step t's is
+# [8 (t - 1), 8 t): its first round the first 4, its extra round the next 4. Step 1: round 1
+# keeps 2 (positions 2, 3), round 2 keeps 3 (5, 6, 7); step 2: all 4 of round 1 vary, and its
+# window's positions 12-15 are skipped; step 3: only position 19 varies in 2 rounds, and 16,
+# 17, 18 fill the batch.
+MARKED_WINDOWS = {0, 1, 4, 16, 17, 18, 20, 21, 22, 23}
+EXPECTED_WINDOWS = [([4.0, 5.0, 6.0, 7.0, 2.0, 3.0, 4.0, 5.0], 2, 5 / 8, 0),
+                    ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], 1, 1.0, 0),
+                    ([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 6.0, 7.0], 2, 1 / 8, 3)]
+
+
+@pytest.fixture(scope="module")
+def windowed_run(ray_session, tiny_model_dir, tmp_path_factory):
+    """The dynamic_run's GRPO config with max_staleness 1 (lora_sync auto: tensor): its
+    trainer, prompts, their draw order, the straight run's history and run dir."""
+    from conftest import tiny_test_config
+    from ppo_ray.trainer import PPOTrainer
+
+    config = tiny_test_config(advantage_estimator="grpo", samples_per_prompt=2, batch_size=8, max_new_tokens=8,
+                              dynamic_sampling=True, dynamic_sampling_max_rounds=1, steps=STEPS, max_staleness=1,
+                              checkpoint_every=2, report_to=[], reward_funcs=["reward_fns:same_for_marked_prompts"],
+                              reward_weights=[1.0])
+    prompts, order = marked_prompts(config.seed, MARKED_WINDOWS)
+    run_dir = tmp_path_factory.mktemp("windowed-straight")
+    trainer = PPOTrainer(config, run_dir=run_dir)
+    try:
+        history = trainer.train(prompts, progress=False)
+        yield trainer, prompts, order, history, run_dir
+    finally:
+        trainer.shutdown()
+
+
+def test_with_batches_in_flight_each_batch_takes_its_extra_rounds_from_its_window(windowed_run):
+    """Under max_staleness 1 the rule is the synchronous step's, on each batch's own window:
+    every step trains on the groups it picks there (their scores are the reward's known
+    values, so a round drawn from anywhere else would show), with its rounds, kept share and
+    filled groups; the steps from 2 on are one version behind; the cursor is 3 windows on,
+    the positions of step 2's unused round included."""
+    trainer, prompts, order, history, _ = windowed_run
+    assert trainer.config.lora_sync_mode == "tensor"
+    assert [h.step for h in history] == [1, 2, 3] and [h["stale_versions"] for h in history] == [0.0, 1.0, 1.0]
+    for h, (rewards, rounds, kept, filled) in zip(history, EXPECTED_WINDOWS):
+        assert h.rewards == rewards and len(h.generated_texts) == 8
+        assert h.dynamic_sampling == DynamicSampling(rounds=rounds, kept_frac=kept, filled=filled)
+    assert trainer.cursor.order == order[3 * 8:]
+
+
+@rerun_if_last_digits_differ
+def test_with_batches_in_flight_a_resumed_run_equals_the_straight_one(windowed_run, tmp_path):
+    """Resumed at step 2 (its checkpoint's cursor is the one before step 3's batch, which was
+    in flight), step 3 draws the same window, generates the same two rounds with the same
+    version and seeds, and equals the straight run's exactly."""
+    trainer, prompts, order, straight, run_dir = windowed_run
+    resumed = _from_step_two(trainer, run_dir, tmp_path).train(prompts, progress=False)
+    assert_same(steps_of(resumed), steps_of(straight[2:]), "resumed vs straight (windows)")
+    assert trainer.cursor.order == order[3 * 8:]
 
 
 def test_ppo_step_filters_and_fills_without_drawing(dynamic_run):
