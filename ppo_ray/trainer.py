@@ -400,6 +400,10 @@ class PPOTrainer:
                 current.rounds.append(self._draw_round(current, r))  # recorded before anything can fail
             rollouts = current.batches()[r]
             if rollouts.generation is None:
+                if r and self._windowed:
+                    # the batch's version may be one the generators never loaded as an adapter
+                    # (0, the base model, until the first sync): load what batches in flight need
+                    self._bring_generators_to(self._needed())
                 self._submit(rollouts)
             if rollouts.scored is None:
                 rollouts.scored = tuple(roles.fetch(list(roles.score(rollouts.generation.parts, rollouts.step))))

@@ -256,13 +256,14 @@ def _from_step_two(trainer, run_dir, new_dir):
 
 # ------------------------------------------------------------- with batches in flight (windows)
 # max_staleness 1: each batch draws its window of (1 + 1) x 4 positions at once, step t's is
-# [8 (t - 1), 8 t): its first round the first 4, its extra round the next 4. Step 1: round 1
-# keeps 2 (positions 2, 3), round 2 keeps 3 (5, 6, 7); step 2: all 4 of round 1 vary, and its
-# window's positions 12-15 are skipped; step 3: only position 19 varies in 2 rounds, and 16,
-# 17, 18 fill the batch.
-MARKED_WINDOWS = {0, 1, 4, 16, 17, 18, 20, 21, 22, 23}
+# [8 (t - 1), 8 t): its first round the first 4, its extra round the next 4, both sampled with
+# the batch's version (0, 0, 1). Step 1: round 1 keeps 2 (positions 2, 3), round 2 keeps 3
+# (5, 6, 7); step 2: round 1 keeps 3 (9, 10, 11), round 2 at version 0 after version 1 was
+# loaded, its first group (12) completing the batch; step 3: only position 19 varies in 2
+# rounds, and 16, 17, 18 fill the batch.
+MARKED_WINDOWS = {0, 1, 4, 8, 16, 17, 18, 20, 21, 22, 23}
 EXPECTED_WINDOWS = [([4.0, 5.0, 6.0, 7.0, 2.0, 3.0, 4.0, 5.0], 2, 5 / 8, 0),
-                    ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], 1, 1.0, 0),
+                    ([2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 0.0, 1.0], 2, 7 / 8, 0),
                     ([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 6.0, 7.0], 2, 1 / 8, 3)]
 
 
@@ -291,8 +292,8 @@ def test_with_batches_in_flight_each_batch_takes_its_extra_rounds_from_its_windo
     """Under max_staleness 1 the rule is the synchronous step's, on each batch's own window:
     every step trains on the groups it picks there (their scores are the reward's known
     values, so a round drawn from anywhere else would show), with its rounds, kept share and
-    filled groups; the steps from 2 on are one version behind; the cursor is 3 windows on,
-    the positions of step 2's unused round included."""
+    filled groups; the steps from 2 on are one version behind (step 2's second round is
+    sampled with version 0 after version 1 was loaded); the cursor is 3 windows on."""
     trainer, prompts, order, history, _ = windowed_run
     assert trainer.config.lora_sync_mode == "tensor"
     assert [h.step for h in history] == [1, 2, 3] and [h["stale_versions"] for h in history] == [0.0, 1.0, 1.0]
