@@ -161,26 +161,31 @@ def steps_of(history) -> list[dict]:
              "generated_texts": h["generated_texts"]} for h in history]
 
 
-@pytest.fixture(scope="module")
-def dynamic_run(ray_session, tiny_model_dir, tmp_path_factory):
+def straight_run(tmp_path_factory, name: str, marked: set[int], **extra):
     """(trainer, its prompts, their draw order, the straight run's history, its run dir): GRPO
-    with dynamic sampling, STEPS steps, a checkpoint at step 2. A FaultyTrainer (a PPOTrainer
-    unless armed) for the retry test."""
+    with dynamic sampling (`extra` on top), STEPS steps, a checkpoint at step 2, the prompts
+    drawn at `marked` positions marked. A FaultyTrainer (a PPOTrainer unless armed) for the
+    retry tests."""
     from conftest import tiny_test_config
     from fault_injection import FaultyTrainer
 
     config = tiny_test_config(advantage_estimator="grpo", samples_per_prompt=2, batch_size=8, max_new_tokens=8,
                               dynamic_sampling=True, dynamic_sampling_max_rounds=1, steps=STEPS,
                               checkpoint_every=2, report_to=[], reward_funcs=["reward_fns:same_for_marked_prompts"],
-                              reward_weights=[1.0])
-    prompts, order = marked_prompts(config.seed)
-    run_dir = tmp_path_factory.mktemp("dynamic-straight")
+                              reward_weights=[1.0], **extra)
+    prompts, order = marked_prompts(config.seed, marked)
+    run_dir = tmp_path_factory.mktemp(name)
     trainer = FaultyTrainer(config, run_dir=run_dir)
     try:
         history = trainer.train(prompts, progress=False)
         yield trainer, prompts, order, history, run_dir
     finally:
         trainer.shutdown()
+
+
+@pytest.fixture(scope="module")
+def dynamic_run(ray_session, tiny_model_dir, tmp_path_factory):
+    yield from straight_run(tmp_path_factory, "dynamic-straight", MARKED)
 
 
 def test_each_step_trains_on_the_groups_the_rule_picks_and_reports_them(dynamic_run):
@@ -269,23 +274,8 @@ EXPECTED_WINDOWS = [([4.0, 5.0, 6.0, 7.0, 2.0, 3.0, 4.0, 5.0], 2, 5 / 8, 0),
 
 @pytest.fixture(scope="module")
 def windowed_run(ray_session, tiny_model_dir, tmp_path_factory):
-    """The dynamic_run's GRPO config with max_staleness 1 (lora_sync auto: tensor): its
-    trainer, prompts, their draw order, the straight run's history and run dir."""
-    from conftest import tiny_test_config
-    from ppo_ray.trainer import PPOTrainer
-
-    config = tiny_test_config(advantage_estimator="grpo", samples_per_prompt=2, batch_size=8, max_new_tokens=8,
-                              dynamic_sampling=True, dynamic_sampling_max_rounds=1, steps=STEPS, max_staleness=1,
-                              checkpoint_every=2, report_to=[], reward_funcs=["reward_fns:same_for_marked_prompts"],
-                              reward_weights=[1.0])
-    prompts, order = marked_prompts(config.seed, MARKED_WINDOWS)
-    run_dir = tmp_path_factory.mktemp("windowed-straight")
-    trainer = PPOTrainer(config, run_dir=run_dir)
-    try:
-        history = trainer.train(prompts, progress=False)
-        yield trainer, prompts, order, history, run_dir
-    finally:
-        trainer.shutdown()
+    """dynamic_run's with max_staleness 1 (lora_sync auto: tensor) and MARKED_WINDOWS."""
+    yield from straight_run(tmp_path_factory, "windowed-straight", MARKED_WINDOWS, max_staleness=1)
 
 
 def test_with_batches_in_flight_each_batch_takes_its_extra_rounds_from_its_window(windowed_run):
