@@ -31,7 +31,8 @@ and a call that raises or times out is handled by `failure`:
   at most retry_calls extra calls per function and batch, after which a failed chunk's rows
   get the policy as they are.
 Without any of the three, reward functions run as they always did: one call each on the whole
-batch, in this process, with no time limit (a Python function cannot be stopped in-thread).
+batch, in this process, with no time limit of their own (a Python function cannot be stopped
+in-thread): a hung one is cut by the driver's deadline on the score call (ppo_ray.deadlines).
 """
 
 from __future__ import annotations

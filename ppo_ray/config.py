@@ -358,7 +358,7 @@ class PPOConfig:
     nonfinite_reward: str = knob("error", REWARDS, LEARNER, REWARD, choices=("error", "drop"))
     """What a NaN/inf score does: error (names the prompt) or drop (sample masked out and counted)."""
     reward_workers: int = knob(0, REWARDS, REWARD, check=at_least(0))
-    """Reward workers: Ray actors, started by the reward actor, that run the Python reward_funcs (the reward model stays in the reward actor). A batch is cut into chunks (reward_chunk_size), run on the workers at once, each call under reward_timeout_s: a worker past it is killed and replaced, and reward_failure decides about the rows. 0 = the functions run inside the reward actor as one call each on the whole batch, with no time limit (a Python function cannot be stopped in-thread)."""
+    """Reward workers: Ray actors, started by the reward actor, that run the Python reward_funcs (the reward model stays in the reward actor). A batch is cut into chunks (reward_chunk_size), run on the workers at once, each call under reward_timeout_s: a worker past it is killed and replaced, and reward_failure decides about the rows. 0 = the functions run inside the reward actor as one call each on the whole batch; a hung one is cut only by the score call's deadline (call_timeout_*: the reward actor is restarted and the step retried)."""
     reward_chunk_size: int = knob(0, REWARDS, REWARD, check=at_least(0))
     """Rows per call to a reward worker; 0 = the batch split evenly over the workers (ceil(batch / reward_workers) rows, one call per worker). Smaller chunks balance uneven rows and lose less to a failure (fewer rows to bisect), for more calls."""
     reward_timeout_s: float = knob(60.0, REWARDS, REWARD, check=at_least(0, strict=True))
@@ -503,6 +503,12 @@ class PPOConfig:
     """Ray restarts a dead generator/reference/reward/learner actor up to this many times."""
     max_step_retries: int = knob(2, FAULTS)
     """A step whose actor died is retried (after the restart) up to this many times, and so is every other call to the actors (the sync and its check, an evaluation, a checkpoint's state fetch, a restore); then the run fails."""
+    call_timeout_factor: float = knob(10.0, FAULTS, check=at_least(0, strict=True))
+    """A call to an actor may take this many times the slowest call of its kind so far (per row); past it the actor is deemed hung, killed, restarted and the call retried (docs/ARCHITECTURE.md, "Deadlines")."""
+    call_timeout_min_s: float = knob(300.0, FAULTS, check=at_least(0, strict=True))
+    """The shortest deadline of a call to an actor, in seconds."""
+    call_timeout_first_s: float = knob(1800.0, FAULTS, check=at_least(0, strict=True))
+    """The deadline of an actor's first calls of a kind since it started (model loading, warm-up, compilation), in seconds."""
 
     # ---------------------------------------------------------------- placement and engines
     num_generators: int = knob(1, RESOURCES, check=at_least(1))

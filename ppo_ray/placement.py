@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import ConfigSlice, PPOConfig
+from ppo_ray.deadlines import Deadlines
 from ppo_ray.faults import StateLostError
 from ppo_ray.logs import (ACTOR_MARK, actor_logger, level_number, log_off_console, quiet_env, quiet_libraries,
                           ray_logging_level, without_actor_lines)
@@ -886,7 +887,9 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
     rew = ray.remote(hosts["reward"]).options(**opts(n_gen + 1)).remote(config.slice("reward"), reward_model_dir)
     learners = [ray.remote(hosts["learner"]).options(**opts(n_gen + 2 + i)).remote(
         learner_config, model_dir, value_model_dir) for i in range(config.num_learners)]
-    roles = Roles(gens, ref, rew, learners, pg, store)
+    roles = Roles(gens, ref, rew, learners, pg, store,
+                  deadlines=Deadlines(config.call_timeout_factor, config.call_timeout_min_s, config.call_timeout_first_s),
+                  sequential_generators=not config.streams_rollouts)
     try:
         wait_ready(roles)
         form_learner_group(roles)

@@ -9,22 +9,27 @@ learner's state stay in the object store and are passed on by reference.
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Sequence
 
 import ray
 from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
+from ppo_ray.batch import RolloutBatch
+from ppo_ray.deadlines import CallTimeout, Deadlines
 from ppo_ray.faults import StateLostError
 from ppo_ray.stats import LearnerStats, SyncReport
 
+log = logging.getLogger("ppo_ray.trainer")
+
 # An actor died or is restarting (ActorDiedError and ActorUnavailableError are subclasses).
 ACTOR_ERRORS = (ray.exceptions.RayActorError,)
-# What a retry from the last committed step recovers from: those, and an actor that came
-# back from a restart without the state the step needs.
-RETRYABLE = (*ACTOR_ERRORS, StateLostError)
+# What a retry from the last committed step recovers from: those, an actor that came back
+# from a restart without the state the step needs, and an actor killed past a call's deadline.
+RETRYABLE = (*ACTOR_ERRORS, StateLostError, CallTimeout)
 # Sampling-seed steps from here up are no training step's: PPOTrainer.generate and the eval samples.
 SAMPLING_SEED_STEP = 10**9
 EVAL_SEED_STEP = SAMPLING_SEED_STEP + 1  # sampling seeds of the eval samples: a step index no training step reaches
@@ -117,6 +122,23 @@ class Update:
         return self.calls[0].state
 
 
+@dataclass(eq=False)
+class _Call:
+    """One call the driver made to an actor, for its deadline (ppo_ray.deadlines): its kind,
+    its actor, one of its results (all of a call's results are ready together), its rows, the
+    calls it waits for before it can start (those whose results it takes, and on an actor that
+    runs one call at a time, the call before it), and when it was submitted and seen done."""
+
+    kind: str
+    role: str
+    actor: ActorHandle
+    ref: ray.ObjectRef
+    rows: int
+    after: list["_Call"]
+    submitted: float
+    done: Optional[float] = None  # time.monotonic() when seen finished (or killed)
+
+
 @dataclass
 class Roles:
     generators: list[ActorHandle]
@@ -125,6 +147,15 @@ class Roles:
     learners: list[ActorHandle]  # rank order; rank 0 exports the LoRA weights
     placement_group: Optional[PlacementGroup] = None  # holds every actor's resources; release() removes it
     model_store: Optional[ActorHandle] = None  # holds the shipped models' files (multi-node runs)
+    # every call's deadline (ppo_ray.deadlines), and whether a generator runs one call at a time
+    # (False: streaming generators take the calls of every batch in flight at once)
+    deadlines: Deadlines = field(default_factory=Deadlines)
+    sequential_generators: bool = True
+    # the calls in flight or not yet waited for, by each of their results; per actor id, the last
+    # call made to it (actors that run one call at a time); stored batches' rows
+    _calls: dict = field(default_factory=dict, init=False, repr=False)
+    _last: dict = field(default_factory=dict, init=False, repr=False)
+    _stored_rows: dict = field(default_factory=dict, init=False, repr=False)
 
     @property
     def learner(self) -> ActorHandle:
@@ -138,17 +169,108 @@ class Roles:
     def all(self) -> list[ActorHandle]:
         return [*self.generators, self.reference, self.reward, *self.learners]
 
+    # ------------------------------------------------------------------ calls and their deadlines
+    def _track(self, kind: str, actor: ActorHandle, result, after: Sequence = (), rows: Optional[int] = None):
+        """Record a call just made to `actor` (`result`: its ObjectRef, or a tuple of them) for
+        its deadline; `after`: the ObjectRefs it takes as arguments. Its rows: `rows`, or those
+        of the batches it takes (the generations' and stored batches'). Returns `result`."""
+        refs = list(result) if isinstance(result, (tuple, list)) else [result]
+        after = [r for r in after if isinstance(r, ray.ObjectRef)]  # a value passed as it is needs no wait
+        deps = list({id(c): c for c in (self._calls.get(r) for r in after) if c is not None}.values())
+        if rows is None:
+            rows = sum(c.rows for c in deps if c.kind in ("generate", "evaluation")) \
+                + sum(self._stored_rows.get(r, 0) for r in after)
+        key = actor._actor_id.hex()
+        sequential = self.sequential_generators or not any(actor is g for g in self.generators)
+        prev = self._last.get(key) if sequential else None
+        if prev is not None and prev.done is None and prev not in deps:
+            deps.append(prev)
+        call = _Call(kind, self._role_name(actor), actor, refs[0], max(int(rows), 1), deps, time.monotonic())
+        if sequential:
+            self._last[key] = call
+        if len(self._calls) > 1024:  # forget the calls seen finished
+            self._calls = {r: c for r, c in self._calls.items() if c.done is None}
+        for ref in refs:
+            self._calls[ref] = call
+        return result
+
+    def _role_name(self, actor: ActorHandle) -> str:
+        for name, a in zip(self.names(), self.all()):
+            if a is actor:
+                return name
+        return "unknown"
+
+    def _wait(self, refs: Sequence) -> None:
+        """Wait until the tracked calls among `refs` have finished, each within its deadline
+        (_wait_calls)."""
+        calls = {id(c): c for c in (self._calls.get(r) for r in refs if isinstance(r, ray.ObjectRef))
+                 if c is not None and c.done is None}
+        self._wait_calls(list(calls.values()))
+
+    def _wait_calls(self, calls: list[_Call]) -> None:
+        """Wait for `calls`: first for the calls each waits for (each within its own deadline,
+        so a hang is blamed on the call that hangs), then for them, each within its deadline
+        from the moment it could start (ppo_ray.deadlines). Those past it: their actors are
+        killed (Ray restarts them) and CallTimeout names them."""
+        pending = [c for c in calls if c.done is None]
+        if not pending:
+            return
+        self._wait_calls([d for c in pending for d in c.after])
+        starts = {id(c): max([c.submitted] + [d.done for d in c.after]) for c in pending}
+        limits = {id(c): self.deadlines.limit(c.kind, c.role, c.rows) for c in pending}
+        while pending:
+            due = min(starts[id(c)] + limits[id(c)][0] for c in pending)
+            ready, _ = ray.wait([c.ref for c in pending], num_returns=len(pending),
+                                timeout=max(0.0, due - time.monotonic()), fetch_local=False)
+            now, ready = time.monotonic(), set(ready)
+            for c in pending:
+                if c.ref in ready:
+                    c.done = now
+                    self.deadlines.record(c.kind, c.role, now - starts[id(c)], c.rows)
+                    c.after = []
+            pending = [c for c in pending if c.done is None]
+            late = [c for c in pending if now >= starts[id(c)] + limits[id(c)][0]]
+            if late:
+                self._kill_late(late, now, starts, limits)
+
+    def _kill_late(self, late: list[_Call], now: float, starts: dict, limits: dict) -> None:
+        """Kill the actors of calls past their deadlines (Ray restarts them) and raise CallTimeout."""
+        for c in late:
+            waited, (limit, rule) = now - starts[id(c)], limits[id(c)]
+            log.warning("the %s actor's %s call has run %.0f s, past its deadline of %.0f s (%s): killing it "
+                        "(Ray restarts it)", c.role, c.kind, waited, limit, rule)
+            ray.kill(c.actor, no_restart=False)
+            self.restarted(c.role)
+            c.done, c.after = now, []  # its results are the actor's death now
+        first = late[0]
+        raise CallTimeout(first.kind, [c.role for c in late], now - starts[id(first)], limits[id(first)][0],
+                          limits[id(first)][1])
+
+    def restarted(self, role: str) -> None:
+        """`role`'s actor died or was killed ("unknown": any): its next calls are first calls
+        (their deadline allows for its start-up), and none waits for its calls before it."""
+        self.deadlines.restarted(role)
+        for key, call in list(self._last.items()):
+            if role in (call.role, "unknown"):
+                del self._last[key]
+
     # ------------------------------------------------------------------ the object store
-    @staticmethod
-    def fetch(refs):
+    def fetch(self, refs):
         """Wait for ObjectRef(s) and return their values (small things only: the driver
-        pulls texts, scores and stats, never rollouts or weights during a step)."""
+        pulls texts, scores and stats, never rollouts or weights during a step). A call that
+        made them and runs past its deadline is a CallTimeout (its actor killed)."""
+        self._wait(refs if isinstance(refs, (list, tuple)) else [refs])
         return ray.get(refs)
 
-    @staticmethod
-    def store(value):
-        """Put a driver-side value (a restored checkpoint's state) into the object store."""
-        return ray.put(value)
+    def store(self, value):
+        """Put a driver-side value (a restored checkpoint's state, a selected batch) into the
+        object store."""
+        ref = ray.put(value)
+        if isinstance(value, RolloutBatch):
+            if len(self._stored_rows) > 64:  # one a step at most: the oldest are long used
+                self._stored_rows = dict(list(self._stored_rows.items())[-32:])
+            self._stored_rows[ref] = len(value)
+        return ref
 
     # ------------------------------------------------------------------ the step's calls
     def generate(self, prompt_ids: Sequence[Sequence[int]], seed_step: int,
@@ -162,38 +284,42 @@ class Roles:
         `expected_version` raises StateLostError. `segment_versions`, `segment_tokens`: a partial
         rollout's (Generator.generate); `greedy`: argmax decoding, for evaluation."""
         chunks = [(s, e) for s, e in split_evenly(len(prompt_ids), len(self.generators)) if e > s]
-        calls = [gen.generate.remote(list(prompt_ids[s:e]), seed_step, index_offset + s,
-                                     expected_version=expected_version,
-                                     samples_per_prompt=samples_per_prompt, segment_versions=segment_versions,
-                                     segment_tokens=segment_tokens, greedy=greedy)
+        kind = "generate" if seed_step < SAMPLING_SEED_STEP else "evaluation"
+        calls = [self._track(kind, gen, gen.generate.remote(list(prompt_ids[s:e]), seed_step, index_offset + s,
+                                                            expected_version=expected_version,
+                                                            samples_per_prompt=samples_per_prompt,
+                                                            segment_versions=segment_versions,
+                                                            segment_tokens=segment_tokens, greedy=greedy),
+                             rows=(e - s) * samples_per_prompt)
                  for gen, (s, e) in zip(self.generators, chunks)]
         return Generation([batch for batch, _ in calls], [summary for _, summary in calls])
 
     def reference_logprobs(self, parts: list) -> tuple[Any, Any]:
         """Step 3, not waited for: refs of the (B, T) reference logprobs and of its ReferenceStats."""
-        return self.reference.logprobs.remote(*parts)
+        return self._track("reference", self.reference, self.reference.logprobs.remote(*parts), after=parts)
 
     def score(self, parts: list, seed_step: int) -> tuple[Any, Any]:
         """Step 4, not waited for: refs of the (B,) scores and of the RewardStats; the rollouts
         were sampled with `seed_step`'s seeds (the reward actor's log line names the call)."""
-        return self.reward.score.remote(*parts, label=call_label(seed_step))
+        return self._track("score", self.reward, self.reward.score.remote(*parts, label=call_label(seed_step)),
+                           after=parts)
 
     def update(self, ref_logprobs, scores, parts: list, expected_version: int, max_staleness: int,
                planned_steps: int, gap_limit: Optional[float] = None) -> Update:
         """The learner's steps on every learner, not waited for (its old logprobs when it
         recomputes step 2's, KL_t of step 3 with the reference's logprobs, and steps 5-11):
         each gets the same refs and takes its own shard of the rows."""
-        return Update([UpdateCall(*learner.update.remote(ref_logprobs, scores, *parts,
-                                                         expected_version=expected_version,
-                                                         max_staleness=max_staleness, planned_steps=planned_steps,
-                                                         gap_limit=gap_limit))
-                       for learner in self.learners])
+        return Update([UpdateCall(*self._track("update", learner, learner.update.remote(
+            ref_logprobs, scores, *parts, expected_version=expected_version, max_staleness=max_staleness,
+            planned_steps=planned_steps, gap_limit=gap_limit), after=[ref_logprobs, scores, *parts]))
+            for learner in self.learners])
 
     def learner_stats(self, update: Update) -> LearnerStats:
         """Wait for the update; rank 0's stats. In a learner group a member that dies
         mid-update makes the others' collectives fail (a RayTaskError from a live member);
         the death is the cause, so it is what is raised."""
         refs = [call.stats for call in update.calls]
+        self._wait(refs)  # each member within its deadline (those past it are killed together)
         try:
             return ray.get(refs)[0]
         except ray.exceptions.RayTaskError as error:
@@ -214,7 +340,8 @@ class Roles:
         object store entry `weights`, first retiring the versions below `retire_below` (no batch
         in flight needs them); waited for. Their load reports (version, bytes, seconds)."""
         gens = self.generators if generators is None else generators
-        return ray.get([g.load_adapter.remote(version, weights, restore, retire_below) for g in gens])
+        return self.fetch([self._track("sync", g, g.load_adapter.remote(version, weights, restore, retire_below),
+                                       after=[weights]) for g in gens])
 
     def sync_gaps(self, probe_ids: list[list[int]], version: int, weights=None,
                   generators: Optional[list[ActorHandle]] = None) -> list[float]:
@@ -223,12 +350,14 @@ class Roles:
         the object store entry of `version`'s adapter when it is older than the learner's).
         Per replica, the largest gap (the probe rollouts go replica -> learner by reference)."""
         gens = self.generators if generators is None else generators
-        parts = [g.probe.remote(probe_ids, expected_version=version) for g in gens]
-        return ray.get(self.learner.sync_gaps.remote(*parts, expected_version=version, weights=weights))
+        rows = len(probe_ids)
+        parts = [self._track("probe", g, g.probe.remote(probe_ids, expected_version=version), rows=rows) for g in gens]
+        return self.fetch(self._track("probe", self.learner, self.learner.sync_gaps.remote(
+            *parts, expected_version=version, weights=weights), after=[*parts, weights], rows=rows * len(gens)))
 
     def generator_versions(self) -> list[list[int]]:
         """The adapter versions each replica holds (ascending)."""
-        return ray.get([g.versions.remote() for g in self.generators])
+        return self.fetch([self._track("query", g, g.versions.remote()) for g in self.generators])
 
     def bring_generators_to(self, weights: dict[int, Any]) -> dict[int, list[int]]:
         """Give every generator the adapter versions `weights` names ({version: object store
@@ -245,32 +374,33 @@ class Roles:
                 loaded[version] = missing
         return loaded
 
-    @staticmethod
-    def intact(generation: Optional[Generation]) -> bool:
-        """Whether a generation's results are all still there (no replica died making them)."""
+    def intact(self, generation: Optional[Generation]) -> bool:
+        """Whether a generation's results are all still there (no replica died making them, or
+        was killed past its deadline)."""
         if generation is None:
             return False
         try:
-            ray.get(generation.summaries)
+            self.fetch(generation.summaries)
             return True
         except RETRYABLE:
             return False
 
     def current_weights(self) -> tuple[int, Any]:
         """(the policy's version, ref of its LoRA weights) from rank 0."""
-        version_ref, weights_ref = self.learner.current_weights.remote()
-        return ray.get(version_ref), weights_ref
+        version_ref, weights_ref = self._track("state", self.learner, self.learner.current_weights.remote())
+        return self.fetch(version_ref), weights_ref
 
     def learner_state(self):
         """Ref of rank 0's state (adapters, value head, optimisers, RNG), left in the store."""
-        return self.learner.state_dict.remote()
+        return self._track("state", self.learner, self.learner.state_dict.remote())
 
     def restore_learners(self, state, reform: bool = True) -> list[int]:
         """Every learner loads `state` (a ref, or the dict), re-forming the group first (a
         restarted member left it, and the others' collectives failed). Returns their versions."""
         if reform and len(self.learners) > 1:
             form_learner_group(self)
-        return ray.get([learner.load_state_dict.remote(state) for learner in self.learners])
+        return self.fetch([self._track("state", learner, learner.load_state_dict.remote(state), after=[state])
+                           for learner in self.learners])
 
     # ------------------------------------------------------------------ restarts
     def wait_for_actors(self, timeout_s: float = 900.0) -> None:
@@ -321,9 +451,6 @@ class Roles:
             remove_placement_group(self.placement_group)
             self.placement_group = None
         return [named.get(a, "models") for a in killed]
-        if self.placement_group is not None:
-            remove_placement_group(self.placement_group)
-            self.placement_group = None
 
 
 def form_learner_group(roles: Roles, timeout_s: float = 120.0) -> None:

@@ -5,7 +5,8 @@
 `attempt(i)` runs the work (i = the failures survived so far: 0, 1, ...); an actor that dies
 in it (or comes back from a restart without the state the call needs: StateLostError) costs
 one retry, after `recover()`, up to max_retries; an actor that dies during `recover()` costs
-one too; any other error is the caller's. Every retry is counted in the Prometheus counter
+one too; an actor killed past a call's deadline (CallTimeout, ppo_ray.deadlines: a hung call)
+counts as one that died; any other error is the caller's. Every retry is counted in the Prometheus counter
 (by role), logged, and kept in `retries` ({"step", "role", "where"}). What a retry redoes,
 and why that computes exactly what the first attempt would have, is the trainer's business
 (ppo_ray.trainer: the commit point, and what each place redoes); the supervisor only counts
@@ -68,6 +69,7 @@ class Supervisor:
 
     def record(self, error: BaseException, where: str, step: int) -> None:
         role = self.roles.role_of(error)
+        self.roles.restarted(role)  # its next calls' deadlines allow for its start-up again
         self.metrics.record_retry(role)
         self.retries.append({"step": step, "role": role, "where": where})
         log.warning("%s %d: the %s actor failed in the %s (%s); waiting for its restart and %s",

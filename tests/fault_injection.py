@@ -18,7 +18,9 @@ session puts this folder on their PYTHONPATH: conftest.ray_session).
                 (the step's first call finds it restarted, without state)
 
 "before" dies as the call arrives (nothing done), "after" once its work is done but before
-the result is returned (an update applied in a process that is then lost). The death is a
+the result is returned (an update applied in a process that is then lost); "hang" never
+returns from the call (an actor that stops answering: the driver's deadline kills it,
+ppo_ray.deadlines). The death is a
 hard exit of the actor's process (``os._exit``), as an OOM kill or a segfault would be; Ray
 restarts the actor (``max_actor_restarts``: the same class, so the fault points are there
 again) and the armed fault is gone with the process, so it fires once.
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -48,7 +51,7 @@ from ppo_ray.trainer import PPOTrainer, Rollouts
 
 PHASES = ("generate", "prefetch", "score", "update", "sync", "idle")
 BAD_SYNCS = ("previous", "perturbed")
-WHENS = ("before", "after")
+WHENS = ("before", "after", "hang")
 # The phases each role takes part in (idle: any role).
 ROLE_PHASES = {"generator": ("generate", "prefetch", "sync", "idle"), "reference": ("score", "idle"),
                "reward": ("score", "idle"), "learner": ("update", "idle")}
@@ -126,7 +129,7 @@ class FaultPoints:
     one attribute lookup."""
 
     def arm_fault(self, method: str, when: str, call: int = 1) -> None:
-        """Die `when` ("before"/"after") in the `call`-th call of `method` from now."""
+        """Die `when` ("before"/"after"), or hang, in the `call`-th call of `method` from now."""
         self._armed_faults = {**getattr(self, "_armed_faults", {}), (method, when): call}
         self._fault_calls = {**getattr(self, "_fault_calls", {}), method: 0}
 
@@ -136,6 +139,8 @@ class FaultPoints:
 
     def _fault_check(self, method: str, when: str, call: int) -> None:
         if getattr(self, "_armed_faults", {}).get((method, when)) == call:
+            if when == "hang":
+                threading.Event().wait()  # forever: the call never returns
             os._exit(17)  # a hard crash: no cleanup, no exception back to the caller
 
 
@@ -150,6 +155,7 @@ def fault_point(method):
         if not faults:
             return method(self, *args, **kwargs)
         self._fault_calls[name] = call = self._fault_calls.get(name, 0) + 1
+        self._fault_check(name, "hang", call)
         self._fault_check(name, "before", call)
         out = method(self, *args, **kwargs)
         self._fault_check(name, "after", call)

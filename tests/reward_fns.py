@@ -47,6 +47,35 @@ def e_fraction_held_in_eval(prompts, completions):
     return letter_e_fraction(prompts, completions)
 
 
+# tests/test_deadlines.py's hanging reward function: the driver and the reward actor run on
+# this machine and agree on the file (the actor's process is killed and restarted in between).
+HANG_FILE = "ppo-ray-test-hang-reward"
+
+
+def hang_file():
+    import tempfile
+    from pathlib import Path
+
+    return Path(tempfile.gettempdir()) / HANG_FILE
+
+
+def e_fraction_or_hang(prompts, completions):
+    """ppo_ray.rewards.letter_e_fraction, except while hang_file() exists: then the call never
+    returns (as a reward function stuck on a lock or a socket). A file that says "once" is
+    removed first, so the call after the hung one (in the restarted actor) scores; "always"
+    stays."""
+    import threading
+
+    from ppo_ray.rewards import letter_e_fraction
+
+    path = hang_file()
+    if path.exists():
+        if path.read_text().strip() == "once":
+            path.unlink()
+        threading.Event().wait()  # forever: only the deadline's kill ends it
+    return letter_e_fraction(prompts, completions)
+
+
 # The reward pool's tests (tests/test_reward_pool.py): responses "r<i>" score i exactly; the
 # row whose response is "r3" sleeps, raises or returns NaN.
 def row_number(completion: str) -> float:
@@ -80,5 +109,12 @@ def numbers(prompts, completions):
 SAME_MARK = "SAME "
 
 
+ALL_VARY_FILE = "ppo-ray-test-all-vary"  # in the temp folder: while it exists, no prompt counts as marked
+
+
 def same_for_marked_prompts(prompts, completions):
-    return [1.0 if SAME_MARK in p else float(i) for i, p in enumerate(prompts)]
+    import tempfile
+    from pathlib import Path
+
+    marked = not (Path(tempfile.gettempdir()) / ALL_VARY_FILE).exists()
+    return [1.0 if marked and SAME_MARK in p else float(i) for i, p in enumerate(prompts)]

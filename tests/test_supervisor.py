@@ -11,8 +11,14 @@ from ppo_ray.supervisor import Supervisor
 
 
 class FakeRoles:
+    def __init__(self):
+        self.restarts = []
+
     def role_of(self, error):
         return getattr(error, "role", "unknown")
+
+    def restarted(self, role):
+        self.restarts.append(role)
 
 
 class FakeMetrics:
