@@ -130,7 +130,8 @@ def _num(value, fmt: str) -> str:
 
 
 def format_step(result: "StepResult", total: int | None = None, *, adaptive_kl: bool = False) -> str:
-    """One PPO step's console line: step, reward, KL (and beta when it moves: `adaptive_kl`,
+    """One PPO step's console line: step, reward (of every rollout generated; under dynamic
+    sampling also that of the rollouts trained on), KL (and beta when it moves: `adaptive_kl`,
     the config's kl_target set; a fixed beta is the config's own), losses, the gold score and
     the eval reward when the step was evaluated (result.extra), stale versions (overlap mode),
     the rollout queue's depth (when not 0), dynamic sampling's rounds, kept share and filled
@@ -138,7 +139,10 @@ def format_step(result: "StepResult", total: int | None = None, *, adaptive_kl: 
     measured, of the generation and the learner, and the learner's MFU."""
     learner, extra = result.learner, result.extra
     parts = [f"step {result.step}" + (f"/{total}" if total else ""),
-             f"reward {_num(result.reward_mean, '+.4f')}", f"kl {_num(learner.kl, '.4f')}"]
+             f"reward {_num(result.reward_mean, '+.4f')}"]
+    if result.dynamic_sampling is not None:  # what it trained on: the kept groups (reward: all it generated)
+        parts.append(f"trained {_num(result.reward_trained_mean, '+.4f')}")
+    parts.append(f"kl {_num(learner.kl, '.4f')}")
     if adaptive_kl:
         parts.append(f"beta {_num(learner.kl_coef, '.4g')}")
     parts.append(f"policy_loss {_num(learner.policy_loss, '+.4f')}")

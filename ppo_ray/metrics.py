@@ -36,7 +36,10 @@ from ray.util.metrics import Counter, Gauge
 # ppo_step output key -> help text. Prometheus names are built by `metric_name`.
 STEP_GAUGES: dict[str, str] = {
     "step": "PPO steps completed in this run",
-    "reward_mean": "mean score of the step's rollouts (reward model and/or reward functions)",
+    "reward_mean": "mean score of every rollout the step generated (reward model and/or reward functions; under "
+                   "dynamic_sampling every round's)",
+    "reward_trained_mean": "mean score of the rollouts the step trained on (reward_mean unless dynamic_sampling kept "
+                           "only some groups)",
     "kl": "mean per-sequence KL(policy || reference) of the step's rollouts (the sum of per-token KL)",
     "policy_loss": "PPO-clip policy loss, mean over the step's optimiser steps",
     "value_loss": "value loss, mean over the step's optimiser steps",

@@ -274,7 +274,7 @@ class StepResult(Mapping):
     step: int
     generated_texts: list[str]
     finish_reasons: list[str]           # per rollout: "stop" (ended with EOS) or "length" (cut at max_new_tokens)
-    rewards: list[float]                # the reward actor's combined score per rollout (NaN: dropped)
+    rewards: list[float]                # the reward actor's combined score per rollout trained on (NaN: dropped)
     learner: LearnerStats
     reward_parts: dict[str, float]      # score/<source> means, dropped_nonfinite (and reward_<failure> counts)
     adapter_version: int                # the version the generators hold after the sync
@@ -293,12 +293,22 @@ class StepResult(Mapping):
     queue_depth: float = 0.0
     # dynamic_sampling's rounds, kept fraction and filled groups; None (no keys) when it is off
     dynamic_sampling: Optional[DynamicSampling] = None
+    # dynamic_sampling: every rollout's score the step generated (every round's); None without
+    # it, where the rollouts trained on are all the step generated
+    generated_rewards: Optional[list[float]] = None
     extra: dict[str, Any] = field(default_factory=dict)  # evaluations merged in by train()
 
     @property
     def reward_mean(self) -> float:
-        finite = [r for r in self.rewards if math.isfinite(r)]
-        return sum(finite) / len(finite) if finite else math.nan
+        """The mean finite score of every rollout the policy generated in the step (under
+        dynamic_sampling, of every round, not only the groups kept): the reward curve."""
+        return _finite_mean(self.rewards if self.generated_rewards is None else self.generated_rewards)
+
+    @property
+    def reward_trained_mean(self) -> float:
+        """The mean finite score of the rollouts the step trained on (`rewards`): reward_mean
+        unless dynamic_sampling kept only some of what it generated."""
+        return _finite_mean(self.rewards)
 
     @property
     def response_tokens(self) -> int:
@@ -358,6 +368,7 @@ class StepResult(Mapping):
             "finish_reasons": self.finish_reasons,
             "rewards": self.rewards,
             "reward_mean": self.reward_mean,
+            "reward_trained_mean": self.reward_trained_mean,
             **self.learner.as_dict(),
             **self.reward_parts,
             "adapter_version": self.adapter_version,
@@ -393,6 +404,11 @@ class StepResult(Mapping):
 
     def __len__(self) -> int:
         return len(self.as_dict())
+
+
+def _finite_mean(values: Sequence[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else math.nan
 
 
 @dataclass

@@ -131,6 +131,7 @@ class _Picked:
     batch: object                              # ObjectRef of the selected RolloutBatch
     scores: object                             # ObjectRef of its (B,) scores: the ones the filter saw
     score_list: list[float]
+    generated_scores: list[float]              # every round's scores: all the policy generated
     reward_stats: RewardStats                  # every round's score calls, joined
     generated: GenerationSummary               # the selected rows; seconds of every round's generation
     generated_tokens: int                      # response tokens of every round
@@ -154,6 +155,7 @@ class _Uncommitted:
     queue_depth: int  # batches in flight beyond this one while the learner trained
     generated_tokens: int  # response tokens of every rollout generated (dynamic_sampling: every round's)
     dynamic: Optional[DynamicSampling] = None
+    generated_scores: Optional[list[float]] = None  # dynamic_sampling: every round's scores
 
 
 class PPOTrainer:
@@ -372,7 +374,8 @@ class PPOTrainer:
         t_update_done = time.perf_counter()
         self._check_logprob_gap(stats)
         return _Uncommitted(current, generated, stats, update, score_list, reward_stats, reference_stats, t_start,
-                            t_update_done, queue_depth, generated_tokens, picked.info if picked is not None else None)
+                            t_update_done, queue_depth, generated_tokens, picked.info if picked is not None else None,
+                            picked.generated_scores if picked is not None else None)
 
     def _dynamic_sampling(self, current: Rollouts) -> _Picked:
         """DAPO's dynamic sampling (config dynamic_sampling; Yu et al. 2025, section 3.2): score
@@ -419,6 +422,12 @@ class PPOTrainer:
             if sum(varies) >= wanted:
                 break
         rounds = current.batches()[:len(batches)]
+        unused = current.rounds[len(batches) - 1:]
+        if unused and unused[0].cursor is not None:
+            # a retry that needs fewer rounds than an earlier attempt drew (a re-sync changed its
+            # samples): the prompts of the rounds it does not use go back to the cursor
+            self.cursor.set_state(unused[0].cursor)
+            del current.rounds[len(batches) - 1:]
         chosen, filled = pick_groups(varies, wanted)
         chosen = set(chosen)
         # the chosen groups' rows, round by round: the step's batch, in generation order
@@ -439,6 +448,7 @@ class PPOTrainer:
         selected_scores = torch.cat(scores)  # (B,)
         return _Picked(batch=roles.store(RolloutBatch.cat(parts)), scores=roles.store(selected_scores),
                        score_list=selected_scores.tolist(),
+                       generated_scores=torch.cat([r.scored[0] for r in rounds]).tolist(),
                        reward_stats=RewardStats.join([r.scored[1] for r in rounds], [len(b) for b in batches]),
                        generated=generated, generated_tokens=sum(joined.lengths), summaries=summaries,
                        info=DynamicSampling(rounds=len(batches), kept_frac=sum(varies) / len(varies), filled=filled))
@@ -450,12 +460,13 @@ class PPOTrainer:
         max_staleness >= 1 they are the next ones of the batch's window (_draw), so that no
         batch's draws wait for, or depend on, another batch's scores."""
         n = len(current.prompt_ids)
+        cursor = None
         if self._windowed:
             prompts = current.window[(r - 1) * n:r * n]
         else:
-            ids = self._prompt_ids[1]
+            ids, cursor = self._prompt_ids[1], self.cursor.state()
             prompts = [ids[i] for i in self.cursor.draw(len(ids), n)]
-        return Rollouts(prompts, step=current.step, version=current.version, index_offset=r * n)
+        return Rollouts(prompts, step=current.step, version=current.version, index_offset=r * n, cursor=cursor)
 
     @property
     def _windowed(self) -> bool:
@@ -656,7 +667,8 @@ class PPOTrainer:
         return StepResult(
             step=self.step,
             generated_texts=generated.texts, finish_reasons=generated.finish_reasons,
-            rewards=step.scores, learner=stats, reward_parts=step.reward_stats.parts(), adapter_version=self.version,
+            rewards=step.scores, generated_rewards=step.generated_scores, learner=stats,
+            reward_parts=step.reward_stats.parts(), adapter_version=self.version,
             timing=timing, lora_sync_bytes=loads[0].nbytes, response_lengths=generated.lengths,
             sync_probe_gap=check.gap, sync_resyncs=self._resyncs,
             # tokens and FLOPs per second of the generation and the learner (StepResult.rates)

@@ -119,8 +119,13 @@ def test_the_step_line_and_record_show_dynamic_sampling_only_when_it_is_on():
 
     off = step_result()
     assert "rounds" not in format_step(off) and not any(k.startswith("dynamic") for k in off.as_dict())
-    on = replace(off, dynamic_sampling=DynamicSampling(rounds=2, kept_frac=0.625, filled=0))
+    assert "trained" not in format_step(off) and off["reward_trained_mean"] == off["reward_mean"]
+    on = replace(off, dynamic_sampling=DynamicSampling(rounds=2, kept_frac=0.625, filled=0),
+                 generated_rewards=[*off.rewards, *[r + 1.0 for r in off.rewards]])
     assert "  rounds 2 kept 62%  " in format_step(on)
+    # one mean, one meaning: reward is every rollout generated, trained the rows trained on
+    assert on["reward_mean"] == pytest.approx(off["reward_mean"] + 0.5) and on["reward_trained_mean"] == off["reward_mean"]
+    assert f"reward {on['reward_mean']:+.4f}  trained {off['reward_mean']:+.4f}  kl " in format_step(on)
     assert "  rounds 3 kept 12% filled 3  " in format_step(replace(on, dynamic_sampling=DynamicSampling(3, 0.125, 3)))
     assert {k: v for k, v in on.as_dict().items() if k.startswith("dynamic")} == {
         "dynamic_sampling_rounds": 2, "dynamic_sampling_kept_frac": 0.625, "dynamic_sampling_filled": 0}
@@ -206,6 +211,17 @@ def test_each_step_trains_on_the_groups_the_rule_picks_and_reports_them(dynamic_
             rounds, kept, filled)
     drawn = sum(r for _, r, _, _ in EXPECTED) * PROMPTS_PER_STEP
     assert drawn == 20 and trainer.cursor.order == order[drawn:]
+    # reward_mean is every rollout generated (all rounds), reward_trained_mean the kept rows'
+    start = 0
+    for h, (rewards, rounds, _, _) in zip(history, EXPECTED):
+        generated = []
+        for r in range(rounds):  # a round's row i (of 8: 4 prompts x 2) scores 1.0 if its prompt is marked, else i
+            positions = range(start + r * PROMPTS_PER_STEP, start + (r + 1) * PROMPTS_PER_STEP)
+            generated += [1.0 if p in MARKED else float(2 * j + k) for j, p in enumerate(positions) for k in (0, 1)]
+        start += rounds * PROMPTS_PER_STEP
+        assert h.generated_rewards == generated
+        assert h["reward_mean"] == pytest.approx(sum(generated) / len(generated))
+        assert h["reward_trained_mean"] == pytest.approx(sum(rewards) / 8)
 
 
 @rerun_if_last_digits_differ
@@ -246,6 +262,44 @@ def _a_death_in_the_extra_round(dynamic_run, tmp_path, role: str, method: str, w
     assert [(r["step"], r["role"]) for r in trainer.retries[before:]] == [(3, role)]
     assert_same(steps_of(got), steps_of(straight[2:]), f"{role} lost in the extra round vs straight")
     assert trainer.cursor.order == order[20:]
+
+
+@rerun_if_last_digits_differ
+def test_a_resampled_step_that_needs_fewer_rounds_puts_their_prompts_back(dynamic_run, tmp_path):
+    """Step 3 draws its extra round; then the rollout check fails (a LogprobGapError under
+    logprob_gap_check resync, injected here) and the step is sampled again after the re-sync.
+    Its samples now score differently (the reward no longer sees marks: every group varies),
+    so the retry needs its first round only: the extra round's prompts go back to the cursor,
+    and are the next step's."""
+    import tempfile
+    from pathlib import Path
+
+    from ppo_ray.trainer import LogprobGapError
+    from reward_fns import ALL_VARY_FILE
+
+    trainer, prompts, order, _, run_dir = dynamic_run
+    _from_step_two(trainer, run_dir, tmp_path)
+    flag = Path(tempfile.gettempdir()) / ALL_VARY_FILE
+    check, failed = trainer._check_logprob_gap, []
+
+    def fails_once(stats):
+        if not failed:
+            failed.append(stats)
+            flag.touch()  # the resampled step's scores differ from the first attempt's
+            raise LogprobGapError("injected: the rollouts came from another policy")
+        return check(stats)
+
+    base = trainer.config
+    trainer._check_logprob_gap = fails_once
+    trainer.config = base.replace(logprob_gap_check="resync")
+    try:
+        got = trainer.train(prompts, progress=False)
+    finally:
+        del trainer._check_logprob_gap
+        trainer.config = base
+        flag.unlink(missing_ok=True)
+    assert failed and got[0].step == 3 and got[0].dynamic_sampling.rounds == 1 and got[0].sync_resyncs == 1
+    assert trainer.cursor.order == order[16:]  # steps 1-2: 3 rounds; step 3: 1 round; nothing else taken
 
 
 def _from_step_two(trainer, run_dir, new_dir):

@@ -334,7 +334,7 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
     report = {
         **test,
         "final_kl": history[-1]["kl"],
-        "final_reward": history[-1]["reward_mean"],
+        **final_rewards(history),
         "ppo_steps": len(history),
         "eval_prompts": len(test_rows),
         **copy,
@@ -385,7 +385,7 @@ def run_rl_arith(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optio
     history = read_metrics(metrics)
     # the pass rates (ppo_ray.tasks.evaluation, which `launch.py eval` calls too)
     report = {**arith_numbers("test", k, rl, sft), **arith_numbers("val", k, rl_val, sft["val"])}
-    report.update({"final_kl": history[-1]["kl"], "final_reward": history[-1]["reward_mean"],
+    report.update({"final_kl": history[-1]["kl"], **final_rewards(history),
                    "rl_steps": len(history), "eval_prompts": len(test_rows), "eval_k": k})
     with open(run_dir / HELD_OUT, "w") as f:
         for split, rows, before, after in (("test", test_rows, sft, rl), ("val", val_rows, sft["val"], rl_val)):
@@ -397,6 +397,16 @@ def run_rl_arith(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optio
     plot_curves(metrics, run_dir / "curves.png", report["pass1_val_sft"], gold_key="pass1_val",
                 gold_title="pass@1 (held-out validation, greedy)", reward_title="verifier reward (share right)")
     return report
+
+
+def final_rewards(history: list[dict]) -> dict:
+    """report.json's final rewards: the mean score of every rollout the last step generated and,
+    under dynamic_sampling (which trains on some of them), of those it trained on."""
+    last = history[-1]
+    out = {"final_reward": last["reward_mean"]}
+    if "dynamic_sampling_rounds" in last:
+        out["final_reward_trained"] = last.get("reward_trained_mean", float("nan"))
+    return out
 
 
 def run_ppo_real(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[str | Path] = None,
@@ -426,7 +436,7 @@ def run_ppo_real(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optio
     return {
         "evaluation": "reward-model score and KL to SFT only: real data has no gold judge",
         "first_reward": history[0]["reward_mean"],
-        "final_reward": history[-1]["reward_mean"],
+        **final_rewards(history),
         "final_kl": history[-1]["kl"],
         "ppo_steps": len(history),
         "ppo_prompts": len(prompts),
