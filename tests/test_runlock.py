@@ -225,3 +225,36 @@ def test_a_checkpoints_read_finds_a_loss_the_heartbeat_has_not_seen_yet(tmp_path
             lock.check()
     finally:
         lock.release()
+
+
+def test_a_trainer_whose_lock_is_taken_over_writes_no_metrics_line_or_checkpoint(tiny_trainer, tmp_path,
+                                                                                   quick_heartbeat):
+    """A real trainer (Ray, vLLM, the learner) in a run directory. Another driver takes its lock
+    over during a step (here: in the step's evaluation, after the step committed and before its
+    metrics line): the heartbeat finds it, the metrics line of that step is not written (train()
+    raises RunLockLost), and a checkpoint asked for afterwards (its own read of the lock file)
+    raises too and writes nothing."""
+    from ppo_ray.data import bundled_prompts
+
+    run_dir = tmp_path / "run"
+    lock = RunLock.acquire(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    tiny_trainer.run_dir, tiny_trainer._lock = run_dir, lock
+
+    def evaluate(trainer, step: int) -> dict:
+        take_over(run_dir / LOCK_NAME)
+        wait_for(lambda: lock.lost is not None, 60, "the heartbeat finding the lock taken over")
+        return {}
+
+    try:
+        with pytest.raises(RunLockLost, match="another-pod"):
+            tiny_trainer.train(bundled_prompts()[:16], steps=1, progress=False, metrics_path=metrics,
+                               evaluate=evaluate)
+        assert not metrics.exists() or not metrics.read_text().strip()
+        with pytest.raises(RunLockLost, match="nothing more was written"):
+            tiny_trainer.save_checkpoint()
+        assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+        assert json.loads((run_dir / LOCK_NAME).read_text())["token"] == "theirs"
+    finally:
+        tiny_trainer.run_dir, tiny_trainer._lock = None, None
+        lock.release()
