@@ -222,7 +222,7 @@ def run_plain_ppo(config, run_dir: Path, resume: str | None = None, prompts: lis
 
     prompts = plain_ppo_inputs(config) if prompts is None else prompts
     # the eval samples of a plain run: the dataset's first prompts (it has no held-out split)
-    with ppo_trainer(config, run_dir, resume) as trainer:
+    with ppo_trainer(config, run_dir, resume) as (trainer, _):
         trainer.train(prompts, metrics_path=run_dir / "metrics.jsonl", eval_prompts=prompts)
         trainer.save_adapter(run_dir / "adapter")
     history = read_metrics(run_dir / "metrics.jsonl")
