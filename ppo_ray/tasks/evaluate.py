@@ -30,13 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from ppo_ray.rundir import EVAL_DIR  # RUN_DIR/eval/<time>/: the default --out (moved aside with the run's outputs)
+
 log = logging.getLogger("ppo_ray.eval")
 
 USAGE = ("python launch.py eval RUN_DIR [--checkpoint CKPT] [--split test|validation] [--prompts FILE.jsonl] "
          "[--out DIR] [--<field> VALUE ...]")
 SPLITS = {"test": "test", "validation": "val"}  # --split -> the report's key tag (report.json: *_test_*, *_val_*)
 DEFAULT_SPLIT = "test"
-EVAL_DIR = "eval"  # RUN_DIR/eval/<time>/: the default --out
 
 
 class EvalError(ValueError):
