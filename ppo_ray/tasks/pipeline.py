@@ -347,7 +347,8 @@ def before_training(trainer, run_dir: Path, settings: dict, evaluate: Callable[[
         try:
             kept = json.loads(path.read_text())
         except ValueError:
-            kept = {}
+            kept = None
+        kept = kept if isinstance(kept, dict) else {}  # unreadable: no settings recorded
         changes = settings_changes(kept.get("settings"), settings)
         if not changes:
             return {k: v for k, v in kept.items() if k != "settings"}
@@ -552,13 +553,12 @@ def run_ppo_real(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optio
     cfg = cfg or ppo_config(config, run_dir, data_dir)
     tok = load_tokenizer(cfg.model_name)
     prompts = real_prompts(config, tok, "train")
-    held_out = real_prompts(config, tok, "eval", max_rows=cfg.eval_size)
+    held_out, settings = real_held_out(config, cfg, tok)
     metrics = run_dir / "metrics.jsonl"
     from ppo_ray.tasks.evaluation import sample
 
-    source, split = _real_split(config, config.sft_dataset, "eval")  # the split `launch.py eval` defaults to
     # what before_training keeps in the run directory: texts, finish reasons, version
-    before = BeforeEval(eval_settings(cfg, {split: (source, held_out)}), lambda trainer: sample(trainer, held_out))
+    before = BeforeEval(settings, lambda trainer: sample(trainer, held_out))
     with ppo_trainer(cfg, run_dir, resume, before) as (trainer, sft):
         trainer.train(prompts, metrics_path=metrics, eval_prompts=held_out)
         ppo_texts = sample(trainer, held_out)["texts"]  # same sampling seeds as before training
@@ -578,6 +578,14 @@ def run_ppo_real(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optio
         "eval_prompts": len(held_out),
         **({"report_errors": errors} if errors else {}),
     }
+
+
+def real_held_out(config: PPOConfig, cfg: PPOConfig, tok) -> tuple[list[str], dict]:
+    """The real path's held-out prompts (eval_split's first eval_size queries of sft_dataset) and
+    their eval_settings, under the split's own name: the split `launch.py eval` defaults to."""
+    held_out = real_prompts(config, tok, "eval", max_rows=cfg.eval_size)
+    source, split = _real_split(config, config.sft_dataset, "eval")
+    return held_out, eval_settings(cfg, {split: (source, held_out)})
 
 
 HELD_OUT = "held_out.jsonl"  # the report's gold numbers come from these samples (one line per prompt and split)
