@@ -222,7 +222,7 @@ def run_plain_ppo(config, run_dir: Path, resume: str | None = None, prompts: lis
 
     prompts = plain_ppo_inputs(config) if prompts is None else prompts
     # the eval samples of a plain run: the dataset's first prompts (it has no held-out split)
-    with ppo_trainer(config, run_dir, resume) as trainer:
+    with ppo_trainer(config, run_dir, resume) as (trainer, _):
         trainer.train(prompts, metrics_path=run_dir / "metrics.jsonl", eval_prompts=prompts)
         trainer.save_adapter(run_dir / "adapter")
     history = read_metrics(run_dir / "metrics.jsonl")
@@ -513,6 +513,7 @@ def _run(config, stage: str, stages: tuple[str, ...], done: dict, resume, run_di
     from ppo_ray.placement import ClusterError
     from ppo_ray.rewards import RewardError
     from ppo_ray.rundir import RunDirError, mark_done
+    from ppo_ray.runlock import RunLockLost
     from ppo_ray.tasks.tldr import TLDRDataError
     from ppo_ray.tracking import read_run_file, update_run_file
 
@@ -550,8 +551,9 @@ def _run(config, stage: str, stages: tuple[str, ...], done: dict, resume, run_di
                 mark_done(run_dir, name, stats)
                 report.update(stats)
     except (ClusterError, RewardError, FileNotFoundError, TLDRDataError, CheckpointError, DataError,
-            ContextLengthError, RunDirError) as e:
-        # expected, user-fixable problems: the message names the bad thing; no traceback
+            ContextLengthError, RunDirError, RunLockLost) as e:
+        # expected, user-fixable problems (and another driver that took the run directory over):
+        # the message names the bad thing; no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     except PermissionError as e:  # a folder of the run directory made unwritable mid-run

@@ -26,6 +26,7 @@ from ppo_ray.tracking import TENSORBOARD_DIR, read_run_file, update_run_file
 log = logging.getLogger(__name__)
 
 REPLACED = "replaced"
+EVAL_DIR = "eval"  # `launch.py eval`'s default --out: <run_dir>/eval/<time>/, evaluations of the run's checkpoints
 STAGES_DONE = "stages_done"  # run.json: stage -> its statistics, written when the stage finished
 
 # What a fresh start of each stage writes (and would overwrite), relative to the run directory.
@@ -33,7 +34,7 @@ STAGE_OUTPUTS: dict[str, tuple[str, ...]] = {
     "sft": ("sft", "report-sft.json"),
     "rm": ("rm", "report-rm.json"),
     "ppo": ("checkpoints", "metrics.jsonl", "eval_samples.jsonl", "eval-before-ppo.json", TENSORBOARD_DIR,
-            "adapter", "samples.md", "held_out.jsonl", "curves.png", "report-ppo.json"),
+            "adapter", "samples.md", "held_out.jsonl", "curves.png", "report-ppo.json", EVAL_DIR),
 }
 # The pipeline's report and its page (report.html, a view of the directory that `all` and `ppo`
 # write at their end): a fresh `all` refuses to write over them, and they move aside with

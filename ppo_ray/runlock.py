@@ -7,7 +7,12 @@ The lock is the file ``<run_dir>/.ppo-ray.lock``, created with O_EXCL (one creat
 on a local disk and on NFS alike) and holding who took it: host, pid, the pid's start time,
 the boot id and PID namespace (so a reused pid or a rebooted node is not mistaken for the
 holder), the time it was taken and the command. While held, a daemon thread touches the
-file every HEARTBEAT_S seconds.
+file every HEARTBEAT_S seconds (the heartbeat). A read or a touch that fails (NFS ESTALE, EIO)
+is tried again at the next beat: only a lock file that is gone or names another holder (another
+token) means the lock is lost. The heartbeat records that, and the holder asks before it writes
+(RunLock.check: the trainer before every metrics line and, reading the file once more, before
+every checkpoint): a driver whose lock was taken over stops with RunLockLost, naming the lock
+file and its holder now, and writes nothing more.
 
 It is released on every exit the process survives (the context's end, an exception, Ctrl-C,
 SIGTERM unwinding, the interpreter's exit). A driver that cannot release it (SIGKILL, a lost
@@ -50,6 +55,11 @@ STALE_S = 60.0       # another host's lock whose heartbeat is older than this is
 
 class RunLockError(RuntimeError):
     """Another live driver holds the run directory (the message names it)."""
+
+
+class RunLockLost(RunLockError):
+    """This driver's lock was taken over (or its file removed) while it ran: it stops, writing
+    nothing more into the run directory (the message names the lock file and its holder now)."""
 
 
 def _boot_id() -> str:
@@ -101,6 +111,7 @@ _HELD_GUARD = threading.Lock()
 class RunLock:
     path: Path
     info: dict
+    lost: Optional[str] = None  # why this driver no longer holds it (the heartbeat's or check()'s finding)
 
     # ------------------------------------------------------------------ taking it
     @classmethod
@@ -139,7 +150,9 @@ class RunLock:
 
     @staticmethod
     def _read(path: Path) -> tuple[Optional[dict], Optional[float], str]:
-        """(holder info or None when unreadable, the heartbeat's age in s or None when gone, raw text)."""
+        """(holder info or None when not JSON, the heartbeat's age in s or None when gone, raw
+        text). A read that fails otherwise (NFS ESTALE, EIO) raises its OSError: it says nothing
+        about who holds the lock."""
         try:
             text = path.read_text()
             age = time.time() - path.stat().st_mtime
@@ -198,20 +211,74 @@ class RunLock:
         atexit.register(self._release_at_exit)
 
     def _beat(self) -> None:
+        """Every HEARTBEAT_S seconds: read the lock file (lost when it is gone or names another
+        holder: recorded, and the heartbeat ends) and touch it. A read or touch that fails is
+        logged and tried again at the next beat; the touch is tried even when the read failed,
+        so a flaky volume does not age the heartbeat toward STALE_S."""
+        failures = 0
         while not self._stop.wait(HEARTBEAT_S):
-            holder, _, _ = self._read(self.path)
-            if holder is None or holder.get("token") != self.info["token"]:
-                log.error("the run directory's lock %s is no longer this driver's (taken over by %s): another "
-                          "driver may write into the run directory", self.path,
-                          describe(holder) if holder else "nobody")
+            try:
+                why = self._why_lost()
+            except OSError as e:
+                why, failures = None, failures + 1
+                if failures == 1 or failures % 30 == 0:
+                    log.warning("could not read the run directory's lock %s (%s; %d time(s) in a row): its heartbeat "
+                                "goes on, and the lock counts as held until its file is gone or names another holder",
+                                self.path, e, failures)
+            else:
+                failures = 0
+            if why is not None:
+                self._set_lost(why)
                 return
             try:
                 os.utime(self.path)
-            except OSError:
-                pass
+            except OSError as e:  # gone meanwhile: the next read says so
+                log.warning("could not touch the run directory's lock %s (%s): tried again in %g s", self.path, e,
+                            HEARTBEAT_S)
+
+    def _why_lost(self) -> Optional[str]:
+        """Why this driver no longer holds the lock (its file is gone, or names another holder),
+        or None while the file is this driver's or cannot tell (not JSON: being written?).
+        OSError when the file cannot be read: nothing is known."""
+        holder, age, _ = self._read(self.path)
+        if age is None:
+            return "its lock file is gone (removed by someone else)"
+        if holder is not None and holder.get("token") != self.info["token"]:
+            return f"it is held now by {describe(holder)}"
+        return None
+
+    def _set_lost(self, why: str) -> None:
+        if self.lost is None:
+            self.lost = why
+            log.error("the run directory's lock %s is no longer this driver's: %s. This driver writes nothing more "
+                      "into %s (its next checkpoint or metrics line stops it)", self.path, why, self.path.parent)
+
+    def check(self, *, read: bool = False) -> None:
+        """RunLockLost when this driver has lost the lock: as the heartbeat found it (no I/O),
+        and with `read` by reading the lock file now (before a checkpoint). A read that fails
+        is not a loss (a warning; the heartbeat's finding stands). Call it before writing into
+        the run directory."""
+        if self.lost is None and read:
+            try:
+                why = self._why_lost()
+            except OSError as e:
+                log.warning("could not read the run directory's lock %s before writing (%s): going on", self.path, e)
+            else:
+                if why is not None:
+                    self._set_lost(why)
+        if self.lost is not None:
+            raise RunLockLost(
+                f"this driver lost the run directory's lock {self.path}: {self.lost}. It stopped before writing "
+                f"more into {self.path.parent}: nothing more was written by it (one writer per run directory; the "
+                "lock's holder now owns the run)")
 
     def held(self) -> bool:
-        holder, _, _ = self._read(self.path)
+        """The lock file names this driver now (False also when it cannot be read)."""
+        try:
+            holder, _, _ = self._read(self.path)
+        except OSError as e:
+            log.warning("could not read the run directory's lock %s (%s)", self.path, e)
+            return False
         return holder is not None and holder.get("token") == self.info["token"]
 
     def release(self) -> None:

@@ -7,6 +7,10 @@ that every step appears once; they are moved, not deleted: beside the checkpoint
 the resume abandoned (checkpoints/abandoned/<time>-after-step-N/), or into
 <run_dir>/replaced/<time>-after-step-N/ (a tail past the last checkpoint, which the resumed run
 computes again).
+
+With the run directory's lock (ppo_ray.runlock), every write asks it first: a driver whose
+lock another driver took over stops with RunLockLost before writing its next line (the
+heartbeat's finding, no I/O per step; one read of the lock file when the log opens).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from ppo_ray.atomic import atomic_write_text
 from ppo_ray.logs import format_step
 from ppo_ray.metrics import TrainingMetrics
 from ppo_ray.rundir import REPLACED
+from ppo_ray.runlock import RunLock
 from ppo_ray.stats import StepResult
 from ppo_ray.tracking import Trackers, read_run_file, update_run_file
 
@@ -51,8 +56,9 @@ def new_run_tag() -> str:
 
 class RunLog:
     def __init__(self, metrics: TrainingMetrics, *, run_dir: Optional[Path], metrics_path: Optional[Path],
-                 progress: bool, target: int, adaptive_kl: bool = False):
+                 progress: bool, target: int, adaptive_kl: bool = False, lock: Optional[RunLock] = None):
         self.metrics = metrics
+        self.lock = lock  # the run directory's: asked before every write (RunLockLost once another driver has it)
         self.run_dir = run_dir
         self.metrics_path = Path(metrics_path) if metrics_path else None
         self.samples_path = run_dir / EVAL_SAMPLES if run_dir is not None else None
@@ -64,12 +70,15 @@ class RunLog:
     @classmethod
     def open(cls, metrics: TrainingMetrics, *, run_dir: Optional[Path], metrics_path, progress: bool, target: int,
              step: int, report_to: Sequence[str], config: dict, run_tag: str,
-             adaptive_kl: bool = False, aside: Optional[Path] = None) -> "RunLog":
+             adaptive_kl: bool = False, aside: Optional[Path] = None, lock: Optional[RunLock] = None) -> "RunLog":
         """Truncate the JSONL files to `step` (the steps done; the lines past it go to `aside`,
         the abandoned branch's folder, or a new folder of <run_dir>/replaced/), record this
-        process's run tag in <run_dir>/run.json and open the trackers."""
+        process's run tag in <run_dir>/run.json and open the trackers. `lock`: the run
+        directory's, read once here and asked before every later write."""
+        if lock is not None:
+            lock.check(read=True)
         out = cls(metrics, run_dir=run_dir, metrics_path=metrics_path, progress=progress, target=target,
-                  adaptive_kl=adaptive_kl)
+                  adaptive_kl=adaptive_kl, lock=lock)
         if aside is None:
             base = run_dir or (out.metrics_path.parent if out.metrics_path else Path("."))
             aside = base / REPLACED / f"{time.strftime('%Y%m%d-%H%M%S')}-after-step-{step}-{uuid.uuid4().hex[:4]}"
@@ -83,13 +92,19 @@ class RunLog:
             out.trackers = Trackers.open(run_dir, report_to, config, run_tag, first_step=step + 1)
         return out
 
+    def _check_lock(self) -> None:
+        if self.lock is not None:
+            self.lock.check()
+
     def samples(self, step: int, rows: list[dict]) -> None:
+        self._check_lock()
         if self.samples_path is not None:
             with open(self.samples_path, "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
         self.trackers.log_samples(step, rows)
 
     def step(self, result: StepResult) -> None:
+        self._check_lock()
         self.metrics.record_step(result)
         self.trackers.log_step(result)
         if self.metrics_path:

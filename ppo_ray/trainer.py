@@ -784,6 +784,8 @@ class PPOTrainer:
             behaviour = dict(zip(behaviour, self.supervisor.run(lambda _: self.roles.fetch(list(behaviour.values())),
                                                                 where="checkpoint", step=self.step,
                                                                 recover=self._back_to_committed)))
+        if self._lock is not None:  # one writer per run directory: a driver whose lock was taken over stops here
+            self._lock.check(read=True)
         path = save_checkpoint(self.run_dir, config=self.config, learner_state=learner_state, behaviour=behaviour,
                                model_dir=self.model_dir, keep=self.config.keep_checkpoints, lineage=self.lineage,
                                trainer_state={"step": self.step, "order": order, "data_rng": rng,
@@ -972,7 +974,7 @@ class PPOTrainer:
         runlog = RunLog.open(self.metrics, run_dir=self.run_dir, metrics_path=metrics_path, progress=progress,
                              target=target, step=self.step, report_to=self.config.report_to,
                              config=self.config.to_dict(), run_tag=self.namespace,
-                             adaptive_kl=self.config.kl_target is not None, aside=self._abandoned)
+                             adaptive_kl=self.config.kl_target is not None, aside=self._abandoned, lock=self._lock)
         self._last_checkpoint = time.monotonic()
         self._target = target
         try:

@@ -471,3 +471,24 @@ def test_the_verifiable_task_end_to_end(tmp_path):
     assert [{f: s[f] for f in fields} for s in samples] == [{f: h[f] for f in fields} for h in test]
     assert (out / "samples.md").read_text() == (run_dir / "samples.md").read_text()
     assert snapshot(run_dir) == run_files
+
+    # The same run resumed with other evaluation settings (fewer problems, fewer samples each):
+    # nothing more to train, and the SFT policy is evaluated again with them (its old evaluation
+    # moved aside), so the report pairs the same 4 problems with k = 2 on both sides. Before, the
+    # smaller eval_k failed at the very end (pass@2 of 4 samples), and the stage was never marked
+    # done; a smaller eval_size alone compared 8 SFT problems with 4 RL ones, silently.
+    proc = _launch(["--run_dir", run_dir, "--resume", "auto", "--eval_size", "4", "--eval_k", "2"], tmp_path)
+    assert "the SFT policy is evaluated again" in proc.stderr and "eval_k: 4 -> 2" in proc.stderr
+    resumed = json.loads((run_dir / "report.json").read_text())
+    assert "report_errors" not in resumed and resumed["rl_steps"] == 2
+    assert resumed["eval_prompts"] == 4 and resumed["eval_k"] == 2
+    settings = json.loads((run_dir / "eval-before-ppo.json").read_text())["settings"]
+    assert (settings["eval_size"], settings["eval_k"]) == (4, 2)
+    assert list((run_dir / "replaced").glob("*-eval-settings-changed-*/eval-before-ppo.json"))
+    held = [json.loads(x) for x in (run_dir / "held_out.jsonl").read_text().splitlines()]
+    for split in ("test", "val"):
+        rows = [h for h in held if h["split"] == split]
+        assert len(rows) == 4 and all(len(h["sft_samples"]) == len(h["rl_samples"]) == 2 for h in rows)
+        for who in ("sft", "rl"):
+            right = [sum(is_right(h["prompt"], s) for s in h[f"{who}_samples"]) for h in rows]
+            assert resumed[f"pass2_{split}_{who}"] == sum(pass_at_k(2, c, 2) for c in right) / 4, (split, who)

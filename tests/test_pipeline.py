@@ -51,24 +51,137 @@ def test_ppo_config_points_the_stage_at_the_runs_sft_and_rm(tmp_path):
     assert ppo_config(PPOConfig(value_model_name="rm"), run, data).value_model_name == str(run / "rm")
 
 
-def test_the_before_training_evaluation_is_computed_once_and_kept(tmp_path):
+def bundled_eval(task: str, run_dir, **overrides):
+    """(config, settings, test rows) of the PPO stage's held-out evaluation on a small bundled
+    preset (tldr-tiny, arith-tiny), its data written into run_dir/data as the SFT stage does."""
+    from ppo_ray.config import PPOConfig
+    from ppo_ray.data import read_rows
+    from ppo_ray.tasks.pipeline import eval_settings, write_data
+
+    config = PPOConfig.from_yaml(f"{task}-tiny", **overrides)
+    data_dir = write_data(config, run_dir)
+    rows = {split: read_rows(data_dir / f"prompts_{split}.jsonl")[: config.eval_size] for split in ("test", "validation")}
+    task_fields = {"eval_k": config.eval_k} if task == "arith" else {}
+    settings = eval_settings(config, {split: (f"data/prompts_{split}.jsonl", r) for split, r in rows.items()},
+                             **task_fields)
+    return config, settings, rows["test"]
+
+
+@pytest.mark.parametrize("task", ["tldr", "arith"])
+def test_the_before_training_evaluation_is_kept_with_its_settings_and_redone_when_they_change(tmp_path, caplog,
+                                                                                              task):
+    """eval-before-ppo.json (the SFT policy's held-out evaluation) is paired with the trained
+    policy's only when it was computed with the same settings: a resume with another eval_size
+    or eval_k (arith), or other held-out rows, evaluates the SFT policy again (at version 0: before
+    the restore) and moves the old file aside; the warning names each changed setting."""
     from types import SimpleNamespace
 
     from ppo_ray.tasks.pipeline import BEFORE_EVAL, before_training
 
+    run = tmp_path / "run"
     calls = []
 
     def evaluate():
         calls.append(1)
-        return {"gold": [0.5]}
+        return {"texts": ["x"] * len(calls)}
 
-    assert before_training(SimpleNamespace(version=0), tmp_path, evaluate) == {"gold": [0.5]}
-    # a resumed run reads the kept numbers, whatever its version
-    assert before_training(SimpleNamespace(version=3), tmp_path, evaluate) == {"gold": [0.5]} and len(calls) == 1
-    (tmp_path / BEFORE_EVAL).unlink()
-    with pytest.raises(FileNotFoundError, match="a resumed policy cannot recompute it"):
-        before_training(SimpleNamespace(version=3), tmp_path, evaluate)
+    _, settings, _ = bundled_eval(task, run)
+    assert before_training(SimpleNamespace(version=0), run, settings, evaluate) == {"texts": ["x"]}
+    kept = json.loads((run / BEFORE_EVAL).read_text())
+    assert kept["settings"] == settings and kept["settings"]["eval_size"] == 200
+    assert list(kept["settings"]["splits"]) == ["test", "validation"]
+    # the same settings: the kept numbers, whatever the version (a resumed run)
+    assert before_training(SimpleNamespace(version=3), run, settings, evaluate) == {"texts": ["x"]}
     assert len(calls) == 1
+
+    changes = {"eval_size": 50, **({"eval_k": 4} if task == "arith" else {})}
+    _, other, _ = bundled_eval(task, tmp_path / "other", **changes)
+    with pytest.raises(RuntimeError, match="adapter version 0"):  # a restored trainer cannot redo it
+        before_training(SimpleNamespace(version=3), run, other, evaluate)
+    assert len(calls) == 1
+    with caplog.at_level("WARNING"):
+        assert before_training(SimpleNamespace(version=0), run, other, evaluate) == {"texts": ["x", "x"]}
+    assert "eval_size: 200 -> 50" in caplog.text and "splits.test.prompts: 200 -> 50" in caplog.text
+    assert ("eval_k: 8 -> 4" in caplog.text) == (task == "arith")
+    assert json.loads((run / BEFORE_EVAL).read_text())["settings"]["eval_size"] == 50
+    [aside] = (run / "replaced").glob(f"*-eval-settings-changed-*/{BEFORE_EVAL}")
+    assert json.loads(aside.read_text()) == kept  # moved, never deleted
+
+    # a file of an older version (no settings recorded): evaluated again too
+    (run / BEFORE_EVAL).write_text(json.dumps({"texts": ["old"]}))
+    assert before_training(SimpleNamespace(version=0), run, other, evaluate) == {"texts": ["x"] * 3}
+
+
+def test_the_settings_name_the_held_out_rows_they_were_computed_on(tmp_path):
+    """Other rows under the same eval_size (data written for another seed) change the digest."""
+    from ppo_ray.tasks.pipeline import settings_changes
+
+    _, a, _ = bundled_eval("arith", tmp_path / "a")
+    _, b, _ = bundled_eval("arith", tmp_path / "b", seed=1)
+    changed = [c.split(":")[0] for c in settings_changes(a, b)]
+    assert changed == ["seed", "splits.test.sha256", "splits.validation.sha256"]
+    assert settings_changes(a, a) == []
+
+
+def _metrics(run_dir):
+    path = run_dir / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "kl": 0.1 * s, "reward_mean": 0.5}) + "\n" for s in (1, 2)))
+    return path
+
+
+def test_a_tldr_report_that_cannot_pair_its_evaluations_says_so_and_writes_the_rest(tmp_path, caplog):
+    """SFT numbers on 4 posts, PPO's on 2 (what a resume with a smaller eval_size used to pair):
+    no traceback at the end of the stage; the error is logged and named in the report, and what
+    can be computed is written."""
+    from ppo_ray.tasks.pipeline import tldr_report
+    from ppo_ray.tasks.tldr_synth import gold_score
+
+    run = tmp_path / "run"
+    _, _, rows = bundled_eval("tldr", run)
+
+    def evaluation(n: int) -> dict:
+        texts = [row["summary"] for row in rows[:n]]
+        return {"texts": texts, "stops": [True] * n, "gold": [gold_score(r, t, True) for r, t in zip(rows, texts)]}
+
+    sft, ppo = {**evaluation(4), "val": evaluation(4)}, evaluation(2)
+    with caplog.at_level("ERROR"):
+        report = tldr_report(run, _metrics(run), rows[:2], rows[:2], sft, ppo, evaluation(2))
+    assert set(report["report_errors"]) == {"test split's gold numbers", "validation split's gold numbers",
+                                            "held_out.jsonl"}
+    assert "win_rate needs equal non-zero lengths" in report["report_errors"]["test split's gold numbers"]
+    assert "could not be computed" in caplog.text
+    assert report["final_kl"] == 0.2 and report["ppo_steps"] == 2 and report["eval_prompts"] == 2
+    assert (run / "curves.png").is_file() and (run / "samples.md").is_file()
+    # paired evaluations: the full report, no errors
+    report = tldr_report(run, _metrics(run), rows[:2], rows[:2], {**evaluation(2), "val": evaluation(2)}, ppo,
+                         evaluation(2))
+    assert "report_errors" not in report and report["win_rate_ppo_vs_sft"] == 0.5
+
+
+@pytest.mark.parametrize("sft_problems, sft_k, error", [
+    (4, 4, "of 4 and 2 problems"),  # a smaller eval_size: used to be compared silently
+    (2, 8, "pass@4 needs 4 samples per problem"),  # a smaller eval_k: used to fail at the end
+    (2, 2, "pass@4 needs 4 samples per problem"),  # a larger one: used to give a wrong pass@k, silently
+])
+def test_an_arith_report_refuses_unpaired_evaluations_and_writes_the_rest(tmp_path, sft_problems, sft_k, error):
+    from ppo_ray.tasks.pipeline import arith_report
+
+    run = tmp_path / "run"
+    _, _, rows = bundled_eval("arith", run)
+
+    def evaluation(n: int, k: int) -> dict:
+        right = [str(r["answer"]) for r in rows[:n]]
+        return {"greedy": right, "greedy_right": [True] * n, "samples": [right[i:i + 1] * k for i in range(n)],
+                "right": [k] * n}
+
+    sft = {**evaluation(sft_problems, sft_k), "val": evaluation(sft_problems, sft_k)}
+    report = arith_report(run, _metrics(run), 4, rows[:2], rows[:2], sft, evaluation(2, 4), evaluation(2, 4))
+    assert set(report["report_errors"]) >= {"test split's pass rates", "validation split's pass rates"}
+    assert error in report["report_errors"]["test split's pass rates"]
+    assert report["rl_steps"] == 2 and report["eval_k"] == 4 and (run / "curves.png").is_file()
+    report = arith_report(run, _metrics(run), 4, rows[:2], rows[:2], {**evaluation(2, 4), "val": evaluation(2, 4)},
+                          evaluation(2, 4), evaluation(2, 4))
+    assert "report_errors" not in report and report["pass4_test_sft"] == report["pass4_test_rl"] == 1.0
 
 
 def test_read_metrics_skips_blank_lines(tmp_path):

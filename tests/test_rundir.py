@@ -173,6 +173,29 @@ def test_the_report_page_moves_aside_with_the_report_and_a_fresh_run_refuses_it(
         launch.plan_run_dir(run, "all", ("sft", "rm", "ppo"), None, overwrite=False)
 
 
+@pytest.mark.parametrize("stage, stages", [("ppo", ("ppo",)), ("sft", ("sft",)), ("all", ("sft", "rm", "ppo"))])
+def test_overwrite_moves_the_old_runs_evaluations_aside(tmp_path, stage, stages):
+    """`launch.py eval` writes into RUN_DIR/eval/<time>/ (its default --out): evaluations of the
+    run's checkpoints. --overwrite of PPO, or of a stage PPO is built on, moves eval/ aside with
+    the checkpoints it evaluated (an old run's numbers never sit in the new run), and a fresh PPO
+    stage refuses a directory that holds one."""
+    from ppo_ray.tasks.evaluate import EVAL_DIR
+
+    run = tmp_path / "run"
+    (run / EVAL_DIR / "20261201-100000").mkdir(parents=True)
+    (run / EVAL_DIR / "20261201-100000" / "eval.json").write_text('{"step": 2}')
+    (run / "metrics.jsonl").write_text('{"step": 2}\n')
+    assert held_outputs(run, ["ppo"]) == ["metrics.jsonl", EVAL_DIR]
+    launch.plan_run_dir(run, stage, stages, None, overwrite=True)
+    assert not (run / EVAL_DIR).exists() and held_outputs(run, ["all"]) == []
+    [moved] = (run / "replaced").iterdir()
+    assert (moved / EVAL_DIR / "20261201-100000" / "eval.json").read_text() == '{"step": 2}'
+    (run / EVAL_DIR).mkdir()
+    (run / EVAL_DIR / "eval.json").write_text("{}")
+    with pytest.raises(RunDirError, match=EVAL_DIR):
+        launch.plan_run_dir(run, "ppo", ("ppo",), None, overwrite=False)
+
+
 def test_resume_auto_continues_what_the_run_directory_holds(tmp_path, learner_state):
     run = tmp_path / "run"
     all_stages = ("sft", "rm", "ppo")

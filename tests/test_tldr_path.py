@@ -206,6 +206,58 @@ def test_bad_comparison_row_and_bad_json_are_errors_not_tracebacks(data, tiny_mo
     assert not (run_dir / "rm").exists()
 
 
+# --------------------------------------------------------------------------- launch.py eval's plan
+
+
+def real_run(data: Path, tiny_model_dir: Path, run_dir: Path, evaluated: bool) -> tuple[Path, list[str]]:
+    """A real-path run directory as `launch.py eval` reads it: sft/ (the embedded model's files),
+    a checkpoint of the PPO stage's config (the preset on the local files) from a real learner's
+    state, and, when `evaluated`, eval-before-ppo.json as the PPO stage keeps it (run_ppo_real's
+    held-out prompts and settings; the SFT policy's texts stand in). Returns it and the held-out
+    prompts its PPO stage evaluates on."""
+    import torch
+
+    from learner.learner import Learner
+    from ppo_ray.checkpoint import save_checkpoint
+    from ppo_ray.config import parse_overrides
+    from ppo_ray.modeling import load_tokenizer
+    from ppo_ray.tasks import pipeline
+
+    shutil.copytree(tiny_model_dir, run_dir / "sft")
+    config = parse_overrides(tiny_args(data, value_model_name="null"))[0]
+    cfg = pipeline.ppo_config(config, run_dir, run_dir / "data")
+    save_checkpoint(run_dir, config=cfg, learner_state=Learner(cfg, str(run_dir / "sft")).state_dict(),
+                    model_dir=str(run_dir / "sft"),
+                    trainer_state={"step": 1, "order": [], "data_rng": torch.Generator().get_state()})
+    held_out, settings = pipeline.real_held_out(config, cfg, load_tokenizer(cfg.model_name))
+    if evaluated:
+        from types import SimpleNamespace
+
+        pipeline.before_training(SimpleNamespace(version=0), run_dir, settings,
+                                 lambda: {"texts": [""] * len(held_out)})
+    return run_dir, held_out
+
+
+@pytest.mark.parametrize("evaluated", [True, False])
+def test_eval_defaults_to_the_split_the_ppo_stage_evaluated_on(data, tiny_model_dir, tmp_path, evaluated):
+    """The real path's PPO stage samples its held-out prompts from eval_split (the preset's
+    `validation`); `launch.py eval RUN_DIR` takes the same prompts by default: the split its
+    eval-before-ppo.json records, or (a run of an older version, no record) the stage's
+    eval_split. It used to default to `test`, a split the run never evaluated on (the local
+    files here have none)."""
+    from ppo_ray.tasks.evaluate import plan
+
+    run_dir, held_out = real_run(data, tiny_model_dir, tmp_path / "run", evaluated)
+    p = plan([str(run_dir), "--out", str(tmp_path / "out")])
+    assert p.kind == "reward" and p.source == f"validation split of {data / 'sft'}" and p.tag == "val"
+    assert [row["prompt"] for row in p.rows] == held_out and len(held_out) == 8  # validation.parquet's rows
+    if evaluated:
+        from ppo_ray.tasks.pipeline import BEFORE_EVAL
+
+        recorded = json.loads((run_dir / BEFORE_EVAL).read_text())["settings"]["splits"]
+        assert list(recorded) == ["validation"] and recorded["validation"]["prompts"] == len(held_out)
+
+
 # --------------------------------------------------------------------------- PPO (slow: Ray + vLLM)
 
 
@@ -226,11 +278,11 @@ def test_all_stages_on_local_tldr_files_report_rm_score_and_kl(data, tiny_model_
     for name in ("samples.md", "curves.png", "adapter/adapter_model.safetensors"):
         assert (run_dir / name).is_file(), name
 
-    # `launch.py eval` on the held-out split the PPO stage sampled (eval_split: validation):
-    # the same samples (the SFT policy's as kept in eval-before-ppo.json, both in samples.md),
-    # and the reward model's mean score of each policy's
+    # `launch.py eval` on the held-out split the PPO stage sampled (eval_split: validation), its
+    # default: the same samples (the SFT policy's as kept in eval-before-ppo.json, both in
+    # samples.md), and the reward model's mean score of each policy's
     out = tmp_path / "eval"
-    proc = run_launch(["eval", str(run_dir), "--split", "validation", "--out", str(out)], cwd=tmp_path, timeout=900)
+    proc = run_launch(["eval", str(run_dir), "--out", str(out)], cwd=tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ev = json.loads((out / "eval.json").read_text())
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]

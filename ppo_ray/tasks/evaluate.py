@@ -1,7 +1,7 @@
 """`launch.py eval RUN_DIR`: evaluate a finished run (or one of its checkpoints) the way its PPO
 stage did, with the same functions (ppo_ray.tasks.evaluation) and the same sampling seeds.
 
-    python launch.py eval runs/x                               # the test split, newest checkpoint
+    python launch.py eval runs/x                               # the run's held-out split, newest checkpoint
     python launch.py eval runs/x --checkpoint runs/x/checkpoints/step-000050 --split validation
     python launch.py eval runs/x --prompts mine.jsonl --out evals/mine
 
@@ -10,7 +10,9 @@ resumed_config, plus any --<field> option). A fresh trainer's policy is the SFT 
 B = 0), so a run with an SFT stage gets the SFT policy evaluated first; then the checkpoint
 is restored (trainer.restore) and the trained policy evaluated on the same prompts with the
 same seeds. On the run's held-out split (the first eval_size rows, as the PPO stage took
-them) the numbers equal report.json's, key for key.
+them) the numbers equal report.json's, key for key. Without --split, that is the split the
+run's PPO stage evaluated on (recorded in its eval-before-ppo.json: test for the bundled
+tasks, the config's eval_split on the real path).
 
 Written into --out (default RUN_DIR/eval/<time>/; never an existing non-empty folder, so never
 over the run's own files): eval.json (the task's numbers; which were skipped and why),
@@ -30,13 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from ppo_ray.rundir import EVAL_DIR  # RUN_DIR/eval/<time>/: the default --out (moved aside with the run's outputs)
+
 log = logging.getLogger("ppo_ray.eval")
 
 USAGE = ("python launch.py eval RUN_DIR [--checkpoint CKPT] [--split test|validation] [--prompts FILE.jsonl] "
          "[--out DIR] [--<field> VALUE ...]")
 SPLITS = {"test": "test", "validation": "val"}  # --split -> the report's key tag (report.json: *_test_*, *_val_*)
 DEFAULT_SPLIT = "test"
-EVAL_DIR = "eval"  # RUN_DIR/eval/<time>/: the default --out
 
 
 class EvalError(ValueError):
@@ -71,8 +74,9 @@ def build_parser():
     parser.add_argument("--checkpoint", metavar="CKPT",
                         help="a checkpoint of RUN_DIR (checkpoints/step-N; default: the run's newest intact one)")
     parser.add_argument("--split", metavar="test|validation",
-                        help=f"the task's held-out split (its first eval_size rows, as the PPO stage; default "
-                             f"{DEFAULT_SPLIT})")
+                        help="the task's held-out split (its first eval_size rows, as the PPO stage; default: the one "
+                             f"the run's PPO stage evaluated on, {DEFAULT_SPLIT} for the bundled tasks, eval_split on "
+                             "the real path)")
     parser.add_argument("--prompts", metavar="FILE.jsonl",
                         help="prompts to evaluate instead: a `prompt` column, and the task's columns for its "
                              "metrics (arith: `answer`; the bundled TL;DR task: `facts`, and `summary` for the "
@@ -104,9 +108,6 @@ def plan(argv: list[str]) -> Optional[Plan]:
         raise EvalError(f"run directory {run_dir}: {'not a directory' if run_dir.exists() else 'no such directory'}")
     if options.split is not None and options.prompts is not None:
         raise EvalError("--split and --prompts: give one of them (a split of the run's task, or a prompts file)")
-    split = options.split or DEFAULT_SPLIT
-    if split not in SPLITS:
-        raise EvalError(f"unknown split {split!r}; splits: {', '.join(SPLITS)}")
 
     try:  # the newest intact checkpoint of the run, or the one named (CheckpointError naming it)
         checkpoint = resolve_checkpoint(options.checkpoint or run_dir)
@@ -133,21 +134,23 @@ def plan(argv: list[str]) -> Optional[Plan]:
     if options.prompts is not None:
         rows = prompts_file_rows(Path(options.prompts), cfg, tok)
         source, tag = str(options.prompts), "prompts"
-    elif pipeline_task:
-        path = run_dir / "data" / f"prompts_{split}.jsonl"
-        from ppo_ray.data import read_rows
-
-        rows = read_rows(path)[: cfg.eval_size]  # the PPO stage's held-out rows
-        source, tag = f"{split} split ({path}, first {len(rows)} rows)", SPLITS[split]
-    elif has_sft:  # the real path: the named dataset's split, as run_ppo_real reads its held-out queries
-        from ppo_ray.tasks.pipeline import real_prompts
-
-        rows = [{"prompt": p} for p in real_prompts(cfg.replace(eval_split=split), tok, "eval",
-                                                     max_rows=cfg.eval_size)]
-        source, tag = f"{split} split of {cfg.sft_dataset}", SPLITS[split]
-    else:
+    elif not has_sft:
         raise EvalError(f"{run_dir} is a PPO run on {cfg.dataset!r} without a task's held-out split: give --prompts "
                         "FILE.jsonl")
+    else:
+        split, tag = held_out_split(options.split, run_dir, cfg, real=not pipeline_task)
+        if pipeline_task:
+            from ppo_ray.data import read_rows
+
+            path = run_dir / "data" / f"prompts_{split}.jsonl"
+            rows = read_rows(path)[: cfg.eval_size]  # the PPO stage's held-out rows
+            source = f"{split} split ({path}, first {len(rows)} rows)"
+        else:  # the real path: the named dataset's split, as run_ppo_real reads its held-out queries
+            from ppo_ray.tasks.pipeline import real_prompts
+
+            rows = [{"prompt": p} for p in real_prompts(cfg.replace(eval_split=split), tok, "eval",
+                                                         max_rows=cfg.eval_size)]
+            source = f"{split} split of {cfg.sft_dataset}"
     if not rows:
         raise EvalError(f"{source}: no rows")
 
@@ -176,6 +179,21 @@ def plan(argv: list[str]) -> Optional[Plan]:
         check_ray_address(os.environ["RAY_ADDRESS"])
     return Plan(run_dir=run_dir, checkpoint=checkpoint, config=cfg, kind=kind, has_sft=has_sft, score=score,
                 rows=rows, source=source, tag=tag, out=out, skipped=skipped)
+
+
+def held_out_split(asked: Optional[str], run_dir: Path, cfg, real: bool) -> tuple[str, str]:
+    """(split, the numbers' key tag) of a held-out evaluation. The default: the first split the
+    run's PPO stage evaluated on, as its eval-before-ppo.json records it (the bundled tasks: test;
+    the real path: its eval_split), else (a run of an older version) the real path's eval_split
+    or test. On the real path the split names are its dataset's: the recorded ones are valid too."""
+    from ppo_ray.tasks.pipeline import recorded_splits
+
+    recorded = recorded_splits(run_dir)
+    split = asked or (recorded[0] if recorded else cfg.eval_split if real else DEFAULT_SPLIT)
+    known = {**SPLITS, **({name: SPLITS.get(name, name) for name in recorded} if real else {})}
+    if split not in known:
+        raise EvalError(f"unknown split {split!r}; splits: {', '.join(known)}")
+    return split, known[split]
 
 
 def prompts_file_rows(path: Path, cfg, tok) -> list[dict]:

@@ -155,10 +155,14 @@ def solve(trainer, rows: Sequence[dict], k: int, *, sampled: bool = True, label:
 
 
 def arith_rates(res: dict, k: int) -> dict:
-    """pass1 (greedy), pass<k> and sample_accuracy of one policy's `solve`."""
+    """pass1 (greedy), pass<k> and sample_accuracy of one policy's `solve`, which must hold k
+    samples per problem (ValueError otherwise: an evaluation of another eval_k)."""
     from ppo_ray.tasks.arith import pass_at_k
 
     out = {"pass1": mean([float(r) for r in res["greedy_right"]])}
+    if "samples" in res and any(len(samples) != k for samples in res["samples"]):
+        n = sorted({len(samples) for samples in res["samples"]})
+        raise ValueError(f"pass@{k} needs {k} samples per problem (eval_k={k}); the evaluation has {n}")
     if "right" in res:
         out[f"pass{k}"] = mean([pass_at_k(k, c, k) for c in res["right"]])
         out["sample_accuracy"] = mean([c / k for c in res["right"]])
@@ -166,7 +170,11 @@ def arith_rates(res: dict, k: int) -> dict:
 
 
 def arith_numbers(tag: str, k: int, after: dict, before: Optional[dict] = None) -> dict:
-    """<rate>_<tag>_sft and <rate>_<tag>_rl, keys as in report.json (SFT's first)."""
+    """<rate>_<tag>_sft and <rate>_<tag>_rl, keys as in report.json (SFT's first); the two
+    evaluations must be of the same problems (ValueError naming the counts)."""
+    if before is not None and len(before["greedy_right"]) != len(after["greedy_right"]):
+        raise ValueError(f"the SFT and RL evaluations of split {tag!r} are of {len(before['greedy_right'])} and "
+                         f"{len(after['greedy_right'])} problems: paired rates need the same problems")
     pairs = ([("sft", before)] if before is not None else []) + [("rl", after)]
     return {f"{name}_{tag}_{who}": value for who, res in pairs for name, value in arith_rates(res, k).items()}
 

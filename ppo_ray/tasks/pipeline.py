@@ -8,10 +8,13 @@ pass@k (ppo_ray.tasks.arith; the run directory has no rm/, and report.json the p
       sft/                 the SFT checkpoint (policy start and frozen reference)
       rm/                  the reward model (and the value model's initialisation)
       metrics.jsonl        one line per PPO step (+ gold evaluations every eval_every steps)
+      eval-before-ppo.json the SFT policy's held-out evaluation and the settings it was computed with
+                           (a resume with other ones evaluates it again: before_training)
       adapter/             the final policy LoRA (PEFT format)
       curves.png           reward, KL, gold score and losses over steps
       samples.md           before/after summaries of held-out prompts
-      report.json          the summary printed at the end
+      report.json          the summary printed at the end (report_errors: a part that could not be
+                           computed, said instead of a traceback: report_part)
       report.html          all of it on one page (launch.py, ppo_ray.tasks.report_page)
 
 The gold judge (ppo_ray.tasks.tldr_synth) is used only here, to evaluate: SFT learns from the
@@ -26,13 +29,14 @@ and the KL to SFT, and samples.md holds held-out summaries to read.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import re
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator, NamedTuple, Optional
+from typing import Any, BinaryIO, Callable, Iterator, NamedTuple, Optional
 
 from ppo_ray.atomic import atomic_write_text
 from ppo_ray.config import PPOConfig
@@ -254,45 +258,144 @@ def ppo_config(config: PPOConfig, run_dir: Path, data_dir: Path) -> PPOConfig:
 
 
 @contextmanager
-def ppo_trainer(cfg: PPOConfig, run_dir: Path, resume: Optional[str | Path] = None) -> Iterator:
-    """A PPOTrainer for a PPO stage in `run_dir`: fresh (the run directory must hold no PPO
-    run: RunDirError before any actor starts) or resumed from a checkpoint (`resume`: a run
-    directory or a checkpoint). Shut down on exit, whatever happens."""
+def ppo_trainer(cfg: PPOConfig, run_dir: Path, resume: Optional[str | Path] = None,
+                before: Optional["BeforeEval"] = None) -> Iterator[tuple]:
+    """(trainer, the SFT policy's evaluation or None) for a PPO stage in `run_dir`: fresh (the
+    run directory must hold no PPO run: RunDirError before any actor starts) or resumed from a
+    checkpoint (`resume`: a run directory or a checkpoint; its config is checked against `cfg`
+    before any actor starts). `before`: the SFT policy's held-out evaluation (before_training),
+    on the fresh trainer (the SFT policy, adapter version 0) and so before the restore: a
+    resume whose evaluation settings changed evaluates the SFT policy again. Shut down on exit,
+    whatever happens."""
+    from ppo_ray.checkpoint import check_compatible, resolve_checkpoint, resumed_config
     from ppo_ray.rundir import check_fresh
     from ppo_ray.trainer import PPOTrainer
 
     if resume is None:
         check_fresh(run_dir, "ppo")
+    else:  # restore() checks it too; here a refused resume costs no evaluation
+        ckpt = resolve_checkpoint(resume)
+        check_compatible(resumed_config(ckpt, run_dir), cfg, ckpt)
     trainer = PPOTrainer(cfg, run_dir=run_dir)  # a failure to start leaves the old run's files alone
     ended = False
     try:
+        sft = before_training(trainer, run_dir, before.settings, lambda: before.evaluate(trainer)) if before else None
         if resume is not None:
             trainer.restore(resume)
-        yield trainer
+        yield trainer, sft
         ended = True
     finally:
         trainer.shutdown(graceful=ended)  # an error or an interrupt: the actors are killed at once
 
 
 BEFORE_EVAL = "eval-before-ppo.json"
+# The config fields that shape a held-out evaluation besides its prompts (eval_settings): how many
+# prompts, how they are encoded, how they are sampled and with which seeds.
+EVAL_FIELDS = ("eval_size", "seed", "temperature", "top_k", "top_p", "max_new_tokens", "max_prompt_length",
+               "prompt_truncation", "apply_chat_template")
 
 
-def before_training(trainer, run_dir: Path, evaluate: Callable[[], dict]) -> dict:
-    """The SFT policy's held-out evaluation, computed at adapter version 0 and kept in the run
-    directory, so a resumed run compares against the same numbers."""
+class BeforeEval(NamedTuple):
+    settings: dict  # eval_settings(): what the evaluation depends on, kept with it
+    evaluate: Callable  # evaluate(trainer) -> the SFT policy's evaluation (a dict of per-prompt lists)
+
+
+def eval_settings(cfg: PPOConfig, splits: dict[str, tuple[str, list]], **task) -> dict:
+    """What the PPO stage's held-out evaluations depend on, so that two are paired only when
+    they agree (before_training): the stage config's EVAL_FIELDS, the task's own (`task`, e.g.
+    arith's eval_k), and per split, named as `launch.py eval --split` names it, where its
+    prompts come from (`source`), how many and the sha256 of the rows (or prompts) evaluated."""
+    def digest(items: list) -> str:
+        return hashlib.sha256(json.dumps(items, sort_keys=True).encode()).hexdigest()
+
+    return {**{name: getattr(cfg, name) for name in EVAL_FIELDS}, **task,
+            "splits": {split: {"source": source, "prompts": len(items), "sha256": digest(items)}
+                       for split, (source, items) in splits.items()}}
+
+
+def settings_changes(kept: Optional[dict], now: dict) -> list[str]:
+    """Each setting (dotted: splits.test.sha256) in which `now` differs from `kept`, as
+    "name: kept -> now"; one entry when `kept` is None (none recorded)."""
+    if kept is None:
+        return ["no settings recorded (a file of an older version, or unreadable)"]
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    def show(k: str, d: dict) -> str:
+        v = d.get(k, "(none)")
+        return f"{v[:12]}..." if k.endswith("sha256") and isinstance(v, str) else repr(v)
+
+    a, b = flat(kept), flat(now)
+    return [f"{k}: {show(k, a)} -> {show(k, b)}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def before_training(trainer, run_dir: Path, settings: dict, evaluate: Callable[[], dict]) -> dict:
+    """The SFT policy's held-out evaluation, kept in the run directory with the settings that
+    shaped it (eval_settings), so a resumed run compares against the same numbers. One kept
+    with other settings (a resume with another eval_size or eval_k, other held-out data) is
+    never paired with this run's evaluation: it moves to <run_dir>/replaced/ and the SFT policy
+    is evaluated again, which needs the SFT policy (adapter version 0: ppo_trainer calls this
+    before it restores a checkpoint)."""
+    from ppo_ray.rundir import move_aside
+
     path = run_dir / BEFORE_EVAL
     if path.exists():
-        return json.loads(path.read_text())
+        try:
+            kept = json.loads(path.read_text())
+        except ValueError:
+            kept = None
+        kept = kept if isinstance(kept, dict) else {}  # unreadable: no settings recorded
+        changes = settings_changes(kept.get("settings"), settings)
+        if not changes:
+            return {k: v for k, v in kept.items() if k != "settings"}
+        log.warning("%s (the SFT policy's held-out evaluation) was computed with other settings than this run's "
+                    "(%s): it is not paired with this run's evaluation; the SFT policy is evaluated again",
+                    path, "; ".join(changes))
+        move_aside(run_dir, [BEFORE_EVAL], why="eval-settings-changed")
     if trainer.version != 0:
-        raise FileNotFoundError(f"{path} (the SFT policy's evaluation, written before PPO's first step) is "
-                                "missing, and a resumed policy cannot recompute it")
+        raise RuntimeError(f"{path}: the SFT policy's evaluation needs the trainer at adapter version 0, not "
+                           f"{trainer.version} (evaluate it before restoring a checkpoint: ppo_trainer)")
     out = evaluate()
-    atomic_write_text(path, json.dumps(out))
+    atomic_write_text(path, json.dumps({**out, "settings": settings}))
     return out
+
+
+def recorded_splits(run_dir: Path) -> list[str]:
+    """The held-out splits the run's PPO stage evaluated on, as eval-before-ppo.json records
+    them (`launch.py eval --split` names); [] when it records none (no PPO stage yet, or a
+    file of an older version)."""
+    try:
+        kept = json.loads((run_dir / BEFORE_EVAL).read_text())
+    except (OSError, ValueError):
+        return []
+    return list(((kept.get("settings") or {}).get("splits") or {}))
+
+
+def report_part(errors: dict, name: str, compute: Callable[[], Any]) -> Any:
+    """compute() of one part of a stage's report (numbers, or a file written), or None when it
+    fails: the error is logged naming the part and kept in `errors` (report.json's
+    report_errors), and the report keeps what the other parts computed: a report's number
+    never costs the trained run (its samples are kept to compute it again)."""
+    try:
+        return compute()
+    except Exception as e:  # noqa: BLE001 - any failure of one part is said, the others still run
+        log.error("the report's %s could not be computed: %s: %s", name, type(e).__name__, e)
+        errors[name] = f"{type(e).__name__}: {e}"
+        return None
 
 
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _source(path: Path, run_dir: Path) -> str:
+    """A data file's name in the settings: relative to the run directory when inside it (a moved
+    run directory evaluates the same files)."""
+    return str(path.relative_to(run_dir)) if path.is_relative_to(run_dir) else str(path)
 
 
 def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[str | Path] = None,
@@ -304,11 +407,12 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
     if config.task == "arith":
         return run_rl_arith(config, run_dir, data_dir, resume, cfg)
     from ppo_ray.data import load_prompts
-    from ppo_ray.tasks.evaluation import judge, tldr_numbers
+    from ppo_ray.tasks.evaluation import judge
 
     cfg = cfg or ppo_config(config, run_dir, data_dir)
-    test_rows = read_rows(data_dir / "prompts_test.jsonl")[: cfg.eval_size]
-    val_rows = read_rows(data_dir / "prompts_validation.jsonl")[: cfg.eval_size]
+    test_path, val_path = data_dir / "prompts_test.jsonl", data_dir / "prompts_validation.jsonl"
+    test_rows = read_rows(test_path)[: cfg.eval_size]
+    val_rows = read_rows(val_path)[: cfg.eval_size]
 
     def evaluate(trainer, step: int) -> dict:
         return {"gold_val": _mean(judge(trainer, val_rows)["gold"])}
@@ -317,20 +421,31 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
     from ppo_ray.modeling import load_tokenizer
 
     prompts = load_prompts(cfg, load_tokenizer(cfg.model_name))  # every prompt checked before actors start
-    with ppo_trainer(cfg, run_dir, resume) as trainer:
-        # the SFT policy itself, on the test prompts and (for any selection) the validation prompts
-        sft = before_training(trainer, run_dir, lambda: {**judge(trainer, test_rows), "val": judge(trainer, val_rows)})
+    # the SFT policy itself, on the test prompts and (for any selection) the validation prompts
+    before = BeforeEval(eval_settings(cfg, {"test": (_source(test_path, run_dir), test_rows),
+                                            "validation": (_source(val_path, run_dir), val_rows)}),
+                        lambda trainer: {**judge(trainer, test_rows), "val": judge(trainer, val_rows)})
+    with ppo_trainer(cfg, run_dir, resume, before) as (trainer, sft):
         trainer.train(prompts, metrics_path=metrics, evaluate=evaluate, eval_prompts=[r["prompt"] for r in val_rows])
         ppo = judge(trainer, test_rows)  # same sampling seeds as the SFT evaluation
         ppo_val = judge(trainer, val_rows)
         trainer.save_adapter(run_dir / "adapter")
+    return tldr_report(run_dir, metrics, test_rows, val_rows, sft, ppo, ppo_val)
+
+
+def tldr_report(run_dir: Path, metrics: Path, test_rows: list[dict], val_rows: list[dict], sft: dict, ppo: dict,
+                ppo_val: dict) -> dict:
+    """report.json's numbers of the bundled TL;DR task, and the files behind them (held_out.jsonl,
+    samples.md, curves.png). A part that fails is said (report_part) and the rest is written."""
+    from ppo_ray.tasks.evaluation import tldr_numbers
 
     history = read_metrics(metrics)
+    errors: dict = {}
     # the gold numbers (ppo_ray.tasks.evaluation, which `launch.py eval` calls too): each policy,
     # against each other and against the test posts' reference summaries (the N+ paper's metric),
     # and the same samples fact by fact (copy_test_*, kept last)
-    test = tldr_numbers("test", test_rows, ppo, sft)
-    copy = {k: test.pop(k) for k in ("copy_test_sft", "copy_test_ppo")}
+    test = report_part(errors, "test split's gold numbers", lambda: tldr_numbers("test", test_rows, ppo, sft)) or {}
+    copy = {k: test.pop(k) for k in ("copy_test_sft", "copy_test_ppo") if k in test}
     report = {
         **test,
         "final_kl": history[-1]["kl"],
@@ -340,10 +455,15 @@ def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[s
         **copy,
     }
     if "val" in sft:  # validation prompts: what hyperparameters may be chosen by (the test split never)
-        report.update(tldr_numbers("val", val_rows, ppo_val, sft["val"], reference=False, copy=False))
-    write_held_out(run_dir / HELD_OUT, {"test": (sft, ppo), **({"val": (sft["val"], ppo_val)} if "val" in sft else {})})
-    write_samples(run_dir / "samples.md", test_rows, sft["texts"], sft["gold"], ppo["texts"], ppo["gold"])
-    plot_curves(metrics, run_dir / "curves.png", report.get("gold_val_sft"))
+        report.update(report_part(errors, "validation split's gold numbers", lambda: tldr_numbers(
+            "val", val_rows, ppo_val, sft["val"], reference=False, copy=False)) or {})
+    report_part(errors, HELD_OUT, lambda: write_held_out(
+        run_dir / HELD_OUT, {"test": (sft, ppo), **({"val": (sft["val"], ppo_val)} if "val" in sft else {})}))
+    report_part(errors, "samples.md", lambda: write_samples(run_dir / "samples.md", test_rows, sft["texts"],
+                                                            sft["gold"], ppo["texts"], ppo["gold"]))
+    report_part(errors, "curves.png", lambda: plot_curves(metrics, run_dir / "curves.png", report.get("gold_val_sft")))
+    if errors:
+        report["report_errors"] = errors
     return report
 
 
@@ -364,11 +484,12 @@ def run_rl_arith(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optio
     reach the learner."""
     from ppo_ray.data import load_prompts
     from ppo_ray.modeling import load_tokenizer
-    from ppo_ray.tasks.evaluation import arith_numbers, arith_rates, solve
+    from ppo_ray.tasks.evaluation import arith_rates, solve
 
     cfg = cfg or ppo_config(config, run_dir, data_dir)
-    test_rows = read_rows(data_dir / "prompts_test.jsonl")[: cfg.eval_size]
-    val_rows = read_rows(data_dir / "prompts_validation.jsonl")[: cfg.eval_size]
+    test_path, val_path = data_dir / "prompts_test.jsonl", data_dir / "prompts_validation.jsonl"
+    test_rows = read_rows(test_path)[: cfg.eval_size]
+    val_rows = read_rows(val_path)[: cfg.eval_size]
     k = cfg.eval_k
 
     def evaluate(trainer, step: int) -> dict:
@@ -376,27 +497,49 @@ def run_rl_arith(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optio
 
     metrics = run_dir / "metrics.jsonl"
     prompts = load_prompts(cfg, load_tokenizer(cfg.model_name))
-    with ppo_trainer(cfg, run_dir, resume) as trainer:
-        sft = before_training(trainer, run_dir, lambda: {**solve(trainer, test_rows, k),
-                                                         "val": solve(trainer, val_rows, k)})
+    before = BeforeEval(eval_settings(cfg, {"test": (_source(test_path, run_dir), test_rows),
+                                            "validation": (_source(val_path, run_dir), val_rows)}, eval_k=k),
+                        lambda trainer: {**solve(trainer, test_rows, k), "val": solve(trainer, val_rows, k)})
+    with ppo_trainer(cfg, run_dir, resume, before) as (trainer, sft):
         trainer.train(prompts, metrics_path=metrics, evaluate=evaluate, eval_prompts=[r["prompt"] for r in val_rows])
         rl, rl_val = solve(trainer, test_rows, k), solve(trainer, val_rows, k)
         trainer.save_adapter(run_dir / "adapter")
+    return arith_report(run_dir, metrics, k, test_rows, val_rows, sft, rl, rl_val)
+
+
+def arith_report(run_dir: Path, metrics: Path, k: int, test_rows: list[dict], val_rows: list[dict], sft: dict,
+                 rl: dict, rl_val: dict) -> dict:
+    """report.json's pass rates of task arith (ppo_ray.tasks.evaluation, which `launch.py eval`
+    calls too) and the files behind them; a part that fails is said (report_part), the rest written."""
+    from ppo_ray.tasks.evaluation import arith_numbers
+
     history = read_metrics(metrics)
-    # the pass rates (ppo_ray.tasks.evaluation, which `launch.py eval` calls too)
-    report = {**arith_numbers("test", k, rl, sft), **arith_numbers("val", k, rl_val, sft["val"])}
+    errors: dict = {}
+    report = {**(report_part(errors, "test split's pass rates", lambda: arith_numbers("test", k, rl, sft)) or {}),
+              **(report_part(errors, "validation split's pass rates",
+                             lambda: arith_numbers("val", k, rl_val, sft["val"])) or {})}
     report.update({"final_kl": history[-1]["kl"], **final_rewards(history),
                    "rl_steps": len(history), "eval_prompts": len(test_rows), "eval_k": k})
-    with open(run_dir / HELD_OUT, "w") as f:
-        for split, rows, before, after in (("test", test_rows, sft, rl), ("val", val_rows, sft["val"], rl_val)):
+    report_part(errors, HELD_OUT, lambda: write_arith_held_out(
+        run_dir / HELD_OUT, {"test": (test_rows, sft, rl), "val": (val_rows, sft["val"], rl_val)}))
+    report_part(errors, "samples.md", lambda: write_arith_samples(run_dir / "samples.md", test_rows, sft, rl, k))
+    report_part(errors, "curves.png", lambda: plot_curves(
+        metrics, run_dir / "curves.png", report.get("pass1_val_sft"), gold_key="pass1_val",
+        gold_title="pass@1 (held-out validation, greedy)", reward_title="verifier reward (share right)"))
+    if errors:
+        report["report_errors"] = errors
+    return report
+
+
+def write_arith_held_out(path: Path, splits: dict[str, tuple[list[dict], dict, dict]]) -> None:
+    """Every held-out sample behind task arith's report: per split ("test", "val": rows, the SFT
+    policy's solve(), the RL policy's) and problem, the greedy answers and the k samples."""
+    with open(path, "w") as f:
+        for split, (rows, before, after) in splits.items():
             for i, row in enumerate(rows):
                 f.write(json.dumps({"split": split, "index": i, "prompt": row["prompt"], "answer": row["answer"],
                                     "sft_greedy": before["greedy"][i], "sft_samples": before["samples"][i],
                                     "rl_greedy": after["greedy"][i], "rl_samples": after["samples"][i]}) + "\n")
-    write_arith_samples(run_dir / "samples.md", test_rows, sft, rl, k)
-    plot_curves(metrics, run_dir / "curves.png", report["pass1_val_sft"], gold_key="pass1_val",
-                gold_title="pass@1 (held-out validation, greedy)", reward_title="verifier reward (share right)")
-    return report
 
 
 def final_rewards(history: list[dict]) -> dict:
@@ -420,19 +563,21 @@ def run_ppo_real(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optio
     cfg = cfg or ppo_config(config, run_dir, data_dir)
     tok = load_tokenizer(cfg.model_name)
     prompts = real_prompts(config, tok, "train")
-    held_out = real_prompts(config, tok, "eval", max_rows=cfg.eval_size)
+    held_out, settings = real_held_out(config, cfg, tok)
     metrics = run_dir / "metrics.jsonl"
     from ppo_ray.tasks.evaluation import sample
 
-    with ppo_trainer(cfg, run_dir, resume) as trainer:
-        # what before_training keeps in the run directory: texts, finish reasons, version
-        sft_texts = before_training(trainer, run_dir, lambda: sample(trainer, held_out))["texts"]
+    # what before_training keeps in the run directory: texts, finish reasons, version
+    before = BeforeEval(settings, lambda trainer: sample(trainer, held_out))
+    with ppo_trainer(cfg, run_dir, resume, before) as (trainer, sft):
         trainer.train(prompts, metrics_path=metrics, eval_prompts=held_out)
         ppo_texts = sample(trainer, held_out)["texts"]  # same sampling seeds as before training
         trainer.save_adapter(run_dir / "adapter")
     history = read_metrics(metrics)
-    write_held_out_texts(run_dir / "samples.md", held_out, sft_texts, ppo_texts)
-    plot_curves(metrics, run_dir / "curves.png")
+    errors: dict = {}
+    report_part(errors, "samples.md", lambda: write_held_out_texts(run_dir / "samples.md", held_out, sft["texts"],
+                                                                   ppo_texts))
+    report_part(errors, "curves.png", lambda: plot_curves(metrics, run_dir / "curves.png"))
     return {
         "evaluation": "reward-model score and KL to SFT only: real data has no gold judge",
         "first_reward": history[0]["reward_mean"],
@@ -441,7 +586,16 @@ def run_ppo_real(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optio
         "ppo_steps": len(history),
         "ppo_prompts": len(prompts),
         "eval_prompts": len(held_out),
+        **({"report_errors": errors} if errors else {}),
     }
+
+
+def real_held_out(config: PPOConfig, cfg: PPOConfig, tok) -> tuple[list[str], dict]:
+    """The real path's held-out prompts (eval_split's first eval_size queries of sft_dataset) and
+    their eval_settings, under the split's own name: the split `launch.py eval` defaults to."""
+    held_out = real_prompts(config, tok, "eval", max_rows=cfg.eval_size)
+    source, split = _real_split(config, config.sft_dataset, "eval")
+    return held_out, eval_settings(cfg, {split: (source, held_out)})
 
 
 HELD_OUT = "held_out.jsonl"  # the report's gold numbers come from these samples (one line per prompt and split)
