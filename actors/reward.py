@@ -19,6 +19,7 @@ Plain class, no Ray: ppo_ray.placement hosts it in a Ray actor.
   max_new_tokens; its mean is the source "overlong_penalty".
 - A non-finite score is an error naming the source and the prompt index, or, with
   nonfinite="drop", the sample's score becomes NaN, which the learner masks out and counts.
+  A dropped row stays NaN whatever missing_eos_penalty and overlong_buffer would give it.
 
 Guarded calls (guarded_scores), used with reward workers (`runner`: a RewardWorkerPool,
 ppo_ray.placement: Ray actors, each call under reward_timeout_s, a worker past it killed and
@@ -261,6 +262,10 @@ class RewardScorer:
             total = total + w * values
             finite = values[torch.isfinite(values)]
             means[name] = float(finite.mean()) if len(finite) else math.nan
+        # A row without a finite score (nonfinite_reward or reward_failure: drop) is dropped, and
+        # stays dropped: the penalties below shape a score, and it has none (the learner masks
+        # NaN rows out; a penalty in its place would train on a row counted as dropped).
+        dropped_rows = ~torch.isfinite(total)  # (B,) bool
         if self.missing_eos_penalty is not None:
             total = torch.where(batch.has_eos, total, torch.full_like(total, self.missing_eos_penalty))
         if self.overlong_buffer:
@@ -268,6 +273,6 @@ class RewardScorer:
                                        self.overlong_penalty)
             total = total + penalty
             means["overlong_penalty"] = float(penalty.mean())
-        dropped = float((~torch.isfinite(total)).sum())
-        total = torch.where(torch.isfinite(total), total, torch.full_like(total, math.nan))
-        return total, RewardStats(means, dropped, seconds=time.perf_counter() - t0, failures=failures)
+        total = torch.where(dropped_rows, torch.full_like(total, math.nan), total)
+        return total, RewardStats(means, float(dropped_rows.sum()), seconds=time.perf_counter() - t0,
+                                  failures=failures)
