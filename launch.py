@@ -212,7 +212,8 @@ def plain_ppo_inputs(config) -> list[str]:
     from ppo_ray.modeling import load_tokenizer
     from ppo_ray.rewards import check_reward_sources
 
-    check_reward_sources(config.reward_model_name, config.reward_funcs, config.reward_weights)
+    check_reward_sources(config.reward_model_name, config.reward_funcs, config.reward_weights,
+                         proxy=config.reward_verifier_proxy)
     return load_prompts(config, load_tokenizer(config.model_name))
 
 

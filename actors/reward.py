@@ -115,9 +115,9 @@ class RewardScorer:
                  overlong_penalty: float = 1.0, runner: Optional[Runner] = None, chunk_size: int = 0,
                  failure: str = "error", failure_score: float = 0.0, retry_calls: int = 16,
                  timeout_s: float = 60.0, verifier_batch_size: int = 0, verifier_concurrency: int = 1,
-                 verifier_retries: int = 2, verifier_backoff_s: float = 0.5):
+                 verifier_retries: int = 2, verifier_backoff_s: float = 0.5, verifier_proxy: Optional[str] = None):
         verifier = dict(timeout_s=timeout_s, retries=verifier_retries, backoff_s=verifier_backoff_s,
-                        batch_size=verifier_batch_size)
+                        batch_size=verifier_batch_size, proxy=verifier_proxy)
         self.funcs = check_reward_sources(reward_model_name, reward_funcs, weights, **verifier)
         if failure not in FAILURE_POLICIES:
             raise ValueError(f"reward_failure {failure!r} must be one of {list(FAILURE_POLICIES)}")
@@ -154,7 +154,7 @@ class RewardScorer:
                    retry_calls=cfg.reward_retry_calls, timeout_s=cfg.reward_timeout_s,
                    verifier_batch_size=cfg.reward_verifier_batch_size,
                    verifier_concurrency=cfg.reward_verifier_concurrency, verifier_retries=cfg.reward_verifier_retries,
-                   verifier_backoff_s=cfg.reward_verifier_backoff_s)
+                   verifier_backoff_s=cfg.reward_verifier_backoff_s, verifier_proxy=cfg.reward_verifier_proxy)
 
     def model_scores(self, batch: RolloutBatch) -> Tensor:
         """(B,) float32 reward-model scores at the last real token."""

@@ -472,7 +472,8 @@ class RewardWorkerPool:
                    config.placement_timeout_s, dict(timeout_s=config.reward_timeout_s,
                                                     retries=config.reward_verifier_retries,
                                                     backoff_s=config.reward_verifier_backoff_s,
-                                                    batch_size=config.reward_verifier_batch_size))
+                                                    batch_size=config.reward_verifier_batch_size,
+                                                    proxy=config.reward_verifier_proxy))
 
     def _start(self):
         self.started += 1
