@@ -10,7 +10,10 @@ Plain class, no Ray: ppo_ray.placement hosts it in a Ray actor.
   (ppo_ray.rewards.check_reward_sources reads config.json before any actor starts, and
   again here; load_reward_model checks the weights).
 - A reward function is named "package.module:function" and called as
-  fn(prompts: list[str], completions: list[str]) -> list[float] (ppo_ray.rewards.RewardFn).
+  fn(prompts: list[str], completions: list[str], **columns) -> list[float]
+  (ppo_ray.rewards.call_reward_fn): `columns` are the batch's per-row lists (reward_columns:
+  finish_reasons), each passed only to a function whose signature names it (or has **kwargs),
+  on every path below alike.
 - Scores are summed with weights (reward model first, then functions, in config order).
 - missing_eos_penalty (N+ / TRL): a response cut at max_new_tokens without EOS gets that
   score instead of the model's.
@@ -49,8 +52,8 @@ from torch import Tensor
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import REWARD, ConfigSlice, PPOConfig, role_fields
 from ppo_ray.modeling import load_reward_model, pick_device, reward_scores
-from ppo_ray.rewards import (CallResult, RewardError, RewardFn, RewardWorker, check_reward_sources, check_values,
-                             guarded_calls, is_verifier_spec)
+from ppo_ray.rewards import (CallResult, RewardCall, RewardError, RewardFn, RewardWorker, call_reward_fn,
+                             check_reward_sources, check_values, guarded_calls, is_verifier_spec)
 from ppo_ray.stats import RewardFailures, RewardStats
 
 FAILURE_POLICIES = ("error", "score", "drop")  # reward_failure
@@ -61,8 +64,8 @@ class Runner(Protocol):
 
     size: int  # calls it runs at once (function_chunks' rule)
 
-    def run(self, calls: list[tuple[str, list[str], list[str]]]) -> list[CallResult]:
-        """Each (spec, prompts, completions) call's result, in order; waits for all."""
+    def run(self, calls: list[RewardCall]) -> list[CallResult]:
+        """Each call's result, in order; waits for all."""
         ...
 
 
@@ -74,11 +77,11 @@ class InlineRunner:
     def __init__(self, worker: RewardWorker, concurrency: int = 1):
         self.worker, self.size = worker, concurrency
 
-    def run(self, calls: list[tuple[str, list[str], list[str]]]) -> list[CallResult]:
-        if self.size > 1 and len(calls) > 1 and all(is_verifier_spec(spec) for spec, _, _ in calls):
+    def run(self, calls: list[RewardCall]) -> list[CallResult]:
+        if self.size > 1 and len(calls) > 1 and all(is_verifier_spec(call.spec) for call in calls):
             with ThreadPoolExecutor(self.size) as pool:
-                return list(pool.map(lambda call: self.worker.call(*call), calls))
-        return [self.worker.call(*call) for call in calls]
+                return list(pool.map(self.worker.call, calls))
+        return [self.worker.call(call) for call in calls]
 
 
 def row_ranges(rows: Sequence[int]) -> str:
@@ -92,6 +95,15 @@ def row_ranges(rows: Sequence[int]) -> str:
         out.append(f"{start}" if start == prev else f"{start}-{prev}")
         start = prev = r
     return ", ".join(out)
+
+
+def reward_columns(batch: RolloutBatch) -> dict[str, list]:
+    """The per-row columns a reward function may take beside prompts and completions (by naming
+    them in its signature, or with **kwargs: ppo_ray.rewards.call_reward_fn), the one home of
+    what they are: finish_reasons, "stop" where the response ended with EOS (RolloutBatch.has_eos,
+    the fact missing_eos_penalty reads; the generator's finish reason "stop"), "length" where it
+    was cut at max_new_tokens."""
+    return {"finish_reasons": ["stop" if eos else "length" for eos in batch.has_eos.tolist()]}
 
 
 def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, factor: float) -> Tensor:
@@ -163,7 +175,7 @@ class RewardScorer:
     def function_scores(self, spec: str, fn: RewardFn, batch: RolloutBatch) -> Tensor:
         """The unguarded call: fn on the whole batch, here, its failure a RewardError."""
         try:
-            values = fn(list(batch.prompts), list(batch.responses))
+            values = call_reward_fn(fn, batch.prompts, batch.responses, reward_columns(batch))
         except Exception as e:  # a user function: report which one and what it raised
             raise RewardError(f"reward function {spec!r} raised {type(e).__name__}: {e}") from e
         return torch.tensor(check_values(spec, values, len(batch)), dtype=torch.float32)
@@ -180,11 +192,13 @@ class RewardScorer:
         size = max(size, 1)
         return [list(range(s, min(s + size, n))) for s in range(0, n, size)]
 
-    def run_calls(self, calls: list[tuple[str, list[int]]], prompts: list[str],
-                  completions: list[str]) -> list[CallResult]:
-        """One round of guarded calls: Python functions on the workers (when there are), verifiers
-        and the rest here (InlineRunner)."""
-        texts = [(spec, [prompts[r] for r in rows], [completions[r] for r in rows]) for spec, rows in calls]
+    def run_calls(self, calls: list[tuple[str, list[int]]], prompts: list[str], completions: list[str],
+                  columns: dict[str, list]) -> list[CallResult]:
+        """One round of guarded calls, (spec, rows) each: Python functions on the workers (when
+        there are), verifiers and the rest here (InlineRunner)."""
+        texts = [RewardCall(spec, [prompts[r] for r in rows], [completions[r] for r in rows],
+                            {name: [values[r] for r in rows] for name, values in columns.items()})
+                 for spec, rows in calls]
         remote = [self.runner is not None and not is_verifier_spec(spec) for spec, _ in calls]
         out: list[Optional[CallResult]] = [None] * len(calls)
         for runner, picked in ((self.runner, True), (self.inline, False)):
@@ -198,6 +212,7 @@ class RewardScorer:
         """Every reward function's (B,) scores by guarded calls (the module docstring), and the
         counts of what failed and how it was handled."""
         n, prompts, completions = len(batch), list(batch.prompts), list(batch.responses)
+        columns = reward_columns(batch)
         values = {spec: [math.nan] * n for spec, _ in self.funcs}
         failed: dict[str, list[int]] = {spec: [] for spec, _ in self.funcs}
         budget = {spec: self.retry_calls for spec, _ in self.funcs}
@@ -205,7 +220,7 @@ class RewardScorer:
         pending = [(spec, rows) for spec, _ in self.funcs for rows in self.function_chunks(spec, n)]
         first = True
         while pending:
-            results = self.run_calls(pending, prompts, completions)
+            results = self.run_calls(pending, prompts, completions, columns)
             if not first:
                 counts["retry_calls"] += len(pending)
             first, retry = False, []

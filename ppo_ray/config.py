@@ -284,7 +284,7 @@ class PPOConfig:
     reward_model_name: Optional[str] = knob(None, REWARDS, must_match=True, model=True)
     """Reward model (AutoModelForSequenceClassification, num_labels=1); None = reward functions only."""
     reward_funcs: list[str] = knob(fresh(list), REWARDS, REWARD, must_match=True)
-    """Reward functions as "module:function", each (prompts, completions) -> list[float], or a verifier service's http(s):// URL (reward_verifier_batch_size)."""
+    """Reward functions as "module:function", each (prompts, completions) -> list[float] (one that names finish_reasons, or has **kwargs, also gets each response's "stop" (ended with EOS) or "length"), or a verifier service's http(s):// URL (reward_verifier_batch_size)."""
     reward_weights: list[float] = knob(fresh(list), REWARDS, REWARD, must_match=True)
     """Weights of [reward model, *reward_funcs] in the summed score; empty = all 1.0."""
     value_model_name: Optional[str] = knob(None, MODEL, LEARNER, must_match=True, model=True)

@@ -4,8 +4,12 @@ that makes such calls: a reward worker's), and small programmatic reward functio
 configs as "ppo_ray.rewards:<name>".
 
 A reward function is named "package.module:function" and called as
-fn(prompts: list[str], completions: list[str]) -> list[float]: one float per completion.
-It is imported only from the module path the user named (never from data). A reward_funcs
+fn(prompts: list[str], completions: list[str], **columns) -> list[float]: one float per
+completion. `columns` are per-row lists (actors.reward.reward_columns: today finish_reasons,
+"stop" where the response ended with EOS, "length" where it was cut at max_new_tokens), and a
+function gets only those its signature names, or all of them with **kwargs (TRL's convention
+for a dataset's extra columns), so fn(prompts, completions) works as it always did. It is
+imported only from the module path the user named (never from data). A reward_funcs
 entry that is an http:// or https:// URL is a verifier service instead (HttpVerifier): the
 same call, answered by POSTing {"prompts": [...], "responses": [...]} and reading
 {"scores": [...]}, with no redirect followed and no proxy but the config's.
@@ -27,17 +31,18 @@ from __future__ import annotations
 
 import http.client
 import importlib
+import inspect
 import json
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 from ppo_ray.paths import resolve_model_path
 
-RewardFn = Callable[[list[str], list[str]], Sequence[float]]
+RewardFn = Callable[..., Sequence[float]]  # fn(prompts, completions, **the columns it takes)
 
 
 class RewardError(ValueError):
@@ -123,6 +128,27 @@ def check_reward_sources(reward_model_name: Optional[str], reward_funcs: Sequenc
     return funcs
 
 
+def columns_taken(fn: Callable, names: Sequence[str]) -> list[str]:
+    """The per-row columns of `names` that `fn` takes: those its signature names as parameters
+    (positional-or-keyword or keyword-only), or all of them when it has **kwargs; none when
+    its signature cannot be read."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return list(names)
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return [name for name in names if name in named]
+
+
+def call_reward_fn(fn: Callable, prompts: list[str], completions: list[str], columns: dict[str, list]):
+    """fn(prompts, completions, **the columns it takes): the one way a reward function is called
+    (actors.reward's plain call, RewardWorker's guarded ones). Returns what fn returns."""
+    taken = {name: list(columns[name]) for name in columns_taken(fn, list(columns))}
+    return fn(list(prompts), list(completions), **taken)
+
+
 def check_values(spec: str, values, n: int) -> list[float]:
     """A reward function's return value as n floats, or a RewardError naming the function (not
     numbers, or not n of them). Non-finite numbers pass: nonfinite_reward decides about them."""
@@ -142,6 +168,19 @@ TIMEOUT, EXCEPTION = "timeout", "exception"
 
 
 @dataclass(frozen=True)
+class RewardCall:
+    """One guarded call of a reward function on some rows, as it travels to whoever makes it
+    (RewardWorker.call, in a worker actor or the reward actor): the rows' prompts and
+    completions, and their per-row columns (each list in row order; the function gets those it
+    takes: call_reward_fn)."""
+
+    spec: str
+    prompts: list[str]
+    completions: list[str]
+    columns: dict[str, list] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class CallResult:
     """One guarded call of a reward function on some rows: their scores, or why there are none."""
 
@@ -158,11 +197,14 @@ class RewardWorker:
     def __init__(self, reward_funcs: Sequence[str], **verifier_options):
         self.funcs = {spec: import_reward_fn(spec, **verifier_options) for spec in reward_funcs}
 
-    def call(self, spec: str, prompts: list[str], completions: list[str]) -> CallResult:
-        """fn(prompts, completions) as a CallResult: its checked values (check_values), or the
-        failure it raised (a RewardTimeout is a TIMEOUT: a verifier's request past its limit)."""
+    def call(self, call: RewardCall) -> CallResult:
+        """The call's function on its rows (call_reward_fn) as a CallResult: its checked values
+        (check_values), or the failure it raised (a RewardTimeout is a TIMEOUT: a verifier's call
+        past its deadline)."""
+        spec = call.spec
         try:
-            return CallResult(check_values(spec, self.funcs[spec](list(prompts), list(completions)), len(prompts)))
+            values = call_reward_fn(self.funcs[spec], call.prompts, call.completions, call.columns)
+            return CallResult(check_values(spec, values, len(call.prompts)))
         except RewardTimeout as e:
             return CallResult(None, TIMEOUT, str(e))
         except RewardError as e:  # unusable values, a verifier's failure: the message names it

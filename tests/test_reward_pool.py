@@ -32,15 +32,18 @@ TIMEOUT_S = 3.0  # the pool tests' reward_timeout_s: far above a trivial call, e
 B = 8            # rows per batch; chunks of 2 over 2 workers
 
 
-def texts_batch(responses: list[str]):
+def texts_batch(responses: list[str], eos_rows: tuple[int, ...] = ()):
+    """Rows of 3 response tokens, cut off (no EOS) but the rows of `eos_rows`, which end with EOS."""
     import torch
 
     from ppo_ray.batch import RolloutBatch
 
     n = len(responses)
+    response_ids = torch.full((n, 3), 6)
+    response_ids[list(eos_rows), -1] = 1  # EOS
     return RolloutBatch(
         prompt_ids=torch.full((n, 2), 5), prompt_mask=torch.ones(n, 2, dtype=torch.bool),
-        response_ids=torch.full((n, 3), 6), response_mask=torch.ones(n, 3, dtype=torch.bool),
+        response_ids=response_ids, response_mask=torch.ones(n, 3, dtype=torch.bool),
         gen_logprobs=torch.zeros(n, 3), adapter_version=0, pad_token_id=0, eos_token_id=1,
         prompts=[f"p{i}" for i in range(n)], responses=list(responses))
 
@@ -72,8 +75,8 @@ def reward_host(ray_session):
         ray_session.kill(actor)
 
 
-def score(ray, host, responses):
-    scores, stats = host.score.remote(texts_batch(responses))
+def score(ray, host, responses, eos_rows=()):
+    scores, stats = host.score.remote(texts_batch(responses, eos_rows))
     return ray.get(scores), ray.get(stats)
 
 
@@ -117,6 +120,14 @@ def test_pool_error_policy_names_the_function_rows_and_failure(ray_session, rewa
     with pytest.raises(RewardError, match=r"reward function 'reward_fns:raises_on_r3' failed on rows 2-3 of 8: "
                                           r"raised ValueError: row r3 is bad"):
         score(ray_session, host, ROWS)
+
+
+def test_pool_workers_pass_the_finish_reasons(ray_session, reward_host):
+    """A function with **kwargs on the reward workers gets each of its chunk's rows' finish
+    reason ("stop" on the rows that ended with EOS), in row order."""
+    host = reward_host("reward_fns:numbers_plus_ten_at_eos", "error")
+    scores, _ = score(ray_session, host, ROWS, eos_rows=(0, 3, 4, 7))
+    assert scores.tolist() == [row_number(r) + 10.0 * (i in (0, 3, 4, 7)) for i, r in enumerate(ROWS)]
 
 
 # ----------------------------------------------------------------------------- the bisection's bound

@@ -379,6 +379,9 @@ def run_rl_arith(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optio
     with ppo_trainer(cfg, run_dir, resume) as trainer:
         sft = before_training(trainer, run_dir, lambda: {**solve(trainer, test_rows, k),
                                                          "val": solve(trainer, val_rows, k)})
+        if "greedy_finish" not in sft:  # a run resumed across issue 55: its SFT rates took no EOS
+            raise ValueError(f"{run_dir / BEFORE_EVAL} was written before the verifier required EOS (its SFT pass "
+                             "rates count cut-off answers): run the RL stage again with --overwrite")
         trainer.train(prompts, metrics_path=metrics, evaluate=evaluate, eval_prompts=[r["prompt"] for r in val_rows])
         rl, rl_val = solve(trainer, test_rows, k), solve(trainer, val_rows, k)
         trainer.save_adapter(run_dir / "adapter")
@@ -390,9 +393,11 @@ def run_rl_arith(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optio
     with open(run_dir / HELD_OUT, "w") as f:
         for split, rows, before, after in (("test", test_rows, sft, rl), ("val", val_rows, sft["val"], rl_val)):
             for i, row in enumerate(rows):
-                f.write(json.dumps({"split": split, "index": i, "prompt": row["prompt"], "answer": row["answer"],
-                                    "sft_greedy": before["greedy"][i], "sft_samples": before["samples"][i],
-                                    "rl_greedy": after["greedy"][i], "rl_samples": after["samples"][i]}) + "\n")
+                line = {"split": split, "index": i, "prompt": row["prompt"], "answer": row["answer"]}
+                for who, res in (("sft", before), ("rl", after)):  # with the finish reasons: right needs EOS
+                    line.update({f"{who}_{key}": res[key][i]
+                                 for key in ("greedy", "greedy_finish", "samples", "samples_finish")})
+                f.write(json.dumps(line) + "\n")
     write_arith_samples(run_dir / "samples.md", test_rows, sft, rl, k)
     plot_curves(metrics, run_dir / "curves.png", report["pass1_val_sft"], gold_key="pass1_val",
                 gold_title="pass@1 (held-out validation, greedy)", reward_title="verifier reward (share right)")
