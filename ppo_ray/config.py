@@ -28,8 +28,9 @@ of the learner (``_registered_params``); the choices of ``advantage_estimator`` 
 aggregation also declares the knobs it shares with the others and reads; a knob the selected
 ones do not read, set away from its default, is refused (``ignored_knobs``, the one check),
 except a file's knob that an override's selection leaves behind, and knobs an older run saved,
-which go back to their defaults with a warning (``from_yaml``, ``from_saved``, ``replace``). This module imports, of ours, only those pure-math
-registries (learner.algos, learner.losses: torch and the standard library).
+which go back to their defaults with a warning (``from_yaml``, ``from_saved``, ``replace``).
+This module imports, of ours, only those pure-math registries (learner.algos, learner.losses:
+torch and the standard library).
 """
 
 from __future__ import annotations
@@ -1194,8 +1195,14 @@ def _warn_left_behind(source: str, name: str, value: Any, why: str) -> None:
     log.warning("%s: %s = %r goes back to its default (%s): %s", source, name, value, _default_yaml(name), why)
 
 
+@functools.lru_cache(maxsize=None)
 def _field(name: str) -> dataclasses.Field:
     return next(f for f in dataclasses.fields(PPOConfig) if f.name == name)
+
+
+@functools.lru_cache(maxsize=None)
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(PPOConfig)
 
 
 def _default(name: str) -> Any:
@@ -1210,7 +1217,7 @@ def _default_yaml(name: str) -> str:
 def _at_default(name: str, value: Any) -> bool:
     """Whether `value` (as given: YAML, the CLI, Python) is the field's default once coerced."""
     try:
-        return _coerce(name, value, typing.get_type_hints(PPOConfig)[name]) == _default(name)
+        return _coerce(name, value, _hints()[name]) == _default(name)
     except ConfigError:
         return False  # a bad value is not the default; the field's own check names it
 
