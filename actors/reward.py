@@ -72,7 +72,7 @@ class Runner(Protocol):
 class InlineRunner:
     """Guarded calls in the reward actor's own process: a Python function in this thread (no
     time limit: it cannot be stopped here), a verifier's requests `concurrency` at a time in
-    threads (each request has its own time limit)."""
+    threads (each verifier call has its own deadline, reward_timeout_s)."""
 
     def __init__(self, worker: RewardWorker, concurrency: int = 1):
         self.worker, self.size = worker, concurrency
