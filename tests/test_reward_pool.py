@@ -353,6 +353,10 @@ def test_verifier_ignores_the_environment_proxy(recorders, monkeypatch):
         monkeypatch.setenv(name, proxy.url)
     for name in ("no_proxy", "NO_PROXY"):
         monkeypatch.delenv(name, raising=False)
+    # urllib's default opener reads the proxies once, at a process's first request: cleared, a
+    # client on urllib (as the verifier was) would read them here, whatever ran before
+    import urllib.request
+    monkeypatch.setattr(urllib.request, "_opener", None)
     assert HttpVerifier(f"{verifier.url}/score", retries=0)(["p"], ["r1"]) == [7.0]
     assert proxy.requests == [] and [r[:2] for r in verifier.requests] == [("POST", "/score")]
 
