@@ -212,7 +212,8 @@ def plain_ppo_inputs(config) -> list[str]:
     from ppo_ray.modeling import load_tokenizer
     from ppo_ray.rewards import check_reward_sources
 
-    check_reward_sources(config.reward_model_name, config.reward_funcs, config.reward_weights)
+    check_reward_sources(config.reward_model_name, config.reward_funcs, config.reward_weights,
+                         proxy=config.reward_verifier_proxy)
     return load_prompts(config, load_tokenizer(config.model_name))
 
 
@@ -381,7 +382,7 @@ def _main(argv: list[str] | None) -> int:
     # One resume rule, whichever way a resume is asked for: the PPO stage continues with its
     # checkpoint's own config plus this command's --field options (resumed_config); the run
     # directory's saved config (saved_config) is what its other stages and reports read.
-    checkpoint = None
+    checkpoint, from_run = None, False
     try:
         if auto:
             if run_dir_opt is None:
@@ -390,7 +391,7 @@ def _main(argv: list[str] | None) -> int:
                 return 2
             saved = saved_config(Path(run_dir_opt), stage)
             if config_path is None and saved is not None:  # the run's own config; overrides still apply
-                config_path = str(saved)
+                config_path, from_run = str(saved), True
         elif resume is not None:
             if config_path is not None:
                 print(f"error: --config with --resume {resume}: a resume continues with its checkpoint's own config "
@@ -410,8 +411,9 @@ def _main(argv: list[str] | None) -> int:
             if not options.overwrite:  # a run touches only its own lineage (before anything is read or written)
                 check_own_lineage(checkpoint, run_dir_opt)
             saved = saved_config(own_dir or Path(run_dir_opt), "ppo")
-            config_path = str(saved) if saved is not None else None
-        config = PPOConfig.from_yaml(config_path or DEFAULT_CONFIG, **overrides)
+            config_path, from_run = (str(saved), True) if saved is not None else (None, False)
+        # a run's saved config: knobs its selections ignore (older runs saved some) go back to their defaults
+        config = (PPOConfig.from_saved if from_run else PPOConfig.from_yaml)(config_path or DEFAULT_CONFIG, **overrides)
         if checkpoint is not None and (config_path is None or config.reward_funcs or config.reward_model_name):
             config = resumed_config(checkpoint, run_dir_opt, overrides)  # a plain PPO run: its config is the PPO's
     except (ConfigError, ValueError) as e:  # CheckpointError and RunDirError are ValueErrors

@@ -10,7 +10,10 @@ Plain class, no Ray: ppo_ray.placement hosts it in a Ray actor.
   (ppo_ray.rewards.check_reward_sources reads config.json before any actor starts, and
   again here; load_reward_model checks the weights).
 - A reward function is named "package.module:function" and called as
-  fn(prompts: list[str], completions: list[str]) -> list[float] (ppo_ray.rewards.RewardFn).
+  fn(prompts: list[str], completions: list[str], **columns) -> list[float]
+  (ppo_ray.rewards.call_reward_fn): `columns` are the batch's per-row lists (reward_columns:
+  finish_reasons), each passed only to a function whose signature names it (or has **kwargs),
+  on every path below alike.
 - Scores are summed with weights (reward model first, then functions, in config order).
 - missing_eos_penalty (N+ / TRL): a response cut at max_new_tokens without EOS gets that
   score instead of the model's.
@@ -19,6 +22,7 @@ Plain class, no Ray: ppo_ray.placement hosts it in a Ray actor.
   max_new_tokens; its mean is the source "overlong_penalty".
 - A non-finite score is an error naming the source and the prompt index, or, with
   nonfinite="drop", the sample's score becomes NaN, which the learner masks out and counts.
+  A dropped row stays NaN whatever missing_eos_penalty and overlong_buffer would give it.
 
 Guarded calls (guarded_scores), used with reward workers (`runner`: a RewardWorkerPool,
 ppo_ray.placement: Ray actors, each call under reward_timeout_s, a worker past it killed and
@@ -49,8 +53,8 @@ from torch import Tensor
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import REWARD, ConfigSlice, PPOConfig, role_fields
 from ppo_ray.modeling import load_reward_model, pick_device, reward_scores
-from ppo_ray.rewards import (CallResult, RewardError, RewardFn, RewardWorker, check_reward_sources, check_values,
-                             guarded_calls, is_verifier_spec)
+from ppo_ray.rewards import (CallResult, RewardCall, RewardError, RewardFn, RewardWorker, call_reward_fn,
+                             check_reward_sources, check_values, guarded_calls, is_verifier_spec)
 from ppo_ray.stats import RewardFailures, RewardStats
 
 FAILURE_POLICIES = ("error", "score", "drop")  # reward_failure
@@ -61,24 +65,24 @@ class Runner(Protocol):
 
     size: int  # calls it runs at once (function_chunks' rule)
 
-    def run(self, calls: list[tuple[str, list[str], list[str]]]) -> list[CallResult]:
-        """Each (spec, prompts, completions) call's result, in order; waits for all."""
+    def run(self, calls: list[RewardCall]) -> list[CallResult]:
+        """Each call's result, in order; waits for all."""
         ...
 
 
 class InlineRunner:
     """Guarded calls in the reward actor's own process: a Python function in this thread (no
     time limit: it cannot be stopped here), a verifier's requests `concurrency` at a time in
-    threads (each request has its own time limit)."""
+    threads (each verifier call has its own deadline, reward_timeout_s)."""
 
     def __init__(self, worker: RewardWorker, concurrency: int = 1):
         self.worker, self.size = worker, concurrency
 
-    def run(self, calls: list[tuple[str, list[str], list[str]]]) -> list[CallResult]:
-        if self.size > 1 and len(calls) > 1 and all(is_verifier_spec(spec) for spec, _, _ in calls):
+    def run(self, calls: list[RewardCall]) -> list[CallResult]:
+        if self.size > 1 and len(calls) > 1 and all(is_verifier_spec(call.spec) for call in calls):
             with ThreadPoolExecutor(self.size) as pool:
-                return list(pool.map(lambda call: self.worker.call(*call), calls))
-        return [self.worker.call(*call) for call in calls]
+                return list(pool.map(self.worker.call, calls))
+        return [self.worker.call(call) for call in calls]
 
 
 def row_ranges(rows: Sequence[int]) -> str:
@@ -92,6 +96,15 @@ def row_ranges(rows: Sequence[int]) -> str:
         out.append(f"{start}" if start == prev else f"{start}-{prev}")
         start = prev = r
     return ", ".join(out)
+
+
+def reward_columns(batch: RolloutBatch) -> dict[str, list]:
+    """The per-row columns a reward function may take beside prompts and completions (by naming
+    them in its signature, or with **kwargs: ppo_ray.rewards.call_reward_fn), the one home of
+    what they are: finish_reasons, "stop" where the response ended with EOS (RolloutBatch.has_eos,
+    the fact missing_eos_penalty reads; the generator's finish reason "stop"), "length" where it
+    was cut at max_new_tokens."""
+    return {"finish_reasons": ["stop" if eos else "length" for eos in batch.has_eos.tolist()]}
 
 
 def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, factor: float) -> Tensor:
@@ -115,9 +128,9 @@ class RewardScorer:
                  overlong_penalty: float = 1.0, runner: Optional[Runner] = None, chunk_size: int = 0,
                  failure: str = "error", failure_score: float = 0.0, retry_calls: int = 16,
                  timeout_s: float = 60.0, verifier_batch_size: int = 0, verifier_concurrency: int = 1,
-                 verifier_retries: int = 2, verifier_backoff_s: float = 0.5):
+                 verifier_retries: int = 2, verifier_backoff_s: float = 0.5, verifier_proxy: Optional[str] = None):
         verifier = dict(timeout_s=timeout_s, retries=verifier_retries, backoff_s=verifier_backoff_s,
-                        batch_size=verifier_batch_size)
+                        batch_size=verifier_batch_size, proxy=verifier_proxy)
         self.funcs = check_reward_sources(reward_model_name, reward_funcs, weights, **verifier)
         if failure not in FAILURE_POLICIES:
             raise ValueError(f"reward_failure {failure!r} must be one of {list(FAILURE_POLICIES)}")
@@ -154,7 +167,7 @@ class RewardScorer:
                    retry_calls=cfg.reward_retry_calls, timeout_s=cfg.reward_timeout_s,
                    verifier_batch_size=cfg.reward_verifier_batch_size,
                    verifier_concurrency=cfg.reward_verifier_concurrency, verifier_retries=cfg.reward_verifier_retries,
-                   verifier_backoff_s=cfg.reward_verifier_backoff_s)
+                   verifier_backoff_s=cfg.reward_verifier_backoff_s, verifier_proxy=cfg.reward_verifier_proxy)
 
     def model_scores(self, batch: RolloutBatch) -> Tensor:
         """(B,) float32 reward-model scores at the last real token."""
@@ -163,7 +176,7 @@ class RewardScorer:
     def function_scores(self, spec: str, fn: RewardFn, batch: RolloutBatch) -> Tensor:
         """The unguarded call: fn on the whole batch, here, its failure a RewardError."""
         try:
-            values = fn(list(batch.prompts), list(batch.responses))
+            values = call_reward_fn(fn, batch.prompts, batch.responses, reward_columns(batch))
         except Exception as e:  # a user function: report which one and what it raised
             raise RewardError(f"reward function {spec!r} raised {type(e).__name__}: {e}") from e
         return torch.tensor(check_values(spec, values, len(batch)), dtype=torch.float32)
@@ -180,11 +193,13 @@ class RewardScorer:
         size = max(size, 1)
         return [list(range(s, min(s + size, n))) for s in range(0, n, size)]
 
-    def run_calls(self, calls: list[tuple[str, list[int]]], prompts: list[str],
-                  completions: list[str]) -> list[CallResult]:
-        """One round of guarded calls: Python functions on the workers (when there are), verifiers
-        and the rest here (InlineRunner)."""
-        texts = [(spec, [prompts[r] for r in rows], [completions[r] for r in rows]) for spec, rows in calls]
+    def run_calls(self, calls: list[tuple[str, list[int]]], prompts: list[str], completions: list[str],
+                  columns: dict[str, list]) -> list[CallResult]:
+        """One round of guarded calls, (spec, rows) each: Python functions on the workers (when
+        there are), verifiers and the rest here (InlineRunner)."""
+        texts = [RewardCall(spec, [prompts[r] for r in rows], [completions[r] for r in rows],
+                            {name: [values[r] for r in rows] for name, values in columns.items()})
+                 for spec, rows in calls]
         remote = [self.runner is not None and not is_verifier_spec(spec) for spec, _ in calls]
         out: list[Optional[CallResult]] = [None] * len(calls)
         for runner, picked in ((self.runner, True), (self.inline, False)):
@@ -198,6 +213,7 @@ class RewardScorer:
         """Every reward function's (B,) scores by guarded calls (the module docstring), and the
         counts of what failed and how it was handled."""
         n, prompts, completions = len(batch), list(batch.prompts), list(batch.responses)
+        columns = reward_columns(batch)
         values = {spec: [math.nan] * n for spec, _ in self.funcs}
         failed: dict[str, list[int]] = {spec: [] for spec, _ in self.funcs}
         budget = {spec: self.retry_calls for spec, _ in self.funcs}
@@ -205,7 +221,7 @@ class RewardScorer:
         pending = [(spec, rows) for spec, _ in self.funcs for rows in self.function_chunks(spec, n)]
         first = True
         while pending:
-            results = self.run_calls(pending, prompts, completions)
+            results = self.run_calls(pending, prompts, completions, columns)
             if not first:
                 counts["retry_calls"] += len(pending)
             first, retry = False, []
@@ -262,6 +278,10 @@ class RewardScorer:
             total = total + w * values
             finite = values[torch.isfinite(values)]
             means[name] = float(finite.mean()) if len(finite) else math.nan
+        # A row without a finite score (nonfinite_reward or reward_failure: drop) is dropped, and
+        # stays dropped: the penalties below shape a score, and it has none (the learner masks
+        # NaN rows out; a penalty in its place would train on a row counted as dropped).
+        dropped_rows = ~torch.isfinite(total)  # (B,) bool
         if self.missing_eos_penalty is not None:
             total = torch.where(batch.has_eos, total, torch.full_like(total, self.missing_eos_penalty))
         if self.overlong_buffer:
@@ -269,6 +289,6 @@ class RewardScorer:
                                        self.overlong_penalty)
             total = total + penalty
             means["overlong_penalty"] = float(penalty.mean())
-        dropped = float((~torch.isfinite(total)).sum())
-        total = torch.where(torch.isfinite(total), total, torch.full_like(total, math.nan))
-        return total, RewardStats(means, dropped, seconds=time.perf_counter() - t0, failures=failures)
+        total = torch.where(dropped_rows, torch.full_like(total, math.nan), total)
+        return total, RewardStats(means, float(dropped_rows.sum()), seconds=time.perf_counter() - t0,
+                                  failures=failures)

@@ -96,7 +96,7 @@ def task_of(base: Path) -> str:
         return "tldr"
     from ppo_ray.config import PPOConfig
 
-    return PPOConfig.from_yaml(str(config)).task
+    return PPOConfig.from_saved(str(config)).task
 
 
 def run_one(base: Path, out: Path, spec: str, seed: int, common: Optional[list[str]] = None) -> Path:

@@ -20,7 +20,9 @@ Conventions used by every function in this module:
   torch (and the standard library).
 * Advantage estimators are registered by name (:func:`register_estimator`; GAE the
   default): the config's ``advantage_estimator`` picks one, and one that needs no critic
-  gets no value model.
+  gets no value model. Each declares the shared knobs it reads (``reads``), so the config
+  refuses the ones it would ignore; so do the policy losses (learner/losses.py) and the loss
+  aggregations (``LOSS_AGG_MODES``).
 
 References cited in comments:
 
@@ -61,7 +63,12 @@ Tensor = torch.Tensor
 # takes its fields' choices from here and from the registries below):
 KL_KINDS = ("k1", "k2", "k3")                           # kl_penalty; config kl_estimator
 REWARD_MODES = ("last_token", "every_token")            # shape_rewards; config reward_shaping
-LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")  # agg_loss; loss_agg
+# agg_loss's modes (config loss_agg), each with the shared knobs (config fields) it reads: the
+# config refuses the others' set away from their defaults (ppo_ray.config.ignored_knobs).
+LOSS_AGG_MODES: dict[str, tuple[str, ...]] = {
+    "token_mean": (), "seq_mean_token_mean": (), "seq_mean_token_sum": (),
+    "token_sum_norm": ("loss_agg_tokens",),
+}
 IS_CORRECTIONS = ("none", "tis", "mis")                 # importance_weights; config is_correction
 IS_LEVELS = ("token", "sequence")                       # importance_weights; config is_level
 
@@ -299,7 +306,7 @@ def agg_loss(
             normalizer = mask.shape[0] * norm_tokens
         zero = torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device)
         return torch.where(mask, loss_mat, zero).sum() / normalizer
-    raise ValueError(f"unknown loss_agg mode {mode!r}; valid: {LOSS_AGG_MODES}")
+    raise ValueError(f"unknown loss_agg mode {mode!r}; valid: {list(LOSS_AGG_MODES)}")
 
 
 # --------------------------------------------------------------------------------------
@@ -542,6 +549,7 @@ class AdvantageEstimator:
     normalized: bool = False    # its advantages are on its method's own scale: whiten_advantages is not applied
     per_row: bool = False       # a row's advantages depend on that row's inputs alone (old_values: update needs it)
     params: tuple[Param, ...] = ()  # its own knobs (config fields), passed to fn as keywords
+    reads: tuple[str, ...] = ()     # the shared knobs (config fields) it reads: register_estimator's, derived ones too
 
 
 # A group baseline needs another sample of the same prompt: samples_per_prompt below this is a
@@ -550,9 +558,13 @@ MIN_GROUP_SIZE = 2
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
+# The value model's knobs (config fields): read by every estimator with a critic (it trains one),
+# by none without (no value model exists then).
+CRITIC_KNOBS = ("value_learning_rate", "value_clip", "vf_coef", "value_model", "value_model_name", "old_values")
 
-def register_estimator(name: str, *, needs_critic: bool, needs_groups: bool = False,
-                       normalized: bool = False, per_row: bool = False, params: Sequence[Param] = ()) -> Callable:
+
+def register_estimator(name: str, *, needs_critic: bool, needs_groups: bool = False, normalized: bool = False,
+                       per_row: bool = False, params: Sequence[Param] = (), reads: Sequence[str] = ()) -> Callable:
     """Decorator: register ``fn(inputs: AdvantageInputs, **params) -> Tensor`` as the advantage
     estimator ``name`` (the config's ``advantage_estimator``). A new estimator is one such
     function and this line above it; a name is registered once. ``needs_groups``: it reads
@@ -560,13 +572,20 @@ def register_estimator(name: str, *, needs_critic: bool, needs_groups: bool = Fa
     scaled as its method defines, so the learner does not whiten it again; ``per_row``: a
     row's advantages depend on that row's inputs alone (then the value model's first training
     forward can give the old values, config old_values: update); ``params``: its own knobs
-    (:class:`Param`: each one a config field, passed to ``fn`` as a keyword)."""
+    (:class:`Param`: each one a config field, passed to ``fn`` as a keyword); ``reads``: the
+    knobs shared with other estimators that its advantages depend on (``gamma`` and ``lam``
+    read through ``inputs``; ``whiten_rewards`` and ``reward_shaping``, which shape
+    ``inputs.rewards``). Its ``reads`` also get CRITIC_KNOBS with a critic and
+    ``whiten_advantages`` unless ``normalized``; the config refuses every other estimator's
+    knob, set away from its default, while this one is selected (ppo_ray.config.ignored_knobs)."""
+    derived = (*reads, *(CRITIC_KNOBS if needs_critic else ()), *(() if normalized else ("whiten_advantages",)))
+
     def register(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered "
                              f"({ADVANTAGE_ESTIMATORS[name].fn.__qualname__})")
         ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, fn, needs_critic, needs_groups, normalized,
-                                                         per_row, tuple(params))
+                                                         per_row, tuple(params), tuple(dict.fromkeys(derived)))
         return fn
     return register
 
@@ -580,7 +599,7 @@ def advantage_estimator(name: str) -> AdvantageEstimator:
                          f"{sorted(ADVANTAGE_ESTIMATORS)} (learner/algos.py, register_estimator)") from None
 
 
-@register_estimator("gae", needs_critic=True, per_row=True)
+@register_estimator("gae", needs_critic=True, per_row=True, reads=("gamma", "lam", "whiten_rewards", "reward_shaping"))
 def gae_advantages(inputs: AdvantageInputs) -> Tensor:
     """[GAE] over the shaped rewards and the critic's old values (the seeds' step 5)."""
     return compute_gae_advantages(inputs.rewards, inputs.values, inputs.mask, inputs.gamma, inputs.lam)
@@ -589,31 +608,12 @@ def gae_advantages(inputs: AdvantageInputs) -> Tensor:
 def check_group_size(estimator: AdvantageEstimator, samples_per_prompt: int) -> None:
     """A ValueError naming both values when ``estimator`` needs groups and
     ``samples_per_prompt`` gives it fewer than MIN_GROUP_SIZE samples per prompt (the one
-    home of the rule: :func:`check_estimator_config` calls it)."""
+    home of the rule: the config calls it). The knobs an estimator does not read (gamma, lam,
+    whiten_rewards and reward_shaping, which shape the per-token rewards GAE reads, the value
+    model's) are its registration's ``reads``: the config refuses the others."""
     if estimator.needs_groups and samples_per_prompt < MIN_GROUP_SIZE:
         raise ValueError(f"advantage_estimator {estimator.name!r} compares the samples of one prompt and needs "
                          f"samples_per_prompt >= {MIN_GROUP_SIZE}, got samples_per_prompt={samples_per_prompt}")
-
-
-def check_estimator_config(estimator: AdvantageEstimator, *, samples_per_prompt: int, whiten_rewards: bool,
-                           reward_shaping: str) -> None:
-    """The estimator's config rules, a ValueError naming the fields (the one home: launch.py,
-    the actors' placement and the Learner call it): :func:`check_group_size`; and a group
-    estimator reads the scores and the KL (AdvantageInputs.scores, .kl), not the shaped
-    per-token rewards, so whiten_rewards and reward_shaping: every_token, which shape those
-    rewards for GAE, would silently do nothing with one."""
-    check_group_size(estimator, samples_per_prompt)
-    if not estimator.needs_groups:
-        return
-    if whiten_rewards:
-        raise ValueError(f"whiten_rewards: true does not apply to advantage_estimator {estimator.name!r}: it "
-                         "whitens the per-token rewards GAE reads, and a group estimator takes its baseline and "
-                         "scale from its group's scores (set whiten_rewards: false)")
-    if reward_shaping != "last_token":
-        raise ValueError(f"reward_shaping: {reward_shaping} does not apply to advantage_estimator "
-                         f"{estimator.name!r}: it places the score in GAE's per-token rewards, and a group "
-                         "estimator compares the sequence scores and adds the per-token KL itself (set "
-                         "reward_shaping: last_token)")
 
 
 # -- group baselines (GRPO, RLOO, REINFORCE++): the scores compared within a prompt's group ---

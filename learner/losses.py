@@ -11,7 +11,10 @@ A policy loss is one function and its registration::
 
 The config's ``policy_loss`` selects it by name; each of its ``params`` becomes a config field
 (CLI option, YAML key, --help and docs/CONFIG.md row, the learner's slice) whose value the
-learner passes as the keyword of that name. What every loss shares is composed with it in one
+learner passes as the keyword of that name. A loss also declares the knobs it shares with other
+losses and reads (``reads``: ``clip_epsilon``, which ``LossInputs`` carries to every loss, is
+ppo_clip's): while it is selected, the config refuses every other loss's knob and param set away
+from its default (ppo_ray.config.ignored_knobs), instead of ignoring it. What every loss shares is composed with it in one
 place, :func:`policy_objective`: the off-policy correction's per-token weights (``is_correction``:
 TIS weights, or MIS's smaller mask, already in ``inputs.mask``), the aggregation (``loss_agg``),
 the KL-to-reference term (``kl_in_loss``) and the entropy bonus (``entropy_coef``).
@@ -79,16 +82,19 @@ class PolicyLoss:
     fn: Callable[..., tuple[Tensor, PolicyLossStats]]
     params: tuple[Param, ...]
     stats: type  # a PolicyLossStats subclass: what fn returns
+    reads: tuple[str, ...] = ()  # the shared knobs (config fields) it reads, e.g. clip_epsilon (inputs.clip_epsilon)
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
-def register_policy_loss(name: str, *, params: Sequence[Param] = (), stats: type = PolicyLossStats) -> Callable:
+def register_policy_loss(name: str, *, params: Sequence[Param] = (), stats: type = PolicyLossStats,
+                         reads: Sequence[str] = ()) -> Callable:
     """Decorator: register ``fn(inputs: LossInputs, **params) -> (loss (B, T), stats)`` as the
     policy loss ``name`` (the config's ``policy_loss``). ``params``: its own knobs (each a config
     field, passed to fn as a keyword); ``stats``: the dataclass fn returns (PolicyLossStats or a
-    subclass). The per-token loss is what one token contributes before the off-policy weights and
+    subclass); ``reads``: the knobs shared with other losses that fn reads (``clip_epsilon``, from
+    ``inputs``). The per-token loss is what one token contributes before the off-policy weights and
     the aggregation (:func:`policy_objective` applies both). A name is registered once."""
     if not (isinstance(stats, type) and issubclass(stats, PolicyLossStats)):
         raise TypeError(f"policy loss {name!r}: stats must be a PolicyLossStats subclass, got {stats!r}")
@@ -96,7 +102,7 @@ def register_policy_loss(name: str, *, params: Sequence[Param] = (), stats: type
     def register(fn: Callable[..., tuple[Tensor, PolicyLossStats]]) -> Callable:
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered ({POLICY_LOSSES[name].fn.__qualname__})")
-        POLICY_LOSSES[name] = PolicyLoss(name, fn, tuple(params), stats)
+        POLICY_LOSSES[name] = PolicyLoss(name, fn, tuple(params), stats, tuple(reads))
         return fn
     return register
 
@@ -195,7 +201,7 @@ def _clip_high_check(eps_high: Optional[float]) -> Optional[str]:
     return None if eps_high is None or (math.isfinite(eps_high) and eps_high > 0) else "must be > 0 or null"
 
 
-@register_policy_loss("ppo_clip", stats=ClipStats, params=(
+@register_policy_loss("ppo_clip", stats=ClipStats, reads=("clip_epsilon",), params=(
     Param("clip_epsilon_high", Optional[float], None,
           "ppo_clip only: the upper clip, so the ratio is clipped to [1 - clip_epsilon, 1 + clip_epsilon_high] "
           "(DAPO's clip-higher, Yu et al. 2025: 0.2 and 0.28; verl's clip_ratio_low / clip_ratio_high): a larger "
@@ -264,18 +270,32 @@ def _gspo_clip_check(eps: float) -> Optional[str]:
     return None if math.isfinite(eps) and 0 < eps < 1 else "must be in (0, 1)"
 
 
+def _gspo_clip_high_check(eps: Optional[float]) -> Optional[str]:
+    return None if eps is None or (math.isfinite(eps) and eps > 0) else "must be > 0 or null"
+
+
+# The defaults stay the symmetric 4e-4 of before the upper bound had its own knob: every saved
+# config records gspo_clip_epsilon: 0.0004, and a new default would turn that record into a
+# knob set away from its default, which the config refuses for the other losses.
 @register_policy_loss("gspo", params=(
     Param("gspo_clip_epsilon", float, 4e-4,
-          "gspo only: the trust region of GSPO's sequence ratio, clipped to [1 - eps, 1 + eps]. The sequence ratio "
-          "is the geometric mean of the response's token ratios, so it moves far less than one token's ratio and "
-          "takes a far smaller eps than clip_epsilon (Zheng et al. 2025: 3e-4 below, 4e-4 above; verl's GSPO "
-          "recipe the same). The paper's objective weighs every response alike: use it with loss_agg: "
-          "seq_mean_token_mean.", check=_gspo_clip_check),))
-def gspo(inputs: LossInputs, *, gspo_clip_epsilon: float = 4e-4) -> tuple[Tensor, PolicyLossStats]:
+          "gspo only: the trust region of GSPO's sequence ratio, clipped to [1 - gspo_clip_epsilon, 1 + "
+          "gspo_clip_epsilon_high]. The sequence ratio is the geometric mean of the response's token ratios, so it "
+          "moves far less than one token's ratio and takes a far smaller eps than clip_epsilon (Zheng et al. 2025: "
+          "3e-4 below, 4e-4 above; verl's GSPO recipe the same). The paper's objective weighs every response alike: "
+          "use it with loss_agg: seq_mean_token_mean.", check=_gspo_clip_check),
+    Param("gspo_clip_epsilon_high", Optional[float], None,
+          "gspo only: the upper bound of the sequence ratio's clip, 1 + this (the paper's 4e-4, with "
+          "gspo_clip_epsilon 3e-4 below); None = gspo_clip_epsilon (the symmetric clip).",
+          check=_gspo_clip_high_check),))
+def gspo(inputs: LossInputs, *, gspo_clip_epsilon: float = 4e-4,
+         gspo_clip_epsilon_high: Optional[float] = None) -> tuple[Tensor, PolicyLossStats]:
     """GSPO ([GSPO] eqs. 5-7, "GSPO-token"): one importance ratio per response, the geometric mean
     of its tokens' ratios, ``s_i = exp(mean_t log(pi(y_t) / pi_old(y_t)))`` over the row's tokens
     of ``inputs.mask``, clipped as PPO clips a token's: per token ``max(-A_t * s_it, -A_t *
-    clip(s_it, 1 - eps, 1 + eps))`` with ``s_it = sg(s_i) * pi(y_t) / sg(pi(y_t))``, whose value
+    clip(s_it, 1 - eps, 1 + eps_high))`` with ``eps`` = gspo_clip_epsilon, ``eps_high`` =
+    gspo_clip_epsilon_high (eps when None; the paper's bounds are 3e-4 and 4e-4, its eq. 5's
+    "left and right clipping ranges") and ``s_it = sg(s_i) * pi(y_t) / sg(pi(y_t))``, whose value
     is ``s_i`` and whose gradient is ``s_i * grad log pi(y_t)``. With one advantage per response
     (the paper's, GRPO's) that is exactly the gradient of ``-A_i * s_i`` summed over the row's
     tokens; with per-token advantages (GAE) each token keeps its own ``A_t``. A whole response is
@@ -297,7 +317,8 @@ def gspo(inputs: LossInputs, *, gspo_clip_epsilon: float = 4e-4) -> tuple[Tensor
     s = torch.exp(log_s)
     adv = torch.where(mask, inputs.advantages.to(logprobs.dtype), zero)
     unclipped = -adv * s
-    clipped = -adv * torch.clamp(s, 1.0 - gspo_clip_epsilon, 1.0 + gspo_clip_epsilon)
+    eps_high = gspo_clip_epsilon if gspo_clip_epsilon_high is None else gspo_clip_epsilon_high
+    clipped = -adv * torch.clamp(s, 1.0 - gspo_clip_epsilon, 1.0 + eps_high)
     loss_mat = torch.maximum(unclipped, clipped)
     return loss_mat, PolicyLossStats(**_ratio_stats(logratio, s, clipped > unclipped, mask))
 

@@ -335,7 +335,7 @@ def resumed_config(ckpt: str | Path, run_dir: str | Path, overrides: Optional[di
     placed in `run_dir`) plus `overrides` (the command's --field options)."""
     ckpt = Path(ckpt)
     try:
-        saved = _localized(PPOConfig.from_yaml(ckpt / "config.yaml"), Path(run_dir))
+        saved = _localized(PPOConfig.from_saved(ckpt / "config.yaml"), Path(run_dir))
     except Exception as e:
         raise CheckpointError(f"checkpoint {ckpt}: unreadable config.yaml: {e}") from e
     return saved.replace(**overrides) if overrides else saved

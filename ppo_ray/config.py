@@ -24,8 +24,13 @@ field is ``PPOConfig(kl_coef=0.05)``, ``--kl_coef`` and ``kl_coef:`` in YAML ali
 checkpoint's config.yaml keeps loading. A registered advantage estimator's or policy loss's own
 parameters (learner.algos.Param) are declared at their registration and added here as fields
 of the learner (``_registered_params``); the choices of ``advantage_estimator`` and
-``policy_loss`` are the registries' names. This module imports, of ours, only those pure-math
-registries (learner.algos, learner.losses: torch and the standard library).
+``policy_loss`` are the registries' names. Each registered estimator, policy loss and loss
+aggregation also declares the knobs it shares with the others and reads; a knob the selected
+ones do not read, set away from its default, is refused (``ignored_knobs``, the one check),
+except a file's knob that an override's selection leaves behind, and knobs an older run saved,
+which go back to their defaults with a warning (``from_yaml``, ``from_saved``, ``replace``).
+This module imports, of ours, only those pure-math registries (learner.algos, learner.losses:
+torch and the standard library).
 """
 
 from __future__ import annotations
@@ -36,20 +41,23 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import logging
 import math
 import textwrap
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import yaml
 
 # The registries of the pure math (torch and the standard library only): the choices of
 # advantage_estimator and policy_loss, their own parameters, and the enumerated options' choices.
 from learner.algos import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, IS_LEVELS, KL_KINDS, LOSS_AGG_MODES, REWARD_MODES,
-                           advantage_estimator, check_estimator_config)
+                           advantage_estimator, check_group_size)
 from learner.losses import POLICY_LOSSES
+
+log = logging.getLogger(__name__)
 
 # The LoRA targets of a Qwen3/Llama-style decoder: every attention and MLP projection.
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -264,13 +272,13 @@ class PPOConfig:
     max_new_tokens: int = knob(10, GENERATION, GENERATOR, LEARNER, REWARD, must_match=True, check=at_least(1))
     """Maximum response length in tokens."""
     gamma: float = knob(0.99, ALGORITHM, LEARNER, check=within(0, 1))
-    """Discount factor in the TD errors and GAE."""
+    """Discount factor in the TD errors and GAE (advantage_estimator gae; the group baselines do not discount)."""
     lam: float = knob(0.95, ALGORITHM, LEARNER, check=within(0, 1))
-    """GAE lambda."""
+    """GAE lambda (advantage_estimator gae)."""
     kl_coef: float = knob(0.1, ALGORITHM, LEARNER)
     """beta: weight of the per-token KL penalty to the reference (SFT) model in the reward."""
     clip_epsilon: float = knob(0.2, ALGORITHM, LEARNER)
-    """PPO-clip epsilon: the ratio is clipped to [1 - eps, 1 + eps]."""
+    """PPO-clip epsilon: the ratio is clipped to [1 - eps, 1 + eps] (policy_loss ppo_clip; gspo and cispo have bounds of their own)."""
     temperature: float = knob(1.0, GENERATION, LEARNER, GENERATOR, REFERENCE, must_match=True)
     """Sampling temperature; every logprob (generator, learner, reference) is of logits / temperature."""
     top_k: int = knob(50, GENERATION, LEARNER, GENERATOR, must_match=True)
@@ -284,7 +292,7 @@ class PPOConfig:
     reward_model_name: Optional[str] = knob(None, REWARDS, must_match=True, model=True)
     """Reward model (AutoModelForSequenceClassification, num_labels=1); None = reward functions only."""
     reward_funcs: list[str] = knob(fresh(list), REWARDS, REWARD, must_match=True)
-    """Reward functions as "module:function", each (prompts, completions) -> list[float], or a verifier service's http(s):// URL (reward_verifier_batch_size)."""
+    """Reward functions as "module:function", each (prompts, completions) -> list[float] (one that names finish_reasons, or has **kwargs, also gets each response's "stop" (ended with EOS) or "length"), or a verifier service's http(s):// URL (reward_verifier_batch_size)."""
     reward_weights: list[float] = knob(fresh(list), REWARDS, REWARD, must_match=True)
     """Weights of [reward model, *reward_funcs] in the summed score; empty = all 1.0."""
     value_model_name: Optional[str] = knob(None, MODEL, LEARNER, must_match=True, model=True)
@@ -310,13 +318,13 @@ class PPOConfig:
     max_grad_norm: Optional[float] = knob(1.0, ALGORITHM, LEARNER)
     """Gradient-norm clip per optimiser step; None = no clipping."""
     advantage_estimator: str = knob("gae", ALGORITHM, LEARNER, must_match=True, choices=ADVANTAGE_ESTIMATORS)
-    """How the learner turns the step's scores and KL into advantages: a name registered in learner/algos.py (register_estimator): gae (the default: GAE over the shaped rewards, with the value model as its critic), or the critic-free group baselines grpo, rloo and reinforce_pp (REINFORCE++ with a group-mean baseline), which compare the scores of the samples_per_prompt (>= 2) samples of each prompt and then add, on every token, the KL penalty still to come (-kl_coef times the KL summed from that token to the response's end), as OpenRLHF orders them (verl's use_kl_in_reward instead puts the KL into the compared sums): a group of equal scores gets its KL term alone, 0 at kl_coef 0 or with kl_in_loss. An estimator without a critic builds no value model, and the value_* fields and statistics do not apply."""
+    """How the learner turns the step's scores and KL into advantages: a name registered in learner/algos.py (register_estimator): gae (the default: GAE over the shaped rewards, with the value model as its critic), or the critic-free group baselines grpo, rloo and reinforce_pp (REINFORCE++ with a group-mean baseline), which compare the scores of the samples_per_prompt (>= 2) samples of each prompt and then add, on every token, the KL penalty still to come (-kl_coef times the KL summed from that token to the response's end), as OpenRLHF orders them (verl's use_kl_in_reward instead puts the KL into the compared sums): a group of equal scores gets its KL term alone, 0 at kl_coef 0 or with kl_in_loss. An estimator without a critic builds no value model and reports no value statistics; the value model's fields (value_learning_rate, value_clip, vf_coef, value_model, value_model_name, old_values) are then refused when set away from their defaults, as is any knob the selected estimator, policy loss or loss_agg does not read (each registration declares what it reads)."""
     policy_loss: str = knob("ppo_clip", ALGORITHM, LEARNER, choices=POLICY_LOSSES)
     """The policy loss, a name registered in learner/losses.py (register_policy_loss): ppo_clip (PPO's clipped surrogate, the seeds'; dual_clip its parameter). A loss's own parameters are fields of their own; is_correction's weights, kl_in_loss's term and the entropy bonus compose with any loss (learner.losses.policy_objective)."""
     samples_per_prompt: int = knob(1, ALGORITHM, LEARNER, must_match=True)
     """Responses sampled per prompt in one vLLM request (SamplingParams n), contiguous rows of one group in the batch; batch_size counts rollouts, so a step draws batch_size / samples_per_prompt prompts (it must divide batch_size). grpo, rloo and reinforce_pp need >= 2. Evaluation samples stay one per prompt."""
     whiten_advantages: bool = knob(True, ALGORITHM, LEARNER)
-    """Whiten advantages over the step's real tokens (not applied to grpo, rloo and reinforce_pp, whose advantages are on their method's own scale: reinforce_pp whitens as part of its definition)."""
+    """Whiten advantages over the step's real tokens (grpo, rloo and reinforce_pp do not read it, so false is an error with them: their advantages are on their method's own scale, and reinforce_pp whitens as part of its definition)."""
     whiten_rewards: bool = knob(False, ALGORITHM, LEARNER)
     """Whiten the per-token shaped rewards before GAE (N+ recipe: off). Not with grpo, rloo or reinforce_pp, which read the scores and the KL, not the shaped rewards (an error)."""
     kl_estimator: str = knob("k1", ALGORITHM, LEARNER, choices=KL_KINDS)
@@ -362,7 +370,7 @@ class PPOConfig:
     reward_chunk_size: int = knob(0, REWARDS, REWARD, check=at_least(0))
     """Rows per call to a reward worker; 0 = the batch split evenly over the workers (ceil(batch / reward_workers) rows, one call per worker). Smaller chunks balance uneven rows and lose less to a failure (fewer rows to bisect), for more calls."""
     reward_timeout_s: float = knob(60.0, REWARDS, REWARD, check=at_least(0, strict=True))
-    """Time limit of one reward-worker call (a chunk of one function), and of each HTTP verifier request (connect and each read). Past it the call is a timeout: the worker is killed and a fresh one started; reward_failure decides about its rows. Not applied to reward functions that run inside the reward actor (reward_workers 0)."""
+    """Time limit of one reward-worker call (a chunk of one function), and the deadline of one HTTP verifier call on its rows (connecting, sending, every read, its retries and their waits). Past it the call is a timeout (a worker is killed and a fresh one started); reward_failure decides about its rows. Not applied to reward functions that run inside the reward actor (reward_workers 0)."""
     reward_failure: str = knob("error", REWARDS, REWARD, choices=("error", "score", "drop"))
     """What a reward-function call that raises, returns unusable values or times out does (and a verifier request that fails): error (the step fails with a RewardError naming the function, the call's rows and what happened), score (its rows get reward_failure_score) or drop (its rows' scores are NaN, masked out by the learner and counted; needs nonfinite_reward: drop). With score or drop a failed call of several rows is bisected (its halves called again, down to single rows, at most reward_retry_calls extra calls per function and batch), so only the rows that fail on their own get the policy. A function that returns NaN/inf for a row follows nonfinite_reward. With score or drop (or reward_workers >= 1, or a verifier) the step reports the counts reward_timeouts, reward_exceptions, reward_nonfinite, reward_rows_dropped, reward_rows_fixed_score and reward_retry_calls."""
     reward_failure_score: float = knob(0.0, REWARDS, REWARD)
@@ -377,6 +385,8 @@ class PPOConfig:
     """Retries of a verifier request refused, reset or answered with HTTP 5xx, after reward_verifier_backoff_s, then twice that, and so on; a timeout, a 4xx or a malformed reply is not retried (reward_failure decides)."""
     reward_verifier_backoff_s: float = knob(0.5, REWARDS, REWARD, check=at_least(0))
     """The first wait before a verifier request is retried (doubling each retry)."""
+    reward_verifier_proxy: Optional[str] = knob(None, REWARDS, REWARD)
+    """An HTTP proxy (http://host:port) through which the reward actor reaches verifier URLs (an https:// one through a CONNECT tunnel); None = straight to the verifier's host. Environment variables (http_proxy, https_proxy) are never read: prompts and responses go only where the config says."""
     ppo_dropout: bool = knob(False, ALGORITHM, LEARNER)
     """Apply dropout (lora_dropout and the models' own: dropout layers, and functional dropout such as attention_dropout, hidden_dropout or resid_pdrop in the model's config) in the learner's PPO forwards. Off by default, as in the N+ recipe and TRL (disable_dropout): the old logprobs come from a dropout-free pass, so dropout in the training forward alone would put the first minibatch's ratio off 1 (benchmarks/RESULTS.md, "Correctness fixes: stale prefix-cache KV, dropout and the ratio"). Off turns every form off in the policy and the value model (learner.learner.disable_dropout); the adapters' saved config keeps lora_dropout."""
     logprob_gap_check: str = knob("resync", ALGORITHM, choices=("resync", "error", "warn", "off"))
@@ -578,6 +588,8 @@ class PPOConfig:
                 raise ConfigError(f"config field '{name}' = {getattr(self, name)!r} is invalid: {rule}")
 
         self._validate_declared(need)
+        for name, why in ignored_knobs({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}).items():
+            need(False, name, f"{why}: leave it at its default ({_default_yaml(name)}) or select one that reads it")
         need(self.clip_epsilon > 0, "clip_epsilon", "must be > 0")
         need(self.kl_coef >= 0, "kl_coef", "must be >= 0")
         need(self.temperature >= MIN_TEMPERATURE, "temperature",
@@ -704,11 +716,10 @@ class PPOConfig:
                 need(why is None, f.name, why)
 
     def _validate_estimator(self) -> None:
-        """The estimator's rules (learner.algos.check_estimator_config)."""
+        """The estimator's group size (learner.algos.check_group_size; the knobs it does not read:
+        ignored_knobs)."""
         try:
-            check_estimator_config(advantage_estimator(self.advantage_estimator),
-                                   samples_per_prompt=self.samples_per_prompt, whiten_rewards=self.whiten_rewards,
-                                   reward_shaping=self.reward_shaping)
+            check_group_size(advantage_estimator(self.advantage_estimator), self.samples_per_prompt)
         except ValueError as e:
             raise ConfigError(f"config: {e}") from None
 
@@ -833,8 +844,14 @@ class PPOConfig:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
     def replace(self, **changes: Any) -> "PPOConfig":
+        """The config with `changes`; a knob of this config that a changed selection no longer
+        reads goes back to its default, with a warning (_left_behind)."""
         changes = _renamed(changes, "replace()")
         _check_keys(changes, source="replace()")
+        current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name, why in _left_behind(current, changes).items():
+            _warn_left_behind("replace()", name, current[name], why)
+            changes[name] = _default(name)
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -847,11 +864,32 @@ class PPOConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> "PPOConfig":
-        """A YAML file, or a shipped preset by name (resolve_config), then `overrides` on top."""
+        """A YAML file, or a shipped preset by name (resolve_config), then `overrides` on top. A
+        knob the file sets for its own selections that an override's selection does not read
+        (tiny's gamma: 1.0, read by gae, under --advantage_estimator grpo) goes back to its
+        default, with a warning; one the file's own selections ignore, or an override sets, is
+        refused (ignored_knobs)."""
+        return cls._from_file(path, overrides, saved=False)
+
+    @classmethod
+    def from_saved(cls, path: str | Path, **overrides: Any) -> "PPOConfig":
+        """A config a run saved (a run directory's or a checkpoint's config.yaml), then
+        `overrides`: as from_yaml, but every knob of the file that its selections do not read
+        goes back to its default, with a warning. Older versions accepted such knobs (a
+        critic-free run on a GAE preset saved its gamma and value_learning_rate) and never read
+        them, so what the run computes is unchanged."""
+        return cls._from_file(path, overrides, saved=True)
+
+    @classmethod
+    def _from_file(cls, path: str | Path, overrides: dict[str, Any], saved: bool) -> "PPOConfig":
         path = resolve_config(path)
         data = read_yaml(path)
         overrides = _renamed(overrides, "overrides")
         _check_keys(overrides, source="overrides")
+        # the file's fields under today's names, to compare (from_dict renames them, and refuses
+        # an old and a new name that disagree)
+        for name, why in _left_behind(_renamed(data, str(path)), overrides, saved=saved).items():
+            _warn_left_behind(str(path), name, data.pop(name), why)
         data.update(overrides)
         return cls.from_dict(data, source=str(path))
 
@@ -1118,6 +1156,90 @@ def parse_overrides(argv: Sequence[str]) -> tuple[PPOConfig, list[str]]:
     if options.config is None:
         return PPOConfig(**overrides), positional
     return PPOConfig.from_yaml(options.config, **overrides), positional
+
+
+# ---------------------------------------------------------------------- knobs a selection ignores
+def selection_reads() -> dict[str, dict[str, frozenset[str]]]:
+    """{selector: {choice: the knobs it reads}}, from the registries' declarations: each advantage
+    estimator's and policy loss's ``reads`` and own parameters (learner.algos.register_estimator,
+    learner.losses.register_policy_loss), each loss aggregation's (learner.algos.LOSS_AGG_MODES).
+    Read from the live registries (an estimator a test registers counts)."""
+    def of(registry: Mapping[str, Any]) -> dict[str, frozenset[str]]:
+        return {name: frozenset((*entry.reads, *(p.name for p in entry.params))) for name, entry in registry.items()}
+    return {"advantage_estimator": of(ADVANTAGE_ESTIMATORS), "policy_loss": of(POLICY_LOSSES),
+            "loss_agg": {name: frozenset(knobs) for name, knobs in LOSS_AGG_MODES.items()}}
+
+
+def ignored_knobs(values: Mapping[str, Any]) -> dict[str, str]:
+    """The one check of knobs a selection would silently ignore: {knob: why} for each knob of
+    `values` (field -> value; a field not in it is at its default) that some choice of a
+    selector reads and the chosen one does not (selection_reads), set away from its default.
+    An unregistered choice is skipped (its own check names it)."""
+    out: dict[str, str] = {}
+    for selector, reads in selection_reads().items():
+        chosen = values.get(selector, _default(selector))
+        if chosen not in reads:
+            continue
+        for name in sorted(frozenset().union(*reads.values()) - reads[chosen]):
+            if name in values and not _at_default(name, values[name]):
+                readers = [choice for choice, knobs in reads.items() if name in knobs]
+                out[name] = f"{selector} {chosen!r} does not read it (read by {', '.join(readers)})"
+    return out
+
+
+def _left_behind(base: Mapping[str, Any], changes: Mapping[str, Any], *, saved: bool = False) -> dict[str, str]:
+    """{knob: why} of the knobs `base` sets that the selections of base + changes ignore
+    (ignored_knobs) and `changes` do not set: what an override's selection leaves behind.
+    Without `saved` only those that base's own selections read (a knob base sets for a
+    selection it does not make is refused, as anywhere); with it all (a saved config)."""
+    ignored = ignored_knobs({**base, **changes})
+    own = {} if saved else ignored_knobs(base)
+    return {name: why for name, why in ignored.items() if name in base and name not in changes and name not in own}
+
+
+def _warn_left_behind(source: str, name: str, value: Any, why: str) -> None:
+    log.warning("%s: %s = %r goes back to its default (%s): %s", source, name, value, _default_yaml(name), why)
+
+
+@functools.lru_cache(maxsize=None)
+def _field(name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(PPOConfig) if f.name == name)
+
+
+@functools.lru_cache(maxsize=None)
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(PPOConfig)
+
+
+def _default(name: str) -> Any:
+    f = _field(name)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+
+
+def _default_yaml(name: str) -> str:
+    return default_text(_field(name))
+
+
+def _at_default(name: str, value: Any) -> bool:
+    """Whether `value` (as given: YAML, the CLI, Python) is the field's default once coerced."""
+    try:
+        return _coerce(name, value, _hints()[name]) == _default(name)
+    except ConfigError:
+        return False  # a bad value is not the default; the field's own check names it
+
+
+def _check_selection_reads() -> None:
+    """At import: every knob a registration says it reads is a field, and belongs to one selector."""
+    fields, owner = set(PPOConfig.field_names()), {}
+    for selector, reads in selection_reads().items():
+        for name in frozenset().union(*reads.values()):
+            if name not in fields:
+                raise TypeError(f"{selector}: a registration reads {name!r}, which is no config field")
+            if owner.setdefault(name, selector) != selector:
+                raise TypeError(f"{name!r} is read under both {owner[name]} and {selector}: one selector per knob")
+
+
+_check_selection_reads()
 
 
 # ---------------------------------------------------------------------- helpers

@@ -473,7 +473,8 @@ class RewardWorkerPool:
                    config.placement_timeout_s, dict(timeout_s=config.reward_timeout_s,
                                                     retries=config.reward_verifier_retries,
                                                     backoff_s=config.reward_verifier_backoff_s,
-                                                    batch_size=config.reward_verifier_batch_size))
+                                                    batch_size=config.reward_verifier_batch_size,
+                                                    proxy=config.reward_verifier_proxy))
 
     def _start(self):
         self.started += 1
@@ -510,8 +511,8 @@ class RewardWorkerPool:
         """The workers' Ray actor ids, in pool order (a replaced worker's slot holds its successor's)."""
         return [w._actor_id.hex() for w in self.workers]
 
-    def run(self, calls: list[tuple[str, list[str], list[str]]]) -> list:
-        """Each (spec, prompts, completions) call's CallResult, in order; waits for all."""
+    def run(self, calls: list) -> list:
+        """Each call's (ppo_ray.rewards.RewardCall) CallResult, in order; waits for all."""
         from collections import deque
 
         from ppo_ray.rewards import EXCEPTION, TIMEOUT, CallResult
@@ -524,7 +525,7 @@ class RewardWorkerPool:
         while queue or busy:
             while queue and idle:
                 i, worker = queue.popleft(), idle.popleft()
-                busy[worker.call.remote(*calls[i])] = (i, worker, time.monotonic() + self.timeout_s)
+                busy[worker.call.remote(calls[i])] = (i, worker, time.monotonic() + self.timeout_s)
             deadlines = [d for _, _, d in busy.values()] + [d for _, d in self.starting.values()]
             wait = max(min(deadlines) - time.monotonic(), 0.0)
             ready, _ = ray.wait([*busy, *self.starting], num_returns=1, timeout=wait)

@@ -4,11 +4,15 @@ that makes such calls: a reward worker's), and small programmatic reward functio
 configs as "ppo_ray.rewards:<name>".
 
 A reward function is named "package.module:function" and called as
-fn(prompts: list[str], completions: list[str]) -> list[float]: one float per completion.
-It is imported only from the module path the user named (never from data). A reward_funcs
+fn(prompts: list[str], completions: list[str], **columns) -> list[float]: one float per
+completion. `columns` are per-row lists (actors.reward.reward_columns: today finish_reasons,
+"stop" where the response ended with EOS, "length" where it was cut at max_new_tokens), and a
+function gets only those its signature names, or all of them with **kwargs (TRL's convention
+for a dataset's extra columns), so fn(prompts, completions) works as it always did. It is
+imported only from the module path the user named (never from data). A reward_funcs
 entry that is an http:// or https:// URL is a verifier service instead (HttpVerifier): the
 same call, answered by POSTing {"prompts": [...], "responses": [...]} and reading
-{"scores": [...]}.
+{"scores": [...]}, with no redirect followed and no proxy but the config's.
 
 `check_reward_sources` is the one home of the reward-source checks: launch.py (before
 anything is written), PPOTrainer (before any actor starts) and the reward actor
@@ -27,18 +31,18 @@ from __future__ import annotations
 
 import http.client
 import importlib
+import inspect
 import json
 import socket
+import threading
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 from ppo_ray.paths import resolve_model_path
 
-RewardFn = Callable[[list[str], list[str]], Sequence[float]]
+RewardFn = Callable[..., Sequence[float]]  # fn(prompts, completions, **the columns it takes)
 
 
 class RewardError(ValueError):
@@ -124,6 +128,27 @@ def check_reward_sources(reward_model_name: Optional[str], reward_funcs: Sequenc
     return funcs
 
 
+def columns_taken(fn: Callable, names: Sequence[str]) -> list[str]:
+    """The per-row columns of `names` that `fn` takes: those its signature names as parameters
+    (positional-or-keyword or keyword-only), or all of them when it has **kwargs; none when
+    its signature cannot be read."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return list(names)
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return [name for name in names if name in named]
+
+
+def call_reward_fn(fn: Callable, prompts: list[str], completions: list[str], columns: dict[str, list]):
+    """fn(prompts, completions, **the columns it takes): the one way a reward function is called
+    (actors.reward's plain call, RewardWorker's guarded ones). Returns what fn returns."""
+    taken = {name: list(columns[name]) for name in columns_taken(fn, list(columns))}
+    return fn(list(prompts), list(completions), **taken)
+
+
 def check_values(spec: str, values, n: int) -> list[float]:
     """A reward function's return value as n floats, or a RewardError naming the function (not
     numbers, or not n of them). Non-finite numbers pass: nonfinite_reward decides about them."""
@@ -143,6 +168,19 @@ TIMEOUT, EXCEPTION = "timeout", "exception"
 
 
 @dataclass(frozen=True)
+class RewardCall:
+    """One guarded call of a reward function on some rows, as it travels to whoever makes it
+    (RewardWorker.call, in a worker actor or the reward actor): the rows' prompts and
+    completions, and their per-row columns (each list in row order; the function gets those it
+    takes: call_reward_fn)."""
+
+    spec: str
+    prompts: list[str]
+    completions: list[str]
+    columns: dict[str, list] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class CallResult:
     """One guarded call of a reward function on some rows: their scores, or why there are none."""
 
@@ -159,11 +197,14 @@ class RewardWorker:
     def __init__(self, reward_funcs: Sequence[str], **verifier_options):
         self.funcs = {spec: import_reward_fn(spec, **verifier_options) for spec in reward_funcs}
 
-    def call(self, spec: str, prompts: list[str], completions: list[str]) -> CallResult:
-        """fn(prompts, completions) as a CallResult: its checked values (check_values), or the
-        failure it raised (a RewardTimeout is a TIMEOUT: a verifier's request past its limit)."""
+    def call(self, call: RewardCall) -> CallResult:
+        """The call's function on its rows (call_reward_fn) as a CallResult: its checked values
+        (check_values), or the failure it raised (a RewardTimeout is a TIMEOUT: a verifier's call
+        past its deadline)."""
+        spec = call.spec
         try:
-            return CallResult(check_values(spec, self.funcs[spec](list(prompts), list(completions)), len(prompts)))
+            values = call_reward_fn(self.funcs[spec], call.prompts, call.completions, call.columns)
+            return CallResult(check_values(spec, values, len(call.prompts)))
         except RewardTimeout as e:
             return CallResult(None, TIMEOUT, str(e))
         except RewardError as e:  # unusable values, a verifier's failure: the message names it
@@ -173,28 +214,50 @@ class RewardWorker:
 
 
 # ----------------------------------------------------------------------------- the HTTP verifier
+def _http_url(url: str, what: str, schemes: tuple[str, ...] = ("http", "https")) -> SplitResult:
+    """`url` split (urlsplit), or a RewardError naming `what` when it is not a URL of `schemes`
+    with a host (and a valid port, if it has one)."""
+    parts = urlsplit(url)
+    try:
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        port_ok = False
+    if parts.scheme not in schemes or not parts.hostname or not port_ok:
+        names = " or ".join(f"{s}://" for s in schemes)
+        raise RewardError(f"{what} {url!r} must be an {names} URL with a host (e.g. http://127.0.0.1:8000/score)")
+    return parts
+
+
+class _ConnectFailed(OSError):
+    """The TCP connection to the verifier (or its proxy) could not be made: retried."""
+
+
 class HttpVerifier:
     """A reward source served over HTTP: a user's sandbox that scores (prompt, response) pairs.
 
     Called as a reward function. It POSTs JSON {"prompts": [...], "responses": [...]} to `url`,
     `batch_size` rows per request (0: all the call's rows in one), and reads {"scores": [...]}:
-    one number per response (NaN / inf follow nonfinite_reward). Each request has `timeout_s`
-    (connect and each read; past it: RewardTimeout, not retried, since a service that hangs
-    would hang again); a refused or reset connection and an HTTP 5xx are retried up to
-    `retries` times after `backoff_s`, 2 x backoff_s, 4 x backoff_s, ... seconds; a 4xx, a reply
-    that is not JSON, has no "scores" list, the wrong count or a value that is not a number
-    are RewardErrors naming the URL. Standard library only (urllib)."""
+    one number per response (NaN / inf follow nonfinite_reward). `timeout_s` is the deadline of
+    one call, all of it: connecting, sending, every read of every request, the retries and their
+    waits; past it the call is a RewardTimeout naming the URL and the limit (a reply that
+    trickles in cannot hold a call longer: the socket is shut at the deadline). A refused or
+    reset connection and an HTTP 5xx are retried up to `retries` times after `backoff_s`, 2 x
+    backoff_s, 4 x backoff_s, ... seconds (a wait that would end past the deadline is a
+    RewardTimeout at once); a timeout is not retried (a service that hangs would hang again). A
+    redirect (3xx) is not followed: it is a RewardError naming the URL and the Location it
+    points to, as are a 4xx and a reply that is not JSON, has no "scores" list, the wrong count
+    or a value that is not a number. The prompts and responses go to `url`'s host only: no
+    proxy is used but `proxy` (an http://host:port URL; an https:// verifier is reached through
+    a CONNECT tunnel in it), and no environment variable (http_proxy, https_proxy, no_proxy) is
+    read. Standard library only: http.client, which follows no redirect and looks up no proxy."""
 
     def __init__(self, url: str, timeout_s: float = 60.0, retries: int = 2, backoff_s: float = 0.5,
-                 batch_size: int = 0):
-        parts = urlsplit(url)
-        try:
-            port_ok = parts.port is None or parts.port > 0
-        except ValueError:
-            port_ok = False
-        if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
-            raise RewardError(f"reward verifier {url!r} must be an http:// or https:// URL with a host "
-                              "(e.g. http://127.0.0.1:8000/score)")
+                 batch_size: int = 0, proxy: Optional[str] = None):
+        self.target = _http_url(url, "reward verifier")
+        self.proxy = None if proxy is None else _http_url(proxy, "reward_verifier_proxy", ("http",))
+        if self.proxy is not None and (self.proxy.username is not None or self.proxy.password is not None):
+            raise RewardError(f"reward_verifier_proxy {self.proxy.hostname}: credentials in the URL are not "
+                              "supported (the config is saved with the run)")
         self.url, self.timeout_s, self.retries, self.backoff_s = url, timeout_s, retries, backoff_s
         self.batch_size = batch_size
 
@@ -204,39 +267,112 @@ class HttpVerifier:
     def __call__(self, prompts: list[str], completions: list[str]) -> list[float]:
         if len(prompts) != len(completions):
             raise RewardError(f"reward verifier {self.url}: {len(prompts)} prompts but {len(completions)} responses")
+        deadline = time.monotonic() + self.timeout_s  # the whole call's (reward_timeout_s)
         size = self.batch_size or max(len(prompts), 1)
         out: list[float] = []
         for start in range(0, len(prompts), size):
-            out += self.post(prompts[start:start + size], completions[start:start + size])
+            out += self.post(prompts[start:start + size], completions[start:start + size], deadline)
         return out
 
-    def post(self, prompts: list[str], completions: list[str]) -> list[float]:
-        """One request (with its retries): the scores of these rows."""
+    def past_deadline(self, why: str = "") -> RewardTimeout:
+        return RewardTimeout(f"reward verifier {self.url} did not answer within {self.timeout_s:g} s "
+                             f"(reward_timeout_s: the whole call, retries included){why}")
+
+    def post(self, prompts: list[str], completions: list[str], deadline: float) -> list[float]:
+        """One request (with its retries), by `deadline` (time.monotonic()): the scores of these rows."""
         body = json.dumps({"prompts": list(prompts), "responses": list(completions)}).encode()
         for attempt in range(self.retries + 1):
-            request = urllib.request.Request(self.url, data=body, method="POST",
-                                             headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
-                    raw = reply.read()
-                return self.parse(raw, len(prompts))
-            except urllib.error.HTTPError as e:
-                if not 500 <= e.code < 600:
-                    raise RewardError(f"reward verifier {self.url} answered HTTP {e.code} {e.reason}") from e
-                why = f"HTTP {e.code} {e.reason}"
-            except (TimeoutError, socket.timeout) as e:
-                raise RewardTimeout(f"reward verifier {self.url} did not answer within {self.timeout_s:g} s "
-                                    "(reward_timeout_s)") from e
-            except urllib.error.URLError as e:
-                if isinstance(e.reason, (TimeoutError, socket.timeout)):
-                    raise RewardTimeout(f"reward verifier {self.url} did not answer within {self.timeout_s:g} s "
-                                        "(reward_timeout_s)") from e
-                why = f"cannot connect: {e.reason}"
-            except (ConnectionError, http.client.HTTPException) as e:  # reset mid-reply, a reply cut short
+                status, reason, location, raw = self.exchange(body, deadline)
+            except TimeoutError as e:
+                raise self.past_deadline() from e
+            except _ConnectFailed as e:
+                why = f"cannot connect: {e}"
+            except (OSError, http.client.HTTPException) as e:  # reset mid-reply, a reply cut short
                 why = f"connection failed: {type(e).__name__}: {e}"
+            else:
+                if 200 <= status < 300:
+                    return self.parse(raw, len(prompts))
+                if 300 <= status < 400:
+                    raise RewardError(f"reward verifier {self.url} answered HTTP {status} {reason}, a redirect to "
+                                      f"{location!r}: redirects are not followed (name the URL that scores in "
+                                      "reward_funcs)")
+                if not 500 <= status < 600:
+                    raise RewardError(f"reward verifier {self.url} answered HTTP {status} {reason}")
+                why = f"HTTP {status} {reason}"
             if attempt < self.retries:
-                time.sleep(self.backoff_s * 2 ** attempt)
+                wait = self.backoff_s * 2 ** attempt
+                if time.monotonic() + wait >= deadline:
+                    raise self.past_deadline(f"; attempt {attempt + 1} failed: {why}")
+                time.sleep(wait)
         raise RewardError(f"reward verifier {self.url} failed after {self.retries + 1} attempts: {why}")
+
+    def connection(self, timeout_s: float) -> tuple[http.client.HTTPConnection, str]:
+        """A connection (not yet open) to the verifier, or to the proxy that reaches it, whose
+        every socket operation has `timeout_s`, and the request's target: the path, or through
+        a proxy to an http:// verifier the absolute URL (the proxy forwards it)."""
+        target = self.target
+        path = (target.path or "/") + (f"?{target.query}" if target.query else "")
+        if self.proxy is None:
+            cls = http.client.HTTPSConnection if target.scheme == "https" else http.client.HTTPConnection
+            return cls(target.hostname, target.port, timeout=timeout_s), path
+        if target.scheme == "https":  # TLS to the verifier inside a CONNECT tunnel through the proxy
+            conn = http.client.HTTPSConnection(self.proxy.hostname, self.proxy.port, timeout=timeout_s)
+            conn.set_tunnel(target.hostname, target.port)
+            return conn, path
+        return http.client.HTTPConnection(self.proxy.hostname, self.proxy.port, timeout=timeout_s), \
+            urlunsplit(target._replace(fragment=""))
+
+    def exchange(self, body: bytes, deadline: float) -> tuple[int, str, Optional[str], bytes]:
+        """One POST, all of it (connect, send, every read) by `deadline`: (status, reason,
+        Location header, body). Past the deadline a TimeoutError, whatever the socket was doing:
+        each socket operation has the time left when the connection opens, and a timer shuts
+        the socket at the deadline (a reply trickling in, byte by byte within each operation's
+        limit, is cut there). A connection that cannot be made is a _ConnectFailed."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no time left")
+        conn, target = self.connection(left)
+        lock, state = threading.Lock(), {"done": False, "expired": False}
+
+        def expire() -> None:  # the deadline: end what the socket is doing (connect, send or a read)
+            with lock:
+                if state["done"]:
+                    return
+                state["expired"] = True
+                if conn.sock is not None:
+                    try:
+                        socket.socket.shutdown(conn.sock, socket.SHUT_RDWR)  # the plain socket's, under TLS too
+                    except OSError:
+                        pass
+
+        timer = threading.Timer(left, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            try:
+                conn.connect()
+            except TimeoutError:
+                raise
+            except OSError as e:
+                if state["expired"]:
+                    raise TimeoutError("past the deadline") from e
+                raise _ConnectFailed(*e.args) from e
+            conn.request("POST", target, body=body, headers={"Content-Type": "application/json"})
+            reply = conn.getresponse()
+            raw = reply.read()
+            if state["expired"]:  # a reply read up to the socket's shutdown (no length given) is cut short
+                raise TimeoutError("past the deadline")
+            return reply.status, reply.reason, reply.getheader("Location"), raw
+        except (OSError, http.client.HTTPException) as e:
+            if state["expired"] or time.monotonic() >= deadline:
+                raise TimeoutError("past the deadline") from e
+            raise
+        finally:
+            with lock:
+                state["done"] = True
+            timer.cancel()
+            conn.close()
 
     def parse(self, raw: bytes, n: int) -> list[float]:
         """The reply's scores, checked: a JSON object whose "scores" is a list of n numbers."""

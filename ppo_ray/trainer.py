@@ -167,7 +167,8 @@ class PPOTrainer:
         self.config = config
         # Everything that can fail cheaply fails before any actor starts.
         # the reward sources (RewardError naming one): its config.json refuses a causal LM here
-        check_reward_sources(config.reward_model_name, config.reward_funcs, config.reward_weights)
+        check_reward_sources(config.reward_model_name, config.reward_funcs, config.reward_weights,
+                             proxy=config.reward_verifier_proxy)
         self.model_dir = resolve_model_path(config.model_name)
         self.ref_model_dir = resolve_model_path(config.ref_model_name or config.model_name)
         self.reward_model_dir = resolve_model_path(config.reward_model_name) if config.reward_model_name else None

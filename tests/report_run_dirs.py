@@ -112,7 +112,7 @@ def arith_run(run_dir: Path, steps: int = 8, k: int = 8) -> dict:
         greedy = [r["answer"] if i % wrong_every else str(int(r["answer"]) - 10) for i, r in enumerate(rows)]
         if hostile:
             greedy[1] = SCRIPT + " | 12"
-        right = [is_right(r["prompt"], g) for r, g in zip(rows, greedy)]
+        right = [is_right(r["prompt"], g, "stop") for r, g in zip(rows, greedy)]
         counts = [k - (i % 3) if ok else i % 3 for i, ok in enumerate(right)]
         return {"greedy": greedy, "greedy_right": right, "right": counts}
 

@@ -104,6 +104,16 @@ def numbers(prompts, completions):
     return [row_number(c) for c in completions]
 
 
+# Reward functions that take the finish reasons (actors.reward.reward_columns): by naming them,
+# or with **kwargs (which gets every column).
+def ended_with_eos(prompts, completions, *, finish_reasons):
+    return [1.0 if f == "stop" else 0.0 for f in finish_reasons]
+
+
+def numbers_plus_ten_at_eos(prompts, completions, **columns):
+    return [row_number(c) + 10.0 * (f == "stop") for c, f in zip(completions, columns["finish_reasons"])]
+
+
 # tests/test_dynamic_sampling.py: a group's scores are equal when its prompt holds SAME_MARK, and
 # differ otherwise (each row scores its position in the score call).
 SAME_MARK = "SAME "

@@ -43,24 +43,46 @@ def test_the_sft_annotator_forgets_the_units_carry_at_its_rate(tmp_path, slip):
     assert rate == slip if slip in (0.0, 1.0) else abs(rate - slip) < 4 * (slip * (1 - slip) / len(carry)) ** 0.5
     for r in carry:
         a, b = operands(r["prompt"])
-        assert r["answer"] == str(a + b - 10 * r["slip"]) and is_right(r["prompt"], r["answer"]) is not r["slip"]
+        assert r["answer"] == str(a + b - 10 * r["slip"])
+        assert is_right(r["prompt"], r["answer"], "stop") is not r["slip"]
     for r in map(json.loads, paths["prompts_test.jsonl"].read_text().splitlines()):
-        assert is_right(r["prompt"], r["answer"])
+        assert is_right(r["prompt"], r["answer"], "stop")
 
 
 @pytest.mark.parametrize("completion, right", [
     ("936", True), (" 936 ", True), ("936\n", True), ("0936", False), ("93", False), ("9 36", False),
     ("936.0", False), ("-936", False), ("", False), ("nine", False), ("9360", False)])
 def test_the_verifier_takes_exactly_the_sum(completion, right):
-    assert is_right("347+589=", completion) is right
-    assert verify(["347+589="], [completion]) == [1.0 if right else 0.0]
+    assert is_right("347+589=", completion, "stop") is right
+    assert verify(["347+589="], [completion], finish_reasons=["stop"]) == [1.0 if right else 0.0]
+
+
+@pytest.mark.parametrize("completion", ["936", "936\n\n", " 936"])
+def test_an_answer_cut_off_without_eos_is_no_answer(completion):
+    """The module's rule, "the sum followed by EOS": the right digits cut off at max_new_tokens
+    (finish reason "length") are wrong, for the reward as for pass@1 and pass@k (is_right)."""
+    assert not is_right("347+589=", completion, "length")
+    assert verify(["347+589=", "347+589="], [completion, completion], finish_reasons=["length", "stop"]) == [0.0, 1.0]
+
+
+def test_the_verifier_gets_the_finish_reasons_from_the_reward_scorer():
+    """ppo_ray.tasks.arith:verify as a config's reward function: the scorer passes the batch's
+    finish reasons (it names them), so "46" cut off scores 0 and "46" then EOS scores 1."""
+    from actors.reward import RewardScorer
+    from ppo_ray.batch import RolloutBatch
+
+    eos = 1
+    batch = RolloutBatch.from_tokens([[5]] * 2, [[6, 6], [6, eos]], pad_token_id=0, eos_token_id=eos,
+                                     prompts=["23+23=", "23+23="], responses=["46", "46"])
+    scores, _ = RewardScorer(None, ["ppo_ray.tasks.arith:verify"]).score(batch)
+    assert scores.tolist() == [0.0, 1.0]
 
 
 def test_the_verifier_names_a_prompt_that_is_not_an_addition():
     with pytest.raises(RewardError, match="'Summarize this' is not an addition prompt"):
-        verify(["Summarize this"], ["1"])
-    with pytest.raises(RewardError, match="2 prompts but 1 completions"):
-        verify(["1+1=", "2+2="], ["2"])
+        verify(["Summarize this"], ["1"], finish_reasons=["stop"])
+    with pytest.raises(RewardError, match="2 prompts but 1 completions and 2 finish reasons"):
+        verify(["1+1=", "2+2="], ["2"], finish_reasons=["stop", "stop"])
 
 
 @pytest.mark.parametrize("n, c, k", [(8, 0, 8), (8, 3, 8), (8, 3, 1), (8, 3, 4), (10, 1, 3), (5, 5, 2), (6, 2, 5)])
@@ -73,3 +95,22 @@ def test_pass_at_k_is_the_share_of_k_subsets_with_a_right_sample(n, c, k):
     assert pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12)
     with pytest.raises(ValueError, match="pass_at_k needs"):
         pass_at_k(n, c, n + 1)
+
+
+def test_pass_rates_apply_the_verifiers_rule():
+    """ppo_ray.tasks.evaluation.solve (pass@1, pass@k, as the RL stage and `launch.py eval`
+    report them) counts an answer cut off without EOS as wrong, as the reward does."""
+    from ppo_ray.stats import Responses
+    from ppo_ray.tasks.evaluation import arith_rates, solve
+
+    class Trainer:  # the two generate calls of solve: greedy, then k = 2 samples per prompt
+        def generate(self, prompts, *, samples_per_prompt, greedy, score, index_offset):
+            if greedy:
+                return Responses(["46", "46"], ["stop", "length"], 0)
+            return Responses(["46", "46", "46\n\n", "46"], ["length", "stop", "length", "length"], 0)
+
+    res = solve(Trainer(), [{"prompt": "23+23="}, {"prompt": "23+23="}], 2)
+    assert res["greedy_right"] == [True, False] and res["right"] == [1, 0]
+    assert res["greedy_finish"] == ["stop", "length"] and res["samples_finish"] == [["length", "stop"],
+                                                                                     ["length", "length"]]
+    assert arith_rates(res, 2) == {"pass1": 0.5, "pass2": 0.5, "sample_accuracy": 0.25}

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 import launch
 from conftest import ROOT, launch_ppo, snapshot
@@ -426,3 +427,134 @@ def test_lora_rank_set_matches_vllm():
               if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MaxLoRARanks" for t in node.targets)]
     assert values, f"MaxLoRARanks not found in {source}"
     assert tuple(values[0]) == VLLM_LORA_RANKS
+
+
+# ---------------------------------------------------------------------- knobs a selection ignores (issue 55, item 7)
+# A valid value other than the default for every knob a registration declares it reads (a new one
+# must be added here: the first test names it).
+AWAY_FROM_DEFAULT = {
+    "clip_epsilon": 0.1, "clip_epsilon_high": 0.28, "dual_clip": 3.0, "gspo_clip_epsilon": 3e-4,
+    "gspo_clip_epsilon_high": 5e-4, "cispo_epsilon_high": 4.0, "cispo_epsilon_low": 0.5, "grpo_norm_std": False,
+    "gamma": 1.0, "lam": 0.9, "whiten_rewards": True, "reward_shaping": "every_token", "whiten_advantages": False,
+    "value_learning_rate": 3e-4, "value_clip": None, "vf_coef": 0.2, "value_model": "shared",
+    "value_model_name": "some/value-model", "old_values": "forward", "loss_agg_tokens": 8,
+}
+
+
+def selection_cases():
+    """(selector, choice, the config that selects it, the knobs it reads, every knob of its selector)."""
+    from ppo_ray.config import selection_reads
+
+    for selector, reads in selection_reads().items():
+        for choice, knobs in reads.items():
+            base = {selector: choice}
+            if selector == "advantage_estimator" and choice != "gae":
+                base["samples_per_prompt"] = 2  # the group baselines compare samples of one prompt
+            yield selector, choice, base, knobs, frozenset().union(*reads.values())
+
+
+def test_every_knob_a_selection_does_not_read_is_refused_and_every_one_it_reads_is_taken():
+    """policy_loss, advantage_estimator and loss_agg: each choice declares the shared knobs it
+    reads (its registration's reads and own parameters); any other knob of its selector, set
+    away from its default, is a ConfigError naming the knob, the selection and who reads it
+    (gspo with clip_epsilon_high or dual_clip, cispo with clip_epsilon, loss_agg_tokens without
+    token_sum_norm, grpo with gamma or a value-model knob), and at its default it is accepted."""
+    cases = list(selection_cases())
+    assert {k for *_, every in cases for k in every} == set(AWAY_FROM_DEFAULT), "AWAY_FROM_DEFAULT is out of date"
+    for selector, choice, base, knobs, every in cases:
+        PPOConfig(**base)
+        for name in sorted(every):
+            value = AWAY_FROM_DEFAULT[name]
+            if name in knobs:
+                assert getattr(PPOConfig(**base, **{name: value}), name) == value, (choice, name)
+                continue
+            readers = r"\w+(, \w+)*"
+            with pytest.raises(ConfigError, match=rf"'{name}' = {re.escape(repr(value))} is invalid: {selector} "
+                                                  rf"'{choice}' does not read it \(read by {readers}\): leave it at "
+                                                  r"its default"):
+                PPOConfig(**base, **{name: value})
+    # the reviewer's cases, by name
+    for kw, knob, selection in ((dict(policy_loss="gspo", clip_epsilon_high=0.28), "clip_epsilon_high", "gspo"),
+                                (dict(policy_loss="cispo", dual_clip=3.0), "dual_clip", "cispo"),
+                                (dict(policy_loss="gspo", clip_epsilon=0.1), "clip_epsilon", "gspo"),
+                                (dict(loss_agg_tokens=64), "loss_agg_tokens", "token_mean")):
+        with pytest.raises(ConfigError, match=rf"'{knob}' = .* is invalid: \w+ '{selection}' does not read it"):
+            PPOConfig(**kw)
+
+
+def test_a_selection_switched_over_a_file_leaves_the_files_knobs_behind(tmp_path, caplog):
+    """The tiny preset sets gamma and value_learning_rate for gae (its estimator): selecting grpo
+    on top of it puts them back at their defaults, each with a warning, instead of refusing the
+    preset; the same knobs given with the selection (an override, or in one file) are refused;
+    replace() leaves a switched selection's knobs behind the same way."""
+    grpo = dict(advantage_estimator="grpo", samples_per_prompt=2)
+    with caplog.at_level("WARNING", logger="ppo_ray.config"):
+        config = PPOConfig.from_yaml("tiny", **grpo)
+    assert (config.gamma, config.value_learning_rate) == (0.99, 1e-4)
+    assert "tiny.yaml: gamma = 1.0 goes back to its default (0.99): advantage_estimator 'grpo' does not read it" \
+        in caplog.text and "value_learning_rate = 0.003 goes back" in caplog.text
+    assert PPOConfig.from_yaml("tiny").gamma == 1.0  # gae reads it
+    with pytest.raises(ConfigError, match="'gamma' = 1.0 is invalid: advantage_estimator 'grpo' does not read it"):
+        PPOConfig.from_yaml("tiny", **grpo, gamma=1.0)
+    with pytest.raises(ConfigError, match="'gamma' = 0.9 is invalid"):
+        PPOConfig.from_args(["--config", "tiny", "--advantage_estimator", "grpo", "--samples_per_prompt", "2",
+                             "--gamma", "0.9"])
+    own = tmp_path / "gspo.yaml"
+    own.write_text("policy_loss: gspo\nclip_epsilon_high: 0.28\n")
+    with pytest.raises(ConfigError, match="'clip_epsilon_high' = 0.28 is invalid: policy_loss 'gspo' does not read"):
+        PPOConfig.from_yaml(own)
+    dapo = PPOConfig(clip_epsilon_high=0.28, dual_clip=3.0)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ppo_ray.config"):
+        gspo = dapo.replace(policy_loss="gspo")
+    assert (gspo.clip_epsilon_high, gspo.dual_clip) == (None, None) and "replace(): dual_clip = 3.0" in caplog.text
+    with pytest.raises(ConfigError, match="'dual_clip' = 4.0 is invalid: policy_loss 'gspo' does not read it"):
+        dapo.replace(policy_loss="gspo", dual_clip=4.0)
+
+
+def test_a_saved_config_whose_run_ignored_knobs_still_loads(tmp_path, caplog):
+    """A run before issue 55 could save knobs its selections ignored (a grpo run on the main job's
+    preset saved gamma 1.0 and value_learning_rate 3e-4). Its config.yaml is refused as a
+    config file, and loads where a saved config is read (PPOConfig.from_saved: a resume, eval,
+    export), the ignored knobs at their defaults (the run never read them), with a warning."""
+    from ppo_ray.checkpoint import resumed_config
+
+    old = PPOConfig.from_yaml("tldr-tiny").to_dict()
+    old.update(advantage_estimator="grpo", samples_per_prompt=4)  # what the old config check let through
+    ckpt = tmp_path / "run" / "checkpoints" / "step-000010"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    with pytest.raises(ConfigError, match="'gamma' = 1.0 is invalid: advantage_estimator 'grpo' does not read it"):
+        PPOConfig.from_yaml(ckpt / "config.yaml")
+    with caplog.at_level("WARNING", logger="ppo_ray.config"):
+        saved = resumed_config(ckpt, tmp_path / "run", {"steps": 40})
+    assert (saved.advantage_estimator, saved.gamma, saved.value_learning_rate, saved.steps) == ("grpo", 0.99, 1e-4, 40)
+    assert saved.lam == 0.95 and "value_learning_rate = 0.0003 goes back to its default (0.0001)" in caplog.text
+
+
+@pytest.mark.parametrize("base", ["tldr-tiny", "arith-tiny"])
+def test_the_estimator_comparisons_runs_are_valid_configs(base):
+    """benchmarks.compare_estimators' runs in benchmarks/RESULTS.md (the main job's estimators and
+    the verifiable task's five methods, GSPO with the paper's bounds too) on their bases'
+    presets: each is a config the check takes, the base's knobs for another selection left
+    behind (the main job's gamma and value_learning_rate under a critic-free estimator)."""
+    from benchmarks import compare_estimators as ce
+    from ppo_ray.config import ConfigParser
+
+    runs = {"tldr-tiny": ["gae", "grpo:n=8", "rloo:n=2", "reinforce_pp:n=4", "grpo:n=4:kl=loss", "rloo:n=4:kl=loss",
+                          "reinforce_pp:n=4:kl=loss"],
+            "arith-tiny": ["grpo", "ppo-gae=gae:n=1:gamma=1:lam=0.95",
+                           "dapo=grpo:clip_epsilon_high=0.28:dynamic_sampling=true:overlong_filter=true:"
+                           "overlong_buffer=1:loss_agg=token_mean",
+                           "gspo=grpo:policy_loss=gspo:loss_agg=seq_mean_token_mean",
+                           "gspo-paper=grpo:policy_loss=gspo:loss_agg=seq_mean_token_mean:gspo_clip_epsilon=3e-4:"
+                           "gspo_clip_epsilon_high=4e-4",
+                           "cispo=grpo:policy_loss=cispo",
+                           "dapo-k1=grpo:clip_epsilon_high=0.28:dynamic_sampling=true:overlong_filter=true:"
+                           "overlong_buffer=1:loss_agg=token_mean:max_staleness=1:lora_sync=tensor"]}[base]
+    common = ["ppo_epochs=2", "mini_batch_size=64", "micro_batch_size=64"] if base == "arith-tiny" else []
+    for spec in runs:
+        args = (ce.parse_run("x:" + ":".join(common))[2:] if common else []) + ce.parse_run(spec)
+        _, overrides, _ = ConfigParser().parse(args)
+        config = PPOConfig.from_yaml(base, **overrides)
+        assert config.advantage_estimator == ce.estimator_of(spec), spec

@@ -35,7 +35,7 @@ def return_to_go(inputs: AdvantageInputs) -> torch.Tensor:
 @pytest.fixture
 def critic_free():
     """The estimator registered for one test, then removed (the registry is the process's)."""
-    register_estimator(NAME, needs_critic=False)(return_to_go)
+    register_estimator(NAME, needs_critic=False, reads=("gamma", "whiten_rewards", "reward_shaping"))(return_to_go)
     yield NAME
     del ADVANTAGE_ESTIMATORS[NAME]
 

@@ -14,7 +14,7 @@ import pickle
 import pytest
 import torch
 
-from learner.algos import (GRPO_EPS, AdvantageInputs, advantage_estimator, check_estimator_config, check_group_size,
+from learner.algos import (GRPO_EPS, AdvantageInputs, advantage_estimator, check_group_size,
                            masked_whiten)
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import ConfigError, PPOConfig
@@ -238,26 +238,25 @@ def test_a_group_estimator_with_one_sample_per_prompt_is_a_config_error(name, tm
 @pytest.mark.parametrize("name", GROUP_ESTIMATORS)
 @pytest.mark.parametrize("field,value", [("whiten_rewards", "true"), ("reward_shaping", "every_token")])
 def test_reward_options_a_group_estimator_does_not_read_are_config_errors(name, field, value, tmp_path, capsys):
-    """whiten_rewards and reward_shaping shape the per-token rewards GAE reads; a group
-    estimator reads the scores and the KL, so either would silently do nothing."""
+    """whiten_rewards and reward_shaping shape the per-token rewards GAE reads (gae's registration
+    says it reads them); a group estimator reads the scores and the KL, so either would
+    silently do nothing: the config refuses it (ppo_ray.config.ignored_knobs)."""
     import launch
 
-    options = dict(samples_per_prompt=2, whiten_rewards=False, reward_shaping="last_token")
-    check_estimator_config(advantage_estimator(name), **options)
-    check_estimator_config(advantage_estimator("gae"), **{**options, field: value == "true" or value})
-    with pytest.raises(ValueError, match=rf"{field}: {value} does not apply to advantage_estimator '{name}'"):
-        check_estimator_config(advantage_estimator(name), **{**options, field: value == "true" or value})
+    assert {"whiten_rewards", "reward_shaping"} <= set(advantage_estimator("gae").reads)
+    assert not {"whiten_rewards", "reward_shaping"} & set(advantage_estimator(name).reads)
     code = launch.main(["--config", "tiny", "--run_dir", str(tmp_path / "run"), "--advantage_estimator", name,
                         "--samples_per_prompt", "2", f"--{field}", value])
-    assert code == 2 and f"{field}: {value} does not apply" in capsys.readouterr().err
+    assert code == 2 and f"'{field}' = " in (err := capsys.readouterr().err), err
+    assert f"advantage_estimator '{name}' does not read it (read by gae)" in err
     assert not (tmp_path / "run").exists()
 
 
 def test_dr_grpo_refuses_the_per_response_mean_aggregation():
     """grpo_norm_std: false is Dr. GRPO, which also drops GRPO's per-response 1/|o_i| length
     normalisation: seq_mean_token_mean is that normalisation, so the pair is refused, naming
-    both fields; the length-free aggregations pass. GRPO with std keeps any aggregation; other
-    estimators ignore the field."""
+    both fields; the length-free aggregations pass. GRPO with std keeps any aggregation; another
+    estimator refuses the field set to false (it would not read it)."""
     grpo = dict(advantage_estimator="grpo", samples_per_prompt=2)
     with pytest.raises(ConfigError, match=r"'grpo_norm_std' = False is invalid: false \(Dr. GRPO\) needs loss_agg: "
                                           r"token_sum_norm, token_mean or seq_mean_token_sum \(got "
@@ -267,7 +266,9 @@ def test_dr_grpo_refuses_the_per_response_mean_aggregation():
     for agg in ("token_sum_norm", "seq_mean_token_sum"):
         assert PPOConfig(**grpo, grpo_norm_std=False, loss_agg=agg).loss_agg == agg
     PPOConfig(**grpo, loss_agg="seq_mean_token_mean")  # the original GRPO's aggregation
-    PPOConfig(advantage_estimator="rloo", samples_per_prompt=2, grpo_norm_std=False, loss_agg="seq_mean_token_mean")
+    with pytest.raises(ConfigError, match="'grpo_norm_std' = False is invalid: advantage_estimator 'rloo' does not "
+                                          r"read it \(read by grpo\)"):  # another estimator's knob: refused
+        PPOConfig(advantage_estimator="rloo", samples_per_prompt=2, grpo_norm_std=False)
 
 
 @pytest.fixture(scope="module")
@@ -382,7 +383,8 @@ def test_batch_size_must_be_a_multiple_of_samples_per_prompt():
         PPOConfig(samples_per_prompt=0)
     config = PPOConfig(batch_size=12, samples_per_prompt=4, advantage_estimator="grpo")
     assert config.prompts_per_step == 3 and PPOConfig().prompts_per_step == PPOConfig().batch_size
-    assert PPOConfig.from_args(["--samples_per_prompt", "2", "--grpo_norm_std", "false"]).grpo_norm_std is False
+    assert PPOConfig.from_args(["--advantage_estimator", "grpo", "--samples_per_prompt", "2", "--grpo_norm_std",
+                                "false"]).grpo_norm_std is False
 
 
 # ---------------------------------------------------------------------------------- the batch

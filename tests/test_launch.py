@@ -435,8 +435,9 @@ def test_the_verifiable_task_end_to_end(tmp_path):
         rows = [h for h in held if h["split"] == split]
         assert len(rows) == 8 and all(len(h["sft_samples"]) == len(h["rl_samples"]) == 4 for h in rows)
         for who in ("sft", "rl"):
-            greedy = [is_right(h["prompt"], h[f"{who}_greedy"]) for h in rows]
-            right = [sum(is_right(h["prompt"], s) for s in h[f"{who}_samples"]) for h in rows]
+            greedy = [is_right(h["prompt"], h[f"{who}_greedy"], h[f"{who}_greedy_finish"]) for h in rows]
+            right = [sum(is_right(h["prompt"], s, f) for s, f in zip(h[f"{who}_samples"], h[f"{who}_samples_finish"]))
+                     for h in rows]
             assert report[f"pass1_{split}_{who}"] == sum(greedy) / 8, (split, who)
             assert report[f"pass4_{split}_{who}"] == sum(pass_at_k(4, c, 4) for c in right) / 8, (split, who)
             assert report[f"sample_accuracy_{split}_{who}"] == sum(c / 4 for c in right) / 8, (split, who)

@@ -67,12 +67,13 @@ def special(tiny_path) -> tuple[int, int]:
 
 
 def make_config(**overrides) -> PPOConfig:
-    base = dict(model_name=TINY, lora_r=4, lora_alpha=8, lora_dropout=0.0, batch_size=8, mini_batch_size=4,
-                micro_batch_size=2, ppo_epochs=2, learning_rate=1e-3, value_learning_rate=1e-3,
-                temperature=0.7, top_k=0, top_p=1.0, kl_coef=0.05, seed=0,
-                old_logprobs="learner")  # the seeds' step 2; tests of the generator's set it
-    base.update(overrides)
-    return PPOConfig(**base)
+    """The learner tests' config with `overrides` on top (PPOConfig.replace: an override that selects
+    a critic-free estimator leaves value_learning_rate, which it does not read, at its default)."""
+    base = PPOConfig(model_name=TINY, lora_r=4, lora_alpha=8, lora_dropout=0.0, batch_size=8, mini_batch_size=4,
+                     micro_batch_size=2, ppo_epochs=2, learning_rate=1e-3, value_learning_rate=1e-3,
+                     temperature=0.7, top_k=0, top_p=1.0, kl_coef=0.05, seed=0,
+                     old_logprobs="learner")  # the seeds' step 2; tests of the generator's set it
+    return base.replace(**overrides)
 
 
 def random_batch(special, n=8, p=10, t=16, seed=0, version=0) -> RolloutBatch:

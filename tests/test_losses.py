@@ -37,10 +37,12 @@ def random_rows(b=8, t=9, seed=0, spread=0.1):
     return logprobs.requires_grad_(True), old, adv, mask
 
 
-def naive_gspo(logprobs, old, adv, mask, eps, agg):
+def naive_gspo(logprobs, old, adv, mask, eps, agg, eps_high=None):
     """GSPO's sequence objective written out per response: s_i = exp(mean_t (logp - logp_old))
-    with its gradient through every token, loss_i = max(-A_i s_i, -A_i clip(s_i)) on each of the
-    row's tokens, aggregated by token (token_mean) or by response (seq_mean_token_mean)."""
+    with its gradient through every token, loss_i = max(-A_i s_i, -A_i clip(s_i, 1 - eps, 1 +
+    eps_high)) on each of the row's tokens (eps_high None: eps), aggregated by token (token_mean)
+    or by response (seq_mean_token_mean)."""
+    eps_high = eps if eps_high is None else eps_high
     total, n_tokens, n_rows = 0.0, 0, 0
     for i in range(len(mask)):
         m = mask[i]
@@ -48,15 +50,15 @@ def naive_gspo(logprobs, old, adv, mask, eps, agg):
             continue
         s = torch.exp((logprobs[i][m] - old[i][m]).mean())
         a = adv[i][m][0]
-        loss_i = torch.maximum(-a * s, -a * s.clamp(1 - eps, 1 + eps))
+        loss_i = torch.maximum(-a * s, -a * s.clamp(1 - eps, 1 + eps_high))
         total = total + (loss_i * int(m.sum()) if agg == "token_mean" else loss_i)
         n_tokens, n_rows = n_tokens + int(m.sum()), n_rows + 1
     return total / (n_tokens if agg == "token_mean" else n_rows)
 
 
-def gspo_objective(logprobs, old, adv, mask, eps, agg="token_mean"):
+def gspo_objective(logprobs, old, adv, mask, eps, agg="token_mean", eps_high=None):
     return policy_objective(POLICY_LOSSES["gspo"], LossInputs(logprobs, old, adv, mask, 0.2),
-                            {"gspo_clip_epsilon": eps}, loss_agg=agg)
+                            {"gspo_clip_epsilon": eps, "gspo_clip_epsilon_high": eps_high}, loss_agg=agg)
 
 
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
@@ -75,6 +77,27 @@ def test_gspo_equals_the_naive_sequence_objective_value_and_gradient(seed, agg):
     assert loss.item() == pytest.approx(want.item(), abs=tol)
     torch.testing.assert_close(torch.where(mask, got, 0.0), torch.where(mask, logprobs.grad, 0.0), atol=tol, rtol=0)
     assert 0 < stats.clipfrac.item() < 1 and kl is None  # some responses clipped, not all
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gspo_takes_its_own_lower_and_upper_bound(seed):
+    """gspo_clip_epsilon below and gspo_clip_epsilon_high above (the paper's 3e-4 and 4e-4 are
+    such a pair; here 0.01 and 0.03, where these rows' sequence ratios leave both bands): the
+    loss and gradient are the naive objective's with [1 - 0.01, 1 + 0.03], and differ from the
+    symmetric clip's, which gspo_clip_epsilon_high None keeps."""
+    logprobs, old, adv, mask = random_rows(seed=seed)
+    loss, stats, _ = gspo_objective(logprobs, old, adv, mask, 0.01, eps_high=0.03)
+    loss.backward()
+    got = logprobs.grad.clone()
+    logprobs.grad = None
+    want = naive_gspo(logprobs, old, adv, mask, 0.01, "token_mean", eps_high=0.03)
+    want.backward()
+    tol = rounding_tol(1.0, int(mask.sum()), torch.float64)
+    assert loss.item() == pytest.approx(want.item(), abs=tol)
+    torch.testing.assert_close(torch.where(mask, got, 0.0), torch.where(mask, logprobs.grad, 0.0), atol=tol, rtol=0)
+    symmetric, _, _ = gspo_objective(logprobs, old, adv, mask, 0.01)
+    assert abs(symmetric.item() - loss.item()) > 100 * tol
+    assert symmetric.item() == gspo_objective(logprobs, old, adv, mask, 0.01, eps_high=0.01)[0].item()
 
 
 def test_gspo_at_ratio_one_is_ppo_clips_gradient():
@@ -126,7 +149,12 @@ def test_a_registered_losss_parameter_is_a_config_field_everywhere():
     assert "--gspo_clip_epsilon" in ConfigParser().format_help()
     with pytest.raises(ConfigError, match=r"'gspo_clip_epsilon' = 0.0 is invalid: must be in \(0, 1\)"):
         PPOConfig(policy_loss="gspo", gspo_clip_epsilon=0.0)
-    PPOConfig(gspo_clip_epsilon=0.0)  # checked when its loss is selected (and passed to nothing otherwise)
+    # another loss does not read it: set away from its default it is refused, not checked or passed on
+    with pytest.raises(ConfigError, match=r"'gspo_clip_epsilon' = 0.0 is invalid: policy_loss 'ppo_clip' does not"):
+        PPOConfig(gspo_clip_epsilon=0.0)
+    paper = PPOConfig(policy_loss="gspo", gspo_clip_epsilon=3e-4, gspo_clip_epsilon_high=4e-4)  # Zheng et al.'s
+    assert (paper.gspo_clip_epsilon, paper.gspo_clip_epsilon_high, PPOConfig().gspo_clip_epsilon_high) == \
+        (3e-4, 4e-4, None)
     with pytest.raises(ConfigError, match=r"'policy_loss' = 'gpso' is invalid: must be one of \['ppo_clip', 'gspo'"):
         PPOConfig(policy_loss="gpso")
     with pytest.raises(ConfigError, match=r"'dual_clip' = 1.1 is invalid: must be >= 1 \+ clip_epsilon"):

@@ -32,15 +32,18 @@ TIMEOUT_S = 3.0  # the pool tests' reward_timeout_s: far above a trivial call, e
 B = 8            # rows per batch; chunks of 2 over 2 workers
 
 
-def texts_batch(responses: list[str]):
+def texts_batch(responses: list[str], eos_rows: tuple[int, ...] = ()):
+    """Rows of 3 response tokens, cut off (no EOS) but the rows of `eos_rows`, which end with EOS."""
     import torch
 
     from ppo_ray.batch import RolloutBatch
 
     n = len(responses)
+    response_ids = torch.full((n, 3), 6)
+    response_ids[list(eos_rows), -1] = 1  # EOS
     return RolloutBatch(
         prompt_ids=torch.full((n, 2), 5), prompt_mask=torch.ones(n, 2, dtype=torch.bool),
-        response_ids=torch.full((n, 3), 6), response_mask=torch.ones(n, 3, dtype=torch.bool),
+        response_ids=response_ids, response_mask=torch.ones(n, 3, dtype=torch.bool),
         gen_logprobs=torch.zeros(n, 3), adapter_version=0, pad_token_id=0, eos_token_id=1,
         prompts=[f"p{i}" for i in range(n)], responses=list(responses))
 
@@ -72,8 +75,8 @@ def reward_host(ray_session):
         ray_session.kill(actor)
 
 
-def score(ray, host, responses):
-    scores, stats = host.score.remote(texts_batch(responses))
+def score(ray, host, responses, eos_rows=()):
+    scores, stats = host.score.remote(texts_batch(responses, eos_rows))
     return ray.get(scores), ray.get(stats)
 
 
@@ -117,6 +120,14 @@ def test_pool_error_policy_names_the_function_rows_and_failure(ray_session, rewa
     with pytest.raises(RewardError, match=r"reward function 'reward_fns:raises_on_r3' failed on rows 2-3 of 8: "
                                           r"raised ValueError: row r3 is bad"):
         score(ray_session, host, ROWS)
+
+
+def test_pool_workers_pass_the_finish_reasons(ray_session, reward_host):
+    """A function with **kwargs on the reward workers gets each of its chunk's rows' finish
+    reason ("stop" on the rows that ended with EOS), in row order."""
+    host = reward_host("reward_fns:numbers_plus_ten_at_eos", "error")
+    scores, _ = score(ray_session, host, ROWS, eos_rows=(0, 3, 4, 7))
+    assert scores.tolist() == [row_number(r) + 10.0 * (i in (0, 3, 4, 7)) for i, r in enumerate(ROWS)]
 
 
 # ----------------------------------------------------------------------------- the bisection's bound
@@ -271,3 +282,132 @@ def test_verifier_refused_connection_is_retried_then_fails():
         HttpVerifier(url, retries=1, backoff_s=0.01)(["p"], ["r1"])
     with pytest.raises(RewardError, match="must be an http:// or https:// URL with a host"):
         HttpVerifier("http:///score")
+
+
+class Recorder:
+    """An HTTP service on 127.0.0.1 that records each request (method, target as sent, Host
+    header) and answers every one with `code`, `headers` and `body`."""
+
+    def __init__(self, code: int = 200, headers: dict | None = None, body: bytes = b'{"scores": [7.0]}'):
+        self.requests: list[tuple[str, str, str]] = []
+        service = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self.answer()
+
+            def do_GET(self):  # noqa: N802 - what a client that follows a 302 sends
+                self.answer()
+
+            def answer(self):
+                service.requests.append((self.command, self.path, self.headers.get("Host")))
+                self.send_response(code)
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def recorders():
+    made = []
+
+    def make(**kw) -> Recorder:
+        made.append(Recorder(**kw))
+        return made[-1]
+    yield make
+    for service in made:
+        service.close()
+
+
+def test_verifier_follows_no_redirect(recorders):
+    """A 302 to another host is a RewardError naming the URL and the Location, and that host is
+    never contacted (a client that follows it would send there, and take its reply as scores)."""
+    elsewhere = recorders()
+    verifier = recorders(code=302, headers={"Location": f"{elsewhere.url}/steal"}, body=b"")
+    url = f"{verifier.url}/score"
+    with pytest.raises(RewardError, match=rf"reward verifier {url} answered HTTP 302 Found, a redirect to "
+                                          rf"'{elsewhere.url}/steal': redirects are not followed"):
+        HttpVerifier(url, retries=0)(["p"], ["r1"])
+    assert [r[0] for r in verifier.requests] == ["POST"] and elsewhere.requests == []
+
+
+def test_verifier_ignores_the_environment_proxy(recorders, monkeypatch):
+    """http_proxy in the environment is never read: the request goes to the verifier itself."""
+    proxy, verifier = recorders(body=b'{"scores": [-1.0]}'), recorders()
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, proxy.url)
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    # urllib's default opener reads the proxies once, at a process's first request: cleared, a
+    # client on urllib (as the verifier was) would read them here, whatever ran before
+    import urllib.request
+    monkeypatch.setattr(urllib.request, "_opener", None)
+    assert HttpVerifier(f"{verifier.url}/score", retries=0)(["p"], ["r1"]) == [7.0]
+    assert proxy.requests == [] and [r[:2] for r in verifier.requests] == [("POST", "/score")]
+
+
+def test_verifier_uses_the_configured_proxy(recorders):
+    """reward_verifier_proxy: the request goes to the proxy, with the verifier's absolute URL and
+    Host, as an HTTP proxy forwards it (here the stand-in proxy answers itself)."""
+    from actors.reward import RewardScorer
+
+    proxy, verifier = recorders(body=b'{"scores": [3.0]}'), recorders()
+    url = f"{verifier.url}/score?task=arith"
+    config = tiny_test_config(reward_funcs=[url], reward_weights=[], reward_verifier_proxy=proxy.url)
+    scorer = RewardScorer.from_config(config, None)
+    scores, _ = scorer.score(texts_batch(["r1"]))
+    assert scores.tolist() == [3.0] and verifier.requests == []
+    assert proxy.requests == [("POST", url, verifier.url.removeprefix("http://"))]
+    with pytest.raises(RewardError, match="reward_verifier_proxy 'https://127.0.0.1:1' must be an http:// URL"):
+        HttpVerifier(url, proxy="https://127.0.0.1:1")
+
+
+def test_verifier_timeout_is_a_deadline_for_the_whole_call():
+    """A service that trickles its reply, one byte every 0.2 s, each byte well within any one
+    socket operation's limit: reward_timeout_s (1 s) still ends the call with a RewardTimeout
+    naming the URL and the limit, long before the reply is through (the service counts the bytes
+    it could send before the verifier shut the connection)."""
+    from ppo_ray.rewards import RewardTimeout
+
+    reply = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 17\r\n\r\n{"scores": [1.0]}'
+    listener = socket.create_server(("127.0.0.1", 0))
+    sent = []
+
+    def trickle():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)  # the request (small: one read holds it)
+            for i in range(len(reply)):
+                try:
+                    conn.sendall(reply[i:i + 1])
+                except OSError:  # the verifier shut the connection
+                    break
+                sent.append(i)
+                time.sleep(0.2)  # the service's trickle: what is under test, not a wait in the test
+
+    server = threading.Thread(target=trickle, daemon=True)
+    server.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/score"
+    try:
+        with pytest.raises(RewardTimeout, match=rf"reward verifier {url} did not answer within 1 s \(reward_timeout_s"):
+            HttpVerifier(url, timeout_s=1.0, retries=0)(["p"], ["r1"])
+        server.join(timeout=60)  # its next send after the shutdown fails
+        assert not server.is_alive()
+        assert len(sent) < len(reply), f"the whole reply ({len(reply)} bytes) was read"
+    finally:
+        listener.close()

@@ -169,3 +169,42 @@ def test_bad_reward_functions_without_ray(fn, match):
 
     with pytest.raises(RewardError, match=match):
         RewardScorer(None, [fn]).score(_texts_batch(8))
+
+
+def test_a_dropped_row_stays_dropped_whatever_the_penalties():
+    """reward_failure drop with missing_eos_penalty and overlong_buffer: the row whose call fails
+    (r3, cut off without EOS at max_new_tokens) keeps its NaN, so the learner masks it out
+    (learner.Learner._drop_nonfinite; tests/test_learner.py::test_nonfinite_scores_dropped_and_counted)
+    and the count of dropped rows is the rows it drops; the other rows get their penalties."""
+    eos = 1
+    batch = RolloutBatch.from_tokens([[5, 5]] * 4, [[6, eos], [6, 6, 6, 6], [6, eos], [6, 6, 6, 6]], pad_token_id=0,
+                                     eos_token_id=eos, prompts=[f"p{i}" for i in range(4)],
+                                     responses=[f"r{i}" for i in range(4)])
+    scorer = RewardScorer(None, ["reward_fns:raises_on_r3"], failure="drop", nonfinite="drop", missing_eos_penalty=-1.0,
+                          max_new_tokens=4, overlong_buffer=2, overlong_penalty=1.0)
+    scores, stats = scorer.score(batch)
+    assert math.isnan(scores[3])
+    # r1: no EOS (-1 in place of its score 1), 2 tokens past max_new_tokens - overlong_buffer (-1 more)
+    assert scores[:3].tolist() == [0.0, -2.0, 2.0]
+    assert stats.failures.rows_dropped == 1.0 and stats.dropped_nonfinite == 1.0
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["plain call", "guarded calls"])
+def test_reward_functions_get_the_finish_reasons_they_ask_for(guarded):
+    """finish_reasons ("stop": ended with EOS, "length": cut off) reach a function that names
+    them and one with **kwargs, in row order, on the plain call and on guarded calls (chunks of
+    3 rows here); a function that takes neither is called with (prompts, completions) alone."""
+    eos = 1
+    responses = [[6, eos], [6, 6, 6], [eos], [6, 6, 6], [6, 6, eos]]
+    batch = RolloutBatch.from_tokens([[5, 5]] * 5, responses, pad_token_id=0, eos_token_id=eos,
+                                     prompts=[f"p{i}" for i in range(5)], responses=[f"r{i}" for i in range(5)])
+    options = dict(failure="score", chunk_size=3) if guarded else {}
+    stop = [1.0, 0.0, 1.0, 0.0, 1.0]
+    for fn, want in (("reward_fns:ended_with_eos", stop),
+                     ("reward_fns:numbers_plus_ten_at_eos", [i + 10.0 * s for i, s in enumerate(stop)]),
+                     ("reward_fns:numbers", [float(i) for i in range(5)])):
+        scorer = RewardScorer(None, [fn], **options)
+        assert scorer.guarded is guarded
+        scores, stats = scorer.score(batch)
+        assert scores.tolist() == want, fn
+        assert stats.failures is None or stats.failures.exceptions == 0.0

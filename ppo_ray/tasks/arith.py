@@ -9,9 +9,10 @@ leaves a clear margin that RL can close"; benchmarks/RESULTS.md measures it).
 
 A prompt is ``"{a}+{b}="`` with two ``digits``-digit operands; the answer is the decimal sum,
 and the policy's response is right when it is exactly that number (surrounding whitespace
-ignored) followed by EOS. The byte-level tokenizer of the embedded models writes each digit as
-its own token when no space precedes it (``"347+589="`` is 8 tokens), so the model sees the
-digits one by one.
+ignored) followed by EOS: a response cut off at max_new_tokens (finish reason "length") is no
+answer, whatever its text ("46" and two newlines cut there is wrong, "46" then EOS right).
+The byte-level tokenizer of the embedded models writes each digit as its own token when no
+space precedes it (``"347+589="`` is 8 tokens), so the model sees the digits one by one.
 
 - :func:`write_task` writes the splits as JSONL: ``sft_{train,validation}.jsonl`` (prompt,
   answer: the SFT warm start's targets, with the annotator's slips; ``slip``: whether this
@@ -19,9 +20,12 @@ digits one by one.
   what RL samples from, and the held-out problems). No problem (an unordered pair of operands)
   is in two splits.
 - :func:`verify` is the reward function (``ppo_ray.tasks.arith:verify``): 1.0 for the right
-  sum, else 0.0. It reads the operands back from the prompt, so it needs no data and cannot
-  be fooled by a row's stored answer; a prompt that is not an addition is a RewardError
-  naming it.
+  sum followed by EOS, else 0.0. It takes the responses' ``finish_reasons`` (the reward
+  scorer passes them to a function that names them: ppo_ray.rewards.call_reward_fn) and
+  reads the operands back from the prompt, so it needs no data and cannot be fooled by a
+  row's stored answer; a prompt that is not an addition is a RewardError naming it.
+  :func:`is_right` is the rule, which the evaluation's pass@1 and pass@k apply too
+  (ppo_ray.tasks.evaluation.solve).
 - :func:`pass_at_k` is the unbiased pass@k estimator of Chen et al. 2021 (HumanEval, eq. 1)
   from n samples with c right.
 
@@ -54,18 +58,22 @@ def operands(prompt: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def is_right(prompt: str, completion: str) -> bool:
-    """The completion is exactly the sum (whitespace around it ignored)."""
+def is_right(prompt: str, completion: str, finish_reason: str) -> bool:
+    """The completion is exactly the sum (whitespace around it ignored) and ended with EOS
+    (`finish_reason` "stop"; "length": cut off at max_new_tokens, no answer)."""
     a, b = operands(prompt)
     text = completion.strip()
-    return ANSWER.match(text) is not None and int(text) == a + b and (text == "0" or not text.startswith("0"))
+    return (finish_reason == "stop" and ANSWER.match(text) is not None and int(text) == a + b
+            and (text == "0" or not text.startswith("0")))
 
 
-def verify(prompts: list[str], completions: list[str]) -> list[float]:
-    """The task's reward function: 1.0 where the completion is the right sum, else 0.0."""
-    if len(prompts) != len(completions):
-        raise RewardError(f"arith verifier: {len(prompts)} prompts but {len(completions)} completions")
-    return [1.0 if is_right(p, c) else 0.0 for p, c in zip(prompts, completions)]
+def verify(prompts: list[str], completions: list[str], *, finish_reasons: list[str]) -> list[float]:
+    """The task's reward function: 1.0 where the completion is the right sum and ended with EOS
+    (is_right), else 0.0."""
+    if not len(prompts) == len(completions) == len(finish_reasons):
+        raise RewardError(f"arith verifier: {len(prompts)} prompts but {len(completions)} completions and "
+                          f"{len(finish_reasons)} finish reasons")
+    return [1.0 if is_right(p, c, f) else 0.0 for p, c, f in zip(prompts, completions, finish_reasons)]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

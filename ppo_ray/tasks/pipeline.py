@@ -537,9 +537,11 @@ def write_arith_held_out(path: Path, splits: dict[str, tuple[list[dict], dict, d
     with open(path, "w") as f:
         for split, (rows, before, after) in splits.items():
             for i, row in enumerate(rows):
-                f.write(json.dumps({"split": split, "index": i, "prompt": row["prompt"], "answer": row["answer"],
-                                    "sft_greedy": before["greedy"][i], "sft_samples": before["samples"][i],
-                                    "rl_greedy": after["greedy"][i], "rl_samples": after["samples"][i]}) + "\n")
+                line = {"split": split, "index": i, "prompt": row["prompt"], "answer": row["answer"]}
+                for who, res in (("sft", before), ("rl", after)):  # with the finish reasons: right needs EOS
+                    line.update({f"{who}_{key}": res[key][i]
+                                 for key in ("greedy", "greedy_finish", "samples", "samples_finish")})
+                f.write(json.dumps(line) + "\n")
 
 
 def final_rewards(history: list[dict]) -> dict:
