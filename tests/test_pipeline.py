@@ -171,7 +171,8 @@ def test_an_arith_report_refuses_unpaired_evaluations_and_writes_the_rest(tmp_pa
 
     def evaluation(n: int, k: int) -> dict:
         right = [str(r["answer"]) for r in rows[:n]]
-        return {"greedy": right, "greedy_right": [True] * n, "samples": [right[i:i + 1] * k for i in range(n)],
+        return {"greedy": right, "greedy_finish": ["stop"] * n, "greedy_right": [True] * n,
+                "samples": [right[i:i + 1] * k for i in range(n)], "samples_finish": [["stop"] * k] * n,
                 "right": [k] * n}
 
     sft = {**evaluation(sft_problems, sft_k), "val": evaluation(sft_problems, sft_k)}
