@@ -908,14 +908,20 @@ def create_roles(config: PPOConfig, *, model_dir: str, ref_model_dir: str, rewar
 
 def wait_ready(roles: Roles) -> None:
     """Block until every actor's constructor finished (engine start, model loads), so step 1
-    is timed honestly and a role that cannot start is named instead of surfacing mid-step."""
+    is timed honestly and a role that cannot start is named instead of surfacing mid-step;
+    within the deadline of a run's first calls (call_timeout_first_s: a constructor that
+    hangs is named too)."""
+    limit = roles.deadlines.first_s
+    deadline = time.monotonic() + limit
     for name, actor in zip(roles.names(), roles.all()):
         try:
-            ray.get(actor.__ray_ready__.remote())
-        except ray.exceptions.RayActorError as e:
+            ray.get(actor.__ray_ready__.remote(), timeout=max(0.0, deadline - time.monotonic()))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             for other in roles.all():
                 ray.kill(other)
-            raise ClusterError(f"actor ppo/{name} failed to start: {e}") from e
+            why = (f"did not start within call_timeout_first_s ({limit:g} s)"
+                   if isinstance(e, ray.exceptions.GetTimeoutError) else f"failed to start: {e}")
+            raise ClusterError(f"actor ppo/{name} {why}") from e
 
 
 # ----------------------------------------------------------------------------- SFT / RM stages

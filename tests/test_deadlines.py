@@ -68,8 +68,10 @@ class StandIn:
     """An actor with the methods Roles calls; `hang_file`: while it exists, generate and score
     block (a call that never returns)."""
 
-    def __init__(self, hang_file: str):
+    def __init__(self, hang_file: str, hang_at_start: bool = False):
         self.hang_file = hang_file
+        if hang_at_start:
+            self._maybe_hang()
 
     def _maybe_hang(self):
         while os.path.exists(self.hang_file):
@@ -177,6 +179,21 @@ def test_calls_in_time_set_the_pace_after_each_actors_first(stand_ins):
     scores, _ = roles.score(generation.parts, seed_step=9)
     assert roles._calls[scores].rows == 6
     roles.fetch(scores)
+
+
+def test_an_actor_whose_start_hangs_is_named_within_the_first_calls_deadline(ray_session, tmp_path):
+    from ppo_ray.placement import ClusterError, wait_ready
+
+    hang = tmp_path / "hang"
+    hang.touch()
+    names = ("generator-0", "reference", "reward", "learner")
+    actors = {name: StandIn.options(max_restarts=0).remote(str(hang), hang_at_start=name == "reward")
+              for name in names}
+    roles = Roles([actors["generator-0"]], actors["reference"], actors["reward"], [actors["learner"]],
+                  deadlines=Deadlines(first_s=3.0))
+    with pytest.raises(ClusterError, match=r"actor ppo/reward did not start within call_timeout_first_s \(3 s\)"):
+        wait_ready(roles)
+    hang.unlink()
 
 
 # ----------------------------------------------------------------------------- the real system
