@@ -162,9 +162,12 @@ def knob(default: Any, section: str, *roles: str, must_match: bool = False, path
     path: it may name a path inside the run directory (checkpoints store it as ${run_dir}/...);
     model: it names a model whose content a checkpoint fingerprints (implies path);
     gpu: it puts a role or stage on GPUs (PPOConfig.uses_gpus);
-    choices: its valid values (a tuple, or a registry dict: its names); None passes for Optional fields;
+    choices: its valid values (a tuple, or a registry dict: its names; a list field's every entry);
+        None passes for Optional fields;
     check: a rule, or a tuple of rules, each ``rule(value, **others) -> why it is invalid, or None``,
-        called with the fields its keyword-only parameters name (at_least, within, not_empty);
+        called with the fields its keyword-only parameters name (at_least, at_most, within, finite,
+        not_empty, each); a rule on the field's own value lives here, not in PPOConfig._validate,
+        which keeps the rules that relate fields;
     owner: (selector, name) for a registered estimator's or policy loss's own parameter
         (learner.algos.Param), which applies when that one is selected;
     doc: the field's doc where it is not an attribute docstring (a registered Param's).
@@ -182,16 +185,25 @@ def knob(default: Any, section: str, *roles: str, must_match: bool = False, path
     return field(default=default, metadata=meta)
 
 
-def at_least(low: float, *, strict: bool = False, null: Optional[str] = None, why: str = "") -> Callable:
-    """knob's rule: a finite value >= low (> low when strict); None passes where null is given
-    (its text says what null means; "" for nothing)."""
+def at_least(low: float, *, strict: bool = False, null: Optional[str] = None, finite: bool = True,
+             why: str = "") -> Callable:
+    """knob's rule: value >= low (> low when strict), finite unless `finite` is False (then inf
+    passes); None passes where null is given (its text says what null means; "" for nothing);
+    `why` is added to the message."""
     def rule(value: Any) -> Optional[str]:
         if value is None and null is not None:
             return None
-        if math.isfinite(value) and (value > low if strict else value >= low):
+        if (math.isfinite(value) or not finite) and (value > low if strict else value >= low):
             return None
         return (f"must be {'>' if strict else '>='} {low:g}" + (" or null" if null is not None else "")
                 + (f" ({null})" if null else "") + why)
+    return rule
+
+
+def at_most(high: float, *, why: str = "") -> Callable:
+    """knob's rule: value <= high; `why` is added to the message."""
+    def rule(value: Any) -> Optional[str]:
+        return None if value <= high else f"must be <= {high:g}{why}"
     return rule
 
 
@@ -204,13 +216,46 @@ def within(low: float, high: float, *, open_low: bool = False, open_high: bool =
     return rule
 
 
-def not_empty(null: Optional[str] = None) -> Callable:
-    """knob's rule: a string with more than white space; None passes where null says what it means."""
+def finite(null: Optional[str] = None) -> Callable:
+    """knob's rule: a finite number; None passes where null is given (its text says what it means)."""
     def rule(value: Any) -> Optional[str]:
-        if (value is None and null is not None) or (value is not None and value.strip()):
+        if (value is None and null is not None) or (value is not None and math.isfinite(value)):
             return None
-        return "must not be empty" + (f" ({null})" if null else "")
+        return "must be finite" + (" or null" if null is not None else "") + (f" ({null})" if null else "")
     return rule
+
+
+def not_empty(null: Optional[str] = None) -> Callable:
+    """knob's rule: a string with more than white space, or a list with an entry; None passes
+    where null says what it means."""
+    def rule(value: Any) -> Optional[str]:
+        if value is None:
+            ok = null is not None
+        else:
+            ok = bool(value.strip()) if isinstance(value, str) else len(value) > 0
+        return None if ok else "must not be empty" + (f" ({null})" if null else "")
+    return rule
+
+
+def each(rule: Callable[[Any], Optional[str]]) -> Callable:
+    """knob's rule for a list: `rule` (of one value) holds for every entry; the message names
+    the first entry that breaks it."""
+    def every(values: Sequence[Any]) -> Optional[str]:
+        for value in values:
+            why = rule(value)
+            if why is not None:
+                return f"entry {value!r} {why}"
+        return None
+    return every
+
+
+def reward_source(spec: str) -> Optional[str]:
+    """knob's rule for a reward_funcs entry: "package.module:function" or a verifier's URL."""
+    module, sep, func = spec.partition(":")
+    if (sep and all(p.isidentifier() for p in module.split(".")) and func.isidentifier()) \
+            or spec.startswith(("http://", "https://")):
+        return None
+    return "must look like 'package.module:function' or be a verifier's http(s):// URL"
 
 
 def custom_resources(value: Optional[dict[str, float]]) -> Optional[str]:
@@ -257,11 +302,13 @@ class PPOConfig:
     # ---------------------------------------------------------------- the seeds' fields
     model_name: str = knob("Qwen/Qwen3-0.6B-Base", MODEL, GENERATOR, must_match=True, model=True)
     """Policy base model: a hub id, a local HF directory, or "embedded:tldr" (the committed default-job model, ppo_ray/tldr_model.py), "embedded:tiny" / "embedded:small" (ppo_ray/tiny_model.py)."""
-    lora_r: int = knob(16, MODEL, LEARNER, GENERATOR, must_match=True, check=at_least(1))
+    lora_r: int = knob(16, MODEL, LEARNER, GENERATOR, must_match=True, check=(
+        at_least(1), at_most(max(VLLM_LORA_RANKS), why=", the largest LoRA rank the vLLM generator supports "
+                                                       f"(its max_lora_rank is one of {list(VLLM_LORA_RANKS)})")))
     """LoRA rank of the policy (and value) adapters."""
     lora_alpha: int = knob(32, MODEL, LEARNER, must_match=True, check=at_least(1))
     """LoRA scaling numerator: the update is (lora_alpha / lora_r) * B @ A."""
-    lora_dropout: float = knob(0.1, MODEL, LEARNER)
+    lora_dropout: float = knob(0.1, MODEL, LEARNER, check=within(0, 1, open_high=True))
     """LoRA dropout of the policy and value adapters' PEFT config (saved with the adapter). PPO's forwards apply it only with ppo_dropout: true; by default they run without dropout, so dropout does not move the first minibatch's ratio off 1 (how close to 1 it is: old_logprobs)."""
     learning_rate: float = knob(1e-5, ALGORITHM, LEARNER, check=at_least(0, strict=True))
     """Adam learning rate of the policy LoRA."""
@@ -275,15 +322,16 @@ class PPOConfig:
     """Discount factor in the TD errors and GAE (advantage_estimator gae; the group baselines do not discount)."""
     lam: float = knob(0.95, ALGORITHM, LEARNER, check=within(0, 1))
     """GAE lambda (advantage_estimator gae)."""
-    kl_coef: float = knob(0.1, ALGORITHM, LEARNER)
+    kl_coef: float = knob(0.1, ALGORITHM, LEARNER, check=at_least(0, finite=False))
     """beta: weight of the per-token KL penalty to the reference (SFT) model in the reward."""
-    clip_epsilon: float = knob(0.2, ALGORITHM, LEARNER)
+    clip_epsilon: float = knob(0.2, ALGORITHM, LEARNER, check=at_least(0, strict=True, finite=False))
     """PPO-clip epsilon: the ratio is clipped to [1 - eps, 1 + eps] (policy_loss ppo_clip; gspo and cispo have bounds of their own)."""
-    temperature: float = knob(1.0, GENERATION, LEARNER, GENERATOR, REFERENCE, must_match=True)
+    temperature: float = knob(1.0, GENERATION, LEARNER, GENERATOR, REFERENCE, must_match=True, check=at_least(
+        MIN_TEMPERATURE, finite=False, why=" (PPO samples; greedy is not a policy)"))
     """Sampling temperature; every logprob (generator, learner, reference) is of logits / temperature."""
-    top_k: int = knob(50, GENERATION, LEARNER, GENERATOR, must_match=True)
+    top_k: int = knob(50, GENERATION, LEARNER, GENERATOR, must_match=True, check=at_least(-1, why=" (0 or -1 = off)"))
     """Top-k truncation at sampling (0 or -1 = off); the learner applies the same truncation."""
-    top_p: float = knob(0.95, GENERATION, LEARNER, GENERATOR, must_match=True)
+    top_p: float = knob(0.95, GENERATION, LEARNER, GENERATOR, must_match=True, check=within(0, 1, open_low=True))
     """Top-p (nucleus) truncation at sampling (1.0 = off); the learner applies the same truncation."""
 
     # ---------------------------------------------------------------- models
@@ -291,17 +339,18 @@ class PPOConfig:
     """Reference (SFT) model for the KL penalty; None = model_name (the policy's frozen base)."""
     reward_model_name: Optional[str] = knob(None, REWARDS, must_match=True, model=True)
     """Reward model (AutoModelForSequenceClassification, num_labels=1); None = reward functions only."""
-    reward_funcs: list[str] = knob(fresh(list), REWARDS, REWARD, must_match=True)
+    reward_funcs: list[str] = knob(fresh(list), REWARDS, REWARD, must_match=True, check=each(reward_source))
     """Reward functions as "module:function", each (prompts, completions) -> list[float] (one that names finish_reasons, or has **kwargs, also gets each response's "stop" (ended with EOS) or "length"), or a verifier service's http(s):// URL (reward_verifier_batch_size)."""
-    reward_weights: list[float] = knob(fresh(list), REWARDS, REWARD, must_match=True)
+    reward_weights: list[float] = knob(fresh(list), REWARDS, REWARD, must_match=True, check=each(finite()))
     """Weights of [reward model, *reward_funcs] in the summed score; empty = all 1.0."""
     value_model_name: Optional[str] = knob(None, MODEL, LEARNER, must_match=True, model=True)
     """Base of the value model; None = model_name. (N+ initialises it from the reward model.) Only with value_model: separate."""
     value_model: str = knob("separate", MODEL, LEARNER, choices=("separate", "shared"))
     """separate: the value model has its own backbone (+ LoRA + head), as in the seeds and N+; shared: a value head on the policy's trunk, so one forward gives both logprobs and values (half the learner's forward/backward work; the value loss, weighted by vf_coef, then also trains the policy's LoRA)."""
-    vf_coef: float = knob(0.1, ALGORITHM, LEARNER)
+    vf_coef: float = knob(0.1, ALGORITHM, LEARNER, check=at_least(0, strict=True, finite=False))
     """value_model: shared only: weight of the value loss in the loss that trains the shared LoRA (TRL / N+'s 0.1). With separate models each has its own Adam, which makes a weight moot. On the bundled task 0.02 learned about as well as separate models and 0.1 / 0.5 clearly worse (benchmarks/RESULTS.md, "The shared trunk on the main job")."""
-    lora_target_modules: list[str] = knob(fresh(lambda: list(ALL_PROJECTIONS)), MODEL, LEARNER, must_match=True)
+    lora_target_modules: list[str] = knob(fresh(lambda: list(ALL_PROJECTIONS)), MODEL, LEARNER, must_match=True,
+                                         check=not_empty())
     """Modules that receive LoRA adapters (default: all attention and MLP projections)."""
     dtype: str = knob("float32", MODEL, LEARNER, GENERATOR, REFERENCE, REWARD, must_match=True, choices=DTYPE_NAMES)
     """Compute dtype of every model: float32, bfloat16 or float16."""
@@ -313,15 +362,15 @@ class PPOConfig:
     """Rollouts per optimiser step; None = batch_size (one minibatch, as in the N+ recipe)."""
     micro_batch_size: int = knob(8, ALGORITHM, LEARNER, REFERENCE, REWARD, check=at_least(1))
     """Rows per forward/backward: PPO's gradient accumulation up to mini_batch_size (and the scorers' forwards), and the SFT / RM stages' up to stage_batch_size unless stage_micro_batch_size is set."""
-    value_clip: Optional[float] = knob(0.2, ALGORITHM, LEARNER)
+    value_clip: Optional[float] = knob(0.2, ALGORITHM, LEARNER, check=at_least(0, strict=True, null="", finite=False))
     """Value clipping range around the old values; None = no clipping."""
-    max_grad_norm: Optional[float] = knob(1.0, ALGORITHM, LEARNER)
+    max_grad_norm: Optional[float] = knob(1.0, ALGORITHM, LEARNER, check=at_least(0, strict=True, null="", finite=False))
     """Gradient-norm clip per optimiser step; None = no clipping."""
     advantage_estimator: str = knob("gae", ALGORITHM, LEARNER, must_match=True, choices=ADVANTAGE_ESTIMATORS)
     """How the learner turns the step's scores and KL into advantages: a name registered in learner/algos.py (register_estimator): gae (the default: GAE over the shaped rewards, with the value model as its critic), or the critic-free group baselines grpo, rloo and reinforce_pp (REINFORCE++ with a group-mean baseline), which compare the scores of the samples_per_prompt (>= 2) samples of each prompt and then add, on every token, the KL penalty still to come (-kl_coef times the KL summed from that token to the response's end), as OpenRLHF orders them (verl's use_kl_in_reward instead puts the KL into the compared sums): a group of equal scores gets its KL term alone, 0 at kl_coef 0 or with kl_in_loss. An estimator without a critic builds no value model and reports no value statistics; the value model's fields (value_learning_rate, value_clip, vf_coef, value_model, value_model_name, old_values) are then refused when set away from their defaults, as is any knob the selected estimator, policy loss or loss_agg does not read (each registration declares what it reads)."""
     policy_loss: str = knob("ppo_clip", ALGORITHM, LEARNER, choices=POLICY_LOSSES)
     """The policy loss, a name registered in learner/losses.py (register_policy_loss): ppo_clip (PPO's clipped surrogate, the seeds'; dual_clip its parameter). A loss's own parameters are fields of their own; is_correction's weights, kl_in_loss's term and the entropy bonus compose with any loss (learner.losses.policy_objective)."""
-    samples_per_prompt: int = knob(1, ALGORITHM, LEARNER, must_match=True)
+    samples_per_prompt: int = knob(1, ALGORITHM, LEARNER, must_match=True, check=at_least(1))
     """Responses sampled per prompt in one vLLM request (SamplingParams n), contiguous rows of one group in the batch; batch_size counts rollouts, so a step draws batch_size / samples_per_prompt prompts (it must divide batch_size). grpo, rloo and reinforce_pp need >= 2. Evaluation samples stay one per prompt."""
     whiten_advantages: bool = knob(True, ALGORITHM, LEARNER)
     """Whiten advantages over the step's real tokens (grpo, rloo and reinforce_pp do not read it, so false is an error with them: their advantages are on their method's own scale, and reinforce_pp whitens as part of its definition)."""
@@ -331,7 +380,7 @@ class PPOConfig:
     """Per-token KL estimator in the reward: k1 (logp - logp_ref, the seeds'), k2 or k3 (clamped to at most 10 per token, as verl's low_var_kl and OpenRLHF's k3: learner.algos.kl_penalty)."""
     reward_shaping: str = knob("last_token", REWARDS, LEARNER, choices=REWARD_MODES)
     """last_token: score on the last real token, -beta*KL on every token; every_token: the seeds' literal r'_t = R - beta*KL_t. grpo, rloo and reinforce_pp take last_token only (they compare the sequence scores and add the per-token KL themselves)."""
-    missing_eos_penalty: Optional[float] = knob(None, REWARDS, REWARD)
+    missing_eos_penalty: Optional[float] = knob(None, REWARDS, REWARD, check=finite(null=""))
     """Score that replaces the reward of a response with no EOS (N+ uses -1); None = off."""
     overlong_buffer: int = knob(0, REWARDS, REWARD, check=at_least(0))
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13; verl's overlong_buffer in verl/workers/reward_manager/dapo.py): a response longer than max_new_tokens - overlong_buffer tokens gets min(0, -(length - (max_new_tokens - overlong_buffer)) / overlong_buffer * overlong_penalty) added to its score, a penalty that grows linearly to -overlong_penalty at max_new_tokens (a response cut there without EOS gets the whole of it, on top of missing_eos_penalty when that is set). Reported as the score/overlong_penalty source. 0 = off; must be < max_new_tokens."""
@@ -343,9 +392,9 @@ class PPOConfig:
     """DAPO's dynamic sampling (Yu et al. 2025, section 3.2, eq. 11; verl's recipe/dapo filter_groups): groups whose scores do not vary (all of a prompt's samples_per_prompt scores equal: under the group baselines grpo, rloo and reinforce_pp their advantage is 0, only the KL term) are dropped after scoring, and train() draws the next prompts_per_step prompts of its data cursor, generates and scores them (a generation round) until prompts_per_step groups vary or dynamic_sampling_max_rounds extra rounds have run; the step trains on the first prompts_per_step varying groups in generation order (varying groups beyond them are discarded, as DAPO does). When the cap leaves too few, the first dropped groups fill the batch (batch_size never changes). Non-finite scores (nonfinite_reward: drop) do not count: a group varies when two of its finite scores differ. Every prompt drawn counts in the cursor (a resumed run continues exactly), round r's prompts are sampled with seeds of the global indices r * prompts_per_step + i, and a retried step reuses its rounds. Each step reports dynamic_sampling_rounds, dynamic_sampling_kept_frac and dynamic_sampling_filled. ppo_step(prompts) filters and fills but draws nothing more (1 round). Any advantage_estimator: with gae a constant group still has advantages (the value model's errors), so there the filter is a choice of what to learn from rather than a cut of zero-gradient rows. Needs samples_per_prompt >= 2. Under max_staleness >= 1 each batch draws its window of (1 + dynamic_sampling_max_rounds) x prompts_per_step prompts at once (its extra rounds take the window's next prompts, so batches in flight never wait for each other's scores; prompts of a window its batch does not reach are not trained on in that epoch), every round is sampled with the batch's adapter version, and lora_sync must keep several versions (adapter or tensor; auto picks tensor on the CPU); the rounds run as the batch's step starts, not streamed (docs/ARCHITECTURE.md, "Bounded staleness")."""
     dynamic_sampling_max_rounds: int = knob(4, ALGORITHM, check=at_least(0))
     """dynamic_sampling: the most extra generation rounds (of prompts_per_step prompts each) a step runs beyond its first (verl's max_num_gen_batches counts the first too, and stops the run with an error at its cap, where this fills the batch); 0 = filter and fill, never draw more."""
-    entropy_coef: float = knob(0.0, ALGORITHM, LEARNER)
+    entropy_coef: float = knob(0.0, ALGORITHM, LEARNER, check=at_least(0, finite=False))
     """Entropy bonus weight in the policy loss."""
-    kl_target: Optional[float] = knob(None, ALGORITHM, LEARNER)
+    kl_target: Optional[float] = knob(None, ALGORITHM, LEARNER, check=at_least(0, strict=True, null="null = fixed kl_coef"))
     """Adaptive KL controller (Ziegler et al. 2019): the per-sequence KL to the reference (the `kl` stat) that the controller steers toward by scaling the KL coefficient after every step, starting from kl_coef; None = off (the fixed kl_coef of the seeds). OpenRLHF's --kl_target, verl's kl_ctrl.type: adaptive."""
     kl_horizon: int = knob(10000, ALGORITHM, LEARNER)
     """Adaptive KL controller's horizon in rollouts: each step multiplies the coefficient by 1 + clip(kl / kl_target - 1, -0.2, 0.2) * batch_size / kl_horizon."""
@@ -359,7 +408,7 @@ class PPOConfig:
     """Put the KL to the reference in the policy loss instead of the reward (as GRPO does): the rewards are the scores alone, and the loss adds kl_coef times the k3 estimate of KL(policy || reference) of the tokens being trained (with gradient), aggregated like the policy loss; the kl_loss stat reports it. k3 is clamped per token as verl's low_var_kl clamps it (log(pi_ref / pi) to [-20, 20], then k3 to at most 10; OpenRLHF clamps its k3 to 10 too), so one token the reference finds far likelier than the policy cannot dominate the step (unclamped, a log ratio of 25 gives 7.2e10); a clamped token gets no gradient from the KL. Needs untruncated sampling (top_k 0, top_p 1): the loss's policy logprobs are the sampling distribution's and the reference's are the full softmax's. Off = the seeds' KL penalty in the reward (kl_estimator)."""
     is_correction: str = knob("none", ALGORITHM, LEARNER, choices=IS_CORRECTIONS)
     """Off-policy correction for the generator/learner mismatch (vLLM's and the learner's logprobs of the same policy differ, most in bfloat16): tis weights each token's policy loss by min(pi_learner / pi_generator, is_cap) (truncated importance sampling); mis drops the tokens (or, is_level sequence, the responses) whose ratio is outside [1/is_cap, is_cap] from the policy loss; none = off. The mismatch itself (mismatch_outside_frac, mismatch_log_ratio_abs) is reported every step whatever this is; with a correction on, the rollout check of logprob_gap_check tests the share of tokens outside [1/is_cap, is_cap] (is_outside_frac, held to logprob_gap_outside_tolerance) instead of the largest gap of one token. Under max_staleness a stale step's correction is decoupled PPO's (Hilton et al. 2021; AReaL): the PPO ratio's denominator is the learner's own logprobs at the update's start (the proximal policy) and the weights (mask) are pi_proximal / pi_behaviour, the policy that sampled, so the trust region is around the current policy and the staleness is importance-weighted (is_weight_mean, is_outside_frac; without a correction a stale step's ratio is taken against the behaviour policy). Needs old_logprobs: learner (the learner's own logprobs)."""
-    is_cap: float = knob(2.0, ALGORITHM, LEARNER)
+    is_cap: float = knob(2.0, ALGORITHM, LEARNER, check=at_least(1, strict=True))
     """is_correction's C (> 1): tis's weight cap; mis keeps ratios in [1/C, C]."""
     is_level: str = knob("token", ALGORITHM, LEARNER, choices=IS_LEVELS)
     """is_correction per token, or per sequence (the ratio of a response is the product of its tokens' ratios; one weight, or one keep/drop, per response)."""
@@ -373,7 +422,7 @@ class PPOConfig:
     """Time limit of one reward-worker call (a chunk of one function), and the deadline of one HTTP verifier call on its rows (connecting, sending, every read, its retries and their waits). Past it the call is a timeout (a worker is killed and a fresh one started); reward_failure decides about its rows. Not applied to reward functions that run inside the reward actor (reward_workers 0)."""
     reward_failure: str = knob("error", REWARDS, REWARD, choices=("error", "score", "drop"))
     """What a reward-function call that raises, returns unusable values or times out does (and a verifier request that fails): error (the step fails with a RewardError naming the function, the call's rows and what happened), score (its rows get reward_failure_score) or drop (its rows' scores are NaN, masked out by the learner and counted; needs nonfinite_reward: drop). With score or drop a failed call of several rows is bisected (its halves called again, down to single rows, at most reward_retry_calls extra calls per function and batch), so only the rows that fail on their own get the policy. A function that returns NaN/inf for a row follows nonfinite_reward. With score or drop (or reward_workers >= 1, or a verifier) the step reports the counts reward_timeouts, reward_exceptions, reward_nonfinite, reward_rows_dropped, reward_rows_fixed_score and reward_retry_calls."""
-    reward_failure_score: float = knob(0.0, REWARDS, REWARD)
+    reward_failure_score: float = knob(0.0, REWARDS, REWARD, check=finite())
     """reward_failure score only: the score of a row whose reward-function call failed (before reward_weights)."""
     reward_retry_calls: int = knob(16, REWARDS, REWARD, check=at_least(0))
     """reward_failure score or drop: the most extra calls per reward function and batch that bisect failed calls down to their failing rows (a chunk of n rows needs at most 2n - 2); when they run out, a failed call's rows all get the policy. With a function that hangs, each round of them can take reward_timeout_s."""
@@ -391,13 +440,14 @@ class PPOConfig:
     """Apply dropout (lora_dropout and the models' own: dropout layers, and functional dropout such as attention_dropout, hidden_dropout or resid_pdrop in the model's config) in the learner's PPO forwards. Off by default, as in the N+ recipe and TRL (disable_dropout): the old logprobs come from a dropout-free pass, so dropout in the training forward alone would put the first minibatch's ratio off 1 (benchmarks/RESULTS.md, "Correctness fixes: stale prefix-cache KV, dropout and the ratio"). Off turns every form off in the policy and the value model (learner.learner.disable_dropout); the adapters' saved config keeps lora_dropout."""
     logprob_gap_check: str = knob("resync", ALGORITHM, choices=("resync", "error", "warn", "off"))
     """The generator-vs-learner checks: after every sync, in every mode, the sync check (each generator samples a small fixed probe with the version it just loaded; the learner recomputes those tokens' logprobs at the same version); on every fresh step (with old_logprobs: generator, at its check versions) the rollouts' own sampled-token logprobs too. A gap above logprob_gap_tolerance means a generator holds another policy (a lost or corrupted sync, stale KV). Each check holds the largest gap of one token to logprob_gap_tolerance, except the rollout check under is_correction, which holds the share of tokens outside the correction's band to logprob_gap_outside_tolerance (see there). resync (re-load the version into the generators, check again, sample a failed step again; stop with an error if the gap persists), error (stop the run), warn (log it; the run goes on with that generator) or off (no checks). Every failure is counted on the dashboard; the probe gap is reported every step (sync_probe_gap)."""
-    logprob_gap_tolerance: Optional[float] = knob(None, ALGORITHM)
+    logprob_gap_tolerance: Optional[float] = knob(None, ALGORITHM, check=at_least(0, strict=True, null="null = by dtype",
+                                                                                   finite=False))
     """Threshold of logprob_gap_check in nats; None = by dtype: 1e-3 for float32, 0.25 for bfloat16 and float16 (benchmarks/RESULTS.md, "The generator-vs-learner gap per dtype"). Under top_p < 1 the rollout check (without is_correction) lets a few tokens (with the ones outside the learner's support, at most 1% of the step's) be off by up to this plus log(1/top_p): where the top-k-renormalised cumulative probability meets top_p within rounding, the learner and vLLM can keep different nuclei, and the sampled token's logprob is then renormalised over masses that differ by one edge token's (benchmarks/RESULTS.md, "The top-p edge in the rollout check"). gen_logprob_gap_tokens counts the step's tokens over the threshold."""
     logprob_gap_outside_tolerance: float = knob(0.05, ALGORITHM, check=within(0, 1))
     """With is_correction set, the rollout check's threshold instead of logprob_gap_tolerance: the largest share of a fresh step's policy-loss tokens whose ratio pi_learner / pi_generator is outside [1/is_cap, is_cap] (the step's is_outside_frac; per token whatever is_level, since a response's ratio drifts with its length even when each of its tokens is close). Those are the tokens the correction drops (mis) or caps or all but drops (tis): a mismatch that moves a few tokens that far is what it is built to absorb (the largest gap of one token grows with the number of tokens, so long bfloat16 responses would fail logprob_gap_tolerance), while a generator whose rollouts have more than this share outside is taken to hold another policy. The sync check after every sync keeps the largest-gap rule and logprob_gap_tolerance whatever is_correction is: its probe is small and fixed (4 prompts x 4 tokens), its largest gap does not grow with the responses, and it catches a lost or corrupted sync. Default 0.05: bfloat16's largest gap is a tenth of the default band's edge, log 2 (benchmarks/RESULTS.md, "The generator-vs-learner gap per dtype")."""
     old_logprobs: str = knob("auto", ALGORITHM, LEARNER, choices=("auto", "learner", "generator"))
     """Where the rollout policy's logprobs of the sampled tokens come from (the PPO ratio's denominator and KL_t's log pi): auto (generator where it is proven equal: untruncated float32 sampling in the synchronous step, no is_correction; learner otherwise; PPOConfig.old_logprobs_source), learner (a no-grad policy forward over the rollouts at every step, the seeds' step 2) or generator (vLLM's logprobs from sampling, already in the rollouts: the learner skips the policy's no-grad forward, and its entropy stat is the sampled tokens' mean -logprob, an unbiased estimate; it still recomputes, and logprob_gap_check still runs, at every old_logprobs_check_every-th adapter version). generator needs untruncated sampling (top_k 0, top_p 1: the KL's full-softmax logprobs are then the sampled ones) and float32, where generator and learner agree to ~5e-6; under bfloat16 they differ by ~0.1 nats, so the learner recomputes. The value model's no-grad pass runs unless old_values is update. With max_staleness >= 1, KL_t between checks then uses the behaviour policy's logprobs (one version old) instead of the current policy's, and behaviour_logprob_gap is not measured (NaN). The first minibatch's PPO ratio (first_minibatch_ratio_mean), before any optimiser step, is per mode: learner: 1 up to the rounding of two forwards of the same weights (the no-grad pass and the training forward): in float32 exactly 1 where both batch the rows alike, otherwise within a few float32 ulps per token (measured up to 2e-6); in bfloat16 up to ~1e-2 per token; generator: 1 within the generator-learner gap (float32: ~5e-6 per token, up to ~2e-5 measured; the mean within ~3e-7), and as learner at the check versions. A stale step (max_staleness >= 1) has the ratio pi_current / pi_behaviour, not 1, and ppo_dropout moves it off 1."""
-    old_logprobs_check_every: int = knob(10, ALGORITHM, LEARNER)
+    old_logprobs_check_every: int = knob(10, ALGORITHM, LEARNER, check=at_least(1))
     """old_logprobs: generator only: the learner recomputes the policy's logprobs (and the generator-vs-learner check runs) at adapter versions 0, N, 2N, ...; 1 = every step (no saving)."""
     old_values: str = knob("auto", ALGORITHM, LEARNER, choices=("auto", "forward", "update"))
     """Where the value model's old values V_old(s_t) (GAE's baseline, the value clip's centre) come from: forward (a no-grad pass of the value model over the rollouts before the PPO epochs, the seeds' step 6), update (the PPO epochs' first value forward: with one minibatch per epoch, the value model's forward at the start of the first epoch has not been updated yet, so its outputs are the old values; the value model trains on that first minibatch before the policy does, each row's returns computed from its own values, GAE being per row, and the pass is not run) or auto (update where it applies: value_model separate, one minibatch per epoch (mini_batch_size null or batch_size), no ppo_dropout, an estimator with a critic whose advantages are per row (gae); forward otherwise). The two differ only in float rounding (a training forward's values instead of a no-grad one's, and the value model's gradient summed in another order); update saves one value forward per step (benchmarks/RESULTS.md, "the old values from the update")."""
@@ -407,7 +457,7 @@ class PPOConfig:
     """Learner micro-batches of length-sorted rows (longest first) instead of the shuffled order, in the no-grad pass and within each minibatch, so each micro-batch pays for little padding; the accumulated gradient is the same up to float summation order."""
     learner_layout: str = knob("causal", SPEED, LEARNER, choices=("masked", "causal"))
     """How the learner lays out a micro-batch: masked (left-padded prompts and an attention mask) or causal (each row's real tokens from column 0, padding after them, no attention mask: SDPA's causal flash kernel; the real tokens' outputs equal masked's up to float rounding)."""
-    logprob_chunk_size: int = knob(0, SPEED, LEARNER)
+    logprob_chunk_size: int = knob(0, SPEED, LEARNER, check=at_least(0, why=" (0 = all positions at once)"))
     """Learner logprobs from the policy's hidden states through lm_head this many real response tokens at a time, each chunk's full-vocabulary logits recomputed in the backward (activation checkpoint) instead of kept; padding positions skip lm_head. 0 = the plain path (all positions' logits at once)."""
     rms_norm_kernel: str = knob("fused", SPEED, LEARNER, choices=("hf", "fused"))
     """RMSNorm forward in the learner's models (Qwen2/3, Llama, Mistral norms): hf (the model's own: 8 elementwise kernels) or fused (torch.nn.functional.rms_norm, one kernel). Equal in float32 up to rounding."""
@@ -441,7 +491,7 @@ class PPOConfig:
     """Split of sft_dataset / preference_dataset that SFT, the reward model and PPO train on."""
     eval_split: str = knob("validation", DATA, check=not_empty())
     """Split for the SFT validation loss, the reward model's accuracy and PPO's held-out samples."""
-    data_max_rows: Optional[int] = knob(None, DATA)
+    data_max_rows: Optional[int] = knob(None, DATA, check=at_least(1, null=""))
     """Read at most this many rows per split of sft_dataset / preference_dataset, or of the bundled task's SFT and preference files (quick runs); None = all."""
     bundled_ideal_fraction: float = knob(1.0, DATA, check=within(0, 1))
     """Bundled task only: fraction of the posters' reference TL;DRs (SFT data) that state every key fact; the rest leave one out (ppo_ray/tasks/tldr_synth.py). 1.0 = every reference is ideal."""
@@ -463,7 +513,7 @@ class PPOConfig:
     """AdamW learning rate of the reward model (linear decay to 0)."""
     stage_batch_size: int = knob(16, STAGES, check=at_least(1))
     """Batch size of the SFT and reward-model stages."""
-    stage_micro_batch_size: Optional[int] = knob(None, STAGES)
+    stage_micro_batch_size: Optional[int] = knob(None, STAGES, check=at_least(1, null=""))
     """Rows (RM: pairs) per forward/backward in the SFT and reward-model stages; None = micro_batch_size. The stages are full fine-tunes, so they can need a smaller micro-batch than the PPO learner's LoRA update."""
     stage_dtype: Optional[str] = knob(None, STAGES, choices=DTYPE_NAMES)
     """Dtype of the SFT and reward-model full fine-tunes; None = dtype (float32 keeps the small AdamW steps that bfloat16 weights round away). Their outputs are saved in dtype, the one PPO loads them in."""
@@ -473,13 +523,13 @@ class PPOConfig:
     """GPUs reserved for the SFT / reward-model stage's Ray task (it trains on a GPU when it has one); None = learner_num_gpus."""
     stage_resources: Optional[dict[str, float]] = knob(None, STAGES, check=custom_resources)
     """Custom Ray resources of the SFT / reward-model stage's task (see generator_resources); None = learner_resources."""
-    eval_every: int = knob(5, EVALUATION)
+    eval_every: int = knob(5, EVALUATION, check=at_least(0))
     """Score held-out samples with the gold judge every N PPO steps (bundled task; 0 = only at the ends)."""
     eval_size: int = knob(64, EVALUATION, check=at_least(1))
     """Held-out prompts per evaluation."""
     eval_k: int = knob(8, EVALUATION, check=at_least(1))
     """task arith: samples per held-out problem for pass@k (k = eval_k, at the training temperature; pass@1 is greedy)."""
-    eval_samples: int = knob(4, EVALUATION)
+    eval_samples: int = knob(4, EVALUATION, check=at_least(0, why=" (0 = off)"))
     """Prompts whose response and reward are appended to <run_dir>/eval_samples.jsonl and TensorBoard at every evaluation (every eval_every steps and at the end): held-out prompts in the pipeline, the first prompts of `dataset` in a plain PPO run; 0 = off."""
 
     # ---------------------------------------------------------------- run
@@ -491,9 +541,10 @@ class PPOConfig:
     """Parent folder of run directories."""
     log_level: str = knob("info", LOGGING, LEARNER, GENERATOR, REFERENCE, REWARD, choices=LOG_LEVELS)
     """Python logging level of the driver and the stage tasks: debug, info (one line per PPO step), warning or error. Below debug, Ray's, vLLM's and transformers' own messages are cut to errors."""
-    metrics_report_interval_ms: int = knob(1000, LOGGING)
+    metrics_report_interval_ms: int = knob(1000, LOGGING, check=at_least(
+        1000, why=" (Ray exports metrics at most once a second)"))
     """How often Ray exports the driver's ray_ppo_* metrics to the node's Prometheus endpoint (Ray's own metrics_report_interval_ms, default 10000; at least 1000, Ray's floor): 1000 shows every step of a 2 s step to a scraper that polls each second. Set in the driver's environment before ray.init (RAY_metrics_report_interval_ms), so it also applies to a Ray that launch.py starts; a Ray the caller initialised first keeps its own. Prometheus sees one value per scrape_interval: per-step curves are exact in TensorBoard and metrics.jsonl."""
-    report_to: list[str] = knob(fresh(lambda: ["tensorboard"]), LOGGING)
+    report_to: list[str] = knob(fresh(lambda: ["tensorboard"]), LOGGING, choices=REPORT_TO)
     """Experiment trackers that receive each step's scalars and the eval samples: tensorboard (event files in <run_dir>/tensorboard), wandb (needs `pip install 'ppo-ray[wandb]'`; its own WANDB_* environment, and the wandb_* fields), or [] for none."""
     wandb_project: Optional[str] = knob(None, LOGGING, check=not_empty(null="null = default"))
     """Weights & Biases project of the run (report_to: wandb); None = $WANDB_PROJECT, else ppo-ray."""
@@ -501,17 +552,17 @@ class PPOConfig:
     """wandb run name; None = the run directory's name."""
     wandb_group: Optional[str] = knob(None, LOGGING, check=not_empty(null="null = default"))
     """wandb group to file the run under (runs of one sweep or comparison, shown together); None = no group."""
-    wandb_tags: list[str] = knob(fresh(list), LOGGING)
+    wandb_tags: list[str] = knob(fresh(list), LOGGING, check=each(not_empty()))
     """wandb tags of the run (filters in wandb's run table)."""
-    checkpoint_every: int = knob(50, LOGGING)
+    checkpoint_every: int = knob(50, LOGGING, check=at_least(0))
     """Checkpoint every N steps into <run_dir>/checkpoints (and at the end, and after checkpoint_every_minutes); 0 = no step rule."""
-    checkpoint_every_minutes: float = knob(30.0, LOGGING)
+    checkpoint_every_minutes: float = knob(30.0, LOGGING, check=at_least(0, why=" (0 = no time rule)"))
     """Also checkpoint when this many minutes have passed since the last checkpoint (or the run's start); 0 = no time rule."""
-    keep_checkpoints: int = knob(2, LOGGING)
+    keep_checkpoints: int = knob(2, LOGGING, check=at_least(1))
     """How many of the newest checkpoints to keep (older ones are deleted after a new one is complete)."""
-    max_actor_restarts: int = knob(3, FAULTS)
+    max_actor_restarts: int = knob(3, FAULTS, check=at_least(0))
     """Ray restarts a dead generator/reference/reward/learner actor up to this many times."""
-    max_step_retries: int = knob(2, FAULTS)
+    max_step_retries: int = knob(2, FAULTS, check=at_least(0))
     """A step whose actor died is retried (after the restart) up to this many times, and so is every other call to the actors (the sync and its check, an evaluation, a checkpoint's state fetch, a restore); then the run fails."""
     call_timeout_factor: float = knob(10.0, FAULTS, check=at_least(0, strict=True))
     """A call to an actor may take this many times the slowest call of its kind so far (per row); past it the actor is deemed hung, killed, restarted and the call retried (docs/ARCHITECTURE.md, "Deadlines")."""
@@ -539,7 +590,7 @@ class PPOConfig:
     """GPUs per scorer actor."""
     reward_worker_num_cpus: float = knob(1.0, RESOURCES, REWARD, check=at_least(0))
     """CPUs each reward worker (reward_workers) reserves; they run outside the run's placement group, wherever Ray finds them (a worker that cannot start within placement_timeout_s fails the reward actor's start, naming this field)."""
-    scorer_torch_threads: int = knob(0, RESOURCES, REFERENCE, REWARD)
+    scorer_torch_threads: int = knob(0, RESOURCES, REFERENCE, REWARD, check=at_least(0, why=" (0 = auto)"))
     """torch CPU threads in each scorer actor; 0 = auto: on a CPU-only run whose scorers reserve no CPU (scorer_num_cpus 0), half the node's cores each (the reference and reward actors run at the same time, while the generator and the learner wait; a quarter under max_staleness >= 1); otherwise Ray's rule (OMP_NUM_THREADS from scorer_num_cpus, 1 thread when it reserves under 2 CPUs). Keep twice this within the cores: the two scorers run at the same time, and more threads than cores slow both (benchmarks/RESULTS.md, "The first minibatch's ratio, per old_logprobs mode")."""
     cpu_malloc_keep: bool = knob(True, RESOURCES)
     """CPU-only runs: the actors' and the SFT / reward-model stage tasks' glibc malloc keeps the memory they free for their next allocations (MALLOC_MMAP_THRESHOLD_ 32 MiB, MALLOC_TRIM_THRESHOLD_ 1 GiB, MALLOC_TOP_PAD_ 16 MiB) instead of giving it back to the system and faulting it in again, zeroed, at the next micro-batch: faster CPU steps (benchmarks/RESULTS.md, "the old values from the update, and malloc kept"). What a process keeps beyond its live memory: at most 1 GiB free at the top of its heap (a free that leaves more there gives it back down to 16 MiB), and the free chunks between live ones, which glibc keeps under any setting (off too); an allocation of 32 MiB or more that the heap's free top cannot hold is given back when freed. So each process stays near its own peak, on or off, and a node holds the sum of its processes' peaks (per actor, on and off, for the main job, the 25M peer work and the Qwen3 preset on the CPU: benchmarks/RESULTS.md, "cpu_malloc_keep's memory"). A variable already set in the driver's environment wins; false = glibc's defaults; a run with a GPU keeps them."""
@@ -551,7 +602,7 @@ class PPOConfig:
     """Custom Ray resources per learner actor (see generator_resources)."""
     scorer_resources: dict[str, float] = knob(fresh(dict), RESOURCES, check=custom_resources)
     """Custom Ray resources per scorer actor, reference and reward (see generator_resources)."""
-    placement_timeout_s: float = knob(60.0, RESOURCES, REWARD)
+    placement_timeout_s: float = knob(60.0, RESOURCES, REWARD, check=at_least(0, strict=True, finite=False))
     """Seconds to wait for the cluster to reserve every actor's resources (and to start the reward workers); then a ClusterError names what did not fit."""
     max_staleness: int = knob(0, GENERATION, LEARNER, GENERATOR, check=within(0, MAX_STALENESS))
     """Asynchronous training with bounded staleness: the rollouts of step t are sampled with adapter version max(0, t - 1 - max_staleness), so the generators sample the next max_staleness steps' batches while the learner trains on this one. 0 = the synchronous step (the seeds' loop); 1 = one step of overlap (what overlap_generation: true was; a config or checkpoint that says overlap_generation still loads); 2 or more keeps max_staleness + 1 adapter versions alive in each generator's vLLM engine (max_loras), each retired when no batch needs it, and the engine's continuous batching runs the batches of several steps at once, so the short responses of the next steps fill the slots the longest ones of this step leave (lora_sync adapter or tensor: auto picks tensor; merged holds one set of weights and refuses 2 or more). Stale steps take the generator's (behaviour) logprobs as the PPO ratio's denominator; the learner refuses rollouts more than max_staleness versions behind. The version of a batch is a function of its step, not of timing, so a batch lost to an actor failure or left in flight at a checkpoint is generated again exactly (checkpoints keep the last max_staleness adapters): a retried or resumed run equals a straight one."""
@@ -561,9 +612,10 @@ class PPOConfig:
     """partial_rollout continue: the tokens a response samples with one version before it moves on to the next."""
     lora_sync: str = knob("auto", GENERATION, GENERATOR, choices=("auto", *LORA_SYNC_MODES))
     """How the generator takes new LoRA weights: adapter (a vLLM LoRARequest per version, its adapter written to a scratch directory and read by vLLM), tensor (the same LoRARequest per version, registered in vLLM's worker from the learner's tensors in memory: no file per version; benchmarks/RESULTS.md, "LoRA sync from memory"), merged (W0 + scale*B@A loaded into the engine's weights: base-model generation speed; the prefix cache is reset after every load) or auto (PPOConfig.lora_sync_mode: merged for a generator on the CPU, where vLLM's LoRA path is several times slower than the base model's, benchmarks/RESULTS.md, "fast by default on the CPU", but tensor when several versions must stay alive: max_staleness >= 2, or 1 with dynamic_sampling; adapter on a GPU)."""
-    vllm_kv_cache_gib: Optional[float] = knob(None, GENERATION, GENERATOR)
+    vllm_kv_cache_gib: Optional[float] = knob(None, GENERATION, GENERATOR, check=at_least(0, strict=True, null="",
+                                                                                          finite=False))
     """KV-cache size for vLLM on the CPU in GiB; None = a small default."""
-    vllm_gpu_memory_utilization: float = knob(0.3, GENERATION, GENERATOR)
+    vllm_gpu_memory_utilization: float = knob(0.3, GENERATION, GENERATOR, check=within(0, 1, open_low=True))
     """Fraction of GPU memory vLLM may take on a GPU (it shares the device with the learner by default)."""
     vllm_enforce_eager: Optional[bool] = knob(None, GENERATION, GENERATOR)
     """vLLM's enforce_eager: True = no CUDA graphs / torch.compile (fast engine start, slower decode); None = eager on the CPU (no graphs there), graphs on a GPU."""
@@ -590,30 +642,13 @@ class PPOConfig:
         self._validate_declared(need)
         for name, why in ignored_knobs({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}).items():
             need(False, name, f"{why}: leave it at its default ({_default_yaml(name)}) or select one that reads it")
-        need(self.clip_epsilon > 0, "clip_epsilon", "must be > 0")
-        need(self.kl_coef >= 0, "kl_coef", "must be >= 0")
-        need(self.temperature >= MIN_TEMPERATURE, "temperature",
-             f"must be >= {MIN_TEMPERATURE} (PPO samples; greedy is not a policy)")
-        need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        need(self.top_k == -1 or self.top_k >= 0, "top_k", "must be >= 0 (0 or -1 = off)")
-        need(self.scorer_torch_threads >= 0, "scorer_torch_threads", "must be >= 0 (0 = auto)")
-        need(self.lora_r <= max(VLLM_LORA_RANKS), "lora_r",
-             f"must be <= {max(VLLM_LORA_RANKS)}, the largest LoRA rank the vLLM generator supports "
-             f"(its max_lora_rank is one of {list(VLLM_LORA_RANKS)})")
-        need(0.0 <= self.lora_dropout < 1.0, "lora_dropout", "must be in [0, 1)")
-        need(self.eval_every >= 0, "eval_every", "must be >= 0")
         need(self.mini_batch_size is None or 1 <= self.mini_batch_size <= self.batch_size,
              "mini_batch_size", f"must be in [1, batch_size={self.batch_size}]")
         mb = self.mini_batch_size or self.batch_size
         need(self.batch_size % mb == 0, "mini_batch_size", f"must divide batch_size={self.batch_size}")
-        need(self.samples_per_prompt >= 1, "samples_per_prompt", "must be >= 1")
         need(self.batch_size % self.samples_per_prompt == 0, "batch_size",
              f"must be a multiple of samples_per_prompt={self.samples_per_prompt} (batch_size counts rollouts: "
              f"batch_size / samples_per_prompt prompts per step)")
-        need(self.value_clip is None or self.value_clip > 0, "value_clip", "must be > 0 or null")
-        need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or null")
-        need(self.entropy_coef >= 0, "entropy_coef", "must be >= 0")
-        need(math.isfinite(self.is_cap) and self.is_cap > 1, "is_cap", "must be > 1")
         if self.is_correction != "none":
             need(self.old_logprobs in ("learner", "auto"), "is_correction",
                  f"needs old_logprobs: learner (got {self.old_logprobs!r}): the correction weighs the learner's "
@@ -637,21 +672,10 @@ class PPOConfig:
             need(self.top_k in (0, -1) and self.top_p == 1.0, "kl_in_loss",
                  f"needs untruncated sampling (top_k 0 and top_p 1.0; got top_k={self.top_k}, top_p={self.top_p}): "
                  "the loss's KL takes the policy's sampling logprobs against the reference's full softmax")
-        need(self.vf_coef > 0, "vf_coef", "must be > 0")
         need(self.value_model == "separate" or self.value_model_name is None, "value_model_name",
              "must be null with value_model: shared (the value head sits on the policy's trunk)")
-        need(self.logprob_chunk_size >= 0, "logprob_chunk_size", "must be >= 0 (0 = all positions at once)")
-        need(self.missing_eos_penalty is None or math.isfinite(self.missing_eos_penalty), "missing_eos_penalty",
-             "must be finite or null")
         need(self.overlong_buffer < self.max_new_tokens, "overlong_buffer",
              f"must be < max_new_tokens={self.max_new_tokens} (the punishment starts overlong_buffer tokens before it)")
-        need(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
-        need(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
-        need(math.isfinite(self.checkpoint_every_minutes) and self.checkpoint_every_minutes >= 0,
-             "checkpoint_every_minutes", "must be >= 0 (0 = no time rule)")
-        need(self.logprob_gap_tolerance is None or self.logprob_gap_tolerance > 0, "logprob_gap_tolerance",
-             "must be > 0 or null (null = by dtype)")
-        need(self.old_logprobs_check_every >= 1, "old_logprobs_check_every", "must be >= 1")
         if self.old_logprobs == "generator":
             need(self.top_k in (0, -1) and self.top_p == 1.0, "old_logprobs",
                  f"generator needs untruncated sampling (top_k 0 and top_p 1.0; got top_k={self.top_k}, "
@@ -668,36 +692,17 @@ class PPOConfig:
                  f"{self.mini_batch_size}): later minibatches' forwards come after an optimiser step")
             need(not self.ppo_dropout, "old_values",
                  "update needs ppo_dropout: false (the old values must come from a dropout-free forward)")
-        need(self.max_actor_restarts >= 0, "max_actor_restarts", "must be >= 0")
-        need(self.max_step_retries >= 0, "max_step_retries", "must be >= 0")
-        need(self.vllm_kv_cache_gib is None or self.vllm_kv_cache_gib > 0, "vllm_kv_cache_gib", "must be > 0 or null")
-        need(0.0 < self.vllm_gpu_memory_utilization <= 1.0, "vllm_gpu_memory_utilization", "must be in (0, 1]")
-        need(self.placement_timeout_s > 0, "placement_timeout_s", "must be > 0")
-        need(self.kl_target is None or (math.isfinite(self.kl_target) and self.kl_target > 0), "kl_target",
-             "must be > 0 or null (null = fixed kl_coef)")
         # one step multiplies the coefficient by 1 + e * batch_size / kl_horizon with |e| <= 0.2:
         # a horizon below the batch size could flip its sign
         need(self.kl_horizon >= self.batch_size, "kl_horizon",
              f"must be >= batch_size={self.batch_size} (a step then changes the coefficient by at most 20%)")
-        need(self.eval_samples >= 0, "eval_samples", "must be >= 0 (0 = off)")
-        need(self.metrics_report_interval_ms >= 1000, "metrics_report_interval_ms",
-             "must be >= 1000 (Ray exports metrics at most once a second)")
-        for tracker in self.report_to:
-            need(tracker in REPORT_TO, "report_to", f"{tracker!r}: trackers are {list(REPORT_TO)} ([] = none)")
-        need(all(tag.strip() for tag in self.wandb_tags), "wandb_tags", "must not hold an empty tag")
         self._validate_estimator()
         self._validate_data_sources(need)
-        need(len(self.lora_target_modules) > 0, "lora_target_modules", "must name at least one module")
-        for spec in self.reward_funcs:
-            need(_is_func_spec(spec) or spec.startswith(("http://", "https://")), "reward_funcs",
-                 f"entry {spec!r} must look like 'package.module:function' or be a verifier's http(s):// URL")
-        need(math.isfinite(self.reward_failure_score), "reward_failure_score", "must be finite")
         need(self.reward_failure != "drop" or self.nonfinite_reward == "drop", "reward_failure",
              "drop needs nonfinite_reward: drop (a dropped row's score is NaN, which the learner masks out only then)")
         n_sources = len(self.reward_funcs) + (self.reward_model_name is not None)
         need(not self.reward_weights or len(self.reward_weights) == n_sources, "reward_weights",
              f"needs one weight per reward source ({n_sources}: reward model first, then reward_funcs)")
-        need(all(math.isfinite(w) for w in self.reward_weights), "reward_weights", "must be finite")
 
     def _validate_declared(self, need) -> None:
         """Each field's declared choices and rules (knob's choices and check; a registered
@@ -708,7 +713,10 @@ class PPOConfig:
             if owner is not None and getattr(self, owner[0]) != owner[1]:
                 continue
             allowed = f.metadata["choices"]
-            if allowed is not None and value is not None:
+            if allowed is not None and isinstance(value, list):  # a list field: each entry one of them
+                for entry in value:
+                    need(entry in allowed, f.name, f"entry {entry!r} is not one of {list(allowed)} ([] = none)")
+            elif allowed is not None and value is not None:
                 need(value in allowed, f.name, f"must be one of {list(allowed)}")
             for rule in f.metadata["check"]:
                 names = [n for n, q in inspect.signature(rule).parameters.items() if q.kind is q.KEYWORD_ONLY]
@@ -729,9 +737,6 @@ class PPOConfig:
         # The SFT model, its reward model and the PPO prompts must come from one task.
         need((self.sft_dataset == "bundled") == (self.preference_dataset == "bundled"), "preference_dataset",
              f"must be 'bundled' exactly when sft_dataset is (sft_dataset = {self.sft_dataset!r})")
-        need(self.data_max_rows is None or self.data_max_rows >= 1, "data_max_rows", "must be >= 1 or null")
-        need(self.stage_micro_batch_size is None or self.stage_micro_batch_size >= 1, "stage_micro_batch_size",
-             "must be >= 1 or null")
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -1267,11 +1272,6 @@ def _check_keys(data: dict[str, Any], source: str, prefix: str = "") -> None:
             if key in RENAMED:
                 hint = f"; it was renamed {prefix}{RENAMED[key][0]}"
             raise ConfigError(f"{source}: unknown config key {prefix}{key}{hint}")
-
-
-def _is_func_spec(spec: str) -> bool:
-    module, sep, func = spec.partition(":")
-    return bool(sep) and all(p.isidentifier() for p in module.split(".")) and func.isidentifier()
 
 
 def _coerce(name: str, value: Any, hint: Any) -> Any:

@@ -291,6 +291,30 @@ def test_field_docs_carry_no_history():
     assert dated == {}, dated
 
 
+def test_validate_holds_only_rules_that_relate_fields():
+    """A rule on one field's own value lives at the field (knob's check: at_least, within, ...);
+    PPOConfig._validate keeps the rules that read two fields or more. Each need(...) there must
+    read, in its condition and the field it names, a second field or a local derived from them."""
+    import inspect
+    import textwrap
+
+    from ppo_ray.config import PPOConfig as cls
+    single = []
+    for method in (cls._validate, cls._validate_data_sources):
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(method)))):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "need"):
+                continue
+            condition, named = node.args[0], node.args[1]
+            if not isinstance(named, ast.Constant):  # need(False, name, ...): the loop over ignored knobs
+                continue
+            fields = {n.attr for n in ast.walk(condition) if isinstance(n, ast.Attribute)
+                      and isinstance(n.value, ast.Name) and n.value.id == "self"} | {named.value}
+            local = {n.id for n in ast.walk(condition) if isinstance(n, ast.Name)} - {"self", "len", "all", "math"}
+            if len(fields) == 1 and not local:
+                single.append(f"{method.__name__}:{node.lineno}: {ast.unparse(condition)}")
+    assert single == [], f"single-field checks belong in knob(check=...): {single}"
+
+
 def test_docs_list_every_field_by_section():
     """docs/CONFIG.md's tables (linked from README.md's Configuration) are fields_markdown()'s
     output (the fields' own docs)."""
