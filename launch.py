@@ -25,7 +25,7 @@ in the real TL;DR schemas; configs/qwen3-0.6b-tldr.yaml) the stages read those t
 ppo_ray/tasks/tldr.py instead of writing the bundled task, and `ppo` reports the reward model's
 score and the KL to SFT (no gold judge exists for real data).
 
-Every `--name value` is a PPOConfig field (ppo_ray/config.py; listed below by section);
+Every `--name value` is a PPOConfig field (ppo_ray/config/fields.py; listed below by section);
 `--config FILE|PRESET` loads a YAML file or a shipped preset by name first (tldr-tiny, tiny,
 qwen3-0.6b-tldr; a file that exists wins). `--run_dir DIR` picks the run directory (default
 output_dir/<time>).

