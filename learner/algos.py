@@ -769,9 +769,8 @@ def _dr_grpo_check(norm_std: bool, *, loss_agg: str) -> Optional[str]:
 
 @register_estimator("grpo", needs_critic=False, needs_groups=True, normalized=True, params=(
     Param("grpo_norm_std", bool, True, "grpo only: divide each group's centred scores by the group's std "
-          "(unbiased, + 1e-6; GRPO); false = Dr. GRPO (Liu et al. 2025: centred scores, no std division), which "
-          "refuses loss_agg: seq_mean_token_mean (token_sum_norm is the paper's constant): Dr. GRPO drops GRPO's "
-          "per-response 1/|o_i| length normalisation too, and seq_mean_token_mean is that normalisation.",
+          "(unbiased, + 1e-6; GRPO); false = Dr. GRPO (no std division), which refuses loss_agg: "
+          "seq_mean_token_mean (docs/ALGORITHMS.md, \"Advantage estimators and group sampling\").",
           check=_dr_grpo_check, must_match=True),))
 def grpo_advantages(inputs: AdvantageInputs, *, grpo_norm_std: bool = True) -> Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath, "outcome supervision"): every real token of a

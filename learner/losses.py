@@ -204,15 +204,12 @@ def _clip_high_check(eps_high: Optional[float]) -> Optional[str]:
 @register_policy_loss("ppo_clip", stats=ClipStats, reads=("clip_epsilon",), params=(
     Param("clip_epsilon_high", Optional[float], None,
           "ppo_clip only: the upper clip, so the ratio is clipped to [1 - clip_epsilon, 1 + clip_epsilon_high] "
-          "(DAPO's clip-higher, Yu et al. 2025: 0.2 and 0.28; verl's clip_ratio_low / clip_ratio_high): a larger "
-          "upper bound lets an unlikely token with a positive advantage grow further in one step, against the "
-          "entropy collapse of long RL runs. None = clip_epsilon (the symmetric clip).", check=_clip_high_check),
+          "(DAPO's clip-higher: 0.2 and 0.28). None = clip_epsilon, the symmetric clip (docs/ALGORITHMS.md, "
+          "\"Policy losses\").", check=_clip_high_check),
     Param("dual_clip", Optional[float], None,
-          "ppo_clip only: dual-clip PPO (Ye et al. 2020): c >= 1 + clip_epsilon bounds each token's policy loss by "
-          "-c * A where the advantage A is negative, so a token whose ratio grew far above 1 cannot dominate the "
-          "loss (verl's clip_ratio_c defaults to 3); a smaller c would cut the gradient of tokens whose ratio is "
-          "inside the trust region (an error). None = off (plain PPO-clip). The dual_clipfrac stat counts the "
-          "tokens it bounded.", check=_dual_clip_check),))
+          "ppo_clip only: dual-clip PPO's c, which bounds each token's policy loss by -c * A where the advantage A "
+          "is negative; c >= 1 + the upper clip. None = off, plain PPO-clip (docs/ALGORITHMS.md, \"Policy "
+          "losses\").", check=_dual_clip_check),))
 def ppo_clip(inputs: LossInputs, *, dual_clip: Optional[float] = None,
              clip_epsilon_high: Optional[float] = None) -> tuple[Tensor, ClipStats]:
     """PPO's clipped surrogate ([PPO] eq. 7) per token, to minimise:
@@ -279,11 +276,9 @@ def _gspo_clip_high_check(eps: Optional[float]) -> Optional[str]:
 # knob set away from its default, which the config refuses for the other losses.
 @register_policy_loss("gspo", params=(
     Param("gspo_clip_epsilon", float, 4e-4,
-          "gspo only: the trust region of GSPO's sequence ratio, clipped to [1 - gspo_clip_epsilon, 1 + "
-          "gspo_clip_epsilon_high]. The sequence ratio is the geometric mean of the response's token ratios, so it "
-          "moves far less than one token's ratio and takes a far smaller eps than clip_epsilon (Zheng et al. 2025: "
-          "3e-4 below, 4e-4 above; verl's GSPO recipe the same). The paper's objective weighs every response alike: "
-          "use it with loss_agg: seq_mean_token_mean.", check=_gspo_clip_check),
+          "gspo only: GSPO's sequence ratio (the geometric mean of the response's token ratios) is clipped to "
+          "[1 - gspo_clip_epsilon, 1 + gspo_clip_epsilon_high]; it moves far less than a token's ratio, so this is "
+          "far smaller than clip_epsilon (docs/ALGORITHMS.md, \"Policy losses\").", check=_gspo_clip_check),
     Param("gspo_clip_epsilon_high", Optional[float], None,
           "gspo only: the upper bound of the sequence ratio's clip, 1 + this (the paper's 4e-4, with "
           "gspo_clip_epsilon 3e-4 below); None = gspo_clip_epsilon (the symmetric clip).",

@@ -333,6 +333,46 @@ def test_validate_holds_only_rules_that_relate_fields():
     assert single == [], f"single-field checks belong in knob(check=...): {single}"
 
 
+# A sentence ends at . ! or ? (and any closing quote or bracket) before white space, except
+# after an abbreviation; a decimal point (0.95) or a path (launch.py) has no space after it.
+SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s)")
+ABBREVIATION = re.compile(r"\b(?:e\.g|i\.e|et al|Dr|vs|cf|etc|eq|sec)\.$")
+MAX_DOC_CHARS = 300
+
+
+def sentences(text: str) -> list[str]:
+    """`text` cut into sentences by SENTENCE_END, ignoring the ends of ABBREVIATIONs."""
+    out, start = [], 0
+    for end in SENTENCE_END.finditer(text):
+        if not ABBREVIATION.search(text[start:end.start() + 1]):
+            out.append(text[start:end.end()].strip())
+            start = end.end()
+    return out + ([text[start:].strip()] if text[start:].strip() else [])
+
+
+def test_the_sentence_rule():
+    assert sentences("One (e.g. this, Dr. GRPO's, Yu et al. 2025, eq. 13). Two: 0.95, launch.py.") == [
+        "One (e.g. this, Dr. GRPO's, Yu et al. 2025, eq. 13).", "Two: 0.95, launch.py."]
+    assert sentences('A (b.) c. "D." e? f') == ["A (b.)", "c.", '"D."', "e?", "f"]
+
+
+def test_field_docs_are_at_most_two_sentences():
+    """A field's doc is its --help line (CleanRL's one line per flag): what it does, its unit and
+    what special values mean, in at most two sentences and MAX_DOC_CHARS characters. The
+    reasoning, measurements and caveats are in docs/, which the doc may point at as
+    (docs/FILE.md, "Heading"): the file must have that heading (or a bold lead of that name)."""
+    long = {name: (len(doc), len(sentences(doc))) for name, doc in field_docs().items()
+            if len(doc) > MAX_DOC_CHARS or len(sentences(doc)) > 2}
+    assert long == {}, f"field docs over {MAX_DOC_CHARS} characters or 2 sentences (chars, sentences): {long}"
+    broken = []
+    for name, doc in field_docs().items():
+        for path, title in re.findall(r'(docs/\w+\.md), "([^"]+)"', doc):
+            text = (ROOT / path).read_text() if (ROOT / path).is_file() else ""
+            if not (re.search(rf"^#+ {re.escape(title)}$", text, re.M) or f"**{title}" in text):
+                broken.append(f"{name}: {path}, {title!r}")
+    assert broken == [], f"field docs point at headings that do not exist: {broken}"
+
+
 def test_docs_list_every_field_by_section():
     """docs/CONFIG.md's tables (linked from README.md's Configuration) are fields_markdown()'s
     output (the fields' own docs)."""
