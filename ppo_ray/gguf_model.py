@@ -159,12 +159,18 @@ def cache_entry(sha256: str) -> Path:
     return _cache_root() / f"gguf-{sha256[:16]}"
 
 
-def _is_complete(entry: Path, sha256: str) -> bool:
+def _recorded(entry: Path, sha256: str) -> dict | None:
+    """The entry's info file, when it records a conversion of the GGUF with this sha256."""
     try:
         info = json.loads((entry / INFO_FILE).read_text())
     except (OSError, ValueError):
-        return False
-    return (info.get("source", {}).get("sha256") == sha256 and info.get("converter_version") == CONVERTER_VERSION
+        return None
+    return info if isinstance(info, dict) and info.get("source", {}).get("sha256") == sha256 else None
+
+
+def _is_complete(entry: Path, sha256: str) -> bool:
+    info = _recorded(entry, sha256)
+    return (info is not None and info.get("converter_version") == CONVERTER_VERSION
             and all((entry / f).is_file() for f in _EXPECTED_FILES))
 
 
@@ -208,9 +214,10 @@ def _lock_file(target: Path) -> Path:
 
 
 def _check_free(target: Path, sha256: str, what: Any) -> None:
-    """GGUFError when `target` holds something that is not this conversion (the rename could
-    not replace it)."""
-    if target.exists() and not _is_complete(target, sha256) and (not target.is_dir() or any(target.iterdir())):
+    """GGUFError when `target` holds something that is not a conversion of this GGUF (an older
+    CONVERTER_VERSION's is replaced; anything else is not ours to remove)."""
+    if (target.exists() and not _recorded(target, sha256)
+            and (not target.is_dir() or any(target.iterdir()))):
         raise GGUFError(f"{target} exists and is not a complete conversion of {what} (sha256 {sha256[:16]}): "
                         "remove it and run again")
 
@@ -301,7 +308,8 @@ def _convert_into(target: Path, path: Path, sha256: str, source: dict) -> None:
     """Convert the GGUF `path` into the cache entry `target` (atomically: a temp directory
     beside it, renamed into place; a complete entry another writer renamed first is kept)."""
     remove_stale_temps(target.parent, temp_prefix(target), max_age_s=3600.0)
-    with atomic_dir(target, keep_existing=lambda: _is_complete(target, sha256)) as tmp:
+    older = _recorded(target, sha256) is not None  # an older CONVERTER_VERSION's conversion: replaced
+    with atomic_dir(target, replace=older, keep_existing=lambda: _is_complete(target, sha256)) as tmp:
         info = _write_conversion(tmp, path)
         info.update(source={**source, "sha256": sha256, "bytes": path.stat().st_size},
                     converter_version=CONVERTER_VERSION, versions=_library_versions())

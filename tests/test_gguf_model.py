@@ -169,7 +169,8 @@ def test_a_gguf_file_converts_into_a_model_directory_with_its_tokenizer_and_chat
         "<|im_start|>user\nWhat is 2 + 3?<|endoftext|>\n<|im_start|>assistant\n"]
 
 
-def test_the_conversion_is_cached_by_content_and_a_changed_file_converts_again(tmp_path, cache, tiny_model_dir):
+def test_the_conversion_is_cached_by_content_and_a_changed_file_converts_again(tmp_path, cache, tiny_model_dir,
+                                                                                monkeypatch):
     from ppo_ray.checkpoint import model_fingerprint
 
     path = tmp_path / "m.gguf"
@@ -190,6 +191,11 @@ def test_the_conversion_is_cached_by_content_and_a_changed_file_converts_again(t
     changed = Path(resolve_model_path(str(path)))
     assert changed != first and model_fingerprint(str(path)) != before
     assert gguf_model.conversion_info(changed)["source"]["sha256"] == gguf_model.file_sha256(path)
+    # a conversion of an older converter version: converted again in its place
+    monkeypatch.setattr(gguf_model, "CONVERTER_VERSION", gguf_model.CONVERTER_VERSION + 1)
+    assert Path(resolve_model_path(str(path))) == changed
+    assert gguf_model.conversion_info(changed)["converter_version"] == gguf_model.CONVERTER_VERSION
+    assert [p for p in cache_entries(cache) if p.startswith(".tmp")] == []
     # a directory in the entry's place that is not a conversion is not taken for one
     shutil.rmtree(changed)
     changed.mkdir()
@@ -382,7 +388,7 @@ def test_the_learner_puts_a_peft_lora_on_a_gguf_model(tiny_gguf, tmp_path):
     assert (theirs - ours).abs().max() <= rounding_tol(ours.abs().max(), TINY_TERMS)
 
 
-@pytest.mark.slow  # its own vLLM engine: 77 s on the loaded 2-core VM (engine start 32 s)
+@pytest.mark.slow  # its own vLLM engine: 54-77 s on the 2-core VM with other jobs running (engine start 32 s)
 def test_vllm_samples_a_gguf_model_with_a_lora_as_the_learner_scores_it(tiny_gguf):
     """model_name: a .gguf path, through the product's own classes: the generator's vLLM engine
     on the converted directory, with the learner's LoRA loaded (the sync check: the generator
