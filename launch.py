@@ -451,6 +451,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"error: stage 'ppo' needs {run_dir / 'rm'} from stage 'rm' (pass --run_dir)", file=sys.stderr)
         return 2
     from ppo_ray.data import DataError
+    from ppo_ray.gguf_model import GGUFError
     from ppo_ray.modeling import ContextLengthError
     from ppo_ray.placement import ClusterError
     from ppo_ray.rewards import RewardError
@@ -473,7 +474,7 @@ def _main(argv: list[str] | None) -> int:
         # One writer per run directory, from here to the end of the command.
         lock = RunLock.acquire(run_dir, ["ppo-ray", *argv])
     except (ClusterError, RewardError, FileNotFoundError, DataError, ContextLengthError, TrackerError,
-            RunDirError, CheckpointError, RunLockError) as e:
+            RunDirError, CheckpointError, RunLockError, GGUFError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

@@ -10,7 +10,8 @@ atomic, so a reader sees the old one or the new one, never a half-written one).
 
 The one home of that rule: checkpoints and their `latest` pointer (ppo_ray.checkpoint),
 model directories moved between nodes and the per-node model cache (ppo_ray.transfer), the
-embedded models' builds (ppo_ray.tiny_model, ppo_ray.tldr_model), run.json
+embedded models' builds (ppo_ray.tiny_model, ppo_ray.tldr_model) and converted GGUF files
+(ppo_ray.gguf_model; both with exclusive_lock, so that one builder of an entry pays for it), run.json
 (ppo_ray.tracking), a resumed run's truncated logs (ppo_ray.runlog), the pipeline's saved
 evaluation (ppo_ray.tasks.pipeline).
 
@@ -127,6 +128,27 @@ def atomic_dir(dest: str | os.PathLike, *, replace: bool = False, fsync: bool = 
     finally:
         if tmp.exists():  # the block or the rename failed, or another writer's dest was kept
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | os.PathLike) -> Iterator[None]:
+    """An advisory exclusive lock (``flock`` on the file `path`, created if missing) held for
+    the block, so that concurrent builders of one cache entry on one machine do not each pay
+    for the build (the embedded models, converted GGUF files). Correctness never depends on
+    it (the build itself is atomic_dir's): where it cannot be taken, the block runs unlocked."""
+    fd = None
+    try:
+        import fcntl
+
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except (ImportError, OSError):
+        pass  # no lock: concurrent builders each build, and the first rename wins
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, *, fsync: bool = False) -> None:

@@ -287,10 +287,14 @@ def _localized(config: PPOConfig, run_dir: Path) -> PPOConfig:
 
 def model_fingerprint(name: str) -> str:
     """What a model name holds: a local model directory's content digest ("sha256:" + 16 hex
-    digits over its files' names and bytes, ppo_ray.transfer.content_digest), an embedded
-    model's name (built by our own builders, by name), or a hub id as such ("hub:" + id)."""
+    digits over its files' names and bytes, ppo_ray.transfer.content_digest), a GGUF source's
+    ("gguf:sha256:" + 16 hex digits of the GGUF file's bytes, ppo_ray.gguf_model.fingerprint), an
+    embedded model's name (built by our own builders, by name), or a hub id as such ("hub:" + id)."""
+    from ppo_ray import gguf_model
     from ppo_ray.transfer import content_digest
 
+    if gguf_model.is_gguf_source(name):
+        return gguf_model.fingerprint(name)
     if name.startswith(EMBEDDED_PREFIX):
         return name
     path = Path(name).expanduser()

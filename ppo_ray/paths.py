@@ -4,9 +4,11 @@
     resolve_model_path("~/runs/x/sft")            # a local HF directory: its path
     resolve_model_path("embedded:tldr")           # the committed default-job model
     resolve_model_path("embedded:tiny")           # built once, cached (ppo_ray.tiny_model)
+    resolve_model_path("~/models/m.Q4_1.gguf")    # a GGUF file: converted once, cached (ppo_ray.gguf_model)
+    resolve_model_path("package:smollm2-135m-instruct")  # a registry package's GGUF: the same
 
 Bottom layer: imports the standard library, and ppo_ray.tiny_model (the bottom-layer
-builder of the test models) lazily. The committed model's BUILDER (ppo_ray.tldr_model)
+builder of the test models) and ppo_ray.gguf_model (the GGUF conversion) lazily. The committed model's BUILDER (ppo_ray.tldr_model)
 sits above the PPO system, with the task it pretrains on; resolving it needs only where
 its committed files lie, which is here, so nothing below the task imports the task.
 """
@@ -29,8 +31,16 @@ def tldr_model_dir() -> Path:
 def resolve_model_path(name: str) -> str:
     """A hub id or a local directory is returned as is; "embedded:tldr" is the committed
     model of the default job (tldr_model_dir); "embedded:tiny" / "embedded:small" is built
-    (once, cached) by ppo_ray.tiny_model; either way its directory is returned. A local
-    path that exists but holds no config.json is a FileNotFoundError."""
+    (once, cached) by ppo_ray.tiny_model; a path ending in .gguf, or "package:<name>" (a
+    GGUF a registry package carries), is converted (once, cached) by ppo_ray.gguf_model;
+    either way its directory is returned. A local path that exists but holds no config.json
+    is a FileNotFoundError, as is a .gguf path with no file."""
+    from ppo_ray import gguf_model  # the standard library only at import; transformers when converting
+
+    if gguf_model.is_gguf_source(name):
+        if name.startswith(gguf_model.PACKAGE_PREFIX):
+            return str(gguf_model.packaged_model_dir(name))
+        return str(gguf_model.convert_gguf(name))
     if name.startswith(EMBEDDED_PREFIX):
         if name == TLDR_MODEL_NAME:
             return str(tldr_model_dir())

@@ -94,7 +94,6 @@ Importing this module has no side effects (heavy libraries are imported lazily).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import hashlib
 import json
@@ -104,7 +103,7 @@ import pathlib
 import re
 from typing import Any
 
-from ppo_ray.atomic import atomic_dir, remove_stale_temps, temp_prefix
+from ppo_ray.atomic import atomic_dir, exclusive_lock, remove_stale_temps, temp_prefix
 
 __all__ = [
     "BUILDER_VERSION",
@@ -573,31 +572,11 @@ def build_tiny_model(out_dir: str | os.PathLike | None = None, size: str = "tiny
 
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
-    with _build_lock(parent / f".{target.name}.lock"):
+    with exclusive_lock(parent / f".{target.name}.lock"):
         if _is_complete(target, digest):  # built by another process while we waited
             return target
         _build_into(target, size, digest)
     return target
-
-
-@contextlib.contextmanager
-def _build_lock(path: pathlib.Path):
-    """Advisory exclusive lock (``flock``) held while building, so that concurrent
-    builders on one machine do not each pay for the pretraining. Correctness never
-    depends on it (the build is atomic): where it cannot be taken, build unlocked."""
-    fd = None
-    try:
-        import fcntl
-
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except (ImportError, OSError):
-        pass  # no lock: concurrent builders each build, and the first rename wins
-    try:
-        yield
-    finally:
-        if fd is not None:
-            os.close(fd)  # releases the lock
 
 
 def _build_into(target: pathlib.Path, size: str, digest: str) -> None:

@@ -142,7 +142,7 @@ def _registered_params(cls: type) -> type:
 class PPOConfig:
     # ---------------------------------------------------------------- the seeds' fields
     model_name: str = knob("Qwen/Qwen3-0.6B-Base", MODEL, GENERATOR, must_match=True, model=True)
-    """Policy base model: a hub id, a local HF directory, or "embedded:tldr" (the committed default-job model, ppo_ray/tldr_model.py), "embedded:tiny" / "embedded:small" (ppo_ray/tiny_model.py)."""
+    """Policy base model: a hub id, a local HF directory, "embedded:tldr" (the committed default-job model) / "embedded:tiny" / "embedded:small", a GGUF file's path, or "package:smollm2-135m-instruct" (docs/MODELS.md)."""
     lora_r: int = knob(16, MODEL, LEARNER, GENERATOR, must_match=True, check=(
         at_least(1), at_most(max(VLLM_LORA_RANKS), why=", the largest LoRA rank the vLLM generator supports "
                                                        f"(its max_lora_rank is one of {list(VLLM_LORA_RANKS)})")))
