@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_test_config
+from helpers import tiny_test_config
 from tolerances import TINY_LOGPROB_TOL
 from ppo_ray.placement import ClusterError
 

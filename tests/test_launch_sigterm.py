@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RUN_MARKER, tagged_processes, wait_for
+from helpers import RUN_MARKER, tagged_processes, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
