@@ -13,6 +13,9 @@
 * ``tiny_path``, ``special``, ``attention_dropout_path`` (module): the learner tests' model
   directory, its (eos, pad) ids, and a copy of it with attention dropout on.
 * marker ``slow``: long tests; deselect with ``-m "not slow"``.
+* marker ``fast``, derived here at collection, and its guard around each fast test's setup
+  and call (tests/fast_tier.py): the tests that need no Ray, no vLLM and no model run;
+  ``@heavy_fixture`` marks the fixtures that keep a test out of it.
 * ``old_run``, ``no_ray_address``: for the tests of several modules that a rejected launch.py
   command leaves a run directory as it was (with helpers.snapshot and helpers.launch_ppo).
 * ``local_hub``: a stand-in for the Hugging Face hub on 127.0.0.1 serving local model
@@ -40,12 +43,35 @@ for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 
 import pytest  # noqa: E402
 
+import fast_tier  # noqa: E402
+from fast_tier import heavy_fixture  # noqa: E402
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: long-running test (deselect with -m 'not slow')")
+    for line in fast_tier.MARKERS:
+        config.addinivalue_line("markers", line)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects: the fast marker must be there by then
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    fast_tier.mark(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    with fast_tier.guard(item, "setup"):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    with fast_tier.guard(item, "call"):
+        return (yield)
 
 
 @pytest.fixture(scope="session")
+@heavy_fixture("the tiny model, which the tests that use it run (learner, scorers, stages)")
 def tiny_model_dir() -> pathlib.Path:
     from ppo_ray.tiny_model import build_tiny_model
 
@@ -53,6 +79,7 @@ def tiny_model_dir() -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
+@heavy_fixture("a vLLM engine")
 def vllm_llm(tiny_model_dir: pathlib.Path):
     from actors.vllm_engine import build_llm
 
@@ -69,6 +96,7 @@ def vllm_llm(tiny_model_dir: pathlib.Path):
 
 # --------------------------------------------------------------------------- the learner's model
 @pytest.fixture(scope="module")
+@heavy_fixture("the tiny model, which the learner tests that use it run")
 def tiny_path() -> str:
     from helpers import TINY_MODEL
     from ppo_ray.paths import resolve_model_path
@@ -120,6 +148,7 @@ def no_ray_address(monkeypatch):
 
 
 @pytest.fixture(scope="session")
+@heavy_fixture("a local Ray")
 def ray_session():
     """ONE local Ray instance for the whole session (no dashboard: it costs start-up time
     and tests don't read it). The tests folder is put on the workers' PYTHONPATH so reward

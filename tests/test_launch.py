@@ -316,6 +316,7 @@ def test_readme_example_runs_as_written(ray_session):
         namespace["trainer"].shutdown()
 
 
+@pytest.mark.heavy("runs every stage through Ray and vLLM")
 def test_all_stages_end_to_end_on_the_bundled_task(tmp_path):
     """`launch.py` with no stage: data -> SFT -> reward model -> PPO -> report (short)."""
     run_dir = tmp_path / "run"
@@ -413,6 +414,7 @@ def test_all_stages_end_to_end_on_the_bundled_task(tmp_path):
     assert {k: v for k, v in snapshot(run_dir).items() if not k.startswith("eval/")} == run_files
 
 
+@pytest.mark.heavy("runs every stage through Ray and vLLM")
 def test_the_verifiable_task_end_to_end(tmp_path):
     """`launch.py --config arith-tiny`: data -> SFT -> RL with the verifier -> pass@1 / pass@k
     (short). No reward model is trained; the report's rates are the held-out samples',

@@ -186,6 +186,7 @@ def test_chunked_rows_equal_one_pass_values_and_gradients():
 
 
 @pytest.mark.equality
+@pytest.mark.heavy("torch.compile: tens of seconds of compilation on 2 cores")
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (10, 0.9)], ids=["full", "truncated"])
 def test_compiled_head_stats_equal_eager_values_and_gradients(top_k, top_p):
     """learner_compile's lm_head + logprob math (one torch.compile graph, dynamic widths)
