@@ -29,6 +29,7 @@ engine only in a Ray actor).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -90,6 +91,7 @@ def _trap() -> Path:
     global _TRAP_ROOT
     if _TRAP_ROOT is None:
         _TRAP_ROOT = Path(tempfile.mkdtemp(prefix="ppo-ray-fast-tier-"))
+        atexit.register(shutil.rmtree, _TRAP_ROOT, ignore_errors=True)
     trap = _TRAP_ROOT / ("no-ray-in-the-fast-tier-" + "x" * 100)
     shutil.rmtree(trap, ignore_errors=True)
     return trap
