@@ -16,9 +16,9 @@ conftest.py; tests/test_tests.py checks it). Fixtures are in conftest.py.
 * stand-ins for the supervisor's roles and metrics: ``FakeRoles``, ``FakeMetrics``.
 
 The topic modules beside it: tolerances.py (the equality tests' tolerances), exact.py (exact
-comparisons of runs), fault_injection.py and mismatch.py (imported inside Ray actors, so they
-import little), reward_fns.py (reward functions a config names, imported by Ray workers),
-report_run_dirs.py (run directories for the report page, also used by a benchmark) and
+comparisons of runs), fault_injection.py and mismatch.py (the fault and mismatch injections, which
+Ray's workers import), reward_fns.py (reward functions a config names, imported by Ray workers),
+report_run_dirs.py (run directories as the pipeline leaves them, for the report page's tests) and
 cluster_scenario.py (a script the cluster test runs as its own process).
 """
 
