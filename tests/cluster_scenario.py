@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TESTS))  # conftest.tiny_test_config
+sys.path.insert(0, str(TESTS))  # helpers.tiny_test_config
 
 PROMPTS = 8
 SEED_STEP = 123_456  # a sampling seed no training step uses
@@ -73,7 +73,7 @@ def main(mode: str) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from conftest import tiny_test_config
+    from helpers import tiny_test_config
     from ppo_ray.placement import ClusterError
     from ppo_ray.trainer import PPOTrainer
 

@@ -9,15 +9,20 @@
   LoRA tests can share it (without a LoRARequest it matches the base model).
   ``logprobs_mode="processed_logprobs"``. Tests must not change engine-wide state
   they do not restore (e.g. remove the LoRA adapters they add).
+* ``ray_session``, ``tiny_trainer`` (session): one local Ray, one PPOTrainer on it.
+* ``tiny_path``, ``special``, ``attention_dropout_path`` (module): the learner tests' model
+  directory, its (eos, pad) ids, and a copy of it with attention dropout on.
 * marker ``slow``: long tests; deselect with ``-m "not slow"``.
-* ``old_run``, ``no_ray_address``, ``snapshot``, ``launch_ppo``: for the tests of several
-  modules that a rejected launch.py command leaves a run directory as it was.
-* ``tagged_processes``, ``wait_for``: a launch.py subprocess's processes (found by an
-  environment marker) and waiting on a condition, for the tests that stop a run.
-* ``read_events``, ``text_at``: TensorBoard's reader over a run's event files
-  (test_tracking.py, test_monitoring.py).
+* marker ``fast``, derived here at collection, and its guard around each fast test's setup
+  and call (tests/fast_tier.py): the tests that need no Ray, no vLLM and no model run;
+  ``@heavy_fixture`` marks the fixtures that keep a test out of it.
+* ``old_run``, ``no_ray_address``: for the tests of several modules that a rejected launch.py
+  command leaves a run directory as it was (with helpers.snapshot and helpers.launch_ppo).
 * ``local_hub``: a stand-in for the Hugging Face hub on 127.0.0.1 serving local model
   directories in the hub's file layout, for the code paths that fetch from the hub.
+
+Helpers that are not fixtures are in tests/helpers.py: test modules import them from there,
+never from this file.
 
 No test reaches a hub: the whole session (and its subprocesses and Ray workers, which
 inherit the environment) runs with HF_HUB_OFFLINE=1, set here before anything imports
@@ -38,12 +43,35 @@ for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 
 import pytest  # noqa: E402
 
+import fast_tier  # noqa: E402
+from fast_tier import heavy_fixture  # noqa: E402
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: long-running test (deselect with -m 'not slow')")
+    for line in fast_tier.MARKERS:
+        config.addinivalue_line("markers", line)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects: the fast marker must be there by then
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    fast_tier.mark(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    with fast_tier.guard(item, "setup"):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    with fast_tier.guard(item, "call"):
+        return (yield)
 
 
 @pytest.fixture(scope="session")
+@heavy_fixture("the tiny model, which the tests that use it run (learner, scorers, stages)")
 def tiny_model_dir() -> pathlib.Path:
     from ppo_ray.tiny_model import build_tiny_model
 
@@ -51,6 +79,7 @@ def tiny_model_dir() -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
+@heavy_fixture("a vLLM engine")
 def vllm_llm(tiny_model_dir: pathlib.Path):
     from actors.vllm_engine import build_llm
 
@@ -65,18 +94,43 @@ def vllm_llm(tiny_model_dir: pathlib.Path):
         pass
 
 
-TESTS_DIR = pathlib.Path(__file__).resolve().parent
-ROOT = TESTS_DIR.parent
-TINY = ROOT / "configs" / "tiny.yaml"
+# --------------------------------------------------------------------------- the learner's model
+@pytest.fixture(scope="module")
+@heavy_fixture("the tiny model, which the learner tests that use it run")
+def tiny_path() -> str:
+    from helpers import TINY_MODEL
+    from ppo_ray.paths import resolve_model_path
+
+    return resolve_model_path(TINY_MODEL)
+
+
+@pytest.fixture(scope="module")
+def special(tiny_path) -> tuple[int, int]:
+    """(eos_token_id, pad_token_id) of the tiny model."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(tiny_path)
+    assert cfg.pad_token_id != cfg.eos_token_id
+    return cfg.eos_token_id, cfg.pad_token_id
+
+
+@pytest.fixture(scope="module")
+def attention_dropout_path(tiny_path, tmp_path_factory) -> str:
+    """The tiny model with attention_dropout 0.3 in its config.json: HF's Qwen3 attention then
+    drops attention weights in train mode, with no nn.Dropout layer anywhere (functional
+    dropout: dropout=self.attention_dropout if self.training)."""
+    import json
+    import shutil
+
+    dest = tmp_path_factory.mktemp("attention-dropout")
+    shutil.copytree(tiny_path, dest, dirs_exist_ok=True)
+    config = json.loads((dest / "config.json").read_text())
+    assert config["attention_dropout"] == 0.0
+    (dest / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.3}))
+    return str(dest)
 
 
 # --------------------------------------------------------------------------- rejected commands
-def snapshot(directory: pathlib.Path) -> dict[str, tuple[bytes, int]]:
-    """Every file under `directory`: relative path -> (bytes, mtime_ns)."""
-    return {str(p.relative_to(directory)): (p.read_bytes(), p.stat().st_mtime_ns)
-            for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
 @pytest.fixture
 def old_run(tmp_path) -> pathlib.Path:
     """A run directory with a previous run's files, which a rejected command must not touch."""
@@ -88,67 +142,13 @@ def old_run(tmp_path) -> pathlib.Path:
     return run
 
 
-def launch_ppo(run: pathlib.Path, *args: str) -> int:
-    """launch.py ppo on configs/tiny.yaml (a programmatic reward) in `run`, RAY_ADDRESS unset."""
-    import launch
-
-    return launch.main(["ppo", "--config", str(TINY), "--run_dir", str(run), *args])
-
-
 @pytest.fixture
 def no_ray_address(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
 
 
-# --------------------------------------------------------------------------- a run's processes
-RUN_MARKER = "PPO_RAY_RUN_TEST"  # set in a launched run's environment: Ray's processes and workers inherit it
-
-
-def tagged_processes(tag: str) -> list[int]:
-    """Pids of the processes whose environment has RUN_MARKER=tag (a launch.py subprocess and
-    the Ray processes it started)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if f"{RUN_MARKER}={tag}".encode() in f.read().split(b"\0"):
-                        pids.append(int(entry))
-            except OSError:
-                pass
-    return pids
-
-
-def wait_for(condition, timeout_s: float, what: str, proc=None) -> None:
-    """Wait until condition() holds (AssertionError naming `what` after timeout_s, or as soon as
-    the subprocess `proc` exits)."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the process exited ({proc.returncode}) before {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout_s} s")
-        time.sleep(0.5)
-
-
-# --------------------------------------------------------------------------- TensorBoard
-def read_events(log_dir: pathlib.Path):
-    """TensorBoard's own reader over every event file of a run (purges applied)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    return acc
-
-
-def text_at(acc, tag: str) -> dict[int, str]:
-    """Text summaries (add_text) by step: TensorBoard stores them as string tensors."""
-    return {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag)}
-
-
 @pytest.fixture(scope="session")
+@heavy_fixture("a local Ray")
 def ray_session():
     """ONE local Ray instance for the whole session (no dashboard: it costs start-up time
     and tests don't read it). The tests folder is put on the workers' PYTHONPATH so reward
@@ -157,6 +157,8 @@ def ray_session():
     import os
 
     import ray
+
+    from helpers import TESTS_DIR
 
     # The workers' environment only (the job's runtime_env, which every actor's own env_vars
     # extend): this process's os.environ stays as it was, so a subprocess test sees the same
@@ -173,19 +175,6 @@ def ray_session():
     ray.shutdown()
 
 
-def tiny_test_config(**overrides):
-    """configs/tiny.yaml with small, fast settings for tests."""
-    from ppo_ray.config import PPOConfig
-
-    # logprob_gap_check: error: a generator that samples from another policy than the
-    # learner's (stale KV, a lost sync) fails the test instead of a warning in its log.
-    base = dict(batch_size=8, max_new_tokens=12, ppo_epochs=2, micro_batch_size=4,
-                prompt_truncation="error", max_prompt_length=400, vllm_kv_cache_gib=0.25,
-                logprob_gap_check="error")
-    base.update(overrides)
-    return PPOConfig.from_yaml(TESTS_DIR.parent / "configs" / "tiny.yaml", **base)
-
-
 @pytest.fixture(scope="session")
 def tiny_trainer(ray_session, tiny_model_dir, tmp_path_factory):
     """ONE PPOTrainer (one vLLM generator actor, reference, reward and learner actors) over
@@ -193,6 +182,7 @@ def tiny_trainer(ray_session, tiny_model_dir, tmp_path_factory):
     assume a particular starting step. A FaultyTrainer (tests/fault_injection.py): unarmed it
     runs as a PPOTrainer; test_faults.py and test_sync_check.py arm its faults."""
     from fault_injection import FaultyTrainer
+    from helpers import tiny_test_config
 
     # max_actor_restarts: tests/test_faults.py's matrix (-m slow) restarts each role up to
     # a dozen times on this one trainer; the default 3 would leave it with a dead generator.

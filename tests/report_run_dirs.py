@@ -17,7 +17,7 @@ SCRIPT = "<script>document.title='pwned'</script> & <b>bold</b>"
 
 
 def _metrics(run_dir: Path, steps: int, eval_key: str, eval_values: list[float]) -> Path:
-    from test_stats import step_result  # a real StepResult: its scalars() are the JSONL's line
+    from helpers import step_result  # a real StepResult: its scalars() are the JSONL's line
 
     path = run_dir / "metrics.jsonl"
     with open(path, "w") as f:

@@ -21,7 +21,7 @@ import ray
 
 from fault_injection import Fault, arm_bad_sync
 from ppo_ray.data import bundled_prompts
-from test_faults import EVERY, STEPS, _assert_same, _run
+from helpers import FAULT_EVERY as EVERY, FAULT_STEPS as STEPS, assert_same_fault_run, fault_run
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -31,7 +31,7 @@ K = 2  # max_staleness
 @pytest.fixture(scope="module")
 def async_run(ray_session, tiny_model_dir, tmp_path_factory):
     """(trainer, snapshot at step 0, the straight run's Outcome and run directory)."""
-    from conftest import tiny_test_config
+    from helpers import tiny_test_config
     from fault_injection import FaultyTrainer
 
     trainer = FaultyTrainer(tiny_test_config(max_staleness=K, num_generators=2, lora_sync="tensor",
@@ -41,7 +41,7 @@ def async_run(ray_session, tiny_model_dir, tmp_path_factory):
         trainer.run_dir = tmp_path_factory.mktemp("async-snapshot")
         snapshot = trainer.save_checkpoint()
         run_dir = tmp_path_factory.mktemp("async-straight")
-        straight = _run(trainer, run_dir)
+        straight = fault_run(trainer, run_dir)
         yield trainer, snapshot, straight, run_dir
     finally:
         trainer.shutdown()
@@ -137,12 +137,12 @@ def test_an_actor_killed_mid_stream_leaves_the_run_as_if_it_had_not_happened(asy
     before = len(trainer.retries)
     trainer.inject_faults([Fault(role, start + offset, phase, when)])
     try:
-        got = _run(trainer, tmp_path)
+        got = fault_run(trainer, tmp_path)
     finally:
         trainer.inject_faults([])
     failures = trainer.retries[before:]
     assert failures and failures[0]["role"] == role, failures
-    _assert_same(got, straight, False, role, trainer.config.learning_rate)
+    assert_same_fault_run(got, straight, False, role, trainer.config.learning_rate)
     held = ray.get([g.versions.remote() for g in trainer.roles.generators])
     assert all(h[-1] == trainer.version for h in held), held
 
@@ -189,7 +189,7 @@ def continue_run(async_run, tmp_path_factory):
     try:
         trainer.restore(snapshot)
         run_dir = tmp_path_factory.mktemp("continue-straight")
-        yield trainer, snapshot, _run(trainer, run_dir), run_dir
+        yield trainer, snapshot, fault_run(trainer, run_dir), run_dir
     finally:
         trainer.config = base
 
@@ -231,9 +231,9 @@ def test_a_generator_killed_during_partial_rollouts_leaves_the_run_as_if_it_had_
     before = len(trainer.retries)
     trainer.inject_faults([Fault("generator-1", start + 1, "prefetch", "before")])
     try:
-        got = _run(trainer, tmp_path)
+        got = fault_run(trainer, tmp_path)
     finally:
         trainer.inject_faults([])
     failures = trainer.retries[before:]
     assert failures and failures[0]["role"] == "generator-1", failures
-    _assert_same(got, straight, False, "generator-1", trainer.config.learning_rate)
+    assert_same_fault_run(got, straight, False, "generator-1", trainer.config.learning_rate)

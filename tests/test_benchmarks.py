@@ -319,6 +319,7 @@ def test_step_benchmark_command(tmp_path):
     assert result["config"]["max_new_tokens"] == 8 and result["ours"]["startup_s"] > 0
 
 
+@pytest.mark.heavy("runs the benchmark's miniature learner")
 def test_gpu_step_benchmark_on_cpu(tmp_path):
     """benchmarks/gpu_step.py (run on the lent GPU, which has no Ray/vLLM) works end to end on
     its 2-layer miniature: every phase measured, tokens counted, the one-off phases run and
@@ -370,6 +371,7 @@ def test_gpu_step_passes_learner_options_and_counts_flops():
     assert parse_args(["--extras", "false"]).extras is False and parse_args([]).extras is True
 
 
+@pytest.mark.heavy("runs the benchmark's miniature learner")
 def test_learner_profile_on_cpu(tmp_path):
     """benchmarks/learner_profile.py on its miniature: the plain path and the speed options
     on one learner, each with its phases, padding ratio and split timings."""

@@ -21,12 +21,8 @@ import pytest
 
 from ppo_ray.checkpoint import CheckpointError
 from ppo_ray.data import bundled_prompts
-from conftest import tiny_test_config
-from exact import assert_same, rerun_if_last_digits_differ
-
-KEYS = ("reward_mean", "kl", "policy_loss", "value_loss", "approx_kl", "clipfrac", "entropy",
-        "explained_variance", "adapter_version", "response_tokens", "learning_rate")
-
+from helpers import assert_same_steps, from_step_two, metrics_steps, tiny_test_config
+from exact import rerun_if_last_digits_differ
 
 @pytest.fixture(scope="module")
 def run(ray_session, tiny_model_dir, tmp_path_factory):
@@ -40,30 +36,6 @@ def run(ray_session, tiny_model_dir, tmp_path_factory):
     history = trainer.train(bundled_prompts(), metrics_path=run_dir / "metrics.jsonl", progress=False)
     yield trainer, history, run_dir
     trainer.shutdown()
-
-
-def from_step_two(trainer, run_dir, new_dir):
-    """A new run directory holding only the straight run's step-2 checkpoint; restore it."""
-    (new_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(run_dir / "checkpoints" / "step-000002", new_dir / "checkpoints" / "step-000002")
-    (new_dir / "checkpoints" / "latest").write_text("step-000002\n")
-    trainer.run_dir = new_dir
-    ckpt = trainer.restore(new_dir)
-    assert ckpt.name == "step-000002" and trainer.step == 2 and trainer.version == 2
-
-
-def metrics_steps(path):
-    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
-
-
-def steps_of(history, keys=KEYS) -> list[dict]:
-    """What an exact comparison of steps compares: each step's `keys` and samples."""
-    return [{"step": h["step"], **{k: h[k] for k in keys}, "generated_texts": h["generated_texts"]} for h in history]
-
-
-def assert_same_steps(resumed, straight):
-    assert [h["step"] for h in resumed] == [3, 4]
-    assert_same(steps_of(resumed), steps_of(straight[2:]), "resumed vs straight")
 
 
 def test_checkpoints_written_and_kept(run):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_test_config
+from helpers import tiny_test_config
 from tolerances import TINY_LOGPROB_TOL
 from ppo_ray.placement import ClusterError
 
@@ -75,6 +75,7 @@ def run_scenario(mode: str, timeout_s: float) -> dict:
     return json.loads(lines[-1][len("CLUSTER_RESULT "):])
 
 
+@pytest.mark.heavy("starts a two-node Ray cluster in a subprocess")
 def test_two_nodes_fail_fast():
     """Two nodes ({CPU: 2, node_a: 10} and {CPU: 2, node_b: 10}); every case is a
     ClusterError before any actor starts: the immediate checks from the capacity check

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 import launch
-from conftest import ROOT, launch_ppo, snapshot
+from helpers import ROOT, launch_ppo, snapshot
 from ppo_ray.config import (VLLM_LORA_RANKS, ConfigError, PPOConfig, field_docs, field_sections, fields_markdown,
                             parse_overrides)
 

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 
 import launch
-from conftest import TINY, launch_ppo, snapshot
+from helpers import PROMPTS, TINY, launch_ppo, snapshot
 from ppo_ray.config import PPOConfig
 from ppo_ray.data import encode_prompts
 from ppo_ray.paths import resolve_model_path
-from test_generator import PROMPTS
 
 CHAT = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}")

@@ -207,7 +207,7 @@ def hang_trainer(ray_session, tiny_model_dir, tmp_path_factory):
     """A trainer of its own (the session's has another reward function) whose reward function
     hangs while reward_fns.hang_file() exists; short deadlines (the first calls keep a long
     one: they warm the engine up); a snapshot at step 0 and the straight run from it."""
-    from conftest import tiny_test_config
+    from helpers import tiny_test_config
     from fault_injection import FaultyTrainer
     from ppo_ray.data import bundled_prompts
     from reward_fns import hang_file

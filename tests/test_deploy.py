@@ -36,6 +36,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fast_tier import heavy_fixture
 from ppo_ray.metrics import metric_name
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,6 +114,7 @@ def _stop_head(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
+@heavy_fixture("a Ray head (`ray start`, with a temp folder of its own: the fast tier's trap does not see it)")
 def ray_head():
     # A short temp dir: Ray's Unix socket paths under it must stay within 107 characters.
     temp = Path(tempfile.mkdtemp(prefix="ppo-head-", dir="/tmp"))

@@ -96,7 +96,7 @@ def test_reward_stats_of_several_rounds_join_weighted_by_rows():
 
 
 def test_the_config_rules(tmp_path):
-    from conftest import tiny_test_config
+    from helpers import tiny_test_config
 
     with pytest.raises(ConfigError, match="dynamic_sampling.*samples_per_prompt >= 2"):
         tiny_test_config(dynamic_sampling=True)
@@ -115,7 +115,7 @@ def test_the_step_line_and_record_show_dynamic_sampling_only_when_it_is_on():
     from dataclasses import replace
 
     from ppo_ray.logs import format_step
-    from test_stats import step_result
+    from helpers import step_result
 
     off = step_result()
     assert "rounds" not in format_step(off) and not any(k.startswith("dynamic") for k in off.as_dict())
@@ -171,7 +171,7 @@ def straight_run(tmp_path_factory, name: str, marked: set[int], **extra):
     with dynamic sampling (`extra` on top), STEPS steps, a checkpoint at step 2, the prompts
     drawn at `marked` positions marked. A FaultyTrainer (a PPOTrainer unless armed) for the
     retry tests."""
-    from conftest import tiny_test_config
+    from helpers import tiny_test_config
     from fault_injection import FaultyTrainer
 
     config = tiny_test_config(advantage_estimator="grpo", samples_per_prompt=2, batch_size=8, max_new_tokens=8,

@@ -15,7 +15,7 @@ from learner.algos import (ADVANTAGE_ESTIMATORS, AdvantageInputs, advantage_esti
                            masked_whiten, register_estimator)
 from learner.learner import Learner
 from ppo_ray.stats import CRITIC_FIELDS
-from test_learner import keep_experience, make_config, random_batch, rollout_inputs, special, tiny_path  # noqa: F401
+from helpers import keep_experience, make_config, random_batch, rollout_inputs
 
 NAME = "test_return_to_go"
 

@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 import launch
-from conftest import snapshot
+from helpers import snapshot
 
 
 @pytest.fixture(scope="module")

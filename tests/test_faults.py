@@ -45,28 +45,20 @@ from __future__ import annotations
 import inspect
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import pytest
 import ray
-import torch
 
-from exact import assert_same, rerun_if_last_digits_differ
+from exact import rerun_if_last_digits_differ
 from fault_injection import Fault, role_kind
+from helpers import FAULT_EVERY as EVERY, FAULT_STEPS as STEPS, assert_same_fault_run, fault_run
 from ppo_ray.data import bundled_prompts
 from ppo_ray.roles import Roles
 from ppo_ray.supervisor import PLACES
-from tolerances import TINY_LOGPROB_TOL
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
-STEPS = 3  # faults hit the second step: the first one's commit exists, and in overlap mode
-           # the second step's rollouts were prefetched by the first
-EVERY = 2  # the second step evaluates and checkpoints (and the last): a fault there is followed by a step
-KEYS = ("reward_mean", "kl", "policy_loss", "value_loss", "approx_kl", "clipfrac", "entropy",
-        "explained_variance", "adapter_version", "response_tokens", "first_minibatch_ratio_mean",
-        "eval_reward_mean")
 RECOVERY = " recovery"  # a Kill's place suffix: the call made while recovering from an earlier failure there
 
 
@@ -246,87 +238,9 @@ def kill_actor(actor, timeout_s: float = 120.0) -> None:
 
 
 # ----------------------------------------------------------------------------- one run and its outcome
-@dataclass
-class Outcome:
-    history: list                 # StepResults
-    eval_rows: list[dict]         # <run_dir>/eval_samples.jsonl
-    checkpoints: dict[str, dict]  # name -> {file: sha256} of its learner-state files (not trainer.json, config.yaml)
-    checkpoint_adapters: dict[str, dict]  # name -> the checkpoint's policy LoRA tensors
-    saved_adapter: dict           # save_adapter's tensors
-    live_adapter: Optional[dict]  # the learner's weights at the end
-
-
-def _tensors(path: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(path / "adapter_model.safetensors"))
-
-
-def _live_adapter(trainer) -> dict:
-    _, weights = trainer.roles.learner.current_weights.remote()
-    return ray.get(weights).tensors
-
-
 def _configure(trainer, base, mode: str) -> None:
     trainer.config = base.replace(max_staleness=int(mode == "overlap"), eval_every=EVERY, checkpoint_every=EVERY,
                                   report_to=[])
-
-
-def _run(trainer, run_dir: Path, live: bool = True) -> Outcome:
-    """STEPS steps with evaluations and checkpoints into `run_dir`, then save_adapter; with
-    `live`, the learner's own weights then (not after a kill at save_adapter: the learner is
-    lost, and the trainer's next call would restore it)."""
-    trainer.run_dir = run_dir
-    try:
-        history = trainer.train(bundled_prompts(), steps=STEPS, progress=False, eval_prompts=bundled_prompts())
-        saved = trainer.save_adapter(run_dir / "adapter")
-    finally:
-        trainer.run_dir = None
-    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
-    return Outcome(
-        history, [json.loads(line) for line in (run_dir / "eval_samples.jsonl").read_text().splitlines()],
-        {c.name: {f: h for f, h in json.loads((c / "checksums.json").read_text()).items()
-                  if f not in ("trainer.json", "config.yaml")} for c in checkpoints},
-        {c.name: _tensors(c / "adapter") for c in checkpoints}, _tensors(saved),
-        _live_adapter(trainer) if live else None)
-
-
-def _comparable(outcome: Outcome, live: bool) -> dict:
-    """What an exact comparison compares (tests/exact.py): the steps' KEYS and samples, the
-    evaluations' rows, the adapters (the checkpoints', the saved one, the live one if `live`)."""
-    return {"history": [{**{k: h[k] for k in KEYS if k in h}, "generated_texts": h["generated_texts"]}
-                        for h in outcome.history],
-            "eval": outcome.eval_rows, "checkpoint adapters": outcome.checkpoint_adapters,
-            "saved adapter": outcome.saved_adapter, **({"final adapter": outcome.live_adapter} if live else {})}
-
-
-def _assert_same(got: Outcome, want: Outcome, exact: bool, what, lr: float) -> None:
-    assert [h["step"] for h in got.history] == [h["step"] for h in want.history]
-    assert got.checkpoints.keys() == want.checkpoints.keys()
-    if exact:  # the learner state's files follow from the floats (a rerun when only their last digits differ)
-        live = got.live_adapter is not None
-        assert_same(_comparable(got, live), _comparable(want, live), str(what),
-                    derived={"checkpoints' learner state": (got.checkpoints, want.checkpoints)})
-        return
-    for g, w in zip(got.history, want.history):
-        for key in KEYS:
-            if key not in w:
-                assert key not in g, f"{what}: step {g['step']} has {key} that the straight run has not"
-                continue
-            same = abs(g[key] - w[key]) <= TINY_LOGPROB_TOL * (1 + abs(w[key]))
-            assert same, f"{what}: step {g['step']} {key}: {g[key]!r} vs {w[key]!r}"
-        assert g["generated_texts"] == w["generated_texts"], f"{what}: step {g['step']} samples differ"
-    assert got.eval_rows == want.eval_rows, f"{what}: the eval samples differ"
-    adapters = [*[(f"checkpoint {n}", got.checkpoint_adapters[n], want.checkpoint_adapters[n])
-                  for n in want.checkpoint_adapters], ("saved adapter", got.saved_adapter, want.saved_adapter)]
-    if got.live_adapter is not None:
-        adapters.append(("final adapter", got.live_adapter, want.live_adapter))
-    for name, a, b in adapters:
-        assert a.keys() == b.keys(), f"{what}: {name}: other tensors"
-        for key, tensor in a.items():
-            same = torch.allclose(tensor, b[key], rtol=0, atol=0.01 * lr * STEPS)
-            assert same, (f"{what}: {name} {key} differs by up to {(tensor - b[key]).abs().max().item():.3g} "
-                          f"(scale {tensor.abs().max().item():.3g})")
 
 
 def _threads(trainer) -> dict:
@@ -369,7 +283,7 @@ def straight(tiny_trainer, tmp_path_factory):
         for mode in ("sync", "overlap"):
             _configure(trainer, base, mode)
             trainer.restore(snapshot)
-            reference[mode] = _run(trainer, tmp_path_factory.mktemp(f"straight-{mode}"))
+            reference[mode] = fault_run(trainer, tmp_path_factory.mktemp(f"straight-{mode}"))
     finally:
         hook.remove()
         trainer.config = base
@@ -390,7 +304,7 @@ def test_a_fault_leaves_the_run_as_if_it_had_not_happened(straight, tmp_path, mo
         trainer.inject_faults([fault])
         before = len(trainer.retries)
         try:
-            got = _run(trainer, tmp_path)
+            got = fault_run(trainer, tmp_path)
         finally:
             trainer.inject_faults([])
     finally:
@@ -401,7 +315,7 @@ def test_a_fault_leaves_the_run_as_if_it_had_not_happened(straight, tmp_path, mo
         # generator or learner has lost its adapter: it must be noticed, not used)
         assert failures and failures[0]["role"] == role and failures[0]["step"] == start + offset, failures
     try:
-        _assert_same(got, reference[mode], mode == "sync", fault, trainer.config.learning_rate)
+        assert_same_fault_run(got, reference[mode], mode == "sync", fault, trainer.config.learning_rate)
     except AssertionError as error:  # what a float difference can come from: each actor's process and threads
         raise type(error)(f"{error}\n(actors now: {_threads(trainer)})") from None
     # every generator holds the committed version (a restarted one was brought back to it)
@@ -423,7 +337,7 @@ def test_an_actor_lost_outside_the_steps_phases_leaves_the_run_as_if_it_had_not_
     try:
         hook.arm(kills, start)
         trainer.restore(snapshot)
-        got = _run(trainer, tmp_path, live=kills[0].where != "adapter")
+        got = fault_run(trainer, tmp_path, live=kills[0].where != "adapter")
     finally:
         hook.remove()
         trainer.config = base
@@ -436,7 +350,7 @@ def test_an_actor_lost_outside_the_steps_phases_leaves_the_run_as_if_it_had_not_
     elif first.where != "adapter":  # nothing calls the learner after save_adapter: no failure is seen
         assert failures[:1] == [{"step": start + first.offset, "role": first.role, "where": first.where}], failures
         assert len(failures) == len(kills), failures  # a death during the recovery costs a retry too
-    _assert_same(got, reference[mode], mode == "sync", kills, trainer.config.learning_rate)
+    assert_same_fault_run(got, reference[mode], mode == "sync", kills, trainer.config.learning_rate)
     assert ray.get([g.version.remote() for g in trainer.roles.generators]) == [trainer.version]
 
 
@@ -448,7 +362,7 @@ def test_a_learner_lost_while_the_trainer_starts(straight, tmp_path, monkeypatch
     constructor's calls; its first STEPS steps equal the shared trainer's from its initial
     state (same config: the learner's initialisation is seeded)."""
     import ppo_ray.trainer as trainer_module
-    from conftest import tiny_test_config
+    from helpers import tiny_test_config
     from ppo_ray.trainer import PPOTrainer
 
     shared, _, _, _ = straight
@@ -470,16 +384,16 @@ def test_a_learner_lost_while_the_trainer_starts(straight, tmp_path, monkeypatch
         assert trainer.retries == [{"step": 0, "role": "learner", "where": "start"}]
         assert None not in {where for where, _ in hook.calls}, hook.calls
         _configure(trainer, base, "sync")
-        got = _run(trainer, tmp_path / "killed")
+        got = fault_run(trainer, tmp_path / "killed")
     finally:
         trainer.shutdown()
     _configure(shared, base, "sync")
     try:
         shared.restore(shared.initial_checkpoint)
-        want = _run(shared, tmp_path / "straight")
+        want = fault_run(shared, tmp_path / "straight")
     finally:
         shared.config = base
-    _assert_same(got, want, True, kill, base.learning_rate)
+    assert_same_fault_run(got, want, True, kill, base.learning_rate)
 
 
 # ----------------------------------------------------------------------------- the list, from the code

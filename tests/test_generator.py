@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
-from ppo_ray.logprobs import logprobs_from_logits
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import ALL_PROJECTIONS
 from ppo_ray.data import encode_prompts
-from ppo_ray.modeling import LoraSpec, LoraWeights, load_causal_lm, load_tokenizer, response_logits
+from ppo_ray.modeling import LoraSpec, LoraWeights, load_causal_lm, load_tokenizer
+from helpers import PROMPTS, continuation_logprobs, hf_logprobs, make_peft, randomize_lora
 from tolerances import TINY_TERMS, rounding_tol
 
 
@@ -23,14 +23,6 @@ def tol(*logprobs: torch.Tensor) -> float:
     """Float32 logprobs of the tiny model computed two ways (vLLM vs HF + PEFT, or two engine
     calls): the rounding of its reductions at the size of the largest finite |logprob|."""
     return rounding_tol(max(x[torch.isfinite(x)].abs().max() for x in logprobs), TINY_TERMS)
-
-PROMPTS = [
-    "SUBREDDIT: r/relationships\n\nTITLE: My friend never calls back\n\nPOST: We used to talk every day.\n\nTL;DR:",
-    "Hello",
-    "The quick brown fox jumps over the lazy dog, and then",
-    "TL;DR:",
-]
-
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
@@ -59,21 +51,6 @@ def make_generator(vllm_llm, tokenizer, tiny_model_dir):
     yield make
     for gen in made:
         gen.close()
-
-
-def hf_logprobs(model, batch: RolloutBatch, temperature=1.0, top_k=None, top_p=None) -> torch.Tensor:
-    with torch.no_grad():
-        logits = response_logits(model, batch)  # (B, T, V)
-    return logprobs_from_logits(logits, batch.response_ids, temperature, top_k, top_p, mask=batch.response_mask)
-
-
-def continuation_logprobs(model, prompt_ids, cont_ids) -> torch.Tensor:
-    """Raw (temperature 1, untruncated) logprobs of cont_ids after prompt_ids: (len(cont),)."""
-    ids = torch.tensor([prompt_ids + cont_ids])
-    with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=False).logits  # (1, L, V)
-    p = len(prompt_ids)
-    return logprobs_from_logits(logits[:, p - 1:-1], ids[:, p:], 1.0)[0]
 
 
 # ---------------------------------------------------------------------------- layout
@@ -200,28 +177,6 @@ def test_greedy_decoding_takes_the_models_argmax_whatever_the_seed(make_generato
 
 
 # ---------------------------------------------------------------------------- LoRA sync
-def make_peft(tiny_model_dir):
-    from peft import LoraConfig, get_peft_model
-
-    base = load_causal_lm(str(tiny_model_dir))
-    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=list(ALL_PROJECTIONS), lora_dropout=0.0)
-    return get_peft_model(base, cfg).eval()
-
-
-def randomize_lora(model, seed: int) -> LoraWeights:
-    """Random non-zero A and B (PEFT starts with B = 0, i.e. no change); returns the
-    adapter as the learner ships it (state dict and spec)."""
-    from peft import get_peft_model_state_dict
-
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=g) * 0.1)
-    return LoraWeights({k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()},
-                       LoraSpec.of(model.peft_config["default"]))
-
-
 def broken_adapters(w: LoraWeights) -> tuple[LoraWeights, LoraWeights]:
     """(an adapter of `w`'s shapes for a module vLLM serves no LoRA on, `w` at rank 32 = 4 x its
     rank: above the shared engine's max_lora_rank 16)."""

@@ -278,7 +278,7 @@ def tiny_path(tiny_model_dir):
 
 def test_the_learner_refuses_a_group_estimator_without_groups(tiny_path):
     from learner.learner import Learner
-    from test_learner import make_config
+    from helpers import make_config
 
     with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
         Learner(make_config(advantage_estimator="grpo"), tiny_path)
@@ -294,7 +294,7 @@ def test_the_learner_uses_the_estimators_advantages_unwhitened_with_a_dropped_ro
 
     from learner.learner import Learner
     from ppo_ray.stats import CRITIC_FIELDS
-    from test_learner import keep_experience, make_config, random_batch, rollout_inputs
+    from helpers import keep_experience, make_config, random_batch, rollout_inputs
 
     learner = Learner(make_config(advantage_estimator=name, samples_per_prompt=2, nonfinite_reward="drop"), tiny_path)
     assert learner.value_model is None and learner.config.whiten_advantages
@@ -328,7 +328,7 @@ def test_in_the_learner_an_equal_score_group_gets_the_kl_term_at_kl_coef(name, t
     from dataclasses import replace
 
     from learner.learner import Learner
-    from test_learner import keep_experience, make_config, random_batch, rollout_inputs, with_sgd
+    from helpers import keep_experience, make_config, random_batch, rollout_inputs, with_sgd
 
     learner = with_sgd(Learner(make_config(advantage_estimator=name, samples_per_prompt=2), tiny_path), lr=0.0)
     kept = keep_experience(learner)
@@ -438,11 +438,11 @@ def test_the_generator_samples_n_per_prompt_in_contiguous_groups(vllm_llm, tiny_
 def test_a_grpo_step_through_the_trainer_samples_groups_and_has_no_critic():
     import ray
 
-    from conftest import tiny_test_config
+    from helpers import tiny_test_config
     from ppo_ray.data import bundled_prompts
     from ppo_ray.stats import CRITIC_FIELDS
     from ppo_ray.trainer import PPOTrainer
-    from test_trainer import on_actor
+    from helpers import on_actor
 
     trainer = PPOTrainer(tiny_test_config(advantage_estimator="grpo", samples_per_prompt=2, batch_size=4,
                                           micro_batch_size=4, max_new_tokens=8))

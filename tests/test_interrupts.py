@@ -12,7 +12,7 @@ import pytest
 
 from ppo_ray.interrupts import raise_if_stopped, stop_on_signals
 from ppo_ray.supervisor import Supervisor
-from test_supervisor import FakeMetrics, FakeRoles
+from helpers import FakeMetrics, FakeRoles
 
 
 class _SignalledWhileFinalized:

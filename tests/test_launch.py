@@ -52,7 +52,7 @@ def test_launch_ppo_interrupted_then_resumed(tmp_path):
     import signal
     import uuid
 
-    from conftest import RUN_MARKER, tagged_processes, wait_for
+    from helpers import RUN_MARKER, tagged_processes, wait_for
 
     run_dir = tmp_path / "run"
     tag = uuid.uuid4().hex
@@ -147,7 +147,7 @@ def test_a_resume_into_another_run_directory_is_refused_and_overwrite_forks_it(t
     adapter and report: now it stops before touching B. With --overwrite, B's run is moved
     aside (never deleted) and A's checkpoint continues in B; A is not touched by either. Slow
     (~3 min: three launch.py runs of the tiny preset)."""
-    from conftest import snapshot
+    from helpers import snapshot
     from ppo_ray.checkpoint import read_meta, resolve_checkpoint
 
     a, b = tmp_path / "a", tmp_path / "b"
@@ -217,7 +217,7 @@ def test_a_reward_actor_killed_in_the_evaluation_leaves_the_run_as_a_straight_on
     Slow (~3 min: two launch.py processes)."""
     import signal
 
-    from conftest import TESTS_DIR, wait_for
+    from helpers import TESTS_DIR, wait_for
     from reward_fns import EVAL_MARKER_ENV, EVAL_PID_FILE, EVAL_ROWS_ENV
 
     env = {**os.environ, "RAY_ADDRESS": "",  # a local Ray of its own, whose workers import tests/reward_fns.py
@@ -316,6 +316,7 @@ def test_readme_example_runs_as_written(ray_session):
         namespace["trainer"].shutdown()
 
 
+@pytest.mark.heavy("runs every stage through Ray and vLLM")
 def test_all_stages_end_to_end_on_the_bundled_task(tmp_path):
     """`launch.py` with no stage: data -> SFT -> reward model -> PPO -> report (short)."""
     run_dir = tmp_path / "run"
@@ -392,7 +393,7 @@ def test_all_stages_end_to_end_on_the_bundled_task(tmp_path):
     # run's files, none of them touched) reproduces the report's test numbers exactly: the same
     # judge on the same samples (same functions, same seeds), means and win rates taken in the
     # same order. It also reports the reward model's mean score of each policy's samples.
-    from conftest import snapshot
+    from helpers import snapshot
 
     run_files = snapshot(run_dir)
     proc = _launch(["eval", run_dir], tmp_path)
@@ -413,6 +414,7 @@ def test_all_stages_end_to_end_on_the_bundled_task(tmp_path):
     assert {k: v for k, v in snapshot(run_dir).items() if not k.startswith("eval/")} == run_files
 
 
+@pytest.mark.heavy("runs every stage through Ray and vLLM")
 def test_the_verifiable_task_end_to_end(tmp_path):
     """`launch.py --config arith-tiny`: data -> SFT -> RL with the verifier -> pass@1 / pass@k
     (short). No reward model is trained; the report's rates are the held-out samples',
@@ -453,7 +455,7 @@ def test_the_verifiable_task_end_to_end(tmp_path):
     # evaluation functions and seeds, the SFT policy from a fresh trainer, the trained one from the
     # run's newest checkpoint (step 2, written at the end). Pass rates are means of counts taken in
     # the same order: equal, not close. The run directory is left as it was.
-    from conftest import snapshot
+    from helpers import snapshot
 
     run_files = snapshot(run_dir)
     out = tmp_path / "eval"

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RUN_MARKER, tagged_processes, wait_for
+from helpers import RUN_MARKER, tagged_processes, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.heavy("starts Ray in a subprocess")
 def test_init_ray_keeps_the_callers_stop_handlers(tmp_path):
     """In a fresh process started with SIGINT ignored (as `launch.py &` from a script is):
     inside ppo_ray.interrupts.stop_on_signals, the handlers of SIGINT and SIGTERM are still

@@ -23,10 +23,10 @@ from learner.value_model import ValueModel
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import PPOConfig
 from ppo_ray.modeling import LoraSpec
-from ppo_ray.paths import resolve_model_path
-from tolerances import TINY_TERMS, grad_terms, rounding_tol
+from helpers import (MEASURED_STATS, TINY_MODEL, assert_same_update, keep_experience, logprob_tol, make_config,
+                     max_abs_diff, random_batch, rollout_inputs, token_mean_tol, update_tols, value_params, with_sgd)
+from tolerances import TINY_TERMS, rounding_tol
 
-TINY = "embedded:tiny"
 STAT_KEYS = {
     "policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "ratio_mean",
     "first_minibatch_ratio_mean", "vf_clipfrac", "explained_variance", "kl", "kl_per_token",
@@ -37,8 +37,6 @@ STAT_KEYS = {
     "learner_peak_memory_gib", "mismatch_outside_frac", "mismatch_log_ratio_abs", "learner_flops",
     "learner_peak_flops_per_s",
 }
-# CUDA's allocator peak: NaN on the CPU; the device's peak FLOP/s: measured on the CPU, NaN on an unlisted GPU
-MEASURED_STATS = ("learner_peak_memory_gib", "learner_peak_flops_per_s")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,50 +47,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_path() -> str:
-    return resolve_model_path(TINY)
-
-
-@pytest.fixture(scope="module")
-def special(tiny_path) -> tuple[int, int]:
-    """(eos_token_id, pad_token_id) of the tiny model."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(tiny_path)
-    assert cfg.pad_token_id != cfg.eos_token_id
-    return cfg.eos_token_id, cfg.pad_token_id
-
-
-def make_config(**overrides) -> PPOConfig:
-    """The learner tests' config with `overrides` on top (PPOConfig.replace: an override that selects
-    a critic-free estimator leaves value_learning_rate, which it does not read, at its default)."""
-    base = PPOConfig(model_name=TINY, lora_r=4, lora_alpha=8, lora_dropout=0.0, batch_size=8, mini_batch_size=4,
-                     micro_batch_size=2, ppo_epochs=2, learning_rate=1e-3, value_learning_rate=1e-3,
-                     temperature=0.7, top_k=0, top_p=1.0, kl_coef=0.05, seed=0,
-                     old_logprobs="learner")  # the seeds' step 2; tests of the generator's set it
-    return base.replace(**overrides)
-
-
-def random_batch(special, n=8, p=10, t=16, seed=0, version=0) -> RolloutBatch:
-    """Random tokens: prompts of 2..p tokens left-padded, responses of 1..t tokens
-    right-padded (row 0 full length), about half ending in EOS."""
-    eos, pad = special
-    g = torch.Generator().manual_seed(seed)
-    plen = torch.randint(2, p + 1, (n,), generator=g)
-    prompt_mask = torch.arange(p) >= (p - plen)[:, None]                                   # (n, p)
-    prompt_ids = torch.where(prompt_mask, torch.randint(0, eos, (n, p), generator=g), pad)
-    rlen = torch.randint(1, t + 1, (n,), generator=g)
-    rlen[0] = t
-    response_mask = torch.arange(t) < rlen[:, None]                                       # (n, t)
-    response_ids = torch.where(response_mask, torch.randint(0, eos, (n, t), generator=g), pad)
-    ends_eos = torch.rand(n, generator=g) < 0.5
-    rows = torch.arange(n)[ends_eos]
-    response_ids[rows, rlen[ends_eos] - 1] = eos
-    return RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, torch.zeros(n, t), version,
-                        pad_token_id=pad, eos_token_id=eos)
 
 
 def sampled_batch(learner: Learner, special, n=8, p=10, t=16, seed=0, full_length=False) -> RolloutBatch:
@@ -129,117 +83,6 @@ def sampled_batch(learner: Learner, special, n=8, p=10, t=16, seed=0, full_lengt
     mask = batch.response_mask & (torch.arange(bad.shape[1]) < first_bad[:, None])
     batch = replace(batch, response_ids=torch.where(mask, batch.response_ids, pad), response_mask=mask)
     return replace(batch, gen_logprobs=torch.where(mask, logprobs, 0.0))
-
-
-def rollout_inputs(learner: Learner, batch: RolloutBatch, seed=0):
-    """gen_logprobs from the learner, reference = the learner's full logprobs plus noise
-    (a nonzero KL), random scores."""
-    batch = replace(batch, gen_logprobs=learner.rollout_scores(batch, logprobs=True).logprobs.cpu(), adapter_version=learner.version)
-    g = torch.Generator().manual_seed(seed)
-    ref = learner.rollout_scores(batch, full=True).full_logprobs.cpu() + 0.1 * torch.randn(batch.response_ids.shape, generator=g)
-    ref = torch.where(batch.response_mask, ref, 0.0)
-    scores = torch.randn(len(batch), generator=g)
-    return batch, ref, scores
-
-
-def max_abs_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def value_params(learner: Learner) -> dict:
-    return {n: p.detach().clone() for n, p in learner.value_model.named_parameters() if p.requires_grad}
-
-
-# ------------------------------------------------------------------ two computations of one update
-# Tolerances: tests/tolerances.py. A logprob of the tiny model goes through TINY_TERMS
-# reductions; its magnitude is the largest |logprob| compared (a likely token's x - lse is
-# rounded at the size of lse, larger than its own: within the sqrt(terms) rule's margin).
-SGD_LR = 3e-3
-
-
-def keep_experience(learner: Learner) -> list[Experience]:
-    """The Experience of each of `learner`'s next updates, in order (Learner.experience_hook)."""
-    kept: list[Experience] = []
-    learner.experience_hook = kept.append
-    return kept
-
-
-def with_sgd(learner: Learner, lr: float = SGD_LR) -> Learner:
-    """`learner` stepping both models with plain SGD instead of Adam, for tests that compare
-    two computations of an update. Adam's first step is lr * g / (|g| + eps): it turns a
-    rounding-level difference on an entry whose gradient is near 0 into a step of up to ~lr.
-    SGD moves every weight by lr * g, so two updates differ by lr times their gradients'
-    rounding. lr 3e-3: on the tiny learner the ratios of the last minibatch stay within ~0.1
-    of 1, far from the clip range's ends (a ratio within rounding of 1 +- clip_epsilon could
-    be clipped in one computation and not in the other: a jump, not rounding)."""
-    opt = learner.optimiser
-    opt.policy_optimizer = torch.optim.SGD(opt.policy_params, lr=lr)
-    if opt.critic:  # an estimator without a critic has no value model
-        opt.value_optimizer = torch.optim.SGD(opt.value_params, lr=lr)
-    opt.schedulers = opt.lr_schedulers()
-    return learner
-
-
-def logprob_tol(logprobs: torch.Tensor, mask: torch.Tensor | None = None) -> float:
-    """Tolerance of one float32 logprob (or entropy, KL term) of the tiny model computed two
-    ways: magnitude the largest finite |logprob| in `logprobs` (over `mask`), TINY_TERMS."""
-    values = logprobs if mask is None else logprobs[mask]
-    return rounding_tol(values[torch.isfinite(values)].abs().max(), TINY_TERMS)
-
-
-def token_mean_tol(logprobs: torch.Tensor, mask: torch.Tensor, rows: int | None = None) -> float:
-    """Tolerance of a mean over real tokens of the differences of two computations of one
-    policy's logprobs (|ratio_mean - 1| where ratio = exp(logp - logp), a mean |logp - logp'|
-    against another quantity): n differences of independent signs, each within logprob_tol,
-    have a mean within logprob_tol / sqrt(n). n: the real tokens, or those of the `rows`
-    shortest rows when the mean is over a minibatch of `rows` rows."""
-    lengths = mask.sum(dim=1).sort().values
-    n = int(lengths.sum() if rows is None else lengths[:rows].sum())
-    return logprob_tol(logprobs, mask) / math.sqrt(n)
-
-
-# stats that sum per-token terms over a row (up to T of them) before the mean over rows
-ROW_SUM_STATS = ("kl", "shaped_reward_mean", "advantage_mean", "return_mean")
-NORM_STATS = ("policy_grad_norm", "value_grad_norm")
-# not a function of the numbers (learner_flops: of the passes a path runs)
-TIMING_STATS = ("learner_forward_s", "update_s", "padded_token_ratio", "learner_flops", *MEASURED_STATS)
-
-
-def update_tols(config: PPOConfig, batch: RolloutBatch, weights: dict, updates: int = 1,
-                lr: float = SGD_LR) -> dict:
-    """Tolerances of two computations of `updates` SGD updates (with_sgd) of the tiny learner
-    on `batch` (its gen_logprobs: the learner's own), `weights` the reference's trained tensors:
-
-    * logprob: one per-token float32 quantity (logprob_tol), which bounds the per-token means
-      (policy and value loss, entropy, approx_kl, ratios, KL per token, values);
-    * row: sums over up to T tokens per row (ROW_SUM_STATS), T x logprob;
-    * norm_rtol: the gradient norms, relative: rounding of a gradient (grad_terms);
-    * weights: each optimiser step moves a weight by lr x its clipped gradient (every entry
-      within max_grad_norm), known to rounding_tol(max_grad_norm, grad_terms), plus the
-      rounding of the weight itself, over ppo_epochs x minibatches steps per update."""
-    assert config.max_grad_norm is not None, "the weights' tolerance needs the clipped gradient's bound"
-    mask = batch.response_mask
-    lp = logprob_tol(batch.gen_logprobs, mask)
-    grad = rounding_tol(config.max_grad_norm, grad_terms(int(mask.sum())))
-    steps = updates * config.ppo_epochs * (config.batch_size // config.effective_mini_batch_size)
-    w_max = max(w.abs().max().item() for w in weights.values())
-    return {"logprob": lp, "row": mask.shape[1] * lp, "norm_rtol": grad / config.max_grad_norm,
-            "weights": steps * (lr * grad + rounding_tol(w_max))}
-
-
-def assert_same_update(got: tuple, want: tuple, tols: dict, keys=None) -> None:
-    """got, want: (LearnerStats, {name: trained tensor}); every stat (or `keys`) and tensor
-    equal within update_tols."""
-    (got_stats, got_w), (want_stats, want_w) = got, want
-    torch.testing.assert_close(got_w, want_w, atol=tols["weights"], rtol=0)
-    for key, value in want_stats.as_dict().items():
-        if key in TIMING_STATS or (keys is not None and key not in keys):
-            continue
-        atol = tols["row"] if key in ROW_SUM_STATS else tols["logprob"]
-        rtol = tols["norm_rtol"] if key in NORM_STATS else 0.0
-        torch.testing.assert_close(getattr(got_stats, key), value, atol=atol, rtol=rtol, equal_nan=True,
-                                   msg=lambda m, key=key: f"{key}: {m}")
 
 
 # ------------------------------------------------------------------ the update
@@ -464,7 +307,7 @@ def test_first_ratio_is_one_at_every_step_with_the_seeds_defaults(tiny_path, spe
     the causal layout's draw it is 7e-6 at step 2 and 1e-6 at step 3, although the update
     differs from the dropout-free one as much as under the masked layout (adapter weights
     1.4e-4 apart in both, measured); the dropout case therefore keeps the masked layout."""
-    cfg = PPOConfig(model_name=TINY, ppo_dropout=ppo_dropout, **({"learner_layout": "masked"} if ppo_dropout else {}))
+    cfg = PPOConfig(model_name=TINY_MODEL, ppo_dropout=ppo_dropout, **({"learner_layout": "masked"} if ppo_dropout else {}))
     assert cfg.lora_dropout == 0.1
     learner = Learner(cfg, tiny_path)
     for step in range(2):
@@ -480,22 +323,6 @@ def test_first_ratio_is_one_at_every_step_with_the_seeds_defaults(tiny_path, spe
 
 
 # ------------------------------------------------------------------ dropout off means off
-@pytest.fixture(scope="module")
-def attention_dropout_path(tiny_path, tmp_path_factory) -> str:
-    """The tiny model with attention_dropout 0.3 in its config.json: HF's Qwen3 attention then
-    drops attention weights in train mode, with no nn.Dropout layer anywhere (functional
-    dropout: dropout=self.attention_dropout if self.training)."""
-    import json
-    import shutil
-
-    dest = tmp_path_factory.mktemp("attention-dropout")
-    shutil.copytree(tiny_path, dest, dirs_exist_ok=True)
-    config = json.loads((dest / "config.json").read_text())
-    assert config["attention_dropout"] == 0.0
-    (dest / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.3}))
-    return str(dest)
-
-
 TINY_SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
 # Each architecture keeps its dropout in a different form (the config fields set > 0 here):

@@ -2,7 +2,7 @@
 actors (gloo, each on its shard of every minibatch, gradients all-reduced) give the same
 update as one learner on the same rollouts.
 
-Tolerance: float32 rounding (test_learner.update_tols, tests/tolerances.py), with SGD in
+Tolerance: float32 rounding (helpers.update_tols, tests/tolerances.py), with SGD in
 every learner (SGDLearnerHost: Adam would turn the rounding on a near-zero gradient entry
 into a step of ~lr). The members run their micro-batches over other rows than one learner
 does, so each micro-batch is trimmed to other widths (the padding-invariance tests'
@@ -24,15 +24,15 @@ from exact import rerun_if_last_digits_differ
 from learner.learner import Learner
 from ppo_ray.placement import LearnerHost
 from ppo_ray.roles import Roles, form_learner_group
-from test_learner import (assert_same_update, make_config, max_abs_diff, random_batch, rollout_inputs,  # noqa: F401
-                          special, tiny_path, update_tols, with_sgd)
+from helpers import (assert_same_update, make_config, max_abs_diff, random_batch, rollout_inputs, update_tols,
+                     with_sgd)
 
 STAT_KEYS = ("policy_loss", "value_loss", "approx_kl", "clipfrac", "kl", "entropy", "value_mean", "explained_variance",
              "policy_grad_norm", "value_grad_norm")
 
 
 class SGDLearnerHost(LearnerHost):
-    """A learner actor whose learner steps with SGD (test_learner.with_sgd). Imported by the
+    """A learner actor whose learner steps with SGD (helpers.with_sgd). Imported by the
     Ray workers from this module (the tests folder is on their PYTHONPATH: conftest)."""
 
     def __init__(self, config, model_dir, value_model_dir):
@@ -116,10 +116,10 @@ def test_a_group_member_dying_in_the_update_leaves_the_run_as_straight(ray_sessi
     trainer waits for the restart, re-forms the group, restores both members from the
     committed state (no checkpoint read) and retries step 3: every step once in
     metrics.jsonl, the same numbers as the straight run (no tolerance)."""
-    from conftest import tiny_test_config
+    from helpers import tiny_test_config
     from ppo_ray.data import bundled_prompts
     from fault_injection import Fault, FaultyTrainer
-    from test_checkpoint import assert_same_steps, from_step_two, metrics_steps
+    from helpers import assert_same_steps, from_step_two, metrics_steps
 
     straight_dir = tmp_path / "straight"
     straight_dir.mkdir()

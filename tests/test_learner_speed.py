@@ -16,7 +16,7 @@ Each option of ppo_ray.config's "learner speed" block is checked against the pla
 
 "The same" is float32 rounding of the tiny model's reductions (tests/tolerances.py): logprobs
 within logprob_tol, gradients within rounding_tol(|g|, grad_terms); updates are taken with
-SGD (test_learner.with_sgd: Adam would turn rounding on a near-zero gradient entry into a
+SGD (helpers.with_sgd: Adam would turn rounding on a near-zero gradient entry into a
 step of ~lr) and compared within update_tols.
 """
 
@@ -33,9 +33,8 @@ from learner.speed import chunked_rows, head_token_stats
 from ppo_ray.batch import TrimPlan
 from ppo_ray.config import ConfigError, PPOConfig
 from ppo_ray.logprobs import logprobs_from_logits
-from test_learner import (assert_same_update, attention_dropout_path, keep_experience, logprob_tol,  # noqa: F401
-                          make_config, random_batch, rollout_inputs, special, tiny_path, token_mean_tol, update_tols,
-                          value_params, with_sgd)
+from helpers import (assert_same_update, keep_experience, logprob_tol, make_config, random_batch, rollout_inputs,
+                     token_mean_tol, update_tols, value_params, with_sgd)
 from tolerances import TINY_TERMS, bf16_roundings, grad_terms, rms_rel_tol, rounding_tol
 
 # The plain path: the options off (the defaults are the measured-faster ones, issue 33).
@@ -187,6 +186,7 @@ def test_chunked_rows_equal_one_pass_values_and_gradients():
 
 
 @pytest.mark.equality
+@pytest.mark.heavy("torch.compile: tens of seconds of compilation on 2 cores")
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (10, 0.9)], ids=["full", "truncated"])
 def test_compiled_head_stats_equal_eager_values_and_gradients(top_k, top_p):
     """learner_compile's lm_head + logprob math (one torch.compile graph, dynamic widths)

@@ -238,6 +238,7 @@ def test_token_stats_equal_the_separate_functions(top_k, top_p, dtype):
 
 
 @pytest.mark.equality
+@pytest.mark.heavy("vLLM's sampler")
 def test_logprobs_match_vllm_processed_logprobs():
     # vllm is a hard dependency (the generator): an import error here is a broken install,
     # which must fail, not skip the only check against vLLM's own sampler

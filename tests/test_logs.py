@@ -12,7 +12,7 @@ import pytest
 
 from ppo_ray.logs import format_step, quiet_env, setup_logging
 from ppo_ray.stats import StepResult
-from test_stats import learner_stats, step_result
+from helpers import learner_stats, step_result
 
 
 def _step(tokens: int = 240, **extra) -> StepResult:

@@ -13,7 +13,7 @@ import pytest
 
 import actors.lora_sync
 from actors.lora_sync import MERGED_WORKER, TENSOR_WORKER, AdapterSync, LoraSync, MergedSync, TensorSync, sync_class
-from conftest import ROOT
+from helpers import ROOT
 from ppo_ray.config import LORA_SYNC_MODES, ConfigError, PPOConfig
 
 

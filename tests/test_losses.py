@@ -16,9 +16,8 @@ from learner.losses import (POLICY_LOSSES, LossInputs, PolicyLossStats, policy_l
                             register_policy_loss)
 from ppo_ray.batch import TrimPlan
 from ppo_ray.config import ConfigError, ConfigParser, PPOConfig, field_docs, role_fields
-from test_learner import keep_experience, make_config, random_batch, rollout_inputs, with_sgd  # noqa: F401
-from test_learner import special, tiny_path  # noqa: F401 (fixtures)
-from test_off_policy import assert_grads_close, policy_grads
+from helpers import (assert_grads_close, keep_experience, make_config, policy_grads, random_batch, rollout_inputs,
+                     with_sgd)
 from tolerances import rounding_tol
 
 F64 = torch.float64

@@ -38,7 +38,7 @@ def test_every_step_gauge_is_a_key_of_the_step_result():
     """A gauge whose key no step produces would never be set: every STEP_GAUGES key is in
     StepResult.as_dict() (the evaluation keys arrive through its `extra`, at evaluation steps)."""
     from ppo_ray.stats import DynamicSampling
-    from test_stats import step_result
+    from helpers import step_result
 
     record = step_result().as_dict()
     dynamic = {"dynamic_sampling_rounds", "dynamic_sampling_kept_frac", "dynamic_sampling_filled"}

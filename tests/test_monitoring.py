@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_events, text_at
+from helpers import read_events, text_at
 from ppo_ray.metrics import GAP_COUNTER, PHASE_GAUGE, RETRY_COUNTER, STEP_GAUGES, metric_name
 from ppo_ray.tracking import read_run_file, scalars
 

@@ -26,8 +26,8 @@ from mismatch import OUTLIER, injected_mismatch
 from ppo_ray import config as config_module
 from ppo_ray.batch import TrimPlan
 from ppo_ray.config import ConfigError, PPOConfig
-from test_learner import (keep_experience, logprob_tol, make_config, random_batch,  # noqa: F401
-                          rollout_inputs, special, tiny_path, with_sgd)
+from helpers import (assert_grads_close, keep_experience, logprob_tol, make_config, policy_grads, random_batch,
+                     rollout_inputs, with_sgd)
 from tolerances import grad_terms, rounding_tol
 
 
@@ -217,16 +217,6 @@ def test_with_generator_equal_to_learner_every_correction_is_none_bit_for_bit(ti
     assert stats.is_outside_frac == 0.0 and base_stats.is_outside_frac is None
 
 
-def policy_grads(learner, exp, kl_coef=0.0) -> dict:
-    """The policy's gradient of one micro-batch holding every row (learner.optimise)."""
-    buffer = ExperienceBuffer(exp, len(exp), len(exp), TrimPlan.of(exp.rollouts))
-    learner.policy.zero_grad(set_to_none=True)
-    learner.policy.train()
-    norm = exp.policy_mask.sum().float()
-    learner.optimiser.micro_backward(buffer.micro_batch(list(range(len(exp)))), norm, exp.mask.sum().float(), kl_coef)
-    return {n: p.grad.clone() for n, p in learner.policy.named_parameters() if p.requires_grad}
-
-
 def hand_grads(learner, exp, weights, kl_coef=0.0) -> dict:
     """The same gradient from the formula written out: sum over kept tokens of
     w * max(-A r, -A clip(r)) (+ beta * k3 to the reference) / their count."""
@@ -245,12 +235,6 @@ def hand_grads(learner, exp, weights, kl_coef=0.0) -> dict:
     per_token = per_token + kl_coef * (torch.exp(log_ref_ratio) - log_ref_ratio - 1).clamp(max=10)
     (torch.where(keep, per_token, 0.0).sum() / keep.sum()).backward()
     return {n: p.grad.clone() for n, p in learner.policy.named_parameters() if p.requires_grad}
-
-
-def assert_grads_close(got: dict, want: dict, tokens: int) -> None:
-    g_max = max(g.abs().max().item() for g in want.values())
-    assert g_max > 1e-4  # not all zero
-    torch.testing.assert_close(got, want, atol=rounding_tol(g_max, grad_terms(tokens)), rtol=0)
 
 
 def perturbed(batch, seed=5, spread=0.3):

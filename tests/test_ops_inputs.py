@@ -93,6 +93,7 @@ def test_launch_checks_a_hub_models_context_before_any_stage(short_model, tmp_pa
 
 
 # ----------------------------------------------------------------------------- vLLM eager mode
+@pytest.mark.heavy("Generator.from_config imports vLLM")
 def test_vllm_enforce_eager_default_eager_on_cpu_graphs_on_gpu(monkeypatch):
     from actors import vllm_engine
     from actors.generator import Generator

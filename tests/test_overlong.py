@@ -11,8 +11,7 @@ from actors.reward import RewardScorer, overlong_penalty
 from learner.learner import Learner
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import ConfigError, PPOConfig
-from test_learner import keep_experience, make_config, random_batch, rollout_inputs
-from test_learner import special, tiny_path  # noqa: F401 (fixtures)
+from helpers import keep_experience, make_config, random_batch, rollout_inputs
 
 EOS, PAD = 1, 0
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from fast_tier import heavy_fixture
 from ppo_ray.config import PRESETS_DIR, ConfigError, PPOConfig, preset_names, resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +63,7 @@ def _image_sources() -> list[str]:
 
 
 @pytest.fixture(scope="module")
+@heavy_fixture("builds the wheel and installs it into a new virtual environment")
 def installed(tmp_path_factory) -> dict:
     """The wheel, built from the image's sources, installed into a fresh venv."""
     tmp = tmp_path_factory.mktemp("packaging")

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TINY, snapshot, tiny_test_config
+from helpers import ROOT, TINY, snapshot, tiny_test_config
 from ppo_ray.placement import plan_bundles, role_demands
 
 

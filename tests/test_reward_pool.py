@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from conftest import tiny_test_config
+from helpers import tiny_test_config
 from ppo_ray.rewards import HttpVerifier, RewardError
 from reward_fns import row_number
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import launch_ppo, snapshot, tiny_test_config
+from helpers import launch_ppo, snapshot, tiny_test_config
 
 
 @pytest.fixture(scope="module")

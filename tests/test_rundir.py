@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 import launch
-from conftest import launch_ppo, snapshot
+from helpers import launch_ppo, snapshot
 from ppo_ray.checkpoint import (CheckpointError, Lineage, ancestry, branch_from, load_checkpoint,
                                 resolve_checkpoint, save_checkpoint)
 from ppo_ray.rundir import RunDirError, held_outputs, mark_done, stages_done
@@ -337,7 +337,7 @@ def test_one_resume_rule_the_checkpoints_config_plus_the_commands_options(tmp_pa
     """--resume auto read config.yaml, --resume DIR config-ppo.yaml: a PPO override given on an
     earlier resume (here kl_coef 0.2, in the checkpoint's config) was silently reverted by one
     of them. Both now resume with the checkpoint's config plus this command's options."""
-    from conftest import TINY
+    from helpers import TINY
     from ppo_ray.config import PPOConfig
 
     _, state, rng = learner_state

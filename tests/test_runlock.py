@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import launch_ppo, snapshot, wait_for
+from helpers import launch_ppo, snapshot, wait_for
 from ppo_ray import runlock
 from ppo_ray.runlock import LOCK_NAME, RunLock, RunLockError, RunLockLost
 

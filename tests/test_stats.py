@@ -9,23 +9,8 @@ import math
 
 import pytest
 
-from ppo_ray.stats import LearnerStats, StepResult, StepTiming
-
-
-def learner_stats(**changes) -> LearnerStats:
-    values = {f.name: float(i) for i, f in enumerate(dataclasses.fields(LearnerStats))}
-    values["version"] = 3
-    values["loss_extra"] = {"dual_clipfrac": 0.5}  # a loss's own statistic (learner.losses)
-    return LearnerStats(**{**values, **changes})
-
-
-def step_result(rewards=(1.0, float("nan"), 3.0), **changes) -> StepResult:
-    timing = StepTiming(generate_s=1.0, reference_s=0.5, reward_s=0.25, learner_forward_s=0.5, update_s=2.0,
-                        sync_s=0.1, sync_check_s=0.05, prefetch_wait_s=0.0, sync_write_s=0.02, sync_register_s=0.03,
-                        step_s=4.0)
-    return StepResult(step=3, generated_texts=["a", "b", "c"], finish_reasons=["stop"] * 3, rewards=list(rewards),
-                      learner=learner_stats(), reward_parts={"score/reward_model": 2.0, "dropped_nonfinite": 1.0},
-                      adapter_version=3, timing=timing, lora_sync_bytes=1024, response_lengths=[4, 10, 6], **changes)
+from helpers import learner_stats, step_result
+from ppo_ray.stats import StepResult
 
 
 def test_the_seeds_keys_read_like_a_dict():

@@ -6,27 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import FakeMetrics, FakeRoles
 from ppo_ray.faults import StateLostError
 from ppo_ray.supervisor import Supervisor
-
-
-class FakeRoles:
-    def __init__(self):
-        self.restarts = []
-
-    def role_of(self, error):
-        return getattr(error, "role", "unknown")
-
-    def restarted(self, role):
-        self.restarts.append(role)
-
-
-class FakeMetrics:
-    def __init__(self):
-        self.retried = []
-
-    def record_retry(self, role):
-        self.retried.append(role)
 
 
 def test_an_actor_failure_costs_one_retry_after_the_recovery():

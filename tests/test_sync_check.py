@@ -23,8 +23,7 @@ import math
 import pytest
 
 import exact
-from conftest import tiny_test_config
-from test_checkpoint import steps_of
+from helpers import steps_of, tiny_test_config
 from ppo_ray.data import bundled_prompts
 from fault_injection import BadSync
 
@@ -241,7 +240,7 @@ def mismatched_generators(trainer):
     to 0.05 nats below the engine's logprob, the first token of each batch 1 nat below) while
     inside; the sync check's probe is left alone."""
     import mismatch
-    from test_trainer import on_actor
+    from helpers import on_actor
 
     for generator in trainer.roles.generators:
         on_actor(generator, mismatch.install)

@@ -72,6 +72,7 @@ def test_tokenizer():
     assert len(tok(plain, add_special_tokens=False)["input_ids"]) < len(plain) / 2.5
 
 
+@pytest.mark.heavy("runs the committed default model")
 def test_known_logprobs(info):
     """The committed weights, tokenizer and config give the log-probabilities the build recorded."""
     assert tldr_model.known_logprobs(DIR) == pytest.approx(info["known_logprobs"], abs=1e-3)
@@ -82,6 +83,7 @@ def test_build_is_recorded(info):
     assert set(info["versions"]) == {"torch", "transformers", "tokenizers", "safetensors"}
 
 
+@pytest.mark.heavy("runs the committed default model on 40 posts (minutes on 2 cores)")
 def test_pretrained_model_copies_facts():
     """Before any SFT, the model prefers the post's own person and quantity over every
     alternative (tldr_eval.copy_probe) on held-out validation posts."""

@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from conftest import read_events, text_at
+from helpers import read_events, text_at
 from ppo_ray.tracking import Trackers, read_run_file, samples_markdown
 
 

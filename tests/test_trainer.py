@@ -15,7 +15,7 @@ import ray
 import torch
 
 from ppo_ray.batch import RolloutBatch
-from conftest import tiny_test_config
+from helpers import on_actor, tiny_test_config
 from tolerances import TINY_LOGPROB_TOL
 from ppo_ray.data import bundled_prompts, encode_prompts
 
@@ -26,13 +26,6 @@ def _generate(trainer, prompts, step=10_000):
     ids = encode_prompts(trainer.tokenizer, prompts, trainer.config.max_prompt_length, "left")
     batch_ref, _ = trainer.roles.generators[0].generate.remote(ids, step, 0)
     return batch_ref
-
-
-def on_actor(actor, fn, *args):
-    """fn(the actor's host object, *args) run in the actor (Ray's __ray_call__; ObjectRef
-    arguments arrive as their values): tests reach the plain objects behind the hosts
-    without host methods that only tests would call."""
-    return ray.get(actor.__ray_call__.remote(fn, *args))
 
 
 def _assert_generator_matches_learner(trainer):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ppo_ray.modeling import LoraWeights
-from test_generator import PROMPTS, continuation_logprobs, hf_logprobs, make_peft, randomize_lora
+from helpers import PROMPTS, continuation_logprobs, hf_logprobs, make_peft, randomize_lora
 from tolerances import TINY_TERMS, rounding_tol
 
 

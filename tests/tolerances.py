@@ -25,7 +25,7 @@ happened to give:
 Norm-wise comparisons of bfloat16 computations use rms_rel_tol: there the error is one
 bfloat16 rounding per stored activation (the GEMMs accumulate in float32), not the sums.
 
-A comparison that goes through Adam compares gradients, or runs with SGD (test_learner.with_sgd,
+A comparison that goes through Adam compares gradients, or runs with SGD (helpers.with_sgd,
 test_stages): Adam's first step, lr * g / (|g| + eps), turns rounding on a near-zero gradient
 entry into a step of up to ~lr; SGD's lr * g keeps it at lr times the gradient's rounding.
 

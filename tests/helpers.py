@@ -1,0 +1,502 @@
+"""The helpers that more than one test module uses: one home for each (a test module imports
+helpers from here or from the topic modules beside it, never from another test module or from
+conftest.py; tests/test_tests.py checks it). Fixtures are in conftest.py.
+
+* paths, and launch.py commands that must be rejected: ``ROOT``, ``TINY``, ``snapshot``,
+  ``launch_ppo``, ``tiny_test_config`` (configs/tiny.yaml with small, fast settings);
+* a launched run's processes and waiting on a condition: ``tagged_processes``, ``wait_for``;
+* TensorBoard's reader: ``read_events``, ``text_at``;
+* the learner's tests, without Ray: ``make_config``, ``random_batch``, ``rollout_inputs``,
+  ``keep_experience``, ``with_sgd``, the tolerances of two computations of one update
+  (``logprob_tol``, ``update_tols``, ``assert_same_update``) and of a policy gradient;
+* HF and PEFT beside vLLM: ``PROMPTS``, ``hf_logprobs``, ``make_peft``, ``randomize_lora``;
+* a typed step to write and read: ``learner_stats``, ``step_result``;
+* the Ray tests: ``on_actor``, a resume compared with the straight run (``steps_of``, ...),
+  a fault case's run and its comparison (``fault_run``, ``assert_same_fault_run``);
+* stand-ins for the supervisor's roles and metrics: ``FakeRoles``, ``FakeMetrics``.
+
+The topic modules beside it: tolerances.py (the equality tests' tolerances), exact.py (exact
+comparisons of runs), fault_injection.py and mismatch.py (the fault and mismatch injections, which
+Ray's workers import), reward_fns.py (reward functions a config names, imported by Ray workers),
+report_run_dirs.py (run directories as the pipeline leaves them, for the report page's tests) and
+cluster_scenario.py (a script the cluster test runs as its own process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from exact import assert_same
+from learner.buffer import Experience, ExperienceBuffer
+from ppo_ray.batch import RolloutBatch, TrimPlan
+from ppo_ray.config import ALL_PROJECTIONS, PPOConfig
+from ppo_ray.data import bundled_prompts
+from ppo_ray.logprobs import logprobs_from_logits
+from ppo_ray.modeling import LoraSpec, LoraWeights, load_causal_lm, response_logits
+from ppo_ray.stats import LearnerStats, StepResult, StepTiming
+from tolerances import TINY_LOGPROB_TOL, TINY_TERMS, grad_terms, rounding_tol
+
+if TYPE_CHECKING:
+    from learner.learner import Learner
+
+
+# --------------------------------------------------------------------------- paths, rejected commands
+TESTS_DIR = pathlib.Path(__file__).resolve().parent
+ROOT = TESTS_DIR.parent
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+def snapshot(directory: pathlib.Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under `directory`: relative path -> (bytes, mtime_ns)."""
+    return {str(p.relative_to(directory)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def launch_ppo(run: pathlib.Path, *args: str) -> int:
+    """launch.py ppo on configs/tiny.yaml (a programmatic reward) in `run`, RAY_ADDRESS unset."""
+    import launch
+
+    return launch.main(["ppo", "--config", str(TINY), "--run_dir", str(run), *args])
+
+
+def tiny_test_config(**overrides):
+    """configs/tiny.yaml with small, fast settings for tests."""
+    # logprob_gap_check: error: a generator that samples from another policy than the
+    # learner's (stale KV, a lost sync) fails the test instead of a warning in its log.
+    base = dict(batch_size=8, max_new_tokens=12, ppo_epochs=2, micro_batch_size=4,
+                prompt_truncation="error", max_prompt_length=400, vllm_kv_cache_gib=0.25,
+                logprob_gap_check="error")
+    base.update(overrides)
+    return PPOConfig.from_yaml(TESTS_DIR.parent / "configs" / "tiny.yaml", **base)
+
+
+# --------------------------------------------------------------------------- a run's processes
+RUN_MARKER = "PPO_RAY_RUN_TEST"  # set in a launched run's environment: Ray's processes and workers inherit it
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Pids of the processes whose environment has RUN_MARKER=tag (a launch.py subprocess and
+    the Ray processes it started)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if f"{RUN_MARKER}={tag}".encode() in f.read().split(b"\0"):
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def wait_for(condition, timeout_s: float, what: str, proc=None) -> None:
+    """Wait until condition() holds (AssertionError naming `what` after timeout_s, or as soon as
+    the subprocess `proc` exits)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the process exited ({proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout_s} s")
+        time.sleep(0.5)
+
+
+# --------------------------------------------------------------------------- TensorBoard
+def read_events(log_dir: pathlib.Path):
+    """TensorBoard's own reader over every event file of a run (purges applied)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def text_at(acc, tag: str) -> dict[int, str]:
+    """Text summaries (add_text) by step: TensorBoard stores them as string tensors."""
+    return {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag)}
+
+
+# --------------------------------------------------------------------------- the learner, without Ray
+TINY_MODEL = "embedded:tiny"  # the learner tests' model_name (the fixture tiny_path: its directory)
+# CUDA's allocator peak: NaN on the CPU; the device's peak FLOP/s: measured on the CPU, NaN on an unlisted GPU
+MEASURED_STATS = ("learner_peak_memory_gib", "learner_peak_flops_per_s")
+
+
+def make_config(**overrides) -> PPOConfig:
+    """The learner tests' config with `overrides` on top (PPOConfig.replace: an override that selects
+    a critic-free estimator leaves value_learning_rate, which it does not read, at its default)."""
+    base = PPOConfig(model_name=TINY_MODEL, lora_r=4, lora_alpha=8, lora_dropout=0.0, batch_size=8, mini_batch_size=4,
+                     micro_batch_size=2, ppo_epochs=2, learning_rate=1e-3, value_learning_rate=1e-3,
+                     temperature=0.7, top_k=0, top_p=1.0, kl_coef=0.05, seed=0,
+                     old_logprobs="learner")  # the seeds' step 2; tests of the generator's set it
+    return base.replace(**overrides)
+
+
+def random_batch(special, n=8, p=10, t=16, seed=0, version=0) -> RolloutBatch:
+    """Random tokens: prompts of 2..p tokens left-padded, responses of 1..t tokens
+    right-padded (row 0 full length), about half ending in EOS."""
+    eos, pad = special
+    g = torch.Generator().manual_seed(seed)
+    plen = torch.randint(2, p + 1, (n,), generator=g)
+    prompt_mask = torch.arange(p) >= (p - plen)[:, None]                                   # (n, p)
+    prompt_ids = torch.where(prompt_mask, torch.randint(0, eos, (n, p), generator=g), pad)
+    rlen = torch.randint(1, t + 1, (n,), generator=g)
+    rlen[0] = t
+    response_mask = torch.arange(t) < rlen[:, None]                                       # (n, t)
+    response_ids = torch.where(response_mask, torch.randint(0, eos, (n, t), generator=g), pad)
+    ends_eos = torch.rand(n, generator=g) < 0.5
+    rows = torch.arange(n)[ends_eos]
+    response_ids[rows, rlen[ends_eos] - 1] = eos
+    return RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, torch.zeros(n, t), version,
+                        pad_token_id=pad, eos_token_id=eos)
+
+
+def rollout_inputs(learner: Learner, batch: RolloutBatch, seed=0):
+    """gen_logprobs from the learner, reference = the learner's full logprobs plus noise
+    (a nonzero KL), random scores."""
+    batch = replace(batch, gen_logprobs=learner.rollout_scores(batch, logprobs=True).logprobs.cpu(), adapter_version=learner.version)
+    g = torch.Generator().manual_seed(seed)
+    ref = learner.rollout_scores(batch, full=True).full_logprobs.cpu() + 0.1 * torch.randn(batch.response_ids.shape, generator=g)
+    ref = torch.where(batch.response_mask, ref, 0.0)
+    scores = torch.randn(len(batch), generator=g)
+    return batch, ref, scores
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def value_params(learner: Learner) -> dict:
+    return {n: p.detach().clone() for n, p in learner.value_model.named_parameters() if p.requires_grad}
+
+
+# ------------------------------------------------------------------ two computations of one update
+# Tolerances: tests/tolerances.py. A logprob of the tiny model goes through TINY_TERMS
+# reductions; its magnitude is the largest |logprob| compared (a likely token's x - lse is
+# rounded at the size of lse, larger than its own: within the sqrt(terms) rule's margin).
+SGD_LR = 3e-3
+
+
+def keep_experience(learner: Learner) -> list[Experience]:
+    """The Experience of each of `learner`'s next updates, in order (Learner.experience_hook)."""
+    kept: list[Experience] = []
+    learner.experience_hook = kept.append
+    return kept
+
+
+def with_sgd(learner: Learner, lr: float = SGD_LR) -> Learner:
+    """`learner` stepping both models with plain SGD instead of Adam, for tests that compare
+    two computations of an update. Adam's first step is lr * g / (|g| + eps): it turns a
+    rounding-level difference on an entry whose gradient is near 0 into a step of up to ~lr.
+    SGD moves every weight by lr * g, so two updates differ by lr times their gradients'
+    rounding. lr 3e-3: on the tiny learner the ratios of the last minibatch stay within ~0.1
+    of 1, far from the clip range's ends (a ratio within rounding of 1 +- clip_epsilon could
+    be clipped in one computation and not in the other: a jump, not rounding)."""
+    opt = learner.optimiser
+    opt.policy_optimizer = torch.optim.SGD(opt.policy_params, lr=lr)
+    if opt.critic:  # an estimator without a critic has no value model
+        opt.value_optimizer = torch.optim.SGD(opt.value_params, lr=lr)
+    opt.schedulers = opt.lr_schedulers()
+    return learner
+
+
+def logprob_tol(logprobs: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    """Tolerance of one float32 logprob (or entropy, KL term) of the tiny model computed two
+    ways: magnitude the largest finite |logprob| in `logprobs` (over `mask`), TINY_TERMS."""
+    values = logprobs if mask is None else logprobs[mask]
+    return rounding_tol(values[torch.isfinite(values)].abs().max(), TINY_TERMS)
+
+
+def token_mean_tol(logprobs: torch.Tensor, mask: torch.Tensor, rows: int | None = None) -> float:
+    """Tolerance of a mean over real tokens of the differences of two computations of one
+    policy's logprobs (|ratio_mean - 1| where ratio = exp(logp - logp), a mean |logp - logp'|
+    against another quantity): n differences of independent signs, each within logprob_tol,
+    have a mean within logprob_tol / sqrt(n). n: the real tokens, or those of the `rows`
+    shortest rows when the mean is over a minibatch of `rows` rows."""
+    lengths = mask.sum(dim=1).sort().values
+    n = int(lengths.sum() if rows is None else lengths[:rows].sum())
+    return logprob_tol(logprobs, mask) / math.sqrt(n)
+
+
+# stats that sum per-token terms over a row (up to T of them) before the mean over rows
+ROW_SUM_STATS = ("kl", "shaped_reward_mean", "advantage_mean", "return_mean")
+NORM_STATS = ("policy_grad_norm", "value_grad_norm")
+# not a function of the numbers (learner_flops: of the passes a path runs)
+TIMING_STATS = ("learner_forward_s", "update_s", "padded_token_ratio", "learner_flops", *MEASURED_STATS)
+
+
+def update_tols(config: PPOConfig, batch: RolloutBatch, weights: dict, updates: int = 1,
+                lr: float = SGD_LR) -> dict:
+    """Tolerances of two computations of `updates` SGD updates (with_sgd) of the tiny learner
+    on `batch` (its gen_logprobs: the learner's own), `weights` the reference's trained tensors:
+
+    * logprob: one per-token float32 quantity (logprob_tol), which bounds the per-token means
+      (policy and value loss, entropy, approx_kl, ratios, KL per token, values);
+    * row: sums over up to T tokens per row (ROW_SUM_STATS), T x logprob;
+    * norm_rtol: the gradient norms, relative: rounding of a gradient (grad_terms);
+    * weights: each optimiser step moves a weight by lr x its clipped gradient (every entry
+      within max_grad_norm), known to rounding_tol(max_grad_norm, grad_terms), plus the
+      rounding of the weight itself, over ppo_epochs x minibatches steps per update."""
+    assert config.max_grad_norm is not None, "the weights' tolerance needs the clipped gradient's bound"
+    mask = batch.response_mask
+    lp = logprob_tol(batch.gen_logprobs, mask)
+    grad = rounding_tol(config.max_grad_norm, grad_terms(int(mask.sum())))
+    steps = updates * config.ppo_epochs * (config.batch_size // config.effective_mini_batch_size)
+    w_max = max(w.abs().max().item() for w in weights.values())
+    return {"logprob": lp, "row": mask.shape[1] * lp, "norm_rtol": grad / config.max_grad_norm,
+            "weights": steps * (lr * grad + rounding_tol(w_max))}
+
+
+def assert_same_update(got: tuple, want: tuple, tols: dict, keys=None) -> None:
+    """got, want: (LearnerStats, {name: trained tensor}); every stat (or `keys`) and tensor
+    equal within update_tols."""
+    (got_stats, got_w), (want_stats, want_w) = got, want
+    torch.testing.assert_close(got_w, want_w, atol=tols["weights"], rtol=0)
+    for key, value in want_stats.as_dict().items():
+        if key in TIMING_STATS or (keys is not None and key not in keys):
+            continue
+        atol = tols["row"] if key in ROW_SUM_STATS else tols["logprob"]
+        rtol = tols["norm_rtol"] if key in NORM_STATS else 0.0
+        torch.testing.assert_close(getattr(got_stats, key), value, atol=atol, rtol=rtol, equal_nan=True,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+
+
+def policy_grads(learner, exp, kl_coef=0.0) -> dict:
+    """The policy's gradient of one micro-batch holding every row (learner.optimise)."""
+    buffer = ExperienceBuffer(exp, len(exp), len(exp), TrimPlan.of(exp.rollouts))
+    learner.policy.zero_grad(set_to_none=True)
+    learner.policy.train()
+    norm = exp.policy_mask.sum().float()
+    learner.optimiser.micro_backward(buffer.micro_batch(list(range(len(exp)))), norm, exp.mask.sum().float(), kl_coef)
+    return {n: p.grad.clone() for n, p in learner.policy.named_parameters() if p.requires_grad}
+
+
+def assert_grads_close(got: dict, want: dict, tokens: int) -> None:
+    g_max = max(g.abs().max().item() for g in want.values())
+    assert g_max > 1e-4  # not all zero
+    torch.testing.assert_close(got, want, atol=rounding_tol(g_max, grad_terms(tokens)), rtol=0)
+
+
+# --------------------------------------------------------------------------- HF and PEFT beside vLLM
+PROMPTS = [
+    "SUBREDDIT: r/relationships\n\nTITLE: My friend never calls back\n\nPOST: We used to talk every day.\n\nTL;DR:",
+    "Hello",
+    "The quick brown fox jumps over the lazy dog, and then",
+    "TL;DR:",
+]
+
+
+def hf_logprobs(model, batch: RolloutBatch, temperature=1.0, top_k=None, top_p=None) -> torch.Tensor:
+    with torch.no_grad():
+        logits = response_logits(model, batch)  # (B, T, V)
+    return logprobs_from_logits(logits, batch.response_ids, temperature, top_k, top_p, mask=batch.response_mask)
+
+
+def continuation_logprobs(model, prompt_ids, cont_ids) -> torch.Tensor:
+    """Raw (temperature 1, untruncated) logprobs of cont_ids after prompt_ids: (len(cont),)."""
+    ids = torch.tensor([prompt_ids + cont_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits  # (1, L, V)
+    p = len(prompt_ids)
+    return logprobs_from_logits(logits[:, p - 1:-1], ids[:, p:], 1.0)[0]
+
+
+def make_peft(tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+
+    base = load_causal_lm(str(tiny_model_dir))
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=list(ALL_PROJECTIONS), lora_dropout=0.0)
+    return get_peft_model(base, cfg).eval()
+
+
+def randomize_lora(model, seed: int) -> LoraWeights:
+    """Random non-zero A and B (PEFT starts with B = 0, i.e. no change); returns the
+    adapter as the learner ships it (state dict and spec)."""
+    from peft import get_peft_model_state_dict
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.1)
+    return LoraWeights({k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()},
+                       LoraSpec.of(model.peft_config["default"]))
+
+
+# --------------------------------------------------------------------------- a typed step
+def learner_stats(**changes) -> LearnerStats:
+    values = {f.name: float(i) for i, f in enumerate(dataclasses.fields(LearnerStats))}
+    values["version"] = 3
+    values["loss_extra"] = {"dual_clipfrac": 0.5}  # a loss's own statistic (learner.losses)
+    return LearnerStats(**{**values, **changes})
+
+
+def step_result(rewards=(1.0, float("nan"), 3.0), **changes) -> StepResult:
+    timing = StepTiming(generate_s=1.0, reference_s=0.5, reward_s=0.25, learner_forward_s=0.5, update_s=2.0,
+                        sync_s=0.1, sync_check_s=0.05, prefetch_wait_s=0.0, sync_write_s=0.02, sync_register_s=0.03,
+                        step_s=4.0)
+    return StepResult(step=3, generated_texts=["a", "b", "c"], finish_reasons=["stop"] * 3, rewards=list(rewards),
+                      learner=learner_stats(), reward_parts={"score/reward_model": 2.0, "dropped_nonfinite": 1.0},
+                      adapter_version=3, timing=timing, lora_sync_bytes=1024, response_lengths=[4, 10, 6], **changes)
+
+
+# --------------------------------------------------------------------------- the Ray tests
+def on_actor(actor, fn, *args):
+    """fn(the actor's host object, *args) run in the actor (Ray's __ray_call__; ObjectRef
+    arguments arrive as their values): tests reach the plain objects behind the hosts
+    without host methods that only tests would call."""
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(fn, *args))
+
+
+# A resume compared with the straight run (tests/test_checkpoint.py's, and the learner group's)
+STEP_KEYS = ("reward_mean", "kl", "policy_loss", "value_loss", "approx_kl", "clipfrac", "entropy",
+             "explained_variance", "adapter_version", "response_tokens", "learning_rate")
+
+
+def from_step_two(trainer, run_dir, new_dir):
+    """A new run directory holding only the straight run's step-2 checkpoint; restore it."""
+    (new_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run_dir / "checkpoints" / "step-000002", new_dir / "checkpoints" / "step-000002")
+    (new_dir / "checkpoints" / "latest").write_text("step-000002\n")
+    trainer.run_dir = new_dir
+    ckpt = trainer.restore(new_dir)
+    assert ckpt.name == "step-000002" and trainer.step == 2 and trainer.version == 2
+
+
+def metrics_steps(path):
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def steps_of(history, keys=STEP_KEYS) -> list[dict]:
+    """What an exact comparison of steps compares: each step's `keys` and samples."""
+    return [{"step": h["step"], **{k: h[k] for k in keys}, "generated_texts": h["generated_texts"]} for h in history]
+
+
+def assert_same_steps(resumed, straight):
+    assert [h["step"] for h in resumed] == [3, 4]
+    assert_same(steps_of(resumed), steps_of(straight[2:]), "resumed vs straight")
+
+
+# A fault case's run and its comparison with the straight one (tests/test_faults.py's, and the
+# stale steps' of tests/test_async.py)
+FAULT_STEPS = 3  # faults hit the second step: the first one's commit exists, and in overlap mode
+                 # the second step's rollouts were prefetched by the first
+FAULT_EVERY = 2  # the second step evaluates and checkpoints (and the last): a fault there is followed by a step
+FAULT_KEYS = ("reward_mean", "kl", "policy_loss", "value_loss", "approx_kl", "clipfrac", "entropy",
+              "explained_variance", "adapter_version", "response_tokens", "first_minibatch_ratio_mean",
+              "eval_reward_mean")
+
+
+@dataclass
+class FaultRunOutcome:
+    history: list                 # StepResults
+    eval_rows: list[dict]         # <run_dir>/eval_samples.jsonl
+    checkpoints: dict[str, dict]  # name -> {file: sha256} of its learner-state files (not trainer.json, config.yaml)
+    checkpoint_adapters: dict[str, dict]  # name -> the checkpoint's policy LoRA tensors
+    saved_adapter: dict           # save_adapter's tensors
+    live_adapter: Optional[dict]  # the learner's weights at the end
+
+
+def adapter_tensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "adapter_model.safetensors"))
+
+
+def live_adapter(trainer) -> dict:
+    import ray
+
+    _, weights = trainer.roles.learner.current_weights.remote()
+    return ray.get(weights).tensors
+
+
+def fault_run(trainer, run_dir: Path, live: bool = True) -> FaultRunOutcome:
+    """FAULT_STEPS steps with evaluations and checkpoints into `run_dir`, then save_adapter; with
+    `live`, the learner's own weights then (not after a kill at save_adapter: the learner is
+    lost, and the trainer's next call would restore it)."""
+    trainer.run_dir = run_dir
+    try:
+        history = trainer.train(bundled_prompts(), steps=FAULT_STEPS, progress=False, eval_prompts=bundled_prompts())
+        saved = trainer.save_adapter(run_dir / "adapter")
+    finally:
+        trainer.run_dir = None
+    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
+    return FaultRunOutcome(
+        history, [json.loads(line) for line in (run_dir / "eval_samples.jsonl").read_text().splitlines()],
+        {c.name: {f: h for f, h in json.loads((c / "checksums.json").read_text()).items()
+                  if f not in ("trainer.json", "config.yaml")} for c in checkpoints},
+        {c.name: adapter_tensors(c / "adapter") for c in checkpoints}, adapter_tensors(saved),
+        live_adapter(trainer) if live else None)
+
+
+def _comparable(outcome: FaultRunOutcome, live: bool) -> dict:
+    """What an exact comparison compares (tests/exact.py): the steps' FAULT_KEYS and samples, the
+    evaluations' rows, the adapters (the checkpoints', the saved one, the live one if `live`)."""
+    return {"history": [{**{k: h[k] for k in FAULT_KEYS if k in h}, "generated_texts": h["generated_texts"]}
+                        for h in outcome.history],
+            "eval": outcome.eval_rows, "checkpoint adapters": outcome.checkpoint_adapters,
+            "saved adapter": outcome.saved_adapter, **({"final adapter": outcome.live_adapter} if live else {})}
+
+
+def assert_same_fault_run(got: FaultRunOutcome, want: FaultRunOutcome, exact: bool, what, lr: float) -> None:
+    assert [h["step"] for h in got.history] == [h["step"] for h in want.history]
+    assert got.checkpoints.keys() == want.checkpoints.keys()
+    if exact:  # the learner state's files follow from the floats (a rerun when only their last digits differ)
+        live = got.live_adapter is not None
+        assert_same(_comparable(got, live), _comparable(want, live), str(what),
+                    derived={"checkpoints' learner state": (got.checkpoints, want.checkpoints)})
+        return
+    for g, w in zip(got.history, want.history):
+        for key in FAULT_KEYS:
+            if key not in w:
+                assert key not in g, f"{what}: step {g['step']} has {key} that the straight run has not"
+                continue
+            same = abs(g[key] - w[key]) <= TINY_LOGPROB_TOL * (1 + abs(w[key]))
+            assert same, f"{what}: step {g['step']} {key}: {g[key]!r} vs {w[key]!r}"
+        assert g["generated_texts"] == w["generated_texts"], f"{what}: step {g['step']} samples differ"
+    assert got.eval_rows == want.eval_rows, f"{what}: the eval samples differ"
+    adapters = [*[(f"checkpoint {n}", got.checkpoint_adapters[n], want.checkpoint_adapters[n])
+                  for n in want.checkpoint_adapters], ("saved adapter", got.saved_adapter, want.saved_adapter)]
+    if got.live_adapter is not None:
+        adapters.append(("final adapter", got.live_adapter, want.live_adapter))
+    for name, a, b in adapters:
+        assert a.keys() == b.keys(), f"{what}: {name}: other tensors"
+        for key, tensor in a.items():
+            same = torch.allclose(tensor, b[key], rtol=0, atol=0.01 * lr * FAULT_STEPS)
+            assert same, (f"{what}: {name} {key} differs by up to {(tensor - b[key]).abs().max().item():.3g} "
+                          f"(scale {tensor.abs().max().item():.3g})")
+
+
+# --------------------------------------------------------------------------- the supervisor's stand-ins
+class FakeRoles:
+    def __init__(self):
+        self.restarts = []
+
+    def role_of(self, error):
+        return getattr(error, "role", "unknown")
+
+    def restarted(self, role):
+        self.restarts.append(role)
+
+
+class FakeMetrics:
+    def __init__(self):
+        self.retried = []
+
+    def record_retry(self, role):
+        self.retried.append(role)
