@@ -248,7 +248,7 @@ def test_an_architecture_transformers_cannot_read_is_named_with_the_file(tmp_pat
 
 
 def test_launch_refuses_an_unreadable_gguf_before_writing(tmp_path, cache, old_run, no_ray_address, capsys):
-    from conftest import launch_ppo, snapshot
+    from helpers import launch_ppo, snapshot
 
     path = write_rwkv_gguf(tmp_path / "recurrent.gguf")
     before = snapshot(old_run)
