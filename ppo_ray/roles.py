@@ -259,6 +259,10 @@ class Roles:
         """Wait for ObjectRef(s) and return their values (small things only: the driver
         pulls texts, scores and stats, never rollouts or weights during a step). A call that
         made them and runs past its deadline is a CallTimeout (its actor killed)."""
+        return self._get(refs)
+
+    def _get(self, refs):
+        """fetch(), for the Roles methods that wait for their own calls."""
         self._wait(refs if isinstance(refs, (list, tuple)) else [refs])
         return ray.get(refs)
 
@@ -340,7 +344,7 @@ class Roles:
         object store entry `weights`, first retiring the versions below `retire_below` (no batch
         in flight needs them); waited for. Their load reports (version, bytes, seconds)."""
         gens = self.generators if generators is None else generators
-        return self.fetch([self._track("sync", g, g.load_adapter.remote(version, weights, restore, retire_below),
+        return self._get([self._track("sync", g, g.load_adapter.remote(version, weights, restore, retire_below),
                                        after=[weights]) for g in gens])
 
     def sync_gaps(self, probe_ids: list[list[int]], version: int, weights=None,
@@ -352,12 +356,12 @@ class Roles:
         gens = self.generators if generators is None else generators
         rows = len(probe_ids)
         parts = [self._track("probe", g, g.probe.remote(probe_ids, expected_version=version), rows=rows) for g in gens]
-        return self.fetch(self._track("probe", self.learner, self.learner.sync_gaps.remote(
+        return self._get(self._track("probe", self.learner, self.learner.sync_gaps.remote(
             *parts, expected_version=version, weights=weights), after=[*parts, weights], rows=rows * len(gens)))
 
     def generator_versions(self) -> list[list[int]]:
         """The adapter versions each replica holds (ascending)."""
-        return self.fetch([self._track("query", g, g.versions.remote()) for g in self.generators])
+        return self._get([self._track("query", g, g.versions.remote()) for g in self.generators])
 
     def bring_generators_to(self, weights: dict[int, Any]) -> dict[int, list[int]]:
         """Give every generator the adapter versions `weights` names ({version: object store
@@ -380,7 +384,7 @@ class Roles:
         if generation is None:
             return False
         try:
-            self.fetch(generation.summaries)
+            self._get(generation.summaries)
             return True
         except RETRYABLE:
             return False
@@ -388,7 +392,7 @@ class Roles:
     def current_weights(self) -> tuple[int, Any]:
         """(the policy's version, ref of its LoRA weights) from rank 0."""
         version_ref, weights_ref = self._track("state", self.learner, self.learner.current_weights.remote())
-        return self.fetch(version_ref), weights_ref
+        return self._get(version_ref), weights_ref
 
     def learner_state(self):
         """Ref of rank 0's state (adapters, value head, optimisers, RNG), left in the store."""
@@ -399,7 +403,7 @@ class Roles:
         restarted member left it, and the others' collectives failed). Returns their versions."""
         if reform and len(self.learners) > 1:
             form_learner_group(self)
-        return self.fetch([self._track("state", learner, learner.load_state_dict.remote(state), after=[state])
+        return self._get([self._track("state", learner, learner.load_state_dict.remote(state), after=[state])
                            for learner in self.learners])
 
     # ------------------------------------------------------------------ restarts
