@@ -227,3 +227,19 @@ def test_a_name_only_a_path_looks_like_is_not_looked_up_on_the_hub(name, local):
     from ppo_ray.data import _is_local_path
 
     assert _is_local_path(name) is local
+
+
+# -------------------------------------------------- a dataset's other columns (issue 56, part 3)
+def test_prompt_columns_reach_rows_by_group_id_not_row_order():
+    """PromptColumns.rows: each row gets its prompt's values by its group id (first + position),
+    whatever the rows' order; a group id without columns is an error naming it."""
+    from ppo_ray.data import PromptColumns
+
+    columns = PromptColumns({"answer": ["3", "4", "5"], "id": [7, 8, 9]}, first=4)
+    assert columns.rows([6, 4, 4, 5]) == {"answer": ["5", "3", "3", "4"], "id": [9, 7, 7, 8]}
+    assert columns.take([2, 0], first=10) == PromptColumns({"answer": ["5", "3"], "id": [9, 7]}, first=10)
+    with pytest.raises(ValueError, match=r"group id 7 has no dataset columns \(they cover the prompts of group "
+                                         r"ids 4..6\)"):
+        columns.rows([4, 7])
+    with pytest.raises(ValueError, match="different lengths"):
+        PromptColumns({"a": [1], "b": [1, 2]})
