@@ -256,9 +256,12 @@ def _is_local_path(name: str) -> bool:
             or name.count("/") > 1)
 
 
-def load_prompts(config, tokenizer=None) -> list[str]:
-    """Prompts named by config.dataset: "bundled", a local .jsonl/.parquet file, or a hub
-    dataset id (loaded with `datasets`, split "train"), reading config.prompt_column.
+def load_prompts(config, tokenizer=None) -> list[str] | list[dict]:
+    """Prompts named by config.dataset: "bundled" (texts), a local .jsonl/.parquet file, or a
+    hub dataset id (loaded with `datasets`, split "train"): its rows, config.prompt_column the
+    prompt text and every other column one the reward functions may take (prompt_rows: a
+    column named like one of their own arguments, or a value that is not JSON, is an error
+    naming the column and the dataset). PPOTrainer.train takes either form.
 
     With a `tokenizer`, every prompt is also checked as the trainer will encode it
     (encode_prompts: empty prompts, and prompts over config.max_prompt_length with
@@ -269,22 +272,23 @@ def load_prompts(config, tokenizer=None) -> list[str]:
     if name == "bundled":
         prompts = bundled_prompts()
     elif _is_local_path(name):
-        prompts = column(read_rows(Path(name).expanduser()), config.prompt_column, name)
+        prompts = read_rows(Path(name).expanduser())
     else:
         import datasets
 
         ds = datasets.load_dataset(name, split="train")
         if config.prompt_column not in ds.column_names:
             raise DataError(f"dataset {name!r} has no column {config.prompt_column!r} (columns: {ds.column_names})")
-        prompts = column([{config.prompt_column: v} for v in ds[config.prompt_column]], config.prompt_column, name)
+        prompts = ds.to_list()
+    texts = prompt_rows(prompts, config.prompt_column, name).texts
     if tokenizer is not None:
         if config.apply_chat_template:
             check_chat_template(tokenizer, config.model_name)
-        if not prompts:
+        if not texts:
             raise DataError(f"dataset {name!r} has no rows")
         try:  # in chunks: the ids of a whole dataset would be GBs of Python ints
-            for start in range(0, len(prompts), CHECK_CHUNK):
-                encode_prompts(tokenizer, prompts[start:start + CHECK_CHUNK], config.max_prompt_length,
+            for start in range(0, len(texts), CHECK_CHUNK):
+                encode_prompts(tokenizer, texts[start:start + CHECK_CHUNK], config.max_prompt_length,
                                config.prompt_truncation, index_offset=start,
                                chat_template=config.apply_chat_template)
         except ValueError as e:  # "prompt i ...": i is the row index in the dataset
