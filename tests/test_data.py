@@ -279,6 +279,8 @@ def test_columns_that_are_not_json_and_mixed_lists_are_refused_naming_the_row(tm
         prompt_rows([{"prompt": "a"}, {"text": "b"}])
     with pytest.raises(DataError, match="got a single dict"):
         prompt_rows({"prompt": "a"})
+    with pytest.raises(DataError, match="prompts: column 3 is named by a int"):
+        prompt_rows([{"prompt": "a", 3: "x"}])
 
 
 def test_prompt_columns_reach_rows_by_group_id_not_row_order():
