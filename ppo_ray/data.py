@@ -158,8 +158,8 @@ RESERVED_COLUMNS = ("prompts", "completions", "finish_reasons")
 
 def check_columns(columns: dict[str, list], source: str) -> None:
     """A dataset's columns as reward functions get them, checked: str names, none of
-    RESERVED_COLUMNS, and every value JSON (the HTTP verifier sends them as JSON; a reward worker gets them as
-    they are). DataError naming `source`, the column and the row."""
+    RESERVED_COLUMNS, and every value JSON (the HTTP verifier sends them as JSON; a reward
+    worker gets them as they are). DataError naming `source`, the column and the row."""
     for name, values in columns.items():
         if not isinstance(name, str):
             raise DataError(f"{source}: column {name!r} is named by a {type(name).__name__}: a column's name is a "
