@@ -12,8 +12,9 @@ Plain class, no Ray: ppo_ray.placement hosts it in a Ray actor.
 - A reward function is named "package.module:function" and called as
   fn(prompts: list[str], completions: list[str], **columns) -> list[float]
   (ppo_ray.rewards.call_reward_fn): `columns` are the batch's per-row lists (reward_columns:
-  finish_reasons), each passed only to a function whose signature names it (or has **kwargs),
-  on every path below alike.
+  finish_reasons, and the dataset's columns that came with the score call, each row its
+  prompt's value, found by the batch's group ids), each passed only to a function whose
+  signature names it (or has **kwargs), on every path below alike.
 - Scores are summed with weights (reward model first, then functions, in config order).
 - missing_eos_penalty (N+ / TRL): a response cut at max_new_tokens without EOS gets that
   score instead of the model's.
@@ -52,6 +53,7 @@ from torch import Tensor
 
 from ppo_ray.batch import RolloutBatch
 from ppo_ray.config import REWARD, ConfigSlice, PPOConfig, role_fields
+from ppo_ray.data import PromptColumns
 from ppo_ray.modeling import load_reward_model, pick_device, reward_scores
 from ppo_ray.rewards import (CallResult, RewardCall, RewardError, RewardFn, RewardWorker, call_reward_fn,
                              check_reward_sources, check_values, guarded_calls, is_verifier_spec)
@@ -98,13 +100,20 @@ def row_ranges(rows: Sequence[int]) -> str:
     return ", ".join(out)
 
 
-def reward_columns(batch: RolloutBatch) -> dict[str, list]:
+def reward_columns(batch: RolloutBatch, columns: Optional[PromptColumns] = None) -> dict[str, list]:
     """The per-row columns a reward function may take beside prompts and completions (by naming
     them in its signature, or with **kwargs: ppo_ray.rewards.call_reward_fn), the one home of
     what they are: finish_reasons, "stop" where the response ended with EOS (RolloutBatch.has_eos,
     the fact missing_eos_penalty reads; the generator's finish reason "stop"), "length" where it
-    was cut at max_new_tokens."""
-    return {"finish_reasons": ["stop" if eos else "length" for eos in batch.has_eos.tolist()]}
+    was cut at max_new_tokens; then the dataset's `columns` of the batch's prompts, each row its
+    prompt's value by its group id (PromptColumns.rows: a prompt's samples share it). Their
+    names never meet: ppo_ray.data.RESERVED_COLUMNS keeps finish_reasons out of a dataset's."""
+    out = {"finish_reasons": ["stop" if eos else "length" for eos in batch.has_eos.tolist()]}
+    if columns is not None and columns.values:
+        if batch.groups is None:
+            raise ValueError("dataset columns reach a batch's rows by its group ids, and this batch has none")
+        out.update(columns.rows(batch.groups.tolist()))
+    return out
 
 
 def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, factor: float) -> Tensor:
@@ -173,10 +182,11 @@ class RewardScorer:
         """(B,) float32 reward-model scores at the last real token."""
         return reward_scores(self.model, batch, self.micro_batch_size, self.device)
 
-    def function_scores(self, spec: str, fn: RewardFn, batch: RolloutBatch) -> Tensor:
-        """The unguarded call: fn on the whole batch, here, its failure a RewardError."""
+    def function_scores(self, spec: str, fn: RewardFn, batch: RolloutBatch, columns: dict[str, list]) -> Tensor:
+        """The unguarded call: fn on the whole batch, here, its failure a RewardError (`columns`:
+        the batch's, reward_columns)."""
         try:
-            values = call_reward_fn(fn, batch.prompts, batch.responses, reward_columns(batch))
+            values = call_reward_fn(fn, batch.prompts, batch.responses, columns)
         except Exception as e:  # a user function: report which one and what it raised
             raise RewardError(f"reward function {spec!r} raised {type(e).__name__}: {e}") from e
         return torch.tensor(check_values(spec, values, len(batch)), dtype=torch.float32)
@@ -209,11 +219,12 @@ class RewardScorer:
                     out[i] = result
         return out  # type: ignore[return-value]
 
-    def guarded_scores(self, batch: RolloutBatch) -> tuple[list[tuple[str, Tensor]], RewardFailures]:
+    def guarded_scores(self, batch: RolloutBatch, columns: dict[str, list]) -> tuple[list[tuple[str, Tensor]],
+                                                                                  RewardFailures]:
         """Every reward function's (B,) scores by guarded calls (the module docstring), and the
-        counts of what failed and how it was handled."""
+        counts of what failed and how it was handled (`columns`: the batch's, reward_columns;
+        each call gets its rows' values)."""
         n, prompts, completions = len(batch), list(batch.prompts), list(batch.responses)
-        columns = reward_columns(batch)
         values = {spec: [math.nan] * n for spec, _ in self.funcs}
         failed: dict[str, list[int]] = {spec: [] for spec, _ in self.funcs}
         budget = {spec: self.retry_calls for spec, _ in self.funcs}
@@ -254,19 +265,22 @@ class RewardScorer:
                                   retry_calls=float(counts["retry_calls"]))
         return [(spec, torch.tensor(values[spec], dtype=torch.float32)) for spec, _ in self.funcs], failures
 
-    def score(self, batch: RolloutBatch) -> tuple[Tensor, RewardStats]:
+    def score(self, batch: RolloutBatch, columns: Optional[PromptColumns] = None) -> tuple[Tensor, RewardStats]:
         """(B,) float32 combined scores, and small stats (per-source means, drops, seconds;
-        with guarded calls, their failures)."""
+        with guarded calls, their failures). `columns`: the dataset's columns of the batch's
+        prompts, for the reward functions that take them (the reward model reads none)."""
         t0 = time.perf_counter()
         sources: list[tuple[str, Tensor]] = []
         if self.model is not None:
             sources.append(("reward_model", self.model_scores(batch)))
         failures = None
-        if self.guarded and self.funcs:
-            guarded, failures = self.guarded_scores(batch)
-            sources += guarded
-        else:
-            sources += [(spec, self.function_scores(spec, fn, batch)) for spec, fn in self.funcs]
+        if self.funcs:
+            per_row = reward_columns(batch, columns)
+            if self.guarded:
+                guarded, failures = self.guarded_scores(batch, per_row)
+                sources += guarded
+            else:
+                sources += [(spec, self.function_scores(spec, fn, batch, per_row)) for spec, fn in self.funcs]
 
         total = torch.zeros(len(batch))
         means: dict[str, float] = {}

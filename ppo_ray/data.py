@@ -1,4 +1,7 @@
-"""Prompt data: where prompts come from, and their validation and encoding.
+"""Prompt data: where prompts come from, and their validation and encoding; a dataset's
+other columns, which reach the reward functions as keyword lists (TRL's convention:
+fn(prompts, completions, **columns)): PromptRows (the prompts as the trainer takes them) and
+PromptColumns (a batch's columns on their way to the reward actor).
 
 Bottom layer: imports only ppo_ray.config (the truncation modes, the data file suffixes) and
 ppo_ray.tiny_model (for the bundled prompts).
@@ -7,6 +10,7 @@ ppo_ray.tiny_model (for the bundled prompts).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -146,6 +150,106 @@ def column(rows: list[dict], name: str, source: str) -> list[str]:
     return out
 
 
+# The names a reward function's call already gives its arguments: its two positional ones and the
+# batch's own column (actors.reward.reward_columns: finish_reasons). A dataset column may not
+# take one of them (it would shadow it, or be shadowed).
+RESERVED_COLUMNS = ("prompts", "completions", "finish_reasons")
+
+
+def check_columns(columns: dict[str, list], source: str) -> None:
+    """A dataset's columns as reward functions get them, checked: str names, none of
+    RESERVED_COLUMNS, and every value JSON (the HTTP verifier sends them as JSON; a reward
+    worker gets them as they are). DataError naming `source`, the column and the row."""
+    for name, values in columns.items():
+        if not isinstance(name, str):
+            raise DataError(f"{source}: column {name!r} is named by a {type(name).__name__}: a column's name is a "
+                            "reward function's keyword, a str")
+        if name in RESERVED_COLUMNS:
+            raise DataError(f"{source}: column {name!r} has the name of an argument every reward function is "
+                            f"given ({', '.join(RESERVED_COLUMNS)}): rename the column")
+        try:
+            json.dumps(values)
+        except (TypeError, ValueError):
+            for i, value in enumerate(values):
+                try:
+                    json.dumps(value)
+                except (TypeError, ValueError) as e:
+                    raise DataError(f"{source}: row {i} column {name!r}: a {type(value).__name__} value, not JSON "
+                                    f"({e}); reward functions get a dataset's columns as JSON values") from None
+            raise
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """Prompts as the trainer takes them (prompt_rows): the texts, and the dataset's other
+    columns, per column one JSON value per prompt, in the prompts' order (empty for plain
+    strings)."""
+
+    texts: list[str]
+    columns: dict[str, list]
+
+
+def prompt_rows(prompts, prompt_column: str = "prompt", source: str = "prompts") -> PromptRows:
+    """`prompts` as PromptRows: a list of strings (no columns), or of rows (dicts) whose
+    `prompt_column` holds the text and whose other keys are its columns (check_columns); a row
+    that lacks a column another row has gets None there, as `datasets` reads such JSONL. A list
+    of both strings and rows, or a row without the prompt column, is a DataError naming the
+    row and `source`. The texts are checked where they are encoded (encode_prompts)."""
+    if isinstance(prompts, PromptRows):
+        return prompts
+    if isinstance(prompts, (str, dict)):
+        raise DataError(f"{source}: prompts must be a list of strings or of rows (dicts), got a single "
+                        f"{type(prompts).__name__}")
+    prompts = list(prompts)
+    rows = [isinstance(p, dict) for p in prompts]
+    if not any(rows):
+        return PromptRows(prompts, {})
+    if not all(rows):
+        i = rows.index(False)
+        raise DataError(f"{source}: prompt {i} is a {type(prompts[i]).__name__} and prompt {rows.index(True)} a row "
+                        "(dict): give strings or rows, not both")
+    texts = column(prompts, prompt_column, source)
+    names = dict.fromkeys(name for row in prompts for name in row if name != prompt_column)  # first seen first
+    columns = {name: [row.get(name) for row in prompts] for name in names}
+    check_columns(columns, source)
+    return PromptRows(texts, columns)
+
+
+@dataclass(frozen=True)
+class PromptColumns:
+    """A batch's dataset columns as they travel with its score call to the reward actor: per
+    column, one value per prompt, the prompt of group id `first + i` at position i (the batch's
+    group ids, RolloutBatch.groups, are its prompts' global indices in the call). `rows` spreads
+    them over the batch's rows by those ids: each of a prompt's samples_per_prompt rows gets its
+    prompt's values, whatever the rows' order."""
+
+    values: dict[str, list]
+    first: int = 0
+
+    def __post_init__(self) -> None:
+        lengths = {name: len(v) for name, v in self.values.items()}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"PromptColumns: the columns have different lengths {lengths}")
+
+    def __len__(self) -> int:
+        return next(iter(len(v) for v in self.values.values()), 0)
+
+    def take(self, positions: Sequence[int], first: int = 0) -> "PromptColumns":
+        """The values at `positions` (in that order), the first of them for group id `first`."""
+        return PromptColumns({name: [v[i] for i in positions] for name, v in self.values.items()}, first)
+
+    def rows(self, groups: Sequence[int]) -> dict[str, list]:
+        """Per column, the value of each row's prompt (its group id in `groups`, (B,)); a group
+        id outside [first, first + len) is a ValueError naming it."""
+        n = len(self)
+        positions = [g - self.first for g in groups]
+        bad = [g for g, i in zip(groups, positions) if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"the batch's group id {bad[0]} has no dataset columns (they cover the prompts of "
+                             f"group ids {self.first}..{self.first + n - 1})")
+        return {name: [v[i] for i in positions] for name, v in self.values.items()}
+
+
 def _is_local_path(name: str) -> bool:
     """A dataset name that can only be a local path: a data-file suffix, an existing path, or a
     path no hub id looks like (absolute, ./ ../ ~, or more than one '/': hub ids are
@@ -155,9 +259,12 @@ def _is_local_path(name: str) -> bool:
             or name.count("/") > 1)
 
 
-def load_prompts(config, tokenizer=None) -> list[str]:
-    """Prompts named by config.dataset: "bundled", a local .jsonl/.parquet file, or a hub
-    dataset id (loaded with `datasets`, split "train"), reading config.prompt_column.
+def load_prompts(config, tokenizer=None) -> list[str] | list[dict]:
+    """Prompts named by config.dataset: "bundled" (texts), a local .jsonl/.parquet file, or a
+    hub dataset id (loaded with `datasets`, split "train"): its rows, config.prompt_column the
+    prompt text and every other column one the reward functions may take (prompt_rows: a
+    column named like one of their own arguments, or a value that is not JSON, is an error
+    naming the column and the dataset). PPOTrainer.train takes either form.
 
     With a `tokenizer`, every prompt is also checked as the trainer will encode it
     (encode_prompts: empty prompts, and prompts over config.max_prompt_length with
@@ -168,22 +275,23 @@ def load_prompts(config, tokenizer=None) -> list[str]:
     if name == "bundled":
         prompts = bundled_prompts()
     elif _is_local_path(name):
-        prompts = column(read_rows(Path(name).expanduser()), config.prompt_column, name)
+        prompts = read_rows(Path(name).expanduser())
     else:
         import datasets
 
         ds = datasets.load_dataset(name, split="train")
         if config.prompt_column not in ds.column_names:
             raise DataError(f"dataset {name!r} has no column {config.prompt_column!r} (columns: {ds.column_names})")
-        prompts = column([{config.prompt_column: v} for v in ds[config.prompt_column]], config.prompt_column, name)
+        prompts = ds.to_list()
+    texts = prompt_rows(prompts, config.prompt_column, name).texts
     if tokenizer is not None:
         if config.apply_chat_template:
             check_chat_template(tokenizer, config.model_name)
-        if not prompts:
+        if not texts:
             raise DataError(f"dataset {name!r} has no rows")
         try:  # in chunks: the ids of a whole dataset would be GBs of Python ints
-            for start in range(0, len(prompts), CHECK_CHUNK):
-                encode_prompts(tokenizer, prompts[start:start + CHECK_CHUNK], config.max_prompt_length,
+            for start in range(0, len(texts), CHECK_CHUNK):
+                encode_prompts(tokenizer, texts[start:start + CHECK_CHUNK], config.max_prompt_length,
                                config.prompt_truncation, index_offset=start,
                                chat_template=config.apply_chat_template)
         except ValueError as e:  # "prompt i ...": i is the row index in the dataset
@@ -220,11 +328,14 @@ class PromptCursor:
         self.rng.set_state(state[1])
 
 
-def prompts_fingerprint(prompts: Sequence[str]) -> str:
-    """sha256 of a prompt list (its length and every prompt): the identity of the list a
-    PromptCursor indexes, checked when a checkpointed run resumes."""
+def prompts_fingerprint(prompts, prompt_column: str = "prompt") -> str:
+    """sha256 of a prompt list (its length and every prompt text; rows: their `prompt_column`,
+    prompt_rows): the identity of the list a PromptCursor indexes, checked when a checkpointed
+    run resumes. The rows' other columns are not part of it: a run's checkpoints from before
+    they reached the reward functions resume on the same rows."""
     import hashlib
 
+    prompts = prompt_rows(prompts, prompt_column).texts
     h = hashlib.sha256(str(len(prompts)).encode())
     for p in prompts:
         h.update(hashlib.sha256(p.encode()).digest())

@@ -36,6 +36,7 @@ from ppo_ray.stats import GenerationSummary, ReferenceStats, RewardStats, SyncRe
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from ppo_ray.data import PromptColumns
     from ppo_ray.modeling import LoraWeights
     from ppo_ray.stats import LearnerState
 
@@ -569,15 +570,17 @@ class RewardHost(_Host):
         self.scorer = RewardScorer.from_config(config, self.model_dir, runner=self.pool)
 
     @ray.method(num_returns=2)
-    def score(self, *parts: RolloutBatch, label: str = "") -> tuple["Tensor", RewardStats]:
-        """The rollouts' combined scores and stats. The log line: `label` (roles.call_label:
-        "step N", "eval", "samples"), then the mean of the combined scores, which is the
-        console's `reward` of a training step (weighted, with the penalties), then each
-        source's own mean (with its weight when not 1)."""
+    def score(self, *parts: RolloutBatch, label: str = "",
+              columns: Optional[PromptColumns] = None) -> tuple["Tensor", RewardStats]:
+        """The rollouts' combined scores and stats; `columns`: the dataset's columns of their
+        prompts, for the reward functions (ppo_ray.data.PromptColumns: by group id). The log
+        line: `label` (roles.call_label: "step N", "eval", "samples"), then the mean of the
+        combined scores, which is the console's `reward` of a training step (weighted, with the
+        penalties), then each source's own mean (with its weight when not 1)."""
         import torch
 
         batch = RolloutBatch.cat(parts)
-        scores, stats = self.scorer.score(batch)
+        scores, stats = self.scorer.score(batch, columns)
         weights = dict(zip(stats.source_means, self.scorer.weights))
         means = "  ".join(f"{source} {mean:+.4f}" + (f" x{weights[source]:g}" if weights.get(source, 1) != 1 else "")
                           for source, mean in stats.source_means.items())

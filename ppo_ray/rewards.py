@@ -5,14 +5,16 @@ configs as "ppo_ray.rewards:<name>".
 
 A reward function is named "package.module:function" and called as
 fn(prompts: list[str], completions: list[str], **columns) -> list[float]: one float per
-completion. `columns` are per-row lists (actors.reward.reward_columns: today finish_reasons,
-"stop" where the response ended with EOS, "length" where it was cut at max_new_tokens), and a
-function gets only those its signature names, or all of them with **kwargs (TRL's convention
-for a dataset's extra columns), so fn(prompts, completions) works as it always did. It is
-imported only from the module path the user named (never from data). A reward_funcs
-entry that is an http:// or https:// URL is a verifier service instead (HttpVerifier): the
-same call, answered by POSTing {"prompts": [...], "responses": [...]} and reading
-{"scores": [...]}, with no redirect followed and no proxy but the config's.
+completion. `columns` are per-row lists (actors.reward.reward_columns): finish_reasons, "stop"
+where the response ended with EOS, "length" where it was cut at max_new_tokens, and the
+dataset's other columns (each row its prompt's value: a verifier reads the row's answer
+instead of parsing it out of the prompt). A function gets only those its signature names, or
+all of them with **kwargs (TRL's convention for a dataset's extra columns), so
+fn(prompts, completions) works as it always did. It is imported only from the module path the
+user named (never from data). A reward_funcs entry that is an http:// or https:// URL is a
+verifier service instead (HttpVerifier): the same call, answered by POSTing
+{"prompts": [...], "responses": [...], "columns": {...}} and reading {"scores": [...]}, with no
+redirect followed and no proxy but the config's.
 
 `check_reward_sources` is the one home of the reward-source checks: launch.py (before
 anything is written), PPOTrainer (before any actor starts) and the reward actor
@@ -235,9 +237,13 @@ class _ConnectFailed(OSError):
 class HttpVerifier:
     """A reward source served over HTTP: a user's sandbox that scores (prompt, response) pairs.
 
-    Called as a reward function. It POSTs JSON {"prompts": [...], "responses": [...]} to `url`,
-    `batch_size` rows per request (0: all the call's rows in one), and reads {"scores": [...]}:
-    one number per response (NaN / inf follow nonfinite_reward). `timeout_s` is the deadline of
+    Called as a reward function. It POSTs JSON {"prompts": [...], "responses": [...],
+    "columns": {name: [...], ...}} to `url`, `batch_size` rows per request (0: all the call's
+    rows in one), and reads {"scores": [...]}: one number per response (NaN / inf follow
+    nonfinite_reward). "columns" holds every per-row column the call has, each a list of one
+    value per response, in the responses' order: "finish_reasons" ("stop" / "length") and the
+    dataset's other columns (a row's ground truth, e.g. "answer"); a service that ignores keys
+    it does not know reads the request as before. `timeout_s` is the deadline of
     one call, all of it: connecting, sending, every read of every request, the retries and their
     waits; past it the call is a RewardTimeout naming the URL and the limit (a reply that
     trickles in cannot hold a call longer: the socket is shut at the deadline). A refused or
@@ -264,23 +270,30 @@ class HttpVerifier:
     def __repr__(self) -> str:
         return f"HttpVerifier({self.url!r})"
 
-    def __call__(self, prompts: list[str], completions: list[str]) -> list[float]:
-        if len(prompts) != len(completions):
-            raise RewardError(f"reward verifier {self.url}: {len(prompts)} prompts but {len(completions)} responses")
+    def __call__(self, prompts: list[str], completions: list[str], **columns: list) -> list[float]:
+        bad = {name: len(v) for name, v in columns.items() if len(v) != len(prompts)}
+        if len(prompts) != len(completions) or bad:
+            raise RewardError(f"reward verifier {self.url}: {len(prompts)} prompts but {len(completions)} responses"
+                              + "".join(f", {n} values of column {name!r}" for name, n in bad.items()))
         deadline = time.monotonic() + self.timeout_s  # the whole call's (reward_timeout_s)
         size = self.batch_size or max(len(prompts), 1)
         out: list[float] = []
         for start in range(0, len(prompts), size):
-            out += self.post(prompts[start:start + size], completions[start:start + size], deadline)
+            rows = slice(start, start + size)
+            out += self.post(prompts[rows], completions[rows], deadline,
+                             {name: list(v[rows]) for name, v in columns.items()})
         return out
 
     def past_deadline(self, why: str = "") -> RewardTimeout:
         return RewardTimeout(f"reward verifier {self.url} did not answer within {self.timeout_s:g} s "
                              f"(reward_timeout_s: the whole call, retries included){why}")
 
-    def post(self, prompts: list[str], completions: list[str], deadline: float) -> list[float]:
-        """One request (with its retries), by `deadline` (time.monotonic()): the scores of these rows."""
-        body = json.dumps({"prompts": list(prompts), "responses": list(completions)}).encode()
+    def post(self, prompts: list[str], completions: list[str], deadline: float,
+             columns: Optional[dict[str, list]] = None) -> list[float]:
+        """One request (with its retries), by `deadline` (time.monotonic()): the scores of these
+        rows (`columns`: theirs, per column a list in row order)."""
+        body = json.dumps({"prompts": list(prompts), "responses": list(completions),
+                           "columns": dict(columns or {})}).encode()
         for attempt in range(self.retries + 1):
             try:
                 status, reason, location, raw = self.exchange(body, deadline)

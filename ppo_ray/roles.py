@@ -19,6 +19,7 @@ from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from ppo_ray.batch import RolloutBatch
+from ppo_ray.data import PromptColumns
 from ppo_ray.deadlines import CallTimeout, Deadlines
 from ppo_ray.faults import StateLostError
 from ppo_ray.stats import LearnerStats, SyncReport
@@ -302,11 +303,13 @@ class Roles:
         """Step 3, not waited for: refs of the (B, T) reference logprobs and of its ReferenceStats."""
         return self._track("reference", self.reference, self.reference.logprobs.remote(*parts), after=parts)
 
-    def score(self, parts: list, seed_step: int) -> tuple[Any, Any]:
+    def score(self, parts: list, seed_step: int, columns: Optional[PromptColumns] = None) -> tuple[Any, Any]:
         """Step 4, not waited for: refs of the (B,) scores and of the RewardStats; the rollouts
-        were sampled with `seed_step`'s seeds (the reward actor's log line names the call)."""
-        return self._track("score", self.reward, self.reward.score.remote(*parts, label=call_label(seed_step)),
-                           after=parts)
+        were sampled with `seed_step`'s seeds (the reward actor's log line names the call).
+        `columns`: the dataset's columns of their prompts, by value (small: one entry per
+        prompt), for the reward functions; they go to the reward actor alone."""
+        return self._track("score", self.reward, self.reward.score.remote(*parts, label=call_label(seed_step),
+                                                                          columns=columns), after=parts)
 
     def update(self, ref_logprobs, scores, parts: list, expected_version: int, max_staleness: int,
                planned_steps: int, gap_limit: Optional[float] = None) -> Update:

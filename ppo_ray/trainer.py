@@ -4,6 +4,13 @@
     out = trainer.ppo_step(prompts)        # one step: generated_texts, rewards, losses, kl, ...
     history = trainer.train(prompts, steps=100)
 
+Prompts are strings, or rows: dicts whose config.prompt_column ("prompt") holds the text and
+whose other keys are the dataset's columns (ppo_ray.data.prompt_rows). The driver keeps the
+rows; each score call takes its prompts' values of the columns the reward functions take
+(ppo_ray.data.PromptColumns, one entry per prompt, found on the reward side by the batch's
+group ids), so they reach fn(prompts, completions, **columns) and never the generators or the
+learner. A batch's columns follow its drawn prompts, so a retried or resumed step gets the same.
+
 Data between actors travels as ObjectRefs; the driver pulls only small things (texts,
 B scores, stats). The generator reports the adapter version it sampled with and the
 learner refuses rollouts from any other version, so a lost LoRA sync is an error, never
@@ -43,12 +50,13 @@ from ppo_ray.checkpoint import (CheckpointError, Lineage, branch_from, check_own
                                 config_changes, load_checkpoint, model_fingerprints, resolve_checkpoint, resumed_config,
                                 run_ids, save_checkpoint)
 from ppo_ray.config import PPOConfig
-from ppo_ray.data import PromptCursor, check_chat_template, encode_prompts, prompts_fingerprint
+from ppo_ray.data import (PromptColumns, PromptCursor, PromptRows, check_chat_template, encode_prompts,
+                          prompt_rows, prompts_fingerprint)
 from ppo_ray.metrics import TrainingMetrics
 from ppo_ray.modeling import check_context_length, load_tokenizer
 from ppo_ray.paths import resolve_model_path
 from ppo_ray.placement import HOSTS, create_roles, init_ray
-from ppo_ray.rewards import check_reward_sources, guarded_calls
+from ppo_ray.rewards import check_reward_sources, columns_taken, guarded_calls
 from ppo_ray.roles import (EVAL_SEED_STEP, EXIT_TIMEOUT_S, RETRYABLE, SAMPLING_SEED_STEP, Generation, Roles, Update,
                            role_names)
 from ppo_ray.runlock import RunLock
@@ -106,10 +114,14 @@ class Rollouts:
     # the global index of its first prompt (the sampling seeds' and group ids' index): dynamic
     # sampling's round r starts at r * prompts_per_step, so no two rounds share a seed
     index_offset: int = 0
+    # the dataset columns of its prompts that the reward functions take (first = index_offset),
+    # sent with its score call; None: none
+    columns: Optional[PromptColumns] = None
     rounds: list["Rollouts"] = field(default_factory=list)  # dynamic_sampling: the extra rounds, in order
-    # dynamic_sampling under max_staleness >= 1: the rest of the batch's window, the prompts its
-    # extra rounds take in order (_draw); empty in the synchronous step (they come from the cursor)
-    window: list[list[int]] = field(default_factory=list)
+    # dynamic_sampling under max_staleness >= 1: the rest of the batch's window, the indices in
+    # train()'s prompt list of the prompts its extra rounds take in order (_draw); empty in the
+    # synchronous step (they come from the cursor)
+    window: list[int] = field(default_factory=list)
     # dynamic_sampling: (scores (B,), RewardStats) once fetched; a retry filters and trains on these
     scored: Optional[tuple] = None
 
@@ -167,8 +179,9 @@ class PPOTrainer:
         self.config = config
         # Everything that can fail cheaply fails before any actor starts.
         # the reward sources (RewardError naming one): its config.json refuses a causal LM here
-        check_reward_sources(config.reward_model_name, config.reward_funcs, config.reward_weights,
-                             proxy=config.reward_verifier_proxy)
+        reward_fns = check_reward_sources(config.reward_model_name, config.reward_funcs, config.reward_weights,
+                                          proxy=config.reward_verifier_proxy)
+        self._reward_fns = [fn for _, fn in reward_fns]  # which dataset columns to send (_columns)
         self.model_dir = resolve_model_path(config.model_name)
         self.ref_model_dir = resolve_model_path(config.ref_model_name or config.model_name)
         self.reward_model_dir = resolve_model_path(config.reward_model_name) if config.reward_model_name else None
@@ -224,6 +237,7 @@ class PPOTrainer:
         self.cursor = PromptCursor(config.seed)
         self._prompts_key: Optional[str] = None  # fingerprint of the list the cursor indexes
         self._prompt_ids: tuple[Optional[str], list[list[int]]] = (None, [])  # (fingerprint, its prompts encoded once)
+        self._prompt_columns: Optional[PromptColumns] = None  # the list's dataset columns the reward functions take
         self._cursor_from_checkpoint = False
         # max_staleness >= 1: the next steps' batches, drawn and generating (step order), and the
         # step train() runs to (no batch is drawn for a step past it)
@@ -252,18 +266,40 @@ class PPOTrainer:
         return self.supervisor.retries
 
     # ------------------------------------------------------------------ one step
-    def ppo_step(self, prompts: Sequence[str]) -> StepResult:
+    def ppo_step(self, prompts: Sequence[str] | Sequence[dict]) -> StepResult:
         """One PPO step on `prompts` (config.samples_per_prompt rollouts each, contiguous: the
-        step trains on len(prompts) * samples_per_prompt rollouts). Returns a StepResult: texts, scores,
-        the learner's losses and diagnostics, per-phase seconds (`result["policy_loss"]`
+        step trains on len(prompts) * samples_per_prompt rollouts): strings, or rows whose other
+        columns reach the reward functions (the module docstring). Returns a StepResult: texts,
+        scores, the learner's losses and diagnostics, per-phase seconds (`result["policy_loss"]`
         works too). A step whose actor dies is retried from the last committed step."""
-        current = Rollouts(self._encode(prompts), step=self.step, version=self.version)
+        rows = self._rows(prompts)
+        current = Rollouts(self._encode(rows.texts), step=self.step, version=self.version, columns=self._columns(rows))
         return self._run_step(current)
+
+    def _rows(self, prompts) -> PromptRows:
+        """Prompts as texts and columns (strings, or rows keyed by config.prompt_column)."""
+        return prompt_rows(prompts, self.config.prompt_column)
+
+    def _columns(self, rows: PromptRows, first: int = 0) -> Optional[PromptColumns]:
+        """The columns of `rows` that some reward function takes (its signature names them, or
+        it has **kwargs: ppo_ray.rewards.columns_taken, the rule the reward side applies to each
+        function), the first row for group id `first`; None when none does (a reward model
+        alone reads none): the score call then carries nothing more than before."""
+        taken = {name for fn in self._reward_fns for name in columns_taken(fn, list(rows.columns))}
+        values = {name: v for name, v in rows.columns.items() if name in taken}
+        return PromptColumns(values, first) if values else None
 
     def _encode(self, prompts: Sequence[str]) -> list[list[int]]:
         cfg = self.config
         return encode_prompts(self.tokenizer, list(prompts), cfg.max_prompt_length, cfg.prompt_truncation,
                               chat_template=cfg.apply_chat_template)
+
+    def _drawn(self, indices: Sequence[int], first: int = 0) -> tuple[list[list[int]], Optional[PromptColumns]]:
+        """The encoded prompts of train()'s list at `indices` and their columns (the first for
+        group id `first`): a drawn batch's, so a batch drawn again gets the same."""
+        ids = self._prompt_ids[1]
+        columns = self._prompt_columns.take(indices, first) if self._prompt_columns is not None else None
+        return [ids[i] for i in indices], columns
 
     def _submit(self, rollouts: Rollouts) -> Rollouts:
         """1-2. Generate on every replica, not waited for. Each replica must hold
@@ -349,7 +385,8 @@ class PPOTrainer:
             parts = [picked.batch]
         # 3-4. Reference logprobs and rewards, concurrently, straight from the object store.
         ref_logprobs, reference_stats = roles.reference_logprobs(parts)
-        scores, reward_stats = (picked.scores, None) if picked is not None else roles.score(parts, current.step)
+        scores, reward_stats = (picked.scores, None) if picked is not None \
+            else roles.score(parts, current.step, current.columns)
         # 5-11 in the learner, with its old logprobs (step 2) and KL_t (step 3): values, rewards, GAE, PPO.
         limit = self.config.max_staleness
         update = roles.update(ref_logprobs, scores, parts, expected_version=self.version, max_staleness=limit,
@@ -410,7 +447,8 @@ class PPOTrainer:
                     self._bring_generators_to(self._needed())
                 self._submit(rollouts)
             if rollouts.scored is None:
-                rollouts.scored = tuple(roles.fetch(list(roles.score(rollouts.generation.parts, rollouts.step))))
+                rollouts.scored = tuple(roles.fetch(list(roles.score(rollouts.generation.parts, rollouts.step,
+                                                                     rollouts.columns))))
             batch = RolloutBatch.cat(roles.fetch(rollouts.generation.parts))
             rows_vary = varying_groups(rollouts.scored[0], batch.groups).tolist()  # (B,)
             position = _group_positions(batch.groups.tolist())
@@ -463,11 +501,13 @@ class PPOTrainer:
         n = len(current.prompt_ids)
         cursor = None
         if self._windowed:
-            prompts = current.window[(r - 1) * n:r * n]
+            drawn = current.window[(r - 1) * n:r * n]
         else:
-            ids, cursor = self._prompt_ids[1], self.cursor.state()
-            prompts = [ids[i] for i in self.cursor.draw(len(ids), n)]
-        return Rollouts(prompts, step=current.step, version=current.version, index_offset=r * n, cursor=cursor)
+            cursor = self.cursor.state()
+            drawn = self.cursor.draw(len(self._prompt_ids[1]), n)
+        prompts, columns = self._drawn(drawn, first=r * n)
+        return Rollouts(prompts, step=current.step, version=current.version, index_offset=r * n, cursor=cursor,
+                        columns=columns)
 
     @property
     def _windowed(self) -> bool:
@@ -725,7 +765,7 @@ class PPOTrainer:
         log.warning(message)
 
     # ------------------------------------------------------------------ evaluation
-    def generate(self, prompts: Sequence[str], seed_step: int = SAMPLING_SEED_STEP, *,
+    def generate(self, prompts: Sequence[str] | Sequence[dict], seed_step: int = SAMPLING_SEED_STEP, *,
                  score: bool = False, samples_per_prompt: int = 1, greedy: bool = False,
                  index_offset: int = 0) -> Responses:
         """Sample `samples_per_prompt` responses per prompt (contiguous, in the prompts' order)
@@ -733,11 +773,14 @@ class PPOTrainer:
         fixed `seed_step` gives every prompt the same sampling seed before and after training,
         so comparisons of two policies use common random numbers; `greedy` decodes by argmax
         instead (pass@1). With `score`, the reward actor scores the responses too (`rewards`:
-        one float per response). `index_offset`: the global index of prompts[0] (each prompt's
-        seed follows its global index), so a long list asked for in chunks gets the samples
-        of one call. An actor lost on the way is restarted and the call redone (the
-        generators at the committed version, the same seeds: the same samples)."""
-        prompt_ids = self._encode(prompts)
+        one float per response; rows' columns go to the reward functions). `index_offset`: the
+        global index of prompts[0] (each prompt's seed and group id follow its global index), so
+        a long list asked for in chunks gets the samples of one call. An actor lost on the way
+        is restarted and the call redone (the generators at the committed version, the same
+        seeds: the same samples)."""
+        rows = self._rows(prompts)
+        prompt_ids = self._encode(rows.texts)
+        columns = self._columns(rows, first=index_offset) if score else None
         kept: list[Optional[Generation]] = [None]
 
         def attempt(_) -> Responses:
@@ -751,7 +794,7 @@ class PPOTrainer:
             generated = GenerationSummary.join(self.roles.fetch(generation.summaries))
             rewards = None
             if score:
-                scores, _ = self.roles.score(generation.parts, seed_step)
+                scores, _ = self.roles.score(generation.parts, seed_step, columns)
                 rewards = self.roles.fetch(scores).tolist()
             return Responses(generated.texts, generated.finish_reasons, generated.version, rewards)
 
@@ -915,11 +958,12 @@ class PPOTrainer:
         that its batch does not reach are not trained on in this epoch. The window, like the
         batch, is a function of the cursor before it: a resumed or retried run draws the same."""
         cursor = self.cursor.state()
-        ids = self._prompt_ids[1]
         n = self.config.prompts_per_step
         width = n * (1 + self.config.dynamic_sampling_max_rounds) if self._windowed else n
-        prompts = [ids[i] for i in self.cursor.draw(len(ids), width)]
-        return Rollouts(prompts[:n], step=step, version=self._version_for(step), cursor=cursor, window=prompts[n:])
+        drawn = self.cursor.draw(len(self._prompt_ids[1]), width)
+        prompts, columns = self._drawn(drawn[:n])
+        return Rollouts(prompts, step=step, version=self._version_for(step), cursor=cursor, window=drawn[n:],
+                        columns=columns)
 
     def _checkpoint_due(self) -> bool:
         cfg = self.config
@@ -928,16 +972,19 @@ class PPOTrainer:
             time.monotonic() - self._last_checkpoint >= 60.0 * cfg.checkpoint_every_minutes
         return by_steps or by_time
 
-    def _use_prompts(self, prompts: Sequence[str]) -> None:
+    def _use_prompts(self, prompts: Sequence[str] | Sequence[dict]) -> None:
         """The cursor indexes `prompts`: a new list starts a new epoch over it, except after
         restoring a checkpoint, whose cursor indexes its own list (CheckpointError). The list
         is encoded (and checked: a bad prompt is named by its index) once, here, not at
-        every step."""
+        every step; its rows' columns (the reward functions') are kept beside it. The list's
+        identity is its texts' (prompts_fingerprint)."""
         if not prompts:
             raise ValueError("train() needs a non-empty list of prompts")
-        key = prompts_fingerprint(prompts)
+        rows = self._rows(prompts)
+        key = prompts_fingerprint(rows)
         if self._prompt_ids[0] != key:
-            self._prompt_ids = (key, self._encode(prompts))
+            self._prompt_ids = (key, self._encode(rows.texts))
+        self._prompt_columns = self._columns(rows)
         if self._prompts_key is not None and self._prompts_key != key:
             if self._cursor_from_checkpoint:
                 raise CheckpointError(f"train() got a different prompt list ({len(prompts)} prompts) from the one "
@@ -945,12 +992,13 @@ class PPOTrainer:
             self.cursor.order = []  # a new prompt list: a new epoch over it
         self._prompts_key, self._cursor_from_checkpoint = key, False
 
-    def train(self, prompts: Sequence[str], steps: Optional[int] = None, *, progress: bool = True,
+    def train(self, prompts: Sequence[str] | Sequence[dict], steps: Optional[int] = None, *, progress: bool = True,
               metrics_path: str | Path | None = None,
               evaluate: Optional[Callable[["PPOTrainer", int], dict]] = None,
-              eval_prompts: Optional[Sequence[str]] = None) -> list[StepResult]:
+              eval_prompts: Optional[Sequence[str] | Sequence[dict]] = None) -> list[StepResult]:
         """Run PPO steps on batches of config.prompts_per_step prompts (batch_size rollouts) drawn without replacement
-        from `prompts`, reshuffled every epoch with the run seed: `steps` more steps, or by
+        from `prompts` (strings, or rows with the dataset's columns for the reward functions: the
+        module docstring), reshuffled every epoch with the run seed: `steps` more steps, or by
         default until the run's step count reaches config.steps (so after restore() it
         continues the run). Each finished step is logged as one line (logging, INFO) unless
         `progress` is False. `evaluate(trainer, step)`, if given, runs every
@@ -1047,12 +1095,14 @@ class PPOTrainer:
             result.extra["eval_reward_mean"] = sum(finite) / len(finite) if finite else math.nan
             runlog.samples(result.step, rows)
 
-    def _eval_samples(self, prompts: list[str], step: int) -> list[dict]:
-        """The current policy's responses to `prompts`, scored by the reward actor. The same
-        sampling seeds at every evaluation (common random numbers across steps)."""
-        out = self.generate(prompts, seed_step=EVAL_SEED_STEP, score=True)
+    def _eval_samples(self, prompts: list[str] | list[dict], step: int) -> list[dict]:
+        """The current policy's responses to `prompts` (strings or rows: their columns go to the
+        reward functions), scored by the reward actor. The same sampling seeds at every
+        evaluation (common random numbers across steps)."""
+        rows = self._rows(prompts)
+        out = self.generate(rows, seed_step=EVAL_SEED_STEP, score=True)
         return [{"step": step, "prompt": p, "response": t, "reward": r, "finish_reason": f}
-                for p, t, r, f in zip(prompts, out.texts, out.rewards, out.finish_reasons)]
+                for p, t, r, f in zip(rows.texts, out.texts, out.rewards, out.finish_reasons)]
 
     def shutdown(self, graceful: bool = True) -> None:
         """End the actors and remove their placement group (its reserved resources are freed),

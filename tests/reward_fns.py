@@ -128,3 +128,11 @@ def same_for_marked_prompts(prompts, completions):
 
     marked = not (Path(tempfile.gettempdir()) / ALL_VARY_FILE).exists()
     return [1.0 if marked and SAME_MARK in p else float(i) for i, p in enumerate(prompts)]
+
+
+# A reward function that takes a dataset column (PPOTrainer's rows: ppo_ray.data.PromptColumns):
+# tests/test_columns.py's and the scorers' prompts start with their row's id, "#<id> ".
+def row_id(prompts, completions, *, id):  # noqa: A002 - the dataset's column is called id
+    """Each row's `id` column, where its prompt starts with "#<id> ", else -1: a value that
+    reached another prompt's row scores -1."""
+    return [float(i) if p.startswith(f"#{i} ") else -1.0 for p, i in zip(prompts, id)]

@@ -114,3 +114,78 @@ def test_pass_rates_apply_the_verifiers_rule():
     assert res["greedy_finish"] == ["stop", "length"] and res["samples_finish"] == [["length", "stop"],
                                                                                      ["length", "length"]]
     assert arith_rates(res, 2) == {"pass1": 0.5, "pass2": 0.5, "sample_accuracy": 0.25}
+
+
+def test_the_verifier_compares_with_the_rows_answer_without_reading_the_prompt():
+    """With the dataset's `answer` column the verifier compares with the row's answer and never
+    parses the prompt (a prompt that is no addition scores by its answer); a row without one
+    (None) and a call without the column read the prompt as before; the answer must be digits."""
+    assert verify(["What is 2 and 3?", "2+2=", "2+2="], ["5", "4", "5"], finish_reasons=["stop"] * 3,
+                  answer=["5", None, "5"]) == [1.0, 1.0, 1.0]
+    assert verify(["2+2="], ["4"], finish_reasons=["stop"], answer=["5"]) == [0.0]  # the row's answer rules
+    assert verify(["2+2="], ["4"], finish_reasons=["length"], answer=["4"]) == [0.0]  # and EOS still does
+    assert is_right("anything", " 12 ", "stop", 12) and not is_right("anything", "012", "stop", "12")
+    with pytest.raises(RewardError, match=r"the answer '1e3' of 'x' is not a number of digits"):
+        verify(["x"], ["1000"], finish_reasons=["stop"], answer=["1e3"])
+    with pytest.raises(RewardError, match="1 prompts but 1 completions and 1 finish reasons and 2 answers"):
+        verify(["1+1="], ["2"], finish_reasons=["stop"], answer=["2", "2"])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_rows_answers_are_the_sums_the_prompts_give(tmp_path, seed):
+    """The arith preset's numbers do not change with the answers as ground truth: in every
+    prompts_* row the RL stage and its evaluation read (the preset's data, its three seeds,
+    the full splits), the answer is exactly the prompt's sum, so the verifier and is_right score
+    every completion alike with and without it (the right sum, the annotator's slip, off by one,
+    a leading zero, the right sum cut off)."""
+    paths = write_task(tmp_path, seed=seed, digits=2, carry_slip=0.6)
+    for name in ("prompts_train.jsonl", "prompts_validation.jsonl", "prompts_test.jsonl"):
+        rows = [json.loads(line) for line in paths[name].read_text().splitlines()]
+        assert all(row["answer"] == str(sum(operands(row["prompt"]))) for row in rows), name
+        prompts, completions, reasons = [], [], []
+        for row in rows:
+            total = sum(operands(row["prompt"]))
+            for text, reason in ((str(total), "stop"), (str(total - 10), "stop"), (str(total + 1), "stop"),
+                                 (f"0{total}", "stop"), (str(total), "length")):
+                prompts.append(row["prompt"])
+                completions.append(text)
+                reasons.append(reason)
+        answers = [row["answer"] for row in rows for _ in range(5)]
+        with_answers = verify(prompts, completions, finish_reasons=reasons, answer=answers)
+        assert with_answers == verify(prompts, completions, finish_reasons=reasons)
+        assert with_answers == [1.0, 0.0, 0.0, 0.0, 0.0] * len(rows)
+
+
+def test_the_verifier_gets_the_answers_from_the_reward_scorer():
+    """verify as a config's reward function on a batch with the dataset's `answer` column: the
+    scorer passes it (verify names it), each row its prompt's, so the row's answer is the one
+    compared with (here a problem whose prompt no longer says the sum)."""
+    from actors.reward import RewardScorer
+    from ppo_ray.batch import RolloutBatch
+    from ppo_ray.data import PromptColumns
+
+    eos = 1
+    batch = RolloutBatch.from_tokens([[5]] * 4, [[6, eos]] * 4, pad_token_id=0, eos_token_id=eos, groups=[0, 0, 1, 1],
+                                     prompts=["23+23=", "23+23=", "two plus two", "two plus two"],
+                                     responses=["46", "45", "4", "5"])
+    scores, _ = RewardScorer(None, ["ppo_ray.tasks.arith:verify"]).score(
+        batch, PromptColumns({"answer": ["46", "4"], "id": ["a", "b"]}))
+    assert scores.tolist() == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_pass_rates_read_the_rows_answers():
+    """solve (pass@1 and pass@k) applies is_right with each row's `answer` when the rows have
+    one: the same rule as the reward, the same ground truth (rows whose prompts hold no sum)."""
+    from ppo_ray.stats import Responses
+    from ppo_ray.tasks.evaluation import arith_rates, solve
+
+    class Trainer:  # greedy, then k = 2 samples per problem
+        def generate(self, prompts, *, samples_per_prompt, greedy, score, index_offset):
+            if greedy:
+                return Responses(["7", "7"], ["stop", "stop"], 0)
+            return Responses(["7", "8", "7", "7"], ["stop", "stop", "stop", "length"], 0)
+
+    rows = [{"prompt": "three and four", "answer": "7"}, {"prompt": "four and four", "answer": "8"}]
+    res = solve(Trainer(), rows, 2)
+    assert res["greedy_right"] == [True, False] and res["right"] == [1, 0]
+    assert arith_rates(res, 2) == {"pass1": 0.5, "pass2": 0.5, "sample_accuracy": 0.25}

@@ -226,3 +226,72 @@ def test_a_name_only_a_path_looks_like_is_not_looked_up_on_the_hub(name, local):
     from ppo_ray.data import _is_local_path
 
     assert _is_local_path(name) is local
+
+
+# -------------------------------------------------- a dataset's other columns (issue 56, part 3)
+def test_a_datasets_other_columns_are_kept_for_the_reward_functions(tmp_path, tok):
+    """load_prompts keeps a file's rows: the prompt column the text, every other key a column
+    (prompt_rows; a row lacking one gets None, as `datasets` reads it), in JSONL as in parquet
+    and under another prompt_column; the bundled prompts stay strings. The list's fingerprint
+    (what a checkpoint's cursor indexes) is its texts', with or without the columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ppo_ray.data import PromptRows, load_prompts, prompt_rows, prompts_fingerprint
+
+    rows = [{"prompt": "1+2=", "answer": "3", "id": "a"}, {"prompt": "2+2=", "answer": "4"}]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    loaded = load_prompts(PPOConfig(dataset=str(path)), tok)
+    assert loaded == rows
+    assert prompt_rows(loaded) == PromptRows(["1+2=", "2+2="], {"answer": ["3", "4"], "id": ["a", None]})
+    assert prompts_fingerprint(loaded) == prompts_fingerprint(["1+2=", "2+2="])
+    pq.write_table(pa.table({"q": ["x", "y"], "n": [1, 2], "tags": [["a"], []]}), tmp_path / "p.parquet")
+    loaded = load_prompts(PPOConfig(dataset=str(tmp_path / "p.parquet"), prompt_column="q"))
+    assert prompt_rows(loaded, "q") == PromptRows(["x", "y"], {"n": [1, 2], "tags": [["a"], []]})
+    assert prompt_rows(["a", "b"]) == PromptRows(["a", "b"], {})
+    assert all(isinstance(p, str) for p in load_prompts(PPOConfig(dataset="bundled")))
+
+
+@pytest.mark.parametrize("name", ["prompts", "completions", "finish_reasons"])
+def test_a_column_named_like_a_reward_functions_argument_is_refused_naming_it_and_the_file(tmp_path, name):
+    from ppo_ray.data import DataError, load_prompts
+
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+2=", name: "x"}])
+    with pytest.raises(DataError, match=rf"p.jsonl: column '{name}' has the name of an argument every reward "
+                                        r"function is given \(prompts, completions, finish_reasons\): rename"):
+        load_prompts(PPOConfig(dataset=str(path)))
+
+
+def test_columns_that_are_not_json_and_mixed_lists_are_refused_naming_the_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ppo_ray.data import DataError, load_prompts, prompt_rows
+
+    pq.write_table(pa.table({"prompt": ["x", "y"], "blob": [None, b"\x00\x01"]}), tmp_path / "b.parquet")
+    with pytest.raises(DataError, match=r"b.parquet: row 1 column 'blob': a bytes value, not JSON"):
+        load_prompts(PPOConfig(dataset=str(tmp_path / "b.parquet")))
+    with pytest.raises(DataError, match=r"prompts: prompt 1 is a str and prompt 0 a row \(dict\): give strings or "
+                                        "rows, not both"):
+        prompt_rows([{"prompt": "a"}, "b"])
+    with pytest.raises(DataError, match=r"prompts: row 1 has no column 'prompt'"):
+        prompt_rows([{"prompt": "a"}, {"text": "b"}])
+    with pytest.raises(DataError, match="got a single dict"):
+        prompt_rows({"prompt": "a"})
+    with pytest.raises(DataError, match="prompts: column 3 is named by a int"):
+        prompt_rows([{"prompt": "a", 3: "x"}])
+
+
+def test_prompt_columns_reach_rows_by_group_id_not_row_order():
+    """PromptColumns.rows: each row gets its prompt's values by its group id (first + position),
+    whatever the rows' order; a group id without columns is an error naming it."""
+    from ppo_ray.data import PromptColumns
+
+    columns = PromptColumns({"answer": ["3", "4", "5"], "id": [7, 8, 9]}, first=4)
+    assert columns.rows([6, 4, 4, 5]) == {"answer": ["5", "3", "3", "4"], "id": [9, 7, 7, 8]}
+    assert columns.take([2, 0], first=10) == PromptColumns({"answer": ["5", "3"], "id": [9, 7]}, first=10)
+    with pytest.raises(ValueError, match=r"group id 7 has no dataset columns \(they cover the prompts of group "
+                                         r"ids 4..6\)"):
+        columns.rows([4, 7])
+    with pytest.raises(ValueError, match="different lengths"):
+        PromptColumns({"a": [1], "b": [1, 2]})

@@ -75,9 +75,20 @@ def reward_host(ray_session):
         ray_session.kill(actor)
 
 
-def score(ray, host, responses, eos_rows=()):
-    scores, stats = host.score.remote(texts_batch(responses, eos_rows))
+def score(ray, host, responses, eos_rows=(), columns=None, batch=None):
+    scores, stats = host.score.remote(batch or texts_batch(responses, eos_rows), columns=columns)
     return ray.get(scores), ray.get(stats)
+
+
+def id_batch(groups: list[int]):
+    """texts_batch of len(groups) rows with these group ids, each prompt "#<100 + its group> ..."
+    (reward_fns.row_id's mark) and the rows' responses "r<i>"."""
+    import dataclasses
+
+    import torch
+
+    batch = texts_batch([f"r{i}" for i in range(len(groups))])
+    return dataclasses.replace(batch, groups=torch.tensor(groups), prompts=[f"#{100 + g} p" for g in groups])
 
 
 # case: (function, policy, row 3's score, the failure counts)
@@ -130,6 +141,19 @@ def test_pool_workers_pass_the_finish_reasons(ray_session, reward_host):
     assert scores.tolist() == [row_number(r) + 10.0 * (i in (0, 3, 4, 7)) for i, r in enumerate(ROWS)]
 
 
+def test_pool_workers_pass_the_dataset_columns(ray_session, reward_host):
+    """A function that names a dataset column, on the reward workers (chunks of 2 rows over 2
+    workers): each row gets its prompt's value, by group id (two rows a prompt, out of order)."""
+    from ppo_ray.data import PromptColumns
+
+    host = reward_host("reward_fns:row_id", "error")
+    groups = [3, 3, 0, 0, 2, 2, 1, 1]
+    scores, stats = score(ray_session, host, None, columns=PromptColumns({"id": [100, 101, 102, 103]}),
+                          batch=id_batch(groups))
+    assert scores.tolist() == [100.0 + g for g in groups]
+    assert set(stats.failures.parts().values()) == {0.0}
+
+
 # ----------------------------------------------------------------------------- the bisection's bound
 def test_retry_calls_bound_the_bisection():
     """A function that always fails, one chunk of 8 rows, 2 extra calls allowed: the chunk, then
@@ -157,10 +181,12 @@ class Verifier:
     """A verifier service on 127.0.0.1: scores "r<i>" as i; a request holding "hang" sleeps
     `hang_s` first, one holding "bad-count" gets one score too few, "not-json" a reply that is
     not JSON, "not-number" a string score; the first `fail_first` requests get HTTP 500.
-    `sizes` records each request's row count."""
+    `sizes` records each request's row count, `bodies` each request's JSON. It reads only
+    "prompts" and "responses": a service written before "columns" was sent."""
 
     def __init__(self):
         self.sizes: list[int] = []
+        self.bodies: list[dict] = []
         self.fail_first, self.hang_s = 0, 0.0
         service = self
 
@@ -170,6 +196,7 @@ class Verifier:
                 responses = body["responses"]
                 assert len(body["prompts"]) == len(responses)
                 service.sizes.append(len(responses))
+                service.bodies.append(body)
                 if service.fail_first > 0:
                     service.fail_first -= 1
                     return self.reply(500, b'{"error": "busy"}')
@@ -229,6 +256,26 @@ def test_verifier_batches(verifier):
     verifier.sizes.clear()
     scorer_for(verifier.url, verifier_batch_size=3, verifier_concurrency=3).score(texts_batch(ROWS))
     assert sorted(verifier.sizes) == [2, 3, 3]  # the same requests, sent at once
+
+
+def test_verifier_sends_the_rows_columns(verifier):
+    """The request's "columns": per column (the finish reasons and the dataset's), one value per
+    row of that request, in its order; this service reads only prompts and responses, as one
+    written before columns were sent, and scores as before."""
+    from ppo_ray.data import PromptColumns
+
+    groups = [1, 1, 0, 0, 2, 2, 3, 3]
+    batch = id_batch(groups)
+    columns = PromptColumns({"answer": ["a0", "a1", "a2", "a3"], "id": [0, 1, 2, 3]})
+    scores, _ = scorer_for(verifier.url, verifier_batch_size=3).score(batch, columns)
+    assert scores.tolist() == [row_number(r) for r in ROWS]
+    assert [b["columns"] for b in verifier.bodies] == [
+        {"finish_reasons": ["length"] * n, "answer": [f"a{g}" for g in groups[s:s + n]], "id": groups[s:s + n]}
+        for s, n in ((0, 3), (3, 3), (6, 2))]
+    assert [b["prompts"] for b in verifier.bodies] == [batch.prompts[0:3], batch.prompts[3:6], batch.prompts[6:8]]
+    verifier.bodies.clear()
+    HttpVerifier(verifier.url)(["p"], ["r1"])  # called as a two-argument function: no columns
+    assert verifier.bodies == [{"prompts": ["p"], "responses": ["r1"], "columns": {}}]
 
 
 def test_verifier_retries_a_500(verifier):

@@ -208,3 +208,43 @@ def test_reward_functions_get_the_finish_reasons_they_ask_for(guarded):
         scores, stats = scorer.score(batch)
         assert scores.tolist() == want, fn
         assert stats.failures is None or stats.failures.exceptions == 0.0
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["plain call", "guarded calls"])
+def test_reward_functions_get_the_dataset_columns_of_each_rows_prompt(guarded):
+    """A batch's dataset columns (ppo_ray.data.PromptColumns: one value per prompt, by group id)
+    reach a function that names one as each row's prompt's value, found by the row's group id
+    and not by row order (the groups here are neither contiguous from 0 nor in order), on the
+    plain call and on guarded calls (chunks of 4 rows, which cut a group); a two-argument
+    function and one with **kwargs get their usual arguments beside them."""
+    from actors.reward import reward_columns
+    from ppo_ray.data import RESERVED_COLUMNS, PromptColumns
+
+    eos = 1
+    groups = [12, 12, 10, 10, 11, 11]
+    ids = {10: 100, 11: 101, 12: 102}
+    batch = RolloutBatch.from_tokens([[5, 5]] * 6, [[6, eos], [6, 6], [eos], [6, 6], [6, eos], [6]], pad_token_id=0,
+                                     eos_token_id=eos, groups=groups,
+                                     prompts=[f"#{ids[g]} p{g}" for g in groups], responses=[f"r{i}" for i in range(6)])
+    columns = PromptColumns({"id": [100, 101, 102], "note": ["a", "b", "c"]}, first=10)
+    per_row = reward_columns(batch, columns)
+    assert per_row == {"finish_reasons": ["stop", "length", "stop", "length", "stop", "length"],
+                       "id": [102, 102, 100, 100, 101, 101], "note": ["c", "c", "a", "a", "b", "b"]}
+    assert "finish_reasons" in RESERVED_COLUMNS  # a dataset column can never shadow the batch's own
+    options = dict(failure="score", chunk_size=4) if guarded else {}
+    for fn, want in (("reward_fns:row_id", [102.0, 102.0, 100.0, 100.0, 101.0, 101.0]),
+                     ("reward_fns:numbers", [float(i) for i in range(6)]),
+                     ("reward_fns:numbers_plus_ten_at_eos", [i + 10.0 * (i % 2 == 0) for i in range(6)])):
+        scorer = RewardScorer(None, [fn], **options)
+        assert scorer.guarded is guarded
+        scores, stats = scorer.score(batch, columns)
+        assert scores.tolist() == want, fn
+        assert stats.failures is None or stats.failures.exceptions == 0.0
+    # without the column the function names, it fails naming itself and the column
+    with pytest.raises(RewardError, match=r"'reward_fns:row_id' raised TypeError: .*'id'"):
+        RewardScorer(None, ["reward_fns:row_id"]).score(batch)
+    # a batch without group ids cannot be matched to its prompts' columns: said, not guessed by row order
+    no_groups = RolloutBatch.from_tokens([[5]], [[6]], pad_token_id=0, eos_token_id=eos, prompts=["#100 p"],
+                                         responses=["r0"])
+    with pytest.raises(ValueError, match="by its group ids, and this batch has none"):
+        RewardScorer(None, ["reward_fns:row_id"]).score(no_groups, columns)

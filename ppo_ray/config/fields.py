@@ -319,7 +319,7 @@ class PPOConfig:
     dataset: str = knob("bundled", DATA, must_match=True, path=True, check=not_empty())
     """Prompt dataset: "bundled" (the embedded TL;DR-style task), a local JSONL/parquet file, or a hub id."""
     prompt_column: str = knob("prompt", DATA, must_match=True, check=not_empty())
-    """Column that holds the prompt text."""
+    """Column that holds the prompt text. The other columns reach the reward functions as keyword lists, `fn(prompts, completions, **columns)`, one value per response (docs/RELIABILITY.md)."""
     apply_chat_template: bool = knob(False, DATA, must_match=True)
     """Format each PPO prompt as one user message with the tokenizer's chat template and its generation prompt, as OpenRLHF's --apply_chat_template (instruct models; the tokenizer must have one). Reward functions then see the formatted prompt text."""
     sft_dataset: str = knob("bundled", DATA, check=(not_empty(), one_split_per_file))

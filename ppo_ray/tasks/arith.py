@@ -20,12 +20,14 @@ space precedes it (``"347+589="`` is 8 tokens), so the model sees the digits one
   what RL samples from, and the held-out problems). No problem (an unordered pair of operands)
   is in two splits.
 - :func:`verify` is the reward function (``ppo_ray.tasks.arith:verify``): 1.0 for the right
-  sum followed by EOS, else 0.0. It takes the responses' ``finish_reasons`` (the reward
-  scorer passes them to a function that names them: ppo_ray.rewards.call_reward_fn) and
-  reads the operands back from the prompt, so it needs no data and cannot be fooled by a
-  row's stored answer; a prompt that is not an addition is a RewardError naming it.
+  sum followed by EOS, else 0.0. It takes the responses' ``finish_reasons`` and the dataset's
+  ``answer`` column (the reward scorer passes the columns a function names:
+  ppo_ray.rewards.call_reward_fn; the RL stage's prompt rows carry their true sums), and
+  compares with the row's answer: ground truth from the data, not from the prompt. Without
+  an answer (a caller that has none, a dataset of bare prompts) it reads the operands back
+  from the prompt; a prompt that is not an addition is then a RewardError naming it.
   :func:`is_right` is the rule, which the evaluation's pass@1 and pass@k apply too
-  (ppo_ray.tasks.evaluation.solve).
+  (ppo_ray.tasks.evaluation.solve, with the held-out rows' answers).
 - :func:`pass_at_k` is the unbiased pass@k estimator of Chen et al. 2021 (HumanEval, eq. 1)
   from n samples with c right.
 
@@ -40,6 +42,8 @@ import math
 import random
 import re
 from pathlib import Path
+from typing import Optional
+
 from ppo_ray.rewards import RewardError
 
 PROMPT = re.compile(r"^(\d+)\+(\d+)=$")
@@ -58,22 +62,41 @@ def operands(prompt: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def is_right(prompt: str, completion: str, finish_reason: str) -> bool:
+def true_sum(prompt: str, answer: Optional[str | int] = None) -> int:
+    """The problem's sum: the row's `answer` (a decimal string, or an int), or where there is
+    none (None) a + b of the prompt (operands). An answer that is not a number of digits is a
+    RewardError naming it and the prompt."""
+    if answer is None:
+        a, b = operands(prompt)
+        return a + b
+    text = str(answer).strip()
+    if ANSWER.match(text) is None:
+        raise RewardError(f"arith verifier: the answer {answer!r} of {prompt[:60]!r} is not a number of digits")
+    return int(text)
+
+
+def is_right(prompt: str, completion: str, finish_reason: str, answer: Optional[str | int] = None) -> bool:
     """The completion is exactly the sum (whitespace around it ignored) and ended with EOS
-    (`finish_reason` "stop"; "length": cut off at max_new_tokens, no answer)."""
-    a, b = operands(prompt)
+    (`finish_reason` "stop"; "length": cut off at max_new_tokens, no answer). The sum is the
+    row's `answer` when given (the prompt is not read), else the prompt's (true_sum)."""
+    total = true_sum(prompt, answer)
     text = completion.strip()
-    return (finish_reason == "stop" and ANSWER.match(text) is not None and int(text) == a + b
+    return (finish_reason == "stop" and ANSWER.match(text) is not None and int(text) == total
             and (text == "0" or not text.startswith("0")))
 
 
-def verify(prompts: list[str], completions: list[str], *, finish_reasons: list[str]) -> list[float]:
+def verify(prompts: list[str], completions: list[str], *, finish_reasons: list[str],
+           answer: Optional[list[str]] = None) -> list[float]:
     """The task's reward function: 1.0 where the completion is the right sum and ended with EOS
-    (is_right), else 0.0."""
-    if not len(prompts) == len(completions) == len(finish_reasons):
+    (is_right), else 0.0; `answer`: the rows' true sums (the dataset's column; a row's None: its
+    prompt's). finish_reasons is required: the rule needs EOS, and the reward scorer always
+    passes them."""
+    answers = [None] * len(prompts) if answer is None else answer
+    if not len(prompts) == len(completions) == len(finish_reasons) == len(answers):
+        counts = f" and {len(answer)} answers" if answer is not None else ""
         raise RewardError(f"arith verifier: {len(prompts)} prompts but {len(completions)} completions and "
-                          f"{len(finish_reasons)} finish reasons")
-    return [1.0 if is_right(p, c, f) else 0.0 for p, c, f in zip(prompts, completions, finish_reasons)]
+                          f"{len(finish_reasons)} finish reasons{counts}")
+    return [1.0 if is_right(p, c, f, a) else 0.0 for p, c, f, a in zip(prompts, completions, finish_reasons, answers)]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -11,7 +11,7 @@ keeps the SFT policy's) and the report's numbers are computed from two of them:
   score; the judge only scores, it is never a training signal); `tldr_numbers`: gold means and
   win rates (ties half), against SFT and the reference summaries, and fact-copy accuracy.
 - arith (the verifiable task): `solve` -> greedy completions and eval_k samples at the
-  training temperature, right or not by the verifier's rule (the sum, then EOS); `arith_numbers`: pass@1 (greedy),
+  training temperature, right or not by the verifier's rule (the row's answer, then EOS); `arith_numbers`: pass@1 (greedy),
   pass@k (Chen et al.'s unbiased estimator), the samples' accuracy.
 - any run: `sample` -> texts and finish reasons (real data has no judge), with the run's
   reward (its reward model's score) when asked.
@@ -142,18 +142,21 @@ def tldr_numbers(tag: str, rows: Sequence[dict], after: dict, before: Optional[d
 def solve(trainer, rows: Sequence[dict], k: int, *, sampled: bool = True, label: Optional[str] = None) -> dict:
     """Greedy completions (pass@1) and, with `sampled`, k samples per prompt at the training
     temperature (pass@k), each right or not by the task's verifier's rule (arith.is_right: the
-    sum, then EOS), with their finish reasons (greedy_finish, samples_finish)."""
+    sum, then EOS) against the row's `answer` (the prompt's sum where a row has none), with
+    their finish reasons (greedy_finish, samples_finish)."""
     from ppo_ray.tasks.arith import is_right
 
     prompts = prompts_of(rows)
+    answers = [row.get("answer") for row in rows]
     greedy = generate(trainer, prompts, greedy=True, label=label and f"{label}, greedy")
     out = {"greedy": greedy.texts, "greedy_finish": greedy.finish_reasons,
-           "greedy_right": [is_right(*row) for row in zip(prompts, greedy.texts, greedy.finish_reasons)]}
+           "greedy_right": [is_right(*row) for row in zip(prompts, greedy.texts, greedy.finish_reasons, answers)]}
     if sampled:
         drawn = generate(trainer, prompts, samples_per_prompt=k, label=label and f"{label}, sampled")
         samples = [drawn.texts[i * k:(i + 1) * k] for i in range(len(prompts))]  # k contiguous per prompt
         finish = [drawn.finish_reasons[i * k:(i + 1) * k] for i in range(len(prompts))]
-        right = [sum(is_right(p, t, f) for t, f in zip(ss, fs)) for p, ss, fs in zip(prompts, samples, finish)]
+        right = [sum(is_right(p, t, f, a) for t, f in zip(ss, fs))
+                 for p, ss, fs, a in zip(prompts, samples, finish, answers)]
         out.update(samples=samples, samples_finish=finish, right=right)
     return out
 

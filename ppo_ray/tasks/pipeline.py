@@ -476,7 +476,8 @@ ARITH_VERIFIER = "ppo_ray.tasks.arith:verify"
 
 def run_rl_arith(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[str | Path] = None,
                  cfg: Optional[PPOConfig] = None) -> dict:
-    """The RL stage of task arith: the verifier is the reward (ppo_config). Held-out problems
+    """The RL stage of task arith: the verifier is the reward (ppo_config), given each prompt
+    row's true sum (its `answer` column, as the eval samples' rows). Held-out problems
     (the first eval_size of the test and validation splits) are scored before and after, by
     pass@1 (greedy) and pass@k (eval_k samples at the training temperature, Chen et al.'s
     unbiased estimator, which with n = k is "any of the k right"), and the validation split's
@@ -496,12 +497,13 @@ def run_rl_arith(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optio
         return {"pass1_val": arith_rates(solve(trainer, val_rows, k, sampled=False), k)["pass1"]}
 
     metrics = run_dir / "metrics.jsonl"
+    # the rows, each with its `answer`: the verifier compares with it (arith.verify)
     prompts = load_prompts(cfg, load_tokenizer(cfg.model_name))
     before = BeforeEval(eval_settings(cfg, {"test": (_source(test_path, run_dir), test_rows),
                                             "validation": (_source(val_path, run_dir), val_rows)}, eval_k=k),
                         lambda trainer: {**solve(trainer, test_rows, k), "val": solve(trainer, val_rows, k)})
     with ppo_trainer(cfg, run_dir, resume, before) as (trainer, sft):
-        trainer.train(prompts, metrics_path=metrics, evaluate=evaluate, eval_prompts=[r["prompt"] for r in val_rows])
+        trainer.train(prompts, metrics_path=metrics, evaluate=evaluate, eval_prompts=val_rows)
         rl, rl_val = solve(trainer, test_rows, k), solve(trainer, val_rows, k)
         trainer.save_adapter(run_dir / "adapter")
     return arith_report(run_dir, metrics, k, test_rows, val_rows, sft, rl, rl_val)
