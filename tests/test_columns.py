@@ -52,7 +52,7 @@ def steps_of(history) -> list[dict]:
 @pytest.fixture(scope="module")
 def run(tiny_model_dir, tmp_path_factory):
     """(trainer, rows, the cursor's draw order, the straight run's history, its run dir)."""
-    from conftest import tiny_test_config
+    from helpers import tiny_test_config
     from fault_injection import FaultyTrainer
     from ppo_ray.data import PromptCursor
 
