@@ -83,7 +83,7 @@ class StandIn:
         return [len(p) for p in prompt_ids], {"rows": len(prompt_ids)}
 
     @ray.method(num_returns=2)
-    def score(self, *parts, label=""):
+    def score(self, *parts, label="", columns=None):
         self._maybe_hang()
         return [float(sum(p)) for p in parts], {"label": label}
 
@@ -117,9 +117,11 @@ def stand_ins(ray_session, tmp_path):
 
 
 def _restarted(roles, name: str, files, pids) -> bool:
-    """Clear the hang and say whether `name`'s actor now runs in another process."""
-    Path(files[name]).unlink(missing_ok=True)
+    """Clear the hang and say whether `name`'s actor now runs in another process. The hang is
+    cleared once every actor answers again (ray.kill is asynchronous: cleared first, a hung call
+    could still return before its kill lands)."""
     roles.wait_for_actors(timeout_s=120)
+    Path(files[name]).unlink(missing_ok=True)
     return ray.get(roles.actor(name).pid.remote()) != pids[name]
 
 
@@ -191,6 +193,8 @@ def test_an_actor_whose_start_hangs_is_named_within_the_first_calls_deadline(ray
               for name in names}
     roles = Roles([actors["generator-0"]], actors["reference"], actors["reward"], [actors["learner"]],
                   deadlines=Deadlines(first_s=3.0))
+    # the others started first (a loaded machine may take seconds to start any actor)
+    ray.get([actors[name].pid.remote() for name in names if name != "reward"])
     with pytest.raises(ClusterError, match=r"actor ppo/reward did not start within call_timeout_first_s \(3 s\)"):
         wait_ready(roles)
     hang.unlink()
