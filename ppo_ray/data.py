@@ -188,6 +188,13 @@ class PromptRows:
     texts: list[str]
     columns: dict[str, list]
 
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def part(self, start: int, end: int) -> "PromptRows":
+        """Prompts [start, end) with their columns."""
+        return PromptRows(self.texts[start:end], {name: v[start:end] for name, v in self.columns.items()})
+
 
 def prompt_rows(prompts, prompt_column: str = "prompt", source: str = "prompts") -> PromptRows:
     """`prompts` as PromptRows: a list of strings (no columns), or of rows (dicts) whose

@@ -213,7 +213,7 @@ class Roles:
         so a hang is blamed on the call that hangs), then for them, each within its deadline
         from the moment it could start (ppo_ray.deadlines). Those past it: their actors are
         killed (Ray restarts them) and CallTimeout names them."""
-        pending = [c for c in calls if c.done is None]
+        pending = list({id(c): c for c in calls if c.done is None}.values())  # two calls may share a dependency
         if not pending:
             return
         self._wait_calls([d for c in pending for d in c.after])
@@ -221,7 +221,8 @@ class Roles:
         limits = {id(c): self.deadlines.limit(c.kind, c.role, c.rows) for c in pending}
         while pending:
             due = min(starts[id(c)] + limits[id(c)][0] for c in pending)
-            ready, _ = ray.wait([c.ref for c in pending], num_returns=len(pending),
+            refs = list(dict.fromkeys(c.ref for c in pending))  # ray.wait refuses a ref twice
+            ready, _ = ray.wait(refs, num_returns=len(refs),
                                 timeout=max(0.0, due - time.monotonic()), fetch_local=False)
             now, ready = time.monotonic(), set(ready)
             for c in pending:

@@ -97,30 +97,52 @@ def _trap() -> Path:
     return trap
 
 
+_ORIGINALS: dict = {}  # "saved": the real ray.init, ray.is_initialized, build_llm
+
+
+def _not_initialized() -> bool:
+    return False
+
+
+_not_initialized.fast_tier_refusal = True
+
+
+def _heal(ray, vllm_engine) -> None:
+    """Put back the real ray.init, ray.is_initialized and build_llm where a stand-in of a fast
+    test's guard is still in place: a fast test that monkeypatches one of them (test_placement)
+    has pytest restore, at its teardown, the value it saw, the guard's stand-in."""
+    current = (ray.init, ray.is_initialized, vllm_engine.build_llm)
+    if "saved" in _ORIGINALS and any(getattr(f, "fast_tier_refusal", False) for f in current):
+        ray.init, ray.is_initialized, vllm_engine.build_llm = _ORIGINALS["saved"]
+
+
 @contextlib.contextmanager
 def guard(item: pytest.Item, phase: str) -> Iterator[None]:
     """Around one phase (setup, call) of a fast test: Ray and vLLM raise FastTierError, and a
     Ray started or vLLM imported anyway fails the test (the module docstring). Nothing for
-    another test."""
-    if not item.get_closest_marker(MARK):
-        yield
-        return
+    another test, except that any phase first puts back what a fast test's guard left (_heal)."""
     import ray
 
     from actors import vllm_engine
 
+    _heal(ray, vllm_engine)
+    if not item.get_closest_marker(MARK):
+        yield
+        return
     started: list[str] = []
 
     def refuse(what: str):
         def refused(*args, **kwargs):
             started.append(what)
             raise FastTierError(f"{what} in a test of the fast tier")
+        refused.fast_tier_refusal = True
         return refused
 
     trap = _trap()
+    _ORIGINALS.setdefault("saved", (ray.init, ray.is_initialized, vllm_engine.build_llm))
     had_vllm = "vllm" in sys.modules
     saved = (ray.init, ray.is_initialized, vllm_engine.build_llm, os.environ.get("RAY_TMPDIR"))
-    ray.init, ray.is_initialized = refuse("ray.init"), lambda: False
+    ray.init, ray.is_initialized = refuse("ray.init"), _not_initialized
     vllm_engine.build_llm = refuse("a vLLM engine (actors.vllm_engine.build_llm)")
     os.environ["RAY_TMPDIR"] = str(trap)
     try:

@@ -134,6 +134,11 @@ def test_generate_and_ppo_step_take_rows_and_a_column_function_names_what_string
     trainer, rows, _, _, _ = run
     out = trainer.generate(rows[5:8], score=True, samples_per_prompt=2, index_offset=5)
     assert out.rewards == ids_of([5, 6, 7])
+    # launch.py eval's and the PPO stage's sampler: rows keyed "prompt" keep their columns
+    from ppo_ray.tasks import evaluation
+
+    sampled = evaluation.sample(trainer, [{"prompt": r["prompt"], "id": r["id"]} for r in rows[5:8]], score=True)
+    assert sampled["reward"] == [5.0, 6.0, 7.0]
     step = trainer.ppo_step(rows[10:14])
     assert step.rewards == ids_of([10, 11, 12, 13]) and step.dynamic_sampling.rounds == 1
     version = trainer.version

@@ -168,6 +168,17 @@ def test_a_call_queued_behind_a_hung_one_on_the_same_actor_blames_the_hung_one(s
     assert _restarted(roles, "reward", files, pids)
 
 
+def test_calls_that_share_their_dependencies_are_waited_for_together(stand_ins):
+    """Two calls that take the same generations (the reference's and the reward's, every step):
+    waited for at once, each dependency is waited for once (ray.wait refuses a ref twice)."""
+    roles, _, _, _ = stand_ins
+    generation = roles.generate([[1], [2]], seed_step=0)
+    after = [*generation.parts, *generation.summaries]
+    first = roles._track("query", roles.reference, roles.reference.work.remote(), after=after)
+    second = roles._track("query", roles.reward, roles.reward.work.remote(), after=after)
+    assert len(set(roles.fetch([first, second]))) == 2
+
+
 def test_calls_in_time_set_the_pace_after_each_actors_first(stand_ins):
     roles, _, _, _ = stand_ins
     for step in range(3):

@@ -163,3 +163,11 @@ def test_an_evaluation_in_chunks_keeps_each_prompts_global_index(monkeypatch, ca
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
         "SFT policy: 3/7 prompts", "SFT policy: 6/7 prompts", "SFT policy: 7/7 prompts"]
     assert evaluation.generate(Trainer(), ["a", "b"]).rewards is None
+
+    class Columns:  # rows keyed "prompt": each chunk carries its own rows' columns
+        def generate(self, prompts, *, samples_per_prompt, greedy, score, index_offset):
+            texts = [f"{t}={i}" for t, i in zip(prompts.texts, prompts.columns["id"], strict=True)]
+            return Responses(texts, ["stop"] * len(texts), 7, None)
+
+    out = evaluation.generate(Columns(), [{"prompt": f"p{i}", "id": i} for i in range(7)])
+    assert out.texts == [f"p{i}={i}" for i in range(7)]

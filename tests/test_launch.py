@@ -493,5 +493,6 @@ def test_the_verifiable_task_end_to_end(tmp_path):
         rows = [h for h in held if h["split"] == split]
         assert len(rows) == 4 and all(len(h["sft_samples"]) == len(h["rl_samples"]) == 2 for h in rows)
         for who in ("sft", "rl"):
-            right = [sum(is_right(h["prompt"], s) for s in h[f"{who}_samples"]) for h in rows]
+            right = [sum(is_right(h["prompt"], s, f) for s, f in zip(h[f"{who}_samples"], h[f"{who}_samples_finish"],
+                                                                      strict=True)) for h in rows]
             assert resumed[f"pass2_{split}_{who}"] == sum(pass_at_k(2, c, 2) for c in right) / 4, (split, who)

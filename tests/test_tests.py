@@ -193,3 +193,27 @@ def test_the_fast_marker_is_not_set_by_hand_and_heavy_says_why(tmp_path):
         proc = run_planted(tmp_path, f"import pytest\n\n\n{test}\n    pass\n")
         assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]  # pytest's usage error
         assert error in proc.stderr + proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_a_fast_test_that_patches_ray_leaves_the_real_ray_to_the_next_test(tmp_path):
+    """In a mixed run, a fast test that monkeypatches ray.init and ray.is_initialized (pytest
+    puts back, at its teardown, the guard's stand-ins it saw) leaves the real ones to the next
+    test, heavy or fast (the guard puts them back first)."""
+    planted = """
+import pytest
+import ray
+import ray._private.worker as worker
+
+
+def test_a_fast_one_patches_ray(monkeypatch):
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: None)
+
+
+@pytest.mark.heavy("planted")
+def test_a_heavy_one_after_it_sees_the_real_ray():
+    assert ray.init is worker.init and ray.is_initialized is worker.is_initialized
+"""
+    proc = run_planted(tmp_path, planted, "-m", "")
+    assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+

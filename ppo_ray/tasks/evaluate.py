@@ -278,7 +278,7 @@ def evaluate_policy(plan: Plan, trainer, label: str) -> dict:
     elif plan.kind == "tldr":
         res = ev.judge(trainer, plan.rows, label=label, gold="gold" not in plan.skipped, score=plan.score)
     else:
-        res = ev.sample(trainer, ev.prompts_of(plan.rows), label=label, score=plan.score)
+        res = ev.sample(trainer, plan.rows, label=label, score=plan.score)
     return res
 
 

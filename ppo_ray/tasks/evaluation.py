@@ -28,21 +28,24 @@ log = logging.getLogger(__name__)
 EVAL_CHUNK = 512  # prompts per generate call of an evaluation (a log line each when labelled)
 
 
-def generate(trainer, prompts: Sequence[str], *, label: Optional[str] = None, samples_per_prompt: int = 1,
-             greedy: bool = False, score: bool = False):
+def generate(trainer, prompts: Sequence[str] | Sequence[dict], *, label: Optional[str] = None,
+             samples_per_prompt: int = 1, greedy: bool = False, score: bool = False):
     """trainer.generate on `prompts` (its fixed evaluation seeds), in chunks of EVAL_CHUNK
     prompts: each prompt's seed follows its global index (index_offset), so the chunks give
-    the samples of one call. With a `label`, one log line per chunk (progress on long
-    evaluations). Returns one ppo_ray.stats.Responses."""
+    the samples of one call. `prompts`: texts, or rows keyed "prompt" whose other columns go
+    to the reward functions that take them when scored (as in training). With a `label`, one
+    log line per chunk (progress on long evaluations). Returns one ppo_ray.stats.Responses."""
+    from ppo_ray.data import prompt_rows
     from ppo_ray.stats import Responses
 
+    prompts = prompt_rows(prompts, "prompt", "the evaluation's prompts")
     texts: list[str] = []
     reasons: list[str] = []
     rewards: list[float] = []
     version = None
     t0 = time.perf_counter()
     for start in range(0, len(prompts), EVAL_CHUNK):
-        out = trainer.generate(prompts[start:start + EVAL_CHUNK], samples_per_prompt=samples_per_prompt,
+        out = trainer.generate(prompts.part(start, start + EVAL_CHUNK), samples_per_prompt=samples_per_prompt,
                                greedy=greedy, score=score, index_offset=start)
         texts += out.texts
         reasons += out.finish_reasons
@@ -65,10 +68,12 @@ def mean(xs: Sequence[float]) -> float:
 
 
 # ----------------------------------------------------------------------------- any run
-def sample(trainer, prompts: Sequence[str], *, label: Optional[str] = None, score: bool = False) -> dict:
-    """One sample per prompt: texts, finish_reasons, version (what run_ppo_real's SFT
-    evaluation keeps), and with `score` the run's reward per sample (`reward`: the reward
-    actor's score, as training sees it: a reward model's missing-EOS penalty included)."""
+def sample(trainer, prompts: Sequence[str] | Sequence[dict], *, label: Optional[str] = None,
+           score: bool = False) -> dict:
+    """One sample per prompt (texts or rows, as generate takes them): texts, finish_reasons,
+    version (what run_ppo_real's SFT evaluation keeps), and with `score` the run's reward per
+    sample (`reward`: the reward actor's score, as training sees it: a reward model's
+    missing-EOS penalty included; the rows' columns passed)."""
     out = generate(trainer, prompts, label=label, score=score)
     res = {"texts": out.texts, "finish_reasons": out.finish_reasons, "version": out.version}
     if score:
@@ -96,7 +101,7 @@ def judge(trainer, rows: Sequence[dict], *, label: Optional[str] = None, gold: b
     of each (`reward`)."""
     from ppo_ray.tasks.tldr_synth import gold_score
 
-    out = generate(trainer, prompts_of(rows), label=label, score=score)
+    out = generate(trainer, rows, label=label, score=score)
     stops = [reason == "stop" for reason in out.finish_reasons]
     res = {"texts": out.texts, "stops": stops}
     if gold:
