@@ -500,3 +500,15 @@ class FakeMetrics:
 
     def record_retry(self, role):
         self.retried.append(role)
+
+
+def restored_from_step_two(trainer, run_dir: Path, new_dir: Path):
+    """`trainer` restored into a new run directory `new_dir` holding only `run_dir`'s step-2
+    checkpoint (a straight run's): at step 2 and version 2."""
+    (new_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run_dir / "checkpoints" / "step-000002", new_dir / "checkpoints" / "step-000002")
+    (new_dir / "checkpoints" / "latest").write_text("step-000002\n")
+    trainer.run_dir = new_dir
+    trainer.restore(new_dir)
+    assert trainer.step == 2 and trainer.version == 2
+    return trainer

@@ -17,11 +17,10 @@ Scores are small integers (ids) plus 0 x a fraction: exact in float32, compared 
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from exact import assert_same, rerun_if_last_digits_differ
+from helpers import restored_from_step_two
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -72,16 +71,6 @@ def run(tiny_model_dir, tmp_path_factory):
         trainer.shutdown()
 
 
-def _from_step_two(trainer, run_dir, new_dir):
-    (new_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(run_dir / "checkpoints" / "step-000002", new_dir / "checkpoints" / "step-000002")
-    (new_dir / "checkpoints" / "latest").write_text("step-000002\n")
-    trainer.run_dir = new_dir
-    trainer.restore(new_dir)
-    assert trainer.step == 2
-    return trainer
-
-
 def test_each_score_call_gets_its_prompts_columns(run):
     """Every rollout of every round scores its own prompt's id (none -1): the first round's
     columns and the extra round's, which the cursor drew after it; the batch trained on is the
@@ -105,7 +94,7 @@ def test_a_resumed_step_gets_the_same_columns(run, tmp_path):
     """Resumed at step 2, step 3's two rounds (drawn again from the checkpoint's cursor) score
     the same ids, and the step equals the straight run's exactly."""
     trainer, rows, _, straight, run_dir = run
-    resumed = _from_step_two(trainer, run_dir, tmp_path).train(rows, progress=False)
+    resumed = restored_from_step_two(trainer, run_dir, tmp_path).train(rows, progress=False)
     assert_same(steps_of(resumed), steps_of(straight[2:]), "resumed vs straight")
 
 
@@ -117,7 +106,7 @@ def test_a_retried_step_gets_the_same_columns(run, tmp_path):
     from fault_injection import arm_fault
 
     trainer, rows, _, straight, run_dir = run
-    _from_step_two(trainer, run_dir, tmp_path)
+    restored_from_step_two(trainer, run_dir, tmp_path)
     before = len(trainer.retries)
     arm_fault(trainer.roles, "reward", "score", "before", call=2)
     got = trainer.train(rows, progress=False)

@@ -18,12 +18,12 @@ own window of the cursor, and the run resumed at step 2 equals the straight one.
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
 
 from exact import assert_same, rerun_if_last_digits_differ
+from helpers import restored_from_step_two
 from learner.algos import varying_groups
 from ppo_ray.config import ConfigError
 from ppo_ray.stats import DynamicSampling, RewardFailures, RewardStats
@@ -229,7 +229,7 @@ def test_a_resumed_run_equals_the_straight_one(dynamic_run, tmp_path):
     """Resumed at step 2 (whose cursor holds step 1's extra round), step 3 (an extra round and a
     fill) equals the straight run's exactly, and leaves the cursor where the straight run did."""
     trainer, prompts, order, straight, run_dir = dynamic_run
-    resumed = _from_step_two(trainer, run_dir, tmp_path).train(prompts, progress=False)
+    resumed = restored_from_step_two(trainer, run_dir, tmp_path).train(prompts, progress=False)
     assert_same(steps_of(resumed), steps_of(straight[2:]), "resumed vs straight")
     assert trainer.cursor.order == order[20:]
 
@@ -255,7 +255,7 @@ def _a_death_in_the_extra_round(dynamic_run, tmp_path, role: str, method: str, w
     from fault_injection import arm_fault
 
     trainer, prompts, order, straight, run_dir = dynamic_run
-    _from_step_two(trainer, run_dir, tmp_path)
+    restored_from_step_two(trainer, run_dir, tmp_path)
     before = len(trainer.retries)
     arm_fault(trainer.roles, role, method, when, call=2)  # step 3's second call: its extra round's
     got = trainer.train(prompts, progress=False)
@@ -278,7 +278,7 @@ def test_a_resampled_step_that_needs_fewer_rounds_puts_their_prompts_back(dynami
     from reward_fns import ALL_VARY_FILE
 
     trainer, prompts, order, _, run_dir = dynamic_run
-    _from_step_two(trainer, run_dir, tmp_path)
+    restored_from_step_two(trainer, run_dir, tmp_path)
     flag = Path(tempfile.gettempdir()) / ALL_VARY_FILE
     check, failed = trainer._check_logprob_gap, []
 
@@ -300,17 +300,6 @@ def test_a_resampled_step_that_needs_fewer_rounds_puts_their_prompts_back(dynami
         flag.unlink(missing_ok=True)
     assert failed and got[0].step == 3 and got[0].dynamic_sampling.rounds == 1 and got[0].sync_resyncs == 1
     assert trainer.cursor.order == order[16:]  # steps 1-2: 3 rounds; step 3: 1 round; nothing else taken
-
-
-def _from_step_two(trainer, run_dir, new_dir):
-    """A new run directory holding only the straight run's step-2 checkpoint, restored."""
-    (new_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(run_dir / "checkpoints" / "step-000002", new_dir / "checkpoints" / "step-000002")
-    (new_dir / "checkpoints" / "latest").write_text("step-000002\n")
-    trainer.run_dir = new_dir
-    trainer.restore(new_dir)
-    assert trainer.step == 2 and trainer.version == 2
-    return trainer
 
 
 # ------------------------------------------------------------- with batches in flight (windows)
@@ -353,7 +342,7 @@ def test_with_batches_in_flight_a_resumed_run_equals_the_straight_one(windowed_r
     in flight), step 3 draws the same window, generates the same two rounds with the same
     version and seeds, and equals the straight run's exactly."""
     trainer, prompts, order, straight, run_dir = windowed_run
-    resumed = _from_step_two(trainer, run_dir, tmp_path).train(prompts, progress=False)
+    resumed = restored_from_step_two(trainer, run_dir, tmp_path).train(prompts, progress=False)
     assert_same(steps_of(resumed), steps_of(straight[2:]), "resumed vs straight (windows)")
     assert trainer.cursor.order == order[3 * 8:]
 
