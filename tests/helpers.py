@@ -18,7 +18,8 @@ conftest.py; tests/test_tests.py checks it). Fixtures are in conftest.py.
 The topic modules beside it: tolerances.py (the equality tests' tolerances), exact.py (exact
 comparisons of runs), fault_injection.py and mismatch.py (the fault and mismatch injections, which
 Ray's workers import), reward_fns.py (reward functions a config names, imported by Ray workers),
-report_run_dirs.py (run directories as the pipeline leaves them, for the report page's tests) and
+report_run_dirs.py (run directories as the pipeline leaves them, for the report page's tests),
+layers.py (the product's layers, for test_layers.py and test_architecture_doc.py) and
 cluster_scenario.py (a script the cluster test runs as its own process).
 """
 

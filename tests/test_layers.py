@@ -1,12 +1,6 @@
-"""docs/ARCHITECTURE.md's layers, read from the code's own imports (every `import` and `from`
-statement, at module level or inside a function, parsed with ast; nothing is imported or run).
-
-    tasks (top)   ppo_ray/tasks/, ppo_ray/tldr_model.py, launch.py
-    driver        ppo_ray/{trainer, roles, supervisor, interrupts, placement, checkpoint, runlog,
-                  metrics, rundir, runlock, export}.py
-    roles         actors/, learner/          (plain classes: no Ray, no driver)
-    bottom        every other ppo_ray/*.py   (the shared vocabulary)
-    math          learner/algos.py, learner/losses.py (the PPO math and its registries)
+"""docs/ARCHITECTURE.md's layers (tests/layers.py defines them: tasks, driver, roles, bottom,
+math), read from the code's own imports (every `import` and `from` statement, at module level or
+inside a function, parsed with ast; nothing is imported or run).
 
 The rules, each a list of violations "file:line: the import: the rule":
 - actors/ and learner/ import only the bottom of ppo_ray and the math, never each other;
@@ -24,44 +18,12 @@ import shutil
 import sys
 from pathlib import Path
 
+from layers import ROLE_PACKAGES, layer_of_file, layer_of_module
+
 ROOT = Path(__file__).resolve().parent.parent
 
-DRIVER = {"trainer", "roles", "supervisor", "interrupts", "placement", "checkpoint", "runlog", "metrics", "rundir",
-          "runlock", "export"}
-TOP_FILES = {"ppo_ray/tldr_model.py", "launch.py"}
-ROLE_PACKAGES = ("actors", "learner")
-MATH = {"learner.algos", "learner.losses"}
 # Imports the rules do not yet hold: none.
 KNOWN: set[tuple[str, str]] = set()
-
-
-def layer_of_file(rel: str) -> str:
-    """The layer of a source file, by its path relative to the repository root."""
-    if rel.removesuffix(".py").replace("/", ".") in MATH:
-        return "math"
-    if rel in TOP_FILES or rel.startswith("ppo_ray/tasks/"):
-        return "top"
-    if rel.split("/")[0] in ROLE_PACKAGES:
-        return rel.split("/")[0]
-    if rel.startswith("ppo_ray/"):
-        return "driver" if Path(rel).stem in DRIVER else "bottom"
-    raise ValueError(rel)
-
-
-def layer_of_module(name: str) -> str | None:
-    """The layer of an imported module (a dotted name), None for one outside the project."""
-    parts = name.split(".")
-    if ".".join(parts[:2]) in MATH:
-        return "math"
-    if parts[0] in ROLE_PACKAGES:
-        return parts[0]
-    if parts[0] == "launch":
-        return "top"
-    if parts[0] != "ppo_ray" or len(parts) == 1:
-        return None
-    if parts[1] in ("tasks", "tldr_model"):
-        return "top"
-    return "driver" if parts[1] in DRIVER else "bottom"
 
 
 def imports(path: Path, rel: str) -> list[tuple[int, str]]:
