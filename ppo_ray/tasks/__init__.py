@@ -6,7 +6,11 @@
   the SFT and preference schemas).
 - ``tldr_eval``: the reward model's diagnostics on the bundled task (accuracy by pair kind,
   best-of-n).
+- ``arith``: the second bundled task, multi-digit addition scored by a verifier (RLVR).
 - ``pipeline``: SFT -> reward model -> PPO -> report, as launch.py's stages run it.
+- ``evaluation``: how a policy is evaluated on held-out prompts, for the PPO stage and eval.
+- ``evaluate``: ``launch.py eval RUN_DIR``, a finished run's checkpoint evaluated the same way.
+- ``report_page``: the run's self-contained report.html.
 
 They import the layers below (ppo_ray's bottom modules, the trainer, placement); nothing
 below imports them.
