@@ -138,6 +138,9 @@ class _Call:
     after: list["_Call"]
     submitted: float
     done: Optional[float] = None  # time.monotonic() when seen finished (or killed)
+    # False once an actor died or was killed while it ran: its time (a failure passed on from
+    # its inputs, seen after the recovery) sets no pace
+    timed: bool = True
 
 
 @dataclass
@@ -201,39 +204,57 @@ class Roles:
                 return name
         return "unknown"
 
+    def _tracked(self, refs: Sequence) -> list[_Call]:
+        """The tracked calls among `refs` not seen finished, each once."""
+        calls = {id(c): c for c in (self._calls.get(r) for r in refs if isinstance(r, ray.ObjectRef))
+                 if c is not None and c.done is None}
+        return list(calls.values())
+
     def _wait(self, refs: Sequence) -> None:
         """Wait until the tracked calls among `refs` have finished, each within its deadline
         (_wait_calls)."""
-        calls = {id(c): c for c in (self._calls.get(r) for r in refs if isinstance(r, ray.ObjectRef))
-                 if c is not None and c.done is None}
-        self._wait_calls(list(calls.values()))
+        self._wait_calls(self._tracked(refs))
 
-    def _wait_calls(self, calls: list[_Call]) -> None:
+    def _wait_calls(self, calls: list[_Call], get: Optional[list] = None):
         """Wait for `calls`: first for the calls each waits for (each within its own deadline,
         so a hang is blamed on the call that hangs), then for them, each within its deadline
         from the moment it could start (ppo_ray.deadlines). Those past it: their actors are
-        killed (Ray restarts them) and CallTimeout names them."""
+        killed (Ray restarts them) and CallTimeout names them. With `get` (ObjectRefs that
+        include the calls' results, small things), their values are returned, each fetched as
+        it is ready: a call that failed raises at once, not once the others finish (a sibling
+        may wait for what only the driver's next call brings: a partial rollout's next version;
+        ray.get of a list waits for every one first)."""
         pending = list({id(c): c for c in calls if c.done is None}.values())  # two calls may share a dependency
-        if not pending:
-            return
+        if not pending and get is None:
+            return None
         self._wait_calls([d for c in pending for d in c.after])
         starts = {id(c): max([c.submitted] + [d.done for d in c.after]) for c in pending}
         limits = {id(c): self.deadlines.limit(c.kind, c.role, c.rows) for c in pending}
-        while pending:
-            due = min(starts[id(c)] + limits[id(c)][0] for c in pending)
-            refs = list(dict.fromkeys(c.ref for c in pending))  # ray.wait refuses a ref twice
-            ready, _ = ray.wait(refs, num_returns=len(refs),
-                                timeout=max(0.0, due - time.monotonic()), fetch_local=False)
-            now, ready = time.monotonic(), set(ready)
+        left = list(dict.fromkeys(get)) if get is not None else []  # ray.wait refuses a ref twice
+        got: dict = {}
+        while pending or left:
+            timeout = max(0.0, min(starts[id(c)] + limits[id(c)][0] for c in pending) - time.monotonic()) \
+                if pending else None
+            refs = list(dict.fromkeys(c.ref for c in pending))
+            if left:
+                for ref in ray.wait(left, num_returns=1, timeout=timeout)[0]:
+                    got[ref] = ray.get(ref)  # a failed call's error is raised here
+                left = [r for r in left if r not in got]
+                ready = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[0]) if refs else set()
+            else:
+                ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)[0])
+            now = time.monotonic()
             for c in pending:
                 if c.ref in ready:
                     c.done = now
-                    self.deadlines.record(c.kind, c.role, now - starts[id(c)], c.rows)
+                    if c.timed:
+                        self.deadlines.record(c.kind, c.role, now - starts[id(c)], c.rows)
                     c.after = []
             pending = [c for c in pending if c.done is None]
             late = [c for c in pending if now >= starts[id(c)] + limits[id(c)][0]]
             if late:
                 self._kill_late(late, now, starts, limits)
+        return [got[r] for r in get] if get is not None else None
 
     def _kill_late(self, late: list[_Call], now: float, starts: dict, limits: dict) -> None:
         """Kill the actors of calls past their deadlines (Ray restarts them) and raise CallTimeout."""
@@ -250,8 +271,13 @@ class Roles:
 
     def restarted(self, role: str) -> None:
         """`role`'s actor died or was killed ("unknown": any): its next calls are first calls
-        (their deadline allows for its start-up), and none waits for its calls before it."""
+        (their deadline allows for its start-up), none waits for its calls before it, and the
+        calls in flight set no pace when they finish (one that took a lost input fails only
+        when it is next waited for, perhaps after the recovery)."""
         self.deadlines.restarted(role)
+        for call in self._calls.values():  # in flight across a death: their times are no pace
+            if call.done is None:
+                call.timed = False
         for key, call in list(self._last.items()):
             if role in (call.role, "unknown"):
                 del self._last[key]
@@ -265,8 +291,9 @@ class Roles:
 
     def _get(self, refs):
         """fetch(), for the Roles methods that wait for their own calls."""
-        self._wait(refs if isinstance(refs, (list, tuple)) else [refs])
-        return ray.get(refs)
+        listed = list(refs) if isinstance(refs, (list, tuple)) else [refs]
+        values = self._wait_calls(self._tracked(listed), get=listed)
+        return values if isinstance(refs, (list, tuple)) else values[0]
 
     def store(self, value):
         """Put a driver-side value (a restored checkpoint's state, a selected batch) into the

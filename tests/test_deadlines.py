@@ -152,6 +152,10 @@ def test_a_hang_is_blamed_on_the_call_that_hangs_not_on_the_one_that_takes_its_r
     assert error.value.kind == "generate"
     assert _restarted(roles, "generator-0", files, pids)
     assert not _restarted(roles, "reward", files, pids)
+    # the score call failed on its lost input, seen only now (after the recovery): no pace
+    roles._wait([scores])
+    assert roles._calls[scores].done is not None
+    assert "score" not in roles.deadlines.first_rates and "score" not in roles.deadlines.rates
 
 
 def test_a_call_queued_behind_a_hung_one_on_the_same_actor_blames_the_hung_one(stand_ins):
@@ -177,6 +181,24 @@ def test_calls_that_share_their_dependencies_are_waited_for_together(stand_ins):
     first = roles._track("query", roles.reference, roles.reference.work.remote(), after=after)
     second = roles._track("query", roles.reward, roles.reward.work.remote(), after=after)
     assert len(set(roles.fetch([first, second]))) == 2
+
+
+def test_a_call_that_fails_is_raised_at_once_while_its_sibling_still_runs(stand_ins):
+    """fetch of two calls, one of whose actors dies while the other's call goes on (a partial
+    rollout's next segment waits for a version only the driver's next call brings): the death
+    is raised at once, as ray.get raises it, not at the running call's deadline."""
+    roles, hang, files, pids = stand_ins
+    roles.deadlines = Deadlines(factor=10.0, min_s=60.0, first_s=60.0)
+    hang("generator-0")
+    hang("generator-1")
+    generation = roles.generate([[1], [2]], seed_step=0)
+    ray.kill(roles.actor("generator-1"), no_restart=False)  # in its call
+    # the death itself: waited for until the hung sibling's deadline, it would be a CallTimeout
+    with pytest.raises(ray.exceptions.RayActorError):
+        roles.fetch(generation.summaries)
+    Path(files["generator-1"]).unlink()
+    Path(files["generator-0"]).unlink()
+    assert roles.fetch(generation.summaries[0]) == {"rows": 1}  # the sibling's call, finished in its own time
 
 
 def test_calls_in_time_set_the_pace_after_each_actors_first(stand_ins):
@@ -229,7 +251,7 @@ def hang_trainer(ray_session, tiny_model_dir, tmp_path_factory):
 
     hang_file().unlink(missing_ok=True)
     config = tiny_test_config(reward_funcs=["reward_fns:e_fraction_or_hang"], call_timeout_min_s=5.0,
-                              call_timeout_first_s=600.0, max_step_retries=2, max_actor_restarts=20)
+                              call_timeout_first_s=600.0, max_step_retries=1, max_actor_restarts=20)
     trainer = FaultyTrainer(config)
     try:
         assert (trainer.roles.deadlines.min_s, trainer.roles.deadlines.first_s) == (5.0, 600.0)  # from the config
