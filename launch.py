@@ -183,7 +183,7 @@ def check_ray_address() -> None:
     import os
 
     if os.environ.get("RAY_ADDRESS"):
-        from ppo_ray.placement import check_ray_address as check
+        from ppo_ray.cluster import check_ray_address as check
 
         check(os.environ["RAY_ADDRESS"])
 
@@ -453,7 +453,7 @@ def _main(argv: list[str] | None) -> int:
     from ppo_ray.data import DataError
     from ppo_ray.gguf_model import GGUFError
     from ppo_ray.modeling import ContextLengthError
-    from ppo_ray.placement import ClusterError
+    from ppo_ray.cluster import ClusterError
     from ppo_ray.rewards import RewardError
     from ppo_ray.rundir import check_writable
     from ppo_ray.runlock import RunLock, RunLockError
@@ -513,7 +513,7 @@ def _run(config, stage: str, stages: tuple[str, ...], done: dict, resume, run_di
     from ppo_ray.data import DataError
     from ppo_ray.machine import machine_info
     from ppo_ray.modeling import ContextLengthError
-    from ppo_ray.placement import ClusterError
+    from ppo_ray.cluster import ClusterError
     from ppo_ray.rewards import RewardError
     from ppo_ray.rundir import RunDirError, mark_done
     from ppo_ray.runlock import RunLockLost

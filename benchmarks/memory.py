@@ -67,14 +67,14 @@ from typing import Callable, Optional, Sequence
 MARKER = "PPO_RAY_BENCH_RUN"  # environment variable that tags a run's processes
 GIB, MIB = 1024 ** 3, 1024 ** 2
 
-# The actor host classes of ppo_ray.placement -> the role in the table.
+# The actor host classes of ppo_ray.hosts (and the run's ModelStore) -> the role in the table.
 ROLE_OF_CLASS = {"GeneratorHost": "generator", "ReferenceHost": "reference", "RewardHost": "reward",
                  "LearnerHost": "learner", "ModelStore": "model store"}
 RAY_SYSTEM = "ray system"  # gcs_server, raylet, dashboard, monitors, agents
 RAY_SYSTEM_TITLES = ("DashboardAgent", "RuntimeEnvAgent")
 RAY_SYSTEM_PROGRAMS = ("gcs_server", "raylet", "dashboard.py", "log_monitor.py", "monitor.py")
 IDLE = "ray idle workers"
-STAGE_TASK_PREFIX = "ppo/"  # ppo_ray.placement.run_stage names its tasks ppo/<stage>
+STAGE_TASK_PREFIX = "ppo/"  # ppo_ray.stage_tasks.run_stage names its tasks ppo/<stage>
 
 
 def read_text(path: str) -> Optional[str]:

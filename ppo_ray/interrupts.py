@@ -8,7 +8,7 @@ Ways one signal could go unnoticed, and what answers each:
   its KeyboardInterrupt handler only where SIGINT is at its default: the Ctrl-C would be
   ignored. `stop_on_signals` installs the handler whatever the process inherited.
 - ray.init replaces SIGTERM's handler with its own (sys.exit after a stack dump):
-  ppo_ray.placement.init_ray puts the caller's SIGINT and SIGTERM handlers back.
+  ppo_ray.cluster.init_ray puts the caller's SIGINT and SIGTERM handlers back.
 - A KeyboardInterrupt raised where Python drops it. A signal handler runs between any two
   bytecodes of the main thread, finalizers (__del__, weakref callbacks) included, and an
   exception raised in a finalizer is printed ("Exception ignored in ...") and dropped. So the

@@ -108,7 +108,7 @@ def actor_logger(level: str = "info") -> logging.Logger:
     dashboard's per-actor Log link. It does not propagate: the root logger, and with it the
     other INFO lines of our modules and the libraries' in that process, stays as it was. Ray
     forwards every line of an actor's output to the driver as well; the driver drops these
-    (placement.keep_actor_lines_off_the_console), so its console stays one line per step."""
+    (cluster.keep_actor_lines_off_the_console), so its console stays one line per step."""
     logger = logging.getLogger(ACTOR_LOGGER)
     if not any(getattr(h, "_ppo_ray", False) for h in logger.handlers):
         handler = logging.StreamHandler(sys.stderr)
@@ -189,7 +189,7 @@ _OFF_CONSOLE: list["_LogFile"] = []
 
 def log_off_console(data: dict, lines: Sequence[str]) -> None:
     """Lines Ray forwarded from an actor that the console does not print (its own line per
-    call: placement.keep_actor_lines_off_the_console) into the launch log, prefixed as Ray
+    call: cluster.keep_actor_lines_off_the_console) into the launch log, prefixed as Ray
     prefixes what it prints: (<actor name> pid=<pid>, ip=<node>)."""
     if not _OFF_CONSOLE or not lines:
         return

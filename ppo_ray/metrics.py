@@ -21,8 +21,8 @@ series disappear from the endpoint some seconds after it exits; a NaN gauge is n
 exported at all (record_step skips non-finite values, so a series keeps its last finite
 value).
 
-This is the one module besides ppo_ray.placement and ppo_ray.trainer that imports ray (its
-metrics API only); the trainer owns the one instance of a run.
+Besides the driver's Ray plumbing (ppo_ray.cluster, hosts, creation, ...) and ppo_ray.roles,
+this module imports ray (its metrics API only); the trainer owns the one instance of a run.
 """
 
 from __future__ import annotations

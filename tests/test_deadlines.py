@@ -217,7 +217,8 @@ def test_calls_in_time_set_the_pace_after_each_actors_first(stand_ins):
 
 
 def test_an_actor_whose_start_hangs_is_named_within_the_first_calls_deadline(ray_session, tmp_path):
-    from ppo_ray.placement import ClusterError, wait_ready
+    from ppo_ray.cluster import ClusterError
+    from ppo_ray.creation import wait_ready
 
     hang = tmp_path / "hang"
     hang.touch()

@@ -292,7 +292,7 @@ def test_counters_exist_at_0_and_the_report_interval_reaches_ray(ray_head, tmp_p
     run = f"ppo-test{uuid.uuid4().hex[:6]}"
     script = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r})\n"
               "import ray\n"
-              "from ppo_ray.placement import init_ray\n"
+              "from ppo_ray.cluster import init_ray\n"
               "from ppo_ray.metrics import TrainingMetrics\n"
               "init_ray(metrics_report_interval_ms=1500)\n"
               "print('INTERVAL', ray._config.metrics_report_interval_ms(), flush=True)\n"

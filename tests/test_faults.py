@@ -449,7 +449,7 @@ def test_fault_injection_lives_in_the_tests():
     its names; tests/fault_injection.py's classes are subclasses of the product's, one per
     role kind, whose fault points keep each method's Ray options (num_returns)."""
     from fault_injection import FAULTY_HOSTS, FaultyTrainer
-    from ppo_ray.placement import HOSTS
+    from ppo_ray.hosts import HOSTS
     from ppo_ray.trainer import PPOTrainer
 
     hooks = {"inject_faults", "_prepare_faults", "arm_fault", "arm_bad_sync", "kill_now", "exit_now"}

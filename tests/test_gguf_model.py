@@ -272,7 +272,7 @@ def test_a_missing_or_broken_gguf_and_an_unknown_package_are_named(tmp_path, cac
 
 
 def test_a_converted_directory_ships_like_any_local_directory(tiny_gguf, tmp_path, monkeypatch):
-    """What placement's model shipping does with a local directory (ppo_ray.transfer: its files
+    """What model shipping (ppo_ray.shipping) does with a local directory (ppo_ray.transfer: its files
     as bytes, into another node's cache by content digest): a converted entry is plain files,
     with nothing pointing back at the GGUF or the cache, so the copy loads the same model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -7,7 +7,7 @@ The rules, each a list of violations "file:line: the import: the rule":
 - the bottom imports no driver or top module and no role; it may import the math (the config
   takes the registries' names and parameters from it);
 - the math imports only torch, the standard library and itself;
-- the driver imports no top module, and only placement.py imports the roles;
+- the driver imports no top module, and only its hosts and stage tasks (ROLE_IMPORTERS) import the roles;
 - launch.py imports no role (it reaches them through the driver, the registries through the config).
 """
 
@@ -18,7 +18,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from layers import ROLE_PACKAGES, layer_of_file, layer_of_module
+from layers import ROLE_IMPORTERS, ROLE_PACKAGES, layer_of_file, layer_of_module
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,8 +67,8 @@ def rule_broken(rel: str, module: str) -> str | None:
     elif here == "driver":
         if there == "top":
             return "the driver imports no top module"
-        if there in ROLE_PACKAGES and rel != "ppo_ray/placement.py":
-            return "only ppo_ray/placement.py imports actors/ and learner/"
+        if there in ROLE_PACKAGES and rel not in ROLE_IMPORTERS:
+            return f"of the driver only {' and '.join(sorted(ROLE_IMPORTERS))} import actors/ and learner/"
     elif here == "top" and there in ROLE_PACKAGES and rel.startswith("launch"):
         return "launch.py reaches actors/ and learner/ through the driver"
     return None
@@ -128,6 +128,11 @@ def test_a_planted_driver_import_in_the_learner_is_found(tmp_path):
     assert not any(v.startswith("launch.py:") for v in violations(tmp_path))  # the math is below everything
     launch.write_text(launch.read_text() + "\nfrom learner.learner import Learner\n")
     assert any(v.startswith("launch.py:") and "through the driver" in v for v in violations(tmp_path))
+    # a role imported by a driver module that is not a host or a stage task
+    creation = tmp_path / "ppo_ray" / "creation.py"
+    creation.write_text(creation.read_text() + "\nfrom actors.generator import Generator\n")
+    assert any(v.startswith("ppo_ray/creation.py:") and "of the driver only ppo_ray/hosts.py and "
+               "ppo_ray/stage_tasks.py import actors/ and learner/" in v for v in violations(tmp_path))
 
 
 def test_each_file_has_a_layer():

@@ -128,7 +128,7 @@ def test_console_log_keeps_everything_printed_in_the_run_directory(tmp_path, roo
 
 def test_the_launch_log_keeps_the_actor_lines_the_console_leaves_out(tmp_path, capsys):
     """The actors' own lines that Ray forwards and the console leaves out
-    (placement.keep_actor_lines_off_the_console hands them to log_off_console) go to the
+    (cluster.keep_actor_lines_off_the_console hands them to log_off_console) go to the
     launch log open at the time, prefixed as Ray prefixes what it prints; with none open,
     nowhere."""
     from ppo_ray.logs import ACTOR_MARK, console_log, log_off_console

@@ -1,6 +1,8 @@
-"""ppo_ray/placement.py without a cluster: the RAY_ADDRESS check (a closed port, a dashboard
-URL, not host:port) that init_ray and launch.py run before ray.init, which would retry a bad
-address for minutes. Fast: no Ray session.
+"""The Ray plumbing without a cluster: the RAY_ADDRESS check (ppo_ray.cluster: a closed port, a
+dashboard URL, not host:port) that init_ray and launch.py run before ray.init, which would retry
+a bad address for minutes; the bundle plan (ppo_ray.creation); the stages' settings
+(ppo_ray.stage_tasks); ppo_ray.placement's old names, re-exported from the modules that hold
+them now. Fast: no Ray session.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 import pytest
 
 from helpers import ROOT, TINY, snapshot, tiny_test_config
-from ppo_ray.placement import plan_bundles, role_demands
+from ppo_ray.creation import plan_bundles, role_demands
 
 
 def closed_port() -> int:
@@ -25,7 +27,7 @@ def closed_port() -> int:
 
 # -------------------------------------------------- RAY_ADDRESS (issue 5, item 10)
 def test_check_ray_address():
-    from ppo_ray.placement import ClusterError, check_ray_address
+    from ppo_ray.cluster import ClusterError, check_ray_address
 
     port = closed_port()
     with pytest.raises(ClusterError, match=rf"no Ray cluster at RAY_ADDRESS='127.0.0.1:{port}': cannot connect"):
@@ -50,7 +52,7 @@ def test_init_ray_fails_fast_without_calling_ray_init(monkeypatch):
     must name the address without calling it."""
     import ray
 
-    from ppo_ray import placement
+    from ppo_ray import cluster
 
     def no_init(*a, **k):
         raise AssertionError("ray.init was called")
@@ -58,8 +60,8 @@ def test_init_ray_fails_fast_without_calling_ray_init(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", no_init)
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{closed_port()}")
-    with pytest.raises(placement.ClusterError, match="no Ray cluster at RAY_ADDRESS"):
-        placement.init_ray()
+    with pytest.raises(cluster.ClusterError, match="no Ray cluster at RAY_ADDRESS"):
+        cluster.init_ray()
 
 
 def test_launch_subprocess_ray_address_nowhere(tmp_path, old_run):
@@ -97,7 +99,7 @@ def test_one_bundle_per_actor_that_reserves_something():
 
 # -------------------------------------------------- roles, bundles, splits, stage settings
 def test_a_demands_bundle_drops_what_it_does_not_reserve():
-    from ppo_ray.placement import Demand
+    from ppo_ray.creation import Demand
 
     assert Demand("reward", 0.0, 0.5, {"gpu_node": 0.0, "big": 1.0}).bundle() == {"GPU": 0.5, "big": 1.0}
     assert Demand("reference", 0.0, 0.0, {}).bundle() == {}
@@ -105,7 +107,7 @@ def test_a_demands_bundle_drops_what_it_does_not_reserve():
 
 def test_stage_settings_take_the_configs_stage_fields():
     from ppo_ray.config import PPOConfig
-    from ppo_ray.placement import stage_settings
+    from ppo_ray.stage_tasks import stage_settings
 
     config = PPOConfig(stage_batch_size=8, seed=5, dtype="bfloat16", micro_batch_size=2)
     s = stage_settings(config, epochs=3, learning_rate=2e-5)
@@ -114,3 +116,48 @@ def test_stage_settings_take_the_configs_stage_fields():
     fp32 = stage_settings(config.replace(stage_dtype="float32"), 1, 1e-4)
     assert (fp32.dtype, fp32.save_dtype) == ("float32", "bfloat16")  # trains in fp32, saved as PPO loads it
     assert stage_settings(config.replace(stage_micro_batch_size=1), 1, 1e-4).micro_batch_size == 1
+
+
+# -------------------------------------------------- ppo_ray.placement: the old names
+# Every public name of the single module placement.py was, by the module that holds it now.
+OLD_NAMES = {
+    "cluster": ["ClusterError", "init_ray", "check_ray_address", "keep_actor_lines_off_the_console"],
+    "shipping": ["ShippedModel", "ModelStore", "ship_model", "local_model_dir", "group_nodes", "prepare_models"],
+    "hosts": ["GeneratorHost", "ReferenceHost", "RewardHost", "LearnerHost", "HOSTS", "CPU_SHARE_ENV", "MALLOC_ENV",
+              "cpu_share_env"],
+    "reward_pool": ["RewardWorkerPool"],
+    "creation": ["Demand", "role_demands", "plan_bundles", "reserve", "create_roles", "wait_ready"],
+    "stage_tasks": ["stage_settings", "run_stage"],
+}
+
+
+def test_placement_re_exports_every_old_name_from_its_new_module():
+    """`from ppo_ray.placement import X` keeps working for every name it had, and X is the new
+    module's object itself (a subclass of a host, a patched function: one object, not a copy);
+    classes and functions are defined in their new module (that is the path they pickle under)."""
+    import importlib
+
+    from ppo_ray import placement
+
+    assert sorted(placement.__all__) == sorted(n for names in OLD_NAMES.values() for n in names)
+    for module, names in OLD_NAMES.items():
+        new = importlib.import_module(f"ppo_ray.{module}")
+        for name in names:
+            assert getattr(placement, name) is getattr(new, name), (module, name)
+            if callable(getattr(new, name)) and hasattr(getattr(new, name), "__module__"):
+                assert getattr(new, name).__module__ == f"ppo_ray.{module}", (module, name)
+
+
+def test_a_pickle_that_names_the_old_module_still_loads():
+    """A ShippedModel pickled before the split names ppo_ray.placement.ShippedModel; it loads
+    into the same class (ppo_ray.shipping's). Protocol 2 writes the class as a text GLOBAL, so the
+    old pickle is the new one with the module name swapped."""
+    import pickle
+
+    from ppo_ray.shipping import ShippedModel
+
+    model = ShippedModel("/models/m", "node-1", "abc123", {})
+    new = pickle.dumps(model, protocol=2)
+    assert b"cppo_ray.shipping\nShippedModel\n" in new
+    old = new.replace(b"cppo_ray.shipping\nShippedModel\n", b"cppo_ray.placement\nShippedModel\n")
+    assert old != new and pickle.loads(old) == model and type(pickle.loads(old)) is ShippedModel

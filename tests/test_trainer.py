@@ -183,7 +183,7 @@ def test_cpu_only_actors_take_the_cores_by_default(tiny_trainer):
 def test_cpu_only_actors_keep_the_memory_malloc_frees(tiny_trainer):
     """Issue 33, cpu_malloc_keep (on by default): every actor of a CPU-only run starts with
     glibc malloc's settings in its environment (the driver's own values win)."""
-    from ppo_ray.placement import MALLOC_ENV
+    from ppo_ray.hosts import MALLOC_ENV
 
     assert tiny_trainer.config.cpu_malloc_keep and not tiny_trainer.config.uses_gpus
     want = {key: os.environ.get(key, value) for key, value in MALLOC_ENV.items()}
@@ -226,7 +226,7 @@ def test_ppo_learns_a_simple_reward(tiny_trainer):
 def test_bad_reward_functions_are_named(tiny_trainer, fn, match):
     """A reward actor with a misbehaving function, fed the trainer's real rollouts."""
     from ppo_ray.rewards import RewardError
-    from ppo_ray.placement import RewardHost
+    from ppo_ray.hosts import RewardHost
 
     host = ray.remote(RewardHost).remote(tiny_trainer.config.replace(reward_funcs=[fn]), None)
     batch_ref = _generate(tiny_trainer, bundled_prompts()[:8])

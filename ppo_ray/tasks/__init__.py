@@ -12,6 +12,6 @@
 - ``evaluate``: ``launch.py eval RUN_DIR``, a finished run's checkpoint evaluated the same way.
 - ``report_page``: the run's self-contained report.html.
 
-They import the layers below (ppo_ray's bottom modules, the trainer, placement); nothing
+They import the layers below (ppo_ray's bottom modules, the trainer, stage_tasks); nothing
 below imports them.
 """

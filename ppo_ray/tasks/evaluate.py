@@ -174,7 +174,7 @@ def plan(argv: list[str]) -> Optional[Plan]:
             out = out.with_name(f"{out.name.split('.')[0]}.{n}")
     check_out(out, run_dir)
     if os.environ.get("RAY_ADDRESS"):  # a cluster to attach to must be there
-        from ppo_ray.placement import check_ray_address
+        from ppo_ray.cluster import check_ray_address
 
         check_ray_address(os.environ["RAY_ADDRESS"])
     return Plan(run_dir=run_dir, checkpoint=checkpoint, config=cfg, kind=kind, has_sft=has_sft, score=score,
@@ -375,7 +375,7 @@ def main(argv: list[str]) -> int:
     from ppo_ray.data import DataError
     from ppo_ray.logs import console_log, setup_logging
     from ppo_ray.modeling import ContextLengthError
-    from ppo_ray.placement import ClusterError
+    from ppo_ray.cluster import ClusterError
     from ppo_ray.rewards import RewardError
     from ppo_ray.rundir import RunDirError
     from ppo_ray.tasks.tldr import TLDRDataError

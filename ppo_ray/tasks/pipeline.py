@@ -188,11 +188,11 @@ def write_data(config: PPOConfig, run_dir: Path, keep: bool = False) -> Path:
 
 
 def run_sft(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
-    """SFT as a Ray task on a node with the config's stage resources (placement.run_stage):
+    """SFT as a Ray task on a node with the config's stage resources (stage_tasks.run_stage):
     the driver tokenises the data, the task trains, run_dir/sft is written on the driver's node."""
     from ppo_ray.modeling import load_tokenizer
     from ppo_ray.paths import resolve_model_path
-    from ppo_ray.placement import run_stage, stage_settings
+    from ppo_ray.stage_tasks import run_stage, stage_settings
 
     base = resolve_model_path(config.model_name)
     tok = load_tokenizer(base)
@@ -211,7 +211,7 @@ def run_sft(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
 def run_rm(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
     """The reward model as a Ray task, like run_sft; run_dir/rm is written on the driver's node."""
     from ppo_ray.modeling import load_tokenizer
-    from ppo_ray.placement import run_stage, stage_settings
+    from ppo_ray.stage_tasks import run_stage, stage_settings
 
     sft = str(run_dir / "sft")
     tok = load_tokenizer(sft)
