@@ -141,10 +141,10 @@ class Generator:
         mode = sync_class(lora_sync)  # a ValueError naming an unknown mode
         mode.check_engine(llm)
         lora_config = llm.llm_engine.vllm_config.lora_config
-        # adapter and tensor sync keep the k + 1 versions in flight alive (merged sync holds one:
-        # its batches run one after another, and the config refuses k >= 2 for it)
-        pooled = lora_config is not None and lora_sync != "merged"
-        if max_staleness and pooled and lora_config.max_loras < max_staleness + 1:
+        # a mode that holds several versions keeps the k + 1 of the batches in flight alive (one
+        # that holds one runs its batches one after another; the config refuses k >= 2 for it)
+        alive = mode.capabilities.versions_alive(max_staleness)
+        if alive > 1 and lora_config is not None and lora_config.max_loras < alive:
             raise ValueError(f"max_staleness {max_staleness} needs {max_staleness + 1} adapter versions alive, but the "
                              f"vLLM engine holds {lora_config.max_loras if lora_config else 1} (max_loras)")
         if temperature < MIN_TEMPERATURE:  # vLLM clamps or samples greedily below it (ppo_ray.config)
@@ -179,9 +179,7 @@ class Generator:
             from actors.engine_loop import EngineLoop
             from vllm.platforms import current_platform
 
-            from actors.lora_sync import AdapterSync
-
-            if not issubclass(mode, AdapterSync):
+            if not mode.capabilities.streams:
                 raise ValueError(f"lora_sync={lora_sync!r} holds one set of weights: it cannot stream batches of "
                                  "several adapter versions")
             scheduler = llm.llm_engine.vllm_config.scheduler_config
@@ -215,8 +213,8 @@ class Generator:
             enforce_eager=cfg.vllm_enforce_eager,
             use_tqdm_on_load=cfg.log_level == "debug",  # the weight loader's progress bar
         )
-        versions = 1 if cfg.lora_sync_mode == "merged" else cfg.max_staleness + 1  # the versions alive at once
-        engine.update(sync_class(cfg.lora_sync_mode).engine_args(cfg.lora_r, versions=versions))
+        mode = sync_class(cfg.lora_sync_mode)
+        engine.update(mode.engine_args(cfg.lora_r, versions=mode.capabilities.versions_alive(cfg.max_staleness)))
         if cfg.streams_rollouts and current_platform.is_cpu():
             engine["enable_chunked_prefill"] = False  # actors.engine_loop
         if not current_platform.is_cpu() and cfg.vllm_kv_cache_gib is None:

@@ -9,11 +9,14 @@ One class per mode (the config's ``lora_sync``), owning the three things a mode 
 * its prefix-cache handling after a load (every mode here resets the cache: see
   ``LoraSync.reset_prefix_cache`` for why each needs it).
 
-The registry is ``ppo_ray.config.LORA_SYNC_MODES``, name -> "module:Class", resolved here by
-``sync_class``: the config takes its choices from the registry's keys without importing vLLM
-or torch (and without importing this layer), as vLLM's own model registry names its model
-classes by module and class and imports one only when it is asked for. A new mode (an NCCL
-broadcast on GPUs, say) is one class and one line in that registry.
+The registry is ``ppo_ray.config.SYNC_MODES`` (ppo_ray/config/sync_modes.py), name -> the
+mode's "module:Class" and its capabilities, resolved here by ``sync_class``: the config takes
+its choices from the registry's keys without importing vLLM or torch (and without importing
+this layer), as vLLM's own model registry names its model classes by module and class and
+imports one only when it is asked for. What a mode can hold (several adapter versions or one;
+so whether it streams, its max_staleness limit) is its entry's SyncCapabilities, which each
+class carries as ``capabilities``: the config, the generator and the driver ask that, never the
+mode's name. A new mode (an NCCL broadcast on GPUs, say) is one class and one entry there.
 
 Modes:
 
@@ -50,7 +53,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Optional
 
-from ppo_ray.config import LORA_SYNC_MODES, VLLM_LORA_RANKS
+from ppo_ray.config import SYNC_MODES, VLLM_LORA_RANKS, SyncCapabilities, sync_mode
 from ppo_ray.modeling import LoraWeights, write_lora_adapter
 from ppo_ray.stats import SyncReport
 
@@ -65,13 +68,9 @@ _LORA_IDS = itertools.count(1)
 
 
 def sync_class(name: str) -> type["LoraSync"]:
-    """The class registered as LoRA sync mode ``name`` (ppo_ray.config.LORA_SYNC_MODES); a
-    ValueError naming the mode and the registered ones."""
-    try:
-        module, _, cls = LORA_SYNC_MODES[name].partition(":")
-    except (KeyError, TypeError):
-        raise ValueError(f"lora_sync: unknown mode {name!r}; the modes are {list(LORA_SYNC_MODES)} "
-                         "(ppo_ray.config.LORA_SYNC_MODES)") from None
+    """The class registered as LoRA sync mode ``name`` (ppo_ray.config.SYNC_MODES); a
+    ValueError naming the mode and the registered ones (ppo_ray.config.sync_mode)."""
+    module, _, cls = sync_mode(name).cls.partition(":")
     return getattr(importlib.import_module(module), cls)
 
 
@@ -89,6 +88,9 @@ class LoraSync(ABC):
         # A streaming generator (actors.engine_loop) loads while other versions' requests run:
         # the prefix cache is then reset only when the engine is idle (reset_prefix_cache).
         self.streaming = False
+
+    # What the mode can hold (several versions or one), its registry entry: each class names its own.
+    capabilities: SyncCapabilities
 
     # How many adapter versions the mode can hold at once: 1, or the engine's max_loras
     # (AdapterSync.capacity).
@@ -164,6 +166,8 @@ class LoraSync(ABC):
 class AdapterSync(LoraSync):
     """lora_sync="adapter": each version is a PEFT adapter directory under ``scratch_dir``,
     registered with the engine as a LoRARequest; the previous one and its files are retired."""
+
+    capabilities = SYNC_MODES["adapter"]
 
     def __init__(self, llm, model_dir: str, scratch_dir: Path):
         super().__init__(llm, model_dir, scratch_dir)
@@ -254,6 +258,8 @@ class TensorSync(AdapterSync):
     the worker (actors.vllm_lora.TensorLoRAWorker), nothing on disk; requests name it by a
     LoRARequest whose id is registered (its path is never read). The previous one is retired."""
 
+    capabilities = SYNC_MODES["tensor"]
+
     @classmethod
     def engine_args(cls, lora_r: int, versions: int = 1) -> dict[str, Any]:
         return dict(AdapterSync.engine_args(lora_r, versions), worker_extension_cls=TENSOR_WORKER)
@@ -301,6 +307,8 @@ class MergedSync(LoraSync):
     """lora_sync="merged": W = W0 + (alpha / r) B A into the engine's weights (actors.vllm_merge);
     generation then samples with the engine's own weights (no LoRARequest). The engine is this
     generator's alone."""
+
+    capabilities = SYNC_MODES["merged"]
 
     def __init__(self, llm, model_dir: str, scratch_dir: Path):
         super().__init__(llm, model_dir, scratch_dir)

