@@ -450,10 +450,10 @@ def _main(argv: list[str] | None) -> int:
     if stage == "ppo" and not has_reward and "rm" in task_stages(config) and not (run_dir / "rm").is_dir():
         print(f"error: stage 'ppo' needs {run_dir / 'rm'} from stage 'rm' (pass --run_dir)", file=sys.stderr)
         return 2
+    from ppo_ray.cluster import ClusterError
     from ppo_ray.data import DataError
     from ppo_ray.gguf_model import GGUFError
     from ppo_ray.modeling import ContextLengthError
-    from ppo_ray.cluster import ClusterError
     from ppo_ray.rewards import RewardError
     from ppo_ray.rundir import check_writable
     from ppo_ray.runlock import RunLock, RunLockError
@@ -510,10 +510,10 @@ def _run(config, stage: str, stages: tuple[str, ...], done: dict, resume, run_di
     """The stages, after the checks: the run directory exists and the console goes to log_path too.
     `ppo_config`: the pipeline's resumed PPO stage's config (its checkpoint's plus the overrides)."""
     from ppo_ray.checkpoint import CheckpointError
+    from ppo_ray.cluster import ClusterError
     from ppo_ray.data import DataError
     from ppo_ray.machine import machine_info
     from ppo_ray.modeling import ContextLengthError
-    from ppo_ray.cluster import ClusterError
     from ppo_ray.rewards import RewardError
     from ppo_ray.rundir import RunDirError, mark_done
     from ppo_ray.runlock import RunLockLost

@@ -31,8 +31,8 @@ def test_init_ray_keeps_the_callers_stop_handlers(tmp_path):
     out the inherited dispositions are back."""
     script = textwrap.dedent("""
         import os, signal
-        from ppo_ray.interrupts import stop_on_signals
         from ppo_ray.cluster import init_ray
+        from ppo_ray.interrupts import stop_on_signals
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
         with stop_on_signals():
             handler = signal.getsignal(signal.SIGINT)

@@ -225,8 +225,8 @@ def test_ppo_learns_a_simple_reward(tiny_trainer):
 ])
 def test_bad_reward_functions_are_named(tiny_trainer, fn, match):
     """A reward actor with a misbehaving function, fed the trainer's real rollouts."""
-    from ppo_ray.rewards import RewardError
     from ppo_ray.hosts import RewardHost
+    from ppo_ray.rewards import RewardError
 
     host = ray.remote(RewardHost).remote(tiny_trainer.config.replace(reward_funcs=[fn]), None)
     batch_ref = _generate(tiny_trainer, bundled_prompts()[:8])

@@ -371,11 +371,11 @@ def run(plan: Plan) -> dict:
 def main(argv: list[str]) -> int:
     """`launch.py eval ...`: its exit status (2: bad input, named, nothing written)."""
     from ppo_ray.checkpoint import CheckpointError
+    from ppo_ray.cluster import ClusterError
     from ppo_ray.config import ConfigError
     from ppo_ray.data import DataError
     from ppo_ray.logs import console_log, setup_logging
     from ppo_ray.modeling import ContextLengthError
-    from ppo_ray.cluster import ClusterError
     from ppo_ray.rewards import RewardError
     from ppo_ray.rundir import RunDirError
     from ppo_ray.tasks.tldr import TLDRDataError
