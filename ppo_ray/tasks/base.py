@@ -133,19 +133,20 @@ class Task(ABC):
                             "function of an importable module, or 'module:function')")
         return f"{module}:{qualname}"
 
-    def check(self) -> None:
-        """The declarations agree (TaskError naming the task and the rule)."""
+    def check(self, named: Optional[str] = None) -> None:
+        """The declarations agree (TaskError naming the task, as `named` names it, and the rule)."""
+        who = named or self.name
         if not self.name:
             raise TaskError(f"{type(self).__name__}: a task needs a name")
         stages = tuple(self.stages)
         if [s for s in STAGE_ORDER if s in stages] != list(stages) or stages[:1] != ("sft",) or stages[-1:] != ("ppo",):
-            raise TaskError(f"task {self.name!r}: stages {stages} must start with 'sft', end with 'ppo' and "
+            raise TaskError(f"task {who!r}: stages {stages} must start with 'sft', end with 'ppo' and "
                             f"keep the order {STAGE_ORDER}")
         if ("rm" in stages) == (self.verifier is not None):
-            raise TaskError(f"task {self.name!r}: a task has a reward-model stage ('rm') or a verifier, exactly one "
+            raise TaskError(f"task {who!r}: a task has a reward-model stage ('rm') or a verifier, exactly one "
                             f"(stages {stages}, verifier {self.verifier!r})")
         if not self.sft_target or not isinstance(self.sft_target, str):
-            raise TaskError(f"task {self.name!r}: sft_target must name the SFT files' target column")
+            raise TaskError(f"task {who!r}: sft_target must name the SFT files' target column")
         self.verifier_spec  # noqa: B018 - its check
 
 
@@ -196,9 +197,12 @@ def get_task(name: str) -> Task:
                         "named as 'package.module:object'")
     obj = _import(entry if isinstance(entry, str) else name, name) if not isinstance(entry, Task) else entry
     if isinstance(obj, type) and issubclass(obj, Task):
-        obj = obj()
+        try:
+            obj = obj()
+        except TypeError as e:  # abstract methods left out, or an __init__ that needs arguments
+            raise TaskError(f"task {name!r}: {obj.__name__}() cannot be made: {e}") from None
     if not isinstance(obj, Task):
         raise TaskError(f"task {name!r}: {type(obj).__name__} {obj!r:.80} is not a ppo_ray.tasks.base.Task "
                         "(subclass it: docs/TASKS.md)")
-    obj.check()
+    obj.check(named=name)
     return obj
