@@ -28,6 +28,10 @@ space precedes it (``"347+589="`` is 8 tokens), so the model sees the digits one
   from the prompt; a prompt that is not an addition is then a RewardError naming it.
   :func:`is_right` is the rule, which the evaluation's pass@1 and pass@k apply too
   (ppo_ray.tasks.evaluation.solve, with the held-out rows' answers).
+- :data:`TASK` (``task: arith``, ppo_ray.tasks.base) is the task the pipeline asks: its data
+  spec and writer, stages sft and ppo, SFT targets (``answer``), the verifier as the reward,
+  the evaluation (ppo_ray.tasks.evaluation.solve) and report.json's pass rates, with
+  held_out.jsonl and samples.md (arith_report).
 - :func:`pass_at_k` is the unbiased pass@k estimator of Chen et al. 2021 (HumanEval, eq. 1)
   from n samples with c right.
 

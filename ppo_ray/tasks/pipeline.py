@@ -1,10 +1,13 @@
-"""The pipelines on the bundled tasks (config task): tldr's SFT -> reward model -> PPO, judged
-by the gold judge, and arith's SFT -> RL with a verifier as the reward, judged by pass@1 and
-pass@k (ppo_ray.tasks.arith; the run directory has no rm/, and report.json the pass rates).
+"""The stages on the config's task (ppo_ray.tasks.base: a registered task or "module:object"):
+data -> SFT -> reward model (a task with an "rm" stage) -> PPO -> the task's report. Everything
+task-specific (its data, SFT targets, reward, evaluation and report) is asked of the Task: tldr's
+SFT -> reward model -> PPO, judged by the gold judge (ppo_ray.tasks.tldr_task), arith's SFT -> RL
+with a verifier as the reward, judged by pass@1 and pass@k (ppo_ray.tasks.arith; the run
+directory has no rm/, and report.json the pass rates).
 
     run_dir/
       config.yaml          the config used
-      data/                the bundled task's splits (JSONL), written deterministically
+      data/                the task's splits (JSONL), written deterministically (task.json: their spec)
       sft/                 the SFT checkpoint (policy start and frozen reference)
       rm/                  the reward model (and the value model's initialisation)
       metrics.jsonl        one line per PPO step (+ gold evaluations every eval_every steps)
@@ -17,8 +20,9 @@ pass@k (ppo_ray.tasks.arith; the run directory has no rm/, and report.json the p
                            computed, said instead of a traceback: report_part)
       report.html          all of it on one page (launch.py, ppo_ray.tasks.report_page)
 
-The gold judge (ppo_ray.tasks.tldr_synth) is used only here, to evaluate: SFT learns from the
-reference summaries, the reward model from the preference pairs, PPO from the reward model.
+A task's evaluation only scores (tldr's gold judge, ppo_ray.tasks.tldr_synth; arith's pass
+rates): SFT learns from the SFT targets, the reward model from the preference pairs, PPO from
+the reward model or the verifier.
 
 The real path: when the config names datasets (sft_dataset, preference_dataset: hub ids or
 local JSONL/parquet in the TL;DR schemas) the same stages read them through ppo_ray.tasks.tldr
