@@ -124,7 +124,7 @@ class Task(ABC):
     @property
     def verifier_spec(self) -> Optional[str]:
         """The verifier as a reward_funcs entry ("module:function")."""
-        fn = self.verifier
+        fn = getattr(self.verifier, "__func__", self.verifier)  # a function set on the class reads as a method
         if fn is None or isinstance(fn, str):
             return fn
         module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
