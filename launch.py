@@ -438,16 +438,25 @@ def _main(argv: list[str] | None) -> int:
         return 2
 
     run_dir = Path(run_dir_opt or Path(config.output_dir) / time.strftime("%Y%m%d-%H%M%S"))
-    from ppo_ray.tasks.pipeline import task_stages
+    from ppo_ray.tasks.base import TaskError
+    from ppo_ray.tasks.pipeline import task_of
 
-    if stage not in ("all", *task_stages(config)) and not has_reward:
-        print(f"error: task {config.task!r} has no stage {stage!r}; its stages: {', '.join(task_stages(config))}",
+    task_stages: tuple[str, ...] = ()
+    if not has_reward:  # the pipeline's task (a registered name or module:object; plain PPO reads none)
+        try:
+            task = task_of(config)
+        except TaskError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        task_stages = tuple(task.stages)
+    if stage not in ("all", *task_stages) and not has_reward:
+        print(f"error: task {config.task!r} has no stage {stage!r}; its stages: {', '.join(task_stages)}",
               file=sys.stderr)
         return 2
     if stage in ("rm", "ppo") and not has_reward and not (run_dir / "sft").is_dir():
         print(f"error: stage {stage!r} needs {run_dir / 'sft'} from stage 'sft' (pass --run_dir)", file=sys.stderr)
         return 2
-    if stage == "ppo" and not has_reward and "rm" in task_stages(config) and not (run_dir / "rm").is_dir():
+    if stage == "ppo" and not has_reward and "rm" in task_stages and not (run_dir / "rm").is_dir():
         print(f"error: stage 'ppo' needs {run_dir / 'rm'} from stage 'rm' (pass --run_dir)", file=sys.stderr)
         return 2
     from ppo_ray.cluster import ClusterError
@@ -462,9 +471,13 @@ def _main(argv: list[str] | None) -> int:
     # Cheap checks of what the stage needs, before anything is written (a rejected command
     # leaves an existing run directory as it was) and before Ray or any actor starts.
     prompts = None
-    stages = task_stages(config) if stage == "all" and not has_reward else (stage,)
+    stages = task_stages if stage == "all" and not has_reward else (stage,)
     try:
         check_context(config)
+        if not has_reward and stage in ("all", "ppo") and task.verifier is not None:
+            from ppo_ray.rewards import import_reward_fn
+
+            import_reward_fn(task.verifier_spec)  # the task's verifier imports (RewardError naming it)
         check_trackers(config.report_to)
         if stage in ("all", "ppo"):
             check_ray_address()

@@ -1,7 +1,7 @@
 """Run directories as the pipeline leaves them, without Ray: each file written by the code that
 writes it in a real run (the bundled tasks' data and judges, StepResult.scalars() rows for
-metrics.jsonl, pipeline.write_samples / write_arith_samples / plot_curves, PPOConfig.to_yaml,
-rundir.mark_done), with the report's keys as run_ppo and run_rl_arith build them. The texts
+metrics.jsonl, tldr_task.write_samples, arith.write_arith_samples, pipeline.plot_curves, PPOConfig.to_yaml,
+rundir.mark_done), with the report's keys as the tasks' reports build them. The texts
 are the tasks' own reference answers, plus one hostile sample (SCRIPT). For
 tests/test_report_page.py and benchmarks/report_page_browser.py.
 """
@@ -55,7 +55,8 @@ def tldr_run(run_dir: Path, steps: int = 6) -> dict:
     """A finished `launch.py` (stage all) on the bundled TL;DR task; returns its report."""
     from ppo_ray.config import PPOConfig, resolve_config
     from ppo_ray.data import read_rows
-    from ppo_ray.tasks.pipeline import plot_curves, write_held_out, write_samples
+    from ppo_ray.tasks.pipeline import plot_curves
+    from ppo_ray.tasks.tldr_task import write_held_out, write_samples
     from ppo_ray.tasks.tldr_synth import copy_accuracy, gold_score, win_rate, write_task
 
     run_dir.mkdir(parents=True)
@@ -100,7 +101,8 @@ def arith_run(run_dir: Path, steps: int = 8, k: int = 8) -> dict:
     from ppo_ray.config import PPOConfig, resolve_config
     from ppo_ray.data import read_rows
     from ppo_ray.tasks.arith import is_right, pass_at_k, write_task
-    from ppo_ray.tasks.pipeline import plot_curves, write_arith_samples
+    from ppo_ray.tasks.arith import write_arith_samples
+    from ppo_ray.tasks.pipeline import plot_curves
 
     run_dir.mkdir(parents=True)
     PPOConfig.from_yaml(resolve_config("arith-tiny"), steps=steps).to_yaml(run_dir / "config.yaml")

@@ -130,7 +130,7 @@ def test_prompts_without_the_tasks_columns_skip_its_metrics_and_say_why(arith_ru
 
 def test_tldr_rows_without_facts_skip_the_gold_judge():
     from ppo_ray.data import DataError
-    from ppo_ray.tasks.evaluate import tldr_columns
+    from ppo_ray.tasks.tldr_task import tldr_columns
 
     assert tldr_columns([{"prompt": "x", "facts": ["a", "b", "c"]}], "f.jsonl") is None
     why = tldr_columns([{"prompt": "x", "facts": ["a", "b", "c"]}, {"prompt": "y"}], "f.jsonl")

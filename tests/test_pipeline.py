@@ -133,7 +133,7 @@ def test_a_tldr_report_that_cannot_pair_its_evaluations_says_so_and_writes_the_r
     """SFT numbers on 4 posts, PPO's on 2 (what a resume with a smaller eval_size used to pair):
     no traceback at the end of the stage; the error is logged and named in the report, and what
     can be computed is written."""
-    from ppo_ray.tasks.pipeline import tldr_report
+    from ppo_ray.tasks.tldr_task import tldr_report
     from ppo_ray.tasks.tldr_synth import gold_score
 
     run = tmp_path / "run"
@@ -164,7 +164,7 @@ def test_a_tldr_report_that_cannot_pair_its_evaluations_says_so_and_writes_the_r
     (2, 2, "pass@4 needs 4 samples per problem"),  # a larger one: used to give a wrong pass@k, silently
 ])
 def test_an_arith_report_refuses_unpaired_evaluations_and_writes_the_rest(tmp_path, sft_problems, sft_k, error):
-    from ppo_ray.tasks.pipeline import arith_report
+    from ppo_ray.tasks.arith import arith_report
 
     run = tmp_path / "run"
     _, _, rows = bundled_eval("arith", run)
@@ -193,7 +193,8 @@ def test_read_metrics_skips_blank_lines(tmp_path):
 
 
 def test_samples_tables_escape_cells_and_keep_n_rows(tmp_path):
-    from ppo_ray.tasks.pipeline import write_held_out_texts, write_samples
+    from ppo_ray.tasks.pipeline import write_held_out_texts
+    from ppo_ray.tasks.tldr_task import write_samples
 
     prompts = ["SUBREDDIT: r/a\n\nPOST: my | post\nline two\n\nTL;DR:", "no post field"] * 2
     write_held_out_texts(tmp_path / "h.md", prompts, ["s|1", "s2"] * 2, ["p\n1", "p2"] * 2, n=2)

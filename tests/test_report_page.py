@@ -155,7 +155,7 @@ def test_a_partial_or_damaged_run_directory_still_gets_a_page(tmp_path):
 
 
 def test_samples_md_tables_parse_back_to_their_cells(tmp_path):
-    from ppo_ray.tasks.pipeline import write_samples
+    from ppo_ray.tasks.tldr_task import write_samples
 
     rows = [{"prompt": "P", "post": "a|b"}]
     write_samples(tmp_path / "s.md", rows, ["x <i>"], [0.25], ["z|w"], [0.5])

