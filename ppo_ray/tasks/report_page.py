@@ -295,7 +295,7 @@ def heat_colour(value: Optional[float], scale: float, which: str) -> str:
     """The CSS colour of `value` on the `which` scale (HEAT), |value| / scale its strength."""
     if value is None or not math.isfinite(value) or scale <= 0:
         return "transparent"
-    strength = min(abs(value) / scale, 1.0)
+    strength = 0.8 * min(abs(value) / scale, 1.0)  # at most 80%: the token stays readable
     rgb = HEAT[which][value > 0]
     mixed = [round(255 + (c - 255) * strength) for c in rgb]
     return "#" + "".join(f"{c:02x}" for c in mixed)
