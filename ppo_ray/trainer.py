@@ -45,7 +45,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from learner.algos import varying_groups
-from ppo_ray.attribution import RolloutAttribution, sa_pairs
+from ppo_ray.attribution import RolloutAttribution, pick_rows, sa_pairs
 from ppo_ray.batch import RolloutBatch, fresh_enough
 from ppo_ray.checkpoint import (CheckpointError, Lineage, branch_from, check_own_lineage, checkpoint_root,
                                 config_changes, load_checkpoint, model_fingerprints, resolve_checkpoint, resumed_config,
@@ -1096,7 +1096,8 @@ class PPOTrainer:
             result.extra["eval_reward_mean"] = sum(finite) / len(finite) if finite else math.nan
             runlog.samples(result.step, rows)
         if self.config.attribution_rows and self.run_dir is not None:  # the step's rollouts, per token
-            runlog.attribution(self.attribution(range(self.config.attribution_rows), result.step) or [])
+            rows = pick_rows(self.config.batch_size, self.config.attribution_rows)
+            runlog.attribution(self.attribution(rows, result.step) or [])
 
     def attribution(self, rows: Sequence[int], step: int = 0) -> Optional[list[RolloutAttribution]]:
         """Rows `rows` of the last update's batch as the seeds' SA pairs, every number the step

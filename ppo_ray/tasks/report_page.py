@@ -75,7 +75,7 @@ pre { background: #f6f8fa; border: 1px solid #ddd; padding: 8px; overflow-x: aut
 .heat { white-space: pre-wrap; overflow-wrap: anywhere; font-family: ui-monospace, Menlo, Consolas, monospace;
         font-size: 0.9em; border: 1px solid #ddd; padding: 6px; margin: 0.3em 0 0.2em; line-height: 1.7; }
 .heat .prompt { color: #777; }
-.tok { background: var(--adv); border-radius: 2px; } .tok.out { outline: 1px dashed #999; }
+.tok { background: var(--adv); border-radius: 2px; box-shadow: inset -1px 0 rgba(255, 255, 255, 0.7); } .tok.out { outline: 1px dashed #999; }
 #attr-kl:checked ~ .attr-body .tok { background: var(--kl); }
 .attr-legend { display: inline-block; width: 160px; height: 0.8em; vertical-align: middle; margin: 0 6px; }
 .attr-legend.kl { display: none; } #attr-kl:checked ~ .attr-legend.kl { display: inline-block; }
