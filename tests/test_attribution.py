@@ -110,6 +110,34 @@ def test_a_group_estimator_shows_its_baseline_and_no_value(tiny_path, special):
     assert (adv - want).abs().max() <= rounding_tol(exp.scores.abs().max(), terms=2)
 
 
+def test_asking_for_the_view_changes_nothing_of_the_next_step(tiny_path, special):
+    """Two learners of one seed take the same two updates; one is asked for the view between
+    them: the second update's statistics and the adapters after it are equal, bit for bit
+    (float32 on the CPU, one thread: the same computation)."""
+    from helpers import MEASURED_STATS, random_batch
+    from learner.learner import Learner
+
+    def two_updates(ask: bool):
+        learner = Learner(make_config(), tiny_path)
+        out = []
+        for seed in (3, 4):
+            batch, ref, scores = rollout_inputs(learner, random_batch(special, n=8, p=6, t=8, seed=seed,
+                                                                      version=learner.version), seed=seed)
+            stats, weights = learner.update(batch, ref, scores)
+            if ask and seed == 3:
+                assert learner.attribution([0, 7]) is not None
+            out.append((stats, weights))
+        return out
+
+    asked, plain = two_updates(True), two_updates(False)
+    for (s1, w1), (s2, w2) in zip(asked, plain):
+        a, b = s1.as_dict(), s2.as_dict()
+        for key in [k for k in a if k.endswith("_s") or k in MEASURED_STATS or k.startswith("learner_mfu")]:
+            a.pop(key), b.pop(key)
+        assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+        assert all(torch.equal(w1.tensors[k], w2.tensors[k]) for k in w1.tensors)
+
+
 def test_bad_rows_are_named(tiny_path, special):
     import pytest
 
