@@ -550,6 +550,10 @@ class AdvantageEstimator:
     per_row: bool = False       # a row's advantages depend on that row's inputs alone (old_values: update needs it)
     params: tuple[Param, ...] = ()  # its own knobs (config fields), passed to fn as keywords
     reads: tuple[str, ...] = ()     # the shared knobs (config fields) it reads: register_estimator's, derived ones too
+    # baseline(inputs) -> (B,) float64: the score each row's score is compared with (a group
+    # estimator's; NaN where a row has none), for inspection only (ppo_ray.attribution); None
+    # for an estimator without one (GAE's baseline is the critic's V(s_t), per token)
+    baseline: Optional[Callable[[AdvantageInputs], Tensor]] = None
 
 
 # A group baseline needs another sample of the same prompt: samples_per_prompt below this is a
@@ -564,7 +568,8 @@ CRITIC_KNOBS = ("value_learning_rate", "value_clip", "vf_coef", "value_model", "
 
 
 def register_estimator(name: str, *, needs_critic: bool, needs_groups: bool = False, normalized: bool = False,
-                       per_row: bool = False, params: Sequence[Param] = (), reads: Sequence[str] = ()) -> Callable:
+                       per_row: bool = False, params: Sequence[Param] = (), reads: Sequence[str] = (),
+                       baseline: Optional[Callable[[AdvantageInputs], Tensor]] = None) -> Callable:
     """Decorator: register ``fn(inputs: AdvantageInputs, **params) -> Tensor`` as the advantage
     estimator ``name`` (the config's ``advantage_estimator``). A new estimator is one such
     function and this line above it; a name is registered once. ``needs_groups``: it reads
@@ -575,7 +580,8 @@ def register_estimator(name: str, *, needs_critic: bool, needs_groups: bool = Fa
     (:class:`Param`: each one a config field, passed to ``fn`` as a keyword); ``reads``: the
     knobs shared with other estimators that its advantages depend on (``gamma`` and ``lam``
     read through ``inputs``; ``whiten_rewards`` and ``reward_shaping``, which shape
-    ``inputs.rewards``). Its ``reads`` also get CRITIC_KNOBS with a critic and
+    ``inputs.rewards``); ``baseline``: what a group estimator compares each score with, (B,)
+    per row (the per-token view shows it; no advantage is computed from it). Its ``reads`` also get CRITIC_KNOBS with a critic and
     ``whiten_advantages`` unless ``normalized``; the config refuses every other estimator's
     knob, set away from its default, while this one is selected (ppo_ray.config.ignored_knobs)."""
     derived = (*reads, *(CRITIC_KNOBS if needs_critic else ()), *(() if normalized else ("whiten_advantages",)))
@@ -585,7 +591,8 @@ def register_estimator(name: str, *, needs_critic: bool, needs_groups: bool = Fa
             raise ValueError(f"advantage estimator {name!r} is already registered "
                              f"({ADVANTAGE_ESTIMATORS[name].fn.__qualname__})")
         ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, fn, needs_critic, needs_groups, normalized,
-                                                         per_row, tuple(params), tuple(dict.fromkeys(derived)))
+                                                         per_row, tuple(params), tuple(dict.fromkeys(derived)),
+                                                         baseline)
         return fn
     return register
 
@@ -712,6 +719,25 @@ def group_mean_baseline(scores: Tensor, valid: Tensor, dense: Tensor, n_groups: 
     return dev, var.sqrt()[dense], count[dense]
 
 
+def group_mean(inputs: AdvantageInputs) -> Tensor:
+    """(B,) float64: the mean score of each row's group over its valid rows, the baseline GRPO and
+    REINFORCE++ subtract (the same sums as :func:`group_mean_baseline`); NaN on a dropped row."""
+    scores, valid, dense, n_groups = _group_scores(inputs)
+    count = _group_sum(valid.to(scores.dtype), dense, n_groups)                     # (G,)
+    mean = _group_sum(scores, dense, n_groups) / count.clamp(min=1)                 # (G,)
+    return torch.where(valid, mean[dense], torch.full((), math.nan, dtype=scores.dtype, device=scores.device))
+
+
+def leave_one_out_mean(inputs: AdvantageInputs) -> Tensor:
+    """(B,) float64: the mean score of the other valid rows of each row's group, RLOO's baseline;
+    NaN on a dropped row and on a row alone in its group (no baseline: score advantage 0)."""
+    scores, valid, dense, n_groups = _group_scores(inputs)
+    count = _group_sum(valid.to(scores.dtype), dense, n_groups)[dense]             # (B,)
+    others = _group_sum(scores, dense, n_groups)[dense] - scores                    # (B,)
+    base = others / (count - 1).clamp(min=1)
+    return torch.where(valid & (count > 1), base, torch.full((), math.nan, dtype=scores.dtype, device=scores.device))
+
+
 def _group_range(x: Tensor, valid: Tensor, dense: Tensor, n_groups: int) -> tuple[Tensor, Tensor]:
     """(G,) per-group (max, min) of the (B,) ``x`` over the valid rows; a group without a
     valid row gets (-inf, inf)."""
@@ -767,7 +793,7 @@ def _dr_grpo_check(norm_std: bool, *, loss_agg: str) -> Optional[str]:
             "the same for all its responses")
 
 
-@register_estimator("grpo", needs_critic=False, needs_groups=True, normalized=True, params=(
+@register_estimator("grpo", needs_critic=False, needs_groups=True, normalized=True, baseline=group_mean, params=(
     Param("grpo_norm_std", bool, True, "grpo only: divide each group's centred scores by the group's std "
           "(unbiased, + 1e-6; GRPO); false = Dr. GRPO (no std division), which refuses loss_agg: "
           "seq_mean_token_mean (docs/ALGORITHMS.md, \"Advantage estimators and group sampling\").",
@@ -788,7 +814,7 @@ def grpo_advantages(inputs: AdvantageInputs, *, grpo_norm_std: bool = True) -> T
     return _per_token(adv, valid, inputs)
 
 
-@register_estimator("rloo", needs_critic=False, needs_groups=True, normalized=True)
+@register_estimator("rloo", needs_critic=False, needs_groups=True, normalized=True, baseline=leave_one_out_mean)
 def rloo_advantages(inputs: AdvantageInputs) -> Tensor:
     """RLOO (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics"): the score ``s_i`` minus
     the mean of the other valid scores of its group, ``(k * s_i - sum_g s) / (k - 1)`` = ``k /
@@ -803,7 +829,7 @@ def rloo_advantages(inputs: AdvantageInputs) -> Tensor:
     return _per_token(adv, valid, inputs)
 
 
-@register_estimator("reinforce_pp", needs_critic=False, needs_groups=True, normalized=True)
+@register_estimator("reinforce_pp", needs_critic=False, needs_groups=True, normalized=True, baseline=group_mean)
 def reinforce_pp_advantages(inputs: AdvantageInputs) -> Tensor:
     """REINFORCE++ with a baseline (Hu 2025, "REINFORCE++"; OpenRLHF's reinforce_baseline, which
     this matches): ``s - mean_g(s)`` plus the KL to go on every real token (no std division: a

@@ -51,7 +51,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from learner.algos import adaptive_kl_coef, advantage_estimator
+from learner.algos import AdvantageInputs, adaptive_kl_coef, advantage_estimator, compute_td_errors
 from learner.buffer import Experience, ExperienceBuffer
 from learner.experience import RolloutScores, make_experience, score_tensors
 from learner.flops import decoder_shape, device_peak_flops, update_flops
@@ -59,6 +59,7 @@ from learner.kernels import cached_casts
 from learner.optimise import DataGroup, PPOOptimiser
 from learner.speed import SpeedPath
 from learner.value_model import ValueHead, ValueModel
+from ppo_ray.attribution import AttributionRows, check_rows, select_rows
 from ppo_ray.batch import RolloutBatch, TrimPlan, fresh_enough, rollout_micro_batches
 from ppo_ray.config import LEARNER, ConfigSlice, PPOConfig, role_fields
 from ppo_ray.modeling import LoraSpec, LoraWeights, load_causal_lm, pick_device
@@ -236,6 +237,10 @@ class Learner:
         # Called with each update's Experience (the step's per-token tensors, on the device)
         # before the PPO epochs: for tests and benchmarks that inspect it; None = nothing kept.
         self.experience_hook: Optional[Callable[[Experience], None]] = None
+        # The last update's Experience and its reward beta, kept (a reference: no copy, no
+        # work) until the next update starts, for attribution(); None before the first, or
+        # after a restart (the tensors are not part of the state).
+        self._last_update: Optional[tuple[Experience, float]] = None
 
     def reconfigure(self, config: PPOConfig | ConfigSlice) -> None:
         """Take a changed config on a built learner (benchmarks and tests switch the speed
@@ -287,6 +292,42 @@ class Learner:
         # Rows of other members are 0 here; -inf (tokens outside top-k/top-p) survives the sum.
         self.group.sum([t for t in score_tensors(out) if t is not None])
         return out
+
+    # ------------------------------------------------------------------ token attribution
+    @torch.no_grad()
+    def attribution(self, rows: list[int]) -> Optional[AttributionRows]:
+        """Rows `rows` of the last update's per-token tensors (its Experience, as the PPO epochs
+        used it), on the CPU, for inspection (ppo_ray.attribution: the seeds' SA pairs): no
+        forward, nothing of the step changed. The TD errors (with a critic) and the group
+        baseline (an estimator that registered one) are computed from the same tensors with the
+        functions the estimator uses. None when no update's tensors are here (none yet, or the
+        learner was restarted since)."""
+        if self._last_update is None:
+            return None
+        exp, kl_coef = self._last_update
+        cfg = self.config
+        rows = check_rows(rows, len(exp))
+        baselines = None
+        if self.estimator.baseline is not None:
+            baselines = self.estimator.baseline(AdvantageInputs(
+                rewards=exp.rewards, mask=exp.mask, scores=exp.scores, values=exp.values, gamma=cfg.gamma,
+                lam=cfg.lam, groups=exp.rollouts.groups, kl=exp.kl, kl_coef=kl_coef))  # (B,) over the whole batch
+        sub = exp.select(rows)
+        sub = sub.trimmed(*TrimPlan.of(sub.rollouts).widths(range(len(rows))))
+        td = None if sub.values is None else compute_td_errors(sub.rewards, sub.values, sub.mask, cfg.gamma)
+        def cpu(x: Optional[Tensor]) -> Optional[Tensor]:
+            return None if x is None else x.cpu()
+
+        batch = sub.rollouts
+        return AttributionRows(
+            rows=rows, version=batch.adapter_version, prompt_ids=cpu(batch.prompt_ids),
+            prompt_mask=cpu(batch.prompt_mask), response_ids=cpu(batch.response_ids), mask=cpu(sub.mask),
+            loss_mask=cpu(sub.policy_mask), gen_logprobs=cpu(batch.gen_logprobs.float()),
+            old_logprobs=cpu(sub.old_logprobs), ref_logprobs=cpu(sub.ref_logprobs), kl=cpu(sub.kl),
+            rewards=cpu(sub.rewards), advantages=cpu(sub.advantages), scores=cpu(sub.scores), values=cpu(sub.values),
+            td_errors=cpu(td), returns=cpu(sub.returns), baselines=select_rows(baselines, rows),
+            groups=select_rows(exp.rollouts.groups, rows), estimator=self.estimator.name, kl_coef=float(kl_coef),
+            whitened=bool(cfg.whiten_advantages and not self.estimator.normalized))
 
     # ------------------------------------------------------------------ LoRA export
     def lora_weights(self) -> LoraWeights:
@@ -557,6 +598,7 @@ class Learner:
         cuda = self.device.type == "cuda"
         if cuda:  # this update's peak, not the process's (LearnerStats.learner_peak_memory_gib)
             torch.cuda.reset_peak_memory_stats(self.device)
+        self._last_update = None  # freed before this update allocates: its peak memory is unchanged
         self._check_inputs(batch, ref_logprobs, scores, max_staleness)
         if planned_steps is not None:
             self.plan_steps(planned_steps)
@@ -613,6 +655,7 @@ class Learner:
                 gap_limit=math.inf if gap_limit is None else gap_limit)
         if self.experience_hook is not None:
             self.experience_hook(experience)
+        self._last_update = (experience, 0.0 if cfg.kl_in_loss else self.kl_coef)
         buffer = ExperienceBuffer(experience, cfg.effective_mini_batch_size, cfg.micro_batch_size, plan,
                                   sort=cfg.learner_sort_by_length)
 

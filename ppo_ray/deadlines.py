@@ -35,7 +35,7 @@ CALL_KINDS = {
     "sync": "an adapter version loaded (a generator)",
     "probe": "the sync check: the probe sampled (a generator) and its logprobs recomputed (the learner)",
     "state": "the learner's state or weights: asked for, or loaded (a restore, a checkpoint, the start)",
-    "query": "a small question: the versions a generator holds",
+    "query": "a small question: the versions a generator holds, a few rows of the learner's last update",
 }
 
 

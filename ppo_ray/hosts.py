@@ -282,6 +282,10 @@ class LearnerHost(_Host):
                       stats.clipfrac, stats.kl, stats.update_s)
         return stats, weights, (self.learner.state_dict() if self.learner.rank == 0 else None)
 
+    def attribution(self, rows: list[int]):
+        """The last update's per-token tensors of `rows` (Learner.attribution; None: none here)."""
+        return self.learner.attribution(rows)
+
     def sync_gaps(self, *parts: RolloutBatch, expected_version: int,
                   weights: "LoraWeights | None" = None) -> list[float]:
         """The sync check: per generator replica, the largest |generator - learner| logprob

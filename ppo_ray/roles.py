@@ -425,6 +425,11 @@ class Roles:
         version_ref, weights_ref = self._track("state", self.learner, self.learner.current_weights.remote())
         return self._get(version_ref), weights_ref
 
+    def attribution(self, rows: list[int]):
+        """Rank 0's per-token tensors of `rows` of its last update (ppo_ray.attribution.AttributionRows,
+        a few rows on the CPU), or None when it has none (restarted since the update)."""
+        return self._get(self._track("query", self.learner, self.learner.attribution.remote(rows), rows=len(rows)))
+
     def learner_state(self):
         """Ref of rank 0's state (adapters, value head, optimisers, RNG), left in the store."""
         return self._track("state", self.learner, self.learner.state_dict.remote())

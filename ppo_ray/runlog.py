@@ -1,8 +1,9 @@
 """Where each finished PPO step goes during PPOTrainer.train: the Prometheus gauges, the
 trackers (TensorBoard / wandb), <metrics_path> (one JSON line per step), the eval samples
-(<run_dir>/eval_samples.jsonl) and the console line.
+(<run_dir>/eval_samples.jsonl), the evaluated steps' rollouts per token
+(<run_dir>/attribution.jsonl, ppo_ray.attribution) and the console line.
 
-A resumed run first takes the lines of steps after its checkpoint out of both JSONL files, so
+A resumed run first takes the lines of steps after its checkpoint out of the JSONL files, so
 that every step appears once; they are moved, not deleted: beside the checkpoints of the branch
 the resume abandoned (checkpoints/abandoned/<time>-after-step-N/), or into
 <run_dir>/replaced/<time>-after-step-N/ (a tail past the last checkpoint, which the resumed run
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ppo_ray.atomic import atomic_write_text
+from ppo_ray.attribution import ATTRIBUTION, RolloutAttribution
 from ppo_ray.logs import format_step
 from ppo_ray.metrics import TrainingMetrics
 from ppo_ray.rundir import REPLACED
@@ -62,6 +64,7 @@ class RunLog:
         self.run_dir = run_dir
         self.metrics_path = Path(metrics_path) if metrics_path else None
         self.samples_path = run_dir / EVAL_SAMPLES if run_dir is not None else None
+        self.attribution_path = run_dir / ATTRIBUTION if run_dir is not None else None
         self.progress = progress
         self.target = target
         self.adaptive_kl = adaptive_kl  # the console line shows beta (it moves)
@@ -82,7 +85,7 @@ class RunLog:
         if aside is None:
             base = run_dir or (out.metrics_path.parent if out.metrics_path else Path("."))
             aside = base / REPLACED / f"{time.strftime('%Y%m%d-%H%M%S')}-after-step-{step}-{uuid.uuid4().hex[:4]}"
-        for path in (out.metrics_path, out.samples_path):
+        for path in (out.metrics_path, out.samples_path, out.attribution_path):
             if path:
                 truncate_jsonl(path, step, aside)
         if run_dir is not None:
@@ -102,6 +105,13 @@ class RunLog:
             with open(self.samples_path, "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
         self.trackers.log_samples(step, rows)
+
+    def attribution(self, rollouts: list[RolloutAttribution]) -> None:
+        """The evaluated step's rollouts, per token: appended to <run_dir>/attribution.jsonl."""
+        self._check_lock()
+        if self.attribution_path is not None and rollouts:
+            with open(self.attribution_path, "a") as f:
+                f.write("".join(json.dumps(r.as_dict()) + "\n" for r in rollouts))
 
     def step(self, result: StepResult) -> None:
         self._check_lock()

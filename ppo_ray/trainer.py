@@ -45,6 +45,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from learner.algos import varying_groups
+from ppo_ray.attribution import RolloutAttribution, pick_rows, sa_pairs
 from ppo_ray.batch import RolloutBatch, fresh_enough
 from ppo_ray.checkpoint import (CheckpointError, Lineage, branch_from, check_own_lineage, checkpoint_root,
                                 config_changes, load_checkpoint, model_fingerprints, resolve_checkpoint, resumed_config,
@@ -1094,6 +1095,17 @@ class PPOTrainer:
             finite = [r["reward"] for r in rows if math.isfinite(r["reward"])]
             result.extra["eval_reward_mean"] = sum(finite) / len(finite) if finite else math.nan
             runlog.samples(result.step, rows)
+        if self.config.attribution_rows and self.run_dir is not None:  # the step's rollouts, per token
+            rows = pick_rows(self.config.batch_size, self.config.attribution_rows)
+            runlog.attribution(self.attribution(rows, result.step) or [])
+
+    def attribution(self, rows: Sequence[int], step: int = 0) -> Optional[list[RolloutAttribution]]:
+        """Rows `rows` of the last update's batch as the seeds' SA pairs, every number the step
+        computed for each token (ppo_ray.attribution; a view: no forward, nothing of the step
+        changes). None when the learner no longer holds that update's tensors (restarted)."""
+        tensors = self.supervisor.run(lambda _: self.roles.attribution(list(rows)), where="evaluation", step=self.step,
+                                      recover=self._back_to_committed)
+        return None if tensors is None else sa_pairs(tensors, self.tokenizer.decode, step)
 
     def _eval_samples(self, prompts: list[str] | list[dict], step: int) -> list[dict]:
         """The current policy's responses to `prompts` (strings or rows: their columns go to the

@@ -513,3 +513,25 @@ def restored_from_step_two(trainer, run_dir: Path, new_dir: Path):
     trainer.restore(new_dir)
     assert trainer.step == 2 and trainer.version == 2
     return trainer
+
+
+# ------------------------------------------------------------------ a run's token attribution
+def assert_attribution(run_dir: Path, steps: list[int], rows: int, critic: bool) -> None:
+    """<run_dir>/attribution.jsonl holds `rows` rollouts of each evaluated step in `steps`, each
+    a consistent per-token view (ppo_ray.attribution), and report.html shows the last step's as
+    a heat map: one token span per SA pair, with the colour toggle."""
+    from ppo_ray.attribution import ATTRIBUTION, RolloutAttribution
+
+    lines = [json.loads(x) for x in (run_dir / ATTRIBUTION).read_text().splitlines()]
+    assert [(r["step"], r["row"]) for r in lines] == [(s, i) for s in steps for i in range(rows)]
+    for line in lines:
+        r = RolloutAttribution.from_dict(line)
+        assert r.pairs and "".join(p.action for p in r.pairs) == r.response and r.version == r.step - 1
+        for p in r.pairs:
+            assert all(math.isfinite(x) for x in (p.logprob, p.old_logprob, p.ref_logprob, p.kl, p.reward, p.advantage))
+            assert (p.value is not None) == critic and (p.return_ is not None) == critic
+        assert (r.baseline is None) == critic
+    page = (run_dir / "report.html").read_text()
+    last = [x for x in lines if x["step"] == steps[-1]]
+    assert "<h2>Token attribution</h2>" in page and 'id="attr-kl"' in page
+    assert page.count('<span class="tok') == sum(len(x["action_id"]) for x in last)

@@ -40,6 +40,47 @@ def _eval_samples(run_dir: Path, prompts: list[str], responses: list[str], steps
                                     "finish_reason": "stop"}) + "\n")
 
 
+def _attribution(run_dir: Path, prompts: list[str], texts: list[str], steps: int, critic: bool) -> None:
+    """attribution.jsonl as the trainer appends it (RolloutAttribution.as_dict of sa_pairs), at
+    every evaluation: the texts cut into word tokens with an EOS, made-up numbers that vary
+    along each response (a critic's value, TD error and return; a group estimator's baseline)."""
+    import re
+
+    import torch
+
+    from ppo_ray.attribution import AttributionRows, sa_pairs
+
+    words = [re.findall(r"\s*\S+", t) + ["<eos>"] for t in texts]
+    vocab = sorted({w for ws in words for w in ws} | {"<pad>"} | set(prompts))
+    index = {w: i for i, w in enumerate(vocab)}
+    n, width = len(texts), max(len(ws) for ws in words)
+    ids = torch.tensor([[index[w] for w in ws] + [index["<pad>"]] * (width - len(ws)) for ws in words])
+    mask = torch.tensor([[t < len(ws) for t in range(width)] for ws in words])
+    pos = torch.arange(width, dtype=torch.float32).expand(n, width)
+    row = torch.arange(n, dtype=torch.float32)[:, None]
+
+    def per_token(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(mask, x, torch.zeros(()))
+
+    with open(run_dir / "attribution.jsonl", "w") as f:
+        for step in range(2, steps + 1, 2):
+            kl = per_token(0.3 * torch.sin(pos + row + step))
+            adv = per_token(torch.cos(0.7 * pos - row) * (1 + 0.1 * step))
+            values = per_token(0.1 * pos - row)
+            rows = AttributionRows(
+                rows=list(range(n)), version=step - 1, prompt_ids=torch.tensor([[index[p]] for p in prompts]),
+                prompt_mask=torch.ones(n, 1, dtype=torch.bool), response_ids=ids, mask=mask, loss_mask=mask,
+                gen_logprobs=per_token(-0.5 - 0.1 * pos), old_logprobs=per_token(-0.5 - 0.1 * pos),
+                ref_logprobs=per_token(-0.5 - 0.1 * pos) - kl, kl=kl, rewards=-0.05 * kl, advantages=adv,
+                scores=0.5 - 0.25 * row[:, 0], values=values if critic else None,
+                td_errors=per_token(adv - 0.1) if critic else None, returns=adv + values if critic else None,
+                baselines=None if critic else torch.full((n,), 0.25, dtype=torch.float64),
+                groups=None if critic else torch.arange(n) // 2, estimator="gae" if critic else "grpo",
+                kl_coef=0.05, whitened=critic)
+            f.writelines(json.dumps(r.as_dict()) + "\n" for r in sa_pairs(rows, lambda i: "".join(vocab[k] for k in i),
+                                                                           step))
+
+
 def _run_file(run_dir: Path, stages: dict[str, dict]) -> None:
     from ppo_ray.machine import machine_info
     from ppo_ray.rundir import mark_done
@@ -90,6 +131,7 @@ def tldr_run(run_dir: Path, steps: int = 6) -> dict:
     write_samples(run_dir / "samples.md", rows, sft_texts, sft["gold"], ppo_texts, ppo["gold"])
     plot_curves(metrics, run_dir / "curves.png", ppo_report["gold_val_sft"])
     _eval_samples(run_dir, [r["prompt"] for r in rows[:3]], ppo_texts[:3], steps)
+    _attribution(run_dir, [r["prompt"] for r in rows[:4]], ppo_texts[:4], steps, critic=True)
     _run_file(run_dir, {"sft": sft_stats, "rm": rm_stats, "ppo": ppo_report})
     report = {"run_dir": str(run_dir), **sft_stats, **rm_stats, **ppo_report, "seconds": 412.7, "run_tag": "run-0001"}
     (run_dir / "report.json").write_text(json.dumps(report, indent=2))
@@ -131,6 +173,7 @@ def arith_run(run_dir: Path, steps: int = 8, k: int = 8) -> dict:
     report.update({"final_kl": history[-1]["kl"], "final_reward": history[-1]["reward_mean"],
                    "rl_steps": len(history), "eval_prompts": len(rows), "eval_k": k})
     write_arith_samples(run_dir / "samples.md", rows, sft, rl, k)
+    _attribution(run_dir, [r["prompt"] for r in rows[:4]], rl["greedy"][:4], steps, critic=False)
     plot_curves(metrics, run_dir / "curves.png", report["pass1_val_sft"], gold_key="pass1_val",
                 gold_title="pass@1 (held-out validation, greedy)", reward_title="verifier reward (share right)")
     sft_stats = {"sft_train_loss_first": 2.1, "sft_train_loss_last": 0.3, "sft_steps": 50, "sft_seconds": 20.5}

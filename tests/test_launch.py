@@ -356,6 +356,10 @@ def test_all_stages_end_to_end_on_the_bundled_task(tmp_path):
             assert report["win_rate_ppo_vs_reference"] == win_rate(ppo, ref)
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and all("gold_val" in m for m in metrics)
+    # each evaluation's first 4 training rollouts, per token (value, TD error, return), and the heat map
+    from helpers import assert_attribution
+
+    assert_attribution(run_dir, [1, 2], 4, critic=True)
     # the console is kept in the run directory (a RayJob's pods and their logs are deleted)
     (log_file,) = (run_dir / "logs").glob("launch-*.log")
     console = log_file.read_text()
@@ -445,6 +449,9 @@ def test_the_verifiable_task_end_to_end(tmp_path):
             assert report[f"sample_accuracy_{split}_{who}"] == sum(c / 4 for c in right) / 8, (split, who)
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and all(0 <= m["pass1_val"] <= 1 for m in metrics)
+    from helpers import assert_attribution
+
+    assert_attribution(run_dir, [1, 2], 4, critic=False)  # GRPO: the group baseline, no value
     assert all(m["score/ppo_ray.tasks.arith:verify"] in (m["reward_mean"],) for m in metrics)
     for name in ("curves.png", "samples.md", "sft/model.safetensors", "adapter/adapter_model.safetensors",
                  "data/sft_train.jsonl", "data/prompts_test.jsonl"):

@@ -110,6 +110,47 @@ def test_the_arith_pages_before_after_table_and_right_of_k(tmp_path):
     assert "grpo" in cells  # the preset's estimator, from config.yaml
 
 
+def test_the_token_attribution_is_a_heat_map_with_a_toggle_and_every_number(tmp_path):
+    """The last evaluated step's rollouts (attribution.jsonl): one span per token, coloured by
+    advantage or by KL (two CSS variables, a radio toggle: no script), its numbers in its title
+    and in a table; a group estimator's page shows the baseline and no value columns."""
+    from ppo_ray.attribution import RolloutAttribution
+    from ppo_ray.tasks.report_page import heat_colour
+
+    run = tmp_path / "run"
+    tldr_run(run, steps=6)
+    text = write_report_page(run).read_text()
+    page = Page(text)
+    check_self_contained(page)
+    lines = [json.loads(line) for line in (run / "attribution.jsonl").read_text().splitlines()]
+    shown = [RolloutAttribution.from_dict(r) for r in lines if r["step"] == 6]
+    assert len(shown) == 4 and "Step 6's first 4 training rollouts" in text
+    tokens = [a for t, a in page.tags if t == "span" and "tok" in a.get("class", "").split()]
+    pairs = [p for r in shown for p in r.pairs]
+    assert len(tokens) == len(pairs)
+    scale_adv = max(abs(p.advantage) for p in pairs)
+    scale_kl = max(abs(p.kl) for p in pairs)
+    for span, p in zip(tokens, pairs):
+        assert span["style"] == (f"--adv:{heat_colour(p.advantage, scale_adv, 'adv')};"
+                                 f"--kl:{heat_colour(p.kl, scale_kl, 'kl')}")
+        assert f"A {p.advantage:.4g}" in span["title"] and f"KL_t {p.kl:.4g}" in span["title"]
+        assert f"V {p.value:.4g}" in span["title"]
+    radios = [a for t, a in page.tags if t == "input"]
+    assert [(a["type"], a["id"]) for a in radios] == [("radio", "attr-adv"), ("radio", "attr-kl")]
+    assert "checked" in radios[0] and "#attr-kl:checked ~ .attr-body .tok { background: var(--kl); }" in text
+    assert {"KL_t", "V", "delta", "G", "in loss"} <= set(page.cells)
+    assert html.escape("<script>", quote=True) in text and SCRIPT not in text  # the hostile response's tokens
+    assert heat_colour(0.0, 1.0, "adv") == "#ffffff" and heat_colour(-1.0, 1.0, "adv") == "#4d85bd"
+    assert heat_colour(2.0, 1.0, "kl") == "#b88148" and heat_colour(None, 1.0, "kl") == "transparent"
+
+    arith = tmp_path / "arith"
+    arith_run(arith)
+    text = write_report_page(arith).read_text()
+    cells = Page(text).cells
+    assert "no value model (grpo)" in text and "group 0 baseline 0.25" in text
+    assert "A" in cells and "V" not in cells and "delta" not in cells
+
+
 def test_a_plain_ppo_runs_curves_are_drawn_from_its_metrics(tmp_path):
     """`launch.py ppo` with reward_funcs writes no curves.png and no samples.md."""
     run = tmp_path / "run"

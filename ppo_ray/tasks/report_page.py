@@ -11,11 +11,14 @@ left out, and one that cannot be read is named on the page, never a crash):
   wrote none (a plain `launch.py ppo`, a run stopped mid-PPO);
 - the held-out samples (samples.md's table: summaries with gold scores, or arith's greedy
   answers and right-of-k counts) and the last evaluation's samples (eval_samples.jsonl);
+- the token attribution (attribution.jsonl, ppo_ray.attribution): the last evaluated step's
+  training rollouts as a heat map over their tokens, coloured by advantage or by KL_t (a
+  CSS-only toggle: two radio buttons), each token's numbers on hover and in a table;
 - the config (config*.yaml), the environment the run recorded in run.json (launch.py:
   ppo_ray.machine.machine_info) and the timings (stage seconds, PPO step times from
   metrics.jsonl).
 
-Self-contained: the image is a data: URI, the CSS is inline, there is no script and no link
+Self-contained: the image is a data: URI, the CSS is inline (the heat map's toggle too), there is no script and no link
 to anything outside the file. Every text from the run directory is HTML-escaped: a sample
 that holds `<script>` shows as text.
 """
@@ -69,6 +72,14 @@ img.curves { max-width: 100%; height: auto; border: 1px solid #ddd; }
 pre { background: #f6f8fa; border: 1px solid #ddd; padding: 8px; overflow-x: auto; font-size: 0.85em; }
 .note { color: #8a4b00; } details summary { cursor: pointer; margin: 0.4em 0; }
 .cols { display: flex; flex-wrap: wrap; gap: 24px; align-items: flex-start; }
+.heat { white-space: pre-wrap; overflow-wrap: anywhere; font-family: ui-monospace, Menlo, Consolas, monospace;
+        font-size: 0.9em; border: 1px solid #ddd; padding: 6px; margin: 0.3em 0 0.2em; line-height: 1.7; }
+.heat .prompt { color: #777; }
+.tok { background: var(--adv); border-radius: 2px; box-shadow: inset -1px 0 rgba(255, 255, 255, 0.7); } .tok.out { outline: 1px dashed #999; }
+#attr-kl:checked ~ .attr-body .tok { background: var(--kl); }
+.attr-legend { display: inline-block; width: 160px; height: 0.8em; vertical-align: middle; margin: 0 6px; }
+.attr-legend.kl { display: none; } #attr-kl:checked ~ .attr-legend.kl { display: inline-block; }
+#attr-kl:checked ~ .attr-legend.adv { display: none; }
 """
 
 
@@ -271,6 +282,88 @@ def section_samples(run_dir: Path) -> str:
     return "<h2>Samples</h2>" + "".join(out) if out else ""
 
 
+# The heat map's colours: negative values toward the first colour, positive toward the second,
+# white at 0, full strength at the largest |value| shown (per quantity, over the step's rollouts).
+HEAT = {"adv": ((33, 102, 172), (178, 24, 43)), "kl": ((1, 133, 113), (166, 97, 26))}
+ATTRIBUTION_COLUMNS = (("t", "position"), ("token", "action"), ("id", "action_id"), ("logprob", "logprob"),
+                       ("old", "old_logprob"), ("ref", "ref_logprob"), ("KL_t", "kl"), ("r_t", "reward"),
+                       ("V", "value"), ("delta", "td_error"), ("A", "advantage"), ("G", "return_"),
+                       ("in loss", "in_loss"))
+
+
+def heat_colour(value: Optional[float], scale: float, which: str) -> str:
+    """The CSS colour of `value` on the `which` scale (HEAT), |value| / scale its strength."""
+    if value is None or not math.isfinite(value) or scale <= 0:
+        return "transparent"
+    strength = 0.8 * min(abs(value) / scale, 1.0)  # at most 80%: the token stays readable
+    rgb = HEAT[which][value > 0]
+    mixed = [round(255 + (c - 255) * strength) for c in rgb]
+    return "#" + "".join(f"{c:02x}" for c in mixed)
+
+
+def _token_title(p) -> str:
+    parts = [f"t={p.position} {p.action!r} (id {p.action_id})", f"logprob {p.logprob:.4g} (old {p.old_logprob:.4g}, "
+             f"ref {p.ref_logprob:.4g})", f"KL_t {p.kl:.4g}  r_t {p.reward:.4g}"]
+    if p.value is not None:
+        parts.append(f"V {p.value:.4g}  delta {p.td_error:.4g}  G {p.return_:.4g}")
+    parts.append(f"A {p.advantage:.4g}" + ("" if p.in_loss else "  (not in the loss)"))
+    return "\n".join(parts)
+
+
+def section_attribution(run_dir: Path) -> str:
+    """The last evaluated step's training rollouts, per token (attribution.jsonl)."""
+    from ppo_ray.attribution import ATTRIBUTION, RolloutAttribution
+
+    lines = _read_jsonl(run_dir / ATTRIBUTION)
+    if not lines:
+        return ""
+    last = max(r.get("step", 0) for r in lines)
+    rollouts = [RolloutAttribution.from_dict(r) for r in lines if r.get("step", 0) == last]
+    pairs = [p for r in rollouts for p in r.pairs]
+    scale_adv = max((abs(p.advantage) for p in pairs if math.isfinite(p.advantage)), default=0.0)
+    scale_kl = max((abs(p.kl) for p in pairs if math.isfinite(p.kl)), default=0.0)
+    first = rollouts[0]
+    critic = any(p.value is not None for p in pairs)
+    what = ("value V(s_t), TD error and return per token" if critic else
+            f"no value model ({esc(first.estimator)}): each rollout's group baseline and its advantage")
+    out = ["<h2>Token attribution</h2>",
+           f'<p class="meta">Step {esc(last)}\'s first {len(rollouts)} training rollouts as the update saw them '
+           f"(attribution.jsonl; advantage estimator {esc(first.estimator)}, beta {esc(fmt(first.kl_coef))}"
+           f"{', advantages whitened' if first.whitened else ''}; {what}). Hover a token for its numbers; the "
+           "tables below hold them all. A dashed token is outside the policy loss. Held-out samples are not "
+           "shown here: they have no advantage, and their KL would need a reference pass the evaluation does "
+           "not make.</p>",
+           '<div class="attr">',
+           '<input type="radio" name="attr-colour" id="attr-adv" checked> <label for="attr-adv">colour by advantage '
+           f"A_t (max |A| {esc(fmt(scale_adv))})</label> ",
+           '<input type="radio" name="attr-colour" id="attr-kl"> <label for="attr-kl">colour by KL_t '
+           f"(max |KL_t| {esc(fmt(scale_kl))})</label>",
+           f'<span class="attr-legend adv" style="background: linear-gradient(to right, '
+           f'{heat_colour(-1, 1, "adv")}, #ffffff, {heat_colour(1, 1, "adv")})"></span>',
+           f'<span class="attr-legend kl" style="background: linear-gradient(to right, '
+           f'{heat_colour(-1, 1, "kl")}, #ffffff, {heat_colour(1, 1, "kl")})"></span>',
+           '<span class="meta">negative · 0 · positive</span>',
+           '<div class="attr-body">']
+    for r in rollouts:
+        head = [f"row {r.row}", f"score {fmt(r.score)}"]
+        if r.baseline is not None or not critic:
+            head.append(f"group {r.group} baseline {fmt(r.baseline)}")
+        head.append(f"sampled with adapter v{r.version}")
+        spans = "".join(
+            f'<span class="tok{"" if p.in_loss else " out"}" style="--adv:{heat_colour(p.advantage, scale_adv, "adv")};'
+            f'--kl:{heat_colour(p.kl, scale_kl, "kl")}" title="{esc(_token_title(p))}">{esc(p.action or "∅")}</span>'
+            for p in r.pairs)
+        out.append(f"<h3>{esc(' · '.join(head))}</h3>"
+                   f'<div class="heat"><span class="prompt">{esc(_cut(r.prompt))}</span>{spans}</div>')
+        columns = [(h, name) for h, name in ATTRIBUTION_COLUMNS if critic or name not in ("value", "td_error", "return_")]
+        rows = [[repr(getattr(p, name)) if name == "action" else getattr(p, name) for _, name in columns]
+                for p in r.pairs]
+        out.append(f"<details><summary>Row {esc(r.row)}'s {len(r.pairs)} tokens, every number</summary>"
+                   + table([h for h, _ in columns], rows) + "</details>")
+    out.append("</div></div>")
+    return "".join(out)
+
+
 def _cut(text: str) -> str:
     return text if len(text) <= PROMPT_CHARS else text[:PROMPT_CHARS] + "…"
 
@@ -371,6 +464,7 @@ def section_files(run_dir: Path) -> str:
 
 SECTIONS: tuple[tuple[str, Callable[[Path], str]], ...] = (
     ("summary", section_summary), ("curves", section_curves), ("samples", section_samples),
+    ("attribution", section_attribution),
     ("config", section_config), ("environment", section_environment), ("timings", section_timings),
     ("files", section_files))
 
