@@ -10,6 +10,8 @@ conftest.py; tests/test_tests.py checks it). Fixtures are in conftest.py.
   ``keep_experience``, ``with_sgd``, the tolerances of two computations of one update
   (``logprob_tol``, ``update_tols``, ``assert_same_update``) and of a policy gradient;
 * HF and PEFT beside vLLM: ``PROMPTS``, ``hf_logprobs``, ``make_peft``, ``randomize_lora``;
+* the learner's speed options: ``PLAIN``, ``FAST``, ``learner_with``, ``passes``;
+* a Llama-architecture model built locally: ``tiny_llama``, ``write_tiny_llama``;
 * a typed step to write and read: ``learner_stats``, ``step_result``;
 * the Ray tests: ``on_actor``, a resume compared with the straight run (``steps_of``, ...),
   a fault case's run and its comparison (``fault_run``, ``assert_same_fault_run``);
@@ -184,6 +186,33 @@ def value_params(learner: Learner) -> dict:
     return {n: p.detach().clone() for n, p in learner.value_model.named_parameters() if p.requires_grad}
 
 
+# --------------------------------------------------------------------------- the learner's speed options
+# The plain path: the options off (the defaults are the measured-faster ones, issue 33).
+PLAIN = dict(learner_layout="masked", lora_kernel="peft", rms_norm_kernel="hf")
+FAST = dict(learner_layout="causal", learner_sort_by_length=True, lora_kernel="fused", rms_norm_kernel="fused",
+            logprob_chunk_size=7)
+
+
+def learner_with(model_path, **options) -> Learner:
+    """A learner (make_config with the speed `options` over PLAIN) on `model_path` whose LoRA B
+    matrices are random (B = 0 would hide the adapters)."""
+    from learner.learner import Learner
+
+    learner = Learner(make_config(**{**PLAIN, **options}), model_path)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in [*learner.policy.named_parameters(), *learner.value_model.named_parameters()]:
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return learner
+
+
+def passes(learner: Learner, batch) -> dict:
+    """The no-grad pass's per-token stats of every kind, by name."""
+    out = learner.rollout_scores(batch, logprobs=True, full=True, entropy=True, values=True)
+    return {"logprobs": out.logprobs, "full": out.full_logprobs, "entropy": out.entropy, "values": out.values}
+
+
 # ------------------------------------------------------------------ two computations of one update
 # Tolerances: tests/tolerances.py. A logprob of the tiny model goes through TINY_TERMS
 # reductions; its magnitude is the largest |logprob| compared (a likely token's x - lse is
@@ -335,6 +364,43 @@ def randomize_lora(model, seed: int) -> LoraWeights:
                 param.copy_(torch.randn(param.shape, generator=g) * 0.1)
     return LoraWeights({k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()},
                        LoraSpec.of(model.peft_config["default"]))
+
+
+# --------------------------------------------------------------------------- a tiny Llama
+def tiny_llama(tokenizer_dir: Path, *, seed: int = 0):
+    """A tiny random LlamaForCausalLM with SmolLM2-135M-Instruct's layout in miniature (2 layers,
+    hidden 128, 2 heads x 64 (vLLM's CPU attention needs 64), 1 KV head: grouped-query
+    attention, tied embeddings) over `tokenizer_dir`'s vocabulary and special tokens; weights
+    N(0, 0.1^2), so logits of a few units. Returns (model in eval mode, its token list by id)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab = dict(tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]})
+    tokens = sorted(vocab, key=vocab.get)
+    eos, pad = vocab["<|endoftext|>"], vocab["<|pad|>"]
+    config = LlamaConfig(vocab_size=len(tokens), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos,
+                         pad_token_id=pad)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim >= 2:
+                    p.normal_(0.0, 0.1)  # logits of a few units: sampled tokens' logprobs well inside -20
+    return model, tokens
+
+
+def write_tiny_llama(dest: Path, tokenizer_dir: Path, *, seed: int = 0) -> Path:
+    """tiny_llama saved as an HF directory at `dest` (safetensors) with `tokenizer_dir`'s
+    tokenizer files: a local Llama-architecture model, no hub."""
+    model, _ = tiny_llama(tokenizer_dir, seed=seed)
+    model.save_pretrained(dest)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name == "chat_template.jinja":
+            shutil.copy(f, dest / f.name)
+    return dest
 
 
 # --------------------------------------------------------------------------- a typed step

@@ -45,23 +45,13 @@ def write_llama_gguf(path: Path, tokenizer_dir: Path, *, seed: int = 0, arch: st
     embeddings) with `tokenizer_dir`'s byte-level BPE, written as an F32 GGUF at `path` the way
     llama.cpp's converter writes one; returns the HF model it holds."""
     import gguf
-    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from helpers import tiny_llama
 
     tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-    vocab = dict(tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]})
-    tokens = sorted(vocab, key=vocab.get)
-    eos, pad = vocab["<|endoftext|>"], vocab["<|pad|>"]
-    config = LlamaConfig(vocab_size=len(tokens), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
-                         rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos,
-                         pad_token_id=pad)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).eval()
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.ndim >= 2:
-                    p.normal_(0.0, 0.1)  # logits of a few units: sampled tokens' logprobs well inside -20
+    model, tokens = tiny_llama(tokenizer_dir, seed=seed)
+    config = model.config
+    eos, pad = config.eos_token_id, config.pad_token_id
     w = gguf.GGUFWriter(path, arch)
     w.add_name("tiny-llama")
     w.add_context_length(config.max_position_embeddings)
