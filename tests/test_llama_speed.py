@@ -10,7 +10,8 @@ different lengths:
 * each option reaches the Llama modules it is for (the LoRA projections, LlamaRMSNorm, the
   decoder layers to compile, the tied lm_head in the compiled head path);
 * the no-grad pass and an SGD update with each option equal the plain path's within float32
-  rounding (the tolerances of test_learner_speed: logprob_tol, update_tols).
+  rounding (the tolerances of test_learner_speed: logprob_tol, update_tols, whose TINY_TERMS
+  hold here: the tiny Llama has the tiny Qwen3's widths, depth and vocabulary).
 
 The real model's check (the 30-layer SmolLM2 itself) is the slow
 tests/test_gguf_model.py::test_the_learners_speed_options_equal_the_plain_path_on_smollm2.
