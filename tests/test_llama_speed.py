@@ -118,3 +118,16 @@ def test_update_equals_plain_on_llama(llama_path, plain, options):
     fast_stats, fast_weights = with_sgd(learner_with(llama_path, **options)).update(b, ref, scores)
     assert_same_update((fast_stats, fast_weights.tensors), (stats, weights), update_tols(make_config(), b, weights))
 
+
+
+@pytest.mark.slow
+@pytest.mark.equality
+def test_compiled_update_equals_plain_on_llama(llama_path, plain):
+    """A real torch.compile of the learner on the Llama (each LlamaDecoderLayer and the head
+    path; tens of seconds on the CPU): the SGD update with every speed option equals the plain
+    path's (float32, update_tols)."""
+    b, ref, scores, _, stats, weights = plain
+    learner = with_sgd(learner_with(llama_path, **FAST, learner_compile=True))
+    fast_stats, fast_weights = learner.update(b, ref, scores)
+    assert_same_update((fast_stats, fast_weights.tensors), (stats, weights), update_tols(make_config(), b, weights),
+                       keys=("policy_loss", "value_loss"))
