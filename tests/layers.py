@@ -3,8 +3,8 @@ each layer may make) and tests/test_architecture_doc.py (docs/ARCHITECTURE.md li
 each module under its own layer). Paths and module names only: nothing is imported.
 
     tasks (top)   ppo_ray/tasks/, ppo_ray/tldr_model.py, launch.py
-    driver        ppo_ray/{trainer, roles, supervisor, interrupts, placement, checkpoint, runlog,
-                  metrics, rundir, runlock, export}.py
+    driver        ppo_ray/{trainer, inflight, sync_guard, roles, supervisor, interrupts, placement,
+                  checkpoint, runlog, metrics, rundir, runlock, export}.py
     roles         actors/, learner/          (plain classes: no Ray, no driver)
     bottom        every other ppo_ray/*.py   (the shared vocabulary)
     math          learner/algos.py, learner/losses.py (the PPO math and its registries)
@@ -17,7 +17,7 @@ from pathlib import Path
 # The layers' names, top to bottom, as docs/ARCHITECTURE.md heads them.
 LAYERS = ("tasks", "driver", "roles", "bottom", "math")
 
-DRIVER = {"trainer", "roles", "supervisor", "interrupts", "placement", "checkpoint", "runlog", "metrics", "rundir",
+DRIVER = {"trainer", "inflight", "sync_guard", "roles", "supervisor", "interrupts", "placement", "checkpoint", "runlog", "metrics", "rundir",
           "runlock", "export"}
 TOP_FILES = {"ppo_ray/tldr_model.py", "launch.py"}
 ROLE_PACKAGES = ("actors", "learner")

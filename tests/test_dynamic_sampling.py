@@ -280,7 +280,7 @@ def test_a_resampled_step_that_needs_fewer_rounds_puts_their_prompts_back(dynami
     trainer, prompts, order, _, run_dir = dynamic_run
     restored_from_step_two(trainer, run_dir, tmp_path)
     flag = Path(tempfile.gettempdir()) / ALL_VARY_FILE
-    check, failed = trainer._check_logprob_gap, []
+    check, failed = trainer.guard.check_rollouts, []
 
     def fails_once(stats):
         if not failed:
@@ -290,12 +290,12 @@ def test_a_resampled_step_that_needs_fewer_rounds_puts_their_prompts_back(dynami
         return check(stats)
 
     base = trainer.config
-    trainer._check_logprob_gap = fails_once
+    trainer.guard.check_rollouts = fails_once
     trainer.config = base.replace(logprob_gap_check="resync")
     try:
         got = trainer.train(prompts, progress=False)
     finally:
-        del trainer._check_logprob_gap
+        del trainer.guard.check_rollouts
         trainer.config = base
         flag.unlink(missing_ok=True)
     assert failed and got[0].step == 3 and got[0].dynamic_sampling.rounds == 1 and got[0].sync_resyncs == 1
