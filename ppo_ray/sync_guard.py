@@ -151,7 +151,8 @@ class SyncGuard:
     def resamples(self, error: BaseException) -> bool:
         """Whether a failed step's error is a rollout gap that the rule mends by a re-sync and a
         new sample of the step (resync, and no re-sync tried in this step yet)."""
-        return isinstance(error, LogprobGapError) and verdict(self.config.logprob_gap_check, self.resyncs > 0) == "resync"
+        again = self.resyncs > 0
+        return isinstance(error, LogprobGapError) and verdict(self.config.logprob_gap_check, again) == "resync"
 
     # ------------------------------------------------------------------ load
     def sync(self, version: int, keep: int) -> list[SyncReport]:

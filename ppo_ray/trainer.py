@@ -39,14 +39,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from ppo_ray.batch import fresh_enough
-from ppo_ray.checkpoint import (CheckpointError, Lineage, branch_from, check_own_lineage, checkpoint_root,
-                                config_changes, load_checkpoint, model_fingerprints, resolve_checkpoint, resumed_config,
-                                run_ids, save_checkpoint)
+from ppo_ray.checkpoint import (CheckpointError, Lineage, apply_changes, branch_from, check_own_lineage,
+                                checkpoint_root, load_checkpoint, model_fingerprints, resolve_checkpoint,
+                                resumed_config, run_ids, save_checkpoint)
 from ppo_ray.config import PPOConfig
 from ppo_ray.data import (PromptColumns, PromptCursor, PromptRows, check_chat_template, encode_prompts,
                           prompt_rows, prompts_fingerprint)
@@ -463,13 +463,13 @@ class PPOTrainer:
         abandons: moved to checkpoints/abandoned/ (ppo_ray.checkpoint.branch_from), and their
         metric lines beside them when train() starts. Fields of this trainer's config that
         differ from the checkpoint's are named in the log and apply from the next step; the
-        restored state never shadows them (_apply_changes)."""
+        restored state never shadows them (ppo_ray.checkpoint.apply_changes)."""
         ckpt = resolve_checkpoint(path)
         if self.run_dir is not None:
             check_own_lineage(ckpt, self.run_dir)
         ckpt, learner_state, state = load_checkpoint(ckpt, self.config, run_dir=self.run_dir)
         saved = resumed_config(ckpt, self.run_dir or ckpt.parent.parent)
-        learner_state = self._apply_changes(ckpt, saved, learner_state)
+        learner_state = apply_changes(self.config, ckpt, saved, learner_state)
         self._learner_state = self.roles.store(learner_state)
 
         def load(attempt: int) -> int:  # a redo re-forms the learner group (a restarted member left it)
@@ -503,31 +503,6 @@ class PPOTrainer:
             self._abandoned = branch_from(ckpt)
         log.info("resumed from %s (step %d, adapter version %d)", ckpt, self.step, self.version)
         return ckpt
-
-    def _apply_changes(self, ckpt: Path, saved: PPOConfig, state):
-        """Name the fields of this trainer's config that differ from the checkpoint's (they
-        apply from the next step) and keep the restored state from shadowing them: the
-        learning rates and schedule kind are the config's (Learner.load_state_dict), a fixed
-        kl_coef is the config's, and an adaptive KL controller (kl_target) continues from the
-        checkpoint's coefficient unless this run gives another kl_coef or another kl_target
-        (then it starts from kl_coef). Returns the state to restore."""
-        changes = [(k, a, b) for k, a, b in config_changes(saved, self.config) if k != "steps"]  # steps: _plan_steps
-        if not changes:
-            return state
-        notes = {"learning_rate": "the policy's schedule keeps its position", "lr_scheduler": "from its current tick",
-                 "value_learning_rate": "the value model's schedule keeps its position"}
-        adaptive = self.config.kl_target is not None and state.kl_coef is not None
-        if adaptive and (saved.kl_target is None or saved.kl_coef != self.config.kl_coef
-                         or saved.kl_target != self.config.kl_target):
-            notes["kl_coef"] = notes["kl_target"] = (f"the adaptive KL controller starts from kl_coef "
-                                                     f"{self.config.kl_coef:g}, not the checkpoint's {state.kl_coef:.6g}")
-            state = replace(state, kl_coef=None)
-        elif saved.kl_target is not None and self.config.kl_target is None:
-            notes["kl_target"] = (f"kl_coef is fixed at {self.config.kl_coef:g} from now on (the checkpoint's "
-                                  f"adaptive coefficient was {state.kl_coef if state.kl_coef is not None else '?'})")
-        log.warning("resuming from %s with changes to its config, applied from the next step: %s", ckpt, "; ".join(
-            f"{k} {a!r} -> {b!r}" + (f" ({notes[k]})" if k in notes else "") for k, a, b in changes))
-        return state
 
     def _recover(self, current: Rollouts) -> None:
         """Back to the committed state after a failure before the commit point: wait for the
