@@ -285,6 +285,44 @@ class RolloutBatch:
 
 
 @dataclass(frozen=True)
+class RowPick:
+    """Rows of several rounds' batches, named by index: dynamic sampling's choice, which the
+    driver sends to the actors that take the batch (the reference, the learners) in place of
+    the batch itself, so the rollouts never pass through the driver. The parts a call receives
+    are the rounds' replica batches in order: the first `parts[0]` are round 0's, and so on.
+
+        batch = pick.apply(parts)   # RolloutBatch.cat of each round's rows `rows[r]`, in order
+    """
+
+    parts: tuple[int, ...]              # per round, how many of the parts are its (replica batches)
+    rows: tuple[tuple[int, ...], ...]   # per round, the rows picked (of the round's batch), in order
+
+    def __post_init__(self) -> None:
+        if len(self.parts) != len(self.rows) or not self.rows or not all(self.rows) or min(self.parts) < 1:
+            raise ValueError(f"RowPick: {len(self.parts)} rounds of parts {list(self.parts)} and "
+                             f"{len(self.rows)} of rows, each round needs parts and rows")
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self.rows)
+
+    def apply(self, parts: Sequence[RolloutBatch]) -> RolloutBatch:
+        """The picked rows: each round's batch (its parts concatenated) restricted to its rows,
+        the rounds concatenated in order."""
+        if len(parts) != sum(self.parts):
+            raise ValueError(f"RowPick over {sum(self.parts)} parts ({list(self.parts)} per round) got {len(parts)}")
+        out, start = [], 0
+        for n, rows in zip(self.parts, self.rows):
+            out.append(RolloutBatch.cat(parts[start:start + n]).select(list(rows)))
+            start += n
+        return RolloutBatch.cat(out)
+
+
+def gather(parts: Sequence[RolloutBatch], pick: Optional[RowPick] = None) -> RolloutBatch:
+    """The batch a call's parts make: all their rows (RolloutBatch.cat), or `pick`'s."""
+    return RolloutBatch.cat(parts) if pick is None else pick.apply(parts)
+
+
+@dataclass(frozen=True)
 class TrimPlan:
     """Per-row extents, on the host, from which any subset's trimmed widths follow."""
 

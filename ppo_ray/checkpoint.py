@@ -66,7 +66,7 @@ import re
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -350,6 +350,33 @@ def config_changes(saved: PPOConfig, config: PPOConfig) -> list[tuple[str, Any, 
     return [(k, getattr(saved, k), getattr(config, k)) for k in PPOConfig.field_names()
             if not (_same_path(getattr(saved, k), getattr(config, k)) if k in PATH_FIELDS
                     else getattr(saved, k) == getattr(config, k))]
+
+
+def apply_changes(config: PPOConfig, ckpt: Path, saved: PPOConfig, state):
+    """Name the fields of `config` (the resuming trainer's) that differ from the checkpoint's
+    (they apply from the next step) and keep the restored state from shadowing them: the
+    learning rates and schedule kind are the config's (Learner.load_state_dict), a fixed
+    kl_coef is the config's, and an adaptive KL controller (kl_target) continues from the
+    checkpoint's coefficient unless this run gives another kl_coef or another kl_target
+    (then it starts from kl_coef). Returns the state to restore."""
+    # steps: PPOTrainer._plan_steps says what changes
+    changes = [(k, a, b) for k, a, b in config_changes(saved, config) if k != "steps"]
+    if not changes:
+        return state
+    notes = {"learning_rate": "the policy's schedule keeps its position", "lr_scheduler": "from its current tick",
+             "value_learning_rate": "the value model's schedule keeps its position"}
+    adaptive = config.kl_target is not None and state.kl_coef is not None
+    if adaptive and (saved.kl_target is None or saved.kl_coef != config.kl_coef
+                     or saved.kl_target != config.kl_target):
+        notes["kl_coef"] = notes["kl_target"] = (f"the adaptive KL controller starts from kl_coef "
+                                                 f"{config.kl_coef:g}, not the checkpoint's {state.kl_coef:.6g}")
+        state = replace(state, kl_coef=None)
+    elif saved.kl_target is not None and config.kl_target is None:
+        notes["kl_target"] = (f"kl_coef is fixed at {config.kl_coef:g} from now on (the checkpoint's "
+                              f"adaptive coefficient was {state.kl_coef if state.kl_coef is not None else '?'})")
+    log.warning("resuming from %s with changes to its config, applied from the next step: %s", ckpt, "; ".join(
+        f"{k} {a!r} -> {b!r}" + (f" ({notes[k]})" if k in notes else "") for k, a, b in changes))
+    return state
 
 
 def save_checkpoint(run_dir: str | Path, *, config: PPOConfig, learner_state: dict, trainer_state: dict,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 
 import ray
 
-from ppo_ray.batch import RolloutBatch
+from ppo_ray.batch import RolloutBatch, RowPick, gather
 from ppo_ray.config import ConfigSlice, PPOConfig
 from ppo_ray.faults import StateLostError
 from ppo_ray.logs import actor_logger, quiet_libraries
@@ -177,8 +177,8 @@ class ReferenceHost(_Host):
         self.scorer = ReferenceScorer.from_config(config, self.model_dir)
 
     @ray.method(num_returns=2)
-    def logprobs(self, *parts: RolloutBatch) -> tuple["Tensor", ReferenceStats]:
-        batch = RolloutBatch.cat(parts)
+    def logprobs(self, *parts: RolloutBatch, pick: RowPick | None = None) -> tuple["Tensor", ReferenceStats]:
+        batch = gather(parts, pick)  # pick: dynamic sampling's rows of its rounds (ppo_ray.batch.RowPick)
         logprobs, stats = self.scorer.logprobs(batch)
         self.log.info("reference logprobs: %d rollouts of adapter v%d, %d response tokens, %.2f s",
                       batch.response_ids.shape[0], batch.adapter_version, int(batch.response_mask.sum()),
@@ -268,13 +268,15 @@ class LearnerHost(_Host):
 
     @ray.method(num_returns=3)
     def update(self, ref_logprobs, scores, *parts: RolloutBatch, expected_version: int | None = None,
-               max_staleness: int | None = None, planned_steps: int | None = None, gap_limit: float | None = None):
+               max_staleness: int | None = None, planned_steps: int | None = None, gap_limit: float | None = None,
+               pick: RowPick | None = None):
         """(stats, new LoRA weights, learner state after the update). The state (LearnerState:
         adapters, value head, both Adam states, RNG; rank 0's only, every member holds the
         same; None from the others) stays in the object store as the driver's copy of the step's commit: a learner
-        that dies later is restored from it, with no checkpoint needed."""
+        that dies later is restored from it, with no checkpoint needed. `pick`: dynamic
+        sampling's rows of its rounds' parts (ppo_ray.batch.RowPick), the batch trained on."""
         _check_version(self.learner, expected_version, "the update")
-        stats, weights = self.learner.update(RolloutBatch.cat(parts), ref_logprobs, scores, max_staleness,
+        stats, weights = self.learner.update(gather(parts, pick), ref_logprobs, scores, max_staleness,
                                              planned_steps, gap_limit=gap_limit)
         value = "" if stats.value_loss is None else f"  value_loss {stats.value_loss:.4f}"
         self.log.info("update to adapter v%d: %d response tokens  policy_loss %+.4f%s  approx_kl %.4f  clipfrac %.3f"

@@ -18,7 +18,7 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from ppo_ray.batch import RolloutBatch
+from ppo_ray.batch import RowPick
 from ppo_ray.data import PromptColumns
 from ppo_ray.deadlines import CallTimeout, Deadlines
 from ppo_ray.faults import StateLostError
@@ -156,10 +156,9 @@ class Roles:
     deadlines: Deadlines = field(default_factory=Deadlines)
     sequential_generators: bool = True
     # the calls in flight or not yet waited for, by each of their results; per actor id, the last
-    # call made to it (actors that run one call at a time); stored batches' rows
+    # call made to it (actors that run one call at a time)
     _calls: dict = field(default_factory=dict, init=False, repr=False)
     _last: dict = field(default_factory=dict, init=False, repr=False)
-    _stored_rows: dict = field(default_factory=dict, init=False, repr=False)
 
     @property
     def learner(self) -> ActorHandle:
@@ -177,13 +176,12 @@ class Roles:
     def _track(self, kind: str, actor: ActorHandle, result, after: Sequence = (), rows: Optional[int] = None):
         """Record a call just made to `actor` (`result`: its ObjectRef, or a tuple of them) for
         its deadline; `after`: the ObjectRefs it takes as arguments. Its rows: `rows`, or those
-        of the batches it takes (the generations' and stored batches'). Returns `result`."""
+        of the batches it takes (the generations'). Returns `result`."""
         refs = list(result) if isinstance(result, (tuple, list)) else [result]
         after = [r for r in after if isinstance(r, ray.ObjectRef)]  # a value passed as it is needs no wait
         deps = list({id(c): c for c in (self._calls.get(r) for r in after) if c is not None}.values())
         if rows is None:
-            rows = sum(c.rows for c in deps if c.kind in ("generate", "evaluation")) \
-                + sum(self._stored_rows.get(r, 0) for r in after)
+            rows = sum(c.rows for c in deps if c.kind in ("generate", "evaluation"))
         key = actor._actor_id.hex()
         sequential = self.sequential_generators or not any(actor is g for g in self.generators)
         prev = self._last.get(key) if sequential else None
@@ -296,14 +294,9 @@ class Roles:
         return values if isinstance(refs, (list, tuple)) else values[0]
 
     def store(self, value):
-        """Put a driver-side value (a restored checkpoint's state, a selected batch) into the
-        object store."""
-        ref = ray.put(value)
-        if isinstance(value, RolloutBatch):
-            if len(self._stored_rows) > 64:  # one a step at most: the oldest are long used
-                self._stored_rows = dict(list(self._stored_rows.items())[-32:])
-            self._stored_rows[ref] = len(value)
-        return ref
+        """Put a small driver-side value (a restored checkpoint's state, the scores dynamic
+        sampling picked) into the object store."""
+        return ray.put(value)
 
     # ------------------------------------------------------------------ the step's calls
     def generate(self, prompt_ids: Sequence[Sequence[int]], seed_step: int,
@@ -327,9 +320,11 @@ class Roles:
                  for gen, (s, e) in zip(self.generators, chunks)]
         return Generation([batch for batch, _ in calls], [summary for _, summary in calls])
 
-    def reference_logprobs(self, parts: list) -> tuple[Any, Any]:
-        """Step 3, not waited for: refs of the (B, T) reference logprobs and of its ReferenceStats."""
-        return self._track("reference", self.reference, self.reference.logprobs.remote(*parts), after=parts)
+    def reference_logprobs(self, parts: list, pick: Optional[RowPick] = None) -> tuple[Any, Any]:
+        """Step 3, not waited for: refs of the (B, T) reference logprobs and of its ReferenceStats.
+        `pick`: the rows of `parts` the step trains on (dynamic sampling), taken by the actor."""
+        return self._track("reference", self.reference, self.reference.logprobs.remote(*parts, pick=pick), after=parts,
+                           rows=None if pick is None else len(pick))
 
     def score(self, parts: list, seed_step: int, columns: Optional[PromptColumns] = None) -> tuple[Any, Any]:
         """Step 4, not waited for: refs of the (B,) scores and of the RewardStats; the rollouts
@@ -340,13 +335,15 @@ class Roles:
                                                                           columns=columns), after=parts)
 
     def update(self, ref_logprobs, scores, parts: list, expected_version: int, max_staleness: int,
-               planned_steps: int, gap_limit: Optional[float] = None) -> Update:
+               planned_steps: int, gap_limit: Optional[float] = None, pick: Optional[RowPick] = None) -> Update:
         """The learner's steps on every learner, not waited for (its old logprobs when it
         recomputes step 2's, KL_t of step 3 with the reference's logprobs, and steps 5-11):
-        each gets the same refs and takes its own shard of the rows."""
+        each gets the same refs and takes its own shard of the rows. `pick`: the rows of `parts`
+        the step trains on (dynamic sampling), taken by each learner."""
         return Update([UpdateCall(*self._track("update", learner, learner.update.remote(
             ref_logprobs, scores, *parts, expected_version=expected_version, max_staleness=max_staleness,
-            planned_steps=planned_steps, gap_limit=gap_limit), after=[ref_logprobs, scores, *parts]))
+            planned_steps=planned_steps, gap_limit=gap_limit, pick=pick), after=[ref_logprobs, scores, *parts],
+            rows=None if pick is None else len(pick)))
             for learner in self.learners])
 
     def learner_stats(self, update: Update) -> LearnerStats:

@@ -45,12 +45,16 @@ class GenerationSummary:
     lengths: list[int]           # response tokens per rollout, EOS included (the response mask's row sums)
     version: int                 # the adapter version it sampled with
     seconds: float               # the generate call
+    # per rollout, its group id (RolloutBatch.groups: rows of one id are one prompt's samples);
+    # what dynamic sampling's filter reads beside the scores. Empty: the batch has none
+    groups: list[int] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(cls, batch: "RolloutBatch", seconds: float) -> "GenerationSummary":
         return cls(texts=list(batch.responses), finish_reasons=list(batch.finish_reasons),
                    lengths=batch.response_mask.sum(dim=1).tolist(),  # (B,)
-                   version=int(batch.adapter_version), seconds=seconds)
+                   version=int(batch.adapter_version), seconds=seconds,
+                   groups=[] if batch.groups is None else batch.groups.tolist())  # (B,)
 
     @classmethod
     def join(cls, parts: Sequence["GenerationSummary"]) -> "GenerationSummary":
@@ -63,14 +67,15 @@ class GenerationSummary:
         return cls(texts=[t for p in parts for t in p.texts],
                    finish_reasons=[f for p in parts for f in p.finish_reasons],
                    lengths=[n for p in parts for n in p.lengths], version=versions[0],
-                   seconds=max(p.seconds for p in parts))
+                   seconds=max(p.seconds for p in parts), groups=[g for p in parts for g in p.groups])
 
     def select(self, rows: Sequence[int]) -> "GenerationSummary":
         """Rows `rows` (in that order), seconds unchanged: the rows a step trains on
         (dynamic_sampling) out of those it generated."""
         return dataclasses.replace(self, texts=[self.texts[i] for i in rows],
                                    finish_reasons=[self.finish_reasons[i] for i in rows],
-                                   lengths=[self.lengths[i] for i in rows])
+                                   lengths=[self.lengths[i] for i in rows],
+                                   groups=[self.groups[i] for i in rows] if self.groups else [])
 
 
 @dataclass(frozen=True)
@@ -136,7 +141,7 @@ class RewardStats:
 
 @dataclass(frozen=True)
 class DynamicSampling:
-    """One step's dynamic sampling (config dynamic_sampling; PPOTrainer._dynamic_sampling)."""
+    """One step's dynamic sampling (config dynamic_sampling; ppo_ray.inflight.Pipeline.dynamic_sampling)."""
 
     rounds: int        # generation rounds the step ran (1 = none beyond its first batch)
     kept_frac: float   # groups whose scores vary / groups generated, over the rounds

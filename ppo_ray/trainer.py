@@ -16,11 +16,13 @@ B scores, stats). The generator reports the adapter version it sampled with and 
 learner refuses rollouts from any other version, so a lost LoRA sync is an error, never
 a silent off-policy step. After every sync, in every mode, the sync check compares what
 the generators compute with what the learner computes at the same version (a small fixed
-probe: _check_sync); on fresh steps the rollouts' own logprobs are compared too. A gap
-beyond logprob_gap_tolerance (on the rollouts under is_correction: a share of tokens outside
-the correction's band beyond logprob_gap_outside_tolerance) re-syncs and checks again by
-default (logprob_gap_check): nothing is sampled for training from a generator that failed
-the check.
+probe); on fresh steps the rollouts' own logprobs are compared too. A gap beyond
+logprob_gap_tolerance re-syncs and checks again by default (logprob_gap_check): nothing is
+sampled for training from a generator that failed the check (ppo_ray.sync_guard).
+
+Which batch each step trains on, the adapter version it is sampled with, the batches in flight
+under max_staleness and their regeneration are ppo_ray.inflight's (the synchronous step is its
+k = 0 case); this module keeps the step, its commit point, train, generate and restore.
 
 Faults: each step has one commit point (_commit), after the learner's update returned its
 stats, the new adapter and its state. Until then an actor's death is recovered by retrying
@@ -37,26 +39,25 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-import torch
-
-from learner.algos import varying_groups
 from ppo_ray.attribution import RolloutAttribution, pick_rows, sa_pairs
-from ppo_ray.batch import RolloutBatch, fresh_enough
-from ppo_ray.checkpoint import (CheckpointError, Lineage, branch_from, check_own_lineage, checkpoint_root,
-                                config_changes, load_checkpoint, model_fingerprints, resolve_checkpoint, resumed_config,
-                                run_ids, save_checkpoint)
+from ppo_ray.batch import fresh_enough
+from ppo_ray.checkpoint import (CheckpointError, Lineage, apply_changes, branch_from, check_own_lineage,
+                                checkpoint_root, load_checkpoint, model_fingerprints, resolve_checkpoint,
+                                resumed_config, run_ids, save_checkpoint)
+from ppo_ray.cluster import init_ray
 from ppo_ray.config import PPOConfig
+from ppo_ray.creation import create_roles
 from ppo_ray.data import (PromptColumns, PromptCursor, PromptRows, check_chat_template, encode_prompts,
                           prompt_rows, prompts_fingerprint)
+from ppo_ray.hosts import HOSTS
+from ppo_ray.inflight import Committed, Picked, Pipeline, Rollouts, pick_groups
 from ppo_ray.metrics import TrainingMetrics
 from ppo_ray.modeling import check_context_length, load_tokenizer
 from ppo_ray.paths import resolve_model_path
-from ppo_ray.placement import HOSTS, create_roles, init_ray
 from ppo_ray.rewards import check_reward_sources, columns_taken, guarded_calls
 from ppo_ray.roles import (EVAL_SEED_STEP, EXIT_TIMEOUT_S, RETRYABLE, SAMPLING_SEED_STEP, Generation, Roles, Update,
                            role_names)
@@ -65,91 +66,15 @@ from ppo_ray.runlog import RunLog, new_run_tag
 from ppo_ray.stats import (DynamicSampling, GenerationSummary, LearnerStats, ReferenceStats, Responses, RewardStats,
                            StepResult, StepTiming, SyncReport)
 from ppo_ray.supervisor import Supervisor
+from ppo_ray.sync_guard import (TRUNCATED_TOKENS_LIMIT, LogprobGapError, StaleAdapterError, SyncCheck, SyncGuard,
+                                sync_probe_prompts)
 from ppo_ray.tracking import check_trackers
 
+# Importable from here, as before the pipeline and the sync guard had modules of their own.
+__all__ = ["PPOTrainer", "StaleAdapterError", "LogprobGapError", "SyncCheck", "TRUNCATED_TOKENS_LIMIT", "Rollouts",
+           "pick_groups", "sync_probe_prompts"]
 
 log = logging.getLogger(__name__)
-
-
-class StaleAdapterError(RuntimeError):
-    """A generator sampled with a LoRA version other than the one the step expects."""
-
-
-class LogprobGapError(RuntimeError):
-    """The generator's logprobs differ from the learner's for the same adapter version beyond
-    logprob_gap_tolerance (logprob_gap_check: error, or resync when a re-sync did not mend
-    it): the generator holds another policy."""
-
-
-@dataclass(frozen=True)
-class SyncCheck:
-    """One sync check (PPOTrainer._check_sync)."""
-
-    gap: float      # largest |generator - learner| probe logprob over the replicas (NaN: check off)
-    seconds: float  # re-syncs included
-
-
-def sync_probe_prompts(tokenizer, seed: int, max_prompt_length: int, n: int = 4, length: int = 16) -> list[list[int]]:
-    """The sync check's fixed probe prompts: `n` prompts of `length` ordinary token ids (no
-    special tokens) drawn with the run seed. Random tokens share no prefix-cache block with
-    real prompts, so the probe neither reads KV that rollouts left nor leaves KV they reuse."""
-    special = set(tokenizer.all_special_ids)
-    vocab = [i for i in range(tokenizer.vocab_size) if i not in special]
-    rows = torch.randint(len(vocab), (n, min(length, max_prompt_length)), generator=torch.Generator().manual_seed(seed))
-    return [[vocab[i] for i in row] for row in rows.tolist()]
-
-
-@dataclass
-class Rollouts:
-    """One step's rollouts: what to generate, and (once submitted) the generation in flight.
-    A retry reuses it while it is intact and regenerates it, with the same prompts, seeds and
-    adapter version, when it is not. Under dynamic_sampling the step's extra generation rounds
-    are Rollouts too, kept in its `rounds` as they are drawn, so a retry reuses (or
-    regenerates) exactly them and draws no prompt twice."""
-
-    prompt_ids: list[list[int]]
-    step: int                                # PPOTrainer.step before the step: the sampling seeds' step index
-    version: int                             # the adapter version they are (to be) sampled with
-    cursor: Optional[tuple] = None           # the prompt cursor before this batch was drawn
-    generation: Optional[Generation] = None  # the replicas' ObjectRefs once submitted
-    # the global index of its first prompt (the sampling seeds' and group ids' index): dynamic
-    # sampling's round r starts at r * prompts_per_step, so no two rounds share a seed
-    index_offset: int = 0
-    # the dataset columns of its prompts that the reward functions take (first = index_offset),
-    # sent with its score call; None: none
-    columns: Optional[PromptColumns] = None
-    rounds: list["Rollouts"] = field(default_factory=list)  # dynamic_sampling: the extra rounds, in order
-    # dynamic_sampling under max_staleness >= 1: the rest of the batch's window, the indices in
-    # train()'s prompt list of the prompts its extra rounds take in order (_draw); empty in the
-    # synchronous step (they come from the cursor)
-    window: list[int] = field(default_factory=list)
-    # dynamic_sampling: (scores (B,), RewardStats) once fetched; a retry filters and trains on these
-    scored: Optional[tuple] = None
-
-    def batches(self) -> list["Rollouts"]:
-        """This batch and its extra rounds, in generation order."""
-        return [self, *self.rounds]
-
-    def forget(self) -> None:
-        """Sample every round again (a re-sync: what the generators sampled is not to be used)."""
-        for rollouts in self.batches():
-            rollouts.generation, rollouts.scored = None, None
-
-
-@dataclass
-class _Picked:
-    """dynamic_sampling's outcome (PPOTrainer._dynamic_sampling): the batch the step trains on
-    and what the driver reports of it."""
-
-    batch: object                              # ObjectRef of the selected RolloutBatch
-    scores: object                             # ObjectRef of its (B,) scores: the ones the filter saw
-    score_list: list[float]
-    generated_scores: list[float]              # every round's scores: all the policy generated
-    reward_stats: RewardStats                  # every round's score calls, joined
-    generated: GenerationSummary               # the selected rows; seconds of every round's generation
-    generated_tokens: int                      # response tokens of every round
-    summaries: list[GenerationSummary]         # every round's replicas (the stale-version check)
-    info: DynamicSampling
 
 
 @dataclass
@@ -172,12 +97,12 @@ class _Uncommitted:
 
 
 class PPOTrainer:
-    # The Ray actor class of each role kind (ppo_ray.placement.HOSTS); a subclass may name
+    # The Ray actor class of each role kind (ppo_ray.hosts.HOSTS); a subclass may name
     # subclasses of them.
     hosts: Mapping[str, type] = HOSTS
 
     def __init__(self, config: PPOConfig, *, run_dir: str | Path | None = None):
-        self.config = config
+        self._config = config
         # Everything that can fail cheaply fails before any actor starts.
         # the reward sources (RewardError naming one): its config.json refuses a causal LM here
         reward_fns = check_reward_sources(config.reward_model_name, config.reward_funcs, config.reward_weights,
@@ -229,23 +154,22 @@ class PPOTrainer:
         # The committed state: steps done, the adapter version every generator holds, and the
         # driver's copy of the learner's state (ObjectRefs in the object store, never pulled
         # here): a learner that dies is restored from it, checkpoint or not.
-        self.step = 0
-        self.version, weights_ref, self._learner_state = self.supervisor.run(
+        version, weights_ref, self._learner_state = self.supervisor.run(
             lambda _: self._first_state(), where="start", step=0, recover=self.roles.wait_for_actors)
         # LoRA weights of the committed version and of those that batches in flight were sampled
-        # with (max_staleness of them)
-        self._weights = {self.version: weights_ref}
+        # with (max_staleness of them): the pipeline keeps them
+        self.committed = Committed(step=0, version=version, weights={version: weights_ref})
         self.cursor = PromptCursor(config.seed)
         self._prompts_key: Optional[str] = None  # fingerprint of the list the cursor indexes
         self._prompt_ids: tuple[Optional[str], list[list[int]]] = (None, [])  # (fingerprint, its prompts encoded once)
-        self._prompt_columns: Optional[PromptColumns] = None  # the list's dataset columns the reward functions take
         self._cursor_from_checkpoint = False
-        # max_staleness >= 1: the next steps' batches, drawn and generating (step order), and the
-        # step train() runs to (no batch is drawn for a step past it)
-        self._inflight: deque[Rollouts] = deque()
-        self._target: Optional[int] = None
-        self._resyncs = 0  # re-syncs during the current step (StepResult.sync_resyncs)
-        self._probe_ids = sync_probe_prompts(self.tokenizer, config.seed, config.max_prompt_length)
+        # the sync guard (load, probe, the rollout check) and the rollout pipeline (the batches,
+        # their versions, those in flight); both read the committed state, neither changes it
+        self.guard = SyncGuard(config, self.roles, self.supervisor, self.metrics,
+                               sync_probe_prompts(self.tokenizer, config.seed, config.max_prompt_length),
+                               self.committed, recover=self._back_to_committed)
+        self.pipeline = Pipeline(config, self.roles, self.supervisor, self.committed, self.cursor,
+                                 load=self.guard.bring_generators_to)
         self._last_checkpoint = time.monotonic()
         # this run's history: a fresh run id, until restore() continues a checkpoint's
         self.lineage = Lineage.fresh()
@@ -260,6 +184,37 @@ class PPOTrainer:
         state = self.roles.learner_state()
         version, weights = self.roles.current_weights()
         return version, weights, state
+
+    # The committed state (ppo_ray.inflight.Committed, which the pipeline and the guard read).
+    @property
+    def step(self) -> int:
+        """Steps done (committed)."""
+        return self.committed.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.committed.step = value
+
+    @property
+    def version(self) -> int:
+        """The adapter version every generator holds: the committed policy's."""
+        return self.committed.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.committed.version = value
+
+    @property
+    def config(self) -> PPOConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: PPOConfig) -> None:
+        """A new config (from the next call on): the pipeline and the guard read it too."""
+        self._config = config
+        for part in (getattr(self, "pipeline", None), getattr(self, "guard", None)):
+            if part is not None:
+                part.config = config
 
     @property
     def retries(self) -> list[dict]:
@@ -295,38 +250,10 @@ class PPOTrainer:
         return encode_prompts(self.tokenizer, list(prompts), cfg.max_prompt_length, cfg.prompt_truncation,
                               chat_template=cfg.apply_chat_template)
 
-    def _drawn(self, indices: Sequence[int], first: int = 0) -> tuple[list[list[int]], Optional[PromptColumns]]:
-        """The encoded prompts of train()'s list at `indices` and their columns (the first for
-        group id `first`): a drawn batch's, so a batch drawn again gets the same."""
-        ids = self._prompt_ids[1]
-        columns = self._prompt_columns.take(indices, first) if self._prompt_columns is not None else None
-        return [ids[i] for i in indices], columns
-
-    def _submit(self, rollouts: Rollouts) -> Rollouts:
-        """1-2. Generate on every replica, not waited for. Each replica must hold
-        rollouts.version (else StateLostError)."""
-        rollouts.generation = self.roles.generate(rollouts.prompt_ids, rollouts.step, rollouts.version,
-                                                  samples_per_prompt=self.config.samples_per_prompt,
-                                                  segment_versions=self._segments(rollouts),
-                                                  segment_tokens=self.config.partial_rollout_tokens,
-                                                  index_offset=rollouts.index_offset)
-        return rollouts
-
-    def _segments(self, rollouts: Rollouts) -> Optional[list[int]]:
-        """partial_rollout continue: the adapter versions of a batch's successive segments of
-        partial_rollout_tokens tokens, from its own up to the one before its step's synchronous
-        version (which is loaded only as its step starts: waiting for it would put the tail
-        back on the step's path); a function of the step, like the batch's version. None
-        under finish."""
-        if self.config.partial_rollout != "continue":
-            return None
-        newest = self.version - (self.step - rollouts.step) - 1
-        return list(range(rollouts.version, max(rollouts.version, newest) + 1))
-
     def _run_step(self, current: Rollouts) -> StepResult:
         """One step, supervised: attempts until one reaches the commit point, then the
         committed step's sync. Under max_staleness k (in train()) the next k steps' batches
-        are drawn and generating while the learner trains (self._inflight, _fill).
+        are drawn and generating while the learner trains (ppo_ray.inflight.Pipeline.fill).
 
         Before the commit point an actor that dies (or comes back without its state) costs a
         retry of the step from the committed state: every learner is restored from the
@@ -336,7 +263,7 @@ class PPOTrainer:
         lost in the sync or the prefetch is restarted and brought to the committed version
         (and to those the batches in flight need)."""
         t_start = time.perf_counter()
-        self._resyncs = 0
+        self.guard.resyncs = 0
         while True:
             try:
                 step = self.supervisor.run(lambda _: self._until_commit(current, t_start), where="step",
@@ -348,52 +275,46 @@ class PPOTrainer:
                     # fails, and the learners go back to the committed state, so the trainer stays
                     # usable at its version (a learner may have stepped already).
                     self._restore_learners(best_effort=True)
-                if isinstance(error, LogprobGapError) and self.config.logprob_gap_check == "resync" \
-                        and not self._resyncs:
+                if self.guard.resamples(error):
                     # the rollouts came from a generator that does not hold the learner's policy:
                     # re-sync, check, and sample the step again (same prompts, seeds, version)
                     log.warning("%s: re-syncing the generators to version %d and sampling the step again",
                                 error, self.version)
-                    self._resync(self.version, list(range(len(self.roles.generators))))
-                    self._check_sync(self.version)
+                    self.guard.resync(self.version, list(range(len(self.roles.generators))))
+                    self.guard.check(self.version)
                     current.forget()
                     continue
                 raise
         self._commit(step)  # ---------------- the commit point: from here on the step is done
-        self._finish_prefetch()
+        self.pipeline.finish_prefetch()
         t_generation_done = time.perf_counter()
         loads = self._sync_generators(self.version)
         t_sync_done = time.perf_counter()
-        check = self._check_sync(self.version)
+        check = self.guard.check(self.version)
         return self._result(step, loads, check, t_generation_done, t_sync_done)
 
     def _until_commit(self, current: Rollouts, t_start: float) -> _Uncommitted:
         """Steps 1-11 up to the commit point: everything the step produces, nothing committed."""
-        roles = self.roles
+        roles, pipeline = self.roles, self.pipeline
         # 1-2. Rollouts (already in flight when prefetched or kept from a failed attempt).
-        if current.generation is None:
-            if current.version != self.version and not self.config.sync_capabilities.several_versions:
-                # the first batch after a resume under max_staleness 1: merged sync holds one
-                # version, so the batch's goes in first, and the committed one after it
-                self._regenerate_lost([current])
-            else:
-                self._submit(current)
-        parts = current.generation.parts
+        pipeline.start(current)
+        parts, pick = current.generation.parts, None
         # 4 first under dynamic_sampling: the rewards decide which rollouts the step trains on,
-        # and more rounds are generated until enough prompts' scores vary
-        picked = self._dynamic_sampling(current) if self.config.dynamic_sampling else None
+        # and more rounds are generated until enough prompts' scores vary; the actors take the
+        # picked rows from the rounds' batches (pick: their indices)
+        picked: Optional[Picked] = pipeline.dynamic_sampling(current) if self.config.dynamic_sampling else None
         if picked is not None:
-            parts = [picked.batch]
+            parts, pick = picked.parts, picked.pick
         # 3-4. Reference logprobs and rewards, concurrently, straight from the object store.
-        ref_logprobs, reference_stats = roles.reference_logprobs(parts)
+        ref_logprobs, reference_stats = roles.reference_logprobs(parts, pick=pick)
         scores, reward_stats = (picked.scores, None) if picked is not None \
             else roles.score(parts, current.step, current.columns)
         # 5-11 in the learner, with its old logprobs (step 2) and KL_t (step 3): values, rewards, GAE, PPO.
         limit = self.config.max_staleness
         update = roles.update(ref_logprobs, scores, parts, expected_version=self.version, max_staleness=limit,
-                              planned_steps=self.planned_steps, gap_limit=self.config.logprob_gap_limit)
-        self._fill(current)  # max_staleness: the next steps generate while the learner trains
-        queue_depth = len(self._inflight)
+                              planned_steps=self.planned_steps, gap_limit=self.config.logprob_gap_limit, pick=pick)
+        pipeline.fill(current)  # max_staleness: the next steps generate while the learner trains
+        queue_depth = len(pipeline.inflight)
 
         summaries: list[GenerationSummary] = (picked.summaries if picked is not None
                                               else roles.fetch(current.generation.summaries))
@@ -411,280 +332,23 @@ class PPOTrainer:
             generated, score_list = GenerationSummary.join(summaries), scores.tolist()
             generated_tokens = sum(generated.lengths)
         t_update_done = time.perf_counter()
-        self._check_logprob_gap(stats)
+        self.guard.check_rollouts(stats)
         return _Uncommitted(current, generated, stats, update, score_list, reward_stats, reference_stats, t_start,
                             t_update_done, queue_depth, generated_tokens, picked.info if picked is not None else None,
                             picked.generated_scores if picked is not None else None)
 
-    def _dynamic_sampling(self, current: Rollouts) -> _Picked:
-        """DAPO's dynamic sampling (config dynamic_sampling; Yu et al. 2025, section 3.2): score
-        the step's batch, keep the groups whose scores vary (learner.algos.varying_groups),
-        and while fewer than the batch's prompts vary and dynamic_sampling_max_rounds allows,
-        draw the next prompts of the cursor (train() only: ppo_step's caller gave its prompts),
-        generate (seeds of their own: Rollouts.index_offset) and score them. The step trains on
-        the first varying groups in generation order, filled up with the first constant ones
-        when the cap leaves too few (pick_groups); the driver builds that batch from the rounds'
-        batches and puts it, with the scores the filter saw, into the object store.
-
-        Each round is recorded in current.rounds as it is drawn, and its scores once fetched,
-        so a retry after an actor's death reuses them (a lost generation is regenerated by
-        _recover, identically) and draws only the rounds the first attempt had not reached: the
-        retried step trains on the same rollouts, and the cursor holds every prompt drawn once."""
-        cfg, roles = self.config, self.roles
-        wanted = len(current.prompt_ids)
-        batches: list[RolloutBatch] = []    # per round, its rollouts (rows in prompt order)
-        positions: list[list[int]] = []     # per round, each row's group: its position in the round
-        varies: list[bool] = []             # per group generated, in generation order
-        for r in range(cfg.dynamic_sampling_max_rounds + 1):
-            if r > len(current.rounds):
-                if current.cursor is None:
-                    break  # ppo_step(prompts): no cursor to draw more from
-                current.rounds.append(self._draw_round(current, r))  # recorded before anything can fail
-            rollouts = current.batches()[r]
-            if rollouts.generation is None:
-                if r and self._windowed:
-                    # the batch's version may be one the generators never loaded as an adapter
-                    # (0, the base model, until the first sync): load what batches in flight need
-                    self._bring_generators_to(self._needed())
-                self._submit(rollouts)
-            if rollouts.scored is None:
-                rollouts.scored = tuple(roles.fetch(list(roles.score(rollouts.generation.parts, rollouts.step,
-                                                                     rollouts.columns))))
-            batch = RolloutBatch.cat(roles.fetch(rollouts.generation.parts))
-            rows_vary = varying_groups(rollouts.scored[0], batch.groups).tolist()  # (B,)
-            position = _group_positions(batch.groups.tolist())
-            flags = [False] * (max(position) + 1)
-            for row, group in enumerate(position):
-                flags[group] = rows_vary[row]
-            batches.append(batch)
-            positions.append(position)
-            varies += flags
-            if sum(varies) >= wanted:
-                break
-        rounds = current.batches()[:len(batches)]
-        unused = current.rounds[len(batches) - 1:]
-        if unused and unused[0].cursor is not None:
-            # a retry that needs fewer rounds than an earlier attempt drew (a re-sync changed its
-            # samples): the prompts of the rounds it does not use go back to the cursor
-            self.cursor.set_state(unused[0].cursor)
-            del current.rounds[len(batches) - 1:]
-        chosen, filled = pick_groups(varies, wanted)
-        chosen = set(chosen)
-        # the chosen groups' rows, round by round: the step's batch, in generation order
-        parts, scores, picked_rows, first_group, first_row = [], [], [], 0, 0
-        for batch, position, rollouts in zip(batches, positions, rounds):
-            rows = [i for i, g in enumerate(position) if first_group + g in chosen]
-            if rows:
-                parts.append(batch.select(rows))
-                scores.append(rollouts.scored[0][rows])
-                picked_rows += [first_row + i for i in rows]
-            first_group += max(position) + 1
-            first_row += len(batch)
-        per_round = [roles.fetch(rollouts.generation.summaries) for rollouts in rounds]
-        summaries = [s for replicas in per_round for s in replicas]
-        joined = GenerationSummary.join(summaries)
-        # each round's replicas run at once (its slowest one's seconds); the rounds one after another
-        generated = replace(joined.select(picked_rows), seconds=sum(max(s.seconds for s in r) for r in per_round))
-        selected_scores = torch.cat(scores)  # (B,)
-        return _Picked(batch=roles.store(RolloutBatch.cat(parts)), scores=roles.store(selected_scores),
-                       score_list=selected_scores.tolist(),
-                       generated_scores=torch.cat([r.scored[0] for r in rounds]).tolist(),
-                       reward_stats=RewardStats.join([r.scored[1] for r in rounds], [len(b) for b in batches]),
-                       generated=generated, generated_tokens=sum(joined.lengths), summaries=summaries,
-                       info=DynamicSampling(rounds=len(batches), kept_frac=sum(varies) / len(varies), filled=filled))
-
-    def _draw_round(self, current: Rollouts, r: int) -> Rollouts:
-        """dynamic_sampling's extra round `r` (>= 1) of the step of `current`: as many prompts as
-        the step's, sampled with its step's seeds at the global indices r * len(current.prompt_ids)
-        + i and with its version. The synchronous step draws them from the cursor; under
-        max_staleness >= 1 they are the next ones of the batch's window (_draw), so that no
-        batch's draws wait for, or depend on, another batch's scores."""
-        n = len(current.prompt_ids)
-        cursor = None
-        if self._windowed:
-            drawn = current.window[(r - 1) * n:r * n]
-        else:
-            cursor = self.cursor.state()
-            drawn = self.cursor.draw(len(self._prompt_ids[1]), n)
-        prompts, columns = self._drawn(drawn, first=r * n)
-        return Rollouts(prompts, step=current.step, version=current.version, index_offset=r * n, cursor=cursor,
-                        columns=columns)
-
-    @property
-    def _windowed(self) -> bool:
-        """dynamic_sampling with batches in flight (max_staleness >= 1): each batch draws its
-        window of (1 + dynamic_sampling_max_rounds) x prompts_per_step prompts at once."""
-        return self.config.dynamic_sampling and self.config.max_staleness >= 1
-
     def _commit(self, step: _Uncommitted) -> None:
         """The step's one commit point: the step count, the version, the learner's state."""
         new_version = step.stats.version
-        self._weights[new_version] = step.update.weights
-        self._weights = {v: w for v, w in self._weights.items() if v >= new_version - self.config.max_staleness}
+        self.pipeline.keep(new_version, step.update.weights)
         self.step += 1
         self.version = new_version
         self._learner_state = step.update.state
 
-    def _finish_prefetch(self) -> None:
-        """Before the sync: wait for the batches in flight whose adapter version the sync
-        retires (merged sync holds one version: all of them; adapter and tensor sync keep every
-        version a batch in flight needs: none); the sync queues behind them anyway. Lost ones
-        are regenerated with the version they were sampled with."""
-        for rollouts in [r for r in self._inflight if r.version < self._keep_from(self.version)]:
-            self.supervisor.run(lambda _, r=rollouts: self.roles.fetch(r.generation.summaries), where="prefetch",
-                                step=self.step, recover=lambda: self._regenerate_lost([], hold=False))
-
-    # ------------------------------------------------------------------ batches in flight (max_staleness)
-    def _version_for(self, step: int) -> int:
-        """The adapter version the batch of step index `step` (0-based: the sampling seeds' step)
-        is sampled with: max_staleness versions before the one its step trains, never below
-        the first. A function of the step alone, so a lost or resumed batch is generated
-        again exactly."""
-        rule = max(0, self.version - (self.step - step) - self.config.max_staleness)
-        # a run resumed with a larger max_staleness than its checkpoint's has no older adapters
-        return max(rule, min(self._weights))
-
-    def _keep_from(self, version: int) -> int:
-        """The oldest adapter version the generators keep once `version` is loaded: the oldest a
-        batch in flight can need (merged sync holds one: `version` itself)."""
-        return self.config.sync_capabilities.oldest_kept(version, self.config.max_staleness)
-
-    def _needed(self) -> dict:
-        """{version: weights} the generators must hold: the committed one and, with adapter or
-        tensor sync, every one a batch in flight was sampled with."""
-        keep = self._keep_from(self.version)
-        return {v: w for v, w in self._weights.items() if v >= keep}
-
-    def _fill(self, current: Rollouts) -> None:
-        """train() under max_staleness k: draw and submit the batches of the next k steps (up
-        to train()'s last) that are not in flight yet, each with its version (_version_for)."""
-        if self._target is None:
-            return
-        last = self._inflight[-1].step if self._inflight else current.step
-        for step in range(last + 1, min(self._target, current.step + self.config.max_staleness + 1)):
-            self._inflight.append(self._submit(self._draw(step)))
-
-    def _regenerate_lost(self, also: list[Rollouts], hold: bool = True) -> None:
-        """After a failure: every batch of `also` and of those in flight whose generation was
-        lost is generated again (same prompts, seeds and version), oldest first; then (`hold`)
-        every generator holds the versions the committed state needs (not before the sync,
-        which loads the new one). A merged-sync generator holds one version: it is given each
-        lost batch's before that batch is submitted (its calls run in order)."""
-        self.roles.wait_for_actors()
-        for rollouts in [r for batch in [*also, *self._inflight] for r in batch.batches()]:
-            if self.roles.intact(rollouts.generation):
-                continue
-            if not self.config.sync_capabilities.several_versions:
-                self._bring_generators_to({rollouts.version: self._weights[rollouts.version]})
-            else:
-                self._bring_generators_to(self._needed())
-            self._submit(rollouts)
-        if hold:
-            self._bring_generators_to(self._needed())  # queued behind those generations
-
-    def _bring_generators_to(self, weights: dict) -> None:
-        """Roles.bring_generators_to, then the sync check of every version it loaded, on the
-        replicas that loaded it, before they sample with it (_check_loaded)."""
-        for version, replicas in sorted(self.roles.bring_generators_to(weights).items()):
-            self._check_loaded(version, replicas)
-
-    def _check_loaded(self, version: int, replicas: list[int]) -> None:
-        """The sync check of `version` loaded again into generator `replicas` (a restarted
-        replica, a resume): older than the learner's version (one a batch in flight needs), the
-        learner scores the probe with that version's adapter, which the driver holds
-        (Learner.sync_gap). No step is reported for it; a gap over logprob_gap_limit is, by
-        logprob_gap_check, loaded again and checked once more (resync), an error, or a warning.
-        Unsupervised: it runs inside a supervised place's recovery or attempt, whose failure
-        handling covers it."""
-        cfg = self.config
-        if cfg.logprob_gap_check == "off":
-            return
-        gens = [self.roles.generators[i] for i in replicas]
-        weights = None if version == self.version else self._weights[version]
-        for again in (False, True):
-            gaps = self.roles.sync_gaps(self._probe_ids, version, weights=weights, generators=gens)
-            bad = [i for i, g in zip(replicas, gaps) if g > cfg.logprob_gap_limit]
-            if not bad:
-                return
-            self.metrics.record_logprob_gap(cfg.lora_sync_mode)
-            message = (f"after step {self.step}: generator replica(s) {bad}, given adapter version {version} again, "
-                       f"compute logprobs up to {max(gaps):.3g} nats away from the learner's with that version "
-                       f"(logprob_gap_tolerance {cfg.logprob_gap_limit:g} for {cfg.dtype}, "
-                       f"lora_sync={cfg.lora_sync_mode}): the load did not deliver it")
-            if cfg.logprob_gap_check == "warn":
-                log.warning(message)
-                return
-            if cfg.logprob_gap_check == "error" or again:
-                raise LogprobGapError(message + ("; it persists after loading it again" if again else ""))
-            log.warning("%s; loading it again", message)
-            self._resyncs += 1
-            gens = [self.roles.generators[i] for i in bad]
-            replicas = bad
-            self.roles.load_adapter(version, self._weights[version], restore=True, generators=gens)
-
     def _sync_generators(self, version: int) -> list[SyncReport]:
-        """The committed LoRA goes from the learner's object store entry to every replica; a
-        replica that dies here is restarted and given it."""
-        weights = self._weights[version]
-        # max_staleness with adapter or tensor sync: first retire the versions no batch in flight
-        # needs (otherwise the load replaces the previous version once it is in place)
-        keep = self._keep_from(version)
-        loads = self.supervisor.run(lambda attempt: self.roles.load_adapter(version, weights, restore=attempt > 0,
-                                                                            retire_below=keep if keep < version else None),
-                                    where="sync", step=self.step, recover=self.roles.wait_for_actors)
-        bad = [r.version for r in loads if r.version != version]
-        if bad:
-            raise StaleAdapterError(f"generators report adapter versions {bad} after loading {version}")
-        return loads
-
-    def _check_sync(self, version: int) -> SyncCheck:
-        """The sync check, after every sync in every mode: each generator samples the fixed
-        probe prompts (sync_probe_prompts) with the version it just loaded, untruncated at the
-        PPO temperature, and the learner at the same version recomputes those tokens'
-        logprobs (Roles.sync_gaps). The largest gap within logprob_gap_limit passes, with or
-        without is_correction: the probe is small and fixed (4 prompts x PROBE_NEW_TOKENS), so
-        its largest gap does not grow with the run's responses as the rollouts' does, and it
-        is what catches a lost or corrupted sync when is_correction relaxes the rollout check
-        (_check_logprob_gap). Beyond it, logprob_gap_check decides: resync (the default) loads
-        the version again into the replicas that failed (a new adapter, or merged weights
-        rebuilt from the base) and checks again, and a gap that persists is a
-        LogprobGapError; error raises at once; warn logs it. Either way the step's gap is
-        reported (StepResult.sync_probe_gap)."""
-        cfg = self.config
-        if cfg.logprob_gap_check == "off":
-            return SyncCheck(math.nan, 0.0)
-        t0 = time.perf_counter()
-        resyncs = 0
-        while True:
-            # a generator or the learner lost during the check comes back in the committed state
-            gaps = self.supervisor.run(lambda _: self.roles.sync_gaps(self._probe_ids, version), where="sync check",
-                                       step=self.step, recover=self._back_to_committed)
-            gap = max(gaps)
-            if gap <= cfg.logprob_gap_limit:
-                return SyncCheck(gap, time.perf_counter() - t0)
-            bad = [i for i, g in enumerate(gaps) if g > cfg.logprob_gap_limit]
-            self.metrics.record_logprob_gap(cfg.lora_sync_mode)
-            message = (f"after step {self.step}: generator replica(s) {bad} compute logprobs up to {gap:.3g} nats "
-                       f"away from the learner's at the same adapter version {version} (logprob_gap_tolerance "
-                       f"{cfg.logprob_gap_limit:g} for {cfg.dtype}, lora_sync={cfg.lora_sync_mode}): the sync did not "
-                       "deliver the learner's policy")
-            if cfg.logprob_gap_check == "warn":
-                log.warning(message)
-                return SyncCheck(gap, time.perf_counter() - t0)
-            if cfg.logprob_gap_check == "error" or resyncs:
-                raise LogprobGapError(message + ("; it persists after a re-sync" if resyncs else ""))
-            log.warning("%s; re-syncing them", message)
-            self._resync(version, bad)
-            resyncs += 1
-
-    def _resync(self, version: int, replicas: list[int]) -> None:
-        """Load `version` again into generator `replicas` (a new adapter registration, or the
-        merged weights rebuilt from the base)."""
-        self._resyncs += 1
-        gens = [self.roles.generators[i] for i in replicas]
-        self.supervisor.run(lambda _: self.roles.load_adapter(version, self._weights[version], restore=True,
-                                                              generators=gens),
-                            where="sync", step=self.step, recover=self._back_to_committed)
+        """The committed LoRA into every replica (SyncGuard.sync), first retiring the versions no
+        batch in flight needs."""
+        return self.guard.sync(version, keep=self.pipeline.keep_from(version))
 
     def _result(self, step: _Uncommitted, loads: list[SyncReport], check: SyncCheck, t_generation_done: float,
                 t_sync_done: float) -> StepResult:
@@ -712,58 +376,10 @@ class PPOTrainer:
             rewards=step.scores, generated_rewards=step.generated_scores, learner=stats,
             reward_parts=step.reward_stats.parts(), adapter_version=self.version,
             timing=timing, lora_sync_bytes=loads[0].nbytes, response_lengths=generated.lengths,
-            sync_probe_gap=check.gap, sync_resyncs=self._resyncs,
+            sync_probe_gap=check.gap, sync_resyncs=self.guard.resyncs,
             # tokens and FLOPs per second of the generation and the learner (StepResult.rates)
             **StepResult.rates(timing, stats, step.generated_tokens),
             queue_depth=float(step.queue_depth), dynamic_sampling=step.dynamic)
-
-    def _check_logprob_gap(self, stats: LearnerStats) -> None:
-        """The generator and the learner must give a sampled token the same logprob at the
-        same version (stale rollouts in overlap mode report NaN: another policy by design).
-        Without is_correction the largest gap of one token is held to logprob_gap_tolerance
-        (under top_p < 1, plus log(1 / top_p) for the few tokens at the nucleus's edge). With
-        it, the share of tokens whose ratio is outside the correction's band [1/is_cap, is_cap]
-        (is_outside_frac) is held to logprob_gap_outside_tolerance: the correction absorbs a
-        mismatch that moves a few tokens far, and the largest gap of one token grows with the
-        number of tokens (long bfloat16 responses). A lost or corrupted
-        sync is still caught by the sync check's probe (_check_sync), whose rule is the
-        largest gap whatever is_correction is.
-        A sampled token that the learner's top-k/top-p truncation drops has no logprob to
-        compare; such tokens count too: beyond TRUNCATED_TOKENS_LIMIT of the step's tokens
-        the two truncations disagree by more than a tie at the boundary explains."""
-        cfg = self.config
-        gap = stats.gen_logprob_max_abs_diff
-        if cfg.logprob_gap_check == "off" or not math.isfinite(gap):
-            return
-        outside = stats.truncated_tokens
-        if cfg.is_correction == "none":
-            # Under top_p < 1, where the cumulative probability meets top_p within rounding the
-            # learner and vLLM can keep nuclei that differ by one edge token: the sampled token's
-            # logprob is then renormalised over masses that differ by that token's, at most
-            # log(1 / top_p) more. Such tokens count with the ones outside the learner's support.
-            edge = -math.log(cfg.top_p) if cfg.top_p < 1 else 0.0
-            close = gap <= cfg.logprob_gap_limit + edge
-            if edge:
-                outside += stats.gen_logprob_gap_tokens
-            how = (f"by up to {gap:.3g} nats (logprob_gap_tolerance {cfg.logprob_gap_limit:g} for {cfg.dtype}"
-                   + (f", plus up to {edge:.3g} at the top_p edge on at most {TRUNCATED_TOKENS_LIMIT:.0%} of the "
-                      f"tokens: {stats.gen_logprob_gap_tokens:.0f} over the tolerance)" if edge else ")"))
-        else:
-            close = stats.is_outside_frac <= cfg.logprob_gap_outside_tolerance
-            how = (f"by more than a factor is_cap {cfg.is_cap:g} on {stats.is_outside_frac:.1%} of its tokens "
-                   f"(is_correction {cfg.is_correction}: logprob_gap_outside_tolerance "
-                   f"{cfg.logprob_gap_outside_tolerance:.1%}; largest gap {gap:.3g} nats)")
-        if close and outside / max(stats.tokens, 1.0) <= TRUNCATED_TOKENS_LIMIT:
-            return
-        message = (f"step {self.step + 1}: the generator's logprobs of its own samples differ from the learner's "
-                   f"at the same adapter version {self.version} {how}, and {stats.truncated_tokens:.0f} of its "
-                   f"{stats.tokens:.0f} sampled tokens are outside the learner's top-k/top-p support (at most "
-                   f"{TRUNCATED_TOKENS_LIMIT:.0%}), lora_sync={cfg.lora_sync_mode}: the rollouts came from another policy "
-                   "(stale KV cache? a lost sync?)")
-        self.metrics.record_logprob_gap(cfg.lora_sync_mode)
-        if cfg.logprob_gap_check in ("error", "resync"):  # resync: _run_step re-syncs and samples again
-            raise LogprobGapError(message)
-        log.warning(message)
 
     # ------------------------------------------------------------------ evaluation
     def generate(self, prompts: Sequence[str] | Sequence[dict], seed_step: int = SAMPLING_SEED_STEP, *,
@@ -807,7 +423,7 @@ class PPOTrainer:
         object store: no storage shared with the learner's node is needed)."""
         from ppo_ray.modeling import write_lora_adapter
 
-        weights = self.supervisor.run(lambda _: self.roles.fetch(self._weights[self.version]), where="adapter",
+        weights = self.supervisor.run(lambda _: self.roles.fetch(self.committed.weights[self.version]), where="adapter",
                                       step=self.step, recover=self._back_to_committed)
         return write_lora_adapter(path, weights, base_model=self.model_dir)
 
@@ -823,8 +439,7 @@ class PPOTrainer:
                                             step=self.step, recover=self._back_to_committed)
         # max_staleness: the next steps' batches are drawn (and generating); a resumed run draws
         # them again and samples them with the versions they were sampled with, kept here
-        order, rng = self._inflight[0].cursor if self._inflight else self.cursor.state()
-        behaviour = {v: w for v, w in self._weights.items() if v < self.version}
+        (order, rng), behaviour = self.pipeline.checkpoint()
         if behaviour:
             behaviour = dict(zip(behaviour, self.supervisor.run(lambda _: self.roles.fetch(list(behaviour.values())),
                                                                 where="checkpoint", step=self.step,
@@ -851,35 +466,36 @@ class PPOTrainer:
         abandons: moved to checkpoints/abandoned/ (ppo_ray.checkpoint.branch_from), and their
         metric lines beside them when train() starts. Fields of this trainer's config that
         differ from the checkpoint's are named in the log and apply from the next step; the
-        restored state never shadows them (_apply_changes)."""
+        restored state never shadows them (ppo_ray.checkpoint.apply_changes)."""
         ckpt = resolve_checkpoint(path)
         if self.run_dir is not None:
             check_own_lineage(ckpt, self.run_dir)
         ckpt, learner_state, state = load_checkpoint(ckpt, self.config, run_dir=self.run_dir)
         saved = resumed_config(ckpt, self.run_dir or ckpt.parent.parent)
-        learner_state = self._apply_changes(ckpt, saved, learner_state)
+        learner_state = apply_changes(self.config, ckpt, saved, learner_state)
         self._learner_state = self.roles.store(learner_state)
 
         def load(attempt: int) -> int:  # a redo re-forms the learner group (a restarted member left it)
             version = self.roles.restore_learners(self._learner_state, reform=attempt > 0)[0]
-            self._weights = {v: self.roles.store(w) for v, w in state["behaviour"].items()}
-            self._weights[version] = self.roles.store(learner_state.policy)
+            self.pipeline.restore({v: self.roles.store(w) for v, w in state["behaviour"].items()}, version,
+                                  self.roles.store(learner_state.policy))
             self.version, self.step = version, int(state["step"])
             # the generators start afresh at the checkpoint's versions: its own and (max_staleness)
             # those of the batches that were in flight
-            oldest = min(self._needed())
-            self.roles.load_adapter(oldest, self._weights[oldest], restore=True, retire_below=oldest)
-            if len(self._needed()) > 1:
-                self.roles.bring_generators_to(self._needed())
+            needed = self.pipeline.needed()
+            oldest = min(needed)
+            self.roles.load_adapter(oldest, needed[oldest], restore=True, retire_below=oldest)
+            if len(needed) > 1:
+                self.roles.bring_generators_to(needed)
             every = list(range(len(self.roles.generators)))
-            for held in sorted(self._needed())[:-1]:  # the batches in flight's (the newest: _check_sync)
-                self._check_loaded(held, every)
+            for held in sorted(needed)[:-1]:  # the batches in flight's (the newest: the sync check)
+                self.guard.check_loaded(held, every)
             return version
 
         self.supervisor.run(load, where="restore", step=int(state["step"]), recover=self.roles.wait_for_actors)
-        self._check_sync(self.version)
+        self.guard.check(self.version)
         self.cursor.set_state((state["order"], state["data_rng"]))
-        self._inflight.clear()
+        self.pipeline.inflight.clear()
         self._prompts_key = state.get("prompts_sha256")
         self._cursor_from_checkpoint = self._prompts_key is not None
         self.lineage = Lineage.after(ckpt)
@@ -891,31 +507,6 @@ class PPOTrainer:
         log.info("resumed from %s (step %d, adapter version %d)", ckpt, self.step, self.version)
         return ckpt
 
-    def _apply_changes(self, ckpt: Path, saved: PPOConfig, state):
-        """Name the fields of this trainer's config that differ from the checkpoint's (they
-        apply from the next step) and keep the restored state from shadowing them: the
-        learning rates and schedule kind are the config's (Learner.load_state_dict), a fixed
-        kl_coef is the config's, and an adaptive KL controller (kl_target) continues from the
-        checkpoint's coefficient unless this run gives another kl_coef or another kl_target
-        (then it starts from kl_coef). Returns the state to restore."""
-        changes = [(k, a, b) for k, a, b in config_changes(saved, self.config) if k != "steps"]  # steps: _plan_steps
-        if not changes:
-            return state
-        notes = {"learning_rate": "the policy's schedule keeps its position", "lr_scheduler": "from its current tick",
-                 "value_learning_rate": "the value model's schedule keeps its position"}
-        adaptive = self.config.kl_target is not None and state.kl_coef is not None
-        if adaptive and (saved.kl_target is None or saved.kl_coef != self.config.kl_coef
-                         or saved.kl_target != self.config.kl_target):
-            notes["kl_coef"] = notes["kl_target"] = (f"the adaptive KL controller starts from kl_coef "
-                                                     f"{self.config.kl_coef:g}, not the checkpoint's {state.kl_coef:.6g}")
-            state = replace(state, kl_coef=None)
-        elif saved.kl_target is not None and self.config.kl_target is None:
-            notes["kl_target"] = (f"kl_coef is fixed at {self.config.kl_coef:g} from now on (the checkpoint's "
-                                  f"adaptive coefficient was {state.kl_coef if state.kl_coef is not None else '?'})")
-        log.warning("resuming from %s with changes to its config, applied from the next step: %s", ckpt, "; ".join(
-            f"{k} {a!r} -> {b!r}" + (f" ({notes[k]})" if k in notes else "") for k, a, b in changes))
-        return state
-
     def _recover(self, current: Rollouts) -> None:
         """Back to the committed state after a failure before the commit point: wait for the
         restarts, re-form the learner group, restore every learner from the committed state
@@ -923,7 +514,7 @@ class PPOTrainer:
         step's rollouts if they were lost."""
         self.roles.wait_for_actors()
         self._restore_learners()
-        self._regenerate_lost([current])  # same prompts, seeds and version: the same samples (every round)
+        self.pipeline.regenerate_lost([current])  # same prompts, seeds and version: the same samples (every round)
 
     def _back_to_committed(self) -> None:
         """Back to the committed state after a failure outside a step (the sync check, an
@@ -933,7 +524,7 @@ class PPOTrainer:
         committed version (a restarted one is on the base model)."""
         self.roles.wait_for_actors()
         self._restore_learners()
-        self._bring_generators_to(self._needed())
+        self.guard.bring_generators_to(self.pipeline.needed())
 
     def _restore_learners(self, best_effort: bool = False) -> None:
         """Every learner back to the committed state. best_effort: on the way out of a failed
@@ -949,23 +540,6 @@ class PPOTrainer:
             log.exception("could not put the learners back to the committed state after a failed step")
 
     # ------------------------------------------------------------------ many steps
-    def _draw(self, step: int) -> Rollouts:
-        """The next config.prompts_per_step prompts (of train()'s list, encoded once: batch_size
-        rollouts of samples_per_prompt samples each), as the rollouts of step index `step`
-        (0-based), to be sampled with its version (_version_for). Under dynamic_sampling with
-        max_staleness >= 1 the batch draws its whole window: (1 + dynamic_sampling_max_rounds)
-        x prompts_per_step consecutive prompts of the cursor, the first prompts_per_step its
-        first round, the rest its extra rounds' in order (_draw_round); the prompts of a window
-        that its batch does not reach are not trained on in this epoch. The window, like the
-        batch, is a function of the cursor before it: a resumed or retried run draws the same."""
-        cursor = self.cursor.state()
-        n = self.config.prompts_per_step
-        width = n * (1 + self.config.dynamic_sampling_max_rounds) if self._windowed else n
-        drawn = self.cursor.draw(len(self._prompt_ids[1]), width)
-        prompts, columns = self._drawn(drawn[:n])
-        return Rollouts(prompts, step=step, version=self._version_for(step), cursor=cursor, window=drawn[n:],
-                        columns=columns)
-
     def _checkpoint_due(self) -> bool:
         cfg = self.config
         by_steps = bool(cfg.checkpoint_every) and self.step % cfg.checkpoint_every == 0
@@ -985,7 +559,7 @@ class PPOTrainer:
         key = prompts_fingerprint(rows)
         if self._prompt_ids[0] != key:
             self._prompt_ids = (key, self._encode(rows.texts))
-        self._prompt_columns = self._columns(rows)
+        self.pipeline.prompt_ids, self.pipeline.prompt_columns = self._prompt_ids[1], self._columns(rows)
         if self._prompts_key is not None and self._prompts_key != key:
             if self._cursor_from_checkpoint:
                 raise CheckpointError(f"train() got a different prompt list ({len(prompts)} prompts) from the one "
@@ -1026,17 +600,17 @@ class PPOTrainer:
                              config=self.config.to_dict(), run_tag=self.namespace,
                              adaptive_kl=self.config.kl_target is not None, aside=self._abandoned, lock=self._lock)
         self._last_checkpoint = time.monotonic()
-        self._target = target
+        self.pipeline.target = target
         try:
             while self.step < target:
-                current = self._inflight.popleft() if self._inflight else self._draw(self.step)
+                current = self.pipeline.next()
                 before = self.step
                 try:
                     result = self._run_step(current)
                 except BaseException:
                     # the batches drawn for what did not happen are drawn again next time
                     if self.step == before:
-                        self._inflight.appendleft(current)
+                        self.pipeline.put_back(current)
                     raise
                 if self._eval_due(result.step, target):
                     self._evaluate(result, evaluate, eval_prompts, runlog)
@@ -1049,10 +623,8 @@ class PPOTrainer:
                 self.save_checkpoint()
         finally:
             runlog.close()
-            self._target = None
-            if self._inflight:  # a stopped run: the batches in flight are drawn again next time
-                self.cursor.set_state(self._inflight[0].cursor)
-                self._inflight.clear()
+            self.pipeline.target = None
+            self.pipeline.stop()  # a stopped run: the batches in flight are drawn again next time
         return history
 
     def _plan_steps(self, steps: int, why: str) -> None:
@@ -1129,31 +701,3 @@ class PPOTrainer:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
-
-
-def pick_groups(varies: Sequence[bool], wanted: int) -> tuple[list[int], int]:
-    """dynamic_sampling's choice among the groups generated, flagged in generation order
-    (`varies`: the group's scores vary): the positions of the groups the step trains on,
-    ascending (generation order), and how many of them do not vary. The first `wanted` varying
-    groups (DAPO discards the varying groups beyond them); when fewer vary, every varying group
-    and the first constant ones, up to `wanted` (under a group baseline a constant group's
-    advantage is its KL term alone, so the fill adds no policy-gradient signal, and the batch
-    keeps its size)."""
-    if len(varies) < wanted:
-        raise ValueError(f"pick_groups: {len(varies)} groups generated, {wanted} wanted")
-    keep = [i for i, v in enumerate(varies) if v][:wanted]
-    fill = [i for i, v in enumerate(varies) if not v][:wanted - len(keep)]
-    return sorted(keep + fill), len(fill)
-
-
-def _group_positions(groups: list[int]) -> list[int]:
-    """Each row's group as its position among the batch's groups in order of first appearance
-    (group ids, not row order, say which rows are one prompt's samples)."""
-    order: dict[int, int] = {}
-    return [order.setdefault(g, len(order)) for g in groups]
-
-
-# The rollout check's share of sampled tokens that the learner's truncation may drop: a token
-# at the top-k/top-p boundary can flip sides by rounding (rare: well under 1e-3 of the tokens
-# in float32), while a generator holding another policy samples many outside the support.
-TRUNCATED_TOKENS_LIMIT = 0.01

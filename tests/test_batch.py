@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ppo_ray.batch import RolloutBatch, TrimPlan, pad_rows
+from ppo_ray.batch import RolloutBatch, RowPick, TrimPlan, gather, pad_rows
 
 PAD, EOS = 9, 8
 
@@ -118,3 +118,33 @@ def test_token_versions_follow_the_rows_and_columns():
     with pytest.raises(ValueError, match=r"token_versions must be a \(B, T\)"):
         RolloutBatch(got.prompt_ids, got.prompt_mask, got.response_ids, got.response_mask, got.gen_logprobs, 2,
                      PAD, EOS, token_versions=torch.zeros(2, 1, dtype=torch.long))
+
+
+def test_a_row_pick_takes_the_named_rows_of_each_round_in_order():
+    """Dynamic sampling names the rows a step trains on by index (RowPick): the actor that
+    takes the rounds' replica batches builds the batch from them. Each picked row is the row of
+    its round at that index, token for token (widths re-padded to the picked rows'), rounds in
+    order; a pick that does not fit the parts it is given is refused, naming the counts."""
+    def part(prompts, responses, groups):
+        return RolloutBatch.from_tokens(prompts, responses, pad_token_id=9, eos_token_id=0, groups=groups,
+                                        gen_logprobs=[[-0.5 * (i + 1)] * len(r) for i, r in enumerate(responses)],
+                                        responses=[str(r) for r in responses], finish_reasons=["stop"] * len(groups))
+
+    round0 = [part([[1, 2], [3]], [[4, 0], [5, 6, 0]], [0, 0]), part([[7]], [[8, 8, 8, 0]], [1])]
+    round1 = [part([[2, 2, 2]], [[3, 0]], [2]), part([[4], [5, 5]], [[6], [7, 0]], [3, 3])]
+    pick = RowPick(parts=(2, 2), rows=((2, 0), (1, 2)))
+    got = pick.apply(round0 + round1)
+    assert len(pick) == 4 and len(got) == 4
+    want = [(RolloutBatch.cat(round0), 2), (RolloutBatch.cat(round0), 0), (RolloutBatch.cat(round1), 1),
+            (RolloutBatch.cat(round1), 2)]
+    for row, (batch, i) in enumerate(want):
+        for name in ("prompt_ids", "response_ids", "gen_logprobs"):
+            mask = batch.prompt_mask if name == "prompt_ids" else batch.response_mask
+            got_mask = got.prompt_mask if name == "prompt_ids" else got.response_mask
+            assert getattr(got, name)[row][got_mask[row]].tolist() == getattr(batch, name)[i][mask[i]].tolist()
+    assert got.groups.tolist() == [1, 0, 3, 3] and got.responses == ["[8, 8, 8, 0]", "[4, 0]", "[6]", "[7, 0]"]
+    assert gather(round0) is not None and len(gather(round0)) == 3 and len(gather(round0 + round1, pick)) == 4
+    with pytest.raises(ValueError, match=r"RowPick over 4 parts \(\[2, 2\] per round\) got 3"):
+        pick.apply(round0 + round1[:1])
+    with pytest.raises(ValueError, match="each round needs parts and rows"):
+        RowPick(parts=(2, 2), rows=((0,), ()))

@@ -280,7 +280,7 @@ def test_a_resampled_step_that_needs_fewer_rounds_puts_their_prompts_back(dynami
     trainer, prompts, order, _, run_dir = dynamic_run
     restored_from_step_two(trainer, run_dir, tmp_path)
     flag = Path(tempfile.gettempdir()) / ALL_VARY_FILE
-    check, failed = trainer._check_logprob_gap, []
+    check, failed = trainer.guard.check_rollouts, []
 
     def fails_once(stats):
         if not failed:
@@ -290,12 +290,12 @@ def test_a_resampled_step_that_needs_fewer_rounds_puts_their_prompts_back(dynami
         return check(stats)
 
     base = trainer.config
-    trainer._check_logprob_gap = fails_once
+    trainer.guard.check_rollouts = fails_once
     trainer.config = base.replace(logprob_gap_check="resync")
     try:
         got = trainer.train(prompts, progress=False)
     finally:
-        del trainer._check_logprob_gap
+        del trainer.guard.check_rollouts
         trainer.config = base
         flag.unlink(missing_ok=True)
     assert failed and got[0].step == 3 and got[0].dynamic_sampling.rounds == 1 and got[0].sync_resyncs == 1
@@ -349,13 +349,34 @@ def test_with_batches_in_flight_a_resumed_run_equals_the_straight_one(windowed_r
 
 def test_ppo_step_filters_and_fills_without_drawing(dynamic_run):
     """ppo_step(prompts) has no cursor to draw from: one round, its varying groups first in
-    generation order and the constant ones filling (here 2 of 4 prompts are marked)."""
+    generation order and the constant ones filling (here 2 of 4 prompts are marked). The
+    driver fetches scores, summaries and stats only: the picked rows are named by index to the
+    actors, and no RolloutBatch is fetched or stored by the driver."""
     from reward_fns import SAME_MARK
+
+    from ppo_ray.batch import RolloutBatch
 
     trainer, prompts, order, _, _ = dynamic_run
     cursor = trainer.cursor.state()
     plain = [p for p in prompts if SAME_MARK not in p]
-    out = trainer.ppo_step([SAME_MARK + plain[0], plain[1], SAME_MARK + plain[2], plain[3]])
+    # the driver's side of the step, watched: what it fetches and what it puts into the store
+    roles, seen = trainer.roles, []
+
+    def watched(method):
+        def call(value):
+            out = method(value)
+            seen.extend(out if isinstance(out, list) else [out])
+            seen.extend(value if isinstance(value, list) else [value])
+            return out
+        return call
+
+    roles.fetch, roles.store = watched(roles.fetch), watched(roles.store)
+    try:
+        out = trainer.ppo_step([SAME_MARK + plain[0], plain[1], SAME_MARK + plain[2], plain[3]])
+    finally:
+        del roles.fetch, roles.store
+    # the rows are picked on the actors: no rollout batch reaches the driver or leaves it
+    assert seen and not [v for v in seen if isinstance(v, RolloutBatch)]
     assert out.rewards == [1.0, 1.0, 2.0, 3.0, 1.0, 1.0, 6.0, 7.0]
     assert out.dynamic_sampling == DynamicSampling(rounds=1, kept_frac=0.5, filled=2)
     assert trainer.cursor.state()[0] == cursor[0]

@@ -396,8 +396,8 @@ def test_first_ratio_is_one_with_the_models_attention_dropout(attention_dropout_
 
 
 def test_the_sync_gap_of_an_older_version_uses_its_weights_and_gives_the_learners_back(tiny_path, special):
-    """The sync check of a version loaded again into a restarted replica (ppo_ray.trainer's
-    _check_loaded): the learner, a version further on, scores the probe with the older adapter
+    """The sync check of a version loaded again into a restarted replica (ppo_ray.sync_guard's
+    SyncGuard.check_loaded): the learner, a version further on, scores the probe with the older adapter
     (the gap is 0 against that version's own logprobs, and not against its own), then holds its
     own weights again, bit for bit."""
     learner = Learner(make_config(), tiny_path)

@@ -363,19 +363,18 @@ def test_a_resume_names_the_changed_fields_and_restarts_an_overridden_adaptive_k
     controller given another --kl_coef starts from it; the changes are listed in the log."""
     from dataclasses import replace
 
-    from ppo_ray.trainer import PPOTrainer
+    from ppo_ray.checkpoint import apply_changes
 
     cfg, state, _ = learner_state
     saved = cfg.replace(kl_target=1.0)
     state = replace(state, kl_coef=0.0734)
-    trainer = SimpleNamespace(config=saved.replace(kl_coef=0.3, learning_rate=1e-4))
-    with caplog.at_level("WARNING", logger="ppo_ray.trainer"):
-        out = PPOTrainer._apply_changes(trainer, "ckpt", saved, state)
+    with caplog.at_level("WARNING", logger="ppo_ray.checkpoint"):
+        out = apply_changes(saved.replace(kl_coef=0.3, learning_rate=1e-4), "ckpt", saved, state)
     assert out.kl_coef is None  # the learner takes the config's 0.3
     assert "kl_coef 0.1 -> 0.3 (the adaptive KL controller starts from kl_coef 0.3, not the checkpoint's 0.0734)" \
         in caplog.text and "learning_rate" in caplog.text
     # unchanged: the controller continues from the checkpoint's coefficient
-    assert PPOTrainer._apply_changes(SimpleNamespace(config=saved), "ckpt", saved, state).kl_coef == 0.0734
+    assert apply_changes(saved, "ckpt", saved, state).kl_coef == 0.0734
 
 
 def test_resume_auto_needs_a_run_directory(capsys):

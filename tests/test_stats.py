@@ -81,6 +81,26 @@ def test_generation_summaries_join_in_prompt_order_and_time_the_slowest_replica(
         GenerationSummary.join([first, dataclasses.replace(second, version=1)])
 
 
+def test_generation_summaries_carry_each_rows_group_id_through_join_and_select():
+    """Dynamic sampling's filter reads each row's group id beside its score: the summary
+    carries them (RolloutBatch.groups), in prompt order across replicas and through select."""
+    from ppo_ray.batch import RolloutBatch
+    from ppo_ray.stats import GenerationSummary
+
+    def part(groups):
+        n = len(groups)
+        return RolloutBatch.from_tokens([[5]] * n, [[1, 0]] * n, pad_token_id=9, eos_token_id=0, groups=groups,
+                                        responses=["a"] * n, finish_reasons=["stop"] * n)
+
+    first, second = GenerationSummary.of(part([4, 4, 5, 5]), 1.0), GenerationSummary.of(part([6, 6]), 1.0)
+    joined = GenerationSummary.join([first, second])
+    assert joined.groups == [4, 4, 5, 5, 6, 6]
+    assert joined.select([5, 0, 3]).groups == [6, 4, 5]
+    plain = GenerationSummary.of(RolloutBatch.from_tokens([[5]], [[1, 0]], pad_token_id=9, eos_token_id=0,
+                                                          responses=["a"], finish_reasons=["stop"]), 1.0)
+    assert plain.groups == [] and plain.select([0]).groups == []
+
+
 def test_reward_stats_give_the_step_its_score_columns():
     from ppo_ray.stats import RewardStats
 

@@ -151,18 +151,20 @@ def test_the_rollout_check_counts_tokens_outside_the_learners_support():
     TRUNCATED_TOKENS_LIMIT fails the check even when the kept tokens agree."""
     from types import SimpleNamespace
 
-    from ppo_ray.trainer import TRUNCATED_TOKENS_LIMIT, LogprobGapError, PPOTrainer
+    from ppo_ray.sync_guard import SyncGuard
+    from ppo_ray.trainer import TRUNCATED_TOKENS_LIMIT, LogprobGapError
 
     counted = []
-    trainer = SimpleNamespace(config=tiny_test_config(logprob_gap_check="error"), step=4, version=4,
-                              metrics=SimpleNamespace(record_logprob_gap=counted.append))
+    guard = SyncGuard(tiny_test_config(logprob_gap_check="error"), None, None,
+                      SimpleNamespace(record_logprob_gap=counted.append), [], SimpleNamespace(step=4, version=4),
+                      recover=lambda: None)
     stats = SimpleNamespace(gen_logprob_max_abs_diff=1e-6, tokens=1000.0, truncated_tokens=1000 * TRUNCATED_TOKENS_LIMIT,
                             gen_logprob_gap_tokens=0.0)
-    PPOTrainer._check_logprob_gap(trainer, stats)  # a boundary tie or two: fine
+    guard.check_rollouts(stats)  # a boundary tie or two: fine
     stats.truncated_tokens += 1
     with pytest.raises(LogprobGapError, match="11 of its 1000 sampled tokens are outside the learner's"):
-        PPOTrainer._check_logprob_gap(trainer, stats)
-    assert counted == [trainer.config.lora_sync_mode]
+        guard.check_rollouts(stats)
+    assert counted == [guard.config.lora_sync_mode]
 
 
 def test_under_top_p_a_few_tokens_at_the_nucleus_edge_pass_the_rollout_check():
@@ -174,13 +176,14 @@ def test_under_top_p_a_few_tokens_at_the_nucleus_edge_pass_the_rollout_check():
     outside the support toward TRUNCATED_TOKENS_LIMIT; untruncated sampling keeps the plain rule."""
     from types import SimpleNamespace
 
-    from ppo_ray.trainer import LogprobGapError, PPOTrainer
+    from ppo_ray.sync_guard import SyncGuard
+    from ppo_ray.trainer import LogprobGapError
 
     def check(stats, **changes):
         config = tiny_test_config(logprob_gap_check="error", **changes)
         assert config.is_correction == "none"
-        PPOTrainer._check_logprob_gap(SimpleNamespace(config=config, step=37, version=37,
-                                                      metrics=SimpleNamespace(record_logprob_gap=lambda _: None)), stats)
+        SyncGuard(config, None, None, SimpleNamespace(record_logprob_gap=lambda _: None), [],
+                  SimpleNamespace(step=37, version=37), recover=lambda: None).check_rollouts(stats)
 
     stats = SimpleNamespace(gen_logprob_max_abs_diff=5.4e-3, tokens=512.0, truncated_tokens=0.0, gen_logprob_gap_tokens=1.0)
     assert tiny_test_config().top_p == 0.95
@@ -207,31 +210,32 @@ def test_under_is_correction_the_rollout_check_tests_the_share_outside_the_band(
     tis and mis and stops a run without a correction; a share over the limit stops either."""
     from types import SimpleNamespace
 
-    from ppo_ray.trainer import LogprobGapError, PPOTrainer
+    from ppo_ray.sync_guard import SyncGuard
+    from ppo_ray.trainer import LogprobGapError
 
     counted = []
 
-    def trainer(**changes):
+    def guard(**changes):
         config = tiny_test_config(logprob_gap_check="error", logprob_gap_tolerance=0.25, **changes)
-        return SimpleNamespace(config=config, step=4, version=4,
-                               metrics=SimpleNamespace(record_logprob_gap=counted.append))
+        return SyncGuard(config, None, None, SimpleNamespace(record_logprob_gap=counted.append), [],
+                         SimpleNamespace(step=4, version=4), recover=lambda: None)
 
     stats = SimpleNamespace(gen_logprob_max_abs_diff=1.0, tokens=1000.0, truncated_tokens=0.0, is_outside_frac=0.001,
                             gen_logprob_gap_tokens=1.0)
-    PPOTrainer._check_logprob_gap(trainer(is_correction="tis"), stats)
-    PPOTrainer._check_logprob_gap(trainer(is_correction="mis", is_level="sequence"), stats)
+    guard(is_correction="tis").check_rollouts(stats)
+    guard(is_correction="mis", is_level="sequence").check_rollouts(stats)
     assert counted == []
     with pytest.raises(LogprobGapError, match=r"by up to 1 nats \(logprob_gap_tolerance 0.25 for float32, plus up to "
                                               r"0.0513 at the top_p edge"):
-        PPOTrainer._check_logprob_gap(trainer(), stats)
+        guard().check_rollouts(stats)
     stats.is_outside_frac = 0.051
     with pytest.raises(LogprobGapError, match=r"by more than a factor is_cap 2 on 5\.1% of its tokens \(is_correction "
                                               r"tis: logprob_gap_outside_tolerance 5\.0%; largest gap 1 nats\)"):
-        PPOTrainer._check_logprob_gap(trainer(is_correction="tis"), stats)
-    PPOTrainer._check_logprob_gap(trainer(is_correction="tis", logprob_gap_outside_tolerance=0.06), stats)
+        guard(is_correction="tis").check_rollouts(stats)
+    guard(is_correction="tis", logprob_gap_outside_tolerance=0.06).check_rollouts(stats)
     stats.is_outside_frac, stats.truncated_tokens = 0.0, 11.0  # the support rule holds under a correction too
     with pytest.raises(LogprobGapError, match="11 of its 1000 sampled tokens are outside the learner's"):
-        PPOTrainer._check_logprob_gap(trainer(is_correction="tis"), stats)
+        guard(is_correction="tis").check_rollouts(stats)
 
 
 @contextlib.contextmanager
@@ -300,3 +304,81 @@ def test_with_tis_a_mismatch_it_absorbs_goes_on_and_a_lost_sync_still_stops_the_
             trainer.ppo_step(bundled_prompts()[:8])
     finally:
         trainer.shutdown()
+
+
+# ------------------------------------------------------------------ the one rule
+class _Gaps:
+    """Stand-ins for Roles, the Supervisor and the metrics around a SyncGuard: the probe's gaps
+    per replica come from `gaps` in turn (the last one repeats), loads are recorded."""
+
+    def __init__(self, *gaps):
+        self.gaps, self.loads, self.counted = list(gaps), [], []
+        self.generators = ["g0", "g1"]
+
+    def sync_gaps(self, probe_ids, version, weights=None, generators=None):
+        gaps = self.gaps.pop(0) if len(self.gaps) > 1 else self.gaps[0]
+        return gaps if generators is None else gaps[:len(generators)]
+
+    def load_adapter(self, version, weights, restore=False, generators=None, retire_below=None):
+        self.loads.append((version, list(generators or self.generators)))
+
+    def run(self, fn, *, where, step, recover):
+        return fn(0)
+
+    def record_logprob_gap(self, mode):
+        self.counted.append(mode)
+
+
+def _guard(stand_in, check):
+    from ppo_ray.inflight import Committed
+    from ppo_ray.sync_guard import SyncGuard
+
+    config = tiny_test_config(logprob_gap_check=check)
+    return SyncGuard(config, stand_in, stand_in, stand_in, [[1, 2]], Committed(step=3, version=3, weights={3: "w3"}),
+                     recover=lambda: None)
+
+
+def test_one_rule_decides_for_the_probe_the_reload_and_the_rollouts(caplog):
+    """verdict is the one resync/error/warn rule: the sync check (check), the check of a version
+    loaded again (check_loaded) and the rollout check (check_rollouts, through resamples) all
+    take it. resync re-syncs the failing replicas once and raises when the gap persists; error
+    raises at once; warn logs and goes on; each failed check is counted."""
+    from types import SimpleNamespace
+
+    from ppo_ray.sync_guard import LogprobGapError, verdict
+
+    assert [verdict(c, a) for c in ("resync", "error", "warn") for a in (False, True)] == \
+        ["resync", "error", "error", "error", "warn", "warn"]
+    bad, good = [0.5, 0.0], [0.0, 0.0]
+    # the sync check: one re-sync of replica 0 mends it; a gap that persists is an error
+    roles = _Gaps(bad, good)
+    guard = _guard(roles, "resync")
+    assert guard.check(3).gap == 0.0 and roles.loads == [(3, ["g0"])] and guard.resyncs == 1
+    with pytest.raises(LogprobGapError, match="persists after a re-sync"):
+        _guard(_Gaps(bad), "resync").check(3)
+    with pytest.raises(LogprobGapError) as raised:
+        _guard(_Gaps(bad), "error").check(3)
+    assert "persists" not in str(raised.value)
+    with caplog.at_level("WARNING", logger="ppo_ray.trainer"):
+        warned = _Gaps(bad)
+        assert _guard(warned, "warn").check(3).gap == 0.5 and warned.loads == [] and len(warned.counted) == 1
+    assert "the sync did not deliver" in caplog.text
+    # a version loaded again: the same rule, with its own words
+    roles = _Gaps(bad, good)
+    guard = _guard(roles, "resync")
+    guard.check_loaded(3, [0, 1])
+    assert roles.loads == [(3, ["g0"])] and guard.resyncs == 1 and len(roles.counted) == 1
+    with pytest.raises(LogprobGapError, match="persists after loading it again"):
+        _guard(_Gaps(bad), "resync").check_loaded(3, [0, 1])
+    _guard(_Gaps(bad), "warn").check_loaded(3, [0, 1])
+    # the rollouts: resync raises for the step to re-sync and sample again, once per step
+    stats = SimpleNamespace(gen_logprob_max_abs_diff=0.5, tokens=100.0, truncated_tokens=0.0,
+                            gen_logprob_gap_tokens=1.0)
+    guard = _guard(_Gaps(good), "resync")
+    with pytest.raises(LogprobGapError) as raised:
+        guard.check_rollouts(stats)
+    assert guard.resamples(raised.value)
+    guard.resyncs = 1
+    assert not guard.resamples(raised.value) and not guard.resamples(RuntimeError("another failure"))
+    assert not _guard(_Gaps(good), "error").resamples(raised.value)
+    _guard(_Gaps(good), "warn").check_rollouts(stats)
