@@ -33,7 +33,7 @@ from learner.speed import chunked_rows, head_token_stats
 from ppo_ray.batch import TrimPlan
 from ppo_ray.config import ConfigError, PPOConfig
 from ppo_ray.logprobs import logprobs_from_logits
-from helpers import (FAST, PLAIN, assert_same_update, keep_experience, learner_with, logprob_tol, make_config, passes,
+from helpers import (FAST, assert_same_update, keep_experience, learner_with, logprob_tol, make_config, passes,
                      random_batch, rollout_inputs, token_mean_tol, update_tols, value_params, with_sgd)
 from tolerances import TINY_TERMS, bf16_roundings, grad_terms, rms_rel_tol, rounding_tol
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import (FAST, PLAIN, assert_same_update, learner_with, logprob_tol, make_config, passes, random_batch,
+from helpers import (FAST, assert_same_update, learner_with, logprob_tol, make_config, passes, random_batch,
                      rollout_inputs, update_tols, with_sgd, write_tiny_llama)
 from learner.learner import Learner
 from learner.speed import head_token_stats
