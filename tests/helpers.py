@@ -251,6 +251,17 @@ def with_sgd(learner: Learner, lr: float = SGD_LR) -> Learner:
     return learner
 
 
+def plain_pass_and_update(model_path, batch) -> tuple:
+    """The plain path's no-grad pass and one SGD update on `batch`, from a fresh learner of
+    `model_path`: (batch, ref logprobs, scores, passes, stats, the new LoRA tensors), what the
+    speed options' tests compare each option with."""
+    learner = with_sgd(learner_with(model_path))
+    b, ref, scores = rollout_inputs(learner, batch)
+    before = passes(learner, b)
+    stats, weights = learner.update(b, ref, scores)
+    return b, ref, scores, before, stats, weights.tensors
+
+
 def logprob_tol(logprobs: torch.Tensor, mask: torch.Tensor | None = None) -> float:
     """Tolerance of one float32 logprob (or entropy, KL term) of the tiny model computed two
     ways: magnitude the largest finite |logprob| in `logprobs` (over `mask`), TINY_TERMS."""

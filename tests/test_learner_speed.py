@@ -34,7 +34,8 @@ from ppo_ray.batch import TrimPlan
 from ppo_ray.config import ConfigError, PPOConfig
 from ppo_ray.logprobs import logprobs_from_logits
 from helpers import (FAST, assert_same_update, keep_experience, learner_with, logprob_tol, make_config, passes,
-                     random_batch, rollout_inputs, token_mean_tol, update_tols, value_params, with_sgd)
+                     plain_pass_and_update, random_batch, rollout_inputs, token_mean_tol, update_tols, value_params,
+                     with_sgd)
 from tolerances import TINY_TERMS, bf16_roundings, grad_terms, rms_rel_tol, rounding_tol
 
 
@@ -54,11 +55,7 @@ def batch(special):
 @pytest.fixture(scope="module")
 def plain(tiny_path, batch):
     """The plain path's no-grad pass and one SGD update (from the same starting weights)."""
-    learner = with_sgd(learner_with(tiny_path))
-    b, ref, scores = rollout_inputs(learner, batch)
-    before = passes(learner, b)
-    stats, weights = learner.update(b, ref, scores)
-    return b, ref, scores, before, stats, weights.tensors
+    return plain_pass_and_update(tiny_path, batch)
 
 
 def test_causal_sequences_move_each_row_to_column_zero(special):

@@ -22,8 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import (FAST, assert_same_update, learner_with, logprob_tol, make_config, passes, random_batch,
-                     rollout_inputs, update_tols, with_sgd, write_tiny_llama)
+from helpers import (FAST, assert_same_update, learner_with, logprob_tol, make_config, passes, plain_pass_and_update,
+                     random_batch, update_tols, with_sgd, write_tiny_llama)
 from learner.learner import Learner
 from learner.speed import head_token_stats
 from ppo_ray.config import ALL_PROJECTIONS
@@ -60,11 +60,7 @@ def batch(special):
 @pytest.fixture(scope="module")
 def plain(llama_path, batch):
     """The plain path's no-grad pass and one SGD update on the Llama."""
-    learner = with_sgd(learner_with(llama_path))
-    b, ref, scores = rollout_inputs(learner, batch)
-    before = passes(learner, b)
-    stats, weights = learner.update(b, ref, scores)
-    return b, ref, scores, before, stats, weights.tensors
+    return plain_pass_and_update(llama_path, batch)
 
 
 def test_each_option_reaches_the_llama_modules(llama_path, monkeypatch):
