@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 
 import ray
 
+from ppo_ray.attribution import AttributionRows, held_out_rows
 from ppo_ray.batch import RolloutBatch, RowPick, gather
 from ppo_ray.config import ConfigSlice, PPOConfig
 from ppo_ray.faults import StateLostError
@@ -184,6 +185,18 @@ class ReferenceHost(_Host):
                       batch.response_ids.shape[0], batch.adapter_version, int(batch.response_mask.sum()),
                       stats.seconds)
         return logprobs, stats
+
+    def held_out(self, *parts: RolloutBatch, rows: list[int], kl_estimator: str) -> AttributionRows:
+        """An evaluation's held-out samples `rows` (of its generation `parts`, in order), per
+        token: the generator's and the reference's logprobs and KL_t (ppo_ray.attribution.
+        held_out_rows). One reference pass over those rows only; the reference changes nothing."""
+        from learner.algos import kl_penalty
+
+        batch = gather(parts, RowPick((len(parts),), (tuple(rows),)))
+        logprobs, _ = self.scorer.logprobs(batch)
+        logprobs = logprobs.to(batch.gen_logprobs.device)
+        kl = kl_penalty(batch.gen_logprobs.float(), logprobs.float(), kl_estimator, mask=batch.response_mask)
+        return held_out_rows(batch, logprobs, kl, rows)
 
 
 class RewardHost(_Host):

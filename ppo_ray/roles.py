@@ -326,6 +326,14 @@ class Roles:
         return self._track("reference", self.reference, self.reference.logprobs.remote(*parts, pick=pick), after=parts,
                            rows=None if pick is None else len(pick))
 
+    def held_out(self, parts: list, rows: list[int], kl_estimator: str) -> Any:
+        """Ref of the per-token view (ppo_ray.attribution.AttributionRows) of rows `rows` of an
+        evaluation's generation `parts`: the reference's logprobs of them and KL_t, on the
+        reference actor (the samples never pass through the driver)."""
+        return self._track("reference", self.reference,
+                           self.reference.held_out.remote(*parts, rows=list(rows), kl_estimator=kl_estimator),
+                           after=parts, rows=len(rows))
+
     def score(self, parts: list, seed_step: int, columns: Optional[PromptColumns] = None) -> tuple[Any, Any]:
         """Step 4, not waited for: refs of the (B,) scores and of the RewardStats; the rollouts
         were sampled with `seed_step`'s seeds (the reward actor's log line names the call).

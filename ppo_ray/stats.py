@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 if TYPE_CHECKING:
     import torch
 
+    from ppo_ray.attribution import AttributionRows
     from ppo_ray.batch import RolloutBatch
     from ppo_ray.modeling import LoraWeights
 
@@ -160,6 +161,7 @@ class Responses:
     finish_reasons: list[str]         # "stop" (ended with EOS) or "length" (cut at max_new_tokens)
     version: int                      # the adapter version that sampled them
     rewards: Optional[list[float]] = None  # the reward actor's score per response (generate(score=True))
+    held_out: Optional["AttributionRows"] = None  # generate(attribute=rows): those rows per token (ppo_ray.attribution)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -384,7 +384,7 @@ class PPOTrainer:
     # ------------------------------------------------------------------ evaluation
     def generate(self, prompts: Sequence[str] | Sequence[dict], seed_step: int = SAMPLING_SEED_STEP, *,
                  score: bool = False, samples_per_prompt: int = 1, greedy: bool = False,
-                 index_offset: int = 0) -> Responses:
+                 index_offset: int = 0, attribute: Sequence[int] = ()) -> Responses:
         """Sample `samples_per_prompt` responses per prompt (contiguous, in the prompts' order)
         with the current policy (no training): Responses (texts, finish_reasons, version). A
         fixed `seed_step` gives every prompt the same sampling seed before and after training,
@@ -394,7 +394,8 @@ class PPOTrainer:
         global index of prompts[0] (each prompt's seed and group id follow its global index), so
         a long list asked for in chunks gets the samples of one call. An actor lost on the way
         is restarted and the call redone (the generators at the committed version, the same
-        seeds: the same samples)."""
+        seeds: the same samples). `attribute`: responses whose per-token logprobs and KL_t the
+        reference computes (Responses.held_out, ppo_ray.attribution)."""
         rows = self._rows(prompts)
         prompt_ids = self._encode(rows.texts)
         columns = self._columns(rows, first=index_offset) if score else None
@@ -413,7 +414,10 @@ class PPOTrainer:
             if score:
                 scores, _ = self.roles.score(generation.parts, seed_step, columns)
                 rewards = self.roles.fetch(scores).tolist()
-            return Responses(generated.texts, generated.finish_reasons, generated.version, rewards)
+            held = None
+            if attribute:
+                held = self.roles.fetch(self.roles.held_out(generation.parts, list(attribute), self.config.kl_estimator))
+            return Responses(generated.texts, generated.finish_reasons, generated.version, rewards, held)
 
         return self.supervisor.run(attempt, where="evaluation", step=self.step, recover=self._back_to_committed)
 
@@ -662,14 +666,15 @@ class PPOTrainer:
         if evaluate:
             result.extra.update(evaluate(self, result.step))
         samples = list(eval_prompts or [])[: self.config.eval_samples]
+        shown = self.config.attribution_rows if self.run_dir is not None else 0
+        held: list[RolloutAttribution] = []
         if samples:
-            rows = self._eval_samples(samples, result.step)
+            rows, held = self._eval_samples(samples, result.step, pick_rows(len(samples), shown))
             finite = [r["reward"] for r in rows if math.isfinite(r["reward"])]
             result.extra["eval_reward_mean"] = sum(finite) / len(finite) if finite else math.nan
             runlog.samples(result.step, rows)
-        if self.config.attribution_rows and self.run_dir is not None:  # the step's rollouts, per token
-            rows = pick_rows(self.config.batch_size, self.config.attribution_rows)
-            runlog.attribution(self.attribution(rows, result.step) or [])
+        if shown:  # the step's rollouts and the held-out samples, per token
+            runlog.attribution((self.attribution(pick_rows(self.config.batch_size, shown), result.step) or []) + held)
 
     def attribution(self, rows: Sequence[int], step: int = 0) -> Optional[list[RolloutAttribution]]:
         """Rows `rows` of the last update's batch as the seeds' SA pairs, every number the step
@@ -679,14 +684,19 @@ class PPOTrainer:
                                       recover=self._back_to_committed)
         return None if tensors is None else sa_pairs(tensors, self.tokenizer.decode, step)
 
-    def _eval_samples(self, prompts: list[str] | list[dict], step: int) -> list[dict]:
+    def _eval_samples(self, prompts: list[str] | list[dict], step: int,
+                      attribute: Sequence[int] = ()) -> tuple[list[dict], list[RolloutAttribution]]:
         """The current policy's responses to `prompts` (strings or rows: their columns go to the
         reward functions), scored by the reward actor. The same sampling seeds at every
-        evaluation (common random numbers across steps)."""
+        evaluation (common random numbers across steps). With them, the responses `attribute`
+        per token (their logprobs and KL_t: held-out samples have no advantage)."""
         rows = self._rows(prompts)
-        out = self.generate(rows, seed_step=EVAL_SEED_STEP, score=True)
-        return [{"step": step, "prompt": p, "response": t, "reward": r, "finish_reason": f}
-                for p, t, r, f in zip(rows.texts, out.texts, out.rewards, out.finish_reasons)]
+        out = self.generate(rows, seed_step=EVAL_SEED_STEP, score=True, attribute=attribute)
+        held = [] if out.held_out is None else sa_pairs(out.held_out, self.tokenizer.decode, step)
+        for h in held:
+            h.score = out.rewards[h.row]
+        return ([{"step": step, "prompt": p, "response": t, "reward": r, "finish_reason": f}
+                 for p, t, r, f in zip(rows.texts, out.texts, out.rewards, out.finish_reasons)], held)
 
     def shutdown(self, graceful: bool = True) -> None:
         """End the actors and remove their placement group (its reserved resources are freed),

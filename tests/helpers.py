@@ -698,13 +698,19 @@ def restored_from_step_two(trainer, run_dir: Path, new_dir: Path):
 
 
 # ------------------------------------------------------------------ a run's token attribution
-def assert_attribution(run_dir: Path, steps: list[int], rows: int, critic: bool) -> None:
+def assert_attribution(run_dir: Path, steps: list[int], rows: int, critic: bool, kl_estimator: str = "k1") -> None:
     """<run_dir>/attribution.jsonl holds `rows` rollouts of each evaluated step in `steps`, each
-    a consistent per-token view (ppo_ray.attribution), and report.html shows the last step's as
-    a heat map: one token span per SA pair, with the colour toggle."""
+    a consistent per-token view (ppo_ray.attribution), then that evaluation's first `rows` eval
+    samples (held out: the responses and rewards of eval_samples.jsonl, KL_t of their logprobs
+    and no learner number), and report.html shows the last step's as a heat map: one token
+    span per SA pair, with the colour toggle."""
+    import torch
+
+    from learner.algos import kl_penalty
     from ppo_ray.attribution import ATTRIBUTION, RolloutAttribution
 
-    lines = [json.loads(x) for x in (run_dir / ATTRIBUTION).read_text().splitlines()]
+    every = [json.loads(x) for x in (run_dir / ATTRIBUTION).read_text().splitlines()]
+    lines = [r for r in every if not r["held_out"]]
     assert [(r["step"], r["row"]) for r in lines] == [(s, i) for s in steps for i in range(rows)]
     for line in lines:
         r = RolloutAttribution.from_dict(line)
@@ -713,6 +719,15 @@ def assert_attribution(run_dir: Path, steps: list[int], rows: int, critic: bool)
             assert all(math.isfinite(x) for x in (p.logprob, p.old_logprob, p.ref_logprob, p.kl, p.reward, p.advantage))
             assert (p.value is not None) == critic and (p.return_ is not None) == critic
         assert (r.baseline is None) == critic
+    held = [RolloutAttribution.from_dict(r) for r in every if r["held_out"]]
+    samples = [json.loads(x) for x in (run_dir / "eval_samples.jsonl").read_text().splitlines()]
+    assert [(r.step, r.row) for r in held] == [(s, i) for s in steps for i in range(rows)]
+    for r in held:
+        sample = [x for x in samples if x["step"] == r.step][r.row]
+        assert r.response == sample["response"] and r.score == sample["reward"] and r.version == r.step
+        got = torch.tensor([[p.logprob for p in r.pairs]]), torch.tensor([[p.ref_logprob for p in r.pairs]])
+        assert [p.kl for p in r.pairs] == kl_penalty(*got, kl_estimator).tolist()[0]
+        assert all(p.advantage is None and p.reward is None and p.value is None for p in r.pairs)
     page = (run_dir / "report.html").read_text()
     last = [x for x in lines if x["step"] == steps[-1]]
     assert "<h2>Token attribution</h2>" in page and 'id="attr-kl"' in page

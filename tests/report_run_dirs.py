@@ -77,8 +77,15 @@ def _attribution(run_dir: Path, prompts: list[str], texts: list[str], steps: int
                 baselines=None if critic else torch.full((n,), 0.25, dtype=torch.float64),
                 groups=None if critic else torch.arange(n) // 2, estimator="gae" if critic else "grpo",
                 kl_coef=0.05, whitened=critic)
-            f.writelines(json.dumps(r.as_dict()) + "\n" for r in sa_pairs(rows, lambda i: "".join(vocab[k] for k in i),
-                                                                           step))
+            held = AttributionRows(  # the evaluation's held-out samples: logprobs and KL_t only
+                rows=list(range(n)), version=step, prompt_ids=rows.prompt_ids, prompt_mask=rows.prompt_mask,
+                response_ids=ids, mask=mask, loss_mask=None, gen_logprobs=rows.gen_logprobs, old_logprobs=None,
+                ref_logprobs=rows.gen_logprobs - 2 * kl, kl=2 * kl, rewards=None, advantages=None, scores=None,
+                values=None, td_errors=None, returns=None, baselines=None, groups=None, estimator="", kl_coef=0.0,
+                whitened=False, held_out=True)
+            for view in (rows, held):
+                f.writelines(json.dumps(r.as_dict()) + "\n"
+                             for r in sa_pairs(view, lambda i: "".join(vocab[k] for k in i), step))
 
 
 def _run_file(run_dir: Path, stages: dict[str, dict]) -> None:

@@ -192,3 +192,43 @@ def test_token_texts_are_what_each_token_adds_to_the_decoded_text():
 
     assert _texts([1, 2, 3, 4], byte_decode) == ["a", "", "é", " b"]
     assert _texts([1, 2], byte_decode) == ["a", "\ufffd"]  # a response cut mid-character shows what decode shows
+
+
+def test_the_held_out_view_is_the_references_logprobs_and_kl_of_the_samples(tiny_path, special):
+    """An evaluation's held-out samples (ReferenceHost.held_out, the plain class: no Ray): the
+    view of rows [5, 1] of two replica parts holds their generator logprobs, the reference's
+    logprobs of them (the reference's own call on those rows) and KL_t of the two with the
+    configured estimator, exactly; no learner number."""
+    from learner.algos import kl_penalty
+    from ppo_ray.batch import RolloutBatch
+    from ppo_ray.hosts import ReferenceHost
+
+    from helpers import random_batch
+
+    config = make_config()
+    host = ReferenceHost(config.slice("reference"), tiny_path)
+    batch = random_batch(special, n=8, p=6, t=8, seed=5)
+    parts = [batch.select(list(range(4))), batch.select(list(range(4, 8)))]
+    view = host.held_out(*parts, rows=[5, 1], kl_estimator="k3")
+    picked = RolloutBatch.cat(parts).select([5, 1])
+    ref, _ = host.scorer.logprobs(picked)
+    kl = kl_penalty(picked.gen_logprobs.float(), ref.float(), "k3", mask=picked.response_mask)
+    assert view.held_out and view.rows == [5, 1] and view.version == batch.adapter_version
+    for name in ("old_logprobs", "rewards", "advantages", "loss_mask", "scores", "values", "baselines"):
+        assert getattr(view, name) is None, name
+    out = sa_pairs(view, decode, step=4)
+    for r, i in zip(out, (5, 1)):
+        n = int(batch.response_mask[i].sum())
+        assert r.held_out and r.step == 4 and r.row == i and len(r.pairs) == n
+        assert [p.action_id for p in r.pairs] == batch.response_ids[i, :n].tolist()
+        j = (5, 1).index(i)
+        assert [p.logprob for p in r.pairs] == batch.gen_logprobs[i, :n].float().tolist()
+        assert [p.ref_logprob for p in r.pairs] == ref[j, :n].tolist()
+        assert [p.kl for p in r.pairs] == kl[j, :n].tolist()
+        assert all(p.advantage is None and p.reward is None and p.old_logprob is None and not p.in_loss
+                   for p in r.pairs)
+        line = json.loads(json.dumps({**r.as_dict(), "score": 0.5}))
+        back = RolloutAttribution.from_dict(line)
+        assert back.held_out and back.pairs == r.pairs and back.score == 0.5
+    old = {k: v for k, v in out[0].as_dict().items() if k != "held_out"}  # a line from before the field
+    assert not RolloutAttribution.from_dict(old).held_out

@@ -167,6 +167,7 @@ KILL_CASES = [
     ("sync", [Kill("generator-0", "evaluation", "generate", 2)], False),
     ("sync", [Kill("generator-0", "evaluation", "fetch", 2)], False),  # dies while it samples
     ("sync", [Kill("learner", "evaluation", "attribution", 2)], False),  # the step's tensors are lost with it
+    ("sync", [Kill("reference", "evaluation", "held_out", 2)], False),  # the eval samples' reference pass
     ("sync", [Kill("learner", "sync check", "sync_gaps", 2)], True),
     ("sync", [Kill("generator-0", "sync check", "sync_gaps", 2)], False),
     ("sync", [Kill("learner", "checkpoint", "fetch", 2)], True),
@@ -430,7 +431,7 @@ def test_every_actor_call_is_supervised_and_has_a_fault_case(straight):
 CALLS_ROLES = {"generate": {"generator"}, "reference_logprobs": {"reference"}, "score": {"reward"},
                "update": {"learner"}, "learner_stats": {"learner"}, "load_adapter": {"generator"},
                "sync_gaps": {"generator", "learner"}, "generator_versions": {"generator"},
-               "current_weights": {"learner"}, "learner_state": {"learner"}, "attribution": {"learner"},
+               "current_weights": {"learner"}, "learner_state": {"learner"}, "attribution": {"learner"}, "held_out": {"reference"},
                "restore_learners": {"learner"}, "fetch": {"generator", "reference", "reward", "learner"}}
 
 

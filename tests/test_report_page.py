@@ -113,7 +113,8 @@ def test_the_arith_pages_before_after_table_and_right_of_k(tmp_path):
 def test_the_token_attribution_is_a_heat_map_with_a_toggle_and_every_number(tmp_path):
     """The last evaluated step's rollouts (attribution.jsonl): one span per token, coloured by
     advantage or by KL (two CSS variables, a radio toggle: no script), its numbers in its title
-    and in a table; a group estimator's page shows the baseline and no value columns."""
+    and in a table; then the held-out samples, KL_t in both colourings and no advantage; a group
+    estimator's page shows the baseline and no value columns."""
     from ppo_ray.attribution import RolloutAttribution
     from ppo_ray.tasks.report_page import heat_colour
 
@@ -123,18 +124,26 @@ def test_the_token_attribution_is_a_heat_map_with_a_toggle_and_every_number(tmp_
     page = Page(text)
     check_self_contained(page)
     lines = [json.loads(line) for line in (run / "attribution.jsonl").read_text().splitlines()]
-    shown = [RolloutAttribution.from_dict(r) for r in lines if r["step"] == 6]
-    assert len(shown) == 4 and "Step 6's first 4 training rollouts" in text
+    every = [RolloutAttribution.from_dict(r) for r in lines if r["step"] == 6]
+    shown = [r for r in every if not r.held_out]
+    held = [r for r in every if r.held_out]
+    assert len(shown) == 4 and len(held) == 4 and "Step 6's first 4 training rollouts" in text
+    assert "Held-out eval samples at step 6" in text and "then 4 held-out eval samples" in text
     tokens = [a for t, a in page.tags if t == "span" and "tok" in a.get("class", "").split()]
     pairs = [p for r in shown for p in r.pairs]
-    assert len(tokens) == len(pairs)
+    held_pairs = [p for r in held for p in r.pairs]
+    assert len(tokens) == len(pairs) + len(held_pairs)
     scale_adv = max(abs(p.advantage) for p in pairs)
-    scale_kl = max(abs(p.kl) for p in pairs)
+    scale_kl = max(abs(p.kl) for p in pairs + held_pairs)
     for span, p in zip(tokens, pairs):
         assert span["style"] == (f"--adv:{heat_colour(p.advantage, scale_adv, 'adv')};"
                                  f"--kl:{heat_colour(p.kl, scale_kl, 'kl')}")
         assert f"A {p.advantage:.4g}" in span["title"] and f"KL_t {p.kl:.4g}" in span["title"]
         assert f"V {p.value:.4g}" in span["title"]
+    for span, p in zip(tokens[len(pairs):], held_pairs):
+        assert span["style"] == f"--adv:{heat_colour(p.kl, scale_kl, 'kl')};--kl:{heat_colour(p.kl, scale_kl, 'kl')}"
+        assert f"KL_t {p.kl:.4g}" in span["title"] and "A " not in span["title"] and "r_t" not in span["title"]
+        assert span["class"] == "tok"  # no dashed outline: none of them is in a loss
     radios = [a for t, a in page.tags if t == "input"]
     assert [(a["type"], a["id"]) for a in radios] == [("radio", "attr-adv"), ("radio", "attr-kl")]
     assert "checked" in radios[0] and "#attr-kl:checked ~ .attr-body .tok { background: var(--kl); }" in text

@@ -384,7 +384,7 @@ class PPOConfig:
     """Prompts whose response and reward are appended to <run_dir>/eval_samples.jsonl and TensorBoard at every evaluation (every eval_every steps and at the end): held-out prompts in the pipeline, the first prompts of `dataset` in a plain PPO run; 0 = off."""
 
     attribution_rows: int = knob(4, EVALUATION, check=at_least(0, why=" (0 = off)"))
-    """Training rollouts of the evaluated step whose every token (logprobs, KL, reward, value, advantage, return) goes to <run_dir>/attribution.jsonl and report.html at each evaluation; 0 = off."""
+    """Training rollouts of the evaluated step, and eval samples, whose every token (logprobs, KL; for the rollouts also reward, value, advantage, return) goes to <run_dir>/attribution.jsonl and report.html at each evaluation; 0 = off."""
 
     # ---------------------------------------------------------------- run
     seed: int = knob(0, ALGORITHM, LEARNER, GENERATOR, must_match=True)

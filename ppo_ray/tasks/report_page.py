@@ -13,7 +13,8 @@ left out, and one that cannot be read is named on the page, never a crash):
   answers and right-of-k counts) and the last evaluation's samples (eval_samples.jsonl);
 - the token attribution (attribution.jsonl, ppo_ray.attribution): the last evaluated step's
   training rollouts as a heat map over their tokens, coloured by advantage or by KL_t (a
-  CSS-only toggle: two radio buttons), each token's numbers on hover and in a table;
+  CSS-only toggle: two radio buttons), each token's numbers on hover and in a table; then
+  the step's held-out eval samples, coloured by KL_t (they have no advantage);
 - the config (config*.yaml), the environment the run recorded in run.json (launch.py:
   ppo_ray.machine.machine_info) and the timings (stage seconds, PPO step times from
   metrics.jsonl).
@@ -301,38 +302,68 @@ def heat_colour(value: Optional[float], scale: float, which: str) -> str:
     return "#" + "".join(f"{c:02x}" for c in mixed)
 
 
+def _g(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
 def _token_title(p) -> str:
-    parts = [f"t={p.position} {p.action!r} (id {p.action_id})", f"logprob {p.logprob:.4g} (old {p.old_logprob:.4g}, "
-             f"ref {p.ref_logprob:.4g})", f"KL_t {p.kl:.4g}  r_t {p.reward:.4g}"]
+    parts = [f"t={p.position} {p.action!r} (id {p.action_id})", f"logprob {_g(p.logprob)} (old {_g(p.old_logprob)}, "
+             f"ref {_g(p.ref_logprob)})", f"KL_t {_g(p.kl)}" + ("" if p.reward is None else f"  r_t {_g(p.reward)}")]
     if p.value is not None:
-        parts.append(f"V {p.value:.4g}  delta {p.td_error:.4g}  G {p.return_:.4g}")
-    parts.append(f"A {p.advantage:.4g}" + ("" if p.in_loss else "  (not in the loss)"))
+        parts.append(f"V {_g(p.value)}  delta {_g(p.td_error)}  G {_g(p.return_)}")
+    if p.advantage is not None:
+        parts.append(f"A {_g(p.advantage)}" + ("" if p.in_loss else "  (not in the loss)"))
     return "\n".join(parts)
 
 
+def _scale(values) -> float:
+    return max((abs(v) for v in values if v is not None and math.isfinite(v)), default=0.0)
+
+
+def _heat_rows(rollouts, columns, scale_adv: float, scale_kl: float, head) -> list[str]:
+    """Each rollout as a line of coloured token spans (hover: its numbers) and a folded table."""
+    out = []
+    for r in rollouts:
+        spans = "".join(  # a held-out sample has no advantage: KL_t in either colouring
+            f'<span class="tok{"" if p.in_loss or r.held_out else " out"}" style="--adv:'
+            f'{heat_colour(p.kl, scale_kl, "kl") if r.held_out else heat_colour(p.advantage, scale_adv, "adv")};'
+            f'--kl:{heat_colour(p.kl, scale_kl, "kl")}" title="{esc(_token_title(p))}">{esc(p.action or "∅")}</span>'
+            for p in r.pairs)
+        out.append(f"<h3>{esc(' · '.join(head(r)))}</h3>"
+                   f'<div class="heat"><span class="prompt">{esc(_cut(r.prompt))}</span>{spans}</div>')
+        rows = [[repr(getattr(p, name)) if name == "action" else getattr(p, name) for _, name in columns]
+                for p in r.pairs]
+        out.append(f"<details><summary>{'Sample' if r.held_out else 'Row'} {esc(r.row)}'s {len(r.pairs)} tokens, "
+                   "every number</summary>" + table([h for h, _ in columns], rows) + "</details>")
+    return out
+
+
 def section_attribution(run_dir: Path) -> str:
-    """The last evaluated step's training rollouts, per token (attribution.jsonl)."""
+    """The last evaluated step's training rollouts and held-out samples, per token
+    (attribution.jsonl): the rollouts coloured by advantage or KL_t, the held-out samples
+    (no advantage) by KL_t."""
     from ppo_ray.attribution import ATTRIBUTION, RolloutAttribution
 
     lines = _read_jsonl(run_dir / ATTRIBUTION)
     if not lines:
         return ""
     last = max(r.get("step", 0) for r in lines)
-    rollouts = [RolloutAttribution.from_dict(r) for r in lines if r.get("step", 0) == last]
-    pairs = [p for r in rollouts for p in r.pairs]
-    scale_adv = max((abs(p.advantage) for p in pairs if math.isfinite(p.advantage)), default=0.0)
-    scale_kl = max((abs(p.kl) for p in pairs if math.isfinite(p.kl)), default=0.0)
-    first = rollouts[0]
+    every = [RolloutAttribution.from_dict(r) for r in lines if r.get("step", 0) == last]
+    rollouts = [r for r in every if not r.held_out]
+    held = [r for r in every if r.held_out]
+    pairs = [p for r in every for p in r.pairs]
+    scale_adv = _scale(p.advantage for p in pairs)
+    scale_kl = _scale(p.kl for p in pairs)
+    first = (rollouts or held)[0]
     critic = any(p.value is not None for p in pairs)
     what = ("value V(s_t), TD error and return per token" if critic else
             f"no value model ({esc(first.estimator)}): each rollout's group baseline and its advantage")
     out = ["<h2>Token attribution</h2>",
            f'<p class="meta">Step {esc(last)}\'s first {len(rollouts)} training rollouts as the update saw them '
            f"(attribution.jsonl; advantage estimator {esc(first.estimator)}, beta {esc(fmt(first.kl_coef))}"
-           f"{', advantages whitened' if first.whitened else ''}; {what}). Hover a token for its numbers; the "
-           "tables below hold them all. A dashed token is outside the policy loss. Held-out samples are not "
-           "shown here: they have no advantage, and their KL would need a reference pass the evaluation does "
-           "not make.</p>",
+           f"{', advantages whitened' if first.whitened else ''}; {what}), then {len(held)} held-out eval samples "
+           "(the generator's and the reference's logprobs and KL_t: no advantage). Hover a token for its numbers; "
+           "the tables below hold them all. A dashed token is outside the policy loss.</p>",
            '<div class="attr">',
            '<input type="radio" name="attr-colour" id="attr-adv" checked> <label for="attr-adv">colour by advantage '
            f"A_t (max |A| {esc(fmt(scale_adv))})</label> ",
@@ -344,22 +375,22 @@ def section_attribution(run_dir: Path) -> str:
            f'{heat_colour(-1, 1, "kl")}, #ffffff, {heat_colour(1, 1, "kl")})"></span>',
            '<span class="meta">negative · 0 · positive</span>',
            '<div class="attr-body">']
-    for r in rollouts:
+
+    def rollout_head(r) -> list[str]:
         head = [f"row {r.row}", f"score {fmt(r.score)}"]
         if r.baseline is not None or not critic:
             head.append(f"group {r.group} baseline {fmt(r.baseline)}")
-        head.append(f"sampled with adapter v{r.version}")
-        spans = "".join(
-            f'<span class="tok{"" if p.in_loss else " out"}" style="--adv:{heat_colour(p.advantage, scale_adv, "adv")};'
-            f'--kl:{heat_colour(p.kl, scale_kl, "kl")}" title="{esc(_token_title(p))}">{esc(p.action or "∅")}</span>'
-            for p in r.pairs)
-        out.append(f"<h3>{esc(' · '.join(head))}</h3>"
-                   f'<div class="heat"><span class="prompt">{esc(_cut(r.prompt))}</span>{spans}</div>')
-        columns = [(h, name) for h, name in ATTRIBUTION_COLUMNS if critic or name not in ("value", "td_error", "return_")]
-        rows = [[repr(getattr(p, name)) if name == "action" else getattr(p, name) for _, name in columns]
-                for p in r.pairs]
-        out.append(f"<details><summary>Row {esc(r.row)}'s {len(r.pairs)} tokens, every number</summary>"
-                   + table([h for h, _ in columns], rows) + "</details>")
+        return head + [f"sampled with adapter v{r.version}"]
+
+    columns = [(h, name) for h, name in ATTRIBUTION_COLUMNS if critic or name not in ("value", "td_error", "return_")]
+    out += _heat_rows(rollouts, columns, scale_adv, scale_kl, rollout_head)
+    if held:
+        out.append(f"<h3>Held-out eval samples at step {esc(last)}</h3>"
+                   '<p class="meta">No update trained on these: they show KL_t in either colouring.</p>')
+        held_columns = [(h, name) for h, name in ATTRIBUTION_COLUMNS
+                        if name in ("position", "action", "action_id", "logprob", "ref_logprob", "kl")]
+        out += _heat_rows(held, held_columns, scale_adv, scale_kl,
+                          lambda r: [f"eval sample {r.row}", f"reward {fmt(r.score)}", f"adapter v{r.version}"])
     out.append("</div></div>")
     return "".join(out)
 
