@@ -701,7 +701,7 @@ def restored_from_step_two(trainer, run_dir: Path, new_dir: Path):
 def assert_attribution(run_dir: Path, steps: list[int], rows: int, critic: bool, kl_estimator: str = "k1") -> None:
     """<run_dir>/attribution.jsonl holds `rows` rollouts of each evaluated step in `steps`, each
     a consistent per-token view (ppo_ray.attribution), then that evaluation's first `rows` eval
-    samples (held out: the responses and rewards of eval_samples.jsonl, KL_t of their logprobs
+    samples (held out: the responses, up to a final EOS, and rewards of eval_samples.jsonl, KL_t of their logprobs
     and no learner number), and report.html shows the last step's as a heat map: one token
     span per SA pair, with the colour toggle."""
     import torch
@@ -724,11 +724,15 @@ def assert_attribution(run_dir: Path, steps: list[int], rows: int, critic: bool,
     assert [(r.step, r.row) for r in held] == [(s, i) for s in steps for i in range(rows)]
     for r in held:
         sample = [x for x in samples if x["step"] == r.step][r.row]
-        assert r.response == sample["response"] and r.score == sample["reward"] and r.version == r.step
+        # the view's text is every sampled token's; the sample's drops a final EOS (special token)
+        assert "".join(p.action for p in r.pairs) == r.response and r.response.startswith(sample["response"])
+        assert r.response[len(sample["response"]):] in ("", r.pairs[-1].action)
+        assert r.score == sample["reward"] and r.version == r.step
         got = torch.tensor([[p.logprob for p in r.pairs]]), torch.tensor([[p.ref_logprob for p in r.pairs]])
         assert [p.kl for p in r.pairs] == kl_penalty(*got, kl_estimator).tolist()[0]
         assert all(p.advantage is None and p.reward is None and p.value is None for p in r.pairs)
     page = (run_dir / "report.html").read_text()
     last = [x for x in lines if x["step"] == steps[-1]]
     assert "<h2>Token attribution</h2>" in page and 'id="attr-kl"' in page
-    assert page.count('<span class="tok') == sum(len(x["action_id"]) for x in last)
+    shown = last + [x for x in every if x["held_out"] and x["step"] == steps[-1]]
+    assert page.count('<span class="tok') == sum(len(x["action_id"]) for x in shown)
