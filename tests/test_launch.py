@@ -177,6 +177,7 @@ def test_a_resume_into_another_run_directory_is_refused_and_overwrite_forks_it(t
 
 
 @pytest.mark.slow
+@pytest.mark.matrix  # the other resume through a new model (another run directory) stays in CI
 def test_overwriting_sft_leaves_nothing_to_resume_onto_the_new_model(tmp_path):
     """A finished `all` run, then `launch.py sft --overwrite` with another SFT learning rate:
     `--resume auto` used to say "sft, rm finished; PPO resumes from step-N" and load the old

@@ -107,7 +107,7 @@ def test_a_member_without_rows_in_a_minibatch_still_steps(ray_session, tiny_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("when", [pytest.param("before", marks=pytest.mark.matrix), "after"])
 @rerun_if_last_digits_differ
 def test_a_group_member_dying_in_the_update_leaves_the_run_as_straight(ray_session, tiny_model_dir, tmp_path, when):
     """A PPOTrainer with two learners: a straight 4-step run (checkpoints at 2 and 4), then

@@ -112,16 +112,22 @@ def test_the_sync_check_is_cheap_and_reported(tiny_trainer):
     assert math.isnan(off["sync_probe_gap"]) and off["time/sync_check_s"] == 0.0
 
 
+# CI runs the two modes that hold every mode's parts between them (overlap with the generator's
+# logprobs and merged sync; tensor sync); the other six are marked matrix (`-m matrix`).
 MODES = [
-    pytest.param(dict(max_staleness=1, lora_sync="adapter"), id="overlap-learner-adapter"),
-    pytest.param(dict(max_staleness=1, lora_sync="merged"), id="overlap-learner-merged"),
-    pytest.param(dict(old_logprobs="generator", lora_sync="adapter"), id="sync-generator-adapter"),
-    pytest.param(dict(old_logprobs="generator", lora_sync="merged"), id="sync-generator-merged"),
+    pytest.param(dict(max_staleness=1, lora_sync="adapter"), id="overlap-learner-adapter",
+                 marks=pytest.mark.matrix),
+    pytest.param(dict(max_staleness=1, lora_sync="merged"), id="overlap-learner-merged",
+                 marks=pytest.mark.matrix),
+    pytest.param(dict(old_logprobs="generator", lora_sync="adapter"), id="sync-generator-adapter",
+                 marks=pytest.mark.matrix),
+    pytest.param(dict(old_logprobs="generator", lora_sync="merged"), id="sync-generator-merged",
+                 marks=pytest.mark.matrix),
     pytest.param(dict(max_staleness=1, old_logprobs="generator", lora_sync="adapter"),
-                 id="overlap-generator-adapter"),
+                 id="overlap-generator-adapter", marks=pytest.mark.matrix),
     pytest.param(dict(max_staleness=1, old_logprobs="generator", lora_sync="merged"),
                  id="overlap-generator-merged"),
-    pytest.param(dict(lora_sync="merged"), id="sync-learner-merged"),
+    pytest.param(dict(lora_sync="merged"), id="sync-learner-merged", marks=pytest.mark.matrix),
     pytest.param(dict(lora_sync="tensor"), id="sync-learner-tensor"),
 ]
 
