@@ -701,9 +701,9 @@ def restored_from_step_two(trainer, run_dir: Path, new_dir: Path):
 def assert_attribution(run_dir: Path, steps: list[int], rows: int, critic: bool, kl_estimator: str = "k1") -> None:
     """<run_dir>/attribution.jsonl holds `rows` rollouts of each evaluated step in `steps`, each
     a consistent per-token view (ppo_ray.attribution), then that evaluation's first `rows` eval
-    samples (held out: the responses, up to a final EOS, and rewards of eval_samples.jsonl, KL_t of their logprobs
-    and no learner number), and report.html shows the last step's as a heat map: one token
-    span per SA pair, with the colour toggle."""
+    samples (held out: the responses, up to a final EOS, and rewards of eval_samples.jsonl, KL_t
+    of their logprobs and no learner number), and report.html shows the last step's rollouts and
+    held-out samples as a heat map: one token span per SA pair, with the colour toggle."""
     import torch
 
     from learner.algos import kl_penalty
