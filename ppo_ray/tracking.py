@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -101,6 +103,25 @@ def update_run_file(run_dir: Path, **changes: Any) -> dict:
     return data
 
 
+EVENT_FILE = re.compile(r"^events\.out\.tfevents\.(\d+)\.")
+
+
+def wait_for_a_later_event_file(log_dir: Path) -> None:
+    """Wait (at most a second) until a new event file's name sorts after every one in
+    `log_dir`. TensorBoard reads a directory's event files in name order, and a resumed run's
+    purge of the later steps only holds when its file is read last. The name is
+    ``events.out.tfevents.<unix seconds>.<host>.<pid>.<counter>``: in the same second, in one
+    process, counter 10 sorts before 9 (a resume in the second its run stopped, as a sweep or a
+    test does), so a strictly later second is what keeps the order. A file stamped more than 2 s
+    ahead of this clock (another machine's) is not waited for."""
+    stamps = [int(m.group(1)) for f in Path(log_dir).glob("events.out.tfevents.*")
+              if (m := EVENT_FILE.match(f.name)) is not None]
+    latest = max(stamps, default=0)
+    if latest - time.time() < 2:  # a file from a clock ahead of ours is not waited for
+        while int(time.time()) <= latest:
+            time.sleep(latest + 1 - time.time() + 0.01)
+
+
 class Trackers:
     def __init__(self, tensorboard=None, wandb_run=None):
         self.tensorboard = tensorboard
@@ -116,6 +137,7 @@ class Trackers:
         if "tensorboard" in report_to:
             from torch.utils.tensorboard import SummaryWriter
 
+            wait_for_a_later_event_file(run_dir / TENSORBOARD_DIR)
             writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR),
                                    purge_step=first_step if first_step > 1 else None)
             if first_step <= 1:

@@ -16,9 +16,17 @@ from ppo_ray.tracking import Trackers, read_run_file, samples_markdown
 
 
 # -------------------------------------------------- TensorBoard
-def test_tensorboard_resume_purges_the_steps_after_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("writers_before", [None, 9])
+def test_tensorboard_resume_purges_the_steps_after_the_checkpoint(tmp_path, monkeypatch, writers_before):
     """A run logs steps 1-3, is resumed from a step-2 checkpoint and logs 3-4 again:
-    TensorBoard's reader shows each step once, step 3 from the resumed run."""
+    TensorBoard's reader shows each step once, step 3 from the resumed run. With 9 writers
+    opened before in this process, the two event files would be counters 9 and 10 of one
+    second, whose names sort the resumed run's first (CI's failure of 2026-12-03): the
+    trackers wait for a later second instead."""
+    if writers_before is not None:
+        from tensorboard.summary.writer import event_file_writer
+
+        monkeypatch.setattr(event_file_writer._global_uid, "_value", writers_before)
     first = Trackers.open(tmp_path, ["tensorboard"], {"seed": 0}, "ppo-first", first_step=1)
     for step in (1, 2, 3):
         first.log_step({"step": step, "reward_mean": float(step), "time/step_s": 1.0})
@@ -31,6 +39,8 @@ def test_tensorboard_resume_purges_the_steps_after_the_checkpoint(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("train/reward_mean")] == [(1, 1.0), (2, 2.0), (3, 30.0),
                                                                              (4, 40.0)]
     assert text_at(acc, "run/tag/text_summary") == {0: "ppo-first"}
+    names = sorted(f.name for f in (tmp_path / "tensorboard").iterdir())
+    assert len(names) == 2 and names[0].split(".")[3] < names[1].split(".")[3]  # seconds in name order
 
 
 # -------------------------------------------------- wandb
