@@ -427,10 +427,6 @@ def _main(argv: list[str] | None) -> int:
         log.warning("resuming with the run's saved config: it imports and runs the reward functions %s "
                     "(config files are trusted input, like a Python script)", ", ".join(config.reward_funcs))
     has_reward = bool(config.reward_funcs or config.reward_model_name)
-    if stage in ("all", "sft", "rm") and config.apply_chat_template:
-        print(f"error: apply_chat_template formats the PPO prompts of an instruct model (stage 'ppo' with reward "
-              f"sources); stage {stage!r} trains SFT and the reward model on plain text", file=sys.stderr)
-        return 2
     if stage in ("all", "sft", "rm") and has_reward:
         print(f"error: stage {stage!r} trains its own SFT and reward model on the bundled task; "
               "the config names reward sources (reward_funcs / reward_model_name): use stage 'ppo'",
@@ -453,7 +449,13 @@ def _main(argv: list[str] | None) -> int:
         print(f"error: task {config.task!r} has no stage {stage!r}; its stages: {', '.join(task_stages)}",
               file=sys.stderr)
         return 2
-    if stage in ("rm", "ppo") and not has_reward and not (run_dir / "sft").is_dir():
+    trains_sft_or_rm = [s for s in (task_stages if stage == "all" else (stage,)) if s in ("sft", "rm")]
+    if trains_sft_or_rm and config.apply_chat_template:
+        print(f"error: apply_chat_template formats the PPO prompts of an instruct model (stage 'ppo' with reward "
+              f"sources, or a task with no SFT stage such as arith-chat); stage {trains_sft_or_rm[0]!r} trains on "
+              "plain text", file=sys.stderr)
+        return 2
+    if stage in ("rm", "ppo") and not has_reward and "sft" in task_stages and not (run_dir / "sft").is_dir():
         print(f"error: stage {stage!r} needs {run_dir / 'sft'} from stage 'sft' (pass --run_dir)", file=sys.stderr)
         return 2
     if stage == "ppo" and not has_reward and "rm" in task_stages and not (run_dir / "rm").is_dir():

@@ -189,3 +189,69 @@ def test_pass_rates_read_the_rows_answers():
     res = solve(Trainer(), rows, 2)
     assert res["greedy_right"] == [True, False] and res["right"] == [1, 0]
     assert arith_rates(res, 2) == {"pass1": 0.5, "pass2": 0.5, "sample_accuracy": 0.25}
+
+
+# -------------------------------------------------- task arith-chat (an instruct model from its baseline)
+@pytest.mark.parametrize("completion, reason, right", [
+    ("23 + 58 = 81.", "stop", True), ("81", "stop", True), ("The answer is 81", "stop", True),
+    ("23 + 58 = 81", "length", False),  # cut off at max_new_tokens: no answer
+    ("81 or 82", "stop", False), ("8", "stop", False), ("eighty-one", "stop", False), ("", "stop", False),
+    ("23 + 58 = 810", "stop", False),  # a maximal run of digits, not a prefix of one
+])
+def test_arith_chat_scores_the_replys_last_number_then_eos(completion, reason, right):
+    from ppo_ray.tasks.arith import chat_prompt_of, is_right_last_number, verify_last_number
+
+    prompt = chat_prompt_of(23, 58)
+    assert prompt == "What is 23 + 58? Answer with the number only."
+    assert is_right_last_number(prompt, completion, reason) is right  # the prompt's sum
+    assert verify_last_number(["x"], [completion], finish_reasons=[reason], answer=["81"]) == [float(right)]
+    # what the verifier sees under apply_chat_template: the formatted prompt, its question inside
+    chat = f"<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+    assert operands(chat) == (23, 58) and is_right_last_number(chat, completion, reason) is right
+
+
+def test_arith_chat_writes_arith_problems_as_questions_and_no_sft_splits(tmp_path):
+    """The same operands per seed as task arith (its SFT problems drawn and left out), asked as
+    the chat question; no SFT file, since the task has no SFT stage."""
+    from ppo_ray.tasks.arith import chat_prompt_of
+
+    bare = write_task(tmp_path / "bare", seed=2, digits=2, sizes=SMALL)
+    chat = write_task(tmp_path / "chat", seed=2, digits=2, sizes=SMALL, prompt=chat_prompt_of, sft=False)
+    assert sorted(chat) == ["prompts_test.jsonl", "prompts_train.jsonl", "prompts_validation.jsonl"]
+    for name, path in chat.items():
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        want = [json.loads(line) for line in bare[name].read_text().splitlines()]
+        assert [operands(r["prompt"]) for r in rows] == [operands(r["prompt"]) for r in want]
+        assert [r["answer"] for r in rows] == [r["answer"] for r in want]
+        assert all(r["prompt"] == chat_prompt_of(*operands(r["prompt"])) for r in rows)
+
+
+def test_arith_chat_trains_the_base_model_and_reports_against_it(tmp_path):
+    """The PPO stage's policy is the configured model itself (no SFT stage); its pass rates and
+    samples name the starting policy "base"."""
+    from ppo_ray.config import PPOConfig
+    from ppo_ray.stats import Responses
+    from ppo_ray.tasks import pipeline
+    from ppo_ray.tasks.evaluation import arith_numbers, solve
+
+    config = PPOConfig.from_yaml("smollm2-arith")
+    task = pipeline.task_of(config)
+    assert task.stages == ("ppo",) and task.before_name == "base" and config.apply_chat_template
+    data = pipeline.write_data(config, tmp_path / "run")
+    assert not list(data.glob("sft_*.jsonl"))
+    cfg = pipeline.ppo_config(config, tmp_path / "run", data)
+    assert cfg.model_name == "package:smollm2-135m-instruct" and cfg.ref_model_name is None
+    assert cfg.reward_funcs == ["ppo_ray.tasks.arith:verify_last_number"]
+
+    class Trainer:  # greedy, then k = 2 samples per prompt
+        def generate(self, prompts, *, samples_per_prompt, greedy, score, index_offset):
+            if greedy:
+                return Responses(["2 + 2 = 4", "4"], ["stop", "length"], 0)
+            return Responses(["4", "It is 4.", "5", "4"], ["stop", "stop", "stop", "length"], 0)
+
+    rows = [{"prompt": "What is 2 + 2? Answer with the number only.", "answer": "4"}] * 2
+    res = task.evaluate(Trainer(), cfg.replace(eval_k=2), rows)
+    assert res["greedy_right"] == [True, False] and res["right"] == [2, 0]
+    assert solve(Trainer(), rows, 2)["greedy_right"] == [False, False]  # arith's exact rule differs
+    assert set(arith_numbers("test", 2, res, res, "base")) == {
+        f"{m}_test_{who}" for m in ("pass1", "pass2", "sample_accuracy") for who in ("base", "rl")}

@@ -110,6 +110,19 @@ def test_the_arith_pages_before_after_table_and_right_of_k(tmp_path):
     assert "grpo" in cells  # the preset's estimator, from config.yaml
 
 
+def test_a_run_from_the_base_model_names_it_before(tmp_path):
+    """Task arith-chat (no SFT stage): report.json's *_base keys pair with *_rl under "base model"."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "report.json").write_text(json.dumps({"pass1_test_base": 0.065, "pass1_test_rl": 0.5,
+                                                 "pass8_test_base": 0.3, "pass8_test_rl": 0.8}))
+    page = Page(write_report_page(run).read_text())
+    cells = page.cells
+    assert {"base model", "RL"} <= set(cells) and "SFT" not in cells
+    i = cells.index("pass1")
+    assert cells[i:i + 5] == ["pass1", "test", fmt(0.065), fmt(0.5), fmt(0.5 - 0.065)]
+
+
 def test_the_token_attribution_is_a_heat_map_with_a_toggle_and_every_number(tmp_path):
     """The last evaluated step's rollouts (attribution.jsonl): one span per token, coloured by
     advantage or by KL (two CSS variables, a radio toggle: no script), its numbers in its title

@@ -103,6 +103,9 @@ def test_the_registered_tasks_declare_their_stages_data_and_reward():
     assert arith.sft_target == "answer" and arith.policy_name == "rl"
     assert get_task("ppo_ray.tasks.arith:TASK") is arith  # the same object by its import path
     assert get_task("ppo_ray.tasks.arith:ArithTask").name == "arith"  # a Task class is instantiated
+    chat = get_task("arith-chat")  # RL from the base model: no SFT stage, the base as "before"
+    assert chat.stages == ("ppo",) and chat.before_name == "base"
+    assert chat.verifier_spec == "ppo_ray.tasks.arith:verify_last_number"
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -134,13 +137,21 @@ def test_a_module_object_that_does_not_import_or_is_no_task_is_named(tmp_path, m
 
         class Abstract(Task):
             name = "abstract"
+
+        class NoSFT(Bad):  # RL from the base model, but its report would call the base "sft"
+            stages = ("ppo",)
+
+        class RMFirst(Bad):
+            stages = ("rm", "ppo")
         ''')
     monkeypatch.syspath_prepend(str(path))
     cases = {"no_such_module_here:TASK": "cannot import module 'no_such_module_here'",
              "not_tasks:TASK": "module 'not_tasks' has no 'TASK'",
              "not_tasks:NUMBER": "int 3 is not a ppo_ray.tasks.base.Task",
              "not_tasks:Bad": "a task has a reward-model stage ('rm') or a verifier, exactly one",
-             "not_tasks:Abstract": "Abstract() cannot be made: Can't instantiate abstract class"}
+             "not_tasks:Abstract": "Abstract() cannot be made: Can't instantiate abstract class",
+             "not_tasks:NoSFT": "with no SFT stage the starting policy is the base model: set before_name",
+             "not_tasks:RMFirst": "stages ('rm', 'ppo') must be ('ppo',) (RL from the base model) or start with"}
     for spec, expected in cases.items():
         with pytest.raises(TaskError) as e:
             get_task(spec)
@@ -243,3 +254,21 @@ def test_a_task_in_one_file_outside_the_project_runs_through_launch(tmp_path):
     assert "exact" in page and "mytask_module:TASK" in page
     for name in ("curves.png", "sft/model.safetensors", "adapter/adapter_model.safetensors"):
         assert (run_dir / name).is_file(), name
+
+
+def test_launch_runs_only_the_stages_of_a_task_without_sft(tmp_path, capsys, monkeypatch):
+    """Task arith-chat has stage ppo only: `launch.py sft` is refused naming its stages, and
+    `launch.py ppo` needs no sft/ directory (it gets past that check to the next, an
+    unreachable Ray address); a chat template is refused where a stage trains on plain text."""
+    import launch
+
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # no cluster there: nothing starts
+    run = tmp_path / "run"
+    assert launch.main(["sft", "--config", "smollm2-arith", "--run_dir", str(run)]) == 2
+    assert "task 'arith-chat' has no stage 'sft'; its stages: ppo" in capsys.readouterr().err
+    assert launch.main(["ppo", "--config", "smollm2-arith", "--run_dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "needs" not in err and "127.0.0.1:1" in err, err
+    assert launch.main(["--config", "arith-tiny", "--apply_chat_template", "true", "--run_dir", str(run)]) == 2
+    assert "stage 'sft' trains on plain text" in capsys.readouterr().err
+    assert not run.exists()

@@ -55,6 +55,7 @@ TRUNCATION_MODES = ("error", "left")  # prompt_truncation; ppo_ray.data, the gen
 TASKS: dict[str, Any] = {
     "tldr": "ppo_ray.tasks.tldr_task:TASK",  # TL;DR-style summaries: SFT, reward model, PPO, a gold judge
     "arith": "ppo_ray.tasks.arith:TASK",     # multi-digit addition: SFT, RL with a verifier, pass@1 / pass@k
+    "arith-chat": "ppo_ray.tasks.arith:CHAT_TASK",  # the same problems asked an instruct model: RL from its baseline
 }
 TASK_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")  # "package.module:object"
 
@@ -347,7 +348,7 @@ class PPOConfig:
     bundled_ideal_fraction: float = knob(1.0, DATA, check=within(0, 1))
     """Bundled task only: fraction of the posters' reference TL;DRs (SFT data) that state every key fact; the rest leave one out (ppo_ray/tasks/tldr_synth.py). 1.0 = every reference is ideal."""
     task: str = knob("tldr", DATA, must_match=True, check=task_name)
-    """The pipeline's task: a registered one (tldr: summaries with a reward model; arith: addition with a verifier) or "module:object" naming your own (docs/TASKS.md). Plain PPO runs do not read it."""
+    """The pipeline's task: a registered one (tldr: summaries with a reward model; arith: addition with a verifier; arith-chat: asked an instruct model, no SFT) or "module:object" naming your own (docs/TASKS.md). Plain PPO runs do not read it."""
     arith_digits: int = knob(2, DATA, must_match=True, check=at_least(1))
     """task arith only: digits of each operand."""
     arith_carry_slip: float = knob(0.6, DATA, must_match=True, check=within(0, 1))

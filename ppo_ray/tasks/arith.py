@@ -53,17 +53,28 @@ from ppo_ray.tasks.base import Task
 
 PROMPT = re.compile(r"^(\d+)\+(\d+)=$")
 ANSWER = re.compile(r"^\d+$")
+# task arith-chat's question (an instruct model's user turn; the chat template wraps it)
+CHAT_PROMPT = "What is {a} + {b}? Answer with the number only."
+CHAT_QUESTION = re.compile(r"What is (\d+) \+ (\d+)\? Answer with the number only\.")
+NUMBER = re.compile(r"\d+")
 
 
 def prompt_of(a: int, b: int) -> str:
     return f"{a}+{b}="
 
 
+def chat_prompt_of(a: int, b: int) -> str:
+    return CHAT_PROMPT.format(a=a, b=b)
+
+
 def operands(prompt: str) -> tuple[int, int]:
-    """(a, b) of a task prompt; a RewardError naming the prompt for anything else."""
-    m = PROMPT.match(prompt.strip())
+    """(a, b) of a task prompt: arith's "<a>+<b>=", or arith-chat's question anywhere in the
+    text (the prompt a verifier sees is the chat-formatted one); a RewardError naming the prompt
+    for anything else."""
+    m = PROMPT.match(prompt.strip()) or CHAT_QUESTION.search(prompt)
     if m is None:
-        raise RewardError(f"arith verifier: {prompt[:60]!r} is not an addition prompt ('<a>+<b>=')")
+        raise RewardError(f"arith verifier: {prompt[:60]!r} is not an addition prompt ('<a>+<b>=' or "
+                          f"{CHAT_PROMPT!r})")
     return int(m.group(1)), int(m.group(2))
 
 
@@ -90,18 +101,37 @@ def is_right(prompt: str, completion: str, finish_reason: str, answer: Optional[
             and (text == "0" or not text.startswith("0")))
 
 
+def is_right_last_number(prompt: str, completion: str, finish_reason: str,
+                         answer: Optional[str | int] = None) -> bool:
+    """Task arith-chat's rule, GSM8K-style: the last number in the completion (a maximal run of
+    digits) is the sum, and the completion ended with EOS (a reply cut off at max_new_tokens is
+    no answer). "23 + 58 = 81." is right for 23 + 58; "81 or 82" and "8" are not."""
+    numbers = NUMBER.findall(completion)
+    return finish_reason == "stop" and bool(numbers) and int(numbers[-1]) == true_sum(prompt, answer)
+
+
 def verify(prompts: list[str], completions: list[str], *, finish_reasons: list[str],
            answer: Optional[list[str]] = None) -> list[float]:
     """The task's reward function: 1.0 where the completion is the right sum and ended with EOS
     (is_right), else 0.0; `answer`: the rows' true sums (the dataset's column; a row's None: its
     prompt's). finish_reasons is required: the rule needs EOS, and the reward scorer always
     passes them."""
+    return _verify(is_right, prompts, completions, finish_reasons, answer)
+
+
+def verify_last_number(prompts: list[str], completions: list[str], *, finish_reasons: list[str],
+                       answer: Optional[list[str]] = None) -> list[float]:
+    """Task arith-chat's reward function: verify with is_right_last_number's rule."""
+    return _verify(is_right_last_number, prompts, completions, finish_reasons, answer)
+
+
+def _verify(rule, prompts, completions, finish_reasons, answer) -> list[float]:
     answers = [None] * len(prompts) if answer is None else answer
     if not len(prompts) == len(completions) == len(finish_reasons) == len(answers):
         counts = f" and {len(answer)} answers" if answer is not None else ""
         raise RewardError(f"arith verifier: {len(prompts)} prompts but {len(completions)} completions and "
                           f"{len(finish_reasons)} finish reasons{counts}")
-    return [1.0 if is_right(p, c, f, a) else 0.0 for p, c, f, a in zip(prompts, completions, finish_reasons, answers)]
+    return [1.0 if rule(p, c, f, a) else 0.0 for p, c, f, a in zip(prompts, completions, finish_reasons, answers)]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -140,11 +170,13 @@ def units_carry(a: int, b: int) -> bool:
 
 
 def write_task(out_dir: str | Path, seed: int = 0, digits: int = 2, carry_slip: float = 0.6,
-               sizes: dict[str, int] | None = None) -> dict[str, Path]:
+               sizes: dict[str, int] | None = None, *, prompt=prompt_of, sft: bool = True) -> dict[str, Path]:
     """Write the splits (SPLITS' names and sizes, or `sizes`) under `out_dir` as JSONL rows
     {id, prompt, answer} (SFT rows also `slip`); returns {file name: path}. Every problem is in
     one split only. An SFT answer to a problem with a units carry is a + b - 10 (the carry
-    forgotten) with probability `carry_slip`; the prompts' answers are the true sums."""
+    forgotten) with probability `carry_slip`; the prompts' answers are the true sums.
+    `prompt(a, b)` writes a problem's prompt; `sft` False leaves the SFT splits out (the same
+    problems in the other splits: the SFT ones are drawn first either way)."""
     if digits < 1:
         raise ValueError(f"digits must be >= 1, got {digits}")
     if not 0.0 <= carry_slip <= 1.0:
@@ -158,11 +190,13 @@ def write_task(out_dir: str | Path, seed: int = 0, digits: int = 2, carry_slip: 
     for name, n in sizes.items():
         rows = []
         for i, (a, b) in enumerate(_problems(rng, n, digits, taken)):
-            row = {"id": f"{name}-{i}", "prompt": prompt_of(a, b), "answer": str(a + b)}
+            row = {"id": f"{name}-{i}", "prompt": prompt(a, b), "answer": str(a + b)}
             if name.startswith("sft"):
                 row["slip"] = units_carry(a, b) and rng.random() < carry_slip
                 row["answer"] = str(a + b - 10 * row["slip"])
             rows.append(row)
+        if name.startswith("sft") and not sft:
+            continue
         path = out / f"{name}.jsonl"
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
         paths[path.name] = path
@@ -180,6 +214,7 @@ class ArithTask(Task):
     sft_target = "answer"
     verifier = "ppo_ray.tasks.arith:verify"  # reads each prompt row's `answer` column
     policy_name = "rl"
+    rule = staticmethod(is_right)  # right or not: the verifier's rule, which the pass rates apply too
 
     def data_spec(self, config) -> dict:
         return {"task": "arith", "seed": config.seed, "digits": config.arith_digits,
@@ -194,17 +229,18 @@ class ArithTask(Task):
     def evaluate(self, trainer, cfg, rows, *, label: Optional[str] = None) -> dict:
         from ppo_ray.tasks.evaluation import solve
 
-        return solve(trainer, rows, cfg.eval_k, label=label)
+        return solve(trainer, rows, cfg.eval_k, label=label, rule=self.rule)
 
     def periodic(self, trainer, cfg, rows) -> dict:
         from ppo_ray.tasks.evaluation import arith_rates, solve
 
         k = cfg.eval_k
-        return {"pass1_val": arith_rates(solve(trainer, rows, k, sampled=False), k)["pass1"]}
+        return {"pass1_val": arith_rates(solve(trainer, rows, k, sampled=False, rule=self.rule), k)["pass1"]}
 
     def report(self, run_dir: Path, metrics: Path, cfg, test_rows: list[dict], val_rows: list[dict], sft: dict,
                after: dict, after_val: dict) -> dict:
-        return arith_report(run_dir, metrics, cfg.eval_k, test_rows, val_rows, sft, after, after_val)
+        return arith_report(run_dir, metrics, cfg.eval_k, test_rows, val_rows, sft, after, after_val,
+                            before_name=self.before_name)
 
     def check_columns(self, rows, source: str) -> dict[str, str]:
         why = arith_columns(rows, source)
@@ -214,7 +250,7 @@ class ArithTask(Task):
         from ppo_ray.tasks import evaluation as ev
 
         if "pass_rates" not in skipped:
-            return ev.solve(trainer, rows, cfg.eval_k, label=label)
+            return ev.solve(trainer, rows, cfg.eval_k, label=label, rule=self.rule)
         # no answers: the samples only, greedy and sampled as for the pass rates
         prompts = ev.prompts_of(rows)
         k = cfg.eval_k
@@ -229,21 +265,45 @@ class ArithTask(Task):
         if "pass_rates" in skipped:
             return {}
         k = cfg.eval_k
-        out = ev.arith_numbers(tag, k, after, before)
+        out = ev.arith_numbers(tag, k, after, before, self.before_name)
         if before is not None:
             b, a = ev.arith_rates(before, k), ev.arith_rates(after, k)
-            out.update({f"{name}_{tag}_rl_minus_sft": a[name] - b[name] for name in a})
+            out.update({f"{name}_{tag}_rl_minus_{self.before_name}": a[name] - b[name] for name in a})
         out["eval_k"] = k
         return out
 
     def eval_samples_md(self, path: Path, cfg, rows, after: dict, before: Optional[dict],
                         skipped: dict[str, str]) -> bool:
         # a run of the verifiable task has an SFT stage: `before` is its policy's
-        write_arith_samples(path, rows, before, after, cfg.eval_k)
+        write_arith_samples(path, rows, before, after, cfg.eval_k, self.before_name)
         return True
 
 
 TASK = ArithTask()
+
+
+class ArithChatTask(ArithTask):
+    """``task: arith-chat``: an instruct model RL-trained from its own baseline, with no SFT
+    stage (the preset smollm2-arith; issue 56). The problems are arith's (the same operands
+    per seed and digits; no SFT splits written), asked as CHAT_PROMPT's question in the
+    model's chat format (apply_chat_template: true), and right by is_right_last_number (the
+    reply's last number, then EOS). The report's "before" policy is the base model:
+    <rate>_<split>_base and _rl."""
+
+    name = "arith-chat"
+    stages = ("ppo",)
+    verifier = "ppo_ray.tasks.arith:verify_last_number"
+    before_name = "base"
+    rule = staticmethod(is_right_last_number)
+
+    def data_spec(self, config) -> dict:
+        return {"task": self.name, "seed": config.seed, "digits": config.arith_digits, "prompt": CHAT_PROMPT}
+
+    def write_data(self, data_dir: Path, config) -> None:
+        write_task(data_dir, seed=config.seed, digits=config.arith_digits, prompt=chat_prompt_of, sft=False)
+
+
+CHAT_TASK = ArithChatTask()
 
 
 def arith_columns(rows: list[dict], source: str) -> Optional[str]:
@@ -265,7 +325,7 @@ def arith_columns(rows: list[dict], source: str) -> Optional[str]:
 
 
 def arith_report(run_dir: Path, metrics: Path, k: int, test_rows: list[dict], val_rows: list[dict], sft: dict,
-                 rl: dict, rl_val: dict) -> dict:
+                 rl: dict, rl_val: dict, before_name: str = "sft") -> dict:
     """report.json's pass rates of task arith (ppo_ray.tasks.evaluation, which `launch.py eval`
     calls too) and the files behind them; a part that fails is said (report_part), the rest written."""
     from ppo_ray.tasks.evaluation import arith_numbers
@@ -273,36 +333,39 @@ def arith_report(run_dir: Path, metrics: Path, k: int, test_rows: list[dict], va
 
     history = read_metrics(metrics)
     errors: dict = {}
-    report = {**(report_part(errors, "test split's pass rates", lambda: arith_numbers("test", k, rl, sft)) or {}),
+    report = {**(report_part(errors, "test split's pass rates",
+                             lambda: arith_numbers("test", k, rl, sft, before_name)) or {}),
               **(report_part(errors, "validation split's pass rates",
-                             lambda: arith_numbers("val", k, rl_val, sft["val"])) or {})}
+                             lambda: arith_numbers("val", k, rl_val, sft["val"], before_name)) or {})}
     report.update({"final_kl": history[-1]["kl"], **final_rewards(history),
                    "rl_steps": len(history), "eval_prompts": len(test_rows), "eval_k": k})
     report_part(errors, HELD_OUT, lambda: write_arith_held_out(
-        run_dir / HELD_OUT, {"test": (test_rows, sft, rl), "val": (val_rows, sft["val"], rl_val)}))
-    report_part(errors, "samples.md", lambda: write_arith_samples(run_dir / "samples.md", test_rows, sft, rl, k))
+        run_dir / HELD_OUT, {"test": (test_rows, sft, rl), "val": (val_rows, sft["val"], rl_val)}, before_name))
+    report_part(errors, "samples.md", lambda: write_arith_samples(run_dir / "samples.md", test_rows, sft, rl, k,
+                                                                  before_name))
     report_part(errors, "curves.png", lambda: plot_curves(
-        metrics, run_dir / "curves.png", report.get("pass1_val_sft"), gold_key="pass1_val",
+        metrics, run_dir / "curves.png", report.get(f"pass1_val_{before_name}"), gold_key="pass1_val",
         gold_title="pass@1 (held-out validation, greedy)", reward_title="verifier reward (share right)"))
     if errors:
         report["report_errors"] = errors
     return report
 
 
-def write_arith_held_out(path: Path, splits: dict[str, tuple[list[dict], dict, dict]]) -> None:
+def write_arith_held_out(path: Path, splits: dict[str, tuple[list[dict], dict, dict]],
+                         before_name: str = "sft") -> None:
     """Every held-out sample behind task arith's report: per split ("test", "val": rows, the SFT
-    policy's solve(), the RL policy's) and problem, the greedy answers and the k samples."""
+    (or base) policy's solve(), the RL policy's) and problem, the greedy answers and the k samples."""
     with open(path, "w") as f:
         for split, (rows, before, after) in splits.items():
             for i, row in enumerate(rows):
                 line = {"split": split, "index": i, "prompt": row["prompt"], "answer": row["answer"]}
-                for who, res in (("sft", before), ("rl", after)):  # with the finish reasons: right needs EOS
+                for who, res in ((before_name, before), ("rl", after)):  # with the finish reasons: right needs EOS
                     line.update({f"{who}_{key}": res[key][i]
                                  for key in ("greedy", "greedy_finish", "samples", "samples_finish")})
                 f.write(json.dumps(line) + "\n")
 
 
-def write_arith_samples(path: Path, rows, sft: dict, rl: dict, k: int, n: int = 20) -> None:
+def write_arith_samples(path: Path, rows, sft: dict, rl: dict, k: int, before_name: str = "sft", n: int = 20) -> None:
     """samples.md of task arith: held-out problems with the SFT and RL greedy answers and how
     many of k samples were right (`sft`, `rl`: ppo_ray.tasks.evaluation.solve() results; `-`
     where the verifier did not score: `launch.py eval` on problems without their answers)."""
@@ -312,8 +375,10 @@ def write_arith_samples(path: Path, rows, sft: dict, rl: dict, k: int, n: int = 
     def right(res: dict, i: int) -> str:
         return f"{res['right'][i]}/{k}" if "right" in res else "-"
 
-    lines = ["| # | problem | answer | SFT greedy | SFT right of k | RL greedy | RL right of k |", "|---|---|---|---|---|---|---|"]
+    who = before_name.upper()
+    lines = [f"| # | problem | answer | {who} greedy | {who} right of k | RL greedy | RL right of k |",
+             "|---|---|---|---|---|---|---|"]
     for i, row in enumerate(rows[:n]):
         lines.append(f"| {i} | {row['prompt']} | {row.get('answer', '')} | {cell(sft['greedy'][i])} | {right(sft, i)} | "
                      f"{cell(rl['greedy'][i])} | {right(rl, i)} |")
-    path.write_text("# Held-out problems before (SFT) and after RL\n\n" + "\n".join(lines) + "\n")
+    path.write_text(f"# Held-out problems before ({who}) and after RL\n\n" + "\n".join(lines) + "\n")

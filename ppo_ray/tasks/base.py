@@ -48,6 +48,7 @@ class Task(ABC):
     sft_target: str = "answer"  # the column of sft_*.jsonl that SFT learns to write after the prompt
     verifier: Optional[str | Callable] = None  # the reward: "module:function" (or the function), fn(prompts, completions, **columns)
     policy_name: str = "ppo"  # the trained policy's name in the report's keys (<number>_<split>_<policy_name>)
+    before_name: str = "sft"  # the starting policy's: "base" for a task with no SFT stage (the base model)
 
     # ------------------------------------------------------------------ data
     @abstractmethod
@@ -139,12 +140,16 @@ class Task(ABC):
         if not self.name:
             raise TaskError(f"{type(self).__name__}: a task needs a name")
         stages = tuple(self.stages)
-        if [s for s in STAGE_ORDER if s in stages] != list(stages) or stages[:1] != ("sft",) or stages[-1:] != ("ppo",):
-            raise TaskError(f"task {who!r}: stages {stages} must start with 'sft', end with 'ppo' and "
-                            f"keep the order {STAGE_ORDER}")
+        if [s for s in STAGE_ORDER if s in stages] != list(stages) or stages[-1:] != ("ppo",) \
+                or (stages[:1] != ("sft",) and stages != ("ppo",)):
+            raise TaskError(f"task {who!r}: stages {stages} must be ('ppo',) (RL from the base model) or start "
+                            f"with 'sft', end with 'ppo' and keep the order {STAGE_ORDER}")
         if ("rm" in stages) == (self.verifier is not None):
             raise TaskError(f"task {who!r}: a task has a reward-model stage ('rm') or a verifier, exactly one "
                             f"(stages {stages}, verifier {self.verifier!r})")
+        if "sft" not in stages and self.before_name == "sft":
+            raise TaskError(f"task {who!r}: with no SFT stage the starting policy is the base model: set "
+                            "before_name (e.g. 'base')")
         if not self.sft_target or not isinstance(self.sft_target, str):
             raise TaskError(f"task {who!r}: sft_target must name the SFT files' target column")
         self.verifier_spec  # noqa: B018 - its check

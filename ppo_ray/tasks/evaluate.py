@@ -7,7 +7,8 @@ stage did, with the same functions (ppo_ray.tasks.evaluation) and the same sampl
 
 The trainer is built with the PPO stage's config (the checkpoint's own, ppo_ray.checkpoint.
 resumed_config, plus any --<field> option). A fresh trainer's policy is the SFT model (LoRA
-B = 0), so a run with an SFT stage gets the SFT policy evaluated first; then the checkpoint
+B = 0), so a run with an SFT stage gets the SFT policy evaluated first (a task with no SFT
+stage, arith-chat: the base model, its keys *_base); then the checkpoint
 is restored (trainer.restore) and the trained policy evaluated on the same prompts with the
 same seeds. On the run's held-out split (the first eval_size rows, as the PPO stage took
 them) the numbers equal report.json's, key for key. Without --split, that is the split the
@@ -54,7 +55,7 @@ class Plan:
     checkpoint: Path
     config: object  # PPOConfig: the PPO stage's (the checkpoint's plus the options)
     task: Optional[object]  # the run's task (ppo_ray.tasks.base.Task) when its bundled data is evaluated; else None
-    has_sft: bool  # the run has an SFT stage: its policy is evaluated too
+    has_sft: bool  # the run's starting policy (its SFT stage's, or a task's base model) is evaluated too
     score: bool  # the run has a reward model (or reward functions of its own): its mean score is reported
     rows: list[dict]
     source: str  # the split or the prompts file
@@ -65,6 +66,10 @@ class Plan:
     @property
     def who(self) -> str:  # the trained policy's name in the report's keys
         return self.task.policy_name if self.task is not None else "ppo"
+
+    @property
+    def before(self) -> str:  # the starting policy's name in the report's keys: sft, or base (no SFT stage)
+        return self.task.before_name if self.task is not None else "sft"
 
     @property
     def kind(self) -> str:  # the task's name, or "reward" (no task: the run's reward only)
@@ -128,9 +133,12 @@ def plan(argv: list[str]) -> Optional[Plan]:
 
     sft_dir = run_dir / "sft"
     has_sft = sft_dir.is_dir() and Path(cfg.model_name).resolve() == sft_dir.resolve()
-    pipeline_task = has_sft and cfg.uses_bundled_data  # the bundled task's data, with its judge
-    from ppo_ray.tasks.pipeline import task_of
+    from ppo_ray.tasks.pipeline import DATA_STAMP, task_of
 
+    if not has_sft and cfg.uses_bundled_data and (run_dir / "data" / DATA_STAMP).is_file():
+        # a pipeline task with no SFT stage (arith-chat): the base model is the starting policy
+        has_sft = "sft" not in task_of(cfg).stages
+    pipeline_task = has_sft and cfg.uses_bundled_data  # the bundled task's data, with its judge
     task = task_of(cfg) if pipeline_task else None
     # a verifier's score is the task's own numbers (its pass rates), not a reward to report
     score = (task is None or task.verifier is None) and bool(cfg.reward_model_name or cfg.reward_funcs)
@@ -285,7 +293,7 @@ def run(plan: Plan) -> dict:
     trainer = PPOTrainer(plan.config)
     ended = False
     try:
-        before = evaluate_policy(plan, trainer, "SFT policy") if plan.has_sft else None
+        before = evaluate_policy(plan, trainer, f"{plan.before.upper()} policy") if plan.has_sft else None
         trainer.restore(plan.checkpoint)
         after = evaluate_policy(plan, trainer, f"policy of step {trainer.step}")
         step = trainer.step
@@ -296,12 +304,12 @@ def run(plan: Plan) -> dict:
             ray.shutdown()
     report = {"run_dir": str(plan.run_dir), "checkpoint": str(plan.checkpoint), "step": step,
               "prompts": plan.source, "eval_prompts": len(plan.rows),
-              "policies": (["sft"] if before is not None else []) + [plan.who],
+              "policies": ([plan.before] if before is not None else []) + [plan.who],
               **numbers(plan, after, before)}
     if plan.skipped:
         report["skipped"] = plan.skipped
     report["seconds"] = round(time.perf_counter() - t0, 1)
-    results = {**({"sft": before} if before is not None else {}), plan.who: after}
+    results = {**({plan.before: before} if before is not None else {}), plan.who: after}
     with open(plan.out / "samples.jsonl", "w") as f:
         for line in sample_lines(plan, results):
             f.write(json.dumps(line) + "\n")

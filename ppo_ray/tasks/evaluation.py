@@ -144,13 +144,15 @@ def tldr_numbers(tag: str, rows: Sequence[dict], after: dict, before: Optional[d
 
 
 # ----------------------------------------------------------------------------- arith (verifier)
-def solve(trainer, rows: Sequence[dict], k: int, *, sampled: bool = True, label: Optional[str] = None) -> dict:
+def solve(trainer, rows: Sequence[dict], k: int, *, sampled: bool = True, label: Optional[str] = None,
+          rule=None) -> dict:
     """Greedy completions (pass@1) and, with `sampled`, k samples per prompt at the training
-    temperature (pass@k), each right or not by the task's verifier's rule (arith.is_right: the
-    sum, then EOS) against the row's `answer` (the prompt's sum where a row has none), with
-    their finish reasons (greedy_finish, samples_finish)."""
-    from ppo_ray.tasks.arith import is_right
+    temperature (pass@k), each right or not by the task's verifier's rule (`rule`; default
+    arith.is_right: the sum, then EOS) against the row's `answer` (the prompt's sum where a row
+    has none), with their finish reasons (greedy_finish, samples_finish)."""
+    from ppo_ray.tasks.arith import is_right as exact
 
+    is_right = rule or exact
     prompts = prompts_of(rows)
     answers = [row.get("answer") for row in rows]
     greedy = generate(trainer, prompts, greedy=True, label=label and f"{label}, greedy")
@@ -181,12 +183,14 @@ def arith_rates(res: dict, k: int) -> dict:
     return out
 
 
-def arith_numbers(tag: str, k: int, after: dict, before: Optional[dict] = None) -> dict:
-    """<rate>_<tag>_sft and <rate>_<tag>_rl, keys as in report.json (SFT's first); the two
-    evaluations must be of the same problems (ValueError naming the counts)."""
+def arith_numbers(tag: str, k: int, after: dict, before: Optional[dict] = None, before_name: str = "sft") -> dict:
+    """<rate>_<tag>_sft and <rate>_<tag>_rl, keys as in report.json (SFT's first; `before_name`
+    "base" for a task whose starting policy is the base model); the two evaluations must be of
+    the same problems (ValueError naming the counts)."""
     if before is not None and len(before["greedy_right"]) != len(after["greedy_right"]):
-        raise ValueError(f"the SFT and RL evaluations of split {tag!r} are of {len(before['greedy_right'])} and "
-                         f"{len(after['greedy_right'])} problems: paired rates need the same problems")
-    pairs = ([("sft", before)] if before is not None else []) + [("rl", after)]
+        raise ValueError(f"the {before_name.upper()} and RL evaluations of split {tag!r} are of "
+                         f"{len(before['greedy_right'])} and {len(after['greedy_right'])} problems: paired rates need "
+                         "the same problems")
+    pairs = ([(before_name, before)] if before is not None else []) + [("rl", after)]
     return {f"{name}_{tag}_{who}": value for who, res in pairs for name, value in arith_rates(res, k).items()}
 

@@ -234,7 +234,9 @@ def ppo_config(config: PPOConfig, run_dir: Path, data_dir: Path) -> PPOConfig:
             raise ValueError(f"value_model_name 'rm' needs the reward-model stage, which task {config.task} does not "
                              "have")
         data = dict(dataset=str(data_dir / "prompts_train.jsonl"), prompt_column="prompt")
-        return config.replace(model_name=str(run_dir / "sft"), ref_model_name=None, reward_model_name=None,
+        # a task with no SFT stage trains the base model itself (its reference too)
+        policy = str(run_dir / "sft") if "sft" in task.stages else config.model_name
+        return config.replace(model_name=policy, ref_model_name=None, reward_model_name=None,
                               value_model_name=value, reward_funcs=[task.verifier_spec], reward_weights=[], **data)
     if value == "rm":
         value = str(run_dir / "rm")

@@ -48,7 +48,7 @@ PAGE = "report.html"
 # report files, most complete first: the pipeline's (stage all), then a single stage's
 REPORTS = ("report.json", "report-ppo.json", "report-rm.json", "report-sft.json")
 # a before/after pair of report.json: gold_test_sft / gold_test_ppo, pass1_val_sft / pass1_val_rl, ...
-PAIR = re.compile(r"^(?P<metric>.+)_(?P<split>test|val)_(?P<who>sft|ppo|rl)$")
+PAIR = re.compile(r"^(?P<metric>.+)_(?P<split>test|val)_(?P<who>sft|base|ppo|rl)$")
 # the config's fields a reader looks for first (the whole file follows them)
 KEY_FIELDS = ("task", "model_name", "seed", "steps", "batch_size", "samples_per_prompt", "advantage_estimator",
               "policy_loss", "learning_rate", "kl_coef", "max_new_tokens", "temperature", "dtype",
@@ -112,7 +112,7 @@ def headline(run_dir: Path) -> tuple[Optional[str], dict]:
 
 
 def split_pairs(report: dict) -> tuple[list[tuple[str, str, Any, Any, str]], dict]:
-    """The report's before/after pairs as rows (metric, split, SFT value, after value, after's
+    """The report's before/after pairs as rows (metric, split, SFT (or base) value, after value, after's
     name: PPO or RL), a dict value's numbers each a row of its own (copy_test_sft's all_right:
     metric `copy.all_right`), and the rest of the report."""
     pairs: dict[tuple[str, str], dict] = {}
@@ -130,7 +130,7 @@ def split_pairs(report: dict) -> tuple[list[tuple[str, str, Any, Any, str]], dic
     rows = []
     for (metric, split), by in pairs.items():
         after = "rl" if "rl" in by else "ppo"
-        rows.append((metric, split, by.get("sft"), by.get(after), after.upper()))
+        rows.append((metric, split, by.get("sft", by.get("base")), by.get(after), after.upper()))
     rows.sort(key=lambda r: (r[1] != "test", r[0].startswith("copy."), r[0].count("."), r[0]))
     return rows, rest
 
@@ -207,8 +207,10 @@ def section_summary(run_dir: Path) -> str:
     out = [f"<h2>Summary</h2><p class=\"meta\">From {esc(source)}.</p>"]
     if pairs:
         after = pairs[0][4]
-        out.append(f"<h3>Before (SFT) and after ({esc(after)}), held-out prompts</h3>")
-        out.append(table(["metric", "split", "SFT", after, "change"],
+        # a task with no SFT stage starts from the base model (keys <metric>_<split>_base)
+        before = "base model" if any((m := PAIR.match(k)) and m["who"] == "base" for k in report) else "SFT"
+        out.append(f"<h3>Before ({esc(before)}) and after ({esc(after)}), held-out prompts</h3>")
+        out.append(table(["metric", "split", before, after, "change"],
                          [[m, s, a, b, (b - a) if _numbers(a, b) else None] for m, s, a, b, _ in pairs]))
     # the headline first; the SFT and reward-model stages' own statistics beside it
     groups: dict[str, list] = {"Headline numbers": [], "SFT stage": [], "Reward-model stage": []}
