@@ -24,7 +24,7 @@ from ppo_ray.logs import actor_logger, quiet_libraries
 from ppo_ray.reward_pool import RewardWorkerPool
 from ppo_ray.roles import call_label
 from ppo_ray.shipping import ShippedModel, local_model_dir
-from ppo_ray.stats import GenerationSummary, ReferenceStats, RewardStats, SyncReport
+from ppo_ray.stats import GenerateRequest, GenerationSummary, ReferenceStats, RewardStats, SyncReport
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -80,20 +80,16 @@ class GeneratorHost(_Host):
         self.generator = Generator.from_config(config, self.model_dir)
 
     @ray.method(num_returns=2)
-    def generate(self, prompt_ids: list[list[int]], step: int, offset: int,
-                 expected_version: int | None = None, samples_per_prompt: int = 1,
-                 segment_versions: list[int] | None = None,
-                 segment_tokens: int = 0, greedy: bool = False) -> tuple[RolloutBatch, GenerationSummary]:
-        _check_version(self.generator, expected_version, f"step {step + 1}'s rollouts")
+    def generate(self, prompt_ids: list[list[int]],
+                 request: GenerateRequest) -> tuple[RolloutBatch, GenerationSummary]:
+        """Generator.generate with the request's options (ppo_ray.stats.GenerateRequest)."""
+        _check_version(self.generator, request.version, f"step {request.step + 1}'s rollouts")
         t0 = time.perf_counter()
-        batch = self.generator.generate(prompt_ids, step=step, prompt_offset=offset,
-                                        samples_per_prompt=samples_per_prompt, version=expected_version,
-                                        segment_versions=segment_versions, segment_tokens=segment_tokens,
-                                        greedy=greedy)
+        batch = self.generator.generate(prompt_ids, **request.options())
         summary = GenerationSummary.of(batch, seconds=time.perf_counter() - t0)
         tokens = sum(summary.lengths)
         self.log.info("%s: %d rollouts with adapter v%d, %d response tokens, %.2f s (%.0f tok/s)",
-                      call_label(step), len(summary.lengths),
+                      call_label(request.step), len(summary.lengths),
                       summary.version, tokens, summary.seconds, tokens / max(summary.seconds, 1e-9))
         return batch, summary
 

@@ -35,7 +35,7 @@ from learner.algos import varying_groups
 from ppo_ray.batch import RowPick
 from ppo_ray.data import PromptColumns, PromptCursor
 from ppo_ray.roles import Generation, Roles
-from ppo_ray.stats import DynamicSampling, GenerationSummary, RewardStats
+from ppo_ray.stats import DynamicSampling, GenerateRequest, GenerationSummary, RewardStats
 
 
 @dataclass
@@ -238,11 +238,11 @@ class Pipeline:
     def submit(self, rollouts: Rollouts) -> Rollouts:
         """1-2. Generate on every replica, not waited for. Each replica must hold
         rollouts.version (else StateLostError)."""
-        rollouts.generation = self.roles.generate(rollouts.prompt_ids, rollouts.step, rollouts.version,
-                                                  samples_per_prompt=self.config.samples_per_prompt,
-                                                  segment_versions=self._segments(rollouts),
-                                                  segment_tokens=self.config.partial_rollout_tokens,
-                                                  index_offset=rollouts.index_offset)
+        segments = self._segments(rollouts)
+        rollouts.generation = self.roles.generate(rollouts.prompt_ids, GenerateRequest(
+            rollouts.step, rollouts.index_offset, rollouts.version, samples_per_prompt=self.config.samples_per_prompt,
+            segment_versions=tuple(segments) if segments is not None else None,
+            segment_tokens=self.config.partial_rollout_tokens))
         return rollouts
 
     def _segments(self, rollouts: Rollouts) -> Optional[list[int]]:

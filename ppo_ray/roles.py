@@ -22,7 +22,7 @@ from ppo_ray.batch import RowPick
 from ppo_ray.data import PromptColumns
 from ppo_ray.deadlines import CallTimeout, Deadlines
 from ppo_ray.faults import StateLostError
-from ppo_ray.stats import LearnerStats, SyncReport
+from ppo_ray.stats import GenerateRequest, LearnerStats, SyncReport
 
 log = logging.getLogger("ppo_ray.trainer")
 
@@ -299,24 +299,17 @@ class Roles:
         return ray.put(value)
 
     # ------------------------------------------------------------------ the step's calls
-    def generate(self, prompt_ids: Sequence[Sequence[int]], seed_step: int,
-                 expected_version: Optional[int] = None, samples_per_prompt: int = 1,
-                 segment_versions: Optional[list[int]] = None, segment_tokens: int = 0,
-                 greedy: bool = False, index_offset: int = 0) -> Generation:
+    def generate(self, prompt_ids: Sequence[Sequence[int]], request: GenerateRequest) -> Generation:
         """Steps 1-2 on every replica, not waited for: contiguous chunks of the prompts (order
-        kept; each prompt's sampling seed follows (seed_step, its global index: index_offset +
-        its position)), each prompt sampled `samples_per_prompt` times (contiguous rows; group id
-        = its global index, so a group never spans replicas). A replica that holds another adapter version than
-        `expected_version` raises StateLostError. `segment_versions`, `segment_tokens`: a partial
-        rollout's (Generator.generate); `greedy`: argmax decoding, for evaluation."""
+        kept), each replica's call the request with its chunk's prompt_offset (request.part:
+        each prompt's sampling seed follows (request.step, its global index)), each prompt
+        sampled samples_per_prompt times (contiguous rows; group id = its global index, so a
+        group never spans replicas). A replica that holds another adapter version than
+        request.version raises StateLostError (stats.GenerateRequest: the options)."""
         chunks = [(s, e) for s, e in split_evenly(len(prompt_ids), len(self.generators)) if e > s]
-        kind = "generate" if seed_step < SAMPLING_SEED_STEP else "evaluation"
-        calls = [self._track(kind, gen, gen.generate.remote(list(prompt_ids[s:e]), seed_step, index_offset + s,
-                                                            expected_version=expected_version,
-                                                            samples_per_prompt=samples_per_prompt,
-                                                            segment_versions=segment_versions,
-                                                            segment_tokens=segment_tokens, greedy=greedy),
-                             rows=(e - s) * samples_per_prompt)
+        kind = "generate" if request.step < SAMPLING_SEED_STEP else "evaluation"
+        calls = [self._track(kind, gen, gen.generate.remote(list(prompt_ids[s:e]), request.part(s)),
+                             rows=(e - s) * request.samples_per_prompt)
                  for gen, (s, e) in zip(self.generators, chunks)]
         return Generation([batch for batch, _ in calls], [summary for _, summary in calls])
 

@@ -1,7 +1,7 @@
 """What the actors report (generation, reference, reward, a generator's LoRA sync) and what
 one PPO step reports, typed.
 
-    batch, summary = generator_host.generate(prompt_ids, step, offset)   # GenerationSummary
+    batch, summary = generator_host.generate(prompt_ids, GenerateRequest(step, offset))  # GenerationSummary
     logprobs, ref_stats = reference.logprobs(batch)                 # ReferenceStats
     scores, reward_stats = scorer.score(batch)                      # RewardStats
     stats, weights = learner.update(batch, ref_logprobs, scores)   # LearnerStats
@@ -34,6 +34,36 @@ if TYPE_CHECKING:
     from ppo_ray.attribution import AttributionRows
     from ppo_ray.batch import RolloutBatch
     from ppo_ray.modeling import LoraWeights
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generate call's options: the trainer (or the in-flight pipeline) makes it, and it
+    travels unchanged through PPORoles.generate (which sets each replica's `prompt_offset`,
+    part()) and GeneratorHost.generate to Generator.generate, whose parameters its fields
+    are. A new sampling option is one field here and its use in Generator.generate.
+
+    step: the seed step (each prompt's seed is prompt_seed(seed, step, its global index));
+    prompt_offset: the global index of the call's first prompt; version: the adapter version
+    the replica must hold (StateLostError otherwise; None: its newest); samples_per_prompt:
+    contiguous samples per prompt; segment_versions / segment_tokens: a partial rollout's
+    versions and segment length; greedy: argmax decoding, for evaluation only."""
+
+    step: int
+    prompt_offset: int = 0
+    version: Optional[int] = None
+    samples_per_prompt: int = 1
+    segment_versions: Optional[tuple[int, ...]] = None
+    segment_tokens: int = 0
+    greedy: bool = False
+
+    def part(self, start: int) -> "GenerateRequest":
+        """The request of a replica's chunk that starts `start` prompts into the call's."""
+        return dataclasses.replace(self, prompt_offset=self.prompt_offset + start)
+
+    def options(self) -> dict[str, Any]:
+        """Generator.generate's keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 @dataclass(frozen=True)

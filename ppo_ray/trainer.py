@@ -63,7 +63,7 @@ from ppo_ray.roles import (EVAL_SEED_STEP, EXIT_TIMEOUT_S, RETRYABLE, SAMPLING_S
                            role_names)
 from ppo_ray.runlock import RunLock
 from ppo_ray.runlog import RunLog, new_run_tag
-from ppo_ray.stats import (DynamicSampling, GenerationSummary, LearnerStats, ReferenceStats, Responses, RewardStats,
+from ppo_ray.stats import (DynamicSampling, GenerateRequest, GenerationSummary, LearnerStats, ReferenceStats, Responses, RewardStats,
                            StepResult, StepTiming, SyncReport)
 from ppo_ray.supervisor import Supervisor
 from ppo_ray.sync_guard import (TRUNCATED_TOKENS_LIMIT, LogprobGapError, StaleAdapterError, SyncCheck, SyncGuard,
@@ -406,8 +406,8 @@ class PPOTrainer:
             # must hold the committed version (a restarted one raises StateLostError, never
             # samples the base model)
             if not self.roles.intact(kept[0]):
-                kept[0] = self.roles.generate(prompt_ids, seed_step, self.version, samples_per_prompt=samples_per_prompt,
-                                              greedy=greedy, index_offset=index_offset)
+                kept[0] = self.roles.generate(prompt_ids, GenerateRequest(
+                    seed_step, index_offset, self.version, samples_per_prompt=samples_per_prompt, greedy=greedy))
             generation = kept[0]
             generated = GenerationSummary.join(self.roles.fetch(generation.summaries))
             rewards = None

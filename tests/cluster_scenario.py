@@ -145,6 +145,7 @@ def train(PPOTrainer, config, labels: dict[str, str], caches: dict[str, str]) ->
     import ray
 
     from ppo_ray.data import bundled_prompts, encode_prompts
+    from ppo_ray.stats import GenerateRequest
 
     result: dict = {}
     run_dir = Path(tempfile.mkdtemp(prefix="ppo-run-"))
@@ -192,8 +193,8 @@ def train(PPOTrainer, config, labels: dict[str, str], caches: dict[str, str]) ->
         together = trainer.generate(prompts, seed_step=SEED_STEP).texts
         ids = encode_prompts(trainer.tokenizer, prompts, trainer.config.max_prompt_length, "error")
         half = PROMPTS // 2
-        swapped = ray.get([roles.generators[1].generate.remote(ids[:half], SEED_STEP, 0)[1],
-                           roles.generators[0].generate.remote(ids[half:], SEED_STEP, half)[1]])
+        swapped = ray.get([roles.generators[1].generate.remote(ids[:half], GenerateRequest(SEED_STEP, 0))[1],
+                           roles.generators[0].generate.remote(ids[half:], GenerateRequest(SEED_STEP, half))[1]])
         result["order"] = {"same": together == swapped[0].texts + swapped[1].texts,
                            "distinct_texts": len(set(together))}
 
@@ -201,7 +202,7 @@ def train(PPOTrainer, config, labels: dict[str, str], caches: dict[str, str]) ->
         # the rollout travels between the nodes' object stores as an ObjectRef.
         diffs = {}
         for i, gen in enumerate(roles.generators):
-            batch_ref, _ = gen.generate.remote(ids, SEED_STEP + 1, 0)
+            batch_ref, _ = gen.generate.remote(ids, GenerateRequest(SEED_STEP + 1, 0))
             batch = ray.get(batch_ref)
             for rank, learner in enumerate(roles.learners):
                 learner_lp = ray.get(learner.__ray_call__.remote(lambda host, b: host.learner.rollout_scores(b, logprobs=True).logprobs.cpu(), batch_ref))

@@ -25,6 +25,7 @@ import ray
 
 from ppo_ray.deadlines import CALL_KINDS, CallTimeout, Deadlines
 from ppo_ray.roles import RETRYABLE, Roles
+from ppo_ray.stats import GenerateRequest
 
 
 # ----------------------------------------------------------------------------- the rule
@@ -78,7 +79,7 @@ class StandIn:
             threading.Event().wait(0.05)
 
     @ray.method(num_returns=2)
-    def generate(self, prompt_ids, step, offset, **_):
+    def generate(self, prompt_ids, request):
         self._maybe_hang()
         return [len(p) for p in prompt_ids], {"rows": len(prompt_ids)}
 
@@ -127,10 +128,10 @@ def _restarted(roles, name: str, files, pids) -> bool:
 
 def test_a_call_past_its_deadline_has_its_actor_killed_and_named(stand_ins, caplog):
     roles, hang, files, pids = stand_ins
-    generation = roles.generate([[1, 2], [3]], seed_step=0)
+    generation = roles.generate([[1, 2], [3]], GenerateRequest(0))
     assert roles.fetch(generation.summaries) == [{"rows": 1}, {"rows": 1}]  # in time
     hang("generator-1")
-    generation = roles.generate([[1, 2], [3]], seed_step=1)
+    generation = roles.generate([[1, 2], [3]], GenerateRequest(1))
     with caplog.at_level(logging.WARNING, logger="ppo_ray.trainer"):
         with pytest.raises(CallTimeout, match="generator-1 actor did not finish generate call") as error:
             roles.fetch(generation.summaries)
@@ -145,7 +146,7 @@ def test_a_call_past_its_deadline_has_its_actor_killed_and_named(stand_ins, capl
 def test_a_hang_is_blamed_on_the_call_that_hangs_not_on_the_one_that_takes_its_results(stand_ins):
     roles, hang, files, pids = stand_ins
     hang("generator-0")
-    generation = roles.generate([[1], [2]], seed_step=0)
+    generation = roles.generate([[1], [2]], GenerateRequest(0))
     scores, _ = roles.score(generation.parts, seed_step=0)
     with pytest.raises(CallTimeout, match="generator-0") as error:
         roles.fetch(scores)
@@ -176,7 +177,7 @@ def test_calls_that_share_their_dependencies_are_waited_for_together(stand_ins):
     """Two calls that take the same generations (the reference's and the reward's, every step):
     waited for at once, each dependency is waited for once (ray.wait refuses a ref twice)."""
     roles, _, _, _ = stand_ins
-    generation = roles.generate([[1], [2]], seed_step=0)
+    generation = roles.generate([[1], [2]], GenerateRequest(0))
     after = [*generation.parts, *generation.summaries]
     first = roles._track("query", roles.reference, roles.reference.work.remote(), after=after)
     second = roles._track("query", roles.reward, roles.reward.work.remote(), after=after)
@@ -191,7 +192,7 @@ def test_a_call_that_fails_is_raised_at_once_while_its_sibling_still_runs(stand_
     roles.deadlines = Deadlines(factor=10.0, min_s=60.0, first_s=60.0)
     hang("generator-0")
     hang("generator-1")
-    generation = roles.generate([[1], [2]], seed_step=0)
+    generation = roles.generate([[1], [2]], GenerateRequest(0))
     ray.kill(roles.actor("generator-1"), no_restart=False)  # in its call
     # the death itself: waited for until the hung sibling's deadline, it would be a CallTimeout
     with pytest.raises(ray.exceptions.RayActorError):
@@ -204,13 +205,13 @@ def test_a_call_that_fails_is_raised_at_once_while_its_sibling_still_runs(stand_
 def test_calls_in_time_set_the_pace_after_each_actors_first(stand_ins):
     roles, _, _, _ = stand_ins
     for step in range(3):
-        generation = roles.generate([[1], [2], [3], [4]], seed_step=step)
+        generation = roles.generate([[1], [2], [3], [4]], GenerateRequest(step))
         roles.fetch(roles.score(generation.parts, seed_step=step)[0])
     d = roles.deadlines
     assert {("generate", "generator-0"), ("generate", "generator-1"), ("score", "reward")} <= d.warm
     assert set(d.rates) == {"generate", "score"}
     # a call of the reward actor takes the rows of the batches it scores
-    generation = roles.generate([[1]] * 6, seed_step=9)
+    generation = roles.generate([[1]] * 6, GenerateRequest(9))
     scores, _ = roles.score(generation.parts, seed_step=9)
     assert roles._calls[scores].rows == 6
     roles.fetch(scores)

@@ -15,6 +15,7 @@ import ray
 import torch
 
 from ppo_ray.batch import RolloutBatch
+from ppo_ray.stats import GenerateRequest
 from helpers import on_actor, tiny_test_config
 from tolerances import TINY_LOGPROB_TOL
 from ppo_ray.data import bundled_prompts, encode_prompts
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 
 def _generate(trainer, prompts, step=10_000):
     ids = encode_prompts(trainer.tokenizer, prompts, trainer.config.max_prompt_length, "left")
-    batch_ref, _ = trainer.roles.generators[0].generate.remote(ids, step, 0)
+    batch_ref, _ = trainer.roles.generators[0].generate.remote(ids, GenerateRequest(step))
     return batch_ref
 
 

@@ -345,7 +345,8 @@ def arith_report(run_dir: Path, metrics: Path, k: int, test_rows: list[dict], va
                                                                   before_name))
     report_part(errors, "curves.png", lambda: plot_curves(
         metrics, run_dir / "curves.png", report.get(f"pass1_val_{before_name}"), gold_key="pass1_val",
-        gold_title="pass@1 (held-out validation, greedy)", reward_title="verifier reward (share right)"))
+        gold_title="pass@1 (held-out validation, greedy)", reward_title="verifier reward (share right)",
+        before="SFT" if before_name == "sft" else f"{before_name} model"))
     if errors:
         report["report_errors"] = errors
     return report

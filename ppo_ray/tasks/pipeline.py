@@ -502,9 +502,10 @@ def write_held_out_texts(path: Path, prompts, sft_texts, ppo_texts, n: int = 12)
 
 def plot_curves(metrics_path: Path, out_path: Path | BinaryIO, gold_before: Optional[float] = None, *,
                 gold_key: str = "gold_val", gold_title: str = "gold score (held-out validation)",
-                reward_title: str = "reward-model score") -> None:
+                reward_title: str = "reward-model score", before: str = "SFT") -> None:
     """The run's curves over PPO steps; `gold_before` (the SFT policy's held-out gold on the
-    same validation prompts) is drawn as step 0 of the gold panel, so the gain reads off it.
+    same validation prompts; `before`: that policy's name, "base model" for a task with no SFT
+    stage) is drawn as step 0 of the gold panel, so the gain reads off it.
     `gold_key` / the titles: the held-out metric's panel and the reward's (task arith: pass@1
     and the verifier's reward). `out_path`: a file, or a binary stream the PNG is written to
     (the report page's curves of a run that wrote none)."""
@@ -515,7 +516,7 @@ def plot_curves(metrics_path: Path, out_path: Path | BinaryIO, gold_before: Opti
 
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     steps = [r["step"] for r in rows]
-    panels = [("reward_mean", reward_title), ("kl", "KL to SFT (nats/seq)"),
+    panels = [("reward_mean", reward_title), ("kl", f"KL to {before} (nats/seq)"),
               (gold_key, gold_title), ("policy_loss", "policy loss"),
               ("value_loss", "value loss"), ("clipfrac", "clip fraction")]
     fig, axes = plt.subplots(2, 3, figsize=(12, 6))
@@ -524,7 +525,7 @@ def plot_curves(metrics_path: Path, out_path: Path | BinaryIO, gold_before: Opti
                and math.isfinite(r[key])]
         if key == gold_key and gold_before is not None:
             pts = [(0, gold_before)] + pts
-            ax.axhline(gold_before, color="grey", linestyle="--", linewidth=1, label="SFT (step 0)")
+            ax.axhline(gold_before, color="grey", linestyle="--", linewidth=1, label=f"{before} (step 0)")
             ax.legend(loc="lower right")
         if pts:
             ax.plot(*zip(*pts), marker="o" if key == gold_key else None)
