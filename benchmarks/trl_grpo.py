@@ -142,7 +142,8 @@ def run_trl(steps: int, warmup: int, threads: Optional[int] = None) -> dict:
         shutil.rmtree(out_dir, ignore_errors=True)
     if len(timer.seconds) != steps + warmup:
         raise RuntimeError(f"TRL ran {len(timer.seconds)} steps, expected {steps + warmup}")
-    prompt_len = statistics.mean(len(tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True))
+    prompt_len = statistics.mean(len(tok(tok.apply_chat_template(row["prompt"], add_generation_prompt=True,
+                                                                  tokenize=False), add_special_tokens=False).input_ids)
                                  for row in dataset)
     machine = machine_info()
     machine["versions"]["trl"] = trl.__version__
@@ -193,7 +194,7 @@ def compare(trl_json: Path, run_dirs: Sequence[Path]) -> dict:
     ours_len = statistics.mean(x for r in runs for x in r["response_length_mean"])
     trl_len = statistics.mean(trl["response_length_mean"]) if trl["response_length_mean"] else cfg.max_new_tokens
     f_ours = floor_flops(cfg, prompt_len, ours_len, reference=True)
-    f_trl = floor_flops(cfg, trl["prompt_length_mean"], trl_len, reference=False)
+    f_trl = floor_flops(cfg, prompt_len, trl_len, reference=False)  # the same prompts in the same template
     return {"preset": PRESET, "gemm_rate_flops_per_s": rate, "prompt_length_mean": prompt_len,
             "ppo_ray": {"median_step_s": ours_s, "response_length_mean": ours_len, "flops": f_ours,
                         "floor_s": sum(f_ours.values()) / rate,
