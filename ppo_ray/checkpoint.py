@@ -164,6 +164,23 @@ def run_ids(run_dir: str | Path) -> set[Optional[str]]:
     return {(read_meta(p) or {}).get("run_id") for p in _steps(checkpoint_root(run_dir))}
 
 
+def check_fresh_run(step: int, lineage: "Lineage", run_dir: Optional[Path], metrics_path: str | Path | None) -> None:
+    """A run that has not started (no step, no checkpoint saved or restored: `step`, `lineage`)
+    must not write into another run's files: its checkpoints would be pruned by name and its
+    metrics truncated (RunDirError naming the file, before anything is written)."""
+    from ppo_ray.rundir import RunDirError
+
+    if step or lineage.parent is not None:
+        return
+    if run_dir is not None and run_ids(run_dir) - {lineage.run_id}:
+        raise RunDirError(f"{checkpoint_root(run_dir)} holds another run's checkpoints: continue it "
+                          f"(trainer.restore({str(run_dir)!r}), launch.py ppo --resume {run_dir}) or "
+                          "train in a new run directory")
+    if metrics_path is not None and Path(metrics_path).is_file() and Path(metrics_path).stat().st_size:
+        raise RunDirError(f"{metrics_path} holds another run's steps: continue that run from its checkpoint "
+                          "or write this one elsewhere")
+
+
 def check_own_lineage(ckpt: Path, run_dir: str | Path) -> None:
     """A run touches only its own lineage: RunDirError, before anything is loaded or written,
     when resuming `ckpt` into `run_dir` would write over another run. That is a checkpoint

@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, replace
-from typing import Mapping
+from typing import Mapping, NamedTuple, Optional
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -22,10 +22,36 @@ from ppo_ray.config import PPOConfig
 from ppo_ray.deadlines import Deadlines
 from ppo_ray.hosts import HOSTS, cpu_share_env
 from ppo_ray.logs import quiet_env
+from ppo_ray.modeling import check_context_length
+from ppo_ray.paths import resolve_model_path
 from ppo_ray.roles import Roles, form_learner_group, role_names
 from ppo_ray.shipping import ModelStore, ShippedModel, group_nodes, prepare_models
 
 log = logging.getLogger(__name__)
+
+
+class ModelDirs(NamedTuple):
+    """The local directories of the run's models: model_name's (the policy's base), the
+    reference's, the reward model's and the value model's (None: not configured)."""
+
+    model: str
+    ref: str
+    reward: Optional[str]
+    value: Optional[str]
+
+    @classmethod
+    def of(cls, config: PPOConfig) -> "ModelDirs":
+        """Each configured model as a local directory (ppo_ray.paths.resolve_model_path: a hub id
+        or a GGUF file is converted or fetched once), checked before any actor starts: the vLLM
+        engine would refuse a max_model_len over a model's window (ContextLengthError naming it)."""
+        dirs = cls(resolve_model_path(config.model_name),
+                   resolve_model_path(config.ref_model_name or config.model_name),
+                   resolve_model_path(config.reward_model_name) if config.reward_model_name else None,
+                   resolve_model_path(config.value_model_name) if config.value_model_name else None)
+        check_context_length(config.max_prompt_length, config.max_new_tokens, {
+            "model_name": dirs.model, "ref_model_name": dirs.ref, "reward_model_name": dirs.reward,
+            "value_model_name": dirs.value})
+        return dirs
 
 
 @dataclass(frozen=True)

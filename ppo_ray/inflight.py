@@ -75,6 +75,10 @@ class Rollouts:
     window: list[int] = field(default_factory=list)
     # dynamic_sampling: (scores (B,), RewardStats) once fetched; a retry filters and trains on these
     scored: Optional[tuple] = None
+    # dynamic_sampling: the refs of its score call in flight (not fetched yet), and once scored,
+    # (each row's group as its position in the batch, each group's "scores vary" flag)
+    scoring: Optional[tuple] = None
+    groups: Optional[tuple[list[int], list[bool]]] = None
 
     def batches(self) -> list["Rollouts"]:
         """This batch and its extra rounds, in generation order."""
@@ -83,7 +87,7 @@ class Rollouts:
     def forget(self) -> None:
         """Sample every round again (a re-sync: what the generators sampled is not to be used)."""
         for rollouts in self.batches():
-            rollouts.generation, rollouts.scored = None, None
+            rollouts.generation, rollouts.scored, rollouts.scoring, rollouts.groups = None, None, None, None
 
 
 @dataclass
@@ -101,6 +105,33 @@ class Picked:
     generated_tokens: int                      # response tokens of every round
     summaries: list[GenerationSummary]         # every round's replicas (the stale-version check)
     info: DynamicSampling
+
+
+@dataclass
+class Outcome:
+    """What the driver reports of the rollouts a step trained on (Pipeline.outcome)."""
+
+    generated: GenerationSummary               # the trained-on rows (dynamic_sampling: seconds of every round)
+    scores: list[float]                        # their scores
+    reward_stats: RewardStats
+    generated_tokens: int                      # response tokens of every rollout generated (every round's)
+    dynamic: Optional[DynamicSampling] = None
+    generated_scores: Optional[list[float]] = None  # dynamic_sampling: every round's scores
+
+
+@dataclass
+class Sampled:
+    """The rollouts a step trains on, as the reference and the learners take them
+    (Pipeline.sampled): the replicas' batches, the rows picked from them (dynamic sampling;
+    None: every row) and the ref of their scores; a plain step's reward stats and replica
+    summaries are still refs, dynamic sampling's outcome is fetched already (`picked`)."""
+
+    parts: list
+    scores: object
+    pick: Optional[RowPick] = None
+    reward_stats: object = None
+    summaries: object = None
+    picked: Optional[Picked] = None
 
 
 def pick_groups(varies: Sequence[bool], wanted: int) -> tuple[list[int], int]:
@@ -295,6 +326,7 @@ class Pipeline:
         lost batch's before that batch is submitted (its calls run in order)."""
         self.roles.wait_for_actors()
         for rollouts in [r for batch in [*also, *self.inflight] for r in batch.batches()]:
+            rollouts.scoring = None  # a score call in flight may be lost with its actor: asked again
             if self.roles.intact(rollouts.generation):
                 continue
             if not self.config.sync_capabilities.several_versions:
@@ -304,6 +336,31 @@ class Pipeline:
             self.submit(rollouts)
         if hold:
             self._load(self.needed())  # queued behind those generations
+
+    # ------------------------------------------------------------------ the step's rollouts
+    def sampled(self, current: Rollouts) -> Sampled:
+        """Step 4 on the step's batch (submitted: start): the score call, not waited for; under
+        dynamic_sampling the rounds, scored and picked first (dynamic_sampling)."""
+        if self.config.dynamic_sampling:
+            picked = self.dynamic_sampling(current)
+            return Sampled(picked.parts, picked.scores, pick=picked.pick, picked=picked)
+        parts = current.generation.parts
+        scores, reward_stats = self.roles.score(parts, current.step, current.columns)
+        return Sampled(parts, scores, reward_stats=reward_stats, summaries=current.generation.summaries)
+
+    def summaries(self, sampled: Sampled) -> list[GenerationSummary]:
+        """The replicas' summaries of every batch the step's rollouts came from (the stale-version
+        check reads their versions)."""
+        return sampled.picked.summaries if sampled.picked is not None else self.roles.fetch(sampled.summaries)
+
+    def outcome(self, sampled: Sampled, summaries: list[GenerationSummary]) -> Outcome:
+        """What the driver reports of the step's rollouts (the scores and reward stats fetched)."""
+        if sampled.picked is not None:
+            p = sampled.picked
+            return Outcome(p.generated, p.score_list, p.reward_stats, p.generated_tokens, p.info, p.generated_scores)
+        scores, reward_stats = self.roles.fetch([sampled.scores, sampled.reward_stats])
+        generated = GenerationSummary.join(summaries)
+        return Outcome(generated, scores.tolist(), reward_stats, sum(generated.lengths))
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self) -> tuple[tuple, dict]:
@@ -328,8 +385,8 @@ class Pipeline:
         the step's batch, keep the groups whose scores vary (learner.algos.varying_groups, on
         the scores and the rows' group ids: the small things the driver fetches), and while
         fewer than the batch's prompts vary and dynamic_sampling_max_rounds allows, draw the
-        next prompts of the cursor (train() only: ppo_step's caller gave its prompts), generate
-        (seeds of their own: Rollouts.index_offset) and score them. The step trains on the
+        next prompts (train() only: ppo_step's caller gave its prompts), generate (seeds of
+        their own: Rollouts.index_offset) and score them (advance). The step trains on the
         first varying groups in generation order, filled up with the first constant ones when
         the cap leaves too few (pick_groups); the rows are named by index (RowPick) to the
         reference and the learner, which take them from the rounds' batches themselves.
@@ -337,16 +394,38 @@ class Pipeline:
         Each round is recorded in current.rounds as it is drawn, and its scores once fetched,
         so a retry after an actor's death reuses them (a lost generation is regenerated by the
         recovery, identically) and draws only the rounds the first attempt had not reached: the
-        retried step trains on the same rollouts, and the cursor holds every prompt drawn once."""
-        cfg, roles = self.config, self.roles
+        retried step trains on the same rollouts, and the cursor holds every prompt drawn once.
+        Under max_staleness >= 1 a batch's rounds may have run already while it was in flight
+        (while_learning): the same rounds, by the same rule."""
         wanted = len(current.prompt_ids)
-        per_round: list[list[GenerationSummary]] = []  # per round, its replicas' summaries
-        positions: list[list[int]] = []     # per round, each row's group: its position in the round
+        self.advance(current, block=True)
         varies: list[bool] = []             # per group generated, in generation order
-        for r in range(cfg.dynamic_sampling_max_rounds + 1):
+        n_rounds = 0
+        for rollouts in current.batches():
+            if rollouts.groups is None or sum(varies) >= wanted:
+                break
+            varies += rollouts.groups[1]
+            n_rounds += 1
+        rounds = current.batches()[:n_rounds]
+        unused = current.rounds[n_rounds - 1:]
+        if unused and unused[0].cursor is not None:
+            # a retry that needs fewer rounds than an earlier attempt drew (a re-sync changed its
+            # samples): the prompts of the rounds it does not use go back to the cursor
+            self.cursor.set_state(unused[0].cursor)
+            del current.rounds[n_rounds - 1:]
+        return self._picked(rounds, varies, wanted)
+
+    def advance(self, current: Rollouts, block: bool):
+        """dynamic_sampling's rounds of the batch `current`, as far as they go: each round drawn
+        (draw_round), generated and scored in order until enough of its groups vary or the cap
+        is reached (ppo_step: its one round). `block`: until then; else only as far as the
+        scores already in allow. Returns None once the batch has its rounds, else the ref of the
+        score call it waits for."""
+        wanted, varying = len(current.prompt_ids), 0
+        for r in range(self.config.dynamic_sampling_max_rounds + 1):
             if r > len(current.rounds):
                 if current.cursor is None:
-                    break  # ppo_step(prompts): no cursor to draw more from
+                    return None  # ppo_step(prompts): no cursor to draw more from
                 current.rounds.append(self.draw_round(current, r))  # recorded before anything can fail
             rollouts = current.batches()[r]
             if rollouts.generation is None:
@@ -356,28 +435,41 @@ class Pipeline:
                     self._load(self.needed())
                 self.submit(rollouts)
             if rollouts.scored is None:
-                rollouts.scored = tuple(roles.fetch(list(roles.score(rollouts.generation.parts, rollouts.step,
-                                                                     rollouts.columns))))
-            summaries = roles.fetch(rollouts.generation.summaries)
-            groups = [g for s in summaries for g in s.groups]  # (B,): each row's group id
-            rows_vary = varying_groups(rollouts.scored[0], torch.tensor(groups, dtype=torch.long)).tolist()  # (B,)
-            position = _group_positions(groups)
-            flags = [False] * (max(position) + 1)
-            for row, group in enumerate(position):
-                flags[group] = rows_vary[row]
-            per_round.append(summaries)
-            positions.append(position)
-            varies += flags
-            if sum(varies) >= wanted:
-                break
-        n_rounds = len(per_round)
-        rounds = current.batches()[:n_rounds]
-        unused = current.rounds[n_rounds - 1:]
-        if unused and unused[0].cursor is not None:
-            # a retry that needs fewer rounds than an earlier attempt drew (a re-sync changed its
-            # samples): the prompts of the rounds it does not use go back to the cursor
-            self.cursor.set_state(unused[0].cursor)
-            del current.rounds[n_rounds - 1:]
+                if rollouts.scoring is None:
+                    rollouts.scoring = self.roles.score(rollouts.generation.parts, rollouts.step, rollouts.columns)
+                if not block and not self.roles.wait_any(rollouts.scoring[:1], timeout_s=0):
+                    return rollouts.scoring[0]
+                scored = tuple(self.roles.fetch(list(rollouts.scoring)))
+                rollouts.groups = self._groups(rollouts, scored[0])
+                rollouts.scored, rollouts.scoring = scored, None
+            varying += sum(rollouts.groups[1])
+            if varying >= wanted:
+                return None
+        return None
+
+    def while_learning(self, update_refs: list) -> None:
+        """While the learner trains on the step (until `update_refs` are ready): the batches in
+        flight may move on. Nothing here yet: each batch's work beyond its first round runs when
+        its step starts."""
+
+    def _groups(self, rollouts: Rollouts, scores) -> tuple[list[int], list[bool]]:
+        """A scored round's rows' groups (their positions in the round, by group id) and each
+        group's flag: its scores vary (varying_groups, on the scores and the rows' group ids)."""
+        summaries = self.roles.fetch(rollouts.generation.summaries)
+        groups = [g for s in summaries for g in s.groups]  # (B,): each row's group id
+        rows_vary = varying_groups(scores, torch.tensor(groups, dtype=torch.long)).tolist()  # (B,)
+        position = _group_positions(groups)
+        flags = [False] * (max(position) + 1)
+        for row, group in enumerate(position):
+            flags[group] = rows_vary[row]
+        return position, flags
+
+    def _picked(self, rounds: list[Rollouts], varies: list[bool], wanted: int) -> Picked:
+        """The step's rows from its scored `rounds` (pick_groups on every group's flag, in
+        generation order), named by index, with what the driver reports of them."""
+        roles = self.roles
+        per_round = [roles.fetch(r.generation.summaries) for r in rounds]  # per round, its replicas' summaries
+        positions = [r.groups[0] for r in rounds]
         chosen, filled = pick_groups(varies, wanted)
         chosen = set(chosen)
         # the chosen groups' rows, round by round: the step's batch, in generation order
@@ -402,4 +494,4 @@ class Pipeline:
                       generated_scores=torch.cat([r.scored[0] for r in rounds]).tolist(),
                       reward_stats=RewardStats.join([r.scored[1] for r in rounds], [len(p) for p in positions]),
                       generated=generated, generated_tokens=sum(joined.lengths), summaries=summaries,
-                      info=DynamicSampling(rounds=n_rounds, kept_frac=sum(varies) / len(varies), filled=filled))
+                      info=DynamicSampling(rounds=len(rounds), kept_frac=sum(varies) / len(varies), filled=filled))

@@ -293,6 +293,17 @@ class Roles:
         values = self._wait_calls(self._tracked(listed), get=listed)
         return values if isinstance(refs, (list, tuple)) else values[0]
 
+    def wait_any(self, refs: Sequence, timeout_s: Optional[float] = None) -> list:
+        """The refs among `refs` that are ready: at once with timeout_s 0, else once one is, or
+        [] when the earliest deadline of the calls that make them passes (counted from their
+        submission: the guarded waits that follow, fetch and learner_stats, name and kill a late
+        call) or timeout_s does. Nothing is fetched."""
+        refs = list(dict.fromkeys(refs))
+        if timeout_s is None:
+            ends = [c.submitted + self.deadlines.limit(c.kind, c.role, c.rows)[0] for c in self._tracked(refs)]
+            timeout_s = max(0.0, min(ends) - time.monotonic()) if ends else None
+        return ray.wait(refs, num_returns=1, timeout=timeout_s, fetch_local=False)[0] if refs else []
+
     def store(self, value):
         """Put a small driver-side value (a restored checkpoint's state, the scores dynamic
         sampling picked) into the object store."""

@@ -37,34 +37,32 @@ doubled or restarted, and no checkpoint is needed (tests/test_faults.py).
 from __future__ import annotations
 
 import logging
-import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from ppo_ray.attribution import RolloutAttribution, pick_rows, sa_pairs
+from ppo_ray.attribution import RolloutAttribution, sa_pairs
 from ppo_ray.batch import fresh_enough
-from ppo_ray.checkpoint import (CheckpointError, Lineage, apply_changes, branch_from, check_own_lineage,
+from ppo_ray.checkpoint import (Lineage, apply_changes, branch_from, check_fresh_run, check_own_lineage,
                                 checkpoint_root, load_checkpoint, model_fingerprints, resolve_checkpoint,
-                                resumed_config, run_ids, save_checkpoint)
+                                resumed_config, save_checkpoint)
 from ppo_ray.cluster import init_ray
 from ppo_ray.config import PPOConfig
-from ppo_ray.creation import create_roles
-from ppo_ray.data import (PromptColumns, PromptCursor, PromptRows, check_chat_template, encode_prompts,
-                          prompt_rows, prompts_fingerprint)
+from ppo_ray.creation import ModelDirs, create_roles
+from ppo_ray.data import PromptCursor, check_chat_template
+from ppo_ray.eval_samples import evaluate_step
 from ppo_ray.hosts import HOSTS
-from ppo_ray.inflight import Committed, Picked, Pipeline, Rollouts, pick_groups
+from ppo_ray.inflight import Committed, Pipeline, Rollouts, pick_groups
 from ppo_ray.metrics import TrainingMetrics
-from ppo_ray.modeling import check_context_length, load_tokenizer
-from ppo_ray.paths import resolve_model_path
-from ppo_ray.rewards import check_reward_sources, columns_taken, guarded_calls
-from ppo_ray.roles import (EVAL_SEED_STEP, EXIT_TIMEOUT_S, RETRYABLE, SAMPLING_SEED_STEP, Generation, Roles, Update,
+from ppo_ray.modeling import load_tokenizer
+from ppo_ray.prompt_feed import PromptFeed
+from ppo_ray.rewards import check_reward_sources, guarded_calls
+from ppo_ray.roles import (EXIT_TIMEOUT_S, RETRYABLE, SAMPLING_SEED_STEP, Generation, Roles,
                            role_names)
 from ppo_ray.runlock import RunLock
 from ppo_ray.runlog import RunLog, new_run_tag
-from ppo_ray.stats import (DynamicSampling, GenerateRequest, GenerationSummary, LearnerStats, ReferenceStats, Responses, RewardStats,
-                           StepResult, StepTiming, SyncReport)
+from ppo_ray.stats import GenerateRequest, GenerationSummary, Responses, StepResult, SyncReport
+from ppo_ray.step_report import Uncommitted
 from ppo_ray.supervisor import Supervisor
 from ppo_ray.sync_guard import (TRUNCATED_TOKENS_LIMIT, LogprobGapError, StaleAdapterError, SyncCheck, SyncGuard,
                                 sync_probe_prompts)
@@ -75,25 +73,6 @@ __all__ = ["PPOTrainer", "StaleAdapterError", "LogprobGapError", "SyncCheck", "T
            "pick_groups", "sync_probe_prompts"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Uncommitted:
-    """Everything a step produced before its commit point."""
-
-    rollouts: Rollouts
-    generated: GenerationSummary  # the replicas' summaries, joined
-    stats: LearnerStats
-    update: Update      # its weights and state: ObjectRefs of the new LoRA and the learner's state
-    scores: list[float]
-    reward_stats: RewardStats
-    reference_stats: ReferenceStats
-    t_start: float
-    t_update_done: float
-    queue_depth: int  # batches in flight beyond this one while the learner trained
-    generated_tokens: int  # response tokens of every rollout generated (dynamic_sampling: every round's)
-    dynamic: Optional[DynamicSampling] = None
-    generated_scores: Optional[list[float]] = None  # dynamic_sampling: every round's scores
 
 
 class PPOTrainer:
@@ -107,18 +86,11 @@ class PPOTrainer:
         # the reward sources (RewardError naming one): its config.json refuses a causal LM here
         reward_fns = check_reward_sources(config.reward_model_name, config.reward_funcs, config.reward_weights,
                                           proxy=config.reward_verifier_proxy)
-        self._reward_fns = [fn for _, fn in reward_fns]  # which dataset columns to send (_columns)
-        self.model_dir = resolve_model_path(config.model_name)
-        self.ref_model_dir = resolve_model_path(config.ref_model_name or config.model_name)
-        self.reward_model_dir = resolve_model_path(config.reward_model_name) if config.reward_model_name else None
-        self.value_model_dir = resolve_model_path(config.value_model_name) if config.value_model_name else None
+        self.model_dir, self.ref_model_dir, self.reward_model_dir, self.value_model_dir = ModelDirs.of(config)
         self.tokenizer = load_tokenizer(self.model_dir)
         if config.apply_chat_template:
             check_chat_template(self.tokenizer, config.model_name)
-        # before any actor: the vLLM engine would refuse a max_model_len over the model's window
-        check_context_length(config.max_prompt_length, config.max_new_tokens, {
-            "model_name": self.model_dir, "ref_model_name": self.ref_model_dir,
-            "reward_model_name": self.reward_model_dir, "value_model_name": self.value_model_dir})
+        self.feed = PromptFeed(config, self.tokenizer, [fn for _, fn in reward_fns])
         check_trackers(config.report_to if run_dir else ())
         self.run_dir = Path(run_dir) if run_dir else None
         # One writer per run directory (ppo_ray.runlock; re-entrant: launch.py holds it already),
@@ -160,9 +132,6 @@ class PPOTrainer:
         # with (max_staleness of them): the pipeline keeps them
         self.committed = Committed(step=0, version=version, weights={version: weights_ref})
         self.cursor = PromptCursor(config.seed)
-        self._prompts_key: Optional[str] = None  # fingerprint of the list the cursor indexes
-        self._prompt_ids: tuple[Optional[str], list[list[int]]] = (None, [])  # (fingerprint, its prompts encoded once)
-        self._cursor_from_checkpoint = False
         # the sync guard (load, probe, the rollout check) and the rollout pipeline (the batches,
         # their versions, those in flight); both read the committed state, neither changes it
         self.guard = SyncGuard(config, self.roles, self.supervisor, self.metrics,
@@ -212,7 +181,7 @@ class PPOTrainer:
     def config(self, config: PPOConfig) -> None:
         """A new config (from the next call on): the pipeline and the guard read it too."""
         self._config = config
-        for part in (getattr(self, "pipeline", None), getattr(self, "guard", None)):
+        for part in (getattr(self, "pipeline", None), getattr(self, "guard", None), getattr(self, "feed", None)):
             if part is not None:
                 part.config = config
 
@@ -228,27 +197,10 @@ class PPOTrainer:
         columns reach the reward functions (the module docstring). Returns a StepResult: texts,
         scores, the learner's losses and diagnostics, per-phase seconds (`result["policy_loss"]`
         works too). A step whose actor dies is retried from the last committed step."""
-        rows = self._rows(prompts)
-        current = Rollouts(self._encode(rows.texts), step=self.step, version=self.version, columns=self._columns(rows))
+        rows = self.feed.rows(prompts)
+        current = Rollouts(self.feed.encode(rows.texts), step=self.step, version=self.version,
+                           columns=self.feed.columns(rows))
         return self._run_step(current)
-
-    def _rows(self, prompts) -> PromptRows:
-        """Prompts as texts and columns (strings, or rows keyed by config.prompt_column)."""
-        return prompt_rows(prompts, self.config.prompt_column)
-
-    def _columns(self, rows: PromptRows, first: int = 0) -> Optional[PromptColumns]:
-        """The columns of `rows` that some reward function takes (its signature names them, or
-        it has **kwargs: ppo_ray.rewards.columns_taken, the rule the reward side applies to each
-        function), the first row for group id `first`; None when none does (a reward model
-        alone reads none): the score call then carries nothing more than before."""
-        taken = {name for fn in self._reward_fns for name in columns_taken(fn, list(rows.columns))}
-        values = {name: v for name, v in rows.columns.items() if name in taken}
-        return PromptColumns(values, first) if values else None
-
-    def _encode(self, prompts: Sequence[str]) -> list[list[int]]:
-        cfg = self.config
-        return encode_prompts(self.tokenizer, list(prompts), cfg.max_prompt_length, cfg.prompt_truncation,
-                              chat_template=cfg.apply_chat_template)
 
     def _run_step(self, current: Rollouts) -> StepResult:
         """One step, supervised: attempts until one reaches the commit point, then the
@@ -291,53 +243,36 @@ class PPOTrainer:
         loads = self._sync_generators(self.version)
         t_sync_done = time.perf_counter()
         check = self.guard.check(self.version)
-        return self._result(step, loads, check, t_generation_done, t_sync_done)
+        return step.result(self.step, self.version, loads, check, self.guard.resyncs, t_generation_done, t_sync_done)
 
-    def _until_commit(self, current: Rollouts, t_start: float) -> _Uncommitted:
+    def _until_commit(self, current: Rollouts, t_start: float) -> Uncommitted:
         """Steps 1-11 up to the commit point: everything the step produces, nothing committed."""
-        roles, pipeline = self.roles, self.pipeline
-        # 1-2. Rollouts (already in flight when prefetched or kept from a failed attempt).
-        pipeline.start(current)
-        parts, pick = current.generation.parts, None
-        # 4 first under dynamic_sampling: the rewards decide which rollouts the step trains on,
-        # and more rounds are generated until enough prompts' scores vary; the actors take the
-        # picked rows from the rounds' batches (pick: their indices)
-        picked: Optional[Picked] = pipeline.dynamic_sampling(current) if self.config.dynamic_sampling else None
-        if picked is not None:
-            parts, pick = picked.parts, picked.pick
-        # 3-4. Reference logprobs and rewards, concurrently, straight from the object store.
-        ref_logprobs, reference_stats = roles.reference_logprobs(parts, pick=pick)
-        scores, reward_stats = (picked.scores, None) if picked is not None \
-            else roles.score(parts, current.step, current.columns)
+        roles, pipeline, limit = self.roles, self.pipeline, self.config.max_staleness
+        pipeline.start(current)  # 1-2. Rollouts (in flight already when prefetched or kept from a failed attempt)
+        # 4. Their rewards (dynamic_sampling first: the rewards pick the rows the step trains on,
+        # named to the actors by index), and 3. the reference logprobs, from the object store.
+        sampled = pipeline.sampled(current)
+        ref_logprobs, reference_stats = roles.reference_logprobs(sampled.parts, pick=sampled.pick)
         # 5-11 in the learner, with its old logprobs (step 2) and KL_t (step 3): values, rewards, GAE, PPO.
-        limit = self.config.max_staleness
-        update = roles.update(ref_logprobs, scores, parts, expected_version=self.version, max_staleness=limit,
-                              planned_steps=self.planned_steps, gap_limit=self.config.logprob_gap_limit, pick=pick)
+        update = roles.update(ref_logprobs, sampled.scores, sampled.parts, expected_version=self.version,
+                              max_staleness=limit, planned_steps=self.planned_steps,
+                              gap_limit=self.config.logprob_gap_limit, pick=sampled.pick)
         pipeline.fill(current)  # max_staleness: the next steps generate while the learner trains
         queue_depth = len(pipeline.inflight)
-
-        summaries: list[GenerationSummary] = (picked.summaries if picked is not None
-                                              else roles.fetch(current.generation.summaries))
+        pipeline.while_learning([call.stats for call in update.calls])
+        summaries = pipeline.summaries(sampled)
         versions = {s.version for s in summaries}
         if versions != {current.version} or not fresh_enough(current.version, self.version, limit):
             raise StaleAdapterError(f"generators sampled with adapter versions {sorted(versions)} "
                                     f"but the learner is at version {self.version}")
         stats = roles.learner_stats(update)  # raises a learner's own error (e.g. stale rollouts)
-        if picked is not None:
-            reference_stats = roles.fetch(reference_stats)
-            generated, score_list, reward_stats = picked.generated, picked.score_list, picked.reward_stats
-            generated_tokens = picked.generated_tokens
-        else:
-            scores, reward_stats, reference_stats = roles.fetch([scores, reward_stats, reference_stats])
-            generated, score_list = GenerationSummary.join(summaries), scores.tolist()
-            generated_tokens = sum(generated.lengths)
+        outcome = pipeline.outcome(sampled, summaries)
+        reference_stats = roles.fetch(reference_stats)
         t_update_done = time.perf_counter()
         self.guard.check_rollouts(stats)
-        return _Uncommitted(current, generated, stats, update, score_list, reward_stats, reference_stats, t_start,
-                            t_update_done, queue_depth, generated_tokens, picked.info if picked is not None else None,
-                            picked.generated_scores if picked is not None else None)
+        return Uncommitted(current, outcome, stats, update, reference_stats, t_start, t_update_done, queue_depth)
 
-    def _commit(self, step: _Uncommitted) -> None:
+    def _commit(self, step: Uncommitted) -> None:
         """The step's one commit point: the step count, the version, the learner's state."""
         new_version = step.stats.version
         self.pipeline.keep(new_version, step.update.weights)
@@ -349,37 +284,6 @@ class PPOTrainer:
         """The committed LoRA into every replica (SyncGuard.sync), first retiring the versions no
         batch in flight needs."""
         return self.guard.sync(version, keep=self.pipeline.keep_from(version))
-
-    def _result(self, step: _Uncommitted, loads: list[SyncReport], check: SyncCheck, t_generation_done: float,
-                t_sync_done: float) -> StepResult:
-        generated, stats = step.generated, step.stats
-        now = time.perf_counter()
-        timing = StepTiming(
-            generate_s=generated.seconds,  # the slowest replica
-            reference_s=step.reference_stats.seconds,
-            reward_s=step.reward_stats.seconds,
-            learner_forward_s=stats.learner_forward_s,
-            update_s=stats.update_s,
-            sync_s=t_sync_done - t_generation_done,
-            sync_check_s=check.seconds,
-            # overlap mode: how long the driver waited for the prefetched generation after the
-            # learner finished (0 when generation is the faster of the two)
-            prefetch_wait_s=t_generation_done - step.t_update_done,
-            # the sync's parts on the generator side (the rest of sync_s is the object-store
-            # transfer of the LoRA tensors and the actor call)
-            sync_write_s=max(r.write_s for r in loads),
-            sync_register_s=max(r.register_s + r.retire_s for r in loads),
-            step_s=now - step.t_start)
-        return StepResult(
-            step=self.step,
-            generated_texts=generated.texts, finish_reasons=generated.finish_reasons,
-            rewards=step.scores, generated_rewards=step.generated_scores, learner=stats,
-            reward_parts=step.reward_stats.parts(), adapter_version=self.version,
-            timing=timing, lora_sync_bytes=loads[0].nbytes, response_lengths=generated.lengths,
-            sync_probe_gap=check.gap, sync_resyncs=self.guard.resyncs,
-            # tokens and FLOPs per second of the generation and the learner (StepResult.rates)
-            **StepResult.rates(timing, stats, step.generated_tokens),
-            queue_depth=float(step.queue_depth), dynamic_sampling=step.dynamic)
 
     # ------------------------------------------------------------------ evaluation
     def generate(self, prompts: Sequence[str] | Sequence[dict], seed_step: int = SAMPLING_SEED_STEP, *,
@@ -396,9 +300,9 @@ class PPOTrainer:
         is restarted and the call redone (the generators at the committed version, the same
         seeds: the same samples). `attribute`: responses whose per-token logprobs and KL_t the
         reference computes (Responses.held_out, ppo_ray.attribution)."""
-        rows = self._rows(prompts)
-        prompt_ids = self._encode(rows.texts)
-        columns = self._columns(rows, first=index_offset) if score else None
+        rows = self.feed.rows(prompts)
+        prompt_ids = self.feed.encode(rows.texts)
+        columns = self.feed.columns(rows, first=index_offset) if score else None
         kept: list[Optional[Generation]] = [None]
 
         def attempt(_) -> Responses:
@@ -453,7 +357,7 @@ class PPOTrainer:
         path = save_checkpoint(self.run_dir, config=self.config, learner_state=learner_state, behaviour=behaviour,
                                model_dir=self.model_dir, keep=self.config.keep_checkpoints, lineage=self.lineage,
                                trainer_state={"step": self.step, "order": order, "data_rng": rng,
-                                              "prompts_sha256": self._prompts_key,
+                                              "prompts_sha256": self.feed.key,
                                               "planned_steps": self.planned_steps,
                                               "fingerprints": self.fingerprints})
         self.lineage = Lineage.after(path)
@@ -500,8 +404,7 @@ class PPOTrainer:
         self.guard.check(self.version)
         self.cursor.set_state((state["order"], state["data_rng"]))
         self.pipeline.inflight.clear()
-        self._prompts_key = state.get("prompts_sha256")
-        self._cursor_from_checkpoint = self._prompts_key is not None
+        self.feed.restored(state.get("prompts_sha256"))
         self.lineage = Lineage.after(ckpt)
         self.planned_steps = int(state["planned_steps"])
         if self.config.steps != self.planned_steps:
@@ -551,26 +454,6 @@ class PPOTrainer:
             time.monotonic() - self._last_checkpoint >= 60.0 * cfg.checkpoint_every_minutes
         return by_steps or by_time
 
-    def _use_prompts(self, prompts: Sequence[str] | Sequence[dict]) -> None:
-        """The cursor indexes `prompts`: a new list starts a new epoch over it, except after
-        restoring a checkpoint, whose cursor indexes its own list (CheckpointError). The list
-        is encoded (and checked: a bad prompt is named by its index) once, here, not at
-        every step; its rows' columns (the reward functions') are kept beside it. The list's
-        identity is its texts' (prompts_fingerprint)."""
-        if not prompts:
-            raise ValueError("train() needs a non-empty list of prompts")
-        rows = self._rows(prompts)
-        key = prompts_fingerprint(rows)
-        if self._prompt_ids[0] != key:
-            self._prompt_ids = (key, self._encode(rows.texts))
-        self.pipeline.prompt_ids, self.pipeline.prompt_columns = self._prompt_ids[1], self._columns(rows)
-        if self._prompts_key is not None and self._prompts_key != key:
-            if self._cursor_from_checkpoint:
-                raise CheckpointError(f"train() got a different prompt list ({len(prompts)} prompts) from the one "
-                                      "the checkpoint's data cursor indexes: resume with the run's dataset")
-            self.cursor.order = []  # a new prompt list: a new epoch over it
-        self._prompts_key, self._cursor_from_checkpoint = key, False
-
     def train(self, prompts: Sequence[str] | Sequence[dict], steps: Optional[int] = None, *, progress: bool = True,
               metrics_path: str | Path | None = None,
               evaluate: Optional[Callable[["PPOTrainer", int], dict]] = None,
@@ -592,8 +475,8 @@ class PPOTrainer:
         retried from the committed state (see _run_step): no step is lost, doubled or
         restarted. metrics_path keeps one line per step: lines past the current step (a
         resumed run) are dropped before appending, in eval_samples.jsonl too."""
-        self._use_prompts(prompts)
-        self._check_fresh_run(metrics_path)
+        self.pipeline.prompt_ids, self.pipeline.prompt_columns = self.feed.use(prompts, self.cursor)
+        check_fresh_run(self.step, self.lineage, self.run_dir, metrics_path)
         target = self.step + steps if steps is not None else self.config.steps
         if target > self.planned_steps:
             self._plan_steps(target, f"train() runs to step {target}")
@@ -617,7 +500,7 @@ class PPOTrainer:
                         self.pipeline.put_back(current)
                     raise
                 if self._eval_due(result.step, target):
-                    self._evaluate(result, evaluate, eval_prompts, runlog)
+                    evaluate_step(self, result, evaluate, eval_prompts, runlog)
                 history.append(result)
                 runlog.step(result)
                 if self.run_dir is not None and self._checkpoint_due():
@@ -641,40 +524,9 @@ class PPOTrainer:
                         self.planned_steps, self.step + 1, steps, max(0.0, 1.0 - self.step / steps))
         self.planned_steps = steps
 
-    def _check_fresh_run(self, metrics_path: str | Path | None) -> None:
-        """A run that has not started (no step, no checkpoint saved or restored) must not write
-        into another run's files: its checkpoints would be pruned by name and its metrics
-        truncated (RunDirError naming the file, before anything is written)."""
-        from ppo_ray.rundir import RunDirError
-
-        if self.step or self.lineage.parent is not None:
-            return
-        if self.run_dir is not None and run_ids(self.run_dir) - {self.lineage.run_id}:
-            raise RunDirError(f"{checkpoint_root(self.run_dir)} holds another run's checkpoints: continue it "
-                              f"(trainer.restore({str(self.run_dir)!r}), launch.py ppo --resume {self.run_dir}) or "
-                              "train in a new run directory")
-        if metrics_path is not None and Path(metrics_path).is_file() and Path(metrics_path).stat().st_size:
-            raise RunDirError(f"{metrics_path} holds another run's steps: continue that run from its checkpoint "
-                              "or write this one elsewhere")
-
     def _eval_due(self, step: int, target: int) -> bool:
         every = self.config.eval_every
         return bool(every and step % every == 0) or step == target
-
-    def _evaluate(self, result: StepResult, evaluate, eval_prompts, runlog: RunLog) -> None:
-        """The user's evaluate(trainer, step) and the eval samples, merged into the result."""
-        if evaluate:
-            result.extra.update(evaluate(self, result.step))
-        samples = list(eval_prompts or [])[: self.config.eval_samples]
-        shown = self.config.attribution_rows if self.run_dir is not None else 0
-        held: list[RolloutAttribution] = []
-        if samples:
-            rows, held = self._eval_samples(samples, result.step, pick_rows(len(samples), shown))
-            finite = [r["reward"] for r in rows if math.isfinite(r["reward"])]
-            result.extra["eval_reward_mean"] = sum(finite) / len(finite) if finite else math.nan
-            runlog.samples(result.step, rows)
-        if shown:  # the step's rollouts and the held-out samples, per token
-            runlog.attribution((self.attribution(pick_rows(self.config.batch_size, shown), result.step) or []) + held)
 
     def attribution(self, rows: Sequence[int], step: int = 0) -> Optional[list[RolloutAttribution]]:
         """Rows `rows` of the last update's batch as the seeds' SA pairs, every number the step
@@ -683,20 +535,6 @@ class PPOTrainer:
         tensors = self.supervisor.run(lambda _: self.roles.attribution(list(rows)), where="evaluation", step=self.step,
                                       recover=self._back_to_committed)
         return None if tensors is None else sa_pairs(tensors, self.tokenizer.decode, step)
-
-    def _eval_samples(self, prompts: list[str] | list[dict], step: int,
-                      attribute: Sequence[int] = ()) -> tuple[list[dict], list[RolloutAttribution]]:
-        """The current policy's responses to `prompts` (strings or rows: their columns go to the
-        reward functions), scored by the reward actor. The same sampling seeds at every
-        evaluation (common random numbers across steps). With them, the responses `attribute`
-        per token (their logprobs and KL_t: held-out samples have no advantage)."""
-        rows = self._rows(prompts)
-        out = self.generate(rows, seed_step=EVAL_SEED_STEP, score=True, attribute=attribute)
-        held = [] if out.held_out is None else sa_pairs(out.held_out, self.tokenizer.decode, step)
-        for h in held:
-            h.score = out.rewards[h.row]
-        return ([{"step": step, "prompt": p, "response": t, "reward": r, "finish_reason": f}
-                 for p, t, r, f in zip(rows.texts, out.texts, out.rewards, out.finish_reasons)], held)
 
     def shutdown(self, graceful: bool = True) -> None:
         """End the actors and remove their placement group (its reserved resources are freed),

@@ -3,9 +3,9 @@ each layer may make) and tests/test_architecture_doc.py (docs/ARCHITECTURE.md li
 each module under its own layer). Paths and module names only: nothing is imported.
 
     tasks (top)   ppo_ray/tasks/, ppo_ray/tldr_model.py, launch.py
-    driver        ppo_ray/{trainer, inflight, sync_guard, roles, supervisor, interrupts, cluster, shipping, hosts, reward_pool,
-                  creation, stage_tasks, placement, checkpoint, runlog, metrics, rundir, runlock,
-                  export}.py (of these only hosts and stage_tasks import the roles)
+    driver        ppo_ray/{trainer, step_report, prompt_feed, eval_samples, inflight, sync_guard, roles,
+                  supervisor, interrupts, cluster, shipping, hosts, reward_pool, creation, stage_tasks,
+                  placement, checkpoint, runlog, metrics, rundir, runlock, export}.py (of these only hosts and stage_tasks import the roles)
     roles         actors/, learner/          (plain classes: no Ray, no driver)
     bottom        every other ppo_ray/*.py   (the shared vocabulary)
     math          learner/algos.py, learner/losses.py (the PPO math and its registries)
@@ -18,7 +18,7 @@ from pathlib import Path
 # The layers' names, top to bottom, as docs/ARCHITECTURE.md heads them.
 LAYERS = ("tasks", "driver", "roles", "bottom", "math")
 
-DRIVER = {"trainer", "inflight", "sync_guard", "roles", "supervisor", "interrupts", "cluster", "shipping", "hosts", "reward_pool", "creation",
+DRIVER = {"trainer", "step_report", "prompt_feed", "eval_samples", "inflight", "sync_guard", "roles", "supervisor", "interrupts", "cluster", "shipping", "hosts", "reward_pool", "creation",
           "stage_tasks", "placement", "checkpoint", "runlog", "metrics", "rundir", "runlock", "export"}
 # The driver's modules that import the roles (actors/, learner/): the actor hosts and the stages' Ray tasks.
 ROLE_IMPORTERS = {"ppo_ray/hosts.py", "ppo_ray/stage_tasks.py"}

@@ -86,7 +86,7 @@ def test_each_score_call_gets_its_prompts_columns(run):
         assert h.dynamic_sampling.rounds == 2
         assert 0.0 < h.reward_parts["score/ppo_ray.rewards:letter_e_fraction"] < 1.0
     assert history[-1].extra["eval_reward_mean"] == sum(range(EVAL_ROWS)) / EVAL_ROWS
-    assert list(trainer._columns(trainer._rows(rows)).values) == ["id"]
+    assert list(trainer.feed.columns(trainer.feed.rows(rows)).values) == ["id"]
 
 
 @rerun_if_last_digits_differ

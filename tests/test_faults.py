@@ -137,7 +137,8 @@ class DriverFaults:
 # test_every_actor_call_is_supervised_and_has_a_fault_case until it is placed.
 NO_ACTOR_CALL = {"names": "role names", "all": "the handles", "actor": "a handle by role",
                  "role_of": "reads an error", "store": "ray.put of a driver-side value",
-                 "restarted": "forgets a restarted actor's measured calls (ppo_ray.deadlines)"}
+                 "restarted": "forgets a restarted actor's measured calls (ppo_ray.deadlines)",
+                 "wait_any": "ray.wait on refs, nothing fetched (a death shows in the fetch after it)"}
 TEARDOWN = {"release": "kills the actors at the end: nothing to redo"}
 # Calls whose job is to see deaths: a death there is their answer, not a fault to recover from.
 SEES_DEATHS = {"wait_for_actors": "waits for restarts (an actor that dies again is waited for again)",

@@ -10,7 +10,6 @@ a crash before the first `latest`, a damaged or redirected `latest`, a corrupt f
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
@@ -383,20 +382,17 @@ def test_resume_auto_needs_a_run_directory(capsys):
 
 
 def test_a_fresh_trainer_refuses_another_runs_checkpoints_and_metrics(tmp_path, learner_state):
-    """The library path (PPOTrainer.train) has the same rule as launch.py."""
-    from ppo_ray.trainer import PPOTrainer
+    """The library path (PPOTrainer.train calls check_fresh_run) has the same rule as launch.py."""
+    from ppo_ray.checkpoint import check_fresh_run
 
     run_of(tmp_path, learner_state, (1,))
-    fresh = SimpleNamespace(step=0, lineage=Lineage.fresh(), run_dir=tmp_path)
     with pytest.raises(RunDirError, match="holds another run's checkpoints"):
-        PPOTrainer._check_fresh_run(fresh, None)
+        check_fresh_run(0, Lineage.fresh(), tmp_path, None)
     metrics = tmp_path / "elsewhere.jsonl"
     metrics.write_text('{"step": 1}\n')
     with pytest.raises(RunDirError, match="elsewhere.jsonl holds another run's steps"):
-        PPOTrainer._check_fresh_run(SimpleNamespace(step=0, lineage=Lineage.fresh(), run_dir=None), metrics)
-    resumed = SimpleNamespace(step=1, lineage=Lineage.after(tmp_path / "checkpoints" / "step-000001"),
-                              run_dir=tmp_path)
-    PPOTrainer._check_fresh_run(resumed, metrics)  # its own run: fine
+        check_fresh_run(0, Lineage.fresh(), None, metrics)
+    check_fresh_run(1, Lineage.after(tmp_path / "checkpoints" / "step-000001"), tmp_path, metrics)  # its own run
 
 
 # ------------------------------------------------------------------ an unwritable run directory
