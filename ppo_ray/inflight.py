@@ -18,7 +18,9 @@ flight and the adapters those batches were sampled with (checkpoint), not the ba
 Dynamic sampling (DAPO) is a rollout mode of the pipeline: dynamic_sampling scores the step's
 batch and draws more rounds while too few groups vary; the rows it picks are named by index
 (ppo_ray.batch.RowPick) to the actors that take the batch, so no rollout tensor goes through
-the driver.
+the driver. With batches in flight each batch draws its rounds from a window of its own, and
+its rounds stream: while the learner trains (while_learning) a batch in flight is scored and
+given its next round as its scores come in, so its extra rounds are off its step's path.
 
 `load` is the sync guard's bring_generators_to (load the versions, then check them).
 """
@@ -173,6 +175,9 @@ class Pipeline:
         # train()'s prompt list, encoded once, and its columns the reward functions take
         self.prompt_ids: list[list[int]] = []
         self.prompt_columns: Optional[PromptColumns] = None
+        # dynamic_sampling with batches in flight: the rounds scored while their batch was in
+        # flight (while_learning), over this pipeline's life
+        self.streamed_rounds = 0
 
     # ------------------------------------------------------------------ versions
     def version_for(self, step: int) -> int:
@@ -442,15 +447,32 @@ class Pipeline:
                 scored = tuple(self.roles.fetch(list(rollouts.scoring)))
                 rollouts.groups = self._groups(rollouts, scored[0])
                 rollouts.scored, rollouts.scoring = scored, None
+                self.streamed_rounds += not block
             varying += sum(rollouts.groups[1])
             if varying >= wanted:
                 return None
         return None
 
     def while_learning(self, update_refs: list) -> None:
-        """While the learner trains on the step (until `update_refs` are ready): the batches in
-        flight may move on. Nothing here yet: each batch's work beyond its first round runs when
-        its step starts."""
+        """While the learner trains on the step (until `update_refs` are ready): under dynamic
+        sampling with batches in flight (windowed), each batch in flight goes on with its rounds
+        as their scores come in, so that its extra rounds run off its step's path. What a
+        round holds is a function of its batch and its index (prompts from the batch's window,
+        seeds, the batch's version), never of when it runs, so the rounds are the ones its
+        step would generate when it starts. Returns when the update is done, when every batch
+        in flight has its rounds, or when a call's deadline passes (the guarded waits after
+        this name the late call)."""
+        if not self.windowed:
+            return
+        while True:
+            waiting = [ref for ref in (self.advance(b, block=False) for b in self.inflight) if ref is not None]
+            if not waiting:
+                return
+            ready = self.roles.wait_any(list(update_refs) + waiting)
+            if not ready or set(ready) & set(update_refs):
+                for batch in self.inflight:  # the rounds whose scores are in go on before the step's sync
+                    self.advance(batch, block=False)
+                return
 
     def _groups(self, rollouts: Rollouts, scores) -> tuple[list[int], list[bool]]:
         """A scored round's rows' groups (their positions in the round, by group id) and each

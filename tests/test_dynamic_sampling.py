@@ -12,7 +12,8 @@ known values), reports its rounds, kept share and filled groups, and the cursor 
 prompt drawn. Then the run resumed at step 2 from its checkpoint, and step 3 retried after the
 reward actor's death in its second round, each equal to the straight run's step 3 exactly.
 With batches in flight (max_staleness 1, a second trainer): each batch's rounds come from its
-own window of the cursor, and the run resumed at step 2 equals the straight one.
+own window of the cursor and stream while the learner trains on the step before, and the run
+resumed at step 2 (whose step 3 runs its rounds as it starts) equals the straight one.
 """
 
 from __future__ import annotations
@@ -166,11 +167,11 @@ def steps_of(history) -> list[dict]:
              "generated_texts": h["generated_texts"]} for h in history]
 
 
-def straight_run(tmp_path_factory, name: str, marked: set[int], **extra):
+def straight_run(tmp_path_factory, name: str, marked: set[int], before_train=None, **extra):
     """(trainer, its prompts, their draw order, the straight run's history, its run dir): GRPO
     with dynamic sampling (`extra` on top), STEPS steps, a checkpoint at step 2, the prompts
     drawn at `marked` positions marked. A FaultyTrainer (a PPOTrainer unless armed) for the
-    retry tests."""
+    retry tests; `before_train(trainer)` runs before it trains."""
     from helpers import tiny_test_config
     from fault_injection import FaultyTrainer
 
@@ -182,6 +183,8 @@ def straight_run(tmp_path_factory, name: str, marked: set[int], **extra):
     run_dir = tmp_path_factory.mktemp(name)
     trainer = FaultyTrainer(config, run_dir=run_dir)
     try:
+        if before_train is not None:
+            before_train(trainer)
         history = trainer.train(prompts, progress=False)
         yield trainer, prompts, order, history, run_dir
     finally:
@@ -315,20 +318,41 @@ EXPECTED_WINDOWS = [([4.0, 5.0, 6.0, 7.0, 2.0, 3.0, 4.0, 5.0], 2, 5 / 8, 0),
                     ([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 6.0, 7.0], 2, 1 / 8, 3)]
 
 
+def every_round_in_flight(trainer) -> None:
+    """The pipeline's while_learning as the step calls it (it returns once the learner's update
+    is done), then once more with no update to wait for: every batch in flight then has all
+    its rounds before its step starts, however fast the learner is, so the streamed rounds
+    are a fixed set (the test below counts them)."""
+    pipeline = trainer.pipeline
+    as_the_step_calls = pipeline.while_learning
+
+    def stream(update_refs):
+        as_the_step_calls(update_refs)
+        as_the_step_calls([])
+
+    pipeline.while_learning = stream
+
+
 @pytest.fixture(scope="module")
 def windowed_run(ray_session, tiny_model_dir, tmp_path_factory):
-    """dynamic_run's with max_staleness 1 (lora_sync auto: tensor) and MARKED_WINDOWS."""
-    yield from straight_run(tmp_path_factory, "windowed-straight", MARKED_WINDOWS, max_staleness=1)
+    """dynamic_run's with max_staleness 1 (lora_sync auto: tensor) and MARKED_WINDOWS, every
+    batch in flight streaming all its rounds while the learner trains on the step before."""
+    yield from straight_run(tmp_path_factory, "windowed-straight", MARKED_WINDOWS, before_train=every_round_in_flight,
+                            max_staleness=1)
 
 
 def test_with_batches_in_flight_each_batch_takes_its_extra_rounds_from_its_window(windowed_run):
     """Under max_staleness 1 the rule is the synchronous step's, on each batch's own window:
     every step trains on the groups it picks there (their scores are the reward's known
     values, so a round drawn from anywhere else would show), with its rounds, kept share and
-    filled groups; the steps from 2 on are one version behind (step 2's second round is
-    sampled with version 0 after version 1 was loaded); the cursor is 3 windows on."""
+    filled groups; the steps from 2 on are one version behind; the cursor is 3 windows on.
+    The rounds stream (Pipeline.while_learning): the batches of steps 2 and 3 were each
+    generated and scored, both their rounds, while the learner trained on the step before
+    (4 rounds; step 1's two ran as it started), and trained on the same groups as when a
+    batch's rounds run at its step's start (the resumed run below)."""
     trainer, prompts, order, history, _ = windowed_run
     assert trainer.config.lora_sync_mode == "tensor"
+    assert trainer.pipeline.streamed_rounds == 4
     assert [h.step for h in history] == [1, 2, 3] and [h["stale_versions"] for h in history] == [0.0, 1.0, 1.0]
     for h, (rewards, rounds, kept, filled) in zip(history, EXPECTED_WINDOWS):
         assert h.rewards == rewards and len(h.generated_texts) == 8
@@ -340,7 +364,8 @@ def test_with_batches_in_flight_each_batch_takes_its_extra_rounds_from_its_windo
 def test_with_batches_in_flight_a_resumed_run_equals_the_straight_one(windowed_run, tmp_path):
     """Resumed at step 2 (its checkpoint's cursor is the one before step 3's batch, which was
     in flight), step 3 draws the same window, generates the same two rounds with the same
-    version and seeds, and equals the straight run's exactly."""
+    version and seeds, now as the step starts (nothing is in flight to stream: the straight
+    run streamed them), and equals the straight run's exactly."""
     trainer, prompts, order, straight, run_dir = windowed_run
     resumed = restored_from_step_two(trainer, run_dir, tmp_path).train(prompts, progress=False)
     assert_same(steps_of(resumed), steps_of(straight[2:]), "resumed vs straight (windows)")
