@@ -10,7 +10,7 @@
 
 Commands (the first argument; each has its own options, `launch.py export --help`): `export`
 writes a run's LoRA (its final adapter/ or a checkpoint's) as a merged model and/or a portable
-PEFT adapter, each with a model card (ppo_ray/export.py, docs/EXPORT.md); `eval` evaluates a
+PEFT adapter, each with a model card (ppo_ray/driver/export.py, docs/EXPORT.md); `eval` evaluates a
 finished run's SFT policy and checkpoint with its PPO stage's evaluation, functions and seeds
 (ppo_ray/tasks/evaluate.py; its options include PPOConfig's fields).
 
@@ -125,7 +125,7 @@ def export_parser() -> CommandParser:
 
 
 def run_export(options: argparse.Namespace, argv: list) -> int:
-    from ppo_ray.export import ExportError, check_dtype, check_output, export, find_source
+    from ppo_ray.driver.export import ExportError, check_dtype, check_output, export, find_source
 
     if options.source is None:
         print("error: name what to export: a run directory, a checkpoint or an adapter directory", file=sys.stderr)
@@ -183,7 +183,7 @@ def check_ray_address() -> None:
     import os
 
     if os.environ.get("RAY_ADDRESS"):
-        from ppo_ray.cluster import check_ray_address as check
+        from ppo_ray.driver.cluster import check_ray_address as check
 
         check(os.environ["RAY_ADDRESS"])
 
@@ -240,14 +240,14 @@ def plan_run_dir(run_dir: Path, stage: str, stages: tuple[str, ...], resume: str
     A fresh stage into a run directory that holds its outputs is a RunDirError (naming
     --resume and --overwrite); --overwrite moves them aside. Downstream follows upstream: a
     stage that starts (fresh, over, or again) moves the outputs of every stage built on it
-    aside with its own (ppo_ray.rundir.invalidate), so nothing trained on the old stage can be
+    aside with its own (ppo_ray.driver.rundir.invalidate), so nothing trained on the old stage can be
     resumed onto the new one. --resume auto skips the stages that finished, in pipeline order
     (a stage counts as finished only when the stages before it did), resumes PPO from its
     newest intact checkpoint, and moves the first unfinished stage's outputs and its
     downstream aside before it starts again. `--resume CKPT --overwrite` (a checkpoint of
     another run directory) moves this directory's PPO run aside, then resumes CKPT here."""
-    from ppo_ray.checkpoint import checkpoint_root, resolve_checkpoint
-    from ppo_ray.rundir import check_fresh, downstream, held_outputs, invalidate, stages_done
+    from ppo_ray.driver.checkpoint import checkpoint_root, resolve_checkpoint
+    from ppo_ray.driver.rundir import check_fresh, downstream, held_outputs, invalidate, stages_done
 
     if overwrite:
         invalidate(run_dir, [stage], why="overwrite")
@@ -283,7 +283,7 @@ def plan_run_dir(run_dir: Path, stage: str, stages: tuple[str, ...], resume: str
 def saved_config(run_dir: Path, stage: str) -> Path | None:
     """The config a run directory saved for `stage` (config-<stage>.yaml), else the pipeline's
     (config.yaml), else None: what a resume reads for its stages (the PPO stage itself resumes
-    with its checkpoint's config, ppo_ray.checkpoint.resumed_config)."""
+    with its checkpoint's config, ppo_ray.driver.checkpoint.resumed_config)."""
     names = ["config.yaml", "config-ppo.yaml"] if stage == "all" else [f"config-{stage}.yaml", "config.yaml"]
     return next((run_dir / name for name in names if (run_dir / name).is_file()), None)
 
@@ -291,7 +291,7 @@ def saved_config(run_dir: Path, stage: str) -> Path | None:
 def report_config_file_changes(config_file: str, file_ppo, resumed) -> None:
     """--config with --resume auto: a resumed PPO stage runs with its checkpoint's config plus
     the command's --field options; name the file's values that differ (they are not applied)."""
-    from ppo_ray.checkpoint import config_changes
+    from ppo_ray.driver.checkpoint import config_changes
 
     diffs = [f"{k}: {b!r} in the file, {a!r} in the checkpoint" for k, a, b in config_changes(resumed, file_ppo)
              if k != "steps"]
@@ -331,9 +331,9 @@ def build_parser():
 
 def main(argv: list[str] | None = None) -> int:
     """The command; its exit status. One Ctrl-C (SIGINT) or SIGTERM (`ray job stop`) stops it at
-    any point, however the process was started (ppo_ray.interrupts: a `launch.py &` from a
+    any point, however the process was started (ppo_ray.driver.interrupts: a `launch.py &` from a
     script inherits SIGINT ignored): exit 130, with the resume hint once the run has started."""
-    from ppo_ray.interrupts import stop_on_signals
+    from ppo_ray.driver.interrupts import stop_on_signals
 
     with stop_on_signals():
         try:
@@ -376,8 +376,8 @@ def _main(argv: list[str] | None) -> int:
     if auto and options.overwrite:
         print("error: --overwrite starts the run over; --resume auto continues it: give one of them", file=sys.stderr)
         return 2
-    from ppo_ray.checkpoint import CheckpointError, check_own_lineage, resolve_checkpoint, resumed_config
-    from ppo_ray.rundir import RunDirError
+    from ppo_ray.driver.checkpoint import CheckpointError, check_own_lineage, resolve_checkpoint, resumed_config
+    from ppo_ray.driver.rundir import RunDirError
 
     # One resume rule, whichever way a resume is asked for: the PPO stage continues with its
     # checkpoint's own config plus this command's --field options (resumed_config); the run
@@ -461,13 +461,13 @@ def _main(argv: list[str] | None) -> int:
     if stage == "ppo" and not has_reward and "rm" in task_stages and not (run_dir / "rm").is_dir():
         print(f"error: stage 'ppo' needs {run_dir / 'rm'} from stage 'rm' (pass --run_dir)", file=sys.stderr)
         return 2
-    from ppo_ray.cluster import ClusterError
+    from ppo_ray.driver.cluster import ClusterError
     from ppo_ray.data import DataError
     from ppo_ray.gguf_model import GGUFError
     from ppo_ray.modeling import ContextLengthError
     from ppo_ray.rewards import RewardError
-    from ppo_ray.rundir import check_writable
-    from ppo_ray.runlock import RunLock, RunLockError
+    from ppo_ray.driver.rundir import check_writable
+    from ppo_ray.driver.runlock import RunLock, RunLockError
     from ppo_ray.tracking import TrackerError, check_trackers
 
     # Cheap checks of what the stage needs, before anything is written (a rejected command
@@ -524,14 +524,14 @@ def _run(config, stage: str, stages: tuple[str, ...], done: dict, resume, run_di
          prompts, log_path: Path, ppo_config=None) -> int:
     """The stages, after the checks: the run directory exists and the console goes to log_path too.
     `ppo_config`: the pipeline's resumed PPO stage's config (its checkpoint's plus the overrides)."""
-    from ppo_ray.checkpoint import CheckpointError
-    from ppo_ray.cluster import ClusterError
+    from ppo_ray.driver.checkpoint import CheckpointError
+    from ppo_ray.driver.cluster import ClusterError
     from ppo_ray.data import DataError
     from ppo_ray.machine import machine_info
     from ppo_ray.modeling import ContextLengthError
     from ppo_ray.rewards import RewardError
-    from ppo_ray.rundir import RunDirError, mark_done
-    from ppo_ray.runlock import RunLockLost
+    from ppo_ray.driver.rundir import RunDirError, mark_done
+    from ppo_ray.driver.runlock import RunLockLost
     from ppo_ray.tasks.tldr import TLDRDataError
     from ppo_ray.tracking import read_run_file, update_run_file
 

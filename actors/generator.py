@@ -1,6 +1,6 @@
 """Generator: vLLM rollouts with a hot-swapped LoRA version.
 
-Plain class, no Ray: ppo_ray.hosts hosts it in a Ray actor. One engine (a
+Plain class, no Ray: ppo_ray.driver.hosts hosts it in a Ray actor. One engine (a
 ``vllm.LLM``) serves the frozen base model; the policy's LoRA A/B tensors arrive from the
 learner after every update (``load_adapter``) and every later ``generate`` samples with
 them. How they get into the engine is the sync mode's (config ``lora_sync``: a class in

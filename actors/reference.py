@@ -1,6 +1,6 @@
 """Reference (SFT) scorer: a frozen causal LM that returns per-token logprobs of responses.
 
-Plain class, no Ray: ppo_ray.hosts hosts it in a Ray actor. The KL penalty compares
+Plain class, no Ray: ppo_ray.driver.hosts hosts it in a Ray actor. The KL penalty compares
 the policy's and this model's full-softmax logprobs at the sampling temperature (no
 top-k/top-p truncation: a truncated reference gives -inf for tokens outside its nucleus,
 and the KL to the SFT model is defined on the full distributions).

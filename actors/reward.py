@@ -1,6 +1,6 @@
 """Reward scorer: a reward model and/or reward functions, combined with weights.
 
-Plain class, no Ray: ppo_ray.hosts hosts it in a Ray actor.
+Plain class, no Ray: ppo_ray.driver.hosts hosts it in a Ray actor.
 
 - A reward model is an AutoModelForSequenceClassification with num_labels=1; its score is
   read at the last real token of prompt + response (the EOS when the response has one,
@@ -26,7 +26,7 @@ Plain class, no Ray: ppo_ray.hosts hosts it in a Ray actor.
   A dropped row stays NaN whatever missing_eos_penalty and overlong_buffer would give it.
 
 Guarded calls (guarded_scores), used with reward workers (`runner`: a RewardWorkerPool,
-ppo_ray.reward_pool: Ray actors, each call under reward_timeout_s, a worker past it killed and
+ppo_ray.driver.reward_pool: Ray actors, each call under reward_timeout_s, a worker past it killed and
 replaced), with an HTTP verifier among reward_funcs, or with a failure policy other than
 "error": the batch is cut into chunks (function_chunks), all of a round's calls run at once,
 and a call that raises or times out is handled by `failure`:

@@ -49,11 +49,11 @@ CPU thread binding
     engine starts, then restored. It reaches only an engine whose worker runs in a spawned
     process (vLLM 0.32 applies it when it spawns the worker): an in-process engine (below)
     computes on its process's own torch threads, which its caller sets before building it
-    (ppo_ray.hosts.GeneratorHost: the CPU rule; with Ray's OMP_NUM_THREADS=1 the 25M
+    (ppo_ray.driver.hosts.GeneratorHost: the CPU rule; with Ray's OMP_NUM_THREADS=1 the 25M
     model's generation took 2.87 s for 64x76 tokens, with 2 threads 1.93 s).
 The engine core's process
     vLLM's default is kept here: the V1 engine core (and on the CPU its worker) run in
-    spawned processes. ppo_ray.creation starts a CPU-only generator actor with
+    spawned processes. ppo_ray.driver.creation starts a CPU-only generator actor with
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` instead (unless the driver's environment sets it),
     so its engine core runs in the actor's own process. Measured on the 2-core VM
     (``benchmarks.generate_cpu``, the tiny model, 64 prompts x 16 tokens): ``generate``

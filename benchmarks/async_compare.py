@@ -155,7 +155,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         import yaml
 
         overrides[key.lstrip("-")] = yaml.safe_load(value)
-    from ppo_ray.cluster import init_ray
+    from ppo_ray.driver.cluster import init_ray
 
     init_ray()
     runs = []

@@ -8,7 +8,7 @@ logprobs, no detokenisation: what the generator asks for).
 Each run builds one engine (or loads the model once), generates twice to warm up, then
 `--repeats` times; prints JSON with the times, their median and the engine's start.
 ``--engine_core inproc`` sets VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine core in this
-process: what ppo_ray.creation gives a CPU generator actor), ``process`` sets it to 1
+process: what ppo_ray.driver.creation gives a CPU generator actor), ``process`` sets it to 1
 (vLLM's and build_llm's default: a spawned engine-core process). One engine per process:
 compare modes in separate runs, alternating.
 """

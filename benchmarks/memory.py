@@ -67,14 +67,14 @@ from typing import Callable, Optional, Sequence
 MARKER = "PPO_RAY_BENCH_RUN"  # environment variable that tags a run's processes
 GIB, MIB = 1024 ** 3, 1024 ** 2
 
-# The actor host classes of ppo_ray.hosts (and the run's ModelStore) -> the role in the table.
+# The actor host classes of ppo_ray.driver.hosts (and the run's ModelStore) -> the role in the table.
 ROLE_OF_CLASS = {"GeneratorHost": "generator", "ReferenceHost": "reference", "RewardHost": "reward",
                  "LearnerHost": "learner", "ModelStore": "model store"}
 RAY_SYSTEM = "ray system"  # gcs_server, raylet, dashboard, monitors, agents
 RAY_SYSTEM_TITLES = ("DashboardAgent", "RuntimeEnvAgent")
 RAY_SYSTEM_PROGRAMS = ("gcs_server", "raylet", "dashboard.py", "log_monitor.py", "monitor.py")
 IDLE = "ray idle workers"
-STAGE_TASK_PREFIX = "ppo/"  # ppo_ray.stage_tasks.run_stage names its tasks ppo/<stage>
+STAGE_TASK_PREFIX = "ppo/"  # ppo_ray.driver.stage_tasks.run_stage names its tasks ppo/<stage>
 
 
 def read_text(path: str) -> Optional[str]:
@@ -322,7 +322,7 @@ def format_table(report: dict) -> str:
 def stage_of_run(run_dir: Path, stages: Sequence[str] = ("sft", "rm", "ppo")) -> Callable[[], str]:
     """A function -> the stage launch.py is in: the first of `stages` that run_dir/run.json
     does not list as done (the last one once all are)."""
-    from ppo_ray.rundir import STAGES_DONE
+    from ppo_ray.driver.rundir import STAGES_DONE
 
     def current() -> str:
         try:

@@ -229,7 +229,7 @@ def run_launch(argv: list[str], workdir: Path, timeout_s: float, sample_s: float
                min_available_gib: Optional[float] = None) -> dict:
     """launch.py `argv` as a subprocess, sampled until it exits (benchmarks.memory.run_command):
     returncode, stage times and memory (module docstring)."""
-    from ppo_ray.rundir import STAGES_DONE
+    from ppo_ray.driver.rundir import STAGES_DONE
 
     run_dir = Path(argv[argv.index("--run_dir") + 1])
     run_file, log_path = run_dir / "run.json", workdir / f"launch-{run_dir.name}.log"

@@ -7,7 +7,7 @@ reward function: inline in the reward actor (reward_workers 0), then 1, 2, 4 wor
 The reward function is `burn` below: a pure-Python loop that holds the GIL for about
 --ms_per_row milliseconds of CPU per row (its iteration count is calibrated once in the driver and
 passed through the environment, so every worker burns the same amount). Each setting starts a
-real reward actor (ppo_ray.hosts.RewardHost, its RewardWorkerPool) on a local Ray with
+real reward actor (ppo_ray.driver.hosts.RewardHost, its RewardWorkerPool) on a local Ray with
 --num_cpus CPUs, scores one warm-up batch, then --repeats batches of --rows rows; reported:
 the median seconds of a score call and rows/s. Prints a table and one JSON object.
 """
@@ -67,7 +67,7 @@ def main(argv=None) -> dict:
 
     from ppo_ray.batch import RolloutBatch
     from ppo_ray.config import PPOConfig
-    from ppo_ray.hosts import RewardHost
+    from ppo_ray.driver.hosts import RewardHost
 
     iters = calibrate(args.ms_per_row)
     root = str(Path(__file__).resolve().parent.parent)

@@ -333,7 +333,7 @@ def connect_ray() -> bool:
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
-        from ppo_ray.cluster import init_ray
+        from ppo_ray.driver.cluster import init_ray
 
         init_ray()
         return False

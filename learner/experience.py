@@ -185,7 +185,7 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
     if config.is_correction != "none":
         # The share of the policy loss's tokens whose ratio is outside [1/is_cap, is_cap]: what the
         # correction drops, caps or all but drops. The trainer's rollout check tests it instead of
-        # the largest gap of one token (ppo_ray.sync_guard.rollout_gap). Per token whatever
+        # the largest gap of one token (ppo_ray.driver.sync_guard.rollout_gap). Per token whatever
         # is_level: a response's ratio drifts with its length even when each token is close.
         w = importance_ratio(old_logprobs, gen, policy_mask, "token")  # (B, T)
         stats["is_outside_frac"] = masked_mean(outside_is_band(w, policy_mask, config.is_cap).float(), policy_mask)

@@ -1,6 +1,6 @@
 """The learner: policy LoRA + (with a critic) value model, one PPO update per step.
 
-Plain class, no Ray (ppo_ray.hosts hosts it in an actor). Given one step's rollouts
+Plain class, no Ray (ppo_ray.driver.hosts hosts it in an actor). Given one step's rollouts
 (from the generator, sampled with LoRA version `self.version`), the reference logprobs and
 the sequence scores (step 4, the reward actor's), `update` runs the no-grad pass (the
 seeds' step 2, the sampled tokens' old logprobs, and step 6, the value predictions, each

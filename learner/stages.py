@@ -1,7 +1,7 @@
 """The two stages before PPO: supervised fine-tuning (SFT) and a Bradley-Terry reward model.
 
 Both are plain single-process training loops (no Ray here: the pipeline runs each as a Ray
-task, ppo_ray.stage_tasks.run_stage): on the embedded default they take seconds to a minute
+task, ppo_ray.driver.stage_tasks.run_stage): on the embedded default they take seconds to a minute
 on the CPU; on the real path they run on one GPU. Both write a normal
 HF directory (safetensors weights + tokenizer) that the PPO stage loads by path.
 

@@ -8,11 +8,11 @@ atomic, so a reader sees the old one or the new one, never a half-written one).
 
     atomic_write_text(path, text)             # one file: the same rule
 
-The one home of that rule: checkpoints and their `latest` pointer (ppo_ray.checkpoint),
+The one home of that rule: checkpoints and their `latest` pointer (ppo_ray.driver.checkpoint),
 model directories moved between nodes and the per-node model cache (ppo_ray.transfer), the
 embedded models' builds (ppo_ray.tiny_model, ppo_ray.tldr_model) and converted GGUF files
 (ppo_ray.gguf_model; both with exclusive_lock, so that one builder of an entry pays for it), run.json
-(ppo_ray.tracking), a resumed run's truncated logs (ppo_ray.runlog), the pipeline's saved
+(ppo_ray.tracking), a resumed run's truncated logs (ppo_ray.driver.runlog), the pipeline's saved
 evaluation (ppo_ray.tasks.pipeline).
 
 Bottom layer: imports the standard library only.

@@ -1,6 +1,6 @@
 """Deadlines of the driver's calls to the actors: no call hangs a run.
 
-Every call the driver makes to an actor (ppo_ray.roles) is of one of CALL_KINDS, and has a
+Every call the driver makes to an actor (ppo_ray.driver.roles) is of one of CALL_KINDS, and has a
 deadline, counted from the moment it can start: it was submitted, the calls whose results it
 takes have finished and, on an actor that runs its calls one at a time, the call before it
 has finished. The deadline is
@@ -12,12 +12,12 @@ held to the slowest first call of its kind, a later one to the slowest later one
 there is one, the slowest first one), and the run's first call of a kind, before anything is
 measured, to call_timeout_first_s. Past its deadline
 the actor is deemed hung: Roles kills it (Ray restarts it, within max_actor_restarts) and
-raises CallTimeout, which the supervisor treats as the actor's death (ppo_ray.supervisor: the
+raises CallTimeout, which the supervisor treats as the actor's death (ppo_ray.driver.supervisor: the
 state recovered, the call retried, at most max_step_retries times; then the run stops with
 the CallTimeout, which names the call and the actor). A reward function that hangs in the
 reward actor, which cannot be stopped in its thread, is cut by this rule.
 
-Bottom layer: the standard library only (the waiting and the kill are in ppo_ray.roles).
+Bottom layer: the standard library only (the waiting and the kill are in ppo_ray.driver.roles).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-# What each kind of call is; ppo_ray.roles tags every call it makes with one.
+# What each kind of call is; ppo_ray.driver.roles tags every call it makes with one.
 CALL_KINDS = {
     "generate": "a training batch's rollouts (a generator)",
     "evaluation": "sampling with the committed policy, outside the training steps (a generator)",

@@ -192,7 +192,7 @@ class CallResult:
 
 
 class RewardWorker:
-    """The plain class a reward worker actor hosts (ppo_ray.reward_pool.RewardWorkerPool), also
+    """The plain class a reward worker actor hosts (ppo_ray.driver.reward_pool.RewardWorkerPool), also
     the reward actor's own in-process caller: imports the reward functions once and makes one
     guarded call at a time. Imports nothing heavy (no torch), so a fresh worker starts fast."""
 

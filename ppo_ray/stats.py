@@ -172,7 +172,7 @@ class RewardStats:
 
 @dataclass(frozen=True)
 class DynamicSampling:
-    """One step's dynamic sampling (config dynamic_sampling; ppo_ray.inflight.Pipeline.dynamic_sampling)."""
+    """One step's dynamic sampling (config dynamic_sampling; ppo_ray.driver.inflight.Pipeline.dynamic_sampling)."""
 
     rounds: int        # generation rounds the step ran (1 = none beyond its first batch)
     kept_frac: float   # groups whose scores vary / groups generated, over the rounds
@@ -451,7 +451,7 @@ def _finite_mean(values: Sequence[float]) -> float:
 @dataclass
 class LearnerState:
     """What a resumed run needs of the learner to continue exactly (Learner.state_dict; the
-    checkpoint's learner part, ppo_ray.checkpoint): the policy adapter, the value model's
+    checkpoint's learner part, ppo_ray.driver.checkpoint): the policy adapter, the value model's
     trainable tensors by name ({} without a critic), the
     optimisers' and learning-rate schedules' own state dicts (the value model's None without
     a critic; the schedules and kl_coef None in checkpoints written before they existed: the

@@ -18,10 +18,10 @@ a silent off-policy step. After every sync, in every mode, the sync check compar
 the generators compute with what the learner computes at the same version (a small fixed
 probe); on fresh steps the rollouts' own logprobs are compared too. A gap beyond
 logprob_gap_tolerance re-syncs and checks again by default (logprob_gap_check): nothing is
-sampled for training from a generator that failed the check (ppo_ray.sync_guard).
+sampled for training from a generator that failed the check (ppo_ray.driver.sync_guard).
 
 Which batch each step trains on, the adapter version it is sampled with, the batches in flight
-under max_staleness and their regeneration are ppo_ray.inflight's (the synchronous step is its
+under max_staleness and their regeneration are ppo_ray.driver.inflight's (the synchronous step is its
 k = 0 case); this module keeps the step, its commit point, train, generate and restore.
 
 Faults: each step has one commit point (_commit), after the learner's update returned its
@@ -29,7 +29,7 @@ stats, the new adapter and its state. Until then an actor's death is recovered b
 the step from the committed state (the learners restored from the driver's object-store
 copy of their state, lost rollouts regenerated identically); after it, only the sync is
 redone. Every other call to an actor (the sync check, the evaluations, a checkpoint's state
-fetch, a restore; ppo_ray.supervisor.PLACES) goes through the same retry rule: the lost actor
+fetch, a restore; ppo_ray.driver.supervisor.PLACES) goes through the same retry rule: the lost actor
 is restarted, brought back to the committed state, and the call redone. No step is lost,
 doubled or restarted, and no checkpoint is needed (tests/test_faults.py).
 """
@@ -43,28 +43,28 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from ppo_ray.attribution import RolloutAttribution, sa_pairs
 from ppo_ray.batch import fresh_enough
-from ppo_ray.checkpoint import (Lineage, apply_changes, branch_from, check_fresh_run, check_own_lineage,
+from ppo_ray.driver.checkpoint import (Lineage, apply_changes, branch_from, check_fresh_run, check_own_lineage,
                                 checkpoint_root, load_checkpoint, model_fingerprints, resolve_checkpoint,
                                 resumed_config, save_checkpoint)
-from ppo_ray.cluster import init_ray
+from ppo_ray.driver.cluster import init_ray
 from ppo_ray.config import PPOConfig
-from ppo_ray.creation import ModelDirs, create_roles
+from ppo_ray.driver.creation import ModelDirs, create_roles
 from ppo_ray.data import PromptCursor, check_chat_template
-from ppo_ray.eval_samples import evaluate_step
-from ppo_ray.hosts import HOSTS
-from ppo_ray.inflight import Committed, Pipeline, Rollouts, pick_groups
-from ppo_ray.metrics import TrainingMetrics
+from ppo_ray.driver.eval_samples import evaluate_step
+from ppo_ray.driver.hosts import HOSTS
+from ppo_ray.driver.inflight import Committed, Pipeline, Rollouts, pick_groups
+from ppo_ray.driver.metrics import TrainingMetrics
 from ppo_ray.modeling import load_tokenizer
-from ppo_ray.prompt_feed import PromptFeed
+from ppo_ray.driver.prompt_feed import PromptFeed
 from ppo_ray.rewards import check_reward_sources, guarded_calls
-from ppo_ray.roles import (EXIT_TIMEOUT_S, RETRYABLE, SAMPLING_SEED_STEP, Generation, Roles,
+from ppo_ray.driver.roles import (EXIT_TIMEOUT_S, RETRYABLE, SAMPLING_SEED_STEP, Generation, Roles,
                            role_names)
-from ppo_ray.runlock import RunLock
-from ppo_ray.runlog import RunLog, new_run_tag
+from ppo_ray.driver.runlock import RunLock
+from ppo_ray.driver.runlog import RunLog, new_run_tag
 from ppo_ray.stats import GenerateRequest, GenerationSummary, Responses, StepResult, SyncReport
-from ppo_ray.step_report import Uncommitted
-from ppo_ray.supervisor import Supervisor
-from ppo_ray.sync_guard import (TRUNCATED_TOKENS_LIMIT, LogprobGapError, StaleAdapterError, SyncCheck, SyncGuard,
+from ppo_ray.driver.step_report import Uncommitted
+from ppo_ray.driver.supervisor import Supervisor
+from ppo_ray.driver.sync_guard import (TRUNCATED_TOKENS_LIMIT, LogprobGapError, StaleAdapterError, SyncCheck, SyncGuard,
                                 sync_probe_prompts)
 from ppo_ray.tracking import check_trackers
 
@@ -76,7 +76,7 @@ log = logging.getLogger(__name__)
 
 
 class PPOTrainer:
-    # The Ray actor class of each role kind (ppo_ray.hosts.HOSTS); a subclass may name
+    # The Ray actor class of each role kind (ppo_ray.driver.hosts.HOSTS); a subclass may name
     # subclasses of them.
     hosts: Mapping[str, type] = HOSTS
 
@@ -93,9 +93,9 @@ class PPOTrainer:
         self.feed = PromptFeed(config, self.tokenizer, [fn for _, fn in reward_fns])
         check_trackers(config.report_to if run_dir else ())
         self.run_dir = Path(run_dir) if run_dir else None
-        # One writer per run directory (ppo_ray.runlock; re-entrant: launch.py holds it already),
+        # One writer per run directory (ppo_ray.driver.runlock; re-entrant: launch.py holds it already),
         # released by shutdown(). What the run's models hold, for its checkpoints: a resume
-        # onto models re-trained since is refused (ppo_ray.checkpoint.check_fingerprints).
+        # onto models re-trained since is refused (ppo_ray.driver.checkpoint.check_fingerprints).
         self._lock = RunLock.acquire(self.run_dir) if self.run_dir is not None else None
         try:
             self._start(config)
@@ -154,7 +154,7 @@ class PPOTrainer:
         version, weights = self.roles.current_weights()
         return version, weights, state
 
-    # The committed state (ppo_ray.inflight.Committed, which the pipeline and the guard read).
+    # The committed state (ppo_ray.driver.inflight.Committed, which the pipeline and the guard read).
     @property
     def step(self) -> int:
         """Steps done (committed)."""
@@ -205,7 +205,7 @@ class PPOTrainer:
     def _run_step(self, current: Rollouts) -> StepResult:
         """One step, supervised: attempts until one reaches the commit point, then the
         committed step's sync. Under max_staleness k (in train()) the next k steps' batches
-        are drawn and generating while the learner trains (ppo_ray.inflight.Pipeline.fill).
+        are drawn and generating while the learner trains (ppo_ray.driver.inflight.Pipeline.fill).
 
         Before the commit point an actor that dies (or comes back without its state) costs a
         retry of the step from the committed state: every learner is restored from the
@@ -337,7 +337,7 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
-        """Write <run_dir>/checkpoints/step-NNNNNN atomically (see ppo_ray.checkpoint): the
+        """Write <run_dir>/checkpoints/step-NNNNNN atomically (see ppo_ray.driver.checkpoint): the
         committed learner state (both adapters and the value head, both optimisers, the RNG
         states), the step, the adapter version and the data cursor. The driver writes it, so
         the run directory only has to be reachable from the driver's node."""
@@ -371,10 +371,10 @@ class PPOTrainer:
         this trainer's run directory holds (RunDirError: a run touches only its own lineage).
         The run continues the checkpoint's lineage; when the checkpoint is in this trainer's
         run directory and newer ones of the run are there, they are the branch this resume
-        abandons: moved to checkpoints/abandoned/ (ppo_ray.checkpoint.branch_from), and their
+        abandons: moved to checkpoints/abandoned/ (ppo_ray.driver.checkpoint.branch_from), and their
         metric lines beside them when train() starts. Fields of this trainer's config that
         differ from the checkpoint's are named in the log and apply from the next step; the
-        restored state never shadows them (ppo_ray.checkpoint.apply_changes)."""
+        restored state never shadows them (ppo_ray.driver.checkpoint.apply_changes)."""
         ckpt = resolve_checkpoint(path)
         if self.run_dir is not None:
             check_own_lineage(ckpt, self.run_dir)

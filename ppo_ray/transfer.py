@@ -1,5 +1,5 @@
 """Model directories as bytes: what moves a checkpoint from one node to another through
-Ray's object store (ppo_ray.shipping does the Ray part), with no shared filesystem.
+Ray's object store (ppo_ray.driver.shipping does the Ray part), with no shared filesystem.
 
     files = read_files(path)                  # {relative path: uint8 array} of a directory
     key = content_digest(path)                # sha256 over names and contents

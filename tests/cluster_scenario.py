@@ -74,7 +74,7 @@ def main(mode: str) -> dict:
     from ray.cluster_utils import Cluster
 
     from helpers import tiny_test_config
-    from ppo_ray.cluster import ClusterError
+    from ppo_ray.driver.cluster import ClusterError
     from ppo_ray.trainer import PPOTrainer
 
     t_start = time.perf_counter()
@@ -119,7 +119,7 @@ def stages(config, run_dir: Path) -> dict:
     from ppo_ray.data import bundled_prompts, encode_prompts
     from ppo_ray.modeling import load_tokenizer
     from ppo_ray.paths import resolve_model_path
-    from ppo_ray.stage_tasks import run_stage
+    from ppo_ray.driver.stage_tasks import run_stage
 
     cfg = config(stage_resources={"node_b": 1}, stage_num_cpus=1.0)
     base = resolve_model_path(cfg.model_name)

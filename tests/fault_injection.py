@@ -1,6 +1,6 @@
 """Fault injection for the tests: a trainer and actor classes that can be made to fail at named
 points of a step. Nothing of it is in the product: PPOTrainer, Roles and the hosts
-(ppo_ray.hosts) carry none of it; FaultyTrainer names its own actor classes through
+(ppo_ray.driver.hosts) carry none of it; FaultyTrainer names its own actor classes through
 PPOTrainer.hosts (subclasses of the hosts, importable by Ray's workers because the test
 session puts this folder on their PYTHONPATH: conftest.ray_session).
 
@@ -44,8 +44,8 @@ from typing import Optional, Sequence
 
 import ray
 
-from ppo_ray.hosts import GeneratorHost, LearnerHost, ReferenceHost, RewardHost
-from ppo_ray.roles import ACTOR_ERRORS, Roles
+from ppo_ray.driver.hosts import GeneratorHost, LearnerHost, ReferenceHost, RewardHost
+from ppo_ray.driver.roles import ACTOR_ERRORS, Roles
 from ppo_ray.stats import SyncReport
 from ppo_ray.trainer import PPOTrainer, Rollouts
 

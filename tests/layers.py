@@ -3,9 +3,10 @@ each layer may make) and tests/test_architecture_doc.py (docs/ARCHITECTURE.md li
 each module under its own layer). Paths and module names only: nothing is imported.
 
     tasks (top)   ppo_ray/tasks/, ppo_ray/tldr_model.py, launch.py
-    driver        ppo_ray/{trainer, step_report, prompt_feed, eval_samples, inflight, sync_guard, roles,
-                  supervisor, interrupts, cluster, shipping, hosts, reward_pool, creation, stage_tasks,
-                  placement, checkpoint, runlog, metrics, rundir, runlock, export}.py (of these only hosts and stage_tasks import the roles)
+    driver        ppo_ray/driver/ (the rollout pipeline, the sync guard, the actors' calls and hosts,
+                  supervision, the cluster, checkpoints, the run directory, the step's numbers), and
+                  ppo_ray/trainer.py and ppo_ray/placement.py at the package's top (the seeds' API; the
+                  old home of the Ray plumbing); of these only driver/hosts and driver/stage_tasks import the roles
     roles         actors/, learner/          (plain classes: no Ray, no driver)
     bottom        every other ppo_ray/*.py   (the shared vocabulary)
     math          learner/algos.py, learner/losses.py (the PPO math and its registries)
@@ -13,15 +14,14 @@ each module under its own layer). Paths and module names only: nothing is import
 
 from __future__ import annotations
 
-from pathlib import Path
 
 # The layers' names, top to bottom, as docs/ARCHITECTURE.md heads them.
 LAYERS = ("tasks", "driver", "roles", "bottom", "math")
 
-DRIVER = {"trainer", "step_report", "prompt_feed", "eval_samples", "inflight", "sync_guard", "roles", "supervisor", "interrupts", "cluster", "shipping", "hosts", "reward_pool", "creation",
-          "stage_tasks", "placement", "checkpoint", "runlog", "metrics", "rundir", "runlock", "export"}
+# The driver's modules at the package's top (the rest of the driver is ppo_ray/driver/).
+DRIVER_TOP = {"trainer", "placement"}
 # The driver's modules that import the roles (actors/, learner/): the actor hosts and the stages' Ray tasks.
-ROLE_IMPORTERS = {"ppo_ray/hosts.py", "ppo_ray/stage_tasks.py"}
+ROLE_IMPORTERS = {"ppo_ray/driver/hosts.py", "ppo_ray/driver/stage_tasks.py"}
 TOP_FILES = {"ppo_ray/tldr_model.py", "launch.py"}
 ROLE_PACKAGES = ("actors", "learner")
 MATH = {"learner.algos", "learner.losses"}
@@ -36,8 +36,10 @@ def layer_of_file(rel: str) -> str:
         return "top"
     if rel.split("/")[0] in ROLE_PACKAGES:
         return rel.split("/")[0]
+    if rel.startswith("ppo_ray/driver/") or rel in {f"ppo_ray/{m}.py" for m in DRIVER_TOP}:
+        return "driver"
     if rel.startswith("ppo_ray/"):
-        return "driver" if Path(rel).stem in DRIVER else "bottom"
+        return "bottom"
     raise ValueError(rel)
 
 
@@ -54,7 +56,7 @@ def layer_of_module(name: str) -> str | None:
         return None
     if parts[1] in ("tasks", "tldr_model"):
         return "top"
-    return "driver" if parts[1] in DRIVER else "bottom"
+    return "driver" if parts[1] == "driver" or parts[1] in DRIVER_TOP else "bottom"
 
 
 def layer_name(rel: str) -> str:

@@ -30,7 +30,7 @@ def injected_mismatch(batch, outlier: float = OUTLIER, noise: float = NOISE, see
 
 
 def install(host) -> None:
-    """Make the generator behind a GeneratorHost (ppo_ray.hosts) return its rollouts with
+    """Make the generator behind a GeneratorHost (ppo_ray.driver.hosts) return its rollouts with
     injected_mismatch (seeded by the step); the probe's batches are unchanged. Run it in the
     actor (helpers.on_actor); a restarted actor comes back without it."""
     generator = host.generator

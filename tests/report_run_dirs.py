@@ -90,7 +90,7 @@ def _attribution(run_dir: Path, prompts: list[str], texts: list[str], steps: int
 
 def _run_file(run_dir: Path, stages: dict[str, dict]) -> None:
     from ppo_ray.machine import machine_info
-    from ppo_ray.rundir import mark_done
+    from ppo_ray.driver.rundir import mark_done
     from ppo_ray.tracking import update_run_file
 
     update_run_file(run_dir, run_tag="run-0001", run_tags=["run-0001"],

@@ -83,14 +83,14 @@ def test_the_check_finds_a_module_left_out_misplaced_or_gone():
     the order and the modules now under the wrong heading."""
     text = DOC.read_text(encoding="utf-8")
     lines = text.splitlines()
-    rundir = next(line for line in lines if line.startswith("ppo_ray/rundir.py "))
-    lines = [line for line in lines if not line.startswith(("ppo_ray/deadlines.py ", "ppo_ray/rundir.py "))]
+    rundir = next(line for line in lines if line.startswith("ppo_ray/driver/rundir.py "))
+    lines = [line for line in lines if not line.startswith(("ppo_ray/deadlines.py ", "ppo_ray/driver/rundir.py "))]
     at = next(i for i, line in enumerate(lines) if line.startswith("bottom ")) + 1
     lines[at:at] = ["ppo_ray/gone.py           a module that no longer exists", rundir, "ppo_ray/atomic.py"]
     assert problems("\n".join(lines), ROOT) == [
         "not listed: ppo_ray/deadlines.py",
         "ppo_ray/gone.py: names no module of the tree",
-        "ppo_ray/rundir.py: listed under bottom, its layer is driver",
+        "ppo_ray/driver/rundir.py: listed under bottom, its layer is driver",
         "ppo_ray/atomic.py: listed 2 times",
         "ppo_ray/atomic.py: no purpose on its line",
     ]

@@ -201,7 +201,7 @@ def test_the_held_out_view_is_the_references_logprobs_and_kl_of_the_samples(tiny
     configured estimator, exactly; no learner number."""
     from learner.algos import kl_penalty
     from ppo_ray.batch import RolloutBatch
-    from ppo_ray.hosts import ReferenceHost
+    from ppo_ray.driver.hosts import ReferenceHost
 
     from helpers import random_batch
 

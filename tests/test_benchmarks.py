@@ -54,7 +54,7 @@ def check_report(result: dict, steps: int) -> None:
         assert ours["memory"][name]["peak_rss_mib"] > 0
         malloc = ours["memory"][name]["malloc_mib"]  # glibc's own account (mallinfo2)
         assert malloc["heap"] > 0 and malloc["in_use"] + malloc["free"] <= malloc["heap"] + 1, (name, malloc)
-    # The vLLM engine core runs in the CPU generator actor's own process (ppo_ray.creation sets
+    # The vLLM engine core runs in the CPU generator actor's own process (ppo_ray.driver.creation sets
     # VLLM_ENABLE_V1_MULTIPROCESSING=0 unless the environment says otherwise): no child then.
     children = ours["memory"]["generator-0"]["children_peak_rss_mib"]
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") == "0":

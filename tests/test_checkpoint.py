@@ -19,7 +19,7 @@ import shutil
 
 import pytest
 
-from ppo_ray.checkpoint import CheckpointError
+from ppo_ray.driver.checkpoint import CheckpointError
 from ppo_ray.data import bundled_prompts
 from helpers import assert_same_steps, from_step_two, metrics_steps, tiny_test_config
 from exact import rerun_if_last_digits_differ
@@ -92,7 +92,7 @@ def test_a_longer_run_follows_its_new_planned_total_and_says_so(run, tmp_path, c
 
 
 def test_resume_refuses_another_config_or_dataset(run, tmp_path):
-    from ppo_ray.checkpoint import load_checkpoint
+    from ppo_ray.driver.checkpoint import load_checkpoint
 
     trainer, _, run_dir = run
     with pytest.raises(CheckpointError, match=r"lora_r: checkpoint 16 vs now 8"):
@@ -109,7 +109,7 @@ def _small_checkpoints(tmp_path, steps=(1, 2), **config):
     import torch
 
     from learner.learner import Learner
-    from ppo_ray.checkpoint import save_checkpoint
+    from ppo_ray.driver.checkpoint import save_checkpoint
     from ppo_ray.config import PPOConfig
     from ppo_ray.paths import resolve_model_path
 
@@ -123,13 +123,13 @@ def _small_checkpoints(tmp_path, steps=(1, 2), **config):
 
 
 def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_is_used(tmp_path, caplog):
-    from ppo_ray.checkpoint import load_checkpoint
+    from ppo_ray.driver.checkpoint import load_checkpoint
 
     run_dir, cfg = _small_checkpoints(tmp_path)
     latest = run_dir / "checkpoints" / "step-000002"
     value = latest / "value.safetensors"
     value.write_bytes(value.read_bytes()[: value.stat().st_size // 2])  # as an interrupted copy leaves it
-    with caplog.at_level("WARNING", logger="ppo_ray.checkpoint"):
+    with caplog.at_level("WARNING", logger="ppo_ray.driver.checkpoint"):
         ckpt, _, state = load_checkpoint(run_dir, cfg)
     assert ckpt.name == "step-000001" and state["step"] == 1
     assert "value.safetensors fails its sha256 checksum" in caplog.text and "step-000001" in caplog.text
@@ -147,12 +147,12 @@ def test_a_moved_run_directory_resumes(tmp_path):
     "model_name: checkpoint 'runs/<time>/sft' vs now '/elsewhere/sft'")."""
     import yaml
 
-    from ppo_ray.checkpoint import load_checkpoint
+    from ppo_ray.driver.checkpoint import load_checkpoint
 
     run_dir = tmp_path / "run"
     run_dir, cfg = _small_checkpoints(tmp_path, steps=(1,), dataset=str(tmp_path / "run" / "data" / "p.jsonl"))
     cfg = cfg.replace(model_name=str(run_dir / "sft"))  # as pipeline.ppo_config writes it
-    from ppo_ray.checkpoint import save_checkpoint
+    from ppo_ray.driver.checkpoint import save_checkpoint
     _, learner_state, trainer_state = load_checkpoint(run_dir)
     save_checkpoint(run_dir, config=cfg, learner_state=learner_state, model_dir="base",
                     trainer_state={**trainer_state, "step": 2})

@@ -26,7 +26,7 @@ import pytest
 import torch
 import yaml
 
-from ppo_ray.checkpoint import (RUN_DIR, check_compatible, config_changes, load_checkpoint, resolve_checkpoint,
+from ppo_ray.driver.checkpoint import (RUN_DIR, check_compatible, config_changes, load_checkpoint, resolve_checkpoint,
                                 resumed_config, verify_checkpoint)
 from ppo_ray.config import PRESETS_DIR, PPOConfig, preset_names
 
@@ -99,7 +99,7 @@ def test_the_fixture_is_small_portable_and_fully_checksummed():
 def test_old_checkpoint_is_found_and_verified(run_dir, caplog):
     """The run directory resolves (through `latest`, with no warning: no fallback, no file
     unverified) to its checkpoint, whose files all pass their checksums."""
-    caplog.set_level("WARNING", logger="ppo_ray.checkpoint")
+    caplog.set_level("WARNING", logger="ppo_ray.driver.checkpoint")
     ckpt = resolve_checkpoint(run_dir)
     assert ckpt == run_dir / "checkpoints" / STEP
     verify_checkpoint(ckpt)

@@ -21,7 +21,7 @@ import pytest
 
 from helpers import tiny_test_config
 from tolerances import TINY_LOGPROB_TOL
-from ppo_ray.cluster import ClusterError
+from ppo_ray.driver.cluster import ClusterError
 
 TESTS = Path(__file__).resolve().parent
 

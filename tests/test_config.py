@@ -190,7 +190,7 @@ def test_cpu_malloc_keep_sets_the_actors_malloc_on_a_cpu_only_run(monkeypatch):
     """cpu_malloc_keep: glibc malloc's settings in every CPU-only actor's and stage task's
     environment, beside the CPU rule's variable; none when off or with a GPU; a value in the
     driver's environment wins."""
-    from ppo_ray.hosts import CPU_SHARE_ENV, MALLOC_ENV, cpu_share_env
+    from ppo_ray.driver.hosts import CPU_SHARE_ENV, MALLOC_ENV, cpu_share_env
 
     for key in MALLOC_ENV:
         monkeypatch.delenv(key, raising=False)
@@ -425,7 +425,7 @@ def test_each_role_declares_the_config_fields_it_reads():
     from actors.reference import ReferenceScorer
     from actors.reward import RewardScorer
     from learner.learner import Learner
-    from ppo_ray.hosts import GeneratorHost, LearnerHost, ReferenceHost, RewardHost
+    from ppo_ray.driver.hosts import GeneratorHost, LearnerHost, ReferenceHost, RewardHost
 
     derived = {name for name, value in vars(PPOConfig).items() if isinstance(value, property)}
     for host, cls in ((GeneratorHost, Generator), (LearnerHost, Learner), (ReferenceHost, ReferenceScorer),
@@ -599,7 +599,7 @@ def test_a_saved_config_whose_run_ignored_knobs_still_loads(tmp_path, caplog):
     preset saved gamma 1.0 and value_learning_rate 3e-4). Its config.yaml is refused as a
     config file, and loads where a saved config is read (PPOConfig.from_saved: a resume, eval,
     export), the ignored knobs at their defaults (the run never read them), with a warning."""
-    from ppo_ray.checkpoint import resumed_config
+    from ppo_ray.driver.checkpoint import resumed_config
 
     old = PPOConfig.from_yaml("tldr-tiny").to_dict()
     old.update(advantage_estimator="grpo", samples_per_prompt=4)  # what the old config check let through

@@ -1,4 +1,4 @@
-"""ppo_ray/deadlines.py and the waiting in ppo_ray/roles.py: every call the driver makes to an
+"""ppo_ray/deadlines.py and the waiting in ppo_ray/driver/roles.py: every call the driver makes to an
 actor has a deadline; past it the actor is killed (Ray restarts it) and CallTimeout names the
 call and the actor, which the supervisor's rule treats as the actor's death.
 
@@ -24,7 +24,7 @@ import pytest
 import ray
 
 from ppo_ray.deadlines import CALL_KINDS, CallTimeout, Deadlines
-from ppo_ray.roles import RETRYABLE, Roles
+from ppo_ray.driver.roles import RETRYABLE, Roles
 from ppo_ray.stats import GenerateRequest
 
 
@@ -218,8 +218,8 @@ def test_calls_in_time_set_the_pace_after_each_actors_first(stand_ins):
 
 
 def test_an_actor_whose_start_hangs_is_named_within_the_first_calls_deadline(ray_session, tmp_path):
-    from ppo_ray.cluster import ClusterError
-    from ppo_ray.creation import wait_ready
+    from ppo_ray.driver.cluster import ClusterError
+    from ppo_ray.driver.creation import wait_ready
 
     hang = tmp_path / "hang"
     hang.touch()

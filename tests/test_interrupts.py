@@ -1,4 +1,4 @@
-"""ppo_ray/interrupts.py: a stop signal that Python dropped still stops the run at the driver's
+"""ppo_ray/driver/interrupts.py: a stop signal that Python dropped still stops the run at the driver's
 next call to an actor (the supervisor asks before each attempt). Whole launch.py runs stopped
 by one signal: tests/test_launch.py (SIGINT, inherited ignored), tests/test_launch_sigterm.py."""
 
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from ppo_ray.interrupts import raise_if_stopped, stop_on_signals
-from ppo_ray.supervisor import Supervisor
+from ppo_ray.driver.interrupts import raise_if_stopped, stop_on_signals
+from ppo_ray.driver.supervisor import Supervisor
 from helpers import FakeMetrics, FakeRoles
 
 

@@ -44,7 +44,7 @@ def test_launch_ppo_interrupted_then_resumed(tmp_path):
     `launch.py ppo --resume RUN_DIR` (the run's saved config) finishes the run; every step
     is in metrics.jsonl exactly once. launch.py starts with SIGINT ignored, as a shell without
     job control starts `launch.py &` (POSIX; a CI script): Python then installs no
-    KeyboardInterrupt handler of its own, and before ppo_ray.interrupts such a run ignored
+    KeyboardInterrupt handler of its own, and before ppo_ray.driver.interrupts such a run ignored
     the Ctrl-C and finished all its steps (2026-11-28). One press: exit 130, the resume hint,
     and no process of the run left (Ray's included). Slow (~105 s: two launch.py processes,
     each starting Ray and a vLLM engine); the default run covers resume at the trainer level
@@ -124,7 +124,7 @@ def test_the_same_command_twice_continues_the_run(tmp_path):
     assert "PPO resumes from" in proc.stderr and f"step-{killed_at:06d}" in proc.stderr
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5]
-    from ppo_ray.checkpoint import ancestry, resolve_checkpoint
+    from ppo_ray.driver.checkpoint import ancestry, resolve_checkpoint
 
     head = resolve_checkpoint(run_dir)
     assert head.name == "step-000005"
@@ -148,7 +148,7 @@ def test_a_resume_into_another_run_directory_is_refused_and_overwrite_forks_it(t
     aside (never deleted) and A's checkpoint continues in B; A is not touched by either. Slow
     (~3 min: three launch.py runs of the tiny preset)."""
     from helpers import snapshot
-    from ppo_ray.checkpoint import read_meta, resolve_checkpoint
+    from ppo_ray.driver.checkpoint import read_meta, resolve_checkpoint
 
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["--config", ROOT / "configs" / "tiny.yaml", "--steps", 1, "--batch_size", 4,
@@ -184,7 +184,7 @@ def test_overwriting_sft_leaves_nothing_to_resume_onto_the_new_model(tmp_path):
     policy adapter, value head and Adam state onto the new SFT model. Now the overwrite moves
     rm/ and the PPO run aside with the old SFT, and --resume auto trains the reward model and
     PPO again; the new checkpoint records the new SFT's digest. Slow (~4 min)."""
-    from ppo_ray.checkpoint import model_fingerprint, read_meta, resolve_checkpoint
+    from ppo_ray.driver.checkpoint import model_fingerprint, read_meta, resolve_checkpoint
 
     run = tmp_path / "run"
     short = ["--steps", 1, "--sft_epochs", 1, "--rm_epochs", 1, "--eval_size", 4, "--eval_samples", 4,

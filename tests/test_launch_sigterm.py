@@ -3,7 +3,7 @@
 ray.init installs its own SIGTERM handler (sys.exit(15), after the core worker prints a stack),
 replacing launch.py's; on 2026-11-27 a SIGTERM during the PPO stage aborted the driver (exit -6)
 instead of exit 130 with the resume hint (found by benchmarks/qwen3_preset_cpu.py's time limit).
-ppo_ray.cluster.init_ray now puts a caller's handlers back. (One Ctrl-C to a launch.py that
+ppo_ray.driver.cluster.init_ray now puts a caller's handlers back. (One Ctrl-C to a launch.py that
 inherited SIGINT ignored: tests/test_launch.py.)"""
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.heavy("starts Ray in a subprocess")
 def test_init_ray_keeps_the_callers_stop_handlers(tmp_path):
     """In a fresh process started with SIGINT ignored (as `launch.py &` from a script is):
-    inside ppo_ray.interrupts.stop_on_signals, the handlers of SIGINT and SIGTERM are still
+    inside ppo_ray.driver.interrupts.stop_on_signals, the handlers of SIGINT and SIGTERM are still
     its handler after init_ray, and each signal then raises KeyboardInterrupt; on the way
     out the inherited dispositions are back."""
     script = textwrap.dedent("""
         import os, signal
-        from ppo_ray.cluster import init_ray
-        from ppo_ray.interrupts import stop_on_signals
+        from ppo_ray.driver.cluster import init_ray
+        from ppo_ray.driver.interrupts import stop_on_signals
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
         with stop_on_signals():
             handler = signal.getsignal(signal.SIGINT)

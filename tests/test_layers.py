@@ -101,7 +101,7 @@ def test_every_known_exception_is_still_needed():
 
 
 def test_a_planted_driver_import_in_the_learner_is_found(tmp_path):
-    """The check is not vacuous: a copy of the tree with `from ppo_ray.checkpoint import ...`
+    """The check is not vacuous: a copy of the tree with `from ppo_ray.driver.checkpoint import ...`
     planted in a learner module (inside a function too), and one learner module importing an
     actor, fails naming each file and line."""
     for name in ("launch.py", "ppo_ray", *ROLE_PACKAGES):
@@ -109,13 +109,13 @@ def test_a_planted_driver_import_in_the_learner_is_found(tmp_path):
         (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
     buffer = tmp_path / "learner" / "buffer.py"
     lines = buffer.read_text().splitlines()
-    lines.append("from ppo_ray.checkpoint import CheckpointError")
+    lines.append("from ppo_ray.driver.checkpoint import CheckpointError")
     lines.append("def _planted():\n    from actors.generator import Generator\n    return Generator")
     buffer.write_text("\n".join(lines) + "\n")
     n = len(lines)
     found = violations(tmp_path)
     assert found == [
-        f"learner/buffer.py:{n - 1}: import ppo_ray.checkpoint: learner/ imports only the bottom of ppo_ray, "
+        f"learner/buffer.py:{n - 1}: import ppo_ray.driver.checkpoint: learner/ imports only the bottom of ppo_ray, "
         "no driver module",
         f"learner/buffer.py:{n + 1}: import actors.generator: actors/ and learner/ never import each other",
     ], found
@@ -129,10 +129,10 @@ def test_a_planted_driver_import_in_the_learner_is_found(tmp_path):
     launch.write_text(launch.read_text() + "\nfrom learner.learner import Learner\n")
     assert any(v.startswith("launch.py:") and "through the driver" in v for v in violations(tmp_path))
     # a role imported by a driver module that is not a host or a stage task
-    creation = tmp_path / "ppo_ray" / "creation.py"
+    creation = tmp_path / "ppo_ray" / "driver" / "creation.py"
     creation.write_text(creation.read_text() + "\nfrom actors.generator import Generator\n")
-    assert any(v.startswith("ppo_ray/creation.py:") and "of the driver only ppo_ray/hosts.py and "
-               "ppo_ray/stage_tasks.py import actors/ and learner/" in v for v in violations(tmp_path))
+    assert any(v.startswith("ppo_ray/driver/creation.py:") and "of the driver only ppo_ray/driver/hosts.py and "
+               "ppo_ray/driver/stage_tasks.py import actors/ and learner/" in v for v in violations(tmp_path))
 
 
 def test_each_file_has_a_layer():

@@ -396,7 +396,7 @@ def test_first_ratio_is_one_with_the_models_attention_dropout(attention_dropout_
 
 
 def test_the_sync_gap_of_an_older_version_uses_its_weights_and_gives_the_learners_back(tiny_path, special):
-    """The sync check of a version loaded again into a restarted replica (ppo_ray.sync_guard's
+    """The sync check of a version loaded again into a restarted replica (ppo_ray.driver.sync_guard's
     SyncGuard.check_loaded): the learner, a version further on, scores the probe with the older adapter
     (the gap is 0 against that version's own logprobs, and not against its own), then holds its
     own weights again, bit for bit."""
@@ -658,7 +658,7 @@ def test_state_dict_through_a_checkpoint_resumes_bit_for_bit(tiny_path, special,
     """Dropout on (so the RNG state matters), two updates: learner A runs both; learner B
     is a fresh learner that loads A's state after update 1 from a checkpoint on disk
     (safetensors + weights_only torch.load) and runs update 2. Same weights, same stats."""
-    from ppo_ray.checkpoint import load_checkpoint, save_checkpoint
+    from ppo_ray.driver.checkpoint import load_checkpoint, save_checkpoint
 
     cfg = make_config(lora_dropout=0.1, ppo_dropout=True, seed=3)
     a = Learner(cfg, tiny_path)
@@ -681,7 +681,7 @@ def test_state_dict_through_a_checkpoint_resumes_bit_for_bit(tiny_path, special,
 
 def test_checkpoint_of_another_shape_or_config_is_refused(tiny_path, special, tmp_path):
     from learner.learner import CheckpointMismatchError
-    from ppo_ray.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from ppo_ray.driver.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
     cfg = make_config()
     a = Learner(cfg, tiny_path)
@@ -706,7 +706,7 @@ def test_checkpoint_of_another_shape_or_config_is_refused(tiny_path, special, tm
 
 
 def test_a_crash_while_writing_keeps_the_latest_checkpoint(tiny_path, tmp_path, monkeypatch):
-    from ppo_ray.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+    from ppo_ray.driver.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 
     cfg = make_config()
     a = Learner(cfg, tiny_path)

@@ -22,8 +22,8 @@ from peft import set_peft_model_state_dict
 
 from exact import rerun_if_last_digits_differ
 from learner.learner import Learner
-from ppo_ray.hosts import LearnerHost
-from ppo_ray.roles import Roles, form_learner_group
+from ppo_ray.driver.hosts import LearnerHost
+from ppo_ray.driver.roles import Roles, form_learner_group
 from helpers import (assert_same_update, make_config, max_abs_diff, random_batch, rollout_inputs, update_tols,
                      with_sgd)
 

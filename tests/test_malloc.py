@@ -2,7 +2,7 @@
 it frees (for the next micro-batch, without faulting pages in again) and what it gives back.
 
 Each check runs a fresh Python with the environment an actor of a CPU-only run gets
-(ppo_ray.hosts.cpu_share_env) and drives glibc's malloc directly (ctypes, chunks of 8 MiB
+(ppo_ray.driver.hosts.cpu_share_env) and drives glibc's malloc directly (ctypes, chunks of 8 MiB
 in one array: no Python object lands between them), reading the kernel's counters (RssAnon,
 minor page faults). The numbers come from the settings themselves (MALLOC_ENV); none is a
 measured constant. Each run allocates at most the trim threshold plus 256 MiB, for a moment."""
@@ -66,7 +66,7 @@ PROBE = textwrap.dedent("""
 def actor_env() -> dict[str, str]:
     """This process's environment without MALLOC_* variables, plus what a CPU-only run's
     learner actor gets (cpu_share_env, computed without the driver's own MALLOC_* values)."""
-    from ppo_ray import hosts
+    from ppo_ray.driver import hosts
 
     base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("MALLOC_")}
@@ -87,7 +87,7 @@ def probe(env: dict[str, str], n: int, m: int = 0, big: int = 0) -> dict[str, in
 @pytest.fixture(scope="module")
 def settings() -> tuple[dict[str, str], int, int, int]:
     """(the actor's environment, mmap threshold, trim threshold, top pad), bytes."""
-    from ppo_ray.hosts import MALLOC_ENV
+    from ppo_ray.driver.hosts import MALLOC_ENV
 
     env = actor_env()
     assert {k: env[k] for k in MALLOC_ENV} == MALLOC_ENV

@@ -1,4 +1,4 @@
-"""ppo_ray/metrics.py: Prometheus names for the step's keys, and what TrainingMetrics.record_step
+"""ppo_ray/driver/metrics.py: Prometheus names for the step's keys, and what TrainingMetrics.record_step
 sets (finite numbers only). Ray's metric objects work without a Ray session, so no Ray starts;
 what reaches a head's Prometheus endpoint is test_deploy.py's test_submitted_job_exports_ppo_metrics.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from ppo_ray.metrics import STEP_GAUGES, TrainingMetrics, metric_name
+from ppo_ray.driver.metrics import STEP_GAUGES, TrainingMetrics, metric_name
 
 PROM_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 

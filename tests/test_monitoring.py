@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers import read_events, text_at
-from ppo_ray.metrics import GAP_COUNTER, PHASE_GAUGE, RETRY_COUNTER, STEP_GAUGES, metric_name
+from ppo_ray.driver.metrics import GAP_COUNTER, PHASE_GAUGE, RETRY_COUNTER, STEP_GAUGES, metric_name
 from ppo_ray.tracking import read_run_file, scalars
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +80,7 @@ def test_the_run_tag_is_ppo_ray_run_tag_when_set(monkeypatch):
     """deploy/submit.sh hands the job its run tag (PPO_RAY_RUN_TAG, also in the submission id);
     a tag that cannot name a Ray namespace and a Prometheus label is refused, naming the
     variable; unset, a fresh ppo-<8 hex> each time."""
-    from ppo_ray.runlog import RUN_TAG_ENV, new_run_tag
+    from ppo_ray.driver.runlog import RUN_TAG_ENV, new_run_tag
 
     monkeypatch.delenv(RUN_TAG_ENV, raising=False)
     first, second = new_run_tag(), new_run_tag()
@@ -96,7 +96,7 @@ def test_the_run_tag_is_ppo_ray_run_tag_when_set(monkeypatch):
 def test_actor_calls_are_labelled_by_their_seed_step():
     """The generator's and the reward actor's log lines name the call: a training step
     (1-based), the eval samples, or PPOTrainer.generate's samples."""
-    from ppo_ray.roles import EVAL_SEED_STEP, SAMPLING_SEED_STEP, call_label
+    from ppo_ray.driver.roles import EVAL_SEED_STEP, SAMPLING_SEED_STEP, call_label
 
     assert [call_label(s) for s in (0, 41, SAMPLING_SEED_STEP, EVAL_SEED_STEP)] == ["step 1", "step 42", "samples",
                                                                                     "eval"]

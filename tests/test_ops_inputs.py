@@ -146,8 +146,8 @@ def test_a_stage_that_asks_for_gpus_the_cluster_lacks_fails_fast(ray_session, tm
     """The SFT stage's task reserves the learner's GPUs by default: on a cluster without GPUs
     that is a ClusterError naming the stage and the fields, before anything trains."""
     from learner.stages import TrainSettings
-    from ppo_ray.cluster import ClusterError
-    from ppo_ray.stage_tasks import run_stage
+    from ppo_ray.driver.cluster import ClusterError
+    from ppo_ray.driver.stage_tasks import run_stage
 
     config = PPOConfig.from_yaml(TINY, learner_num_gpus=0.5, placement_timeout_s=5.0)
     with pytest.raises(ClusterError, match=r"asks for 0.5 GPUs for the sft stage's task \(stage_num_gpus, by "

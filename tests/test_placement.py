@@ -1,7 +1,7 @@
-"""The Ray plumbing without a cluster: the RAY_ADDRESS check (ppo_ray.cluster: a closed port, a
+"""The Ray plumbing without a cluster: the RAY_ADDRESS check (ppo_ray.driver.cluster: a closed port, a
 dashboard URL, not host:port) that init_ray and launch.py run before ray.init, which would retry
-a bad address for minutes; the bundle plan (ppo_ray.creation); the stages' settings
-(ppo_ray.stage_tasks); ppo_ray.placement's old names, re-exported from the modules that hold
+a bad address for minutes; the bundle plan (ppo_ray.driver.creation); the stages' settings
+(ppo_ray.driver.stage_tasks); ppo_ray.placement's old names, re-exported from the modules that hold
 them now. Fast: no Ray session.
 """
 
@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from helpers import ROOT, TINY, snapshot, tiny_test_config
-from ppo_ray.creation import plan_bundles, role_demands
+from ppo_ray.driver.creation import plan_bundles, role_demands
 
 
 def closed_port() -> int:
@@ -27,7 +27,7 @@ def closed_port() -> int:
 
 # -------------------------------------------------- RAY_ADDRESS (issue 5, item 10)
 def test_check_ray_address():
-    from ppo_ray.cluster import ClusterError, check_ray_address
+    from ppo_ray.driver.cluster import ClusterError, check_ray_address
 
     port = closed_port()
     with pytest.raises(ClusterError, match=rf"no Ray cluster at RAY_ADDRESS='127.0.0.1:{port}': cannot connect"):
@@ -52,7 +52,7 @@ def test_init_ray_fails_fast_without_calling_ray_init(monkeypatch):
     must name the address without calling it."""
     import ray
 
-    from ppo_ray import cluster
+    from ppo_ray.driver import cluster
 
     def no_init(*a, **k):
         raise AssertionError("ray.init was called")
@@ -99,7 +99,7 @@ def test_one_bundle_per_actor_that_reserves_something():
 
 # -------------------------------------------------- roles, bundles, splits, stage settings
 def test_a_demands_bundle_drops_what_it_does_not_reserve():
-    from ppo_ray.creation import Demand
+    from ppo_ray.driver.creation import Demand
 
     assert Demand("reward", 0.0, 0.5, {"gpu_node": 0.0, "big": 1.0}).bundle() == {"GPU": 0.5, "big": 1.0}
     assert Demand("reference", 0.0, 0.0, {}).bundle() == {}
@@ -107,7 +107,7 @@ def test_a_demands_bundle_drops_what_it_does_not_reserve():
 
 def test_stage_settings_take_the_configs_stage_fields():
     from ppo_ray.config import PPOConfig
-    from ppo_ray.stage_tasks import stage_settings
+    from ppo_ray.driver.stage_tasks import stage_settings
 
     config = PPOConfig(stage_batch_size=8, seed=5, dtype="bfloat16", micro_batch_size=2)
     s = stage_settings(config, epochs=3, learning_rate=2e-5)
@@ -141,23 +141,23 @@ def test_placement_re_exports_every_old_name_from_its_new_module():
 
     assert sorted(placement.__all__) == sorted(n for names in OLD_NAMES.values() for n in names)
     for module, names in OLD_NAMES.items():
-        new = importlib.import_module(f"ppo_ray.{module}")
+        new = importlib.import_module(f"ppo_ray.driver.{module}")
         for name in names:
             assert getattr(placement, name) is getattr(new, name), (module, name)
             if callable(getattr(new, name)) and hasattr(getattr(new, name), "__module__"):
-                assert getattr(new, name).__module__ == f"ppo_ray.{module}", (module, name)
+                assert getattr(new, name).__module__ == f"ppo_ray.driver.{module}", (module, name)
 
 
 def test_a_pickle_that_names_the_old_module_still_loads():
     """A ShippedModel pickled before the split names ppo_ray.placement.ShippedModel; it loads
-    into the same class (ppo_ray.shipping's). Protocol 2 writes the class as a text GLOBAL, so the
+    into the same class (ppo_ray.driver.shipping's). Protocol 2 writes the class as a text GLOBAL, so the
     old pickle is the new one with the module name swapped."""
     import pickle
 
-    from ppo_ray.shipping import ShippedModel
+    from ppo_ray.driver.shipping import ShippedModel
 
     model = ShippedModel("/models/m", "node-1", "abc123", {})
     new = pickle.dumps(model, protocol=2)
-    assert b"cppo_ray.shipping\nShippedModel\n" in new
-    old = new.replace(b"cppo_ray.shipping\nShippedModel\n", b"cppo_ray.placement\nShippedModel\n")
+    assert b"cppo_ray.driver.shipping\nShippedModel\n" in new
+    old = new.replace(b"cppo_ray.driver.shipping\nShippedModel\n", b"cppo_ray.placement\nShippedModel\n")
     assert old != new and pickle.loads(old) == model and type(pickle.loads(old)) is ShippedModel

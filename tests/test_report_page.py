@@ -196,7 +196,7 @@ def test_a_partial_or_damaged_run_directory_still_gets_a_page(tmp_path):
     tldr_run(tldr)
     run.mkdir()
     (run / "config.yaml").write_text((tldr / "config.yaml").read_text())
-    from ppo_ray.rundir import mark_done
+    from ppo_ray.driver.rundir import mark_done
 
     mark_done(run, "sft", {"sft_steps": 40, "sft_seconds": 61.3})
     page = Page(write_report_page(run).read_text())

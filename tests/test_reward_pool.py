@@ -1,6 +1,6 @@
 """Reward workers and the HTTP verifier (issue 46, part 2): guarded reward-function calls.
 
-- The pool (reward_workers, ppo_ray.reward_pool.RewardWorkerPool) on the real reward actor
+- The pool (reward_workers, ppo_ray.driver.reward_pool.RewardWorkerPool) on the real reward actor
   (RewardHost) and real worker actors: a function that sleeps past reward_timeout_s, one that
   raises and one that returns NaN for one row, each its own case: every other row keeps its
   exact score, the bad row gets the policy, the counts say what happened; the worker killed
@@ -58,7 +58,7 @@ def reward_host(ray_session):
     The workers reserve no CPU (reward_worker_num_cpus 0): the module's hosts live until its end,
     and in the full suite the session's Ray cluster has other tests' actors on its 2 CPUs (with
     0.5 each the fourth host's workers waited past placement_timeout_s)."""
-    from ppo_ray.hosts import RewardHost
+    from ppo_ray.driver.hosts import RewardHost
 
     made = []
 

@@ -1,11 +1,11 @@
-"""ppo_ray/roles.py: the role names in Roles.all()'s order and how prompts are split across
+"""ppo_ray/driver/roles.py: the role names in Roles.all()'s order and how prompts are split across
 generator replicas (the actor calls themselves run in test_trainer / test_faults)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ppo_ray.roles import role_names, split_evenly
+from ppo_ray.driver.roles import role_names, split_evenly
 
 
 def test_role_names_follow_roles_all_order():

@@ -1,7 +1,7 @@
 """Nothing lost: a fresh run never writes over a run, checkpoints know their lineage, and a
 damaged newest checkpoint (or `latest`) falls back along the run's own history only.
 
-The checkpoint files are real (a tiny learner's state through ppo_ray.checkpoint); no Ray.
+The checkpoint files are real (a tiny learner's state through ppo_ray.driver.checkpoint); no Ray.
 Each case replays what a user did: a re-applied job, a resume from an older checkpoint,
 a crash before the first `latest`, a damaged or redirected `latest`, a corrupt file.
 (The end-to-end re-applied job, killed mid-run and started again: tests/test_launch.py.)
@@ -15,9 +15,9 @@ import pytest
 
 import launch
 from helpers import launch_ppo, snapshot
-from ppo_ray.checkpoint import (CheckpointError, Lineage, ancestry, branch_from, load_checkpoint,
+from ppo_ray.driver.checkpoint import (CheckpointError, Lineage, ancestry, branch_from, load_checkpoint,
                                 resolve_checkpoint, save_checkpoint)
-from ppo_ray.rundir import RunDirError, held_outputs, mark_done, stages_done
+from ppo_ray.driver.rundir import RunDirError, held_outputs, mark_done, stages_done
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_resume_from_an_older_checkpoint_moves_the_abandoned_branch_aside(tmp_pa
     back to 10."""
     run_of(tmp_path, learner_state, (10, 20), keep=2)
     root = tmp_path / "checkpoints"
-    with caplog.at_level("WARNING", logger="ppo_ray.checkpoint"):
+    with caplog.at_level("WARNING", logger="ppo_ray.driver.checkpoint"):
         moved = branch_from(root / "step-000010")
     assert names(root) == ["step-000010"] and (root / "latest").read_text().strip() == "step-000010"
     assert [p.name for p in moved.iterdir()] == ["step-000020"] and moved.parent == root / "abandoned"
@@ -107,7 +107,7 @@ def test_a_missing_or_damaged_latest_falls_back_to_the_newest_of_the_lineage(tmp
     outside.mkdir(parents=True)
     (outside / "trainer.json").write_text("{}")
     (tmp_path / "checkpoints" / "latest").write_text(pointer + "\n")
-    with caplog.at_level("WARNING", logger="ppo_ray.checkpoint"):
+    with caplog.at_level("WARNING", logger="ppo_ray.driver.checkpoint"):
         assert resolve_checkpoint(tmp_path).name == "step-000002"
     assert "latest" in caplog.text
 
@@ -269,7 +269,7 @@ def test_a_lost_run_json_never_resumes_onto_re_trained_stages(tmp_path, learner_
     # only the RM unfinished: it starts again, and the PPO run built on the old one goes too
     run = tmp_path / "run2"
     _finished_pipeline(run, learner_state)
-    from ppo_ray.rundir import forget_done
+    from ppo_ray.driver.rundir import forget_done
 
     forget_done(run, ["rm"])
     done, resume = launch.plan_run_dir(run, "all", ("sft", "rm", "ppo"), "auto", False)
@@ -283,7 +283,7 @@ def test_a_checkpoint_refuses_models_that_changed_since(tmp_path, learner_state)
     refuses a model re-trained since, naming the stage and both digests."""
     import shutil
 
-    from ppo_ray.checkpoint import model_fingerprints
+    from ppo_ray.driver.checkpoint import model_fingerprints
     from ppo_ray.paths import resolve_model_path
 
     cfg, state, rng = learner_state
@@ -309,7 +309,7 @@ def test_a_resume_touches_only_its_own_run(tmp_path, learner_state, capsys, no_r
     """`launch.py ppo --resume A/checkpoints/step-N --run_dir B` used to truncate B's metrics,
     move B's checkpoints aside and overwrite its adapter: it is refused before anything is
     read or written, naming both runs and the ways on."""
-    from ppo_ray.checkpoint import check_own_lineage
+    from ppo_ray.driver.checkpoint import check_own_lineage
 
     a, b = tmp_path / "a", tmp_path / "b"
     run_of(a, learner_state, (1, 2, 3))
@@ -362,12 +362,12 @@ def test_a_resume_names_the_changed_fields_and_restarts_an_overridden_adaptive_k
     controller given another --kl_coef starts from it; the changes are listed in the log."""
     from dataclasses import replace
 
-    from ppo_ray.checkpoint import apply_changes
+    from ppo_ray.driver.checkpoint import apply_changes
 
     cfg, state, _ = learner_state
     saved = cfg.replace(kl_target=1.0)
     state = replace(state, kl_coef=0.0734)
-    with caplog.at_level("WARNING", logger="ppo_ray.checkpoint"):
+    with caplog.at_level("WARNING", logger="ppo_ray.driver.checkpoint"):
         out = apply_changes(saved.replace(kl_coef=0.3, learning_rate=1e-4), "ckpt", saved, state)
     assert out.kl_coef is None  # the learner takes the config's 0.3
     assert "kl_coef 0.1 -> 0.3 (the adaptive KL controller starts from kl_coef 0.3, not the checkpoint's 0.0734)" \
@@ -383,7 +383,7 @@ def test_resume_auto_needs_a_run_directory(capsys):
 
 def test_a_fresh_trainer_refuses_another_runs_checkpoints_and_metrics(tmp_path, learner_state):
     """The library path (PPOTrainer.train calls check_fresh_run) has the same rule as launch.py."""
-    from ppo_ray.checkpoint import check_fresh_run
+    from ppo_ray.driver.checkpoint import check_fresh_run
 
     run_of(tmp_path, learner_state, (1,))
     with pytest.raises(RunDirError, match="holds another run's checkpoints"):
@@ -460,7 +460,7 @@ def test_an_unwritable_run_directory_is_an_error_naming_it_and_the_uid(tmp_path,
 
 
 def test_check_writable_names_a_file_in_the_way(tmp_path):
-    from ppo_ray.rundir import check_writable
+    from ppo_ray.driver.rundir import check_writable
 
     (tmp_path / "runs").write_text("a file")
     with pytest.raises(RunDirError, match=r"runs is a file, not a folder"):

@@ -1,4 +1,4 @@
-"""ppo_ray/runlock.py: one writer per run directory.
+"""ppo_ray/driver/runlock.py: one writer per run directory.
 
 Two drivers used to be able to `--resume auto` the same directory at once (a RayJob re-applied
 while the old driver lived, a double submit): both appended to metrics.jsonl and one could
@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 
 from helpers import launch_ppo, snapshot, wait_for
-from ppo_ray import runlock
-from ppo_ray.runlock import LOCK_NAME, RunLock, RunLockError, RunLockLost
+from ppo_ray.driver import runlock
+from ppo_ray.driver.runlock import LOCK_NAME, RunLock, RunLockError, RunLockLost
 
 ROOT = Path(__file__).resolve().parent.parent
 HOLD = """
 import sys, time
-from ppo_ray.runlock import RunLock
+from ppo_ray.driver.runlock import RunLock
 lock = RunLock.acquire(sys.argv[1], ["holder"])
 print("held", flush=True)
 time.sleep(600)
@@ -62,7 +62,7 @@ def test_a_killed_drivers_lock_is_taken_over(tmp_path, caplog):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert (tmp_path / LOCK_NAME).is_file()
-    with caplog.at_level("WARNING", logger="ppo_ray.runlock"):
+    with caplog.at_level("WARNING", logger="ppo_ray.driver.runlock"):
         lock = RunLock.acquire(tmp_path)
     assert f"pid {proc.pid}" in caplog.text and "no longer running" in caplog.text
     assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()

@@ -1,11 +1,11 @@
-"""ppo_ray/runlog.py: a resumed run's JSONL files keep each step once, and the lines it takes
+"""ppo_ray/driver/runlog.py: a resumed run's JSONL files keep each step once, and the lines it takes
 out are moved aside, never deleted."""
 
 from __future__ import annotations
 
 import json
 
-from ppo_ray.runlog import truncate_jsonl
+from ppo_ray.driver.runlog import truncate_jsonl
 
 
 def test_truncate_moves_the_steps_after_the_checkpoint_aside(tmp_path):

@@ -145,7 +145,7 @@ def test_linear_lr_decays_to_zero_and_resumes_from_a_checkpoint(tiny_path, tmp_p
     """lr_scheduler: linear ticks once per optimiser step (steps x ppo_epochs x minibatches
     in all: here 3 x 2 x 2 = 12) to 0 at the run's end, for both optimisers; a checkpoint
     holds the schedule, so a learner restored from it continues where it was."""
-    from ppo_ray.checkpoint import load_checkpoint, save_checkpoint
+    from ppo_ray.driver.checkpoint import load_checkpoint, save_checkpoint
 
     cfg = tiny_preset(lr_scheduler="linear", steps=3, batch_size=4, mini_batch_size=2, micro_batch_size=2,
                       ppo_epochs=2, max_new_tokens=6)

@@ -1,4 +1,4 @@
-"""ppo_ray/supervisor.py: the one retry rule of every call the driver makes to an actor, with
+"""ppo_ray/driver/supervisor.py: the one retry rule of every call the driver makes to an actor, with
 stand-ins for the roles and the metrics (the real actor deaths, at every place, run in
 test_faults.py)."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from helpers import FakeMetrics, FakeRoles
 from ppo_ray.faults import StateLostError
-from ppo_ray.supervisor import Supervisor
+from ppo_ray.driver.supervisor import Supervisor
 
 
 def test_an_actor_failure_costs_one_retry_after_the_recovery():

@@ -97,7 +97,7 @@ def test_a_failed_rollout_check_resyncs_and_samples_the_step_again(tiny_trainer,
 def test_the_sync_check_is_cheap_and_reported(tiny_trainer):
     """Its gap and seconds are in every step's record (metrics.jsonl, TensorBoard and the
     Prometheus gauge ppo_sync_probe_gap take it from there)."""
-    from ppo_ray.metrics import STEP_GAUGES
+    from ppo_ray.driver.metrics import STEP_GAUGES
 
     out = tiny_trainer.ppo_step(bundled_prompts()[:4])
     assert 0.0 <= out["sync_probe_gap"] <= tiny_trainer.config.logprob_gap_limit
@@ -157,7 +157,7 @@ def test_the_rollout_check_counts_tokens_outside_the_learners_support():
     TRUNCATED_TOKENS_LIMIT fails the check even when the kept tokens agree."""
     from types import SimpleNamespace
 
-    from ppo_ray.sync_guard import SyncGuard
+    from ppo_ray.driver.sync_guard import SyncGuard
     from ppo_ray.trainer import TRUNCATED_TOKENS_LIMIT, LogprobGapError
 
     counted = []
@@ -182,7 +182,7 @@ def test_under_top_p_a_few_tokens_at_the_nucleus_edge_pass_the_rollout_check():
     outside the support toward TRUNCATED_TOKENS_LIMIT; untruncated sampling keeps the plain rule."""
     from types import SimpleNamespace
 
-    from ppo_ray.sync_guard import SyncGuard
+    from ppo_ray.driver.sync_guard import SyncGuard
     from ppo_ray.trainer import LogprobGapError
 
     def check(stats, **changes):
@@ -216,7 +216,7 @@ def test_under_is_correction_the_rollout_check_tests_the_share_outside_the_band(
     tis and mis and stops a run without a correction; a share over the limit stops either."""
     from types import SimpleNamespace
 
-    from ppo_ray.sync_guard import SyncGuard
+    from ppo_ray.driver.sync_guard import SyncGuard
     from ppo_ray.trainer import LogprobGapError
 
     counted = []
@@ -336,8 +336,8 @@ class _Gaps:
 
 
 def _guard(stand_in, check):
-    from ppo_ray.inflight import Committed
-    from ppo_ray.sync_guard import SyncGuard
+    from ppo_ray.driver.inflight import Committed
+    from ppo_ray.driver.sync_guard import SyncGuard
 
     config = tiny_test_config(logprob_gap_check=check)
     return SyncGuard(config, stand_in, stand_in, stand_in, [[1, 2]], Committed(step=3, version=3, weights={3: "w3"}),
@@ -351,7 +351,7 @@ def test_one_rule_decides_for_the_probe_the_reload_and_the_rollouts(caplog):
     raises at once; warn logs and goes on; each failed check is counted."""
     from types import SimpleNamespace
 
-    from ppo_ray.sync_guard import LogprobGapError, verdict
+    from ppo_ray.driver.sync_guard import LogprobGapError, verdict
 
     assert [verdict(c, a) for c in ("resync", "error", "warn") for a in (False, True)] == \
         ["resync", "error", "error", "error", "warn", "warn"]

@@ -218,7 +218,7 @@ def real_run(data: Path, tiny_model_dir: Path, run_dir: Path, evaluated: bool) -
     import torch
 
     from learner.learner import Learner
-    from ppo_ray.checkpoint import save_checkpoint
+    from ppo_ray.driver.checkpoint import save_checkpoint
     from ppo_ray.config import parse_overrides
     from ppo_ray.modeling import load_tokenizer
     from ppo_ray.tasks import pipeline

@@ -101,7 +101,7 @@ def test_each_actor_logs_a_line_per_call_in_its_own_log_and_not_on_the_console(t
     from pathlib import Path
 
     from ppo_ray.logs import ACTOR_MARK
-    from ppo_ray.roles import role_names
+    from ppo_ray.driver.roles import role_names
 
     logs_dir = Path(ray._private.worker._global_node.get_logs_dir_path())
     before = tiny_trainer.version
@@ -184,7 +184,7 @@ def test_cpu_only_actors_take_the_cores_by_default(tiny_trainer):
 def test_cpu_only_actors_keep_the_memory_malloc_frees(tiny_trainer):
     """Issue 33, cpu_malloc_keep (on by default): every actor of a CPU-only run starts with
     glibc malloc's settings in its environment (the driver's own values win)."""
-    from ppo_ray.hosts import MALLOC_ENV
+    from ppo_ray.driver.hosts import MALLOC_ENV
 
     assert tiny_trainer.config.cpu_malloc_keep and not tiny_trainer.config.uses_gpus
     want = {key: os.environ.get(key, value) for key, value in MALLOC_ENV.items()}
@@ -226,7 +226,7 @@ def test_ppo_learns_a_simple_reward(tiny_trainer):
 ])
 def test_bad_reward_functions_are_named(tiny_trainer, fn, match):
     """A reward actor with a misbehaving function, fed the trainer's real rollouts."""
-    from ppo_ray.hosts import RewardHost
+    from ppo_ray.driver.hosts import RewardHost
     from ppo_ray.rewards import RewardError
 
     host = ray.remote(RewardHost).remote(tiny_trainer.config.replace(reward_funcs=[fn]), None)
@@ -281,7 +281,7 @@ def test_old_logprobs_from_the_generator(ray_session, tiny_model_dir):
     # a normal end: every actor exited on its own (what the dashboard shows), none was killed
     import time
 
-    from ppo_ray.roles import role_names
+    from ppo_ray.driver.roles import role_names
 
     names = {f"{trainer.namespace}/{role}" for role in role_names(1, 1)}
     deadline = time.monotonic() + 30

@@ -5,7 +5,7 @@ stage did, with the same functions (ppo_ray.tasks.evaluation) and the same sampl
     python launch.py eval runs/x --checkpoint runs/x/checkpoints/step-000050 --split validation
     python launch.py eval runs/x --prompts mine.jsonl --out evals/mine
 
-The trainer is built with the PPO stage's config (the checkpoint's own, ppo_ray.checkpoint.
+The trainer is built with the PPO stage's config (the checkpoint's own, ppo_ray.driver.checkpoint.
 resumed_config, plus any --<field> option). A fresh trainer's policy is the SFT model (LoRA
 B = 0), so a run with an SFT stage gets the SFT policy evaluated first (a task with no SFT
 stage, arith-chat: the base model, its keys *_base); then the checkpoint
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ppo_ray.rundir import EVAL_DIR  # RUN_DIR/eval/<time>/: the default --out (moved aside with the run's outputs)
+from ppo_ray.driver.rundir import EVAL_DIR  # RUN_DIR/eval/<time>/: the default --out (moved aside with the run's outputs)
 
 log = logging.getLogger("ppo_ray.eval")
 
@@ -97,7 +97,7 @@ def build_parser():
 def plan(argv: list[str]) -> Optional[Plan]:
     """Parse and check everything; None for --help (printed). EvalError, ConfigError,
     CheckpointError, DataError or FileNotFoundError name what is wrong. Reads only."""
-    from ppo_ray.checkpoint import (CheckpointError, check_compatible, check_fingerprints, read_meta,
+    from ppo_ray.driver.checkpoint import (CheckpointError, check_compatible, check_fingerprints, read_meta,
                                     resolve_checkpoint, resumed_config)
     from ppo_ray.config import ConfigError
 
@@ -178,7 +178,7 @@ def plan(argv: list[str]) -> Optional[Plan]:
             out = out.with_name(f"{out.name.split('.')[0]}.{n}")
     check_out(out, run_dir)
     if os.environ.get("RAY_ADDRESS"):  # a cluster to attach to must be there
-        from ppo_ray.cluster import check_ray_address
+        from ppo_ray.driver.cluster import check_ray_address
 
         check_ray_address(os.environ["RAY_ADDRESS"])
     return Plan(run_dir=run_dir, checkpoint=checkpoint, config=cfg, task=task, has_sft=has_sft, score=score,
@@ -220,7 +220,7 @@ def prompts_file_rows(path: Path, cfg, tok) -> list[dict]:
 def check_out(out: Path, run_dir: Path) -> None:
     """--out must be new or an empty folder (nothing is written over: the run's own files least
     of all) and writable."""
-    from ppo_ray.rundir import check_writable
+    from ppo_ray.driver.rundir import check_writable
 
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise EvalError(f"--out {out}: exists and is not an empty folder (eval writes only into a new one)")
@@ -320,14 +320,14 @@ def run(plan: Plan) -> dict:
 
 def main(argv: list[str]) -> int:
     """`launch.py eval ...`: its exit status (2: bad input, named, nothing written)."""
-    from ppo_ray.checkpoint import CheckpointError
-    from ppo_ray.cluster import ClusterError
+    from ppo_ray.driver.checkpoint import CheckpointError
+    from ppo_ray.driver.cluster import ClusterError
     from ppo_ray.config import ConfigError
     from ppo_ray.data import DataError
     from ppo_ray.logs import console_log, setup_logging
     from ppo_ray.modeling import ContextLengthError
     from ppo_ray.rewards import RewardError
-    from ppo_ray.rundir import RunDirError
+    from ppo_ray.driver.rundir import RunDirError
     from ppo_ray.tasks.base import TaskError
     from ppo_ray.tasks.tldr import TLDRDataError
 

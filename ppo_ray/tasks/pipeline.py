@@ -193,7 +193,7 @@ def run_sft(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
     the driver tokenises the data, the task trains, run_dir/sft is written on the driver's node."""
     from ppo_ray.modeling import load_tokenizer
     from ppo_ray.paths import resolve_model_path
-    from ppo_ray.stage_tasks import run_stage, stage_settings
+    from ppo_ray.driver.stage_tasks import run_stage, stage_settings
 
     base = resolve_model_path(config.model_name)
     tok = load_tokenizer(base)
@@ -209,7 +209,7 @@ def run_sft(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
 def run_rm(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
     """The reward model as a Ray task, like run_sft; run_dir/rm is written on the driver's node."""
     from ppo_ray.modeling import load_tokenizer
-    from ppo_ray.stage_tasks import run_stage, stage_settings
+    from ppo_ray.driver.stage_tasks import run_stage, stage_settings
 
     sft = str(run_dir / "sft")
     tok = load_tokenizer(sft)
@@ -258,8 +258,8 @@ def ppo_trainer(cfg: PPOConfig, run_dir: Path, resume: Optional[str | Path] = No
     on the fresh trainer (the SFT policy, adapter version 0) and so before the restore: a
     resume whose evaluation settings changed evaluates the SFT policy again. Shut down on exit,
     whatever happens."""
-    from ppo_ray.checkpoint import check_compatible, resolve_checkpoint, resumed_config
-    from ppo_ray.rundir import check_fresh
+    from ppo_ray.driver.checkpoint import check_compatible, resolve_checkpoint, resumed_config
+    from ppo_ray.driver.rundir import check_fresh
     from ppo_ray.trainer import PPOTrainer
 
     if resume is None:
@@ -331,7 +331,7 @@ def before_training(trainer, run_dir: Path, settings: dict, evaluate: Callable[[
     never paired with this run's evaluation: it moves to <run_dir>/replaced/ and the SFT policy
     is evaluated again, which needs the SFT policy (adapter version 0: ppo_trainer calls this
     before it restores a checkpoint)."""
-    from ppo_ray.rundir import move_aside
+    from ppo_ray.driver.rundir import move_aside
 
     path = run_dir / BEFORE_EVAL
     if path.exists():
@@ -392,7 +392,7 @@ def _source(path: Path, run_dir: Path) -> str:
 def run_ppo(config: PPOConfig, run_dir: Path, data_dir: Path, resume: Optional[str | Path] = None,
             cfg: Optional[PPOConfig] = None) -> dict:
     """The PPO stage: `cfg` is its config (default: ppo_config(config); a resumed stage's is
-    its checkpoint's plus the command's overrides, ppo_ray.checkpoint.resumed_config). The
+    its checkpoint's plus the command's overrides, ppo_ray.driver.checkpoint.resumed_config). The
     task's held-out rows (the first eval_size of the test and validation splits) are evaluated
     by the task (Task.evaluate) before training (the SFT policy) and after, with the same
     sampling seeds, the validation rows every eval_every steps (Task.periodic); the task's

@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ppo_ray.inflight import Outcome, Rollouts
-from ppo_ray.roles import Update
+from ppo_ray.driver.inflight import Outcome, Rollouts
+from ppo_ray.driver.roles import Update
 from ppo_ray.stats import LearnerStats, ReferenceStats, StepResult, StepTiming, SyncReport
 
 

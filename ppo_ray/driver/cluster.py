@@ -3,10 +3,10 @@ actors' own log lines off the driver's console, and reading what its nodes have 
 helpers that the capacity checks and the reward-worker pool name in their errors).
 
 Part of the driver's Ray plumbing (ppo_ray.placement re-exports every old name): the cluster
-here, model shipping in ppo_ray.shipping, the actor hosts in ppo_ray.hosts, the reward
-workers in ppo_ray.reward_pool, bundles and actor creation in ppo_ray.creation, the SFT / RM
-stages as Ray tasks in ppo_ray.stage_tasks; the driver's calls to running actors are
-ppo_ray.roles.Roles' methods.
+here, model shipping in ppo_ray.driver.shipping, the actor hosts in ppo_ray.driver.hosts, the reward
+workers in ppo_ray.driver.reward_pool, bundles and actor creation in ppo_ray.driver.creation, the SFT / RM
+stages as Ray tasks in ppo_ray.driver.stage_tasks; the driver's calls to running actors are
+ppo_ray.driver.roles.Roles' methods.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def init_ray(address: str | None = None, connect_timeout_s: float = 5.0, log_lev
     quiet = ray_logging_level(log_level)
     # ray.init replaces the process's SIGTERM handler with its own (sys.exit(15), after the core
     # worker prints a stack): a handler the caller installed is put back afterwards, SIGINT's
-    # too (Ray 2.60 leaves it), so that launch.py's (ppo_ray.interrupts: Ctrl-C and `ray job
+    # too (Ray 2.60 leaves it), so that launch.py's (ppo_ray.driver.interrupts: Ctrl-C and `ray job
     # stop` unwind: exit 130, actors shut down) still runs
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     if address:

@@ -1,6 +1,6 @@
 """The reward workers (config.reward_workers): a pool of Ray actors that runs the reward
 functions' guarded calls, each under reward_timeout_s, a stuck or dead worker replaced
-(RewardWorkerPool, started by the reward actor's host, ppo_ray.hosts.RewardHost).
+(RewardWorkerPool, started by the reward actor's host, ppo_ray.driver.hosts.RewardHost).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Optional
 
 import ray
 
-from ppo_ray.cluster import ClusterError, format_resources, user_resources
+from ppo_ray.driver.cluster import ClusterError, format_resources, user_resources
 from ppo_ray.config import ConfigSlice, PPOConfig
-from ppo_ray.roles import EXIT_TIMEOUT_S, end_actors
+from ppo_ray.driver.roles import EXIT_TIMEOUT_S, end_actors
 
 
 class RewardWorkerPool:

@@ -1,6 +1,6 @@
 """The running actors of one PPO run, and every call the driver makes to them.
 
-`Roles` holds the handles (ppo_ray.creation.create_roles makes them) and is the one place
+`Roles` holds the handles (ppo_ray.driver.creation.create_roles makes them) and is the one place
 where the driver calls an actor or waits on one: the trainer reads like the algorithm,
 these methods say which actor does each part and what travels as an ObjectRef. Nothing
 large comes back to the driver: rollouts, reference logprobs, scores, LoRA weights and the

@@ -10,8 +10,8 @@ import math
 from typing import Sequence
 
 from ppo_ray.attribution import RolloutAttribution, pick_rows, sa_pairs
-from ppo_ray.roles import EVAL_SEED_STEP
-from ppo_ray.runlog import RunLog
+from ppo_ray.driver.roles import EVAL_SEED_STEP
+from ppo_ray.driver.runlog import RunLog
 from ppo_ray.stats import StepResult
 
 

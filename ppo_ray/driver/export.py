@@ -6,7 +6,7 @@
 
 What is read, and where from:
 - the adapter: a run directory's final ``adapter/`` (trainer.save_adapter), a checkpoint's
-  ``adapter/`` (ppo_ray.checkpoint; the checkpoint is verified against its checksums first), or
+  ``adapter/`` (ppo_ray.driver.checkpoint; the checkpoint is verified against its checksums first), or
   a directory holding ``adapter_config.json`` itself. Tensors load with safetensors only.
 - the base model: the PPO stage's config (the checkpoint's config.yaml: the newest intact
   checkpoint of a run directory), its ``model_name`` resolved (ppo_ray.paths: embedded:* to
@@ -23,7 +23,7 @@ Every output directory is written whole or not at all (ppo_ray.atomic: a temp di
 it, renamed at the end); bad input is an ExportError naming the bad thing, raised before
 anything is written.
 
-Driver layer: imports ppo_ray.checkpoint and the bottom (config, modeling, paths, tracking, atomic).
+Driver layer: imports ppo_ray.driver.checkpoint and the bottom (config, modeling, paths, tracking, atomic).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ppo_ray.atomic import atomic_dir
-from ppo_ray.checkpoint import (CHECKSUMS, CheckpointError, ancestry, checkpoint_root, file_sha256, model_fingerprint,
+from ppo_ray.driver.checkpoint import (CHECKSUMS, CheckpointError, ancestry, checkpoint_root, file_sha256, model_fingerprint,
                                 read_meta, resolve_checkpoint, resumed_config, verify_checkpoint)
 from ppo_ray.config import VLLM_LORA_RANKS, PPOConfig
 from ppo_ray.modeling import DTYPES
@@ -410,7 +410,7 @@ def model_card(source: ExportSource, kind: str, dtype: Optional[str], command: S
              *([f"- weights: {dtype}, safetensors (W = W0 + scaling * B @ A, merged in float32 by PEFT "
                 "merge_and_unload, then cast)"] if kind == "merged" else
                ["- weights: adapter_model.safetensors as trained (float32)"]),
-             f"- exported from: `{source.path}`", f"- made by: `{shlex.join(command) or 'ppo_ray.export.export'}` "
+             f"- exported from: `{source.path}`", f"- made by: `{shlex.join(command) or 'ppo_ray.driver.export.export'}` "
              f"({time.strftime('%Y-%m-%d %H:%M:%S %Z')})", *[f"- note: {n}" for n in source.notes], ""]
     run = read_run_file(source.run_dir) if source.run_dir is not None else {}
     lines += ["## Lineage", "", f"- run directory: `{source.run_dir}`" if source.run_dir else "- run directory: none"]

@@ -16,7 +16,7 @@ by logprob_gap_check: warn logs it, error raises LogprobGapError, resync loads t
 and checks once more (the rollouts: PPOTrainer re-syncs and samples the step again), and a gap
 that persists after a re-sync is a LogprobGapError.
 
-The guard reads the committed state (ppo_ray.inflight.Committed: the step, the version, the
+The guard reads the committed state (ppo_ray.driver.inflight.Committed: the step, the version, the
 kept weights) and never changes it; `recover` is the trainer's way back to it after an actor's
 death outside a step.
 """
@@ -34,9 +34,9 @@ import torch
 from ppo_ray.stats import LearnerStats, SyncReport
 
 if TYPE_CHECKING:
-    from ppo_ray.inflight import Committed
+    from ppo_ray.driver.inflight import Committed
 
-log = logging.getLogger("ppo_ray.trainer")  # the driver's log, as ppo_ray.roles'
+log = logging.getLogger("ppo_ray.trainer")  # the driver's log, as ppo_ray.driver.roles'
 
 # The rollout check's share of sampled tokens that the learner's truncation may drop: a token
 # at the top-k/top-p boundary can flip sides by rounding (rare: well under 1e-3 of the tokens

@@ -21,7 +21,7 @@ series disappear from the endpoint some seconds after it exits; a NaN gauge is n
 exported at all (record_step skips non-finite values, so a series keeps its last finite
 value).
 
-Besides the driver's Ray plumbing (ppo_ray.cluster, hosts, creation, ...) and ppo_ray.roles,
+Besides the driver's Ray plumbing (ppo_ray.driver.cluster, hosts, creation, ...) and ppo_ray.driver.roles,
 this module imports ray (its metrics API only); the trainer owns the one instance of a run.
 """
 

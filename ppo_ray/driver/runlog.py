@@ -9,7 +9,7 @@ the resume abandoned (checkpoints/abandoned/<time>-after-step-N/), or into
 <run_dir>/replaced/<time>-after-step-N/ (a tail past the last checkpoint, which the resumed run
 computes again).
 
-With the run directory's lock (ppo_ray.runlock), every write asks it first: a driver whose
+With the run directory's lock (ppo_ray.driver.runlock), every write asks it first: a driver whose
 lock another driver took over stops with RunLockLost before writing its next line (the
 heartbeat's finding, no I/O per step; one read of the lock file when the log opens).
 """
@@ -28,9 +28,9 @@ from typing import Optional, Sequence
 from ppo_ray.atomic import atomic_write_text
 from ppo_ray.attribution import ATTRIBUTION, RolloutAttribution
 from ppo_ray.logs import format_step
-from ppo_ray.metrics import TrainingMetrics
-from ppo_ray.rundir import REPLACED
-from ppo_ray.runlock import RunLock
+from ppo_ray.driver.metrics import TrainingMetrics
+from ppo_ray.driver.rundir import REPLACED
+from ppo_ray.driver.runlock import RunLock
 from ppo_ray.stats import StepResult
 from ppo_ray.tracking import Trackers, read_run_file, update_run_file
 

@@ -16,7 +16,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ppo_ray.cluster import ClusterError
+from ppo_ray.driver.cluster import ClusterError
 from ppo_ray.config import PPOConfig
 
 log = logging.getLogger(__name__)

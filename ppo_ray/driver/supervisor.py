@@ -14,7 +14,7 @@ and repeats.
 
 Every Roles call the trainer makes runs inside one of PLACES (tests/test_faults.py records a
 run's calls and checks it, and has a fault case for each place). Before each attempt the
-supervisor raises a stop that was asked for and lost on the way (ppo_ray.interrupts).
+supervisor raises a stop that was asked for and lost on the way (ppo_ray.driver.interrupts).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from __future__ import annotations
 import logging
 from typing import Callable, TypeVar
 
-from ppo_ray.interrupts import raise_if_stopped
-from ppo_ray.metrics import TrainingMetrics
-from ppo_ray.roles import RETRYABLE, Roles
+from ppo_ray.driver.interrupts import raise_if_stopped
+from ppo_ray.driver.metrics import TrainingMetrics
+from ppo_ray.driver.roles import RETRYABLE, Roles
 
 log = logging.getLogger("ppo_ray.trainer")
 T = TypeVar("T")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ppo_ray.checkpoint import CheckpointError
+from ppo_ray.driver.checkpoint import CheckpointError
 from ppo_ray.data import PromptColumns, PromptCursor, PromptRows, encode_prompts, prompt_rows, prompts_fingerprint
 from ppo_ray.rewards import columns_taken
 

@@ -4,7 +4,7 @@ learner.learner.Learner), which knows nothing of Ray; a host checks the adapter 
 driver expects, times the call (its seconds come back in the typed result: ppo_ray.stats, one
 timing convention) and logs one line per call. Also each actor's CPU rule: its torch threads
 (set_torch_threads) and the environment that carries the rule and glibc malloc's settings
-(cpu_share_env). With ppo_ray.stage_tasks, the only driver module that imports the roles.
+(cpu_share_env). With ppo_ray.driver.stage_tasks, the only driver module that imports the roles.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from ppo_ray.batch import RolloutBatch, RowPick, gather
 from ppo_ray.config import ConfigSlice, PPOConfig
 from ppo_ray.faults import StateLostError
 from ppo_ray.logs import actor_logger, quiet_libraries
-from ppo_ray.reward_pool import RewardWorkerPool
-from ppo_ray.roles import call_label
-from ppo_ray.shipping import ShippedModel, local_model_dir
+from ppo_ray.driver.reward_pool import RewardWorkerPool
+from ppo_ray.driver.roles import call_label
+from ppo_ray.driver.shipping import ShippedModel, local_model_dir
 from ppo_ray.stats import GenerateRequest, GenerationSummary, ReferenceStats, RewardStats, SyncReport
 
 if TYPE_CHECKING:

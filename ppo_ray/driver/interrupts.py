@@ -8,11 +8,11 @@ Ways one signal could go unnoticed, and what answers each:
   its KeyboardInterrupt handler only where SIGINT is at its default: the Ctrl-C would be
   ignored. `stop_on_signals` installs the handler whatever the process inherited.
 - ray.init replaces SIGTERM's handler with its own (sys.exit after a stack dump):
-  ppo_ray.cluster.init_ray puts the caller's SIGINT and SIGTERM handlers back.
+  ppo_ray.driver.cluster.init_ray puts the caller's SIGINT and SIGTERM handlers back.
 - A KeyboardInterrupt raised where Python drops it. A signal handler runs between any two
   bytecodes of the main thread, finalizers (__del__, weakref callbacks) included, and an
   exception raised in a finalizer is printed ("Exception ignored in ...") and dropped. So the
-  handler also records the signal, and `raise_if_stopped`, which ppo_ray.supervisor calls
+  handler also records the signal, and `raise_if_stopped`, which ppo_ray.driver.supervisor calls
   before every call the driver makes to an actor, raises it again.
 A handler only ever runs in the main thread, so no Ray callback or thread can swallow it; a
 signal that arrives while ray.get waits comes out of ray.get as the KeyboardInterrupt, and

@@ -168,7 +168,7 @@ def check_fresh_run(step: int, lineage: "Lineage", run_dir: Optional[Path], metr
     """A run that has not started (no step, no checkpoint saved or restored: `step`, `lineage`)
     must not write into another run's files: its checkpoints would be pruned by name and its
     metrics truncated (RunDirError naming the file, before anything is written)."""
-    from ppo_ray.rundir import RunDirError
+    from ppo_ray.driver.rundir import RunDirError
 
     if step or lineage.parent is not None:
         return
@@ -188,7 +188,7 @@ def check_own_lineage(ckpt: Path, run_dir: str | Path) -> None:
     truncated, its checkpoints moved, its adapter and report overwritten), or a checkpoint
     whose run id is not that of the checkpoints beside it. Into a run directory that holds
     no PPO run, a checkpoint from elsewhere may start a copy of its run (a fork)."""
-    from ppo_ray.rundir import RunDirError, held_outputs
+    from ppo_ray.driver.rundir import RunDirError, held_outputs
 
     ckpt, run_dir = Path(ckpt), Path(run_dir)
     root = checkpoint_root(run_dir)

@@ -2,7 +2,7 @@
 group with a bundle per actor (plan_bundles, reserve: a demand the cluster can never hold, or
 cannot place in time, is a ClusterError naming it), and the actors created in it, named
 <run tag>/<role> (create_roles, wait_ready), which the driver then calls through
-ppo_ray.roles.Roles.
+ppo_ray.driver.roles.Roles.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from ppo_ray.cluster import ClusterError, alive_nodes, format_resources, user_resources
+from ppo_ray.driver.cluster import ClusterError, alive_nodes, format_resources, user_resources
 from ppo_ray.config import PPOConfig
 from ppo_ray.deadlines import Deadlines
-from ppo_ray.hosts import HOSTS, cpu_share_env
+from ppo_ray.driver.hosts import HOSTS, cpu_share_env
 from ppo_ray.logs import quiet_env
 from ppo_ray.modeling import check_context_length
 from ppo_ray.paths import resolve_model_path
-from ppo_ray.roles import Roles, form_learner_group, role_names
-from ppo_ray.shipping import ModelStore, ShippedModel, group_nodes, prepare_models
+from ppo_ray.driver.roles import Roles, form_learner_group, role_names
+from ppo_ray.driver.shipping import ModelStore, ShippedModel, group_nodes, prepare_models
 
 log = logging.getLogger(__name__)
 

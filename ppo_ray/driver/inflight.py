@@ -36,7 +36,7 @@ import torch
 from learner.algos import varying_groups
 from ppo_ray.batch import RowPick
 from ppo_ray.data import PromptColumns, PromptCursor
-from ppo_ray.roles import Generation, Roles
+from ppo_ray.driver.roles import Generation, Roles
 from ppo_ray.stats import DynamicSampling, GenerateRequest, GenerationSummary, RewardStats
 
 

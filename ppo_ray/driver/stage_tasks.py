@@ -16,12 +16,12 @@ import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ppo_ray.cluster import init_ray
+from ppo_ray.driver.cluster import init_ray
 from ppo_ray.config import PPOConfig
-from ppo_ray.creation import Demand, reserve
-from ppo_ray.hosts import cpu_share_env, set_torch_threads
+from ppo_ray.driver.creation import Demand, reserve
+from ppo_ray.driver.hosts import cpu_share_env, set_torch_threads
 from ppo_ray.logs import quiet_env, quiet_libraries
-from ppo_ray.shipping import ShippedModel, group_nodes, local_model_dir, prepare_models
+from ppo_ray.driver.shipping import ShippedModel, group_nodes, local_model_dir, prepare_models
 
 log = logging.getLogger(__name__)
 
