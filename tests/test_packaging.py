@@ -28,7 +28,7 @@ DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 
 # ----------------------------------------------------------------------------- --config NAME
 def test_presets_are_the_package_folder_and_configs_points_there():
-    assert preset_names() == ["arith-tiny", "qwen3-0.6b-tldr", "smollm2-arith", "tiny", "tldr-tiny"]
+    assert preset_names() == ["arith-tiny", "qwen3-0.6b-tldr", "smollm2-arith", "smollm2-tldr", "tiny", "tldr-tiny"]
     assert PRESETS_DIR == ROOT / "ppo_ray" / "configs"
     # configs/xxx.yaml (README, tests, deploy/) still works in a checkout: a symlink
     assert (ROOT / "configs").is_symlink() and (ROOT / "configs").resolve() == PRESETS_DIR
@@ -47,7 +47,7 @@ def test_config_resolves_a_file_first_then_a_preset_name(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="does not exist"):
         PPOConfig.from_yaml("elsewhere/tiny")
     with pytest.raises(ConfigError, match=r"^config 'tinyy' is neither a file nor a preset; "
-                                          r"presets: arith-tiny, qwen3-0.6b-tldr, smollm2-arith, tiny, tldr-tiny$"):
+                                          r"presets: arith-tiny, qwen3-0.6b-tldr, smollm2-arith, smollm2-tldr, tiny, tldr-tiny$"):
         PPOConfig.from_yaml("tinyy")
 
 
@@ -125,7 +125,8 @@ def test_installed_ppo_ray_runs_outside_the_repository_with_presets_by_name(inst
                  "for name in preset_names(): print(name, PPOConfig.from_yaml(name).model_name)")
     assert check.returncode == 0, check.stderr
     assert check.stdout.splitlines() == ["arith-tiny embedded:tldr", "qwen3-0.6b-tldr Qwen/Qwen3-0.6B-Base",
-                                         "smollm2-arith package:smollm2-135m-instruct", "tiny embedded:tiny",
+                                         "smollm2-arith package:smollm2-135m-instruct",
+                                         "smollm2-tldr package:smollm2-135m-instruct", "tiny embedded:tiny",
                                          "tldr-tiny embedded:tldr"]
 
     ppo_ray = str(installed["bin"] / "ppo-ray")
@@ -139,5 +140,5 @@ def test_installed_ppo_ray_runs_outside_the_repository_with_presets_by_name(inst
     unknown = _run(installed, ppo_ray, "--config", "qwen3")
     assert unknown.returncode == 2
     assert unknown.stderr.strip() == ("error: config 'qwen3' is neither a file nor a preset; "
-                                      "presets: arith-tiny, qwen3-0.6b-tldr, smollm2-arith, tiny, tldr-tiny")
+                                      "presets: arith-tiny, qwen3-0.6b-tldr, smollm2-arith, smollm2-tldr, tiny, tldr-tiny")
     assert not any(installed["cwd"].iterdir())  # nothing written
