@@ -371,7 +371,7 @@ def count_flops(trainer, prompts: Sequence[str], out) -> dict[str, float]:
     rollouts' response lengths (each prompt samples_per_prompt times, in order)."""
     from benchmarks.flops import model_shape, step_flops
 
-    prompt_lens = [len(ids) for ids in trainer._encode(prompts)]
+    prompt_lens = [len(ids) for ids in trainer.feed.encode(prompts)]
     n = len(out.response_lengths) // max(len(prompt_lens), 1)
     prompt_lens = [p for p in prompt_lens for _ in range(n)]
     shapes = {"policy": model_shape(trainer.model_dir),

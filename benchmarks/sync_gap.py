@@ -13,7 +13,7 @@ Either way the qwen3-0.6b-tldr preset's settings (temperature 0.7, untruncated, 
 adapter moves the logits), the adapter is synced into the generator as a training run syncs it,
 then:
 
-* the sync check's probe (ppo_ray.trainer.sync_probe_prompts: 4 random-token prompts of 16
+* the sync check's probe (ppo_ray.driver.sync_guard.sync_probe_prompts: 4 random-token prompts of 16
   tokens, 4 new tokens untruncated; 3 probe seeds): Learner.sync_gap, the statistic the
   check compares with the tolerance, and the mean |gap| over the probe's tokens;
 * rollouts like the preset's (4 prompts of 300-512 random tokens of the model's vocabulary, 53

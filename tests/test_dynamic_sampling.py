@@ -1,7 +1,7 @@
 """DAPO's dynamic sampling (config dynamic_sampling; Yu et al. 2025, section 3.2, eq. 11).
 
 Without Ray: the filter (learner.algos.varying_groups) equals a float64 loop on random groups
-with NaN rows, one-value groups and ties; the choice of groups (ppo_ray.trainer.pick_groups);
+with NaN rows, one-value groups and ties; the choice of groups (ppo_ray.driver.inflight.pick_groups);
 the joined reward stats; the config's rules; the console line.
 
 On the real actors (one GRPO trainer for the module, a reward that is constant for marked
