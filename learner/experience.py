@@ -35,7 +35,7 @@ from learner.algos import (AdvantageEstimator, AdvantageInputs, compute_returns,
                            importance_ratio, importance_weights, kl_penalty, masked_mean, masked_whiten, mismatch_stats,
                            outside_is_band, shape_rewards)
 from learner.buffer import Experience
-from ppo_ray.batch import RolloutBatch
+from ppo_ray.batch import Packing, RolloutBatch
 
 
 # (rows, their (b, t) old values) -> their (b, t) returns: make_experience's gift to a value_pass
@@ -50,6 +50,21 @@ class RolloutScores:
     full_logprobs: Optional[Tensor]  # (B, T) float32 full softmax at temperature (for the KL)
     entropy: Optional[Tensor]        # (B, T) float32 entropy of softmax(logits / temperature)
     values: Optional[Tensor]         # (B, T) float32 V(s_t); None without a critic
+
+
+def estimate(estimator: AdvantageEstimator, inputs: AdvantageInputs, params: dict,
+             packing: Optional[Packing]) -> Tensor:
+    """The estimator's (B, T) advantages; with `packing` (a multi-turn batch: environment
+    tokens between the model's turns) computed over each row's model tokens packed into one
+    contiguous response (ppo_ray.batch.Packing), then put back in their columns, 0 on the
+    environment's: GAE's recursion and the TD errors' next value skip the environment's
+    turns, as the transition from one model token to the next includes them."""
+    if packing is None:
+        return estimator.fn(inputs, **params)
+    pack = lambda x: None if x is None else packing.pack(x)  # noqa: E731
+    packed = dataclasses.replace(inputs, rewards=pack(inputs.rewards), mask=packing.mask,
+                                 values=pack(inputs.values), kl=pack(inputs.kl))
+    return packing.unpack(estimator.fn(packed, **params))
 
 
 def score_tensors(scores: RolloutScores) -> list[Optional[Tensor]]:
@@ -86,7 +101,8 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
     Returns:
         (the Experience, the rollouts' statistics by LearnerStats field name).
     """
-    mask = batch.response_mask  # (B, T) bool
+    mask = batch.loss_mask  # (B, T) bool: the model's tokens (a multi-turn batch's environment tokens are context)
+    packing = None if batch.env_mask is None else Packing.of(mask)
     zero = torch.zeros((), device=mask.device)
     decoupled = bool(stale) and config.is_correction != "none" and recomputed  # proximal = the learner's own
     behaviour = batch.gen_logprobs.float() if stale and not decoupled else fwd.logprobs
@@ -123,18 +139,19 @@ def make_experience(batch: RolloutBatch, fwd: RolloutScores, ref_logprobs: Tenso
         def returns_of(rows: list[int], old_values: Tensor) -> Tensor:
             t = old_values.shape[1]
             m = mask[rows, :t]
-            a = estimator.fn(AdvantageInputs(rewards=rewards[rows, :t], mask=m, scores=scores[rows],
-                                             values=old_values, gamma=config.gamma, lam=config.lam,
-                                             kl=kl[rows, :t], kl_coef=reward_kl_coef), **params)
+            a = estimate(estimator, AdvantageInputs(rewards=rewards[rows, :t], mask=m, scores=scores[rows],
+                                                    values=old_values, gamma=config.gamma, lam=config.lam,
+                                                    kl=kl[rows, :t], kl_coef=reward_kl_coef),
+                         params, None if packing is None else Packing.of(m))
             return compute_returns(a, old_values, m)
 
         values = value_pass(returns_of)
     if estimator.needs_groups and batch.groups is None:
         raise ValueError(f"advantage_estimator {estimator.name!r} needs the rollouts' group ids "
                          "(RolloutBatch.groups, set by the generator); this batch has none")
-    advantages = estimator.fn(AdvantageInputs(rewards=rewards, mask=mask, scores=scores, values=values,
-                                              gamma=config.gamma, lam=config.lam, groups=batch.groups,
-                                              kl=kl, kl_coef=reward_kl_coef), **params)
+    advantages = estimate(estimator, AdvantageInputs(rewards=rewards, mask=mask, scores=scores, values=values,
+                                                     gamma=config.gamma, lam=config.lam, groups=batch.groups,
+                                                     kl=kl, kl_coef=reward_kl_coef), params, packing)
     returns = compute_returns(advantages, values, mask) if estimator.needs_critic else None
     raw_advantage_mean = masked_mean(advantages, mask)
     # 8 (option). Advantage whitening over the step's real tokens (not for an estimator whose

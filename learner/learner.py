@@ -424,7 +424,7 @@ class Learner:
                 return self.sync_gap(batch)
             finally:
                 set_peft_model_state_dict(self.policy, own.tensors)
-        mask = batch.response_mask
+        mask = batch.loss_mask  # the model's tokens: an environment's have no sampling logprob
         diff = (batch.gen_logprobs.float() - self.rollout_scores(batch, full=True).full_logprobs.cpu()).abs()
         diff = torch.where(torch.isnan(diff), torch.full((), math.inf), diff)
         return float(torch.where(mask, diff, torch.zeros(())).amax()) if bool(mask.any()) else 0.0
@@ -563,7 +563,9 @@ class Learner:
             raise ValueError(f"non-finite scores for prompts {rows[:10]}: {scores[bad][:10].tolist()} "
                              f"(set nonfinite_reward=drop to mask such samples out)")
         keep = ~bad
-        batch = replace(batch, response_mask=batch.response_mask & keep.unsqueeze(1).to(batch.response_mask.device))
+        kept = keep.unsqueeze(1).to(batch.response_mask.device)
+        batch = replace(batch, response_mask=batch.response_mask & kept,
+                        env_mask=None if batch.env_mask is None else batch.env_mask & kept)
         return batch, torch.where(keep, scores, torch.zeros(())), len(rows)
 
     # ------------------------------------------------------------------ the update

@@ -229,7 +229,7 @@ class PPOOptimiser:
         Returns the (B, T) float32 old values (0 on padding; summed across the group, so every
         member has every row's) and the pass's sums for run() (value_loss, v_tokens)."""
         cfg = self.config
-        mask = batch.response_mask
+        mask = batch.loss_mask  # the value targets' tokens: the model's
         device = mask.device
         index = torch.randperm(len(batch), generator=self.shuffle_generator(version))  # run()'s first minibatch
         v_norm = self.normalizer(mask[index])
@@ -243,7 +243,7 @@ class PPOOptimiser:
                 micro = batch.select(rows).trimmed(*plan.widths(rows))
                 self.speed.count(plan, rows)
                 new_values = self.speed.values(micro, plan.seq_len(rows))  # (b, t) float32, with grad
-                m = micro.response_mask
+                m = micro.loss_mask
                 old = torch.where(m, new_values.detach(), torch.zeros((), device=device))
                 v_loss, _ = value_loss(new_values, returns_of(rows, old), m, None, None, cfg.loss_agg, v_norm)
                 v_loss.backward()

@@ -86,6 +86,11 @@ class RolloutBatch:
     # nothing). None = every token was sampled with adapter_version, which is in any case the
     # batch's oldest version (the one the staleness checks read).
     token_versions: Optional[Tensor] = None
+    # (B, T) bool: True on environment tokens (a multi-turn episode's observations, appended
+    # after the model's turns): real context the forward attends to, never trained on. They
+    # are out of loss_mask, so out of the policy loss, the KL, the value targets, the
+    # entropy and the sync check. None = every real response token is the model's.
+    env_mask: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         b, p = self.prompt_ids.shape
@@ -103,6 +108,13 @@ class RolloutBatch:
                                                 or self.token_versions.dtype != torch.long):
             raise ValueError(f"RolloutBatch.token_versions must be a (B, T) = {tuple(bt)} long tensor, got "
                              f"{tuple(self.token_versions.shape)} {self.token_versions.dtype}")
+        if self.env_mask is not None:
+            if self.env_mask.shape != bt or self.env_mask.dtype != torch.bool:
+                raise ValueError(f"RolloutBatch.env_mask must be a (B, T) = {tuple(bt)} bool tensor, got "
+                                 f"{tuple(self.env_mask.shape)} {self.env_mask.dtype}")
+            if bool((self.env_mask & ~self.response_mask).any()):
+                raise ValueError("RolloutBatch.env_mask marks padding: environment tokens must be real "
+                                 "response tokens (response_mask True)")
         if self.pad_token_id == self.eos_token_id:
             raise ValueError("pad_token_id equals eos_token_id: pad must be a distinct token")
 
@@ -111,11 +123,13 @@ class RolloutBatch:
                     eos_token_id: int, gen_logprobs: Optional[Sequence[Sequence[float]]] = None,
                     adapter_version: int = 0, groups: Optional[Sequence[int]] = None,
                     token_versions: Optional[Sequence[Sequence[int]]] = None,
+                    env_masks: Optional[Sequence[Sequence[bool]]] = None,
                     **texts: list[str]) -> "RolloutBatch":
         """Token lists -> a RolloutBatch: prompts left-padded, responses right-padded (at
         least one response column), every given token real; gen_logprobs per response
         token (0 when not given, and on padding); `groups`: each row's group id (None = none);
-        `token_versions`: each response token's adapter version (None = all adapter_version).
+        `token_versions`: each response token's adapter version (None = all adapter_version);
+        `env_masks`: each response token's True = the environment's (None = all the model's).
         `texts`: prompts, responses, finish_reasons."""
         response_t = pad_rows(response_ids, pad_token_id, "right", min_width=1)  # (B, T)
         t = response_t.shape[1]
@@ -133,7 +147,9 @@ class RolloutBatch:
             gen_logprobs=logprobs,                                                                # (B, T)
             adapter_version=adapter_version, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
             groups=None if groups is None else torch.as_tensor(groups, dtype=torch.long),
-            token_versions=token_versions, **texts)
+            token_versions=token_versions,
+            env_mask=None if env_masks is None else pad_rows(env_masks, False, "right", torch.bool, min_width=t),
+            **texts)
 
     # ------------------------------------------------------------------ views
     def __len__(self) -> int:
@@ -142,6 +158,17 @@ class RolloutBatch:
     @property
     def prompt_len(self) -> int:
         return self.prompt_ids.shape[1]
+
+    @property
+    def loss_mask(self) -> Tensor:
+        """(B, T) bool: the model's real response tokens, the ones trained on (response_mask
+        without env_mask's environment tokens). The forward attends to all of response_mask."""
+        return self.response_mask if self.env_mask is None else self.response_mask & ~self.env_mask
+
+    @property
+    def env_tokens(self) -> Tensor:
+        """(B, T) bool: env_mask, or all False when the batch has none."""
+        return torch.zeros_like(self.response_mask) if self.env_mask is None else self.env_mask
 
     @property
     def response_lengths(self) -> Tensor:
@@ -216,6 +243,7 @@ class RolloutBatch:
             finish_reasons=[self.finish_reasons[i] for i in rows] if self.finish_reasons else [],
             groups=None if self.groups is None else self.groups[idx],
             token_versions=None if self.token_versions is None else self.token_versions[idx],
+            env_mask=None if self.env_mask is None else self.env_mask[idx],
         )
 
     def to(self, device: torch.device | str) -> "RolloutBatch":
@@ -227,6 +255,7 @@ class RolloutBatch:
             gen_logprobs=self.gen_logprobs.to(device),
             groups=None if self.groups is None else self.groups.to(device),
             token_versions=None if self.token_versions is None else self.token_versions.to(device),
+            env_mask=None if self.env_mask is None else self.env_mask.to(device),
         )
 
     def trimmed(self, p_keep: Optional[int] = None, t_keep: Optional[int] = None) -> "RolloutBatch":
@@ -241,6 +270,7 @@ class RolloutBatch:
             response_ids=self.response_ids[:, :t_keep], response_mask=self.response_mask[:, :t_keep],
             gen_logprobs=self.gen_logprobs[:, :t_keep],
             token_versions=None if self.token_versions is None else self.token_versions[:, :t_keep],
+            env_mask=None if self.env_mask is None else self.env_mask[:, :t_keep],
         )
 
     @staticmethod
@@ -281,7 +311,46 @@ class RolloutBatch:
             groups=torch.cat([b.groups for b in parts]) if first.groups is not None else None,
             token_versions=(torch.cat([right(b.versions_of_tokens(), t, 0) for b in parts])
                             if any(b.token_versions is not None for b in parts) else None),
+            env_mask=(torch.cat([right(b.env_tokens, t, False) for b in parts])
+                      if any(b.env_mask is not None for b in parts) else None),
         )
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Each row's `mask` tokens moved, in order, to the row's left edge: a per-token
+    recursion over a multi-turn transcript's model tokens (GAE's, the discounted returns')
+    runs over them as one contiguous response, so an environment turn between two model
+    turns is part of the transition (the next state's value is the next MODEL token's), not
+    an end of the episode. For a mask that is already a prefix (single-turn rows) packing is
+    the identity on the mask's tokens.
+
+        packing = Packing.of(loss_mask)            # (B, T) bool
+        a = packing.unpack(gae(packing.pack(r), packing.pack(v), packing.mask, ...))
+    """
+
+    order: Tensor  # (B, T) long: the column of the row that packed column j takes (mask's first)
+    mask: Tensor   # (B, W) bool: the packed mask, W = the most mask tokens of a row (>= 1)
+
+    @staticmethod
+    def of(mask: Tensor) -> "Packing":
+        mask = check_mask(mask)
+        order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # (B, T) mask's columns first, in order
+        width = max(int(mask.sum(dim=1).amax()) if mask.numel() else 0, 1)
+        counts = mask.sum(dim=1, keepdim=True)
+        return Packing(order=order, mask=torch.arange(width, device=mask.device)[None, :] < counts)
+
+    def pack(self, x: Tensor) -> Tensor:
+        """(B, T) -> (B, W): the mask's tokens of each row, in order; 0 past them."""
+        packed = x.gather(1, self.order[:, :self.mask.shape[1]])
+        return torch.where(self.mask, packed, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    def unpack(self, y: Tensor) -> Tensor:
+        """(B, W) -> (B, T): each packed value back in its column; 0 off the mask."""
+        b, width = self.mask.shape
+        out = torch.zeros((b, self.order.shape[1]), dtype=y.dtype, device=y.device)
+        zero = torch.zeros((), dtype=y.dtype, device=y.device)
+        return out.scatter(1, self.order[:, :width], torch.where(self.mask, y, zero))
 
 
 @dataclass(frozen=True)

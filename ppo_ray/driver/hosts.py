@@ -191,7 +191,7 @@ class ReferenceHost(_Host):
         batch = gather(parts, RowPick((len(parts),), (tuple(rows),)))
         logprobs, _ = self.scorer.logprobs(batch)
         logprobs = logprobs.to(batch.gen_logprobs.device)
-        kl = kl_penalty(batch.gen_logprobs.float(), logprobs.float(), kl_estimator, mask=batch.response_mask)
+        kl = kl_penalty(batch.gen_logprobs.float(), logprobs.float(), kl_estimator, mask=batch.loss_mask)
         return held_out_rows(batch, logprobs, kl, rows)
 
 
