@@ -640,8 +640,9 @@ class Learner:
         stale = self.version - batch.adapter_version  # the batch's oldest version: what the rules read
         # what is reported: the versions behind, per response token (partial_rollout continue: a
         # response's later tokens come from newer versions), averaged over the step's tokens
-        stale_mean = float(stale) if batch.token_versions is None or not mask.any() else \
-            float((self.version - batch.token_versions)[mask].double().mean())
+        model = batch.loss_mask  # the model's tokens: an environment's were not sampled by any version
+        stale_mean = float(stale) if batch.token_versions is None or not model.any() else \
+            float((self.version - batch.token_versions)[model].double().mean())
         trained: dict[str, Tensor] = {}
 
         def value_pass(returns_of) -> Tensor:
