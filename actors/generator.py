@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -57,6 +57,9 @@ from ppo_ray.data import encode_prompts, fit_prompt
 from ppo_ray.modeling import LoraWeights, load_tokenizer
 from ppo_ray.paths import resolve_model_path
 from ppo_ray.stats import SyncReport
+
+if TYPE_CHECKING:
+    from ppo_ray.environments import Episode, EpisodeLimits
 
 
 PROBE_NEW_TOKENS = 4          # tokens each probe prompt samples (Generator.probe)
@@ -270,13 +273,14 @@ class Generator:
 
     # ------------------------------------------------------------------ rollouts
     def sampling_params(self, seed: int, probe: bool = False, n: int = 1, max_tokens: Optional[int] = None,
-                        greedy: bool = False):
+                        greedy: bool = False, stop: Sequence[str] = ()):
         """vLLM SamplingParams for one prompt: the PPO sampling settings and its own seed, `n`
         samples (vLLM gives sample j the seed `seed + j`: vllm/v1/engine/parallel_sampling.py),
         `max_tokens` (default max_new_tokens). `probe` (the sync check, see probe()): the same
         temperature with no top-k/top-p, and PROBE_NEW_TOKENS tokens. `greedy` (evaluation
         only, e.g. pass@1): temperature 0, vLLM's argmax decoding; its logprobs are then not the
-        PPO sampling distribution's, so rollouts never use it."""
+        PPO sampling distribution's, so rollouts never use it. `stop`: strings that also end the
+        response (an episode's model turn), kept in it; vLLM then detokenizes to find them."""
         from vllm import SamplingParams
 
         if max_tokens is None:
@@ -286,7 +290,8 @@ class Generator:
             top_p=1.0 if probe else self.top_p, max_tokens=max_tokens, seed=seed,
             logprobs=0,  # just the sampled token's (processed) logprob
             ignore_eos=True, stop_token_ids=[self.eos_token_id],  # the tokenizer's EOS is the one stop token
-            detokenize=False,  # we decode with the HF tokenizer, once, below
+            detokenize=bool(stop),  # we decode with the HF tokenizer, once, below (stop strings need vLLM's)
+            stop=list(stop) or None, include_stop_str_in_output=bool(stop),
         )
 
     def probe(self, prompt_ids: Sequence[Sequence[int]], version: Optional[int] = None) -> RolloutBatch:
@@ -372,6 +377,77 @@ class Generator:
         if not torch.isfinite(batch.gen_logprobs).all():
             raise RuntimeError("vLLM returned a non-finite logprob for a sampled token")
         return batch
+
+    # ------------------------------------------------------------------ multi-turn episodes
+    def generate_episodes(self, prompts: Sequence[str] | Sequence[Sequence[int]], rows: Sequence[dict], step: int,
+                          environment: str, limits: "EpisodeLimits", prompt_offset: int = 0,
+                          samples_per_prompt: int = 1, version: Optional[int] = None) -> tuple[RolloutBatch, list["Episode"]]:
+        """One episode per prompt with `environment` (ppo_ray.environments: the contract and the
+        loop): model turns sampled with adapter `version` (None = the newest), each from the
+        exact token ids so far, the observations tokenised once and appended as environment
+        tokens; `samples_per_prompt` (n) episodes per prompt, contiguous rows as generate's.
+        Sample s of prompt i: its environment is reset with (rows[i], prompt_seed + s, vLLM's
+        seed of a prompt's sample s), its first turn sampled with that seed and its turn j >= 1
+        with segment_seed(run seed, step, i, s, j): the same step replays the same episodes.
+
+        Returns the RolloutBatch (one row per episode: the whole transcript after the prompt is
+        the response; env_mask on the observations; gen_logprobs the sampled tokens', 0 on the
+        environment's; finish reason "stop" where the episode ended (done, or EOS), else
+        "length"; groups as generate's) and the episodes (score = the sum of the steps' rewards,
+        turns, how each ended, the transcript's segments)."""
+        from vllm.inputs import TokensPrompt
+
+        from ppo_ray.environments import Turn, load_environment, run_episodes
+
+        self._check_open()
+        prompt_ids, prompt_texts = self._encode(prompts)
+        if len(rows) != len(prompt_ids):
+            raise ValueError(f"generate_episodes: {len(rows)} rows for {len(prompt_ids)} prompts")
+        lora_request = self._lora_request(version)
+        version = self.version if version is None else version
+        if limits.max_episode_tokens > self.max_new_tokens:
+            raise ValueError(f"max_episode_tokens {limits.max_episode_tokens} > max_new_tokens {self.max_new_tokens}: "
+                             "an episode's tokens after the prompt must fit the engine's context")
+
+        def sample(requests: list) -> list[Turn]:
+            params = [self.sampling_params(seed, max_tokens=max_tokens, stop=stops)
+                      for _, seed, max_tokens, stops in requests]
+            ids = [r[0] for r in requests]
+            outputs = self._run([TokensPrompt(prompt_token_ids=x) for x in ids], params, lora_request, ids, 1)
+            turns = []
+            for k, out in enumerate(outputs):
+                c = out.outputs[0]
+                if c.finish_reason == "stop" and isinstance(c.stop_reason, str):  # a stop string, kept in the text
+                    got = list(c.token_ids)
+                    if c.logprobs is None or len(c.logprobs) != len(got) or self.eos_token_id in got:
+                        raise RuntimeError(f"vLLM returned a bad stop-string turn for episode {prompt_offset + k}")
+                    turns.append(Turn(got, [lp[t].logprob for t, lp in zip(got, c.logprobs)], "stop_string"))
+                else:
+                    turns.append(Turn(*self._completion(c, prompt_offset + k)))
+            return turns
+
+        n = int(samples_per_prompt)
+        if n < 1:
+            raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+        of = [(i, s) for i in range(len(prompt_ids)) for s in range(n)]  # each episode's (prompt, sample)
+        seeds = [prompt_seed(self.seed, step, prompt_offset + i) + s for i, s in of]
+        episodes = run_episodes(
+            [prompt_ids[i] for i, _ in of], [rows[i] for i, _ in of], seeds, load_environment(environment), sample,
+            encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), limits=limits,
+            turn_seed=lambda e, turn: (segment_seed(self.seed, step, prompt_offset + of[e][0], of[e][1], turn)
+                                       if turn else seeds[e]))
+        batch = RolloutBatch.from_tokens(
+            [prompt_ids[i] for i, _ in of], [ep.ids for ep in episodes], self.pad_token_id, self.eos_token_id,
+            gen_logprobs=[ep.logprobs for ep in episodes], adapter_version=version,
+            groups=[prompt_offset + i for i, _ in of], env_masks=[ep.env for ep in episodes],
+            prompts=[prompt_texts[i] for i, _ in of], finish_reasons=["stop" if ep.end in ("done", "eos") else "length"
+                                                        for ep in episodes],
+            responses=[self.tokenizer.decode([t for t in ep.ids if t != self.eos_token_id], skip_special_tokens=True)
+                       for ep in episodes])
+        if not torch.isfinite(batch.gen_logprobs).all():
+            raise RuntimeError("vLLM returned a non-finite logprob for a sampled token")
+        return batch, episodes
 
     def _completion(self, c, index: int) -> tuple[list[int], list[float], str]:
         """One vLLM CompletionOutput's (token ids, their logprobs, finish reason), checked."""
