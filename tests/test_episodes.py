@@ -195,3 +195,60 @@ def test_an_environments_own_limits_and_stop_strings_win():
 
     limits = EpisodeLimits(max_turns=5).of(Own())
     assert limits.stop_strings == ("</tool>",) and limits.max_turns == 2 and limits.max_episode_tokens == 256
+
+
+def test_the_docs_example_environment_follows_the_contract():
+    """docs/ENVIRONMENTS.md's example, through the loop: a wrong guess gets the observation, a
+    right one ends the episode with reward 1."""
+    import pathlib
+    import re
+
+    doc = (pathlib.Path(__file__).parents[1] / "docs" / "ENVIRONMENTS.md").read_text(encoding="utf-8")
+    namespace: dict = {}
+    exec(re.search(r"```python\n(.*?)```", doc, re.S).group(1), namespace)  # our own doc's code
+    guesses = iter(["<guess>4</guess>", "<guess>5</guess>"])
+    vocab: dict[int, str] = {}
+
+    def encode(text):
+        vocab[len(vocab) + 100] = text
+        return [len(vocab) + 99]
+
+    def sample(requests):
+        return [Turn(encode(next(guesses)), [-1.0], "stop_string") for _ in requests]
+
+    eps = run_episodes([[1]], [{"answer": 5}], [0], namespace["Guess"], sample, encode=encode,
+                       decode=lambda ids: "".join(vocab[i] for i in ids), limits=EpisodeLimits(),
+                       turn_seed=lambda i, turn: turn)
+    assert eps[0].end == "done" and eps[0].turns == 2 and eps[0].rewards == [0.0, 1.0]
+    assert [role for role, _ in eps[0].segments] == ["model", "env", "model"]
+    assert EpisodeLimits().of(namespace["Guess"]()).stop_strings == ("</guess>",)
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_the_learner_trains_on_generated_episodes_and_the_sync_check_passes_on_their_model_tokens(
+        generator, tiny_model_dir, estimator):
+    """Episodes from the engine into the real learner (LoRA on the same base, version 0 on
+    both sides): the sync check over the model tokens is within rounding, and an update with
+    the episodes' scores moves the policy and leaves environment tokens out of every term."""
+    from helpers import keep_experience, make_config
+    from learner.learner import Learner
+
+    extra = {} if estimator == "gae" else dict(advantage_estimator="grpo", samples_per_prompt=2)
+    learner = Learner(make_config(temperature=1.0, top_k=0, top_p=1.0, batch_size=4, mini_batch_size=4, **extra),
+                      str(tiny_model_dir))
+    kept = keep_experience(learner)
+    n = 1 if estimator == "gae" else 2
+    batch, episodes = generator.generate_episodes(PROMPTS[:4 // n], ROWS[:4 // n], step=2,
+                                                  environment=f"{__name__}:Echo", limits=LIMITS, samples_per_prompt=n)
+    assert batch.env_mask.any()
+    gap = learner.sync_gap(batch)
+    full = learner.rollout_scores(batch, full=True).full_logprobs.cpu()
+    assert gap < logprob_tol(full, batch.loss_mask), f"sync gap on model tokens {gap:.2e}"
+    ref = full + 0.05 * torch.randn(full.shape, generator=torch.Generator().manual_seed(0))
+    scores = torch.tensor([ep.score for ep in episodes]) + torch.arange(len(episodes)) * 0.1
+    before = learner.lora_weights().tensors
+    stats, adapter = learner.update(batch, torch.where(batch.response_mask, ref, 0.0), scores)
+    assert any(not torch.equal(before[k], adapter.tensors[k]) for k in before)
+    exp = kept[0]
+    env = batch.env_mask
+    assert not exp.kl[env].any() and not exp.advantages[env].any() and not (exp.policy_mask & env).any()
