@@ -206,14 +206,18 @@ def check_context(config) -> None:
 def plain_ppo_inputs(config) -> list[str]:
     """The plain PPO stage's cheap checks, before anything is written or started: the reward
     sources (ppo_ray.rewards.check_reward_sources: the functions import, the reward model is
-    one by its config.json), and every prompt of config.dataset is usable (not empty, within
+    one by its config.json; the environment loads), and every prompt of config.dataset is usable (not empty, within
     max_prompt_length unless truncated). Returns the prompts."""
     from ppo_ray.data import load_prompts
     from ppo_ray.modeling import load_tokenizer
     from ppo_ray.rewards import check_reward_sources
 
     check_reward_sources(config.reward_model_name, config.reward_funcs, config.reward_weights,
-                         proxy=config.reward_verifier_proxy)
+                         environment=config.environment, proxy=config.reward_verifier_proxy)
+    if config.environment is not None:
+        from ppo_ray.environments import load_environment
+
+        load_environment(config.environment)  # it imports and follows the contract's shape (EnvError naming it)
     return load_prompts(config, load_tokenizer(config.model_name))
 
 
@@ -426,10 +430,10 @@ def _main(argv: list[str] | None) -> int:
         # a run directory's saved config is reloaded and its reward functions imported: say which
         log.warning("resuming with the run's saved config: it imports and runs the reward functions %s "
                     "(config files are trusted input, like a Python script)", ", ".join(config.reward_funcs))
-    has_reward = bool(config.reward_funcs or config.reward_model_name)
+    has_reward = bool(config.reward_funcs or config.reward_model_name or config.environment)
     if stage in ("all", "sft", "rm") and has_reward:
         print(f"error: stage {stage!r} trains its own SFT and reward model on the bundled task; "
-              "the config names reward sources (reward_funcs / reward_model_name): use stage 'ppo'",
+              "the config names reward sources (reward_funcs / reward_model_name / environment): use stage 'ppo'",
               file=sys.stderr)
         return 2
 
@@ -463,6 +467,7 @@ def _main(argv: list[str] | None) -> int:
         return 2
     from ppo_ray.driver.cluster import ClusterError
     from ppo_ray.data import DataError
+    from ppo_ray.environments import EnvError
     from ppo_ray.gguf_model import GGUFError
     from ppo_ray.modeling import ContextLengthError
     from ppo_ray.rewards import RewardError
@@ -480,6 +485,10 @@ def _main(argv: list[str] | None) -> int:
             from ppo_ray.rewards import import_reward_fn
 
             import_reward_fn(task.verifier_spec)  # the task's verifier imports (RewardError naming it)
+        if not has_reward and stage in ("all", "ppo") and task.environment is not None:
+            from ppo_ray.environments import load_environment
+
+            load_environment(task.environment)  # the task's environment imports (EnvError naming it)
         check_trackers(config.report_to)
         if stage in ("all", "ppo"):
             check_ray_address()
@@ -489,7 +498,7 @@ def _main(argv: list[str] | None) -> int:
         # One writer per run directory, from here to the end of the command.
         lock = RunLock.acquire(run_dir, ["ppo-ray", *argv])
     except (ClusterError, RewardError, FileNotFoundError, DataError, ContextLengthError, TrackerError,
-            RunDirError, CheckpointError, RunLockError, GGUFError) as e:
+            RunDirError, CheckpointError, RunLockError, GGUFError, EnvError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

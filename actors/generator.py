@@ -39,6 +39,8 @@ What vLLM 0.32 does, read from its source and checked by tests/test_generator.py
 from __future__ import annotations
 
 import hashlib
+import itertools
+import math
 import os
 import shutil
 import tempfile
@@ -86,6 +88,15 @@ def segment_seed(run_seed: int, step: int, index: int, sample: int, segment: int
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+def episode_limits(cfg: PPOConfig | ConfigSlice) -> "EpisodeLimits":
+    """The config's episode limits (env_max_*; None = max_new_tokens)."""
+    from ppo_ray.environments import EpisodeLimits
+
+    budget = cfg.env_max_episode_tokens or cfg.max_new_tokens
+    return EpisodeLimits(max_turns=cfg.env_max_turns, max_episode_tokens=budget,
+                         max_turn_tokens=min(cfg.env_max_turn_tokens or budget, budget))
+
+
 # How long a partial rollout waits for its next adapter version to be loaded (the driver loads
 # every version into every replica after its step; a longer wait means the run has stopped).
 VERSION_WAIT_S = 3600.0
@@ -125,6 +136,11 @@ class Generator:
         lora_sync: str = "adapter",
         max_staleness: int = 0,
         streaming: bool = False,
+        environment: Optional[str] = None,
+        episode_limits: Optional["EpisodeLimits"] = None,
+        env_runner: Any = None,
+        env_failure: str = "error",
+        env_failure_score: float = 0.0,
     ):
         """``llm``: a ``vllm.LLM`` built with logprobs_mode="processed_logprobs"
         (actors.vllm_engine.build_llm) and the engine arguments of the sync mode ``lora_sync``
@@ -135,6 +151,10 @@ class Generator:
         ``model_dir``: the base model directory (default: the one the engine serves).
         The LoRA rank, alpha and targets are not set here: they come with each adapter's
         weights (LoraWeights.spec, load_adapter).
+        ``environment``: a multi-turn environment (config.environment; generate_episodes), with
+        ``episode_limits``, ``env_runner`` (where its calls run: the environment workers, an
+        ppo_ray.environments.EnvRunner; None = this process) and the failure policy
+        (reward_failure, reward_failure_score).
         """
         model_config = llm.llm_engine.model_config
         if model_config.logprobs_mode != "processed_logprobs":
@@ -198,13 +218,25 @@ class Generator:
         self._held_now: frozenset = frozenset(self.versions)
         self._waiting: list[int] = []  # the versions partial rollouts wait for now, one entry per waiting call
         self._closed = False
+        # multi-turn episodes (generate_episodes)
+        from ppo_ray.environments import FAILURES, EpisodeLimits
+
+        if env_failure not in FAILURES:
+            raise ValueError(f"env_failure {env_failure!r} must be one of {list(FAILURES)}")
+        self.environment = environment
+        self.episode_limits = episode_limits or EpisodeLimits(max_episode_tokens=self.max_new_tokens,
+                                                              max_turn_tokens=self.max_new_tokens)
+        self.env_runner, self.env_failure, self.env_failure_score = env_runner, env_failure, float(env_failure_score)
+        self._episode_calls = itertools.count()
 
     @classmethod
-    def from_config(cls, cfg: PPOConfig | ConfigSlice, model_dir: str | os.PathLike | None = None, **engine_overrides: Any) -> "Generator":
+    def from_config(cls, cfg: PPOConfig | ConfigSlice, model_dir: str | os.PathLike | None = None,
+                    env_runner: Any = None, **engine_overrides: Any) -> "Generator":
         """Build the engine (actors.vllm_engine.build_llm) and the generator from a PPOConfig.
 
-        ``model_dir`` defaults to the resolved ``cfg.model_name``. ``engine_overrides`` go to
-        build_llm / vllm.LLM unchanged.
+        ``model_dir`` defaults to the resolved ``cfg.model_name``. ``env_runner``: where the
+        environment's calls run (the host's environment workers; None = here). ``engine_overrides``
+        go to build_llm / vllm.LLM unchanged.
         """
         from actors.vllm_engine import build_llm
         from vllm.platforms import current_platform
@@ -230,6 +262,8 @@ class Generator:
             temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
             seed=cfg.seed, max_prompt_length=cfg.max_prompt_length, prompt_truncation=cfg.prompt_truncation,
             lora_sync=cfg.lora_sync_mode, max_staleness=cfg.max_staleness, streaming=cfg.streams_rollouts,
+            environment=cfg.environment, episode_limits=episode_limits(cfg), env_runner=env_runner,
+            env_failure=cfg.reward_failure, env_failure_score=cfg.reward_failure_score,
         )
 
     @property
@@ -379,28 +413,47 @@ class Generator:
         return batch
 
     # ------------------------------------------------------------------ multi-turn episodes
-    def generate_episodes(self, prompts: Sequence[str] | Sequence[Sequence[int]], rows: Sequence[dict], step: int,
-                          environment: str, limits: "EpisodeLimits", prompt_offset: int = 0,
-                          samples_per_prompt: int = 1, version: Optional[int] = None) -> tuple[RolloutBatch, list["Episode"]]:
-        """One episode per prompt with `environment` (ppo_ray.environments: the contract and the
-        loop): model turns sampled with adapter `version` (None = the newest), each from the
+    def generate_episodes(self, prompts: Sequence[str] | Sequence[Sequence[int]], step: int, prompt_offset: int = 0,
+                          samples_per_prompt: int = 1, version: Optional[int] = None,
+                          segment_versions: Optional[Sequence[int]] = None, segment_tokens: int = 0,
+                          greedy: bool = False, *, rows: Optional[Sequence[dict]] = None,
+                          environment: Optional[str] = None, limits: Optional["EpisodeLimits"] = None,
+                          ) -> tuple[RolloutBatch, list["Episode"]]:
+        """One episode per prompt and sample with the environment (ppo_ray.environments: the
+        contract and the loop; `environment`/`limits` default to the generator's own, from the
+        config): model turns sampled with adapter `version` (None = the newest), each from the
         exact token ids so far, the observations tokenised once and appended as environment
         tokens; `samples_per_prompt` (n) episodes per prompt, contiguous rows as generate's.
-        Sample s of prompt i: its environment is reset with (rows[i], prompt_seed + s, vLLM's
-        seed of a prompt's sample s), its first turn sampled with that seed and its turn j >= 1
-        with segment_seed(run seed, step, i, s, j): the same step replays the same episodes.
+        `rows`: each prompt's dataset row (all its columns), which its environments are reset
+        with ({} each when None). The environments run on the generator's environment workers
+        (env_workers) or, without them, here. Sample s of prompt i: its environment is reset with
+        (rows[i], prompt_seed + s), its first turn sampled with that seed (vLLM's seed of a
+        prompt's sample s) and its turn j >= 1 with segment_seed(run seed, step, i, s, j): the
+        same step replays the same episodes. `greedy`: argmax turns (evaluation).
+
+        An environment call that fails (raises, breaks the contract, or runs past env_timeout_s
+        on a worker) follows reward_failure: error raises EnvError naming the episode; score
+        gives the episode reward_failure_score, drop NaN (masked out by the learner).
 
         Returns the RolloutBatch (one row per episode: the whole transcript after the prompt is
         the response; env_mask on the observations; gen_logprobs the sampled tokens', 0 on the
-        environment's; finish reason "stop" where the episode ended (done, or EOS), else
-        "length"; groups as generate's) and the episodes (score = the sum of the steps' rewards,
-        turns, how each ended, the transcript's segments)."""
+        environment's; env_rewards each episode's score; ended and the finish reason "stop"
+        where the episode ended on its own (done, or EOS), else "length"; groups as generate's)
+        and the episodes (turns, tool calls, how each ended, the transcript's segments)."""
         from vllm.inputs import TokensPrompt
 
-        from ppo_ray.environments import Turn, load_environment, run_episodes
+        from ppo_ray.environments import LocalEnvRunner, Turn, load_environment, run_episodes
 
         self._check_open()
+        if segment_versions is not None:  # (segment_tokens alone means nothing: it is read with them)
+            raise ValueError("partial rollouts (partial_rollout continue) are not supported with an environment")
+        environment = environment or self.environment
+        if environment is None:
+            raise ValueError("generate_episodes needs an environment (config.environment)")
+        make_env = load_environment(environment)
+        limits = (limits or self.episode_limits).of(make_env)
         prompt_ids, prompt_texts = self._encode(prompts)
+        rows = [{} for _ in prompt_ids] if rows is None else list(rows)
         if len(rows) != len(prompt_ids):
             raise ValueError(f"generate_episodes: {len(rows)} rows for {len(prompt_ids)} prompts")
         lora_request = self._lora_request(version)
@@ -410,7 +463,7 @@ class Generator:
                              "an episode's tokens after the prompt must fit the engine's context")
 
         def sample(requests: list) -> list[Turn]:
-            params = [self.sampling_params(seed, max_tokens=max_tokens, stop=stops)
+            params = [self.sampling_params(seed, max_tokens=max_tokens, stop=stops, greedy=greedy)
                       for _, seed, max_tokens, stops in requests]
             ids = [r[0] for r in requests]
             outputs = self._run([TokensPrompt(prompt_token_ids=x) for x in ids], params, lora_request, ids, 1)
@@ -431,18 +484,25 @@ class Generator:
             raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
         of = [(i, s) for i in range(len(prompt_ids)) for s in range(n)]  # each episode's (prompt, sample)
         seeds = [prompt_seed(self.seed, step, prompt_offset + i) + s for i, s in of]
+        own_workers = environment == self.environment and self.env_runner is not None
+        runner = self.env_runner if own_workers else LocalEnvRunner(make_env)
+        call = f"{os.getpid()}-{next(self._episode_calls)}"  # keys unique among the episodes alive on the workers
         episodes = run_episodes(
-            [prompt_ids[i] for i, _ in of], [rows[i] for i, _ in of], seeds, load_environment(environment), sample,
+            [prompt_ids[i] for i, _ in of], [rows[i] for i, _ in of], seeds, runner, sample,
             encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False),
             decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), limits=limits,
             turn_seed=lambda e, turn: (segment_seed(self.seed, step, prompt_offset + of[e][0], of[e][1], turn)
-                                       if turn else seeds[e]))
+                                       if turn else seeds[e]),
+            failure=self.env_failure, keys=[f"{call}/prompt-{prompt_offset + i}/sample-{s}" for i, s in of])
+        failed_score = self.env_failure_score if self.env_failure == "score" else math.nan
         batch = RolloutBatch.from_tokens(
             [prompt_ids[i] for i, _ in of], [ep.ids for ep in episodes], self.pad_token_id, self.eos_token_id,
             gen_logprobs=[ep.logprobs for ep in episodes], adapter_version=version,
             groups=[prompt_offset + i for i, _ in of], env_masks=[ep.env for ep in episodes],
-            prompts=[prompt_texts[i] for i, _ in of], finish_reasons=["stop" if ep.end in ("done", "eos") else "length"
-                                                        for ep in episodes],
+            env_rewards=[failed_score if ep.end == "failed" else ep.score for ep in episodes],
+            ended=[ep.ended for ep in episodes],
+            prompts=[prompt_texts[i] for i, _ in of], finish_reasons=["stop" if ep.ended else "length"
+                                                                    for ep in episodes],
             responses=[self.tokenizer.decode([t for t in ep.ids if t != self.eos_token_id], skip_special_tokens=True)
                        for ep in episodes])
         if not torch.isfinite(batch.gen_logprobs).all():

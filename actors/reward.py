@@ -15,7 +15,8 @@ Plain class, no Ray: ppo_ray.driver.hosts hosts it in a Ray actor.
   finish_reasons, and the dataset's columns that came with the score call, each row its
   prompt's value, found by the batch's group ids), each passed only to a function whose
   signature names it (or has **kwargs), on every path below alike.
-- Scores are summed with weights (reward model first, then functions, in config order).
+- Scores are summed with weights (reward model first, then functions, in config order); a
+  multi-turn episode's environment reward (RolloutBatch.env_rewards) is added unweighted.
 - missing_eos_penalty (N+ / TRL): a response cut at max_new_tokens without EOS gets that
   score instead of the model's.
 - overlong_buffer (DAPO's soft overlong punishment): a response longer than
@@ -137,10 +138,11 @@ class RewardScorer:
                  overlong_penalty: float = 1.0, runner: Optional[Runner] = None, chunk_size: int = 0,
                  failure: str = "error", failure_score: float = 0.0, retry_calls: int = 16,
                  timeout_s: float = 60.0, verifier_batch_size: int = 0, verifier_concurrency: int = 1,
-                 verifier_retries: int = 2, verifier_backoff_s: float = 0.5, verifier_proxy: Optional[str] = None):
+                 verifier_retries: int = 2, verifier_backoff_s: float = 0.5, verifier_proxy: Optional[str] = None,
+                 environment: Optional[str] = None):
         verifier = dict(timeout_s=timeout_s, retries=verifier_retries, backoff_s=verifier_backoff_s,
                         batch_size=verifier_batch_size, proxy=verifier_proxy)
-        self.funcs = check_reward_sources(reward_model_name, reward_funcs, weights, **verifier)
+        self.funcs = check_reward_sources(reward_model_name, reward_funcs, weights, environment=environment, **verifier)
         if failure not in FAILURE_POLICIES:
             raise ValueError(f"reward_failure {failure!r} must be one of {list(FAILURE_POLICIES)}")
         if failure == "drop" and nonfinite != "drop":
@@ -176,7 +178,8 @@ class RewardScorer:
                    retry_calls=cfg.reward_retry_calls, timeout_s=cfg.reward_timeout_s,
                    verifier_batch_size=cfg.reward_verifier_batch_size,
                    verifier_concurrency=cfg.reward_verifier_concurrency, verifier_retries=cfg.reward_verifier_retries,
-                   verifier_backoff_s=cfg.reward_verifier_backoff_s, verifier_proxy=cfg.reward_verifier_proxy)
+                   verifier_backoff_s=cfg.reward_verifier_backoff_s, verifier_proxy=cfg.reward_verifier_proxy,
+                   environment=cfg.environment)
 
     def model_scores(self, batch: RolloutBatch) -> Tensor:
         """(B,) float32 reward-model scores at the last real token."""
@@ -284,6 +287,13 @@ class RewardScorer:
 
         total = torch.zeros(len(batch))
         means: dict[str, float] = {}
+        if batch.env_rewards is not None:
+            # a multi-turn episode's environment reward (the sum of its steps'; NaN: a failed episode
+            # dropped by reward_failure drop), unweighted, with the weighted sources on top
+            env = batch.env_rewards.to(total.dtype)
+            total = total + env
+            finite = env[torch.isfinite(env)]
+            means["environment"] = float(finite.mean()) if len(finite) else math.nan
         for (name, values), w in zip(sources, self.weights):
             bad = (~torch.isfinite(values)).nonzero().flatten().tolist()
             if bad and self.nonfinite == "error":

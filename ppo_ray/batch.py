@@ -91,6 +91,14 @@ class RolloutBatch:
     # are out of loss_mask, so out of the policy loss, the KL, the value targets, the
     # entropy and the sync check. None = every real response token is the model's.
     env_mask: Optional[Tensor] = None
+    # (B,) float32: a multi-turn episode's environment reward, the sum of its steps' (NaN: a
+    # failed episode dropped under reward_failure drop); the reward scorer adds it to the score.
+    # None = no environment (single-turn rows).
+    env_rewards: Optional[Tensor] = None
+    # (B,) bool: the episode ended on its own (the environment's done, or the model's EOS), not
+    # at max_turns, the token budget or a failure: what has_eos means for an episode. None = the
+    # tokens tell (an EOS in the response).
+    ended: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         b, p = self.prompt_ids.shape
@@ -115,6 +123,11 @@ class RolloutBatch:
             if bool((self.env_mask & ~self.response_mask).any()):
                 raise ValueError("RolloutBatch.env_mask marks padding: environment tokens must be real "
                                  "response tokens (response_mask True)")
+        for name, dtype in (("env_rewards", torch.float32), ("ended", torch.bool)):
+            value = getattr(self, name)
+            if value is not None and (value.shape != (b,) or value.dtype != dtype):
+                raise ValueError(f"RolloutBatch.{name} must be a (B,) = ({b},) {dtype} tensor, got "
+                                 f"{tuple(value.shape)} {value.dtype}")
         if self.pad_token_id == self.eos_token_id:
             raise ValueError("pad_token_id equals eos_token_id: pad must be a distinct token")
 
@@ -124,13 +137,14 @@ class RolloutBatch:
                     adapter_version: int = 0, groups: Optional[Sequence[int]] = None,
                     token_versions: Optional[Sequence[Sequence[int]]] = None,
                     env_masks: Optional[Sequence[Sequence[bool]]] = None,
+                    env_rewards: Optional[Sequence[float]] = None, ended: Optional[Sequence[bool]] = None,
                     **texts: list[str]) -> "RolloutBatch":
         """Token lists -> a RolloutBatch: prompts left-padded, responses right-padded (at
         least one response column), every given token real; gen_logprobs per response
         token (0 when not given, and on padding); `groups`: each row's group id (None = none);
         `token_versions`: each response token's adapter version (None = all adapter_version);
-        `env_masks`: each response token's True = the environment's (None = all the model's).
-        `texts`: prompts, responses, finish_reasons."""
+        `env_masks`: each response token's True = the environment's (None = all the model's);
+        `env_rewards`, `ended`: each episode's (None = not episodes). `texts`: prompts, responses, finish_reasons."""
         response_t = pad_rows(response_ids, pad_token_id, "right", min_width=1)  # (B, T)
         t = response_t.shape[1]
         logprobs = (pad_rows(gen_logprobs, 0.0, "right", torch.float32, min_width=t) if gen_logprobs is not None
@@ -149,6 +163,8 @@ class RolloutBatch:
             groups=None if groups is None else torch.as_tensor(groups, dtype=torch.long),
             token_versions=token_versions,
             env_mask=None if env_masks is None else pad_rows(env_masks, False, "right", torch.bool, min_width=t),
+            env_rewards=None if env_rewards is None else torch.tensor(list(env_rewards), dtype=torch.float32),
+            ended=None if ended is None else torch.tensor(list(ended), dtype=torch.bool),
             **texts)
 
     # ------------------------------------------------------------------ views
@@ -184,7 +200,10 @@ class RolloutBatch:
 
     @property
     def has_eos(self) -> Tensor:
-        """(B,) bool: the response ended with EOS (not cut at max_new_tokens)."""
+        """(B,) bool: the response ended with EOS (not cut at max_new_tokens); an episode: it
+        ended on its own (`ended`: the environment's done or the model's EOS), not at a limit."""
+        if self.ended is not None:
+            return self.ended
         ends = self.response_mask & (self.response_ids == self.eos_token_id)
         return ends.any(dim=1)
 
@@ -244,6 +263,8 @@ class RolloutBatch:
             groups=None if self.groups is None else self.groups[idx],
             token_versions=None if self.token_versions is None else self.token_versions[idx],
             env_mask=None if self.env_mask is None else self.env_mask[idx],
+            env_rewards=None if self.env_rewards is None else self.env_rewards[idx],
+            ended=None if self.ended is None else self.ended[idx],
         )
 
     def to(self, device: torch.device | str) -> "RolloutBatch":
@@ -256,6 +277,8 @@ class RolloutBatch:
             groups=None if self.groups is None else self.groups.to(device),
             token_versions=None if self.token_versions is None else self.token_versions.to(device),
             env_mask=None if self.env_mask is None else self.env_mask.to(device),
+            env_rewards=None if self.env_rewards is None else self.env_rewards.to(device),
+            ended=None if self.ended is None else self.ended.to(device),
         )
 
     def trimmed(self, p_keep: Optional[int] = None, t_keep: Optional[int] = None) -> "RolloutBatch":
@@ -288,6 +311,8 @@ class RolloutBatch:
         has_groups = {b.groups is not None for b in parts}
         if len(has_groups) != 1:
             raise ValueError("cannot concatenate rollouts with group ids and rollouts without")
+        if len({b.env_rewards is not None for b in parts}) != 1:
+            raise ValueError("cannot concatenate episodes and single-turn rollouts")
         p = max(b.prompt_len for b in parts)
         t = max(b.response_ids.shape[1] for b in parts)
         pad = first.pad_token_id
@@ -313,6 +338,8 @@ class RolloutBatch:
                             if any(b.token_versions is not None for b in parts) else None),
             env_mask=(torch.cat([right(b.env_tokens, t, False) for b in parts])
                       if any(b.env_mask is not None for b in parts) else None),
+            env_rewards=torch.cat([b.env_rewards for b in parts]) if first.env_rewards is not None else None,
+            ended=torch.cat([b.ended for b in parts]) if first.ended is not None else None,
         )
 
 

@@ -241,6 +241,10 @@ class PromptColumns:
     def __len__(self) -> int:
         return next(iter(len(v) for v in self.values.values()), 0)
 
+    def dicts(self) -> tuple[dict, ...]:
+        """One dict per prompt, in order: its value of every column (an environment's rows)."""
+        return tuple({name: v[i] for name, v in self.values.items()} for i in range(len(self)))
+
     def take(self, positions: Sequence[int], first: int = 0) -> "PromptColumns":
         """The values at `positions` (in that order), the first of them for group id `first`."""
         return PromptColumns({name: [v[i] for i in positions] for name, v in self.values.items()}, first)

@@ -135,7 +135,8 @@ def format_step(result: "StepResult", total: int | None = None, *, adaptive_kl: 
     the config's kl_target set; a fixed beta is the config's own), losses, the gold score and
     the eval reward when the step was evaluated (result.extra), stale versions (overlap mode),
     the rollout queue's depth (when not 0), dynamic sampling's rounds, kept share and filled
-    groups (when it is on), step seconds, tokens/s of the step and, where
+    groups (when it is on), the episodes' turns, tool-call rate, environment-token share and
+    failed episodes (with an environment), step seconds, tokens/s of the step and, where
     measured, of the generation and the learner, and the learner's MFU."""
     learner, extra = result.learner, result.extra
     parts = [f"step {result.step}" + (f"/{total}" if total else ""),
@@ -160,6 +161,11 @@ def format_step(result: "StepResult", total: int | None = None, *, adaptive_kl: 
         ds = result.dynamic_sampling
         parts.append(f"rounds {ds.rounds} kept {_num(100 * ds.kept_frac, '.0f')}%"
                      + (f" filled {ds.filled}" if ds.filled else ""))
+    if result.episodes is not None:  # "turns 2.4 tools 63% env 12%", and failures when there are any
+        ep = result.episodes
+        parts.append(f"turns {_num(ep.turns_mean, '.2f')} tools {_num(100 * ep.tool_call_rate, '.0f')}% "
+                     f"env {_num(100 * ep.env_token_frac, '.0f')}%"
+                     + (f" env_failed {ep.timeouts + ep.exceptions:.0f}" if ep.timeouts + ep.exceptions else ""))
     parts += [f"{_num(result.timing.step_s, '.2f')} s", f"{_rate(result.tokens_per_s)} tok/s"]
     # each phase's own rate where measured: "(gen 420, learn 310)", then the learner's MFU
     phases = [f"{label} {_rate(rate)}" for label, rate in (("gen", result.rollout_tokens_per_s),

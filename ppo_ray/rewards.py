@@ -111,15 +111,16 @@ def check_reward_model(name: str) -> None:
 
 
 def check_reward_sources(reward_model_name: Optional[str], reward_funcs: Sequence[str],
-                         reward_weights: Sequence[float] = (), **verifier_options) -> list[tuple[str, RewardFn]]:
+                         reward_weights: Sequence[float] = (), *, environment: Optional[str] = None,
+                         **verifier_options) -> list[tuple[str, RewardFn]]:
     """The reward sources' checks, in one place (launch.py, PPOTrainer and the reward actor
-    call it): at least one source, every reward function imports (a verifier's URL is well
+    call it): at least one source (an `environment`'s reward counts as one), every reward function imports (a verifier's URL is well
     formed: nothing is sent), the reward model is one (check_reward_model: its config.json, no
     weights loaded), and reward_weights, when given, has one weight per source (reward model
     first, then reward_funcs). Returns the functions as (spec, fn) in config order (verifiers
     built with `verifier_options`); raises RewardError naming the bad source."""
-    if reward_model_name is None and not reward_funcs:
-        raise RewardError("no reward source: set reward_model_name and/or reward_funcs in the config")
+    if reward_model_name is None and not reward_funcs and environment is None:
+        raise RewardError("no reward source: set reward_model_name, reward_funcs and/or environment in the config")
     funcs = [(spec, import_reward_fn(spec, **verifier_options)) for spec in reward_funcs]
     if reward_model_name is not None:
         check_reward_model(reward_model_name)

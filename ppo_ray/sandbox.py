@@ -10,14 +10,20 @@ caller's, so no token or key in os.environ reaches the code) and this process tr
      +- supervisor          `python -I -S <this file> supervise <config>`: sets up the isolation,
          |                   keeps the wall-clock limit, reports how the code ended on a status pipe
          +- [init]           namespace mode only: pid 1 of the new PID namespace
-             +- worker      `python -I -S -B -u -c <_BOOTSTRAP>`: rlimits set, the audit hook
-                             installed, then main.py executed as __main__
+             +- worker      `PYTHONHASHSEED=0 python -s -S -B -u -c <_BOOTSTRAP>`: rlimits set, the
+                             audit hook installed, then main.py executed as __main__
 
--I (isolated: no PYTHON* variables, no user site, no script dir on sys.path) and -S (no site:
-the worker sees the standard library only, never the caller's site-packages; main.py's own
-directory is put on sys.path, as `python main.py` would). -I ignores PYTHONHASHSEED, so str
-hashes (set order) vary between calls. The code reaches the worker as a file; the caller never
-evaluates it.
+The supervisor runs under -I (isolated: no PYTHON* variables, no user site, no script dir on
+sys.path) and -S (no site: the standard library only, never the caller's site-packages). The
+worker gets the same isolation by other means, because -I also ignores PYTHONHASHSEED: str
+hashes, and so the order a set of strings prints in, would differ from call to call, and an
+environment that replays a tool call (a worker rebuilt after a restart) must see the same
+output. Its environment is the minimal one above plus PYTHONHASHSEED=0 (built here, so none of
+the caller's PYTHON* variables can reach it; the bootstrap removes the variable from
+os.environ, so the code sees only the four), -s (no user site), -S, and the bootstrap drops
+the cwd entry that -c puts first on sys.path (what -I's -P does; Python 3.10 has no -P).
+main.py's own directory is put on sys.path, as `python main.py` would. The code reaches the
+worker as a file; the caller never evaluates it.
 
 Two isolation modes; isolation_available() probes once per process which one this machine
 allows (the namespace mode, run on a trivial program, must start this same interpreter).
@@ -98,10 +104,11 @@ _DIR_BYTES = 64 * 1024 ** 2  # RLIMIT_FSIZE, and the size of the namespace mode'
 _MASK_BYTES = 1024 ** 2      # each tmpfs over /tmp, /var/tmp, /dev/shm in the namespace mode
 _GRACE_S = 3.0               # beyond wall_s: the caller's backstop over the supervisor's own limit
 _NS_OVERHEAD = 2             # processes in the user namespace's count besides the code's: supervisor, init
-_DIR_PREFIX = "ppo-ray-sandbox-"
+DIR_PREFIX = "ppo-ray-sandbox-"
 _CHUNK = 65536
 _TAIL = 512                  # bytes of stderr's end kept to recognise a MemoryError
 _PATH = "/usr/local/bin:/usr/bin:/bin"
+_HASH_SEED = "0"             # the worker's PYTHONHASHSEED: the same str hashes (set order) in every call
 
 
 @dataclass(frozen=True)
@@ -247,7 +254,7 @@ def _python_roots() -> list[str]:
 
 def _run(code: str, limits: SandboxLimits, stdin: str, mode: str, uid: Optional[int], audit: bool) -> SandboxResult:
     started = time.monotonic()
-    directory = os.path.realpath(tempfile.mkdtemp(prefix=_DIR_PREFIX))
+    directory = os.path.realpath(tempfile.mkdtemp(prefix=DIR_PREFIX))
     proc = None
     try:
         code_path = os.path.join(directory, "main.py")
@@ -660,9 +667,11 @@ def _spawn_worker(cfg: dict, libc: Optional[_Libc], nproc: Optional[int]) -> int
             resource.setrlimit(which, value)
         if libc is not None:
             libc.prctl(PR_SET_NO_NEW_PRIVS, 1)
-        argv = [cfg["exe"], "-I", "-S", "-B", "-u", "-c", _BOOTSTRAP, cfg["dir"], str(cfg["max_processes"]),
+        # not -I: it ignores PYTHONHASHSEED (the module doc); the environment is ours alone, -s and
+        # the bootstrap do the rest of what -I would
+        argv = [cfg["exe"], "-s", "-S", "-B", "-u", "-c", _BOOTSTRAP, cfg["dir"], str(cfg["max_processes"]),
                 "1" if cfg["audit"] else "0"]
-        os.execve(cfg["exe"], argv, cfg["env"])
+        os.execve(cfg["exe"], argv, {**cfg["env"], "PYTHONHASHSEED": _HASH_SEED})
     except BaseException as e:  # noqa: BLE001 - the forked child never returns into the supervisor
         try:
             _report(cfg, setup_error=f"starting the interpreter {cfg['exe']}: {type(e).__name__}: {e}")
@@ -672,10 +681,14 @@ def _spawn_worker(cfg: dict, libc: Optional[_Libc], nproc: Optional[int]) -> int
 
 
 # ----------------------------------------------------------------------------- the worker's bootstrap
-# `python -I -S -B -u -c _BOOTSTRAP <dir> <max_processes> <audit 0/1>`: installs the audit hook
-# (the module doc), then runs <dir>/main.py as __main__. Self-contained, standard library only.
+# `PYTHONHASHSEED=0 python -s -S -B -u -c _BOOTSTRAP <dir> <max_processes> <audit 0/1>`: installs the
+# audit hook (the module doc), then runs <dir>/main.py as __main__. Self-contained, standard library only.
 _BOOTSTRAP = r'''
 import os, sys
+
+if sys.path[:1] == [""]:  # -c's cwd entry, before anything is imported (-I's -P, without -I)
+    del sys.path[0]
+os.environ.pop("PYTHONHASHSEED", None)  # read at startup; the code sees only the minimal environment
 
 
 def _guard(home, cap):

@@ -47,7 +47,9 @@ class GenerateRequest:
     prompt_offset: the global index of the call's first prompt; version: the adapter version
     the replica must hold (StateLostError otherwise; None: its newest); samples_per_prompt:
     contiguous samples per prompt; segment_versions / segment_tokens: a partial rollout's
-    versions and segment length; greedy: argmax decoding, for evaluation only."""
+    versions and segment length; greedy: argmax decoding, for evaluation only; rows: with an
+    environment (config.environment), each prompt's dataset row, which its episodes' environments
+    are reset with (Generator.generate_episodes); None without one."""
 
     step: int
     prompt_offset: int = 0
@@ -56,14 +58,75 @@ class GenerateRequest:
     segment_versions: Optional[tuple[int, ...]] = None
     segment_tokens: int = 0
     greedy: bool = False
+    rows: Optional[tuple[dict, ...]] = None
 
-    def part(self, start: int) -> "GenerateRequest":
-        """The request of a replica's chunk that starts `start` prompts into the call's."""
-        return dataclasses.replace(self, prompt_offset=self.prompt_offset + start)
+    def part(self, start: int, end: Optional[int] = None) -> "GenerateRequest":
+        """The request of a replica's chunk of prompts [start, end) of the call's."""
+        rows = None if self.rows is None else self.rows[start:end]
+        return dataclasses.replace(self, prompt_offset=self.prompt_offset + start, rows=rows)
 
     def options(self) -> dict[str, Any]:
-        """Generator.generate's keyword arguments."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Generator.generate's keyword arguments (the sampling options; rows go to
+        generate_episodes only)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "rows"}
+
+
+@dataclass(frozen=True)
+class EpisodeSummary:
+    """One multi-turn episode as the driver sees it (ppo_ray.environments.Episode, small): its
+    environment score (the sum of its steps' rewards; NaN: failed and dropped), turns, tool calls
+    and errors, how it ended, the environment's seconds and tokens, and the transcript's segments
+    ("model" | "env", text) for samples.md and report.html."""
+
+    score: float
+    turns: int
+    tool_calls: int
+    tool_errors: int
+    end: str                                  # "done", "eos", "max_turns", "budget", "failed"
+    failure: str = ""                         # end "failed": "timeout" or "exception"
+    env_seconds: float = 0.0
+    env_tokens: int = 0
+    model_tokens: int = 0
+    segments: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, ep, score: float) -> "EpisodeSummary":
+        """From an ppo_ray.environments.Episode, with the score the failure policy gave it."""
+        env_tokens = sum(ep.env)
+        return cls(score=score, turns=ep.turns, tool_calls=ep.tool_calls, tool_errors=ep.tool_errors, end=ep.end,
+                   failure=ep.failure, env_seconds=ep.env_seconds, env_tokens=env_tokens,
+                   model_tokens=len(ep.ids) - env_tokens, segments=tuple(tuple(s) for s in ep.segments))
+
+
+@dataclass(frozen=True)
+class EpisodeStats:
+    """A step's episodes in numbers (means over the episodes; rates over them): what the step's
+    line, metrics.jsonl and Prometheus show (ppo_ray.driver.metrics)."""
+
+    turns_mean: float
+    tool_calls_mean: float       # tool calls per episode
+    tool_call_rate: float        # the share of episodes with at least one tool call
+    tool_errors: float           # in all
+    timeouts: float              # episodes whose environment call ran past env_timeout_s
+    exceptions: float            # episodes whose environment raised or broke the contract
+    env_seconds: float           # the environment's own seconds, summed over the episodes
+    env_token_frac: float        # environment tokens / all response tokens
+
+    @classmethod
+    def of(cls, episodes: Sequence[EpisodeSummary]) -> "EpisodeStats":
+        n = max(len(episodes), 1)
+        tokens = sum(e.env_tokens + e.model_tokens for e in episodes)
+        return cls(turns_mean=sum(e.turns for e in episodes) / n,
+                   tool_calls_mean=sum(e.tool_calls for e in episodes) / n,
+                   tool_call_rate=sum(e.tool_calls > 0 for e in episodes) / n,
+                   tool_errors=float(sum(e.tool_errors for e in episodes)),
+                   timeouts=float(sum(e.failure == "timeout" for e in episodes)),
+                   exceptions=float(sum(e.end == "failed" and e.failure != "timeout" for e in episodes)),
+                   env_seconds=sum(e.env_seconds for e in episodes),
+                   env_token_frac=sum(e.env_tokens for e in episodes) / tokens if tokens else 0.0)
+
+    def as_dict(self) -> dict[str, float]:
+        return {f"episode_{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 @dataclass(frozen=True)
@@ -79,13 +142,17 @@ class GenerationSummary:
     # per rollout, its group id (RolloutBatch.groups: rows of one id are one prompt's samples);
     # what dynamic sampling's filter reads beside the scores. Empty: the batch has none
     groups: list[int] = dataclasses.field(default_factory=list)
+    # multi-turn: each rollout's episode (its row's); None: single-turn rollouts
+    episodes: Optional[list[EpisodeSummary]] = None
 
     @classmethod
-    def of(cls, batch: "RolloutBatch", seconds: float) -> "GenerationSummary":
+    def of(cls, batch: "RolloutBatch", seconds: float,
+           episodes: Optional[list[EpisodeSummary]] = None) -> "GenerationSummary":
         return cls(texts=list(batch.responses), finish_reasons=list(batch.finish_reasons),
                    lengths=batch.response_mask.sum(dim=1).tolist(),  # (B,)
                    version=int(batch.adapter_version), seconds=seconds,
-                   groups=[] if batch.groups is None else batch.groups.tolist())  # (B,)
+                   groups=[] if batch.groups is None else batch.groups.tolist(),  # (B,)
+                   episodes=episodes)
 
     @classmethod
     def join(cls, parts: Sequence["GenerationSummary"]) -> "GenerationSummary":
@@ -98,7 +165,8 @@ class GenerationSummary:
         return cls(texts=[t for p in parts for t in p.texts],
                    finish_reasons=[f for p in parts for f in p.finish_reasons],
                    lengths=[n for p in parts for n in p.lengths], version=versions[0],
-                   seconds=max(p.seconds for p in parts), groups=[g for p in parts for g in p.groups])
+                   seconds=max(p.seconds for p in parts), groups=[g for p in parts for g in p.groups],
+                   episodes=None if parts[0].episodes is None else [e for p in parts for e in p.episodes])
 
     def select(self, rows: Sequence[int]) -> "GenerationSummary":
         """Rows `rows` (in that order), seconds unchanged: the rows a step trains on
@@ -106,7 +174,8 @@ class GenerationSummary:
         return dataclasses.replace(self, texts=[self.texts[i] for i in rows],
                                    finish_reasons=[self.finish_reasons[i] for i in rows],
                                    lengths=[self.lengths[i] for i in rows],
-                                   groups=[self.groups[i] for i in rows] if self.groups else [])
+                                   groups=[self.groups[i] for i in rows] if self.groups else [],
+                                   episodes=None if self.episodes is None else [self.episodes[i] for i in rows])
 
 
 @dataclass(frozen=True)
@@ -192,6 +261,7 @@ class Responses:
     version: int                      # the adapter version that sampled them
     rewards: Optional[list[float]] = None  # the reward actor's score per response (generate(score=True))
     held_out: Optional["AttributionRows"] = None  # generate(attribute=rows): those rows per token (ppo_ray.attribution)
+    episodes: Optional[list[EpisodeSummary]] = None  # multi-turn (config.environment): each response's episode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -333,6 +403,10 @@ class StepResult(Mapping):
     # dynamic_sampling: every rollout's score the step generated (every round's); None without
     # it, where the rollouts trained on are all the step generated
     generated_rewards: Optional[list[float]] = None
+    # multi-turn (config.environment): the step's episodes in numbers, and each rollout's
+    # transcript as ("model" | "env", text) segments; None without an environment
+    episodes: Optional[EpisodeStats] = None
+    transcripts: Optional[list[list[tuple[str, str]]]] = None
     extra: dict[str, Any] = field(default_factory=dict)  # evaluations merged in by train()
 
     @property
@@ -420,6 +494,8 @@ class StepResult(Mapping):
             "learner_mfu": self.learner_mfu,
             "queue_depth": self.queue_depth,
             **(self.dynamic_sampling.as_dict() if self.dynamic_sampling is not None else {}),
+            **(self.episodes.as_dict() if self.episodes is not None else {}),
+            **({"transcripts": self.transcripts} if self.transcripts is not None else {}),
             "response_tokens": self.response_tokens,
             "response_lengths": self.response_lengths,
             "response_length_mean": self.response_length_mean,

@@ -8,8 +8,8 @@ Prompts are strings, or rows: dicts whose config.prompt_column ("prompt") holds 
 whose other keys are the dataset's columns (ppo_ray.data.prompt_rows). The driver keeps the
 rows; each score call takes its prompts' values of the columns the reward functions take
 (ppo_ray.data.PromptColumns, one entry per prompt, found on the reward side by the batch's
-group ids), so they reach fn(prompts, completions, **columns) and never the generators or the
-learner. A batch's columns follow its drawn prompts, so a retried or resumed step gets the same.
+group ids), so they reach fn(prompts, completions, **columns) and never the learner (nor the
+generators, except with an environment, whose episodes are reset with the whole row). A batch's columns follow its drawn prompts, so a retried or resumed step gets the same.
 
 Data between actors travels as ObjectRefs; the driver pulls only small things (texts,
 B scores, stats). The generator reports the adapter version it sampled with and the
@@ -51,11 +51,12 @@ from ppo_ray.config import PPOConfig
 from ppo_ray.driver.creation import ModelDirs, create_roles
 from ppo_ray.data import PromptCursor, check_chat_template
 from ppo_ray.driver.eval_samples import evaluate_step
+from ppo_ray.environments import load_environment
 from ppo_ray.driver.hosts import HOSTS
 from ppo_ray.driver.inflight import Committed, Pipeline, Rollouts, pick_groups
 from ppo_ray.driver.metrics import TrainingMetrics
 from ppo_ray.modeling import load_tokenizer
-from ppo_ray.driver.prompt_feed import PromptFeed
+from ppo_ray.driver.prompt_feed import PromptFeed, env_rows
 from ppo_ray.rewards import check_reward_sources, guarded_calls
 from ppo_ray.driver.roles import (EXIT_TIMEOUT_S, RETRYABLE, SAMPLING_SEED_STEP, Generation, Roles,
                            role_names)
@@ -85,7 +86,9 @@ class PPOTrainer:
         # Everything that can fail cheaply fails before any actor starts.
         # the reward sources (RewardError naming one): its config.json refuses a causal LM here
         reward_fns = check_reward_sources(config.reward_model_name, config.reward_funcs, config.reward_weights,
-                                          proxy=config.reward_verifier_proxy)
+                                          environment=config.environment, proxy=config.reward_verifier_proxy)
+        if config.environment is not None:  # it imports, and has reset and step (EnvError naming it)
+            load_environment(config.environment)
         self.model_dir, self.ref_model_dir, self.reward_model_dir, self.value_model_dir = ModelDirs.of(config)
         self.tokenizer = load_tokenizer(self.model_dir)
         if config.apply_chat_template:
@@ -115,7 +118,8 @@ class PPOTrainer:
         self.metrics = TrainingMetrics(run=self.namespace, roles=role_names(config.num_generators, config.num_learners),
                                        lora_sync=config.lora_sync_mode,
                                        reward_failures=guarded_calls(config.reward_workers, config.reward_failure,
-                                                                     config.reward_funcs))
+                                                                     config.reward_funcs),
+                                       env_failures=config.environment is not None)
         log.info("run tag %s (actors %s/<role>, their Ray namespace, Prometheus label run=\"%s\")",
                  self.namespace, self.namespace, self.namespace)
         self.roles: Roles = create_roles(
@@ -302,7 +306,7 @@ class PPOTrainer:
         reference computes (Responses.held_out, ppo_ray.attribution)."""
         rows = self.feed.rows(prompts)
         prompt_ids = self.feed.encode(rows.texts)
-        columns = self.feed.columns(rows, first=index_offset) if score else None
+        columns = self.feed.columns(rows, first=index_offset) if score or self.config.environment else None
         kept: list[Optional[Generation]] = [None]
 
         def attempt(_) -> Responses:
@@ -311,7 +315,8 @@ class PPOTrainer:
             # samples the base model)
             if not self.roles.intact(kept[0]):
                 kept[0] = self.roles.generate(prompt_ids, GenerateRequest(
-                    seed_step, index_offset, self.version, samples_per_prompt=samples_per_prompt, greedy=greedy))
+                    seed_step, index_offset, self.version, samples_per_prompt=samples_per_prompt, greedy=greedy,
+                    rows=env_rows(self.config, columns)))
             generation = kept[0]
             generated = GenerationSummary.join(self.roles.fetch(generation.summaries))
             rewards = None
@@ -321,7 +326,8 @@ class PPOTrainer:
             held = None
             if attribute:
                 held = self.roles.fetch(self.roles.held_out(generation.parts, list(attribute), self.config.kl_estimator))
-            return Responses(generated.texts, generated.finish_reasons, generated.version, rewards, held)
+            return Responses(generated.texts, generated.finish_reasons, generated.version, rewards, held,
+                             generated.episodes)
 
         return self.supervisor.run(attempt, where="evaluation", step=self.step, recover=self._back_to_committed)
 

@@ -17,7 +17,11 @@ conftest.py; tests/test_tests.py checks it). Fixtures are in conftest.py.
 * a typed step to write and read: ``learner_stats``, ``step_result``;
 * the Ray tests: ``on_actor``, a resume compared with the straight run (``steps_of``, ...),
   a fault case's run and its comparison (``fault_run``, ``assert_same_fault_run``);
-* stand-ins for the supervisor's roles and metrics: ``FakeRoles``, ``FakeMetrics``.
+* stand-ins for the supervisor's roles and metrics: ``FakeRoles``, ``FakeMetrics``;
+* untrusted code's hostile cases (the sandbox's and the code tool's tests): the host left as it was
+  (``sandbox_processes``, ``assert_no_leftovers``, ``rss_bytes``), a server on 127.0.0.1 that
+  counts its connections (``tcp_server``), places any uid may write or read (``world_writable_dir``,
+  ``world_readable_secret``).
 
 The topic modules beside it: tolerances.py (the equality tests' tolerances), exact.py (exact
 comparisons of runs), fault_injection.py and mismatch.py (the fault and mismatch injections, which
@@ -29,6 +33,7 @@ cluster_scenario.py (a script the cluster test runs as its own process).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -39,8 +44,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -736,3 +744,100 @@ def assert_attribution(run_dir: Path, steps: list[int], rows: int, critic: bool,
     assert "<h2>Token attribution</h2>" in page and 'id="attr-kl"' in page
     shown = last + [x for x in every if x["held_out"] and x["step"] == steps[-1]]
     assert page.count('<span class="tok') == sum(len(x["action_id"]) for x in shown)
+
+
+# ------------------------------------------------------------------ untrusted code (ppo_ray.sandbox)
+def sandbox_processes() -> set[int]:
+    """Live processes of any sandbox: the supervisor's or the worker's command line names its directory."""
+    found = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"ppo-ray-sandbox-" in cmdline:
+                found.add(int(name))
+    return found
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = Path(f"/proc/{name}/stat").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(b")", 1)[1].split()[1]) == pid:
+                found.append(int(name))
+    return found
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def assert_no_leftovers(before: set[int]) -> None:
+    """No sandbox process but those in `before`, and no child of this process."""
+    deadline = time.monotonic() + 2.0  # SIGKILLed processes may take a moment to be gone
+    while (sandbox_processes() - before or children_of(os.getpid())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sandbox_processes() - before == set()
+    assert children_of(os.getpid()) == []
+
+
+@contextlib.contextmanager
+def tcp_server() -> Iterator[tuple[int, list]]:
+    """A TCP server on 127.0.0.1 accepting in a thread: yields (its port, the connections it
+    accepted, a list that grows as it accepts); stopped and closed on exit."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(0.1)
+    port, accepted, stop = server.getsockname()[1], [], threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept())
+            except OSError:  # socket.timeout: look at stop again
+                continue
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield port, accepted
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        server.close()
+
+
+@contextlib.contextmanager
+def world_writable_dir() -> Iterator[Path]:
+    """An empty directory any uid may write to (only the sandbox, not file modes, keeps code out);
+    removed with what is in it on exit."""
+    directory = Path(tempfile.mkdtemp(prefix="test-sandbox-outside-"))
+    directory.chmod(0o777)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def world_readable_secret(secret: str) -> Iterator[Path]:
+    """A file holding `secret` that any uid may read, in a directory any uid may list (a run
+    directory as a careless umask leaves it); removed on exit."""
+    path = Path(tempfile.mkdtemp(prefix="test-sandbox-run-")) / "secret.txt"
+    path.parent.chmod(0o755)
+    path.write_text(secret)
+    path.chmod(0o644)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path.parent, ignore_errors=True)

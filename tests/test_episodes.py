@@ -69,7 +69,7 @@ LIMITS = EpisodeLimits(max_turns=3, max_episode_tokens=48, max_turn_tokens=5)
 
 
 def test_an_episode_is_the_sampled_ids_and_each_observation_tokenised_once(generator, tokenizer, hf_model):
-    batch, episodes = generator.generate_episodes(PROMPTS[:4], ROWS, step=1, environment=f"{__name__}:Echo",
+    batch, episodes = generator.generate_episodes(PROMPTS[:4], rows=ROWS, step=1, environment=f"{__name__}:Echo",
                                                   limits=LIMITS)
     assert len(batch) == 4 and batch.env_mask is not None
     for i, (ep, row) in enumerate(zip(episodes, ROWS)):
@@ -108,11 +108,11 @@ def test_an_episode_is_the_sampled_ids_and_each_observation_tokenised_once(gener
 
 def test_episodes_replay_by_step_and_each_sample_is_its_own(generator):
     env = f"{__name__}:Echo"
-    a, _ = generator.generate_episodes(PROMPTS[:2], ROWS[:2], step=3, environment=env, limits=LIMITS,
+    a, _ = generator.generate_episodes(PROMPTS[:2], rows=ROWS[:2], step=3, environment=env, limits=LIMITS,
                                        samples_per_prompt=2)
-    b, _ = generator.generate_episodes(PROMPTS[:2], ROWS[:2], step=3, environment=env, limits=LIMITS,
+    b, _ = generator.generate_episodes(PROMPTS[:2], rows=ROWS[:2], step=3, environment=env, limits=LIMITS,
                                        samples_per_prompt=2)
-    c, _ = generator.generate_episodes(PROMPTS[:2], ROWS[:2], step=4, environment=env, limits=LIMITS,
+    c, _ = generator.generate_episodes(PROMPTS[:2], rows=ROWS[:2], step=4, environment=env, limits=LIMITS,
                                        samples_per_prompt=2)
     assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.gen_logprobs, b.gen_logprobs)
     assert a.groups.tolist() == [0, 0, 1, 1]
@@ -124,13 +124,13 @@ def test_a_stop_string_ends_the_model_turn_and_stays_in_its_action(generator, to
     """The stop string: a character the same turn samples without it (same seed, so the same
     tokens up to it)."""
     one = EpisodeLimits(max_turns=1, max_episode_tokens=48, max_turn_tokens=12)
-    _, free = generator.generate_episodes(PROMPTS[:1], [{"tag": "s"}], step=7, environment=f"{__name__}:Record",
+    _, free = generator.generate_episodes(PROMPTS[:1], rows=[{"tag": "s"}], step=7, environment=f"{__name__}:Record",
                                           limits=one)
     text = free[0].segments[-1][1]
     stop = next(ch for ch in text[2:] if ch.strip())
     Record.actions.clear()
     stopped = EpisodeLimits(stop_strings=(stop,), max_turns=1, max_episode_tokens=48, max_turn_tokens=12)
-    _, eps = generator.generate_episodes(PROMPTS[:1], [{"tag": "s"}], step=7, environment=f"{__name__}:Record",
+    _, eps = generator.generate_episodes(PROMPTS[:1], rows=[{"tag": "s"}], step=7, environment=f"{__name__}:Record",
                                          limits=stopped)
     assert stop in Record.actions[0] and Record.actions[0].index(stop) >= len(Record.actions[0]) - len(stop) - 8
     assert eps[0].finish_reason == "stop_string" and len(eps[0].ids) <= len(free[0].ids)
@@ -138,8 +138,10 @@ def test_a_stop_string_ends_the_model_turn_and_stays_in_its_action(generator, to
 
 
 def test_an_environment_that_breaks_the_contract_is_named(generator):
-    with pytest.raises(EnvError, match=r"episode 0: the environment's step\(\) must return"):
-        generator.generate_episodes(PROMPTS[:1], ROWS[:1], step=1, environment=f"{__name__}:BadStep", limits=LIMITS)
+    with pytest.raises(EnvError, match=r"episode \S+/prompt-0/sample-0: the environment's step\(\) failed \(exception\): "
+                                        r"the environment's step\(\) must return"):
+        generator.generate_episodes(PROMPTS[:1], rows=ROWS[:1], step=1, environment=f"{__name__}:BadStep",
+                                    limits=LIMITS)
     with pytest.raises(EnvError, match="must be a registered name"):
         load_environment("no_such_env")
     with pytest.raises(EnvError, match="has no class 'Nope'"):
@@ -238,7 +240,7 @@ def test_the_learner_trains_on_generated_episodes_and_the_sync_check_passes_on_t
                       str(tiny_model_dir))
     kept = keep_experience(learner)
     n = 1 if estimator == "gae" else 2
-    batch, episodes = generator.generate_episodes(PROMPTS[:4 // n], ROWS[:4 // n], step=2,
+    batch, episodes = generator.generate_episodes(PROMPTS[:4 // n], rows=ROWS[:4 // n], step=2,
                                                   environment=f"{__name__}:Echo", limits=LIMITS, samples_per_prompt=n)
     assert batch.env_mask.any()
     gap = learner.sync_gap(batch)

@@ -37,15 +37,18 @@ def test_metric_name_replaces_what_prometheus_does_not_allow():
 def test_every_step_gauge_is_a_key_of_the_step_result():
     """A gauge whose key no step produces would never be set: every STEP_GAUGES key is in
     StepResult.as_dict() (the evaluation keys arrive through its `extra`, at evaluation steps)."""
-    from ppo_ray.stats import DynamicSampling
+    from ppo_ray.stats import DynamicSampling, EpisodeStats
     from helpers import step_result
 
     record = step_result().as_dict()
     dynamic = {"dynamic_sampling_rounds", "dynamic_sampling_kept_frac", "dynamic_sampling_filled"}
-    assert set(STEP_GAUGES) - set(record) == {"gold_val", "eval_reward_mean", *dynamic}
+    episodes = {"episode_turns_mean", "episode_tool_calls_mean", "episode_tool_call_rate", "episode_env_seconds",
+                "episode_env_token_frac"}  # with an environment (EpisodeStats)
+    assert set(STEP_GAUGES) - set(record) == {"gold_val", "eval_reward_mean", *dynamic, *episodes}
+    assert episodes <= set(step_result(episodes=EpisodeStats.of([])).as_dict())
     # dynamic sampling's keys come with its stats (config dynamic_sampling), and are gauges
     record = step_result(dynamic_sampling=DynamicSampling(rounds=2, kept_frac=0.625, filled=0)).as_dict()
-    assert set(STEP_GAUGES) - set(record) == {"gold_val", "eval_reward_mean"}
+    assert set(STEP_GAUGES) - set(record) == {"gold_val", "eval_reward_mean", *episodes}
     assert TrainingMetrics(run="unit").record_step({k: record[k] for k in dynamic}) == {
         "ppo_dynamic_sampling_rounds": 2.0, "ppo_dynamic_sampling_kept_frac": 0.625, "ppo_dynamic_sampling_filled": 0.0}
 

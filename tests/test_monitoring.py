@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from helpers import read_events, text_at
-from ppo_ray.driver.metrics import GAP_COUNTER, PHASE_GAUGE, RETRY_COUNTER, STEP_GAUGES, metric_name
+from ppo_ray.driver.metrics import (ENV_FAILURE_COUNTER, GAP_COUNTER, PHASE_GAUGE, REWARD_FAILURE_COUNTER, RETRY_COUNTER,
+                                    STEP_GAUGES, metric_name)
 from ppo_ray.tracking import read_run_file, scalars
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +107,8 @@ def test_actor_calls_are_labelled_by_their_seed_step():
 def exported_metrics() -> set[str]:
     """Every series name the driver exports (Ray adds ray_; counters get _total)."""
     names = {f"ray_{metric_name(key)}" for key in STEP_GAUGES}
-    return names | {f"ray_{PHASE_GAUGE}", f"ray_{RETRY_COUNTER}_total", f"ray_{GAP_COUNTER}_total"}
+    return names | {f"ray_{PHASE_GAUGE}", f"ray_{RETRY_COUNTER}_total", f"ray_{GAP_COUNTER}_total",
+                    f"ray_{REWARD_FAILURE_COUNTER}_total", f"ray_{ENV_FAILURE_COUNTER}_total"}
 
 
 def ray_dashboard_filters() -> set[str]:

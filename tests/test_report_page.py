@@ -189,6 +189,26 @@ def test_a_plain_ppo_runs_curves_are_drawn_from_its_metrics(tmp_path):
     assert "<h3>Eval samples at step 4</h3>" in text and SCRIPT in page.cells and SCRIPT not in text
 
 
+def test_a_multi_turn_runs_transcripts_mark_the_models_and_the_environments_turns(tmp_path):
+    """Eval samples and the last step's episodes as whole transcripts: each turn a marked span
+    (model / env), every text escaped (a tool's output holding <script> shows as text)."""
+    run = tmp_path / "run"
+    plain_run(run)
+    segments = [["model", "<calc>3*4</calc>"], ["env", f"<out>12</out>{SCRIPT}"], ["model", "12"]]
+    (run / "episodes.jsonl").write_text(json.dumps({"step": 4, "index": 0, "reward": 1.0, "transcript": segments})
+                                        + "\n")
+    samples = [json.loads(line) for line in (run / "eval_samples.jsonl").read_text().splitlines()]
+    samples[-1].update(transcript=segments)
+    (run / "eval_samples.jsonl").write_text("".join(json.dumps(line) + "\n" for line in samples))
+    page = Page(write_report_page(run).read_text())
+    check_self_contained(page)
+    text = (run / "report.html").read_text()
+    marked = ('<span class="turn model" title="model turn">&lt;calc&gt;3*4&lt;/calc&gt;</span>'
+              '<span class="turn env" title="env turn">&lt;out&gt;12&lt;/out&gt;')
+    assert text.count(marked) == 2  # the eval sample's and the step's episode
+    assert "<h3>Episodes of step 4</h3>" in text and SCRIPT not in text
+
+
 def test_a_partial_or_damaged_run_directory_still_gets_a_page(tmp_path):
     # only the config and a finished SFT stage: no report, metrics, samples or curves
     run = tmp_path / "partial"

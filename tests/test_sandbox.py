@@ -13,21 +13,23 @@ runs in every mode this machine allows:
 - "fallback": rlimits, the supervisor and the audit hook only (the private _force_fallback=True),
   as on a machine without user namespaces.
 
-Plus: ordinary code, stdin, the output cap, cleanup of the directory, SandboxLimits' checks.
+Plus: ordinary code, stdin, the output cap, cleanup of the directory, the same output for the same
+code (a fixed str hash seed), SandboxLimits' checks. The helpers that tell the host is as it was
+are in tests/helpers.py (the code tool's tests use them too).
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from helpers import (assert_no_leftovers, rss_bytes, sandbox_processes, tcp_server, world_readable_secret,
+                     world_writable_dir)
 from ppo_ray.sandbox import SandboxLimits, SandboxResult, isolation_available, run_python
 
 MODES = ("namespaces", "kernel-only", "fallback")
@@ -50,48 +52,6 @@ def sandbox(request):
 
     call.mode = mode
     return call
-
-
-def sandbox_processes() -> set[int]:
-    """Live processes of any sandbox: the supervisor's or the worker's command line names its directory."""
-    found = set()
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"ppo-ray-sandbox-" in cmdline:
-                found.add(int(name))
-    return found
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                stat = Path(f"/proc/{name}/stat").read_bytes()
-            except OSError:
-                continue
-            if int(stat.rsplit(b")", 1)[1].split()[1]) == pid:
-                found.append(int(name))
-    return found
-
-
-def rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
-
-
-def assert_no_leftovers(before: set[int]) -> None:
-    deadline = time.monotonic() + 2.0  # SIGKILLed processes may take a moment to be gone
-    while (sandbox_processes() - before or children_of(os.getpid())) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert sandbox_processes() - before == set()
-    assert children_of(os.getpid()) == []
 
 
 # ----------------------------------------------------------------------------- ordinary code
@@ -138,6 +98,17 @@ def test_the_directory_is_fresh_private_and_removed(sandbox):
     first, second = sandbox(code), sandbox(code)
     assert first.stdout == second.stdout == "True ['main.py']\nkept?\n"  # nothing of the first call in the second
     assert set(Path(tempfile.gettempdir()).glob("ppo-ray-sandbox-*")) == before
+
+
+def test_the_same_code_prints_the_same_in_every_call(sandbox):
+    """The worker's str hash seed is fixed (-I would ignore PYTHONHASHSEED): a set of strings prints in
+    one order, which a replayed tool call relies on. The code still sees only its four variables,
+    and no cwd entry ('') on sys.path."""
+    code = ("import os, sys\nprint({'apple', 'banana', 'cherry', 'date'}, hash('x'))\n"
+            "print(sorted(os.environ))\nprint('' in sys.path)")
+    first, second = sandbox(code), sandbox(code)
+    assert first.error is None and first.stdout == second.stdout, (first, second)
+    assert first.stdout.splitlines()[1:] == ["['HOME', 'LANG', 'PATH', 'TMPDIR']", "False"]
 
 
 # ----------------------------------------------------------------------------- hostile code
@@ -188,45 +159,19 @@ def test_an_8_gib_allocation_fails_without_touching_the_host(sandbox):
 
 
 def test_no_connection_to_a_server_on_127_0_0_1(sandbox):
-    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    server.bind(("127.0.0.1", 0))
-    server.listen(8)
-    server.settimeout(0.1)
-    port, accepted, stop = server.getsockname()[1], [], threading.Event()
-
-    def serve():
-        while not stop.is_set():
-            try:
-                accepted.append(server.accept())
-            except OSError:  # socket.timeout: look at stop again
-                continue
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
+    with tcp_server() as (port, accepted):
         code = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
                 "s.sendall(b'hello')\nprint('connected')")
         result = sandbox(code)
         udp = sandbox(f"import socket\nudp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
                       f"udp.sendto(b'x', ('127.0.0.1', {port}))\nprint('sent')")
-    finally:
-        stop.set()
-        thread.join(timeout=5)
-        server.close()
     assert "connected" not in result.stdout and result.error == "exit code 1", result
     assert "sent" not in udp.stdout and udp.error == "exit code 1", udp
     assert accepted == []
 
 
-def _world_writable_dir() -> Path:
-    directory = Path(tempfile.mkdtemp(prefix="test-sandbox-outside-"))
-    directory.chmod(0o777)  # writable for any uid: only the sandbox, not file modes, keeps the code out
-    return directory
-
-
 def test_no_write_outside_its_directory(sandbox, tmp_path):
-    shared = _world_writable_dir()
-    try:
+    with world_writable_dir() as shared:
         targets = [tmp_path / "escape.txt", shared / "escape.txt"]
         for target in targets:
             code = (f"import os\ntarget = {str(target)!r}\nopen('mine.txt', 'w').write('x')\n"
@@ -239,10 +184,6 @@ def test_no_write_outside_its_directory(sandbox, tmp_path):
             assert result.error == "exit code 1" and "Error" in result.stderr, result
             assert not target.exists()
         assert sorted(p.name for p in shared.iterdir()) == []
-    finally:
-        for path in shared.iterdir():
-            path.unlink()
-        shared.rmdir()
 
 
 def test_no_read_of_a_run_directory(sandbox, tmp_path):
@@ -250,20 +191,13 @@ def test_no_read_of_a_run_directory(sandbox, tmp_path):
     private = tmp_path / "run" / "secret.txt"
     private.parent.mkdir()
     private.write_text(secret)
-    readable = Path(tempfile.mkdtemp(prefix="test-sandbox-run-")) / "secret.txt"
-    readable.parent.chmod(0o755)
-    readable.write_text(secret)
-    readable.chmod(0o644)  # readable for any uid: only the sandbox keeps the code out
-    try:
+    with world_readable_secret(secret) as readable:  # readable for any uid: only the sandbox keeps the code out
         for path in (private, readable):
             code = (f"import os\npath = {str(path)!r}\ntry:\n    print(os.listdir(os.path.dirname(path)))\n"
                     "except OSError as e:\n    print(type(e).__name__)\nprint(open(path).read())")
             result = sandbox(code)
             assert secret not in result.observation(), result
             assert result.error == "exit code 1", result
-    finally:
-        readable.unlink()
-        readable.parent.rmdir()
 
 
 def test_the_callers_environment_does_not_reach_the_code(sandbox, monkeypatch):

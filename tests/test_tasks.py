@@ -148,7 +148,7 @@ def test_a_module_object_that_does_not_import_or_is_no_task_is_named(tmp_path, m
     cases = {"no_such_module_here:TASK": "cannot import module 'no_such_module_here'",
              "not_tasks:TASK": "module 'not_tasks' has no 'TASK'",
              "not_tasks:NUMBER": "int 3 is not a ppo_ray.tasks.base.Task",
-             "not_tasks:Bad": "a task has a reward-model stage ('rm') or a verifier, exactly one",
+             "not_tasks:Bad": "a task has a reward-model stage ('rm'), or a verifier and/or an environment",
              "not_tasks:Abstract": "Abstract() cannot be made: Can't instantiate abstract class",
              "not_tasks:NoSFT": "with no SFT stage the starting policy is the base model: set before_name",
              "not_tasks:RMFirst": "stages ('rm', 'ppo') must be ('ppo',) (RL from the base model) or start with"}

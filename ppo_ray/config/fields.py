@@ -114,6 +114,18 @@ REPORT_TO = ("tensorboard", "wandb")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+def environment_spec(spec: Optional[str]) -> Optional[str]:
+    """knob's rule for environment: a registered name (ppo_ray.environments; whether it is one is
+    checked where environments load) or "package.module:Class"."""
+    if spec is None:
+        return None
+    module, sep, attr = str(spec).partition(":")
+    if (not sep and re.fullmatch(r"[A-Za-z0-9_.-]+", module)) or \
+            (sep and all(p.isidentifier() for p in module.split(".")) and attr.isidentifier()):
+        return None
+    return "must be a registered environment's name or 'package.module:Class'"
+
+
 def reward_source(spec: str) -> Optional[str]:
     """knob's rule for a reward_funcs entry: "package.module:function" or a verifier's URL."""
     module, sep, func = spec.partition(":")
@@ -272,9 +284,9 @@ class PPOConfig:
     """Rows per call to a reward worker; 0 = the batch split evenly over the workers (ceil(batch / reward_workers) rows, one call per worker). Smaller chunks balance uneven rows and lose less to a failure (fewer rows to bisect), for more calls."""
     reward_timeout_s: float = knob(60.0, REWARDS, REWARD, check=at_least(0, strict=True))
     """Time limit in seconds of one reward-worker call and of one HTTP verifier call (connecting, sending, reading, retries and their waits); past it the call is a timeout that reward_failure decides about. Not applied to Python functions run inside the reward actor (reward_workers 0)."""
-    reward_failure: str = knob("error", REWARDS, REWARD, choices=("error", "score", "drop"))
-    """A reward call that raises, returns unusable values or times out: error (the step fails, naming the function and rows), score (its rows get reward_failure_score) or drop (NaN scores, masked out; needs nonfinite_reward: drop) (docs/RELIABILITY.md, "Reward functions that fail, hang or return NaN")."""
-    reward_failure_score: float = knob(0.0, REWARDS, REWARD, check=finite())
+    reward_failure: str = knob("error", REWARDS, REWARD, GENERATOR, choices=("error", "score", "drop"))
+    """A reward or environment call that raises, returns unusable values or times out: error (the step fails, naming it), score (its rows get reward_failure_score) or drop (NaN scores, masked out; needs nonfinite_reward: drop) (docs/RELIABILITY.md, "Reward functions that fail, hang or return NaN")."""
+    reward_failure_score: float = knob(0.0, REWARDS, REWARD, GENERATOR, check=finite())
     """reward_failure score only: the score of a row whose reward-function call failed (before reward_weights)."""
     reward_retry_calls: int = knob(16, REWARDS, REWARD, check=at_least(0))
     """reward_failure score or drop: the most extra calls per reward function and batch that bisect failed calls down to their failing rows (n rows need at most 2n - 2); when they run out, a failed call's rows all get the policy."""
@@ -443,6 +455,8 @@ class PPOConfig:
     """CPUs reserved per scorer actor (reference, reward); they are idle while others run."""
     scorer_num_gpus: float = knob(0.0, RESOURCES, gpu=True, check=at_least(0))
     """GPUs per scorer actor."""
+    env_worker_num_cpus: float = knob(0.0, RESOURCES, GENERATOR, check=at_least(0))
+    """CPUs each environment worker (env_workers) reserves; outside the run's placement group, like the reward workers."""
     reward_worker_num_cpus: float = knob(1.0, RESOURCES, REWARD, check=at_least(0))
     """CPUs each reward worker (reward_workers) reserves; they run outside the run's placement group, wherever Ray finds them (a worker that cannot start within placement_timeout_s fails the reward actor's start, naming this field)."""
     scorer_torch_threads: int = knob(0, RESOURCES, REFERENCE, REWARD, check=at_least(0, why=" (0 = auto)"))
@@ -457,7 +471,7 @@ class PPOConfig:
     """Custom Ray resources per learner actor (see generator_resources)."""
     scorer_resources: dict[str, float] = knob(fresh(dict), RESOURCES, check=custom_resources)
     """Custom Ray resources per scorer actor, reference and reward (see generator_resources)."""
-    placement_timeout_s: float = knob(60.0, RESOURCES, REWARD, check=at_least(0, strict=True, finite=False))
+    placement_timeout_s: float = knob(60.0, RESOURCES, REWARD, GENERATOR, check=at_least(0, strict=True, finite=False))
     """Seconds to wait for the cluster to reserve every actor's resources (and to start the reward workers); then a ClusterError names what did not fit."""
     max_staleness: int = knob(0, GENERATION, LEARNER, GENERATOR, check=within(0, MAX_STALENESS))
     """Bounded staleness: step t's rollouts are sampled with adapter version max(0, t - 1 - max_staleness), so generators sample ahead while the learner trains; 0 = the synchronous step (the seeds' loop). Above 1 needs lora_sync adapter or tensor (docs/CONFIG.md, "Bounded staleness and LoRA sync")."""
@@ -465,6 +479,18 @@ class PPOConfig:
     """Under max_staleness >= 2, what a response in flight does as newer adapter versions arrive: finish (sampled to its end with its batch's version) or continue (it moves to the next version every partial_rollout_tokens tokens) (docs/CONFIG.md, "Bounded staleness and LoRA sync")."""
     partial_rollout_tokens: int = knob(32, GENERATION, check=at_least(1))
     """partial_rollout continue: the tokens a response samples with one version before it moves on to the next."""
+    environment: Optional[str] = knob(None, GENERATION, GENERATOR, REWARD, must_match=True, check=environment_spec)
+    """A multi-turn environment, as a registered name or "package.module:Class" (reset(row, seed) -> str, step(action) -> (observation, reward, done)); each rollout is then an episode and its environment reward is added to the score (docs/ENVIRONMENTS.md). None = one response per prompt."""
+    env_max_turns: int = knob(4, GENERATION, GENERATOR, check=at_least(1))
+    """environment: the most model turns in an episode (an environment's own max_turns attribute wins)."""
+    env_max_episode_tokens: Optional[int] = knob(None, GENERATION, GENERATOR, check=at_least(1, null="max_new_tokens"))
+    """environment: the tokens of an episode after its prompt, the model's and the environment's; None = max_new_tokens (which bounds it)."""
+    env_max_turn_tokens: Optional[int] = knob(None, GENERATION, GENERATOR, check=at_least(1, null="max_new_tokens"))
+    """environment: the most tokens of one model turn; None = the episode's budget."""
+    env_workers: int = knob(2, GENERATION, GENERATOR, check=at_least(0))
+    """environment: Ray actors, started by each generator, that hold the episodes' environments, each call under env_timeout_s; 0 = in the generator's process, with no time limit of their own (docs/ENVIRONMENTS.md, "Environment workers")."""
+    env_timeout_s: float = knob(30.0, GENERATION, GENERATOR, check=at_least(0, strict=True))
+    """environment: the time limit of one reset or step on an environment worker; past it the worker is killed and replaced, and the episode fails (reward_failure decides)."""
     lora_sync: str = knob("auto", GENERATION, GENERATOR, choices=("auto", *LORA_SYNC_MODES))
     """How the generator loads each new LoRA: adapter (a vLLM LoRARequest per version, from a file), tensor (one from memory), merged (into the engine's weights) or auto (merged on the CPU, tensor where several versions stay alive, adapter on a GPU) (docs/CONFIG.md, "Bounded staleness and LoRA sync")."""
     vllm_kv_cache_gib: Optional[float] = knob(None, GENERATION, GENERATOR, check=at_least(0, strict=True, null="",
@@ -521,6 +547,13 @@ class PPOConfig:
                  f"{' or '.join(modes_with('dynamic_sampling_with_staleness'))} (got {self.lora_sync_mode}): a "
                  f"batch's extra rounds are sampled with its own adapter version, which {self.lora_sync_mode} weights "
                  "no longer hold once the next version is loaded")
+        need(self.env_max_episode_tokens is None or self.env_max_episode_tokens <= self.max_new_tokens,
+             "env_max_episode_tokens", f"must be <= max_new_tokens={self.max_new_tokens} (an episode's tokens "
+             "after its prompt are the response, which the engine's context holds)")
+        need(self.environment is None or self.partial_rollout == "finish", "partial_rollout",
+             "continue is not supported with an environment (an episode is sampled with one adapter version)")
+        need(self.environment is None or not self.dynamic_sampling, "dynamic_sampling",
+             "is not supported with an environment yet")
         limit = self.sync_capabilities.max_staleness_limit
         need(limit is None or self.max_staleness <= limit, "max_staleness",
              f"needs lora_sync {' or '.join(modes_with('several_versions'))} above {limit}: {self.lora_sync_mode} "

@@ -2,7 +2,8 @@
 user's evaluate(trainer, step), the eval samples (the first config.eval_samples of
 `eval_prompts`, sampled with the current policy at the same seeds every time and scored by the
 reward actor: eval_samples.jsonl, eval_reward_mean) and the token attribution of a few of the
-step's rollouts and of the samples (attribution.jsonl, ppo_ray.attribution)."""
+step's rollouts and of the samples (attribution.jsonl, ppo_ray.attribution); a multi-turn step's
+first episodes, whole transcripts (episodes.jsonl)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def evaluate_step(trainer, result: StepResult, evaluate, eval_prompts, runlog: R
         finite = [r["reward"] for r in rows if math.isfinite(r["reward"])]
         result.extra["eval_reward_mean"] = sum(finite) / len(finite) if finite else math.nan
         runlog.samples(result.step, rows)
+    if result.transcripts:  # a multi-turn step: its first episodes, whole
+        runlog.episodes(result, trainer.config.eval_samples)
     if shown:  # the step's rollouts and the held-out samples, per token
         runlog.attribution((trainer.attribution(pick_rows(trainer.config.batch_size, shown), result.step) or []) + held)
 
@@ -37,11 +40,17 @@ def eval_samples(trainer, prompts: list[str] | list[dict], step: int,
     """The current policy's responses to `prompts` (strings or rows: their columns go to the
     reward functions), scored by the reward actor. The same sampling seeds at every
     evaluation (common random numbers across steps). With them, the responses `attribute`
-    per token (their logprobs and KL_t: held-out samples have no advantage)."""
+    per token (their logprobs and KL_t: held-out samples have no advantage). With an environment
+    each sample also has its transcript ([role, text] segments, "model" | "env"), turns and tool
+    calls."""
     rows = trainer.feed.rows(prompts)
     out = trainer.generate(rows, seed_step=EVAL_SEED_STEP, score=True, attribute=attribute)
     held = [] if out.held_out is None else sa_pairs(out.held_out, trainer.tokenizer.decode, step)
     for h in held:
         h.score = out.rewards[h.row]
-    return ([{"step": step, "prompt": p, "response": t, "reward": r, "finish_reason": f}
-             for p, t, r, f in zip(rows.texts, out.texts, out.rewards, out.finish_reasons)], held)
+    samples = [{"step": step, "prompt": p, "response": t, "reward": r, "finish_reason": f}
+               for p, t, r, f in zip(rows.texts, out.texts, out.rewards, out.finish_reasons)]
+    for sample, episode in zip(samples, out.episodes or ()):  # multi-turn: the transcript, turns marked
+        sample.update(transcript=[list(seg) for seg in episode.segments], turns=episode.turns,
+                      tool_calls=episode.tool_calls)
+    return samples, held

@@ -21,10 +21,11 @@ from ppo_ray.batch import RolloutBatch, RowPick, gather
 from ppo_ray.config import ConfigSlice, PPOConfig
 from ppo_ray.faults import StateLostError
 from ppo_ray.logs import actor_logger, quiet_libraries
+from ppo_ray.driver.env_pool import EnvWorkerPool
 from ppo_ray.driver.reward_pool import RewardWorkerPool
 from ppo_ray.driver.roles import call_label
 from ppo_ray.driver.shipping import ShippedModel, local_model_dir
-from ppo_ray.stats import GenerateRequest, GenerationSummary, ReferenceStats, RewardStats, SyncReport
+from ppo_ray.stats import EpisodeSummary, GenerateRequest, GenerationSummary, ReferenceStats, RewardStats, SyncReport
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -77,16 +78,29 @@ class GeneratorHost(_Host):
         set_torch_threads()  # before the engine: vLLM's CPU worker then freezes torch.set_num_threads
         self.log = actor_logger(config.log_level)
         self.model_dir = local_model_dir(model_dir)
-        self.generator = Generator.from_config(config, self.model_dir)
+        # the environment's workers (env_workers > 0): Ray actors of this one's, which end with it
+        self.env_pool = EnvWorkerPool.from_config(config) if config.environment and config.env_workers else None
+        try:
+            self.generator = Generator.from_config(config, self.model_dir, env_runner=self.env_pool)
+        except BaseException:
+            if self.env_pool is not None:
+                self.env_pool.close()
+            raise
 
     @ray.method(num_returns=2)
     def generate(self, prompt_ids: list[list[int]],
                  request: GenerateRequest) -> tuple[RolloutBatch, GenerationSummary]:
-        """Generator.generate with the request's options (ppo_ray.stats.GenerateRequest)."""
+        """Generator.generate with the request's options (ppo_ray.stats.GenerateRequest); with an
+        environment, Generator.generate_episodes, the request's rows its environments'."""
         _check_version(self.generator, request.version, f"step {request.step + 1}'s rollouts")
         t0 = time.perf_counter()
-        batch = self.generator.generate(prompt_ids, **request.options())
-        summary = GenerationSummary.of(batch, seconds=time.perf_counter() - t0)
+        episodes = None
+        if self.generator.environment is not None:
+            batch, eps = self.generator.generate_episodes(prompt_ids, **request.options(), rows=request.rows)
+            episodes = [EpisodeSummary.of(ep, score) for ep, score in zip(eps, batch.env_rewards.tolist())]
+        else:
+            batch = self.generator.generate(prompt_ids, **request.options())
+        summary = GenerationSummary.of(batch, seconds=time.perf_counter() - t0, episodes=episodes)
         tokens = sum(summary.lengths)
         self.log.info("%s: %d rollouts with adapter v%d, %d response tokens, %.2f s (%.0f tok/s)",
                       call_label(request.step), len(summary.lengths),
@@ -101,8 +115,13 @@ class GeneratorHost(_Host):
         return report
 
     def close(self) -> None:
-        """Before the actor exits (Roles.release): retire the adapter, delete its files."""
-        self.generator.close()
+        """Before the actor exits (Roles.release): retire the adapter, delete its files, end the
+        environment workers."""
+        try:
+            self.generator.close()
+        finally:
+            if self.env_pool is not None:
+                self.env_pool.close()
 
     def probe(self, prompt_ids: list[list[int]], expected_version: int) -> RolloutBatch:
         """The sync check's probe rollouts, sampled with adapter `expected_version` (one this

@@ -36,6 +36,7 @@ import torch
 from learner.algos import varying_groups
 from ppo_ray.batch import RowPick
 from ppo_ray.data import PromptColumns, PromptCursor
+from ppo_ray.driver.prompt_feed import env_rows
 from ppo_ray.driver.roles import Generation, Roles
 from ppo_ray.stats import DynamicSampling, GenerateRequest, GenerationSummary, RewardStats
 
@@ -278,7 +279,7 @@ class Pipeline:
         rollouts.generation = self.roles.generate(rollouts.prompt_ids, GenerateRequest(
             rollouts.step, rollouts.index_offset, rollouts.version, samples_per_prompt=self.config.samples_per_prompt,
             segment_versions=tuple(segments) if segments is not None else None,
-            segment_tokens=self.config.partial_rollout_tokens))
+            segment_tokens=self.config.partial_rollout_tokens, rows=env_rows(self.config, rollouts.columns)))
         return rollouts
 
     def _segments(self, rollouts: Rollouts) -> Optional[list[int]]:

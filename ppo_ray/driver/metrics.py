@@ -8,7 +8,8 @@
 
 A step with guarded reward calls (reward_workers, reward_failure, a verifier) also counts its
 failures: `ppo_reward_failures{kind=timeout|exception|nonfinite|row_dropped|row_fixed_score|
-retry_call}`, from the step's reward_<kind> keys.
+retry_call}`, from the step's reward_<kind> keys; a step with episodes (environment) counts its
+environment failures and tool errors: `ppo_env_failures{kind=timeout|exception|tool_error}`.
 
 Each node's Ray exports what its processes record on that node's Prometheus endpoint
 (`ray start --metrics-export-port P` -> http://<node>:P/metrics), with Ray's `ray_` prefix:
@@ -63,6 +64,11 @@ STEP_GAUGES: dict[str, str] = {
     "dynamic_sampling_kept_frac": "dynamic_sampling: groups whose scores vary / groups generated in the step",
     "dynamic_sampling_filled": "dynamic_sampling: groups of constant scores that filled the step's batch (the rounds' "
                                "cap left too few varying)",
+    "episode_turns_mean": "environment: model turns per episode, mean over the step's episodes",
+    "episode_tool_calls_mean": "environment: tool calls per episode, mean over the step's episodes",
+    "episode_tool_call_rate": "environment: the share of the step's episodes with at least one tool call",
+    "episode_env_seconds": "environment: the environments' own seconds in the step's episodes (resets and steps, summed)",
+    "episode_env_token_frac": "environment: the environment's tokens / all response tokens of the step's episodes",
     "response_tokens": "response tokens generated in the step (EOS included, padding not)",
     "response_length_mean": "mean response length of the step's rollouts, in tokens (EOS included)",
     "response_length_max": "longest response of the step, in tokens (EOS included; max_new_tokens when one was cut)",
@@ -92,6 +98,10 @@ REWARD_FAILURE_COUNTER = "ppo_reward_failures"  # exported as ray_ppo_reward_fai
 REWARD_FAILURE_KINDS = {"timeout": "reward_timeouts", "exception": "reward_exceptions",
                         "nonfinite": "reward_nonfinite", "row_dropped": "reward_rows_dropped",
                         "row_fixed_score": "reward_rows_fixed_score", "retry_call": "reward_retry_calls"}
+ENV_FAILURE_COUNTER = "ppo_env_failures"  # exported as ray_ppo_env_failures_total{kind=...}
+# kind -> the step's key (ppo_ray.stats.EpisodeStats: present with an environment)
+ENV_FAILURE_KINDS = {"timeout": "episode_timeouts", "exception": "episode_exceptions",
+                     "tool_error": "episode_tool_errors"}
 
 _PROM_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 
@@ -110,7 +120,7 @@ class TrainingMetrics:
     the process that calls record_* (Ray's metric objects are per process)."""
 
     def __init__(self, run: str, roles: Sequence[str] = (), lora_sync: str | None = None,
-                 reward_failures: bool = False):
+                 reward_failures: bool = False, env_failures: bool = False):
         self.run = run
         tags = ("run",)
         self._gauges = {key: Gauge(metric_name(key), description=text, tag_keys=tags)
@@ -130,6 +140,11 @@ class TrainingMetrics:
             "that were NaN/inf (nonfinite), scores dropped (row_dropped) or set to reward_failure_score "
             "(row_fixed_score) by reward_failure, extra calls that isolated failing rows (retry_call)",
             tag_keys=("run", "kind"))
+        self._env_failures = Counter(
+            ENV_FAILURE_COUNTER, description="multi-turn episodes (environment) by kind: an environment call past "
+            "env_timeout_s (timeout) or that raised or broke the contract (exception), each ending its episode "
+            "(reward_failure decides its score); tool calls that reported an error (tool_error)",
+            tag_keys=("run", "kind"))
         # Every counter's series exists from the start, at 0: a counter Ray has not seen
         # incremented is not exported at all, and Grafana shows "No data" for a healthy run.
         for role in roles:
@@ -139,6 +154,9 @@ class TrainingMetrics:
         if reward_failures:
             for kind in REWARD_FAILURE_KINDS:
                 _zero(self._reward_failures, {"run": run, "kind": kind})
+        if env_failures:
+            for kind in ENV_FAILURE_KINDS:
+                _zero(self._env_failures, {"run": run, "kind": kind})
 
     def record_step(self, out: Mapping[str, object]) -> dict[str, float]:
         """Set the gauges from one ppo_step output, and count its reward failures (the
@@ -165,6 +183,11 @@ class TrainingMetrics:
             if value:  # Counter.inc refuses 0
                 self._reward_failures.inc(value, tags={"run": self.run, "kind": kind})
                 recorded[f"{REWARD_FAILURE_COUNTER}{{kind={kind}}}"] = value
+        for kind, key in ENV_FAILURE_KINDS.items():
+            value = _finite(out.get(key))
+            if value:
+                self._env_failures.inc(value, tags={"run": self.run, "kind": kind})
+                recorded[f"{ENV_FAILURE_COUNTER}{{kind={kind}}}"] = value
         return recorded
 
     def record_logprob_gap(self, lora_sync: str) -> None:

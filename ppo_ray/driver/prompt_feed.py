@@ -12,6 +12,15 @@ from ppo_ray.data import PromptColumns, PromptCursor, PromptRows, encode_prompts
 from ppo_ray.rewards import columns_taken
 
 
+def env_rows(config, columns: Optional[PromptColumns]) -> Optional[tuple[dict, ...]]:
+    """The rows an environment's episodes are reset with (GenerateRequest.rows), from a batch's
+    columns (PromptFeed.columns, which with an environment holds every column and the prompt
+    text); None without an environment."""
+    if config.environment is None or columns is None:
+        return None
+    return columns.dicts()
+
+
 class PromptFeed:
     def __init__(self, config, tokenizer, reward_fns: Sequence):
         self.config, self.tokenizer = config, tokenizer
@@ -28,7 +37,11 @@ class PromptFeed:
         """The columns of `rows` that some reward function takes (its signature names them, or
         it has **kwargs: ppo_ray.rewards.columns_taken, the rule the reward side applies to each
         function), the first row for group id `first`; None when none does (a reward model
-        alone reads none): the score call then carries nothing more than before."""
+        alone reads none): the score call then carries nothing more than before. With an
+        environment (config.environment), every column and the prompt's text (under
+        config.prompt_column): its episodes are reset with the whole row (env_rows)."""
+        if self.config.environment is not None:
+            return PromptColumns({self.config.prompt_column: list(rows.texts), **rows.columns}, first)
         taken = {name for fn in self._reward_fns for name in columns_taken(fn, list(rows.columns))}
         values = {name: v for name, v in rows.columns.items() if name in taken}
         return PromptColumns(values, first) if values else None

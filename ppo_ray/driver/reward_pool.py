@@ -15,6 +15,16 @@ from ppo_ray.config import ConfigSlice, PPOConfig
 from ppo_ray.driver.roles import EXIT_TIMEOUT_S, end_actors
 
 
+def calling_actor() -> tuple[Optional[str], Optional[str]]:
+    """(name, namespace) of the Ray actor this runs in, (None, None) outside one (a test's or a
+    benchmark's driver): a pool names its workers after the actor that owns them."""
+    context = ray.get_runtime_context()
+    try:
+        return context.get_actor_name(), context.namespace
+    except Exception:  # noqa: BLE001 - outside an actor
+        return None, None
+
+
 class RewardWorkerPool:
     """The reward workers (config.reward_workers): `size` Ray actors, each a
     ppo_ray.rewards.RewardWorker running one call at a time, started by the reward actor (so
@@ -33,11 +43,7 @@ class RewardWorkerPool:
         self.funcs, self.size, self.timeout_s, self.num_cpus = list(reward_funcs), size, timeout_s, num_cpus
         self.start_timeout_s, self.verifier = start_timeout_s, dict(verifier_options or {})
         self.worker_class = ray.remote(RewardWorker)
-        context = ray.get_runtime_context()
-        try:
-            self.prefix, self.namespace = context.get_actor_name(), context.namespace
-        except Exception:  # noqa: BLE001 - outside an actor (a test's or a benchmark's driver)
-            self.prefix, self.namespace = None, None
+        self.prefix, self.namespace = calling_actor()
         self.started = 0  # workers started so far (names stay unique across replacements)
         self.workers = [self._start() for _ in range(size)]
         self.starting: dict = {}  # ready ref -> (worker, deadline) of replacements not yet ready

@@ -319,7 +319,7 @@ class Roles:
         request.version raises StateLostError (stats.GenerateRequest: the options)."""
         chunks = [(s, e) for s, e in split_evenly(len(prompt_ids), len(self.generators)) if e > s]
         kind = "generate" if request.step < SAMPLING_SEED_STEP else "evaluation"
-        calls = [self._track(kind, gen, gen.generate.remote(list(prompt_ids[s:e]), request.part(s)),
+        calls = [self._track(kind, gen, gen.generate.remote(list(prompt_ids[s:e]), request.part(s, e)),
                              rows=(e - s) * request.samples_per_prompt)
                  for gen, (s, e) in zip(self.generators, chunks)]
         return Generation([batch for batch, _ in calls], [summary for _, summary in calls])

@@ -33,7 +33,8 @@ STAGES_DONE = "stages_done"  # run.json: stage -> its statistics, written when t
 STAGE_OUTPUTS: dict[str, tuple[str, ...]] = {
     "sft": ("sft", "report-sft.json"),
     "rm": ("rm", "report-rm.json"),
-    "ppo": ("checkpoints", "metrics.jsonl", "eval_samples.jsonl", "eval-before-ppo.json", TENSORBOARD_DIR,
+    "ppo": ("checkpoints", "metrics.jsonl", "eval_samples.jsonl", "episodes.jsonl", "eval-before-ppo.json",
+            TENSORBOARD_DIR,
             "adapter", "samples.md", "held_out.jsonl", "curves.png", "report-ppo.json", EVAL_DIR),
 }
 # The pipeline's report and its page (report.html, a view of the directory that `all` and `ppo`

@@ -1,7 +1,8 @@
 """Where each finished PPO step goes during PPOTrainer.train: the Prometheus gauges, the
 trackers (TensorBoard / wandb), <metrics_path> (one JSON line per step), the eval samples
 (<run_dir>/eval_samples.jsonl), the evaluated steps' rollouts per token
-(<run_dir>/attribution.jsonl, ppo_ray.attribution) and the console line.
+(<run_dir>/attribution.jsonl, ppo_ray.attribution), a multi-turn run's evaluated steps' episodes as
+whole transcripts (<run_dir>/episodes.jsonl) and the console line.
 
 A resumed run first takes the lines of steps after its checkpoint out of the JSONL files, so
 that every step appears once; they are moved, not deleted: beside the checkpoints of the branch
@@ -37,6 +38,7 @@ from ppo_ray.tracking import Trackers, read_run_file, update_run_file
 log = logging.getLogger("ppo_ray.trainer")
 
 EVAL_SAMPLES = "eval_samples.jsonl"
+EPISODES = "episodes.jsonl"  # a multi-turn run's evaluated steps: their first episodes' transcripts
 # The run tag a process's trainer takes instead of a fresh one: deploy/submit.sh sets it, so
 # that the job's submission id (ppo-ray-<stage>-<run tag>) names its actors and series.
 RUN_TAG_ENV = "PPO_RAY_RUN_TAG"
@@ -65,6 +67,7 @@ class RunLog:
         self.metrics_path = Path(metrics_path) if metrics_path else None
         self.samples_path = run_dir / EVAL_SAMPLES if run_dir is not None else None
         self.attribution_path = run_dir / ATTRIBUTION if run_dir is not None else None
+        self.episodes_path = run_dir / EPISODES if run_dir is not None else None
         self.progress = progress
         self.target = target
         self.adaptive_kl = adaptive_kl  # the console line shows beta (it moves)
@@ -85,7 +88,7 @@ class RunLog:
         if aside is None:
             base = run_dir or (out.metrics_path.parent if out.metrics_path else Path("."))
             aside = base / REPLACED / f"{time.strftime('%Y%m%d-%H%M%S')}-after-step-{step}-{uuid.uuid4().hex[:4]}"
-        for path in (out.metrics_path, out.samples_path, out.attribution_path):
+        for path in (out.metrics_path, out.samples_path, out.attribution_path, out.episodes_path):
             if path:
                 truncate_jsonl(path, step, aside)
         if run_dir is not None:
@@ -112,6 +115,16 @@ class RunLog:
         if self.attribution_path is not None and rollouts:
             with open(self.attribution_path, "a") as f:
                 f.write("".join(json.dumps(r.as_dict()) + "\n" for r in rollouts))
+
+    def episodes(self, result: StepResult, n: int) -> None:
+        """A multi-turn step's first `n` episodes, whole transcripts ([role, text] segments, "model"
+        | "env") with their scores: appended to <run_dir>/episodes.jsonl."""
+        self._check_lock()
+        if self.episodes_path is not None and result.transcripts:
+            with open(self.episodes_path, "a") as f:
+                f.writelines(json.dumps({"step": result.step, "index": i, "reward": reward,
+                                         "transcript": [list(seg) for seg in transcript]}) + "\n"
+                             for i, (transcript, reward) in enumerate(zip(result.transcripts[:n], result.rewards)))
 
     def step(self, result: StepResult) -> None:
         self._check_lock()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ppo_ray.driver.inflight import Outcome, Rollouts
 from ppo_ray.driver.roles import Update
-from ppo_ray.stats import LearnerStats, ReferenceStats, StepResult, StepTiming, SyncReport
+from ppo_ray.stats import EpisodeStats, LearnerStats, ReferenceStats, StepResult, StepTiming, SyncReport
 
 
 @dataclass
@@ -56,4 +56,7 @@ class Uncommitted:
             sync_probe_gap=check.gap, sync_resyncs=resyncs,
             # tokens and FLOPs per second of the generation and the learner (StepResult.rates)
             **StepResult.rates(timing, stats, outcome.generated_tokens),
-            queue_depth=float(self.queue_depth), dynamic_sampling=outcome.dynamic)
+            queue_depth=float(self.queue_depth), dynamic_sampling=outcome.dynamic,
+            episodes=EpisodeStats.of(generated.episodes) if generated.episodes is not None else None,
+            transcripts=([[tuple(seg) for seg in e.segments] for e in generated.episodes]
+                         if generated.episodes is not None else None))

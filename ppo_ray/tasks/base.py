@@ -47,6 +47,9 @@ class Task(ABC):
     stages: tuple[str, ...] = ("sft", "ppo")  # in STAGE_ORDER; "rm" exactly when there is no verifier
     sft_target: str = "answer"  # the column of sft_*.jsonl that SFT learns to write after the prompt
     verifier: Optional[str | Callable] = None  # the reward: "module:function" (or the function), fn(prompts, completions, **columns)
+    # a multi-turn environment (a registered name or "module:Class", ppo_ray.environments): its
+    # episodes are the PPO stage's rollouts and its reward their score (a verifier's is added)
+    environment: Optional[str] = None
     policy_name: str = "ppo"  # the trained policy's name in the report's keys (<number>_<split>_<policy_name>)
     before_name: str = "sft"  # the starting policy's: "base" for a task with no SFT stage (the base model)
 
@@ -144,9 +147,9 @@ class Task(ABC):
                 or (stages[:1] != ("sft",) and stages != ("ppo",)):
             raise TaskError(f"task {who!r}: stages {stages} must be ('ppo',) (RL from the base model) or start "
                             f"with 'sft', end with 'ppo' and keep the order {STAGE_ORDER}")
-        if ("rm" in stages) == (self.verifier is not None):
-            raise TaskError(f"task {who!r}: a task has a reward-model stage ('rm') or a verifier, exactly one "
-                            f"(stages {stages}, verifier {self.verifier!r})")
+        if ("rm" in stages) == (self.verifier is not None or self.environment is not None):
+            raise TaskError(f"task {who!r}: a task has a reward-model stage ('rm'), or a verifier and/or an environment "
+                            f"(stages {stages}, verifier {self.verifier!r}, environment {self.environment!r})")
         if "sft" not in stages and self.before_name == "sft":
             raise TaskError(f"task {who!r}: with no SFT stage the starting policy is the base model: set "
                             "before_name (e.g. 'base')")

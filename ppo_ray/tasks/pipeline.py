@@ -229,15 +229,18 @@ def ppo_config(config: PPOConfig, run_dir: Path, data_dir: Path) -> PPOConfig:
     = the run's reward model, the N+ recipe's init)."""
     value = config.value_model_name
     task = task_of(config)
-    if task.verifier is not None:  # the verifier is the reward; no reward model exists
+    if task.verifier is not None or task.environment is not None:  # no reward model exists
         if value == "rm":
             raise ValueError(f"value_model_name 'rm' needs the reward-model stage, which task {config.task} does not "
                              "have")
         data = dict(dataset=str(data_dir / "prompts_train.jsonl"), prompt_column="prompt")
         # a task with no SFT stage trains the base model itself (its reference too)
         policy = str(run_dir / "sft") if "sft" in task.stages else config.model_name
+        # the verifier is the reward, the environment's on top (or alone)
+        funcs = [task.verifier_spec] if task.verifier is not None else []
         return config.replace(model_name=policy, ref_model_name=None, reward_model_name=None,
-                              value_model_name=value, reward_funcs=[task.verifier_spec], reward_weights=[], **data)
+                              value_model_name=value, reward_funcs=funcs, reward_weights=[],
+                              environment=task.environment, **data)
     if value == "rm":
         value = str(run_dir / "rm")
     # the bundled task's prompts; real data's are read from sft_dataset (run_ppo_real)

@@ -10,7 +10,9 @@ left out, and one that cannot be read is named on the page, never a crash):
 - the curves: curves.png (pipeline.plot_curves), or drawn from metrics.jsonl when the run
   wrote none (a plain `launch.py ppo`, a run stopped mid-PPO);
 - the held-out samples (samples.md's table: summaries with gold scores, or arith's greedy
-  answers and right-of-k counts) and the last evaluation's samples (eval_samples.jsonl);
+  answers and right-of-k counts) and the last evaluation's samples (eval_samples.jsonl); a
+  multi-turn run's (environment) as whole transcripts, the model's and the environment's turns
+  marked, and its last evaluated step's episodes (episodes.jsonl);
 - the token attribution (attribution.jsonl, ppo_ray.attribution): the last evaluated step's
   training rollouts as a heat map over their tokens, coloured by advantage or by KL_t (a
   CSS-only toggle: two radio buttons), each token's numbers on hover and in a table; then
@@ -76,6 +78,8 @@ pre { background: #f6f8fa; border: 1px solid #ddd; padding: 8px; overflow-x: aut
 .heat { white-space: pre-wrap; overflow-wrap: anywhere; font-family: ui-monospace, Menlo, Consolas, monospace;
         font-size: 0.9em; border: 1px solid #ddd; padding: 6px; margin: 0.3em 0 0.2em; line-height: 1.7; }
 .heat .prompt { color: #777; }
+.turn.env { background: #e8f0fe; border: 1px solid #9ab3e0; border-radius: 3px; color: #1a3f7a; padding: 0 2px; }
+.turn.env::before { content: "env"; font-size: 0.7em; color: #5471a8; margin-right: 3px; vertical-align: super; }
 .tok { background: var(--adv); border-radius: 2px; box-shadow: inset -1px 0 rgba(255, 255, 255, 0.7); } .tok.out { outline: 1px dashed #999; }
 #attr-kl:checked ~ .attr-body .tok { background: var(--kl); }
 .attr-legend { display: inline-block; width: 160px; height: 0.8em; vertical-align: middle; margin: 0 6px; }
@@ -176,14 +180,31 @@ def fmt(value: Any) -> str:
 NUMBER_TEXT = re.compile(r"-?\d+(,\d{3})*(\.\d+)?(e[-+]?\d+)?(/\d+)?")  # a number as text (samples.md's 0.67, 7/8)
 
 
+class Markup(str):
+    """A table cell that is HTML already (built here from escaped parts), not text to escape."""
+
+
+def transcript_html(segments) -> Markup:
+    """A multi-turn transcript's ("model" | "env", text) segments, each turn marked: the model's
+    as they are, the environment's boxed and labelled (every text escaped)."""
+    parts = []
+    for role, text in segments:
+        kind = "env" if role == "env" else "model"
+        parts.append(f'<span class="turn {kind}" title="{kind} turn">{esc(text)}</span>')
+    return Markup("".join(parts))
+
+
 def table(header: list[str], rows: list[list[Any]], cls: str = "") -> str:
     """An HTML table; numbers (and cells that read as one) right-aligned and formatted (fmt),
-    every cell escaped. A header of empty names is left out."""
+    every cell escaped but Markup's (HTML built here). A header of empty names is left out."""
     head = "".join(f"<th>{esc(h)}</th>" for h in header)
     body = []
     for row in rows:
         cells = []
         for v in row:
+            if isinstance(v, Markup):
+                cells.append(f"<td>{v}</td>")
+                continue
             number = (isinstance(v, (int, float)) and not isinstance(v, bool)) or \
                 (isinstance(v, str) and NUMBER_TEXT.fullmatch(v) is not None)
             cells.append(f'<td class="num">{esc(fmt(v))}</td>' if number else f"<td>{esc(fmt(v))}</td>")
@@ -273,8 +294,8 @@ def section_samples(run_dir: Path) -> str:
     if evals:
         last = max(r.get("step", 0) for r in evals)
         shown = [r for r in evals if r.get("step", 0) == last][:EVAL_SAMPLE_ROWS]
-        rows = [[_cut(r.get("prompt", "")), r.get("response", ""), r.get("reward"), r.get("finish_reason")]
-                for r in shown]
+        rows = [[_cut(r.get("prompt", "")), transcript_html(r["transcript"]) if r.get("transcript") else
+                 r.get("response", ""), r.get("reward"), r.get("finish_reason")] for r in shown]
         inner = (f'<p class="meta">The policy at step {esc(last)}, sampled with the evaluation\'s fixed seeds '
                  f"(eval_samples.jsonl; prompts cut to {PROMPT_CHARS} characters).</p>"
                  + table(["prompt", "response", "reward", "finish"], rows, cls="samples"))
@@ -282,7 +303,25 @@ def section_samples(run_dir: Path) -> str:
             out.append(f"<details><summary>Eval samples at step {esc(last)}</summary>{inner}</details>")
         else:
             out.append(f"<h3>Eval samples at step {esc(last)}</h3>{inner}")
+    episodes = section_episodes(run_dir)
+    if episodes:
+        out.append(episodes)
     return "<h2>Samples</h2>" + "".join(out) if out else ""
+
+
+def section_episodes(run_dir: Path) -> str:
+    """A multi-turn run's last evaluated step: its first episodes' whole transcripts, the model's
+    and the environment's turns marked, with their scores (episodes.jsonl)."""
+    lines = _read_jsonl(run_dir / "episodes.jsonl")
+    if not lines:
+        return ""
+    last = max(line.get("step", 0) for line in lines)
+    rows = [[line.get("index"), transcript_html(line.get("transcript", [])), line.get("reward")]
+            for line in lines if line.get("step", 0) == last][:EVAL_SAMPLE_ROWS]
+    return (f"<h3>Episodes of step {esc(last)}</h3><p class=\"meta\">Whole transcripts after the prompt "
+            "(episodes.jsonl): <span class=\"turn model\">the model's turns</span> and <span class=\"turn env\">"
+            "the environment's</span>, which are context only, never trained on.</p>"
+            + table(["#", "transcript", "score"], rows, cls="samples"))
 
 
 # The heat map's colours: negative values toward the first colour, positive toward the second,
