@@ -6,7 +6,8 @@ on the CPU; on the real path they run on one GPU. Both write a normal
 HF directory (safetensors weights + tokenizer) that the PPO stage loads by path.
 
 - SFT: a full fine-tune of the base model on (prompt, " " + summary + EOS), the loss on the
-  response tokens only. The result is the policy's starting point AND the frozen reference.
+  response tokens only (a multi-turn transcript's: the model's, its environment tokens out,
+  as in PPO). The result is the policy's starting point AND the frozen reference.
 - Reward model: AutoModelForSequenceClassification (num_labels=1) initialised from the SFT
   model (N+ recipe), head init N(0, 1/sqrt(H+1)); loss -log sigmoid(r_chosen - r_rejected)
   with each score read at the last real token (the EOS); reports validation accuracy.
@@ -173,32 +174,66 @@ def _train(model, n_rows: int, backward: Callable[[list[int]], dict[str, Tensor]
 
 # ----------------------------------------------------------------------------- SFT
 def sft_loss(model, batch: RolloutBatch) -> Tensor:
-    """Mean negative log-likelihood of the response tokens (EOS included)."""
+    """Mean negative log-likelihood of the model's response tokens (EOS included): loss_mask,
+    which leaves out a transcript's environment tokens (batch.env_mask: a tool's observations,
+    context the later tokens attend to, never a target; the response tokens where it is None)."""
     logits = response_logits(model, batch)  # (B, T, V)
-    logp = logprobs_from_logits(logits, batch.response_ids, 1.0, mask=batch.response_mask)  # (B, T)
-    return -masked_mean(logp, batch.response_mask)
+    logp = logprobs_from_logits(logits, batch.response_ids, 1.0, mask=batch.loss_mask)  # (B, T)
+    return -masked_mean(logp, batch.loss_mask)
+
+
+EnvMasks = Optional[Sequence[Sequence[bool]]]  # per response token, True = the environment's (None: all the model's)
+
+
+def _model_tokens(responses: Sequence[Sequence[int]], env_masks: EnvMasks, rows: Sequence[int]) -> int:
+    """The SFT targets among `rows`' response tokens: all of them, less the environment's."""
+    if env_masks is None:
+        return sum(len(responses[i]) for i in rows)
+    return sum(len(responses[i]) - sum(env_masks[i]) for i in rows)
+
+
+def check_env_masks(responses: Sequence[Sequence[int]], env_masks: EnvMasks, what: str = "SFT") -> None:
+    """Each env mask is its response's length and leaves the last token (EOS) to the model
+    (ValueError naming the row)."""
+    if env_masks is None:
+        return
+    if len(env_masks) != len(responses):
+        raise ValueError(f"{what}: {len(env_masks)} env masks for {len(responses)} responses")
+    for i, (r, m) in enumerate(zip(responses, env_masks)):
+        if len(m) != len(r) or (m and m[-1]):
+            raise ValueError(f"{what}: row {i}'s env mask has {len(m)} entries for {len(r)} response tokens, or "
+                             "marks its last (EOS) as the environment's")
 
 
 def sft_backward(model, queries: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], rows: list[int],
-                 pad: int, eos: int, micro_batch_size: Optional[int], device: torch.device) -> Tensor:
-    """Accumulate the gradient of one step's SFT loss (the token mean over `rows`) in
-    micro-batches; returns the step's loss, detached, on `device`."""
-    n_tokens = sum(len(responses[i]) for i in rows)
+                 pad: int, eos: int, micro_batch_size: Optional[int], device: torch.device,
+                 env_masks: EnvMasks = None) -> Tensor:
+    """Accumulate the gradient of one step's SFT loss (the mean over `rows`' model tokens: the
+    environment's, `env_masks`, are out) in micro-batches; returns the step's loss, detached,
+    on `device`."""
+    n_tokens = _model_tokens(responses, env_masks, rows)
     total = None
     for part in _micro(rows, micro_batch_size):
-        batch = RolloutBatch.from_tokens([queries[i] for i in part], [responses[i] for i in part], pad,
-                                         eos).trimmed().to(device)
+        batch = RolloutBatch.from_tokens([queries[i] for i in part], [responses[i] for i in part], pad, eos,
+                                         env_masks=None if env_masks is None else [env_masks[i] for i in part]
+                                         ).trimmed().to(device)
         # micro-batch token mean x its share of the step's tokens (exactly 1.0 for one micro-batch)
-        loss = sft_loss(model, batch) * (sum(len(responses[i]) for i in part) / n_tokens)
+        loss = sft_loss(model, batch) * (_model_tokens(responses, env_masks, part) / n_tokens)
         loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
     return total
 
 
 def train_sft(base_model: str, queries: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-              out_dir: str | Path, settings: TrainSettings,
-              val: tuple[Sequence[Sequence[int]], Sequence[Sequence[int]]] | None = None) -> dict:
-    """Full fine-tune on (query ids, response ids incl. EOS); writes the SFT checkpoint."""
+              out_dir: str | Path, settings: TrainSettings, val: tuple | None = None,
+              env_masks: EnvMasks = None) -> dict:
+    """Full fine-tune on (query ids, response ids incl. EOS); writes the SFT checkpoint.
+    `env_masks`: per response token, True on a transcript's environment tokens, which are out of
+    the loss (None: every response token is a target); `val`: (queries, responses) or
+    (queries, responses, env masks)."""
+    check_env_masks(responses, env_masks)
+    if val is not None:
+        check_env_masks(val[1], val[2] if len(val) > 2 else None, "SFT validation")
     torch.manual_seed(settings.seed)
     device = settings.torch_device()
     tok = load_tokenizer(base_model)
@@ -208,14 +243,17 @@ def train_sft(base_model: str, queries: Sequence[Sequence[int]], responses: Sequ
     losses = _train(
         model, len(queries),
         lambda rows: {"loss": sft_backward(model, queries, responses, rows, pad, eos, settings.micro_batch_size,
-                                           device)},
+                                           device, env_masks)},
         settings, "SFT", lambda h: {"loss": f"{float(h['loss'][-1]):.3f}"})["loss"]
     stats = {"sft_train_loss_first": float(losses[0]), "sft_train_loss_last": float(torch.stack(losses[-10:]).mean()),
              "sft_steps": len(losses), "sft_seconds": time.perf_counter() - t0}
     if val is not None:
         with torch.no_grad():
-            vq, vr = val
-            vals = [sft_loss(model, RolloutBatch.from_tokens(vq[i:i + 64], vr[i:i + 64], pad, eos).trimmed().to(device))
+            vq, vr = val[:2]
+            venv = val[2] if len(val) > 2 else None
+            vals = [sft_loss(model, RolloutBatch.from_tokens(vq[i:i + 64], vr[i:i + 64], pad, eos,
+                                                             env_masks=None if venv is None else venv[i:i + 64]
+                                                             ).trimmed().to(device))
                     for i in range(0, len(vq), 64)]
         stats["sft_val_loss"] = float(torch.stack(vals).mean())
     _save(model, tok, Path(out_dir), settings.save_dtype)

@@ -28,7 +28,8 @@ DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 
 # ----------------------------------------------------------------------------- --config NAME
 def test_presets_are_the_package_folder_and_configs_points_there():
-    assert preset_names() == ["arith-tiny", "qwen3-0.6b-tldr", "smollm2-arith", "smollm2-tldr", "tiny", "tldr-tiny"]
+    assert preset_names() == ["arith-tiny", "qwen3-0.6b-tldr", "smollm2-arith", "smollm2-tldr", "tiny", "tldr-tiny",
+                              "tool-tiny"]
     assert PRESETS_DIR == ROOT / "ppo_ray" / "configs"
     # configs/xxx.yaml (README, tests, deploy/) still works in a checkout: a symlink
     assert (ROOT / "configs").is_symlink() and (ROOT / "configs").resolve() == PRESETS_DIR
@@ -47,7 +48,8 @@ def test_config_resolves_a_file_first_then_a_preset_name(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="does not exist"):
         PPOConfig.from_yaml("elsewhere/tiny")
     with pytest.raises(ConfigError, match=r"^config 'tinyy' is neither a file nor a preset; "
-                                          r"presets: arith-tiny, qwen3-0.6b-tldr, smollm2-arith, smollm2-tldr, tiny, tldr-tiny$"):
+                                          r"presets: arith-tiny, qwen3-0.6b-tldr, smollm2-arith, smollm2-tldr, tiny, tldr-tiny, "
+                                          r"tool-tiny$"):
         PPOConfig.from_yaml("tinyy")
 
 
@@ -127,7 +129,7 @@ def test_installed_ppo_ray_runs_outside_the_repository_with_presets_by_name(inst
     assert check.stdout.splitlines() == ["arith-tiny embedded:tldr", "qwen3-0.6b-tldr Qwen/Qwen3-0.6B-Base",
                                          "smollm2-arith package:smollm2-135m-instruct",
                                          "smollm2-tldr package:smollm2-135m-instruct", "tiny embedded:tiny",
-                                         "tldr-tiny embedded:tldr"]
+                                         "tldr-tiny embedded:tldr", "tool-tiny embedded:tldr"]
 
     ppo_ray = str(installed["bin"] / "ppo-ray")
     assert Path(ppo_ray).read_text().startswith(f"#!{installed['python']}")

@@ -56,6 +56,7 @@ TASKS: dict[str, Any] = {
     "tldr": "ppo_ray.tasks.tldr_task:TASK",  # TL;DR-style summaries: SFT, reward model, PPO, a gold judge
     "arith": "ppo_ray.tasks.arith:TASK",     # multi-digit addition: SFT, RL with a verifier, pass@1 / pass@k
     "arith-chat": "ppo_ray.tasks.arith:CHAT_TASK",  # the same problems asked an instruct model: RL from its baseline
+    "tool-mul": "ppo_ray.tasks.tool_mul:TASK",  # products with a calculator tool: multi-turn episodes, SFT then RL
 }
 TASK_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")  # "package.module:object"
 

@@ -40,7 +40,7 @@ def stage_settings(config: PPOConfig, epochs: int, learning_rate: float):
 
 
 def run_stage(config: PPOConfig, stage: str, base_model: str, data: tuple, settings, out_dir: str | os.PathLike,
-              val: Optional[tuple] = None) -> dict:
+              val: Optional[tuple] = None, env_masks: Optional[list] = None) -> dict:
     """Train the SFT ("sft") or reward-model ("rm") stage (learner.stages.train_sft /
     train_reward_model on `base_model`, the token-id lists `data` and `val`) as a Ray task
     with the config's stage resources (stage_num_cpus / stage_num_gpus / stage_resources,
@@ -49,7 +49,8 @@ def run_stage(config: PPOConfig, stage: str, base_model: str, data: tuple, setti
     on the driver's node. The base model reaches the task as the PPO actors get theirs
     (prepare_models), and the stage's output directory comes back to `out_dir` on the
     driver's node through the object store (written there directly when the task ran on
-    the driver's node). Returns the stage's statistics."""
+    the driver's node). `env_masks` (SFT of a multi-turn task's transcripts): each response's
+    environment tokens, out of the loss. Returns the stage's statistics."""
     import uuid
 
     from ppo_ray.transfer import write_files
@@ -68,7 +69,7 @@ def run_stage(config: PPOConfig, stage: str, base_model: str, data: tuple, setti
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                  placement_group_bundle_index=index[0]))
         stats, files, node = ray.get(task.remote(stage, config.log_level, model, data, settings, val,
-                                                 str(Path(out_dir).resolve()), here))
+                                                 str(Path(out_dir).resolve()), here, env_masks))
         if files is not None:
             t0 = time.perf_counter()
             write_files(files, out_dir)
@@ -80,7 +81,8 @@ def run_stage(config: PPOConfig, stage: str, base_model: str, data: tuple, setti
 
 
 def _stage_task(stage: str, log_level: str, model: "str | ShippedModel", data: tuple, settings,
-                val: Optional[tuple], out_dir: str, driver_node: str) -> tuple[dict, Optional[dict], str]:
+                val: Optional[tuple], out_dir: str, driver_node: str,
+                env_masks: Optional[list] = None) -> tuple[dict, Optional[dict], str]:
     """The stage's Ray task: (stats, the output directory's files or None when it wrote
     `out_dir` itself on the driver's node, this node's id)."""
     import shutil
@@ -99,7 +101,8 @@ def _stage_task(stage: str, log_level: str, model: "str | ShippedModel", data: t
     out = out_dir if local else tempfile.mkdtemp(prefix=f"ppo-ray-{stage}-")
     train = {"sft": train_sft, "rm": train_reward_model}[stage]
     try:
-        stats = train(local_model_dir(model), *data, out, settings, val=val)
+        extra = {"env_masks": env_masks} if env_masks is not None else {}  # SFT of transcripts only
+        stats = train(local_model_dir(model), *data, out, settings, val=val, **extra)
         return stats, (None if local else read_files(out)), node
     finally:
         if not local:

@@ -50,6 +50,9 @@ class Task(ABC):
     # a multi-turn environment (a registered name or "module:Class", ppo_ray.environments): its
     # episodes are the PPO stage's rollouts and its reward their score (a verifier's is added)
     environment: Optional[str] = None
+    # a multi-turn task's SFT files: the column of [who, text] transcript segments ("model" | "env")
+    # that SFT learns, the environment's segments out of its loss (pipeline.sft_ids); None: sft_target
+    sft_segments: Optional[str] = None
     policy_name: str = "ppo"  # the trained policy's name in the report's keys (<number>_<split>_<policy_name>)
     before_name: str = "sft"  # the starting policy's: "base" for a task with no SFT stage (the base model)
 

@@ -34,7 +34,8 @@ def generate(trainer, prompts: Sequence[str] | Sequence[dict], *, label: Optiona
     prompts: each prompt's seed follows its global index (index_offset), so the chunks give
     the samples of one call. `prompts`: texts, or rows keyed "prompt" whose other columns go
     to the reward functions that take them when scored (as in training). With a `label`, one
-    log line per chunk (progress on long evaluations). Returns one ppo_ray.stats.Responses."""
+    log line per chunk (progress on long evaluations). Returns one ppo_ray.stats.Responses (with
+    an environment, each response's episode too)."""
     from ppo_ray.data import prompt_rows
     from ppo_ray.stats import Responses
 
@@ -42,6 +43,7 @@ def generate(trainer, prompts: Sequence[str] | Sequence[dict], *, label: Optiona
     texts: list[str] = []
     reasons: list[str] = []
     rewards: list[float] = []
+    episodes: list = []  # a multi-turn task's (config.environment)
     version = None
     t0 = time.perf_counter()
     for start in range(0, len(prompts), EVAL_CHUNK):
@@ -50,13 +52,14 @@ def generate(trainer, prompts: Sequence[str] | Sequence[dict], *, label: Optiona
         texts += out.texts
         reasons += out.finish_reasons
         rewards += out.rewards or []
+        episodes += out.episodes or []
         version = out.version
         if label:
             done = min(start + EVAL_CHUNK, len(prompts))
             log.info("%s: %d/%d prompts (%s), %.1f s", label, done, len(prompts),
                      "greedy" if greedy else f"{samples_per_prompt} sample{'s' * (samples_per_prompt > 1)} each",
                      time.perf_counter() - t0)
-    return Responses(texts, reasons, version, rewards if score else None)
+    return Responses(texts, reasons, version, rewards if score else None, episodes=episodes or None)
 
 
 def prompts_of(rows: Sequence[dict]) -> list[str]:

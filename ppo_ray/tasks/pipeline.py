@@ -44,7 +44,7 @@ from typing import Any, BinaryIO, Callable, Iterator, NamedTuple, Optional
 
 from ppo_ray.atomic import atomic_write_text
 from ppo_ray.config import PPOConfig
-from ppo_ray.data import column, read_rows
+from ppo_ray.data import DataError, column, read_rows
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,45 @@ class SFTIds(NamedTuple):
     queries: list[list[int]]
     responses: list[list[int]]  # each ends with EOS
     info: dict  # what loading kept, dropped and cut (real data; empty for the bundled task)
+    # per response token, True = an environment's (a multi-turn transcript's observations, out
+    # of the SFT loss); None = every response token is an SFT target
+    env_masks: Optional[list[list[bool]]] = None
+
+
+def _values(rows: list[dict], name: str, source: str) -> list:
+    """Column `name` of every row, whatever its type; a missing one is a DataError naming the row."""
+    for i, row in enumerate(rows):
+        if name not in row:
+            raise DataError(f"{source}: row {i} has no column {name!r} (columns: {sorted(row)})")
+    return [row[name] for row in rows]
+
+
+def encode_segments(tok, prompts: list[str], transcripts: list, source: str
+                     ) -> tuple[list[list[int]], list[list[int]], list[list[bool]]]:
+    """Prompt ids, and each transcript ([who, text] segments, who "model" or "env") tokenised
+    segment by segment and concatenated, EOS after the last, with its env mask: model segments
+    as single SFT targets are (_encode), environment segments as the episode loop encodes an
+    observation (tokenizer.encode(text, add_special_tokens=False), ppo_ray.environments), so
+    SFT trains on the token sequence an episode holds. A transcript that is not a list of
+    segments, or does not end with the model's, is a DataError naming the row."""
+    q = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    responses, masks = [], []
+    for i, segments in enumerate(transcripts):
+        if not isinstance(segments, list) or not segments or \
+                any(not isinstance(s, list) or len(s) != 2 or s[0] not in ("model", "env") or not isinstance(s[1], str)
+                    for s in segments) or segments[-1][0] != "model":
+            raise DataError(f"{source}: row {i}: segments must be a list of [\"model\" | \"env\", text] ending with "
+                            f"the model's, got {segments!r:.120}")
+        ids: list[int] = []
+        env: list[bool] = []
+        for who, text in segments:
+            part = tok(text, add_special_tokens=False)["input_ids"] if who == "model" \
+                else tok.encode(text, add_special_tokens=False)
+            ids += part
+            env += [who == "env"] * len(part)
+        responses.append(ids + [tok.eos_token_id])
+        masks.append(env + [False])
+    return q, responses, masks
 
 
 class PreferenceIds(NamedTuple):
@@ -106,12 +145,19 @@ def task_stages(config: PPOConfig) -> tuple[str, ...]:
 
 
 def sft_ids(config: PPOConfig, data_dir: Path, tok, part: str) -> SFTIds:
-    """SFT (query ids, response ids + EOS) of one part, from the bundled task or sft_dataset."""
+    """SFT (query ids, response ids + EOS) of one part, from the bundled task or sft_dataset; a
+    task that declares `sft_segments` (a column of [who, text] transcripts: ppo_ray.tasks.tool_mul)
+    gives them encoded segment by segment, with their env masks (encode_segments)."""
     if config.uses_bundled_data:
         path = data_dir / f"sft_{'train' if part == 'train' else 'validation'}.jsonl"
         rows = read_rows(path)[: config.data_max_rows]
-        target = task_of(config).sft_target
-        q, r = _encode(tok, column(rows, "prompt", str(path)), column(rows, target, str(path)))
+        task = task_of(config)
+        if task.sft_segments is not None:  # a multi-turn task's transcripts (ppo_ray.tasks.tool_mul)
+            q, r, env = encode_segments(tok, column(rows, "prompt", str(path)), _values(rows, task.sft_segments,
+                                                                                        str(path)),
+                                         str(path))
+            return SFTIds(q, r, {}, env)
+        q, r = _encode(tok, column(rows, "prompt", str(path)), column(rows, task.sft_target, str(path)))
         return SFTIds(q, r, {})
     from ppo_ray.tasks.tldr import load_sft
 
@@ -199,8 +245,12 @@ def run_sft(config: PPOConfig, run_dir: Path, data_dir: Path) -> dict:
     tok = load_tokenizer(base)
     train, val = sft_ids(config, data_dir, tok, "train"), sft_ids(config, data_dir, tok, "eval")
     settings = stage_settings(config, config.sft_epochs, config.sft_learning_rate)
-    stats = run_stage(config, "sft", base, (train.queries, train.responses), settings, run_dir / "sft",
-                      val=(val.queries, val.responses))
+    if train.env_masks is None:
+        stats = run_stage(config, "sft", base, (train.queries, train.responses), settings, run_dir / "sft",
+                          val=(val.queries, val.responses))
+    else:  # a multi-turn task's transcripts: their environment tokens are out of the loss
+        stats = run_stage(config, "sft", base, (train.queries, train.responses), settings, run_dir / "sft",
+                          val=(val.queries, val.responses, val.env_masks), env_masks=train.env_masks)
     if config.uses_bundled_data:  # the task's own diagnostics of the SFT model (tldr: its fact copying)
         stats.update(task_of(config).sft_report(config, run_dir, data_dir))
     return {**train.info, **val.info, **stats}
