@@ -154,3 +154,28 @@ def test_an_environment_in_one_file_outside_the_project_runs_through_launch(tmp_
     evals = [json.loads(line) for line in (run_dir / "eval_samples.jsonl").read_text().splitlines()]
     assert len(evals) == 4 and all(e["transcript"] and e["turns"] >= 1 for e in evals)
     assert "Episodes of step 2" in (run_dir / "report.html").read_text()
+
+
+@pytest.mark.slow  # SFT and RL of the bundled multi-turn task, shortened (~2 minutes on 2 cores)
+def test_the_bundled_tool_task_runs_through_launch(tmp_path):
+    """`launch.py --config tool-tiny`, shortened: SFT on the transcripts (the observations out of
+    the loss, through the SFT stage's Ray task), RL on calculator episodes, the evaluation's
+    tool-call rate and turns in report.json, whole transcripts in samples.md."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "--config", "tool-tiny", "--run_dir", str(run_dir), "--steps", "2",
+         "--sft_epochs", "1", "--data_max_rows", "320", "--eval_size", "8", "--eval_k", "2", "--eval_every", "2",
+         "--vllm_kv_cache_gib", "0.25"],
+        cwd=tmp_path, env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    for who in ("sft", "rl"):
+        assert 0.0 <= report[f"pass1_test_{who}"] <= 1.0 and 1.0 <= report[f"turns_test_{who}"] <= 3.0
+        assert 0.0 <= report[f"tool_call_rate_test_{who}"] <= 1.0
+    assert report["rl_steps"] == 2
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all("episode_tool_call_rate" in line for line in lines)
+    # whole transcripts, turns marked (a model this briefly trained may not call the tool yet)
+    assert "**model**" in (run_dir / "samples.md").read_text()
+    held = [json.loads(line) for line in (run_dir / "held_out.jsonl").read_text().splitlines()]
+    assert all(seg[0] in ("model", "env") for row in held for seg in row["sft_greedy_segments"])
