@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from helpers import (assert_no_leftovers, rss_bytes, sandbox_processes, tcp_server, world_readable_secret,
+from helpers import (assert_no_leftovers, processes_now, rss_bytes, tcp_server, world_readable_secret,
                      world_writable_dir)
 from ppo_ray.code_tool import PythonTool
 from ppo_ray.environments import EnvCall, EnvHolder, EpisodeLimits, load_environment
@@ -38,7 +38,7 @@ def hostile(code: str) -> str:
     """A hostile tool call: an error observation, the episode going on, within BOUND_S, and no
     process left behind. Returns the observation."""
     isolation_available()  # the once-per-process probe, outside the timed call
-    before = sandbox_processes()
+    before = processes_now()
     started = time.monotonic()
     observation, reward, done, info = call(code)
     assert time.monotonic() - started < BOUND_S

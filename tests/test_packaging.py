@@ -142,5 +142,5 @@ def test_installed_ppo_ray_runs_outside_the_repository_with_presets_by_name(inst
     unknown = _run(installed, ppo_ray, "--config", "qwen3")
     assert unknown.returncode == 2
     assert unknown.stderr.strip() == ("error: config 'qwen3' is neither a file nor a preset; "
-                                      "presets: arith-tiny, qwen3-0.6b-tldr, smollm2-arith, smollm2-tldr, tiny, tldr-tiny")
+                                      "presets: arith-tiny, qwen3-0.6b-tldr, smollm2-arith, smollm2-tldr, tiny, tldr-tiny, tool-tiny")
     assert not any(installed["cwd"].iterdir())  # nothing written
